@@ -1,0 +1,84 @@
+//! The one seam through which the algorithm reads time and randomness.
+//!
+//! Production code uses [`SystemClock`]; tests (and the planned deterministic
+//! simulation) substitute a virtual clock so that every timing decision of the
+//! algorithm can be replayed.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// Monotonic time as the algorithm sees it.
+pub(crate) trait Clock: Send + Sync + fmt::Debug + 'static {
+    /// The current instant.
+    fn now(&self) -> Instant;
+    /// Block the calling thread for `d` (retry back-off).
+    fn sleep(&self, d: Duration);
+}
+
+/// Real time: `Instant::now` and `thread::sleep`.
+#[derive(Debug, Default)]
+pub(crate) struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now(&self) -> Instant {
+        Instant::now()
+    }
+    fn sleep(&self, d: Duration) {
+        std::thread::sleep(d)
+    }
+}
+
+/// A small lock-free pseudo-random source (SplitMix64) for retry jitter.
+/// Seeded from the OS for real clients, fixed in tests.
+#[derive(Debug)]
+pub(crate) struct Rng(AtomicU64);
+
+impl Rng {
+    pub(crate) fn new(seed: u64) -> Self {
+        Rng(AtomicU64::new(seed))
+    }
+
+    pub(crate) fn from_os() -> Self {
+        Rng::new(uuid::Uuid::new_v4().as_u64_pair().0)
+    }
+
+    pub(crate) fn next_u64(&self) -> u64 {
+        let mut z = self
+            .0
+            .fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed)
+            .wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+/// A fresh random lock token: a UUIDv4 (122 random bits from the OS) as 32
+/// hex digits.
+pub(crate) fn new_token() -> String {
+    uuid::Uuid::new_v4().simple().to_string()
+}
+
+/// Lets an event through at most once per period (for warn-level logs).
+#[derive(Debug, Default)]
+pub(crate) struct Throttle(parking_lot::Mutex<Option<Instant>>);
+
+impl Throttle {
+    /// True when the last `true` was at least `every` before `now`.
+    pub(crate) fn ready(&self, now: Instant, every: Duration) -> bool {
+        let mut last = self.0.lock();
+        let due = last.is_none_or(|t| now.saturating_duration_since(t) >= every);
+        if due {
+            *last = Some(now);
+        }
+        due
+    }
+}
+
+/// `t + d`, saturating to a far-future instant instead of panicking.
+pub(crate) fn after(t: Instant, d: Duration) -> Instant {
+    t.checked_add(d)
+        .or_else(|| t.checked_add(Duration::from_secs(100 * 365 * 86_400)))
+        .unwrap_or(t)
+}

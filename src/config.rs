@@ -1,0 +1,288 @@
+//! [`Builder`]: node list, timeouts, drift, retry policy, pool size.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::IntoConnectionInfo;
+
+use crate::clock::{Rng, SystemClock};
+use crate::error::InvalidInput;
+use crate::node::{NodeSpec, RedisTransport};
+use crate::redlock::Redlock;
+use crate::Result;
+
+/// The timing and retry settings the algorithm uses, validated.
+#[derive(Debug, Clone)]
+pub(crate) struct Settings {
+    pub node_timeout: Duration,
+    pub drift_factor: f64,
+    pub retry_count: u32,
+    pub retry_delay: Duration,
+    pub retry_jitter: Duration,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            node_timeout: Duration::from_millis(50),
+            drift_factor: 0.01,
+            retry_count: 3,
+            retry_delay: Duration::from_millis(100),
+            retry_jitter: Duration::from_millis(100),
+        }
+    }
+}
+
+impl Settings {
+    pub(crate) fn validate(&self) -> Result<(), InvalidInput> {
+        if self.node_timeout.is_zero() {
+            return Err(InvalidInput::ZeroDuration("node_timeout"));
+        }
+        if !(self.drift_factor.is_finite() && (0.0..1.0).contains(&self.drift_factor)) {
+            return Err(InvalidInput::DriftFactor(self.drift_factor));
+        }
+        if self.retry_count == 0 {
+            return Err(InvalidInput::ZeroCount("retry_count"));
+        }
+        Ok(())
+    }
+}
+
+/// Configures and creates a [`Redlock`] client.
+///
+/// ```no_run
+/// use std::time::Duration;
+///
+/// let locks = quorumlock::Redlock::builder()
+///     .nodes(["redis://10.0.0.1:6379", "redis://10.0.0.2:6379", "redis://10.0.0.3:6379"])
+///     .node_timeout(Duration::from_millis(50))
+///     .retry_count(5)
+///     .build()?;
+/// # Ok::<(), quorumlock::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct Builder {
+    nodes: Vec<String>,
+    settings: Settings,
+    pool_size: u32,
+}
+
+impl Default for Builder {
+    fn default() -> Self {
+        Builder {
+            nodes: Vec::new(),
+            settings: Settings::default(),
+            pool_size: 8,
+        }
+    }
+}
+
+impl fmt::Debug for Builder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let nodes: Vec<String> = self.nodes.iter().map(|u| redact(u)).collect();
+        f.debug_struct("Builder")
+            .field("nodes", &nodes)
+            .field("settings", &self.settings)
+            .field("pool_size", &self.pool_size)
+            .finish()
+    }
+}
+
+impl Builder {
+    /// A builder with the defaults and no nodes.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Sets the node list (replacing any earlier one): `redis://[user:password@]host:port[/db]`
+    /// URLs of independent Redis servers (not replicas of each other, not a
+    /// cluster). Use an odd number, typically 3 or 5.
+    ///
+    /// Defaults to no nodes (and [`build`](Self::build) fails).
+    pub fn nodes<I, S>(mut self, urls: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.nodes = urls.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// Adds one node URL to the list.
+    pub fn node(mut self, url: impl Into<String>) -> Self {
+        self.nodes.push(url.into());
+        self
+    }
+
+    /// Sets the per-node I/O timeout, used for connect, read and write, and
+    /// as the bound of each round (acquire, extend, release).
+    ///
+    /// Defaults to 50 ms.
+    pub fn node_timeout(mut self, timeout: Duration) -> Self {
+        self.settings.node_timeout = timeout;
+        self
+    }
+
+    /// Sets the clock-drift factor: validity is `ttl − elapsed − (ttl × factor + 2 ms)`.
+    /// Must be in `0.0..1.0`.
+    ///
+    /// Defaults to 0.01.
+    pub fn drift_factor(mut self, factor: f64) -> Self {
+        self.settings.drift_factor = factor;
+        self
+    }
+
+    /// Sets how many attempts [`Redlock::lock`] makes before giving up (at least 1).
+    ///
+    /// Defaults to 3.
+    pub fn retry_count(mut self, attempts: u32) -> Self {
+        self.settings.retry_count = attempts;
+        self
+    }
+
+    /// Sets the mean pause between attempts.
+    ///
+    /// Defaults to 100 ms (with the default jitter: a random pause of 0–200 ms).
+    pub fn retry_delay(mut self, delay: Duration) -> Self {
+        self.settings.retry_delay = delay;
+        self
+    }
+
+    /// Sets the jitter: each pause is drawn uniformly from `delay ± jitter`
+    /// (never below zero), so that competing clients do not retry in step.
+    ///
+    /// Defaults to 100 ms.
+    pub fn retry_jitter(mut self, jitter: Duration) -> Self {
+        self.settings.retry_jitter = jitter;
+        self
+    }
+
+    /// Sets the most connections kept open to each node (at least 1).
+    ///
+    /// Defaults to 8.
+    pub fn pool_size(mut self, size: u32) -> Self {
+        self.pool_size = size;
+        self
+    }
+
+    /// Validates the settings and creates the client. Never waits for a
+    /// node: pools connect in the background, and a node that is down only
+    /// costs its vote.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`](crate::Error::InvalidInput) naming the first
+    /// problem: no nodes, an unparsable or duplicate URL, a zero timeout or
+    /// count, a drift factor out of range.
+    pub fn build(self) -> Result<Redlock> {
+        self.settings.validate()?;
+        if self.pool_size == 0 {
+            return Err(InvalidInput::ZeroCount("pool_size").into());
+        }
+        let specs = parse_nodes(&self.nodes)?;
+        let transport = RedisTransport::new(specs, self.settings.node_timeout, self.pool_size);
+        Ok(Redlock::from_parts(
+            self.settings,
+            Box::new(transport),
+            Arc::new(SystemClock),
+            Rng::from_os(),
+        ))
+    }
+}
+
+/// Parses and checks node URLs: at least one, each parsable, no server twice.
+pub(crate) fn parse_nodes(urls: &[String]) -> Result<Vec<NodeSpec>, InvalidInput> {
+    if urls.is_empty() {
+        return Err(InvalidInput::NoNodes);
+    }
+    let mut seen = HashSet::new();
+    let mut specs = Vec::with_capacity(urls.len());
+    for url in urls {
+        let bad = |reason: String| InvalidInput::BadNodeUrl {
+            url: redact(url),
+            reason,
+        };
+        let info = url
+            .as_str()
+            .into_connection_info()
+            .map_err(|e| bad(e.to_string()))?;
+        let addr = match info.addr() {
+            redis::ConnectionAddr::Tcp(host, port) => {
+                format!("{}:{port}", host.to_ascii_lowercase())
+            }
+            other => other.to_string(),
+        };
+        if !seen.insert(addr.clone()) {
+            return Err(InvalidInput::DuplicateNode(addr));
+        }
+        let db = info.redis_settings().db();
+        let name = if db == 0 {
+            addr
+        } else {
+            format!("{addr}/{db}")
+        };
+        let redis_settings = info.redis_settings().clone().set_skip_set_lib_name();
+        let info = info
+            .set_tcp_settings(redis::io::tcp::TcpSettings::default().set_nodelay(true))
+            .set_redis_settings(redis_settings);
+        specs.push(NodeSpec { name, info });
+    }
+    Ok(specs)
+}
+
+/// The URL with any `user:password@` part masked.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            format!("{}://***@{}", &url[..scheme], &url[at + 1..])
+        }
+        _ => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn urls(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn parses_names_without_credentials() {
+        let specs = parse_nodes(&urls(&[
+            "redis://127.0.0.1:7001",
+            "redis://user:secret@Example.COM:7002/3",
+        ]))
+        .unwrap();
+        assert_eq!(specs[0].name, "127.0.0.1:7001");
+        assert_eq!(specs[1].name, "example.com:7002/3");
+        assert_eq!(specs[1].info.redis_settings().password(), Some("secret"));
+        assert!(specs[1].info.redis_settings().skip_set_lib_name());
+        assert!(specs[0].info.tcp_settings().nodelay());
+    }
+
+    #[test]
+    fn rejects_bad_node_lists() {
+        assert_eq!(parse_nodes(&[]).unwrap_err(), InvalidInput::NoNodes);
+        assert_eq!(
+            parse_nodes(&urls(&["redis://h:1", "redis://H:1/2"])).unwrap_err(),
+            InvalidInput::DuplicateNode("h:1".into())
+        );
+        match parse_nodes(&urls(&["redis://u:pw@h:1", "http://u:pw@x:1"])).unwrap_err() {
+            InvalidInput::BadNodeUrl { url, .. } => assert_eq!(url, "http://***@x:1"),
+            e => panic!("{e:?}"),
+        }
+        assert!(matches!(
+            parse_nodes(&urls(&["not a url"])).unwrap_err(),
+            InvalidInput::BadNodeUrl { .. }
+        ));
+    }
+
+    #[test]
+    fn redacts_credentials() {
+        assert_eq!(redact("redis://u:p@h:1/0"), "redis://***@h:1/0");
+        assert_eq!(redact("redis://h:1"), "redis://h:1");
+    }
+}

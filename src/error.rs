@@ -1,0 +1,291 @@
+//! The crate's error type and per-node failure detail.
+
+use std::fmt;
+use std::time::Duration;
+
+/// What went wrong, as one enum callers can match on.
+///
+/// Every variant carries enough to act on: how many nodes held the lock, which
+/// nodes failed and why, or which input was rejected.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum Error {
+    /// Another owner holds the resource: `held` of `nodes` nodes refused it.
+    ///
+    /// Retrying later may succeed.
+    Taken {
+        /// Nodes on which the key is held by someone else.
+        held: usize,
+        /// Nodes in the cluster.
+        nodes: usize,
+    },
+    /// A majority could not be reached because nodes failed (timed out,
+    /// refused the connection, answered with an error).
+    NoQuorum {
+        /// Nodes that agreed.
+        agreed: usize,
+        /// Nodes needed for a majority.
+        quorum: usize,
+        /// Each failed node with the reason.
+        failures: Vec<NodeError>,
+    },
+    /// A majority agreed, but so late that no validity was left: the lock
+    /// was released again. Raise the TTL or look at node latency.
+    ValidityExhausted {
+        /// Time the round took.
+        elapsed: Duration,
+        /// The TTL asked for.
+        ttl: Duration,
+    },
+    /// Release or extend found the lock no longer ours on a majority: it
+    /// expired (or was lost) before the call.
+    Expired,
+    /// Release or extend found the key held by another owner on `nodes`
+    /// nodes: our lock expired and someone else took it.
+    NotOwner {
+        /// Nodes on which another token holds the key.
+        nodes: usize,
+    },
+    /// The configuration or an argument was rejected before any I/O.
+    InvalidInput(InvalidInput),
+}
+
+impl Error {
+    /// Whether trying again later may succeed (contention or node trouble),
+    /// as opposed to bad input or a lock that is already gone.
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            Error::Taken { .. } | Error::NoQuorum { .. } | Error::ValidityExhausted { .. }
+        )
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::Taken { held, nodes } => {
+                write!(f, "lock held by another owner on {held} of {nodes} nodes")
+            }
+            Error::NoQuorum {
+                agreed,
+                quorum,
+                failures,
+            } => {
+                write!(
+                    f,
+                    "no quorum: {agreed} nodes agreed, {quorum} needed; failed nodes: "
+                )?;
+                for (i, e) in failures.iter().enumerate() {
+                    if i > 0 {
+                        f.write_str("; ")?;
+                    }
+                    write!(f, "{e}")?;
+                }
+                Ok(())
+            }
+            Error::ValidityExhausted { elapsed, ttl } => write!(
+                f,
+                "validity exhausted: the round took {elapsed:?} of a {ttl:?} ttl"
+            ),
+            Error::Expired => f.write_str("lock expired before the call"),
+            Error::NotOwner { nodes } => {
+                write!(f, "lock held by another owner on {nodes} nodes")
+            }
+            Error::InvalidInput(e) => write!(f, "invalid input: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::InvalidInput(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<InvalidInput> for Error {
+    fn from(e: InvalidInput) -> Self {
+        Error::InvalidInput(e)
+    }
+}
+
+/// A configuration value or argument that was rejected, naming the problem.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum InvalidInput {
+    /// The builder was given no nodes.
+    NoNodes,
+    /// A node URL could not be parsed.
+    BadNodeUrl {
+        /// The URL as given (credentials removed).
+        url: String,
+        /// Why it was rejected.
+        reason: String,
+    },
+    /// The same server (host and port) was listed twice.
+    DuplicateNode(String),
+    /// A duration setting was zero.
+    ZeroDuration(&'static str),
+    /// A count setting was zero.
+    ZeroCount(&'static str),
+    /// The drift factor was not a finite number in `0.0..1.0`.
+    DriftFactor(f64),
+    /// The renewal fraction was not a finite number in `(0.0, 1.0)`.
+    RenewFraction(f64),
+    /// The resource name was empty.
+    EmptyResource,
+    /// The TTL was zero.
+    ZeroTtl,
+    /// The TTL does not exceed the clock-drift allowance, so no lock could
+    /// ever be valid.
+    TtlTooShort {
+        /// The TTL asked for.
+        ttl: Duration,
+        /// The drift allowance it must exceed.
+        allowance: Duration,
+    },
+    /// The TTL is larger than Redis accepts (over `i64::MAX` milliseconds
+    /// is refused; this crate caps at about 10 years).
+    TtlTooLong(Duration),
+}
+
+impl fmt::Display for InvalidInput {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            InvalidInput::NoNodes => f.write_str("no nodes configured"),
+            InvalidInput::BadNodeUrl { url, reason } => {
+                write!(f, "bad node url {url:?}: {reason}")
+            }
+            InvalidInput::DuplicateNode(n) => write!(f, "node {n} listed twice"),
+            InvalidInput::ZeroDuration(what) => write!(f, "{what} must be greater than zero"),
+            InvalidInput::ZeroCount(what) => write!(f, "{what} must be at least 1"),
+            InvalidInput::DriftFactor(x) => {
+                write!(f, "drift factor {x} is not a finite number in 0.0..1.0")
+            }
+            InvalidInput::RenewFraction(x) => {
+                write!(f, "renew fraction {x} is not a finite number in (0.0, 1.0)")
+            }
+            InvalidInput::EmptyResource => f.write_str("resource name is empty"),
+            InvalidInput::ZeroTtl => f.write_str("ttl is zero"),
+            InvalidInput::TtlTooShort { ttl, allowance } => write!(
+                f,
+                "ttl {ttl:?} does not exceed the clock-drift allowance {allowance:?}"
+            ),
+            InvalidInput::TtlTooLong(ttl) => write!(f, "ttl {ttl:?} is too long"),
+        }
+    }
+}
+
+impl std::error::Error for InvalidInput {}
+
+/// Why one node did not answer usefully.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum NodeErrorKind {
+    /// No reply before the deadline (a hung or slow node).
+    Timeout,
+    /// No connection could be had: refused, unreachable, or the pool had none
+    /// in time.
+    Unavailable,
+    /// The connection broke while talking (reset, closed).
+    Io,
+    /// The server answered with an error.
+    Server,
+    /// The server's reply was not what the command returns.
+    Protocol,
+}
+
+impl fmt::Display for NodeErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            NodeErrorKind::Timeout => "timed out",
+            NodeErrorKind::Unavailable => "unavailable",
+            NodeErrorKind::Io => "i/o error",
+            NodeErrorKind::Server => "server error",
+            NodeErrorKind::Protocol => "unexpected reply",
+        })
+    }
+}
+
+/// One node's failure: which node (address without credentials), what kind,
+/// and the underlying message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeError {
+    node: String,
+    kind: NodeErrorKind,
+    detail: String,
+}
+
+impl NodeError {
+    pub(crate) fn new(
+        node: impl Into<String>,
+        kind: NodeErrorKind,
+        detail: impl Into<String>,
+    ) -> Self {
+        NodeError {
+            node: node.into(),
+            kind,
+            detail: detail.into(),
+        }
+    }
+
+    /// The node's address, `host:port` (with `/db` when not 0).
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// What kind of failure it was.
+    pub fn kind(&self) -> NodeErrorKind {
+        self.kind
+    }
+
+    /// The underlying message (from the driver or the server).
+    pub fn detail(&self) -> &str {
+        &self.detail
+    }
+}
+
+impl fmt::Display for NodeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {}", self.node, self.kind)?;
+        if !self.detail.is_empty() {
+            write!(f, " ({})", self.detail)?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for NodeError {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_stays_small() {
+        // Results of this crate travel through hot paths; keep them cheap to move.
+        assert!(
+            std::mem::size_of::<Error>() <= 56,
+            "{}",
+            std::mem::size_of::<Error>()
+        );
+    }
+
+    #[test]
+    fn no_quorum_names_every_failed_node() {
+        let e = Error::NoQuorum {
+            agreed: 1,
+            quorum: 2,
+            failures: vec![
+                NodeError::new("10.0.0.2:6379", NodeErrorKind::Timeout, ""),
+                NodeError::new("10.0.0.3:6379", NodeErrorKind::Unavailable, "refused"),
+            ],
+        };
+        let s = e.to_string();
+        assert!(s.contains("10.0.0.2:6379 timed out"), "{s}");
+        assert!(s.contains("10.0.0.3:6379 unavailable (refused)"), "{s}");
+    }
+}

@@ -1,0 +1,203 @@
+//! Test doubles: a virtual clock and in-memory nodes behind the same
+//! [`Transport`] trait as the Redis driver. The seed of the deterministic
+//! simulation: the algorithm runs unchanged against them.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use crate::clock::{after, Clock, Rng};
+use crate::config::Settings;
+use crate::error::{NodeError, NodeErrorKind};
+use crate::redlock::Redlock;
+use crate::transport::{Answer, Key, NodeResult, Op, Transport};
+
+/// Virtual time: starts at a fixed instant, moves only when told (or slept).
+#[derive(Debug)]
+pub(crate) struct ManualClock {
+    base: Instant,
+    nanos: AtomicU64,
+}
+
+impl ManualClock {
+    pub(crate) fn new() -> Arc<Self> {
+        Arc::new(ManualClock {
+            base: Instant::now(),
+            nanos: AtomicU64::new(0),
+        })
+    }
+
+    pub(crate) fn advance(&self, d: Duration) {
+        let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        self.nanos.fetch_add(ns, Ordering::SeqCst);
+    }
+}
+
+impl Clock for ManualClock {
+    fn now(&self) -> Instant {
+        after(
+            self.base,
+            Duration::from_nanos(self.nanos.load(Ordering::SeqCst)),
+        )
+    }
+    fn sleep(&self, d: Duration) {
+        self.advance(d)
+    }
+}
+
+/// How a fake node behaves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    Up,
+    /// Refuses connections.
+    Down,
+    /// Never answers: the round waits until its deadline.
+    Hung,
+    /// Executes commands but its replies are lost (a timeout that still
+    /// changed state, as a SET on a briefly hung node does).
+    Lossy,
+}
+
+#[derive(Debug, Default)]
+struct Store {
+    keys: HashMap<String, (String, Instant)>,
+}
+
+impl Store {
+    fn apply(&mut self, op: Op, k: &Key<'_>, now: Instant) -> Answer {
+        self.keys.retain(|_, (_, exp)| *exp > now);
+        match (op, self.keys.get(k.resource)) {
+            (Op::Acquire { ttl }, None) => {
+                self.keys
+                    .insert(k.resource.into(), (k.token.into(), after(now, ttl)));
+                Answer::Ok
+            }
+            (Op::Acquire { .. }, Some(_)) => Answer::Other,
+            (_, None) => Answer::Absent,
+            (_, Some((t, _))) if t != k.token => Answer::Other,
+            (Op::Release, Some(_)) => {
+                self.keys.remove(k.resource);
+                Answer::Ok
+            }
+            (Op::Extend { ttl }, Some(_)) => {
+                self.keys
+                    .insert(k.resource.into(), (k.token.into(), after(now, ttl)));
+                Answer::Ok
+            }
+        }
+    }
+}
+
+/// N in-memory nodes sharing one [`ManualClock`].
+#[derive(Debug)]
+pub(crate) struct FakeNodes {
+    names: Vec<String>,
+    modes: Mutex<Vec<Mode>>,
+    stores: Vec<Mutex<Store>>,
+    clock: Arc<ManualClock>,
+    /// Virtual time one healthy round takes.
+    pub latency: Mutex<Duration>,
+    pub rounds: AtomicUsize,
+}
+
+impl FakeNodes {
+    pub(crate) fn new(n: usize, clock: Arc<ManualClock>) -> Arc<Self> {
+        Arc::new(FakeNodes {
+            names: (0..n).map(|i| format!("fake{i}:6379")).collect(),
+            modes: Mutex::new(vec![Mode::Up; n]),
+            stores: (0..n).map(|_| Mutex::default()).collect(),
+            clock,
+            latency: Mutex::new(Duration::from_millis(1)),
+            rounds: AtomicUsize::new(0),
+        })
+    }
+
+    pub(crate) fn set_mode(&self, node: usize, mode: Mode) {
+        self.modes.lock()[node] = mode;
+    }
+
+    /// The token stored under `key` on `node`, if live.
+    pub(crate) fn get(&self, node: usize, key: &str) -> Option<String> {
+        let now = self.clock.now();
+        let store = self.stores[node].lock();
+        store
+            .keys
+            .get(key)
+            .filter(|(_, exp)| *exp > now)
+            .map(|(t, _)| t.clone())
+    }
+
+    pub(crate) fn del(&self, node: usize, key: &str) {
+        self.stores[node].lock().keys.remove(key);
+    }
+}
+
+/// Lets tests keep an `Arc<FakeNodes>` while the client owns a box.
+#[derive(Debug)]
+pub(crate) struct Shared(pub Arc<FakeNodes>);
+
+impl Transport for Shared {
+    fn node_names(&self) -> &[String] {
+        &self.0.names
+    }
+
+    fn run(&self, op: Op, keys: &[Key<'_>], deadline: Instant) -> Vec<NodeResult> {
+        let f = &self.0;
+        f.rounds.fetch_add(1, Ordering::SeqCst);
+        let modes = f.modes.lock().clone();
+        let now = f.clock.now();
+        let results = modes
+            .iter()
+            .enumerate()
+            .map(|(i, mode)| {
+                let name = &f.names[i];
+                match mode {
+                    Mode::Down => Err(NodeError::new(name, NodeErrorKind::Unavailable, "refused")),
+                    Mode::Hung => Err(NodeError::new(name, NodeErrorKind::Timeout, "")),
+                    Mode::Up | Mode::Lossy => {
+                        let mut store = f.stores[i].lock();
+                        let answers: Vec<Answer> =
+                            keys.iter().map(|k| store.apply(op, k, now)).collect();
+                        if *mode == Mode::Lossy {
+                            Err(NodeError::new(name, NodeErrorKind::Timeout, ""))
+                        } else {
+                            Ok(answers)
+                        }
+                    }
+                }
+            })
+            .collect();
+        // The round lasts one latency, or until the deadline if anyone hung.
+        let waits = modes.iter().any(|m| matches!(m, Mode::Hung | Mode::Lossy));
+        let end = if waits {
+            deadline
+        } else {
+            after(now, *f.latency.lock()).min(deadline)
+        };
+        f.clock.advance(end.saturating_duration_since(now));
+        results
+    }
+}
+
+/// A client over `n` fake nodes with default settings and a seeded RNG.
+pub(crate) fn client(n: usize) -> (Redlock, Arc<FakeNodes>, Arc<ManualClock>) {
+    client_with(n, Settings::default())
+}
+
+pub(crate) fn client_with(
+    n: usize,
+    settings: Settings,
+) -> (Redlock, Arc<FakeNodes>, Arc<ManualClock>) {
+    let clock = ManualClock::new();
+    let nodes = FakeNodes::new(n, clock.clone());
+    let client = Redlock::from_parts(
+        settings,
+        Box::new(Shared(nodes.clone())),
+        clock.clone(),
+        Rng::new(42),
+    );
+    (client, nodes, clock)
+}

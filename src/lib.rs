@@ -1,0 +1,52 @@
+//! A synchronous [Redlock](https://redis.io/docs/latest/develop/use/patterns/distributed-locks/)
+//! distributed lock over N independent Redis nodes.
+//!
+//! * Acquisition sends `SET key token NX PX ttl` to every node at once over
+//!   pooled connections (one round trip to the slowest node), and holds the
+//!   lock only with a majority and while
+//!   `validity = ttl − elapsed − (ttl × drift + 2 ms)` is positive.
+//! * Every node call is bounded by a short timeout (50 ms by default): a dead
+//!   or hung node costs its vote, never a hang.
+//! * Release and extension are compare-and-delete / compare-and-pexpire Lua
+//!   scripts: only the token's owner can touch the key.
+//! * [`LockGuard`] releases on drop.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//!
+//! let locks = quorumlock::Redlock::builder()
+//!     .nodes(["redis://10.0.0.1:6379", "redis://10.0.0.2:6379", "redis://10.0.0.3:6379"])
+//!     .build()?; // never blocks or fails because a node is down
+//! let guard = locks.lock("lock:sku:42", Duration::from_secs(10))?;
+//! assert!(guard.validity() < Duration::from_secs(10));
+//! // ... critical section ...
+//! guard.release()?; // or just drop it
+//! # Ok::<(), quorumlock::Error>(())
+//! ```
+//!
+//! Redlock gives *efficiency* locks (avoid doing work twice) a good home. For
+//! *correctness* locks, a lock service alone cannot protect storage from a
+//! paused client whose lock expired; see the README on fencing.
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+mod clock;
+mod config;
+mod error;
+mod guard;
+mod node;
+mod quorum;
+mod redlock;
+mod scripts;
+mod transport;
+
+#[cfg(test)]
+mod fake;
+
+pub use config::Builder;
+pub use error::{Error, InvalidInput, NodeError, NodeErrorKind};
+pub use guard::LockGuard;
+pub use redlock::Redlock;
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

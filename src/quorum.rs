@@ -1,0 +1,317 @@
+//! The Redlock decisions, free of any I/O: majority, validity and clock-drift
+//! maths, how votes turn into an outcome, retry back-off.
+//!
+//! Everything here is a pure function of its arguments so it can be tested
+//! exhaustively and reused by a simulated cluster.
+
+use std::time::Duration;
+
+use crate::error::{Error, NodeError};
+use crate::transport::{Answer, NodeResult};
+
+/// Extra drift allowance on top of `ttl × factor`, as in the Redlock spec.
+pub(crate) const DRIFT_FLOOR: Duration = Duration::from_millis(2);
+
+/// Votes needed among `nodes`: a strict majority.
+pub(crate) fn quorum(nodes: usize) -> usize {
+    nodes / 2 + 1
+}
+
+/// `ttl × factor + 2 ms`, saturating; never panics for any `ttl` or factor.
+pub(crate) fn drift_allowance(ttl: Duration, factor: f64) -> Duration {
+    let scaled =
+        Duration::try_from_secs_f64(ttl.as_secs_f64() * factor).unwrap_or(if factor > 0.0 {
+            Duration::MAX
+        } else {
+            Duration::ZERO
+        });
+    scaled.saturating_add(DRIFT_FLOOR)
+}
+
+/// `ttl − elapsed − drift`, or zero when that is not positive.
+pub(crate) fn validity(ttl: Duration, elapsed: Duration, drift: Duration) -> Duration {
+    ttl.saturating_sub(elapsed).saturating_sub(drift)
+}
+
+/// The answers of every node for one key.
+#[derive(Debug, Default)]
+pub(crate) struct Tally {
+    /// The command did what we asked (set, deleted, extended).
+    pub ok: usize,
+    /// Another token holds the key.
+    pub other: usize,
+    /// The key does not exist.
+    pub absent: usize,
+    /// Nodes that gave no usable answer.
+    pub failures: Vec<NodeError>,
+}
+
+impl Tally {
+    /// Counts the answers for the `index`-th key of a round.
+    pub(crate) fn of(results: &[NodeResult], index: usize) -> Tally {
+        let mut t = Tally::default();
+        for r in results {
+            match r {
+                Ok(answers) => match answers.get(index) {
+                    Some(Answer::Ok) => t.ok += 1,
+                    Some(Answer::Other) => t.other += 1,
+                    Some(Answer::Absent) => t.absent += 1,
+                    None => {}
+                },
+                Err(e) => t.failures.push(e.clone()),
+            }
+        }
+        t
+    }
+
+    fn nodes(&self) -> usize {
+        self.ok + self.other + self.absent + self.failures.len()
+    }
+
+    /// The error to report when fewer than a majority said OK. Failures take
+    /// precedence only when they could have changed the outcome.
+    fn shortfall(self, q: usize, owner_lost: impl FnOnce(usize) -> Error, gone: Error) -> Error {
+        if self.ok + self.failures.len() >= q {
+            Error::NoQuorum {
+                agreed: self.ok,
+                quorum: q,
+                failures: self.failures,
+            }
+        } else if self.other > 0 {
+            owner_lost(self.other)
+        } else {
+            gone
+        }
+    }
+}
+
+/// Outcome of an acquisition round: the remaining validity, or why not.
+pub(crate) fn decide_acquire(
+    t: Tally,
+    ttl: Duration,
+    elapsed: Duration,
+    drift: Duration,
+) -> Result<Duration, Error> {
+    let nodes = t.nodes();
+    let q = quorum(nodes);
+    if t.ok >= q {
+        let v = validity(ttl, elapsed, drift);
+        if v.is_zero() {
+            Err(Error::ValidityExhausted { elapsed, ttl })
+        } else {
+            Ok(v)
+        }
+    } else {
+        Err(t.shortfall(
+            q,
+            |held| Error::Taken { held, nodes },
+            Error::Taken { held: 0, nodes },
+        ))
+    }
+}
+
+/// Outcome of a release round.
+pub(crate) fn decide_release(t: Tally) -> Result<(), Error> {
+    let q = quorum(t.nodes());
+    if t.ok >= q {
+        Ok(())
+    } else {
+        Err(t.shortfall(q, |nodes| Error::NotOwner { nodes }, Error::Expired))
+    }
+}
+
+/// Outcome of an extension round: the new validity, or why not. `elapsed`
+/// runs from the round's start; `time_left` is what remained of the old
+/// validity at that start: an extension that completes after the old
+/// validity ran out cannot be trusted.
+pub(crate) fn decide_extend(
+    t: Tally,
+    ttl: Duration,
+    elapsed: Duration,
+    drift: Duration,
+    time_left: Duration,
+) -> Result<Duration, Error> {
+    let q = quorum(t.nodes());
+    if t.ok >= q {
+        if elapsed >= time_left {
+            return Err(Error::Expired);
+        }
+        let v = validity(ttl, elapsed, drift);
+        if v.is_zero() {
+            Err(Error::ValidityExhausted { elapsed, ttl })
+        } else {
+            Ok(v)
+        }
+    } else {
+        Err(t.shortfall(q, |nodes| Error::NotOwner { nodes }, Error::Expired))
+    }
+}
+
+/// A delay drawn uniformly from `base ± jitter` (floored at zero) using the
+/// random word `r`.
+pub(crate) fn retry_delay(base: Duration, jitter: Duration, r: u64) -> Duration {
+    let j = jitter.as_nanos().min(u64::MAX as u128 / 4) as u64;
+    let span = j.saturating_mul(2).saturating_add(1);
+    let offset = Duration::from_nanos(r % span);
+    base.saturating_add(offset)
+        .saturating_sub(Duration::from_nanos(j))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::NodeErrorKind;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    fn fail(n: &str) -> NodeResult {
+        Err(NodeError::new(n, NodeErrorKind::Timeout, ""))
+    }
+
+    fn tally(answers: &[Option<Answer>]) -> Tally {
+        let results: Vec<NodeResult> = answers
+            .iter()
+            .enumerate()
+            .map(|(i, a)| match a {
+                Some(a) => Ok(vec![*a]),
+                None => fail(&format!("n{i}")),
+            })
+            .collect();
+        Tally::of(&results, 0)
+    }
+
+    #[test]
+    fn quorum_is_a_strict_majority() {
+        let table = [(1, 1), (2, 2), (3, 2), (4, 3), (5, 3), (6, 4), (7, 4)];
+        for (n, q) in table {
+            assert_eq!(quorum(n), q, "n = {n}");
+        }
+    }
+
+    #[test]
+    fn drift_is_ttl_times_factor_plus_two_ms() {
+        assert_eq!(drift_allowance(Duration::from_secs(10), 0.01), 102 * MS);
+        assert_eq!(drift_allowance(Duration::ZERO, 0.01), 2 * MS);
+        assert_eq!(drift_allowance(Duration::from_secs(1), 0.0), 2 * MS);
+        // Extreme values saturate instead of panicking.
+        assert!(drift_allowance(Duration::MAX, 0.5) > Duration::from_secs(u64::MAX / 4));
+        assert_eq!(drift_allowance(Duration::MAX, 2.0), Duration::MAX);
+    }
+
+    #[test]
+    fn validity_saturates_at_zero() {
+        assert_eq!(validity(100 * MS, 10 * MS, 3 * MS), 87 * MS);
+        assert_eq!(validity(3 * MS, 10 * MS, 3 * MS), Duration::ZERO);
+        assert_eq!(
+            validity(Duration::ZERO, Duration::MAX, Duration::MAX),
+            Duration::ZERO
+        );
+    }
+
+    #[test]
+    fn acquire_needs_a_majority_and_positive_validity() {
+        use Answer::*;
+        let ttl = 1000 * MS;
+        let drift = 12 * MS;
+        let ok = decide_acquire(tally(&[Some(Ok), Some(Ok), None]), ttl, 5 * MS, drift);
+        assert_eq!(ok.unwrap(), 983 * MS);
+
+        let late = decide_acquire(tally(&[Some(Ok), Some(Ok), Some(Ok)]), ttl, 990 * MS, drift);
+        assert!(
+            matches!(late, Err(Error::ValidityExhausted { .. })),
+            "{late:?}"
+        );
+
+        let taken = decide_acquire(tally(&[Some(Ok), Some(Other), Some(Other)]), ttl, MS, drift);
+        assert!(
+            matches!(taken, Err(Error::Taken { held: 2, nodes: 3 })),
+            "{taken:?}"
+        );
+
+        // One OK, one taken, one failed: the failed node could have made a
+        // majority, so the failure is what is reported.
+        let noq = decide_acquire(tally(&[Some(Ok), Some(Other), None]), ttl, MS, drift);
+        match noq {
+            Err(Error::NoQuorum {
+                agreed: 1,
+                quorum: 2,
+                failures,
+            }) => {
+                assert_eq!(failures.len(), 1);
+                assert_eq!(failures[0].node(), "n2");
+            }
+            other => panic!("{other:?}"),
+        }
+
+        // Two of three down.
+        let down = decide_acquire(tally(&[Some(Ok), None, None]), ttl, MS, drift);
+        assert!(
+            matches!(down, Err(Error::NoQuorum { agreed: 1, .. })),
+            "{down:?}"
+        );
+    }
+
+    #[test]
+    fn release_tells_expired_from_stolen() {
+        use Answer::*;
+        assert!(decide_release(tally(&[Some(Ok), Some(Ok), Some(Absent)])).is_ok());
+        assert!(matches!(
+            decide_release(tally(&[Some(Absent), Some(Absent), Some(Ok)])),
+            Err(Error::Expired)
+        ));
+        assert!(matches!(
+            decide_release(tally(&[Some(Other), Some(Other), Some(Absent)])),
+            Err(Error::NotOwner { nodes: 2 })
+        ));
+        assert!(matches!(
+            decide_release(tally(&[Some(Ok), None, None])),
+            Err(Error::NoQuorum { .. })
+        ));
+    }
+
+    #[test]
+    fn extend_must_finish_inside_the_old_validity() {
+        use Answer::*;
+        let t = || tally(&[Some(Ok), Some(Ok), Some(Ok)]);
+        let ttl = 100 * MS;
+        assert_eq!(
+            decide_extend(t(), ttl, 4 * MS, 3 * MS, 50 * MS).unwrap(),
+            93 * MS
+        );
+        assert!(matches!(
+            decide_extend(t(), ttl, 60 * MS, 3 * MS, 50 * MS),
+            Err(Error::Expired)
+        ));
+        assert!(matches!(
+            decide_extend(
+                tally(&[Some(Other), Some(Absent), Some(Absent)]),
+                ttl,
+                MS,
+                MS,
+                50 * MS
+            ),
+            Err(Error::NotOwner { nodes: 1 })
+        ));
+    }
+
+    #[test]
+    fn retry_delay_stays_in_its_band() {
+        let base = 100 * MS;
+        let jitter = 100 * MS;
+        let rng = crate::clock::Rng::new(7);
+        let mut lo = Duration::MAX;
+        let mut hi = Duration::ZERO;
+        for _ in 0..10_000 {
+            let d = retry_delay(base, jitter, rng.next_u64());
+            lo = lo.min(d);
+            hi = hi.max(d);
+        }
+        assert!(
+            hi <= 200 * MS && lo < 10 * MS && hi > 190 * MS,
+            "{lo:?}..{hi:?}"
+        );
+        assert_eq!(retry_delay(base, Duration::ZERO, 12345), base);
+        // No overflow for absurd settings.
+        let _ = retry_delay(Duration::MAX, Duration::MAX, u64::MAX);
+    }
+}

@@ -1,0 +1,471 @@
+//! The Redlock algorithm: attempts, quorum decisions, retries, release and
+//! extension. Talks to nodes only through [`Transport`] and reads time only
+//! through [`Clock`].
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use log::{debug, trace, warn};
+
+use crate::clock::{after, new_token, Clock, Rng, Throttle};
+use crate::config::{Builder, Settings};
+use crate::error::{Error, InvalidInput};
+use crate::guard::{LockGuard, LockState};
+use crate::quorum::{self, Tally};
+use crate::transport::{Answer, Key, NodeResult, Op, Transport};
+use crate::Result;
+
+/// Longest TTL accepted (about ten years): far inside what Redis takes.
+const MAX_TTL: Duration = Duration::from_secs(10 * 365 * 86_400);
+/// How often one node's failures may be logged at warn level.
+const WARN_EVERY: Duration = Duration::from_secs(30);
+
+/// A Redlock client over N independent Redis nodes.
+///
+/// Cheap to clone (an `Arc` inside) and safe to share between threads.
+/// Created by [`Redlock::builder`].
+///
+/// ```no_run
+/// use std::time::Duration;
+///
+/// let locks = quorumlock::Redlock::builder()
+///     .nodes(["redis://127.0.0.1:7001", "redis://127.0.0.1:7002", "redis://127.0.0.1:7003"])
+///     .build()?;
+/// let guard = locks.lock("lock:sku:42", Duration::from_secs(10))?;
+/// // ... critical section: finish within guard.validity() ...
+/// guard.release()?;
+/// # Ok::<(), quorumlock::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct Redlock {
+    pub(crate) inner: Arc<Inner>,
+}
+
+pub(crate) struct Inner {
+    pub(crate) settings: Settings,
+    pub(crate) transport: Box<dyn Transport>,
+    pub(crate) clock: Arc<dyn Clock>,
+    rng: Rng,
+    warned: Vec<Throttle>,
+}
+
+impl fmt::Debug for Redlock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Redlock")
+            .field("nodes", &self.inner.transport.node_names())
+            .field("settings", &self.inner.settings)
+            .finish()
+    }
+}
+
+/// How long `acquire` may keep trying.
+#[derive(Debug, Clone, Copy)]
+enum Budget {
+    Attempts(u32),
+    Until(Instant),
+}
+
+impl Redlock {
+    /// Starts configuring a client.
+    pub fn builder() -> Builder {
+        Builder::new()
+    }
+
+    pub(crate) fn from_parts(
+        settings: Settings,
+        transport: Box<dyn Transport>,
+        clock: Arc<dyn Clock>,
+        rng: Rng,
+    ) -> Self {
+        let warned = transport
+            .node_names()
+            .iter()
+            .map(|_| Throttle::default())
+            .collect();
+        Redlock {
+            inner: Arc::new(Inner {
+                settings,
+                transport,
+                clock,
+                rng,
+                warned,
+            }),
+        }
+    }
+
+    /// Number of nodes.
+    pub fn node_count(&self) -> usize {
+        self.inner.transport.node_names().len()
+    }
+
+    /// Nodes that must agree for a lock to be held: `N/2 + 1`.
+    pub fn quorum(&self) -> usize {
+        quorum::quorum(self.node_count())
+    }
+
+    /// Makes one attempt to take `resource` for `ttl`.
+    ///
+    /// # Errors
+    /// [`Error::Taken`] when another owner holds it, [`Error::NoQuorum`] when
+    /// too many nodes failed, [`Error::ValidityExhausted`] when the round was
+    /// too slow for the TTL, [`Error::InvalidInput`] for an empty resource or
+    /// a TTL that is zero, too long, or not above the drift allowance.
+    pub fn try_lock(&self, resource: &str, ttl: Duration) -> Result<LockGuard> {
+        self.acquire(resource, ttl, Budget::Attempts(1))
+    }
+
+    /// Takes `resource` for `ttl`, making up to
+    /// [`retry_count`](Builder::retry_count) attempts with a jittered pause
+    /// between them. Returns the last attempt's error when all fail.
+    ///
+    /// # Errors
+    /// As [`try_lock`](Self::try_lock).
+    pub fn lock(&self, resource: &str, ttl: Duration) -> Result<LockGuard> {
+        self.acquire(
+            resource,
+            ttl,
+            Budget::Attempts(self.inner.settings.retry_count),
+        )
+    }
+
+    /// Takes `resource` for `ttl`, retrying with jittered pauses until it
+    /// succeeds or `wait` has passed (at least one attempt is made). Returns
+    /// the last attempt's error when time runs out.
+    ///
+    /// # Errors
+    /// As [`try_lock`](Self::try_lock).
+    pub fn lock_timeout(&self, resource: &str, ttl: Duration, wait: Duration) -> Result<LockGuard> {
+        let until = after(self.inner.clock.now(), wait);
+        self.acquire(resource, ttl, Budget::Until(until))
+    }
+
+    fn acquire(&self, resource: &str, ttl: Duration, budget: Budget) -> Result<LockGuard> {
+        let inner = &self.inner;
+        let drift = inner.validate(resource, ttl)?;
+        let mut attempt = 1u32;
+        loop {
+            let err = match inner.attempt(resource, ttl, drift) {
+                Ok(state) => return Ok(LockGuard::new(self.clone(), state)),
+                Err(e) if e.is_retryable() => e,
+                Err(e) => return Err(e),
+            };
+            let s = &inner.settings;
+            let mut pause =
+                quorum::retry_delay(s.retry_delay, s.retry_jitter, inner.rng.next_u64());
+            match budget {
+                Budget::Attempts(n) if attempt >= n => return Err(err),
+                Budget::Attempts(_) => {}
+                Budget::Until(until) => {
+                    let left = until.saturating_duration_since(inner.clock.now());
+                    if left.is_zero() {
+                        return Err(err);
+                    }
+                    pause = pause.min(left);
+                }
+            }
+            debug!("lock {resource:?}: attempt {attempt} failed ({err}); retrying in {pause:?}");
+            inner.clock.sleep(pause);
+            attempt = attempt.saturating_add(1);
+        }
+    }
+}
+
+impl Inner {
+    /// Checks a resource and TTL; returns the TTL's drift allowance.
+    pub(crate) fn validate(&self, resource: &str, ttl: Duration) -> Result<Duration> {
+        if resource.is_empty() {
+            return Err(InvalidInput::EmptyResource.into());
+        }
+        if ttl.is_zero() {
+            return Err(InvalidInput::ZeroTtl.into());
+        }
+        if ttl > MAX_TTL {
+            return Err(InvalidInput::TtlTooLong(ttl).into());
+        }
+        let allowance = quorum::drift_allowance(ttl, self.settings.drift_factor);
+        if ttl <= allowance {
+            return Err(InvalidInput::TtlTooShort { ttl, allowance }.into());
+        }
+        Ok(allowance)
+    }
+
+    /// One acquisition round: SET NX PX on every node, then the decision.
+    /// On failure, releases wherever our SET may have landed.
+    fn attempt(&self, resource: &str, ttl: Duration, drift: Duration) -> Result<LockState> {
+        let token = new_token();
+        let key = Key {
+            resource,
+            token: &token,
+        };
+        let start = self.clock.now();
+        // No point waiting for replies past the moment validity would be gone.
+        let budget = self.settings.node_timeout.min(ttl.saturating_sub(drift));
+        let results = self
+            .transport
+            .run(Op::Acquire { ttl }, &[key], after(start, budget));
+        let end = self.clock.now();
+        let elapsed = end.saturating_duration_since(start);
+        self.note_failures(&results);
+        // Our SET may have landed on a node that answered OK or not at all.
+        let maybe_set = results
+            .iter()
+            .any(|r| matches!(r, Ok(a) if a.first() == Some(&Answer::Ok)) || r.is_err());
+        match quorum::decide_acquire(Tally::of(&results, 0), ttl, elapsed, drift) {
+            Ok(validity) => {
+                debug!("lock {resource:?}: acquired in {elapsed:?}, valid for {validity:?}");
+                trace!("lock {resource:?}: token {token}");
+                Ok(LockState::new(resource, token, ttl, after(end, validity)))
+            }
+            Err(e) => {
+                debug!("lock {resource:?}: not acquired in {elapsed:?}: {e}");
+                if maybe_set {
+                    // Unlock everywhere, including nodes that timed out: their
+                    // SET may still land.
+                    let _ = self.round(Op::Release, resource, &token);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Runs `op` for one key on every node, bounded by the node timeout.
+    fn round(&self, op: Op, resource: &str, token: &str) -> Vec<NodeResult> {
+        let deadline = after(self.clock.now(), self.settings.node_timeout);
+        let results = self.transport.run(op, &[Key { resource, token }], deadline);
+        self.note_failures(&results);
+        results
+    }
+
+    /// Deletes the lock on every node where it still holds our token.
+    pub(crate) fn release(&self, state: &LockState) -> Result<()> {
+        let results = self.round(Op::Release, &state.resource, &state.token);
+        quorum::decide_release(Tally::of(&results, 0))
+    }
+
+    /// Sets the lock's expiry to `ttl` on every node where it holds our
+    /// token; on success moves the state's deadline and returns the new
+    /// validity.
+    pub(crate) fn extend(&self, state: &LockState, ttl: Duration) -> Result<Duration> {
+        let drift = self.validate(&state.resource, ttl)?;
+        let start = self.clock.now();
+        let time_left = state.deadline().saturating_duration_since(start);
+        if time_left.is_zero() {
+            return Err(Error::Expired);
+        }
+        let deadline = after(start, self.settings.node_timeout.min(time_left));
+        let key = Key {
+            resource: &state.resource,
+            token: &state.token,
+        };
+        let results = self.transport.run(Op::Extend { ttl }, &[key], deadline);
+        let end = self.clock.now();
+        self.note_failures(&results);
+        let elapsed = end.saturating_duration_since(start);
+        let outcome = quorum::decide_extend(Tally::of(&results, 0), ttl, elapsed, drift, time_left);
+        match &outcome {
+            Ok(validity) => state.set_deadline(after(end, *validity), ttl),
+            Err(Error::NotOwner { .. } | Error::Expired) => state.mark_lost(),
+            Err(_) => {}
+        }
+        debug!("extend {:?}: {outcome:?} in {elapsed:?}", state.resource);
+        outcome
+    }
+
+    /// Logs node failures: at most one warn per node per [`WARN_EVERY`],
+    /// the rest at debug.
+    fn note_failures(&self, results: &[NodeResult]) {
+        let now = self.clock.now();
+        for (i, r) in results.iter().enumerate() {
+            if let Err(e) = r {
+                if self.warned.get(i).is_some_and(|t| t.ready(now, WARN_EVERY)) {
+                    warn!("{e} (further failures of this node logged at debug for {WARN_EVERY:?})");
+                } else {
+                    debug!("{e}");
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fake::{client, client_with, Mode};
+    use std::sync::atomic::Ordering;
+
+    const MS: Duration = Duration::from_millis(1);
+    const TTL: Duration = Duration::from_secs(10);
+
+    #[test]
+    fn acquires_on_every_node_with_validity_below_ttl() {
+        let (locks, nodes, _) = client(3);
+        let g = locks.try_lock("r", TTL).unwrap();
+        // 10 s − 1 ms round − (100 ms + 2 ms) drift.
+        assert_eq!(g.validity(), TTL - MS - 102 * MS);
+        for i in 0..3 {
+            assert_eq!(nodes.get(i, "r").as_deref(), Some(g.token()));
+        }
+        g.release().unwrap();
+        assert!((0..3).all(|i| nodes.get(i, "r").is_none()));
+    }
+
+    #[test]
+    fn a_second_owner_is_refused_until_release() {
+        let (locks, _, _) = client(3);
+        let g = locks.try_lock("r", TTL).unwrap();
+        match locks.try_lock("r", TTL) {
+            Err(Error::Taken { held: 3, nodes: 3 }) => {}
+            other => panic!("{other:?}"),
+        }
+        drop(g);
+        assert!(locks.try_lock("r", TTL).is_ok());
+    }
+
+    #[test]
+    fn survives_a_minority_and_names_a_failed_majority() {
+        let (locks, nodes, _) = client(3);
+        nodes.set_mode(2, Mode::Down);
+        drop(locks.try_lock("a", TTL).unwrap());
+        nodes.set_mode(1, Mode::Hung);
+        match locks.try_lock("b", TTL) {
+            Err(Error::NoQuorum {
+                agreed: 1,
+                quorum: 2,
+                failures,
+            }) => {
+                let names: Vec<_> = failures.iter().map(|f| f.node().to_owned()).collect();
+                assert_eq!(names, ["fake1:6379", "fake2:6379"]);
+            }
+            other => panic!("{other:?}"),
+        }
+        // The failed attempt released its one successful SET.
+        assert!(nodes.get(0, "b").is_none());
+    }
+
+    #[test]
+    fn a_failed_attempt_unlocks_nodes_whose_reply_was_lost() {
+        let (locks, nodes, _) = client(3);
+        nodes.set_mode(1, Mode::Lossy);
+        nodes.set_mode(2, Mode::Lossy);
+        assert!(matches!(
+            locks.try_lock("r", TTL),
+            Err(Error::NoQuorum { .. })
+        ));
+        // Lossy nodes executed the SET, and then the release.
+        assert!((0..3).all(|i| nodes.get(i, "r").is_none()));
+    }
+
+    #[test]
+    fn no_release_round_when_every_node_refused() {
+        let (locks, nodes, _) = client(3);
+        let _g = locks.try_lock("r", TTL).unwrap();
+        let before = nodes.rounds.load(Ordering::SeqCst);
+        assert!(locks.try_lock("r", TTL).is_err());
+        assert_eq!(nodes.rounds.load(Ordering::SeqCst) - before, 1);
+    }
+
+    #[test]
+    fn too_slow_a_round_exhausts_validity_and_unlocks() {
+        let (locks, nodes, _) = client(3);
+        *nodes.latency.lock() = 40 * MS;
+        match locks.try_lock("r", 41 * MS) {
+            // The round is cut off where validity would reach zero.
+            Err(Error::ValidityExhausted { elapsed, ttl }) => {
+                let drift = quorum::drift_allowance(41 * MS, 0.01);
+                assert_eq!((elapsed, ttl), (41 * MS - drift, 41 * MS));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!((0..3).all(|i| nodes.get(i, "r").is_none()));
+    }
+
+    #[test]
+    fn lock_makes_retry_count_attempts_then_reports_the_last_error() {
+        let settings = Settings {
+            retry_count: 4,
+            ..Settings::default()
+        };
+        let (locks, nodes, clock) = client_with(3, settings);
+        let _g = locks.try_lock("r", TTL).unwrap();
+        let (r0, t0) = (nodes.rounds.load(Ordering::SeqCst), clock.now());
+        assert!(matches!(locks.lock("r", TTL), Err(Error::Taken { .. })));
+        assert_eq!(nodes.rounds.load(Ordering::SeqCst) - r0, 4);
+        // Three pauses of at most 200 ms each, plus four 1 ms rounds.
+        assert!(clock.now() - t0 <= 604 * MS, "{:?}", clock.now() - t0);
+    }
+
+    #[test]
+    fn lock_timeout_keeps_trying_until_the_wait_is_over() {
+        let (locks, nodes, clock) = client(3);
+        let holder = locks.try_lock("r", TTL).unwrap();
+        let t0 = clock.now();
+        assert!(locks.lock_timeout("r", TTL, 2 * TTL / 10).is_err());
+        let waited = clock.now() - t0;
+        assert!(
+            waited >= 2 * TTL / 10 && waited <= 2 * TTL / 10 + 2 * MS,
+            "{waited:?}"
+        );
+        // It succeeds once the holder's key expires inside the wait.
+        nodes.set_mode(0, Mode::Up);
+        drop(holder);
+        let g = locks.lock_timeout("r", TTL, TTL).unwrap();
+        assert!(g.is_held());
+    }
+
+    #[test]
+    fn extend_moves_the_deadline_and_detects_loss() {
+        let (locks, nodes, clock) = client(3);
+        let g = locks.try_lock("r", 100 * MS).unwrap();
+        clock.advance(50 * MS);
+        let v = g.extend(100 * MS).unwrap();
+        assert_eq!(v, 100 * MS - MS - 3 * MS);
+        clock.advance(90 * MS);
+        assert!(g.is_held(), "extension should outlive the original ttl");
+        // Someone deletes it behind our back on a majority.
+        nodes.del(0, "r");
+        nodes.del(1, "r");
+        assert!(matches!(g.extend(100 * MS), Err(Error::Expired)));
+        assert!(!g.is_held());
+        assert!(matches!(g.extend(100 * MS), Err(Error::Expired)));
+    }
+
+    #[test]
+    fn release_tells_expired_from_taken_over() {
+        let (locks, _, clock) = client(3);
+        let g = locks.try_lock("r", 100 * MS).unwrap();
+        clock.advance(200 * MS);
+        assert!(!g.is_held());
+        assert!(matches!(g.release(), Err(Error::Expired)));
+
+        let g = locks.try_lock("r", 100 * MS).unwrap();
+        clock.advance(200 * MS);
+        let _other = locks.try_lock("r", TTL).unwrap();
+        assert!(matches!(g.release(), Err(Error::NotOwner { nodes: 3 })));
+    }
+
+    #[test]
+    fn bad_input_is_refused_before_any_io() {
+        let (locks, nodes, _) = client(3);
+        let cases: [(&str, Duration, InvalidInput); 4] = [
+            ("", TTL, InvalidInput::EmptyResource),
+            ("r", Duration::ZERO, InvalidInput::ZeroTtl),
+            (
+                "r",
+                2 * MS,
+                InvalidInput::TtlTooShort {
+                    ttl: 2 * MS,
+                    allowance: Duration::from_micros(2020),
+                },
+            ),
+            ("r", Duration::MAX, InvalidInput::TtlTooLong(Duration::MAX)),
+        ];
+        for (res, ttl, want) in cases {
+            match locks.lock(res, ttl) {
+                Err(Error::InvalidInput(got)) => assert_eq!(got, want),
+                other => panic!("{res:?} {ttl:?}: {other:?}"),
+            }
+        }
+        assert_eq!(nodes.rounds.load(Ordering::SeqCst), 0);
+    }
+}
