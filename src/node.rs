@@ -301,10 +301,10 @@ pub(crate) struct Conn {
 
 impl Conn {
     fn recv(&mut self, deadline: Instant) -> Result<Value, (NodeErrorKind, String)> {
+        // Past the deadline we still take a reply that has already arrived
+        // (a slow node read earlier must not cost the others their votes),
+        // waiting at most MIN_TIMEOUT for it.
         let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err((NodeErrorKind::Timeout, "deadline passed".into()));
-        }
         self.inner
             .set_read_timeout(Some(left.max(MIN_TIMEOUT)))
             .map_err(|e| classify(&e))?;
