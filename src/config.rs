@@ -9,6 +9,7 @@ use redis::IntoConnectionInfo;
 
 use crate::clock::{Rng, SystemClock};
 use crate::error::InvalidInput;
+use crate::guard::LostCallback;
 use crate::node::{NodeSpec, RedisTransport};
 use crate::redlock::Redlock;
 use crate::Result;
@@ -21,6 +22,8 @@ pub(crate) struct Settings {
     pub retry_count: u32,
     pub retry_delay: Duration,
     pub retry_jitter: Duration,
+    pub auto_renew: bool,
+    pub renew_fraction: f64,
 }
 
 impl Default for Settings {
@@ -31,6 +34,8 @@ impl Default for Settings {
             retry_count: 3,
             retry_delay: Duration::from_millis(100),
             retry_jitter: Duration::from_millis(100),
+            auto_renew: false,
+            renew_fraction: 1.0 / 3.0,
         }
     }
 }
@@ -42,6 +47,12 @@ impl Settings {
         }
         if !(self.drift_factor.is_finite() && (0.0..1.0).contains(&self.drift_factor)) {
             return Err(InvalidInput::DriftFactor(self.drift_factor));
+        }
+        if !(self.renew_fraction.is_finite()
+            && self.renew_fraction > 0.0
+            && self.renew_fraction < 1.0)
+        {
+            return Err(InvalidInput::RenewFraction(self.renew_fraction));
         }
         if self.retry_count == 0 {
             return Err(InvalidInput::ZeroCount("retry_count"));
@@ -67,6 +78,7 @@ pub struct Builder {
     nodes: Vec<String>,
     settings: Settings,
     pool_size: u32,
+    on_lost: Option<Arc<LostCallback>>,
 }
 
 impl Default for Builder {
@@ -75,6 +87,7 @@ impl Default for Builder {
             nodes: Vec::new(),
             settings: Settings::default(),
             pool_size: 8,
+            on_lost: None,
         }
     }
 }
@@ -86,6 +99,7 @@ impl fmt::Debug for Builder {
             .field("nodes", &nodes)
             .field("settings", &self.settings)
             .field("pool_size", &self.pool_size)
+            .field("on_lost", &self.on_lost.is_some())
             .finish()
     }
 }
@@ -167,6 +181,37 @@ impl Builder {
         self
     }
 
+    /// Renews every lock this client takes in the background (as if
+    /// [`LockGuard::auto_renew`](crate::LockGuard::auto_renew) were called on
+    /// each guard) until it is released or lost.
+    ///
+    /// Defaults to false: locks expire after their TTL unless extended.
+    pub fn auto_renew(mut self, on: bool) -> Self {
+        self.settings.auto_renew = on;
+        self
+    }
+
+    /// Sets when renewals happen: every `ttl × fraction` (in `(0, 1)`). A
+    /// failed renewal is retried while validity remains.
+    ///
+    /// Defaults to 1/3 (as Redisson: a 30 s lock is renewed every 10 s).
+    pub fn renew_fraction(mut self, fraction: f64) -> Self {
+        self.settings.renew_fraction = fraction;
+        self
+    }
+
+    /// Sets a function the watchdog calls, on its thread, when a renewed lock
+    /// is lost, with the resource and the reason. Keep it short: it delays
+    /// other renewals while it runs. A panic in it is caught and logged.
+    /// [`LockGuard::lost`](crate::LockGuard::lost) is the per-lock
+    /// alternative.
+    ///
+    /// Defaults to none.
+    pub fn on_lost(mut self, f: impl Fn(&str, &crate::Error) + Send + Sync + 'static) -> Self {
+        self.on_lost = Some(Arc::new(f));
+        self
+    }
+
     /// Validates the settings and creates the client. Never waits for a
     /// node: pools connect in the background, and a node that is down only
     /// costs its vote.
@@ -187,6 +232,7 @@ impl Builder {
             Box::new(transport),
             Arc::new(SystemClock),
             Rng::from_os(),
+            self.on_lost,
         ))
     }
 }

@@ -198,6 +198,7 @@ pub(crate) fn client_with(
         Box::new(Shared(nodes.clone())),
         clock.clone(),
         Rng::new(42),
+        None,
     );
     (client, nodes, clock)
 }

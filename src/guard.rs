@@ -1,66 +1,137 @@
 //! [`LockGuard`]: a held lock, released on drop.
 
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crossbeam_channel::{Receiver, Sender};
 use log::{debug, warn};
 use parking_lot::Mutex;
 
 use crate::error::Error;
-use crate::redlock::Redlock;
+use crate::redlock::{Inner, Redlock};
 use crate::Result;
 
-/// The shared record of one held lock.
-#[derive(Debug)]
+/// Called on the watchdog thread when a renewed lock is lost: the resource
+/// and the reason.
+pub(crate) type LostCallback = dyn Fn(&str, &Error) + Send + Sync + 'static;
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// The shared record of one held lock (the guard's and the watchdog's).
 pub(crate) struct LockState {
+    pub(crate) id: u64,
     pub(crate) resource: String,
     pub(crate) token: String,
     timing: Mutex<Timing>,
     lost: AtomicBool,
     released: AtomicBool,
+    renewing: AtomicBool,
+    loss_tx: Mutex<Option<Sender<Error>>>,
+    loss_rx: Receiver<Error>,
 }
 
-#[derive(Debug, Clone, Copy)]
-struct Timing {
-    deadline: Instant,
-    ttl: Duration,
+impl fmt::Debug for LockState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockState")
+            .field("id", &self.id)
+            .field("resource", &self.resource)
+            .field("timing", &*self.timing.lock())
+            .field("lost", &self.is_lost())
+            .finish_non_exhaustive()
+    }
+}
+
+/// When the lock was last confirmed and for how long.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Timing {
+    /// Start of the round that last set the expiry (acquire or extend).
+    pub since: Instant,
+    /// Until when the lock may be assumed held.
+    pub deadline: Instant,
+    /// The TTL that round set.
+    pub ttl: Duration,
 }
 
 impl LockState {
-    pub(crate) fn new(resource: &str, token: String, ttl: Duration, deadline: Instant) -> Self {
+    pub(crate) fn new(resource: &str, token: String, timing: Timing) -> Self {
+        let (tx, rx) = crossbeam_channel::bounded(1);
         LockState {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             resource: resource.to_owned(),
             token,
-            timing: Mutex::new(Timing { deadline, ttl }),
+            timing: Mutex::new(timing),
             lost: AtomicBool::new(false),
             released: AtomicBool::new(false),
+            renewing: AtomicBool::new(false),
+            loss_tx: Mutex::new(Some(tx)),
+            loss_rx: rx,
         }
+    }
+
+    pub(crate) fn timing(&self) -> Timing {
+        *self.timing.lock()
     }
 
     pub(crate) fn deadline(&self) -> Instant {
         self.timing.lock().deadline
     }
 
-    pub(crate) fn ttl(&self) -> Duration {
-        self.timing.lock().ttl
-    }
-
-    pub(crate) fn set_deadline(&self, deadline: Instant, ttl: Duration) {
-        *self.timing.lock() = Timing { deadline, ttl };
-    }
-
-    pub(crate) fn mark_lost(&self) {
-        self.lost.store(true, Ordering::Release);
+    pub(crate) fn set_timing(&self, timing: Timing) {
+        *self.timing.lock() = timing;
     }
 
     pub(crate) fn is_lost(&self) -> bool {
         self.lost.load(Ordering::Acquire)
     }
 
-    /// Marks the lock released; true the first time only.
+    pub(crate) fn is_released(&self) -> bool {
+        self.released.load(Ordering::Acquire)
+    }
+
+    /// Declares the lock lost (once): flips the flag, fires the loss channel
+    /// and the callback. Ignored after release: a release racing a renewal
+    /// is not a loss. `loud` logs at warn (the watchdog found it), else debug
+    /// (the caller of `extend` already gets the error).
+    pub(crate) fn lose(&self, err: &Error, callback: Option<&LostCallback>, loud: bool) {
+        if self.is_released() || self.lost.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if loud {
+            warn!("lock {:?} lost: {err}", self.resource);
+        } else {
+            debug!("lock {:?} lost: {err}", self.resource);
+        }
+        if let Some(tx) = self.loss_tx.lock().take() {
+            let _ = tx.try_send(err.clone());
+        }
+        if let Some(cb) = callback {
+            let resource = self.resource.as_str();
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| cb(resource, err))).is_err()
+            {
+                warn!("lock {resource:?}: the on_lost callback panicked");
+            }
+        }
+    }
+
+    /// Marks the lock released; true the first time only. Disconnects the
+    /// loss channel so that nobody waits on it forever.
     fn take_release(&self) -> bool {
-        !self.released.swap(true, Ordering::AcqRel)
+        let first = !self.released.swap(true, Ordering::AcqRel);
+        if first {
+            self.loss_tx.lock().take();
+        }
+        first
+    }
+
+    /// Marks the lock as renewed by the watchdog; true the first time only.
+    pub(crate) fn start_renewing(&self) -> bool {
+        !self.renewing.swap(true, Ordering::AcqRel)
+    }
+
+    pub(crate) fn is_renewing(&self) -> bool {
+        self.renewing.load(Ordering::Acquire)
     }
 }
 
@@ -69,12 +140,13 @@ impl LockState {
 /// outcome.
 ///
 /// The guard only tells you what the algorithm knows: you may assume
-/// exclusive access while [`validity`](Self::validity) is non-zero. Finish
-/// (or [`extend`](Self::extend)) before then.
+/// exclusive access while [`validity`](Self::validity) is non-zero. Finish,
+/// [`extend`](Self::extend), or let the watchdog renew it
+/// ([`auto_renew`](Self::auto_renew)) before then.
 #[must_use = "the lock is released as soon as the guard is dropped"]
 pub struct LockGuard {
     client: Redlock,
-    state: std::sync::Arc<LockState>,
+    state: Arc<LockState>,
 }
 
 impl fmt::Debug for LockGuard {
@@ -84,6 +156,7 @@ impl fmt::Debug for LockGuard {
             .field("resource", &self.state.resource)
             .field("validity", &self.validity())
             .field("lost", &self.state.is_lost())
+            .field("renewing", &self.state.is_renewing())
             .finish_non_exhaustive()
     }
 }
@@ -92,8 +165,17 @@ impl LockGuard {
     pub(crate) fn new(client: Redlock, state: LockState) -> Self {
         LockGuard {
             client,
-            state: std::sync::Arc::new(state),
+            state: Arc::new(state),
         }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn state(&self) -> &Arc<LockState> {
+        &self.state
+    }
+
+    fn inner(&self) -> &Inner {
+        &self.client.inner
     }
 
     /// The locked resource (the Redis key).
@@ -106,12 +188,13 @@ impl LockGuard {
         &self.state.token
     }
 
-    /// The TTL of the last successful acquire or extend.
+    /// The TTL of the last successful acquire, extend or renewal.
     pub fn ttl(&self) -> Duration {
-        self.state.ttl()
+        self.state.timing().ttl
     }
 
-    /// The monotonic instant until which the lock may be assumed held.
+    /// The monotonic instant until which the lock may be assumed held. Moves
+    /// forward with each extension or renewal.
     pub fn deadline(&self) -> Instant {
         self.state.deadline()
     }
@@ -121,13 +204,59 @@ impl LockGuard {
         if self.state.is_lost() {
             return Duration::ZERO;
         }
-        let now = self.client.inner.clock.now();
+        let now = self.inner().clock.now();
         self.state.deadline().saturating_duration_since(now)
     }
 
     /// Whether the lock may still be assumed held: not lost, validity left.
     pub fn is_held(&self) -> bool {
         !self.validity().is_zero()
+    }
+
+    /// Whether the lock is known to be lost: a renewal or extension found it
+    /// gone or taken, or its validity ran out before a renewal succeeded.
+    /// (A lock that simply expired without renewal reads
+    /// `is_held() == false` but is not reported lost.)
+    pub fn is_lost(&self) -> bool {
+        self.state.is_lost()
+    }
+
+    /// A channel that receives once, with the reason, when the lock is lost.
+    /// Use it in `crossbeam_channel::select!` beside your own work to stop as
+    /// soon as the lock is no longer yours. After the guard is released the
+    /// channel is disconnected (`recv` returns `Err`).
+    ///
+    /// ```no_run
+    /// # use std::time::Duration;
+    /// # let locks = quorumlock::Redlock::builder().node("redis://127.0.0.1:6379").build()?;
+    /// # let work = crossbeam_channel::never::<()>();
+    /// let guard = locks.lock("job:import", Duration::from_secs(30))?;
+    /// guard.auto_renew();
+    /// crossbeam_channel::select! {
+    ///     recv(work) -> _ => { /* finished under the lock */ }
+    ///     recv(guard.lost()) -> why => { eprintln!("lock lost: {why:?}; stop writing"); }
+    /// }
+    /// # Ok::<(), quorumlock::Error>(())
+    /// ```
+    pub fn lost(&self) -> Receiver<Error> {
+        self.state.loss_rx.clone()
+    }
+
+    /// Starts renewing this lock in the background until it is released or
+    /// lost: the client's one watchdog thread extends it every
+    /// `ttl × renew_fraction` (see [`Builder::renew_fraction`](crate::Builder::renew_fraction)).
+    /// Calling it again does nothing. Locks taken by a client built with
+    /// [`auto_renew(true)`](crate::Builder::auto_renew) are renewed already.
+    pub fn auto_renew(&self) -> &Self {
+        if !self.state.is_lost() && !self.state.is_released() && self.state.start_renewing() {
+            self.inner().watchdog().add(self.state.clone());
+        }
+        self
+    }
+
+    /// Whether the watchdog renews this lock.
+    pub fn is_auto_renewed(&self) -> bool {
+        self.state.is_renewing()
     }
 
     /// Sets the lock's expiry to `ttl` from now on every node where it is
@@ -141,13 +270,14 @@ impl LockGuard {
     /// nodes failed (the old deadline still stands),
     /// [`Error::InvalidInput`] for a bad TTL.
     pub fn extend(&self, ttl: Duration) -> Result<Duration> {
-        if self.state.is_lost() {
+        if self.state.is_lost() || self.state.is_released() {
             return Err(Error::Expired);
         }
-        self.client.inner.extend(&self.state, ttl)
+        self.inner().extend(&self.state, ttl)
     }
 
-    /// Releases the lock on every node and reports the outcome.
+    /// Releases the lock on every node and reports the outcome. Renewal
+    /// stops before the keys are deleted.
     ///
     /// # Errors
     /// [`Error::Expired`] when it had already expired on a majority,
@@ -155,19 +285,27 @@ impl LockGuard {
     /// [`Error::NoQuorum`] when too many nodes failed to answer (keys left
     /// behind expire with their TTL).
     pub fn release(self) -> Result<()> {
+        self.finish().unwrap_or(Ok(()))
+    }
+
+    /// Deregisters and releases, once. `None` when already done.
+    fn finish(&self) -> Option<Result<()>> {
         if !self.state.take_release() {
-            return Ok(());
+            return None;
         }
-        self.client.inner.release(&self.state)
+        if self.state.is_renewing() {
+            self.inner().watchdog().remove(self.state.id);
+        }
+        Some(self.inner().release(&self.state))
     }
 }
 
 impl Drop for LockGuard {
     fn drop(&mut self) {
-        if !self.state.take_release() {
+        let Some(outcome) = self.finish() else {
             return;
-        }
-        match self.client.inner.release(&self.state) {
+        };
+        match outcome {
             Ok(()) => debug!("lock {:?}: released on drop", self.state.resource),
             Err(e @ (Error::Expired | Error::NotOwner { .. })) if !self.state.is_lost() => {
                 warn!(

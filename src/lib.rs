@@ -39,6 +39,7 @@ mod quorum;
 mod redlock;
 mod scripts;
 mod transport;
+mod watchdog;
 
 #[cfg(test)]
 mod fake;

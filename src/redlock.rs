@@ -3,7 +3,7 @@
 //! through [`Clock`].
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use log::{debug, trace, warn};
@@ -11,9 +11,10 @@ use log::{debug, trace, warn};
 use crate::clock::{after, new_token, Clock, Rng, Throttle};
 use crate::config::{Builder, Settings};
 use crate::error::{Error, InvalidInput};
-use crate::guard::{LockGuard, LockState};
+use crate::guard::{LockGuard, LockState, LostCallback, Timing};
 use crate::quorum::{self, Tally};
 use crate::transport::{Answer, Key, NodeResult, Op, Transport};
+use crate::watchdog::Watchdog;
 use crate::Result;
 
 /// Longest TTL accepted (about ten years): far inside what Redis takes.
@@ -46,8 +47,11 @@ pub(crate) struct Inner {
     pub(crate) settings: Settings,
     pub(crate) transport: Box<dyn Transport>,
     pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) on_lost: Option<Arc<LostCallback>>,
     rng: Rng,
     warned: Vec<Throttle>,
+    me: Weak<Inner>,
+    watchdog: OnceLock<Watchdog>,
 }
 
 impl fmt::Debug for Redlock {
@@ -77,6 +81,7 @@ impl Redlock {
         transport: Box<dyn Transport>,
         clock: Arc<dyn Clock>,
         rng: Rng,
+        on_lost: Option<Arc<LostCallback>>,
     ) -> Self {
         let warned = transport
             .node_names()
@@ -84,12 +89,15 @@ impl Redlock {
             .map(|_| Throttle::default())
             .collect();
         Redlock {
-            inner: Arc::new(Inner {
+            inner: Arc::new_cyclic(|me| Inner {
                 settings,
                 transport,
                 clock,
+                on_lost,
                 rng,
                 warned,
+                me: me.clone(),
+                watchdog: OnceLock::new(),
             }),
         }
     }
@@ -140,13 +148,66 @@ impl Redlock {
         self.acquire(resource, ttl, Budget::Until(until))
     }
 
+    /// Takes `resource` for `ttl` (retrying as [`lock`](Self::lock) does),
+    /// renews it in the background while `f` runs, and releases it
+    /// afterwards — also when `f` panics. Returns what `f` returns.
+    ///
+    /// Inside `f`, check [`LockGuard::is_held`] (or select on
+    /// [`LockGuard::lost`]) before each step that needs the lock.
+    ///
+    /// ```no_run
+    /// # use std::time::Duration;
+    /// # let locks = quorumlock::Redlock::builder().node("redis://127.0.0.1:6379").build()?;
+    /// let rows = locks.with_lock("job:nightly", Duration::from_secs(30), |guard| {
+    ///     let mut rows = 0;
+    ///     while guard.is_held() && rows < 1_000 {
+    ///         rows += 1; // one unit of work
+    ///     }
+    ///     rows
+    /// })?;
+    /// # Ok::<(), quorumlock::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`lock`](Self::lock) when the lock cannot be taken; and, after `f`
+    /// ran, the reason the lock was lost ([`Error::Expired`],
+    /// [`Error::NotOwner`]) if it was lost while `f` ran — `f`'s result is
+    /// then dropped, because its work was not protected.
+    pub fn with_lock<T>(
+        &self,
+        resource: &str,
+        ttl: Duration,
+        f: impl FnOnce(&LockGuard) -> T,
+    ) -> Result<T> {
+        let guard = self.lock(resource, ttl)?;
+        guard.auto_renew();
+        let out = f(&guard);
+        let lost = guard.lost().try_recv().ok();
+        match (guard.release(), lost) {
+            (_, Some(reason)) => Err(reason),
+            (Ok(()), None) => Ok(out),
+            (Err(e @ (Error::Expired | Error::NotOwner { .. })), None) => Err(e),
+            (Err(e), None) => {
+                // Held to the end; the keys left behind expire with the TTL.
+                debug!("with_lock {resource:?}: release: {e}");
+                Ok(out)
+            }
+        }
+    }
+
     fn acquire(&self, resource: &str, ttl: Duration, budget: Budget) -> Result<LockGuard> {
         let inner = &self.inner;
         let drift = inner.validate(resource, ttl)?;
         let mut attempt = 1u32;
         loop {
             let err = match inner.attempt(resource, ttl, drift) {
-                Ok(state) => return Ok(LockGuard::new(self.clone(), state)),
+                Ok(state) => {
+                    let guard = LockGuard::new(self.clone(), state);
+                    if inner.settings.auto_renew {
+                        guard.auto_renew();
+                    }
+                    return Ok(guard);
+                }
                 Err(e) if e.is_retryable() => e,
                 Err(e) => return Err(e),
             };
@@ -215,7 +276,12 @@ impl Inner {
             Ok(validity) => {
                 debug!("lock {resource:?}: acquired in {elapsed:?}, valid for {validity:?}");
                 trace!("lock {resource:?}: token {token}");
-                Ok(LockState::new(resource, token, ttl, after(end, validity)))
+                let timing = Timing {
+                    since: start,
+                    deadline: after(end, validity),
+                    ttl,
+                };
+                Ok(LockState::new(resource, token, timing))
             }
             Err(e) => {
                 debug!("lock {resource:?}: not acquired in {elapsed:?}: {e}");
@@ -247,29 +313,95 @@ impl Inner {
     /// token; on success moves the state's deadline and returns the new
     /// validity.
     pub(crate) fn extend(&self, state: &LockState, ttl: Duration) -> Result<Duration> {
-        let drift = self.validate(&state.resource, ttl)?;
+        self.validate(&state.resource, ttl)?;
+        let mut outcome = self.extend_many(&[state], ttl, false);
+        outcome.pop().unwrap_or(Err(Error::Expired))
+    }
+
+    /// Extends many locks to the same `ttl` in one round trip per node.
+    /// Each lock's outcome is decided on its own: a majority, completed
+    /// inside that lock's old validity. Locks found gone or taken are
+    /// declared lost (`loud`: logged at warn).
+    pub(crate) fn extend_many(
+        &self,
+        states: &[&LockState],
+        ttl: Duration,
+        loud: bool,
+    ) -> Vec<Result<Duration>> {
+        let drift = quorum::drift_allowance(ttl, self.settings.drift_factor);
         let start = self.clock.now();
-        let time_left = state.deadline().saturating_duration_since(start);
-        if time_left.is_zero() {
-            return Err(Error::Expired);
+        let keys: Vec<Key<'_>> = states
+            .iter()
+            .map(|s| Key {
+                resource: &s.resource,
+                token: &s.token,
+            })
+            .collect();
+        let mut deadline = self.batch_deadline(start, keys.len());
+        if let [only] = states {
+            // A lone extension need not wait past its lock's validity.
+            deadline = deadline.min(only.deadline());
         }
-        let deadline = after(start, self.settings.node_timeout.min(time_left));
-        let key = Key {
-            resource: &state.resource,
-            token: &state.token,
+        let results = if deadline > start {
+            self.transport.run(Op::Extend { ttl }, &keys, deadline)
+        } else {
+            Vec::new()
         };
-        let results = self.transport.run(Op::Extend { ttl }, &[key], deadline);
         let end = self.clock.now();
         self.note_failures(&results);
         let elapsed = end.saturating_duration_since(start);
-        let outcome = quorum::decide_extend(Tally::of(&results, 0), ttl, elapsed, drift, time_left);
-        match &outcome {
-            Ok(validity) => state.set_deadline(after(end, *validity), ttl),
-            Err(Error::NotOwner { .. } | Error::Expired) => state.mark_lost(),
-            Err(_) => {}
-        }
-        debug!("extend {:?}: {outcome:?} in {elapsed:?}", state.resource);
-        outcome
+        states
+            .iter()
+            .enumerate()
+            .map(|(i, state)| {
+                let time_left = state.deadline().saturating_duration_since(start);
+                let outcome = if time_left.is_zero() || results.is_empty() {
+                    Err(Error::Expired)
+                } else {
+                    quorum::decide_extend(Tally::of(&results, i), ttl, elapsed, drift, time_left)
+                };
+                match &outcome {
+                    Ok(validity) => state.set_timing(Timing {
+                        since: start,
+                        deadline: after(end, *validity),
+                        ttl,
+                    }),
+                    Err(e @ (Error::NotOwner { .. } | Error::Expired)) => {
+                        state.lose(e, self.on_lost.as_deref(), loud)
+                    }
+                    Err(_) => {}
+                }
+                trace!("extend {:?}: {outcome:?} in {elapsed:?}", state.resource);
+                outcome
+            })
+            .collect()
+    }
+
+    /// Best-effort release of many locks in one round trip per node.
+    pub(crate) fn release_many(&self, states: &[&LockState]) {
+        let keys: Vec<Key<'_>> = states
+            .iter()
+            .map(|s| Key {
+                resource: &s.resource,
+                token: &s.token,
+            })
+            .collect();
+        let deadline = self.batch_deadline(self.clock.now(), keys.len());
+        let results = self.transport.run(Op::Release, &keys, deadline);
+        self.note_failures(&results);
+    }
+
+    /// A round's deadline: the node timeout, plus one more per 1,000 keys
+    /// (a big batch keeps the server busy for longer).
+    fn batch_deadline(&self, start: Instant, keys: usize) -> Instant {
+        let scale = u32::try_from(keys / 1000 + 1).unwrap_or(u32::MAX);
+        after(start, self.settings.node_timeout.saturating_mul(scale))
+    }
+
+    /// The client's renewal thread, started on first use.
+    pub(crate) fn watchdog(&self) -> &Watchdog {
+        self.watchdog
+            .get_or_init(|| Watchdog::spawn(self.me.clone(), self.clock.clone()))
     }
 
     /// Logs node failures: at most one warn per node per [`WARN_EVERY`],

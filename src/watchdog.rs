@@ -1,0 +1,382 @@
+//! The renewal thread: one per client, started with the first renewed lock.
+//!
+//! Locks register and deregister over a channel. The thread sleeps until the
+//! earliest renewal is due (or a message arrives), renews every lock due in
+//! that window with one round trip per node per TTL (the Lua scripts take
+//! many keys), and declares a lock lost when a majority says it is not ours
+//! or its validity runs out before a renewal succeeds. It holds only a weak
+//! reference to the client and stops when the client is gone.
+
+use std::sync::{Arc, Weak};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use log::{debug, error};
+use parking_lot::Mutex;
+
+use crate::clock::{after, Clock};
+use crate::error::Error;
+use crate::guard::LockState;
+use crate::redlock::Inner;
+
+/// Thread name (Linux shows 15 characters).
+pub(crate) const THREAD_NAME: &str = "qlock-watchdog";
+/// Most keys renewed in one round trip.
+const MAX_BATCH: usize = 5_000;
+/// How long dropping the client waits for the thread to end.
+const JOIN_BOUND: Duration = Duration::from_secs(1);
+
+enum Msg {
+    Add(Arc<LockState>),
+    Remove(u64),
+}
+
+/// Handle to the running thread, owned by the client.
+pub(crate) struct Watchdog {
+    tx: Option<Sender<Msg>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    /// Disconnected when the thread has ended.
+    exited: Receiver<()>,
+}
+
+impl Watchdog {
+    pub(crate) fn spawn(client: Weak<Inner>, clock: Arc<dyn Clock>) -> Watchdog {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let (exit_tx, exited) = crossbeam_channel::bounded::<()>(0);
+        let thread = thread::Builder::new()
+            .name(THREAD_NAME.into())
+            .spawn(move || {
+                let _exit = exit_tx;
+                run(&client, &*clock, &rx);
+                debug!("watchdog stopped");
+            });
+        let thread = match thread {
+            Ok(h) => Some(h),
+            Err(e) => {
+                error!("cannot start the renewal thread: {e}; locks will not be renewed");
+                None
+            }
+        };
+        Watchdog {
+            tx: Some(tx),
+            thread: Mutex::new(thread),
+            exited,
+        }
+    }
+
+    pub(crate) fn add(&self, state: Arc<LockState>) {
+        if let Some(tx) = &self.tx {
+            let _ = tx.send(Msg::Add(state));
+        }
+    }
+
+    pub(crate) fn remove(&self, id: u64) {
+        if let Some(tx) = &self.tx {
+            let _ = tx.send(Msg::Remove(id));
+        }
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        // Closing the channel wakes the thread, which then ends.
+        self.tx.take();
+        let Some(handle) = self.thread.lock().take() else {
+            return;
+        };
+        if handle.thread().id() == thread::current().id() {
+            // The last client handle went away on the watchdog thread itself:
+            // it ends on its own once this tick returns.
+            return;
+        }
+        match self.exited.recv_timeout(JOIN_BOUND) {
+            Err(RecvTimeoutError::Disconnected) => {
+                let _ = handle.join();
+            }
+            _ => debug!("watchdog still busy after {JOIN_BOUND:?}; detached"),
+        }
+    }
+}
+
+/// One registered lock and when to renew it next.
+struct Entry {
+    state: Arc<LockState>,
+    next: Instant,
+}
+
+fn run(client: &Weak<Inner>, clock: &dyn Clock, rx: &Receiver<Msg>) {
+    let mut entries: Vec<Entry> = Vec::new();
+    loop {
+        let first = match entries.iter().map(|e| e.next).min() {
+            Some(at) => rx.recv_timeout(at.saturating_duration_since(clock.now())),
+            None => rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
+        };
+        let fraction = match client.upgrade() {
+            Some(inner) => inner.settings.renew_fraction,
+            None => return,
+        };
+        let mut apply = |msg: Msg| match msg {
+            Msg::Add(state) => {
+                let t = state.timing();
+                let next = after(t.since, interval(t.ttl, fraction));
+                entries.push(Entry { state, next });
+            }
+            Msg::Remove(id) => entries.retain(|e| e.state.id != id),
+        };
+        match first {
+            Ok(msg) => apply(msg),
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => return,
+        }
+        while let Ok(msg) = rx.try_recv() {
+            apply(msg);
+        }
+        let Some(inner) = client.upgrade() else {
+            return;
+        };
+        let ticked =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| tick(&inner, &mut entries)));
+        if ticked.is_err() {
+            error!("a renewal tick panicked; the watchdog keeps running");
+        }
+    }
+}
+
+/// Time between renewals of a lock with this TTL: `ttl × fraction`, at
+/// least 1 ms.
+pub(crate) fn interval(ttl: Duration, fraction: f64) -> Duration {
+    Duration::try_from_secs_f64(ttl.as_secs_f64() * fraction)
+        .unwrap_or(ttl)
+        .max(Duration::from_millis(1))
+}
+
+/// Whether a renewal planned for `next` should go in the batch sent at
+/// `now`: locks due within an eighth of their interval are renewed together.
+pub(crate) fn is_due(next: Instant, now: Instant, interval: Duration) -> bool {
+    next <= after(now, interval / 8)
+}
+
+/// When to try again after a renewal that did not reach a majority: soon,
+/// but not past the lock's deadline (where it will be declared lost).
+pub(crate) fn retry_at(
+    now: Instant,
+    deadline: Instant,
+    interval: Duration,
+    timeout: Duration,
+) -> Instant {
+    after(now, (interval / 4).max(timeout)).min(deadline)
+}
+
+/// Renews every due lock; declares lost the ones that are gone or ran out.
+fn tick(inner: &Inner, entries: &mut Vec<Entry>) {
+    let now = inner.clock.now();
+    let fraction = inner.settings.renew_fraction;
+    let callback = inner.on_lost.as_deref();
+
+    entries.retain(|e| {
+        if e.state.is_released() || e.state.is_lost() {
+            return false;
+        }
+        if e.state.deadline() <= now {
+            e.state.lose(&Error::Expired, callback, true);
+            return false;
+        }
+        true
+    });
+
+    // (ttl, index) of every due lock, grouped by TTL: one round per TTL.
+    let mut due: Vec<(Duration, usize)> = (0..entries.len())
+        .filter_map(|i| {
+            let t = entries[i].state.timing();
+            is_due(entries[i].next, now, interval(t.ttl, fraction)).then_some((t.ttl, i))
+        })
+        .collect();
+    if due.is_empty() {
+        return;
+    }
+    due.sort_unstable();
+
+    for group in due.chunk_by(|a, b| a.0 == b.0) {
+        for batch in group.chunks(MAX_BATCH) {
+            let ttl = batch[0].0;
+            let states: Vec<&LockState> = batch.iter().map(|&(_, i)| &*entries[i].state).collect();
+            let outcomes = inner.extend_many(&states, ttl, true);
+            let after_round = inner.clock.now();
+            for (&(_, i), outcome) in batch.iter().zip(outcomes) {
+                let e = &mut entries[i];
+                let t = e.state.timing();
+                let every = interval(t.ttl, fraction);
+                e.next = match outcome {
+                    Ok(_) => after(t.since, every),
+                    Err(_) => retry_at(after_round, t.deadline, every, inner.settings.node_timeout),
+                };
+            }
+        }
+    }
+
+    // Lost locks: stop renewing, and delete what may still be ours so that
+    // nobody waits for a TTL that protects nothing.
+    let lost: Vec<Arc<LockState>> = entries
+        .iter()
+        .filter(|e| e.state.is_lost())
+        .map(|e| e.state.clone())
+        .collect();
+    if !lost.is_empty() {
+        entries.retain(|e| !e.state.is_lost());
+        let states: Vec<&LockState> = lost.iter().map(|s| &**s).collect();
+        inner.release_many(&states);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fake::{client, Mode};
+    use std::sync::atomic::Ordering;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn interval_is_a_fraction_of_the_ttl() {
+        assert_eq!(interval(3000 * MS, 1.0 / 3.0), 1000 * MS);
+        assert_eq!(interval(MS, 0.1), MS);
+        assert!(interval(Duration::MAX, 0.5) > Duration::MAX / 3);
+    }
+
+    #[test]
+    fn due_window_batches_near_neighbours() {
+        let now = Instant::now();
+        let every = 800 * MS;
+        assert!(is_due(now, now, every));
+        assert!(is_due(now + 100 * MS, now, every));
+        assert!(!is_due(now + 101 * MS, now, every));
+    }
+
+    #[test]
+    fn retries_soon_but_not_past_the_deadline() {
+        let now = Instant::now();
+        assert_eq!(
+            retry_at(now, now + 10_000 * MS, 1000 * MS, 50 * MS),
+            now + 250 * MS
+        );
+        assert_eq!(
+            retry_at(now, now + 10_000 * MS, 100 * MS, 50 * MS),
+            now + 50 * MS
+        );
+        assert_eq!(
+            retry_at(now, now + 20 * MS, 1000 * MS, 50 * MS),
+            now + 20 * MS
+        );
+    }
+
+    fn entry(g: &crate::LockGuard, fraction: f64) -> Entry {
+        let t = g.state().timing();
+        Entry {
+            state: g.state().clone(),
+            next: after(t.since, interval(t.ttl, fraction)),
+        }
+    }
+
+    #[test]
+    fn due_locks_are_renewed_in_one_round() {
+        let (locks, nodes, clock) = client(3);
+        let ttl = 3000 * MS;
+        // 100 acquisitions take 100 ms of virtual time.
+        let guards: Vec<_> = (0..100)
+            .map(|i| locks.try_lock(&format!("k{i}"), ttl).unwrap())
+            .collect();
+        let mut entries: Vec<Entry> = guards.iter().map(|g| entry(g, 1.0 / 3.0)).collect();
+        let before = nodes.rounds.load(Ordering::SeqCst);
+
+        tick(&locks.inner, &mut entries);
+        assert_eq!(
+            nodes.rounds.load(Ordering::SeqCst),
+            before,
+            "nothing due yet"
+        );
+
+        clock.advance(900 * MS);
+        let old = guards[0].deadline();
+        tick(&locks.inner, &mut entries);
+        assert_eq!(
+            nodes.rounds.load(Ordering::SeqCst),
+            before + 1,
+            "one round for all"
+        );
+        assert!(guards.iter().all(|g| g.deadline() > old + 900 * MS));
+        // Kept alive well past the original TTL.
+        for _ in 0..10 {
+            clock.advance(1000 * MS);
+            tick(&locks.inner, &mut entries);
+        }
+        assert_eq!(nodes.rounds.load(Ordering::SeqCst), before + 11);
+        assert!(guards.iter().all(|g| g.is_held() && !g.is_lost()));
+        assert!(nodes.get(0, "k99").is_some());
+    }
+
+    #[test]
+    fn a_key_deleted_on_a_majority_is_lost_at_the_next_renewal() {
+        let (locks, nodes, clock) = client(3);
+        let g = locks.try_lock("k", 300 * MS).unwrap();
+        let mut entries = vec![entry(&g, 1.0 / 3.0)];
+        nodes.del(0, "k");
+        nodes.del(1, "k");
+        clock.advance(100 * MS);
+        tick(&locks.inner, &mut entries);
+        assert!(g.is_lost() && !g.is_held());
+        assert!(matches!(g.lost().try_recv(), Ok(Error::Expired)));
+        assert!(entries.is_empty(), "lost locks are not touched again");
+        // The lost lock's remaining key was cleaned up.
+        assert!(nodes.get(2, "k").is_none());
+    }
+
+    #[test]
+    fn failed_renewals_retry_until_validity_runs_out() {
+        let (locks, nodes, clock) = client(3);
+        let g = locks.try_lock("k", 300 * MS).unwrap();
+        let mut entries = vec![entry(&g, 1.0 / 3.0)];
+        nodes.set_mode(1, Mode::Down);
+        nodes.set_mode(2, Mode::Down);
+        let mut ticks = 0;
+        while !g.is_lost() && ticks < 100 {
+            let next = entries.first().map(|e| e.next);
+            if let Some(next) = next {
+                clock.advance(next.saturating_duration_since(clock.now()));
+            }
+            tick(&locks.inner, &mut entries);
+            ticks += 1;
+        }
+        assert!(g.is_lost(), "lost after {ticks} ticks");
+        // Lost no later than its deadline, after several retries.
+        assert!(ticks >= 3, "{ticks}");
+        assert!(clock.now() <= g.deadline() + 60 * MS);
+    }
+
+    #[test]
+    fn released_locks_are_never_renewed() {
+        let (locks, nodes, clock) = client(3);
+        let g = locks.try_lock("k", 300 * MS).unwrap();
+        let mut entries = vec![entry(&g, 1.0 / 3.0)];
+        g.release().unwrap();
+        let before = nodes.rounds.load(Ordering::SeqCst);
+        clock.advance(100 * MS);
+        tick(&locks.inner, &mut entries);
+        assert_eq!(nodes.rounds.load(Ordering::SeqCst), before);
+        assert!(entries.is_empty());
+    }
+
+    #[test]
+    fn locks_with_different_ttls_go_in_separate_batches() {
+        let (locks, nodes, clock) = client(3);
+        let a = locks.try_lock("a", 300 * MS).unwrap();
+        let b = locks.try_lock("b", 330 * MS).unwrap();
+        let mut entries = vec![entry(&a, 1.0 / 3.0), entry(&b, 1.0 / 3.0)];
+        let before = nodes.rounds.load(Ordering::SeqCst);
+        clock.advance(110 * MS);
+        tick(&locks.inner, &mut entries);
+        assert_eq!(nodes.rounds.load(Ordering::SeqCst), before + 2);
+        assert_eq!(a.ttl(), 300 * MS);
+        assert_eq!(b.ttl(), 330 * MS);
+    }
+}
