@@ -1,0 +1,107 @@
+//! Takes, contends for, extends and releases a Redlock lock, and shows that a
+//! stopped node costs only its vote.
+//!
+//! ```text
+//! cargo run --example quickstart
+//! ```
+//!
+//! Uses the nodes in `REDLOCK_NODES` (comma-separated `redis://` URLs) when
+//! set; otherwise starts three throwaway Redis nodes itself (Docker with the
+//! image in `QUORUMLOCK_REDIS_IMAGE`, default `redis:7-alpine`, or local
+//! `redis-server` processes) and removes them on exit.
+
+use std::time::{Duration, Instant};
+
+use quorumlock::{Error, Redlock};
+
+#[allow(dead_code)]
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("quickstart failed: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
+    let configured = std::env::var("REDLOCK_NODES")
+        .ok()
+        .filter(|s| !s.trim().is_empty());
+    let (urls, cluster) = match configured {
+        Some(list) => {
+            let urls: Vec<String> = list.split(',').map(|s| s.trim().to_owned()).collect();
+            println!("using REDLOCK_NODES: {urls:?}");
+            (urls, None)
+        }
+        None => {
+            println!("REDLOCK_NODES not set: starting 3 throwaway Redis nodes...");
+            let t = Instant::now();
+            let cluster = common::Cluster::try_start(3)?;
+            println!(
+                "  started with the {:?} backend in {:?}: {:?}",
+                cluster.backend(),
+                t.elapsed(),
+                cluster.urls()
+            );
+            (cluster.urls(), Some(cluster))
+        }
+    };
+
+    let locks = Redlock::builder().nodes(urls.iter().cloned()).build()?;
+    println!(
+        "client over {} nodes, quorum {}",
+        locks.node_count(),
+        locks.quorum()
+    );
+
+    let resource = format!("quickstart:{}", std::process::id());
+    let ttl = Duration::from_secs(10);
+    let t = Instant::now();
+    let guard = locks.lock(&resource, ttl)?;
+    println!(
+        "locked {resource:?} in {:?}; valid for {:?} of the {ttl:?} ttl",
+        t.elapsed(),
+        guard.validity()
+    );
+
+    let other = Redlock::builder().nodes(urls.iter().cloned()).build()?;
+    match other.try_lock(&resource, ttl) {
+        Err(Error::Taken { held, nodes }) => {
+            println!("a second client is refused: held on {held} of {nodes} nodes")
+        }
+        Ok(_) => return Err("a second client got a held lock".into()),
+        Err(e) => return Err(e.into()),
+    }
+
+    let validity = guard.extend(Duration::from_secs(30))?;
+    println!("extended: now valid for {validity:?}");
+
+    let t = Instant::now();
+    guard.release()?;
+    println!("released in {:?}", t.elapsed());
+    let again = other.try_lock(&resource, ttl)?;
+    println!("the second client takes it right after the release");
+    drop(again); // dropping a guard releases it too
+
+    if let Some(cluster) = &cluster {
+        cluster.stop(2);
+        let t = Instant::now();
+        let guard = locks.lock(&resource, ttl)?;
+        println!(
+            "with node {} stopped the lock still holds on a majority ({:?})",
+            cluster.url(2),
+            t.elapsed()
+        );
+        guard.release()?;
+        cluster.stop(1);
+        match locks.try_lock(&resource, ttl) {
+            Err(e @ Error::NoQuorum { .. }) => println!("with two of three stopped: {e}"),
+            Ok(_) => return Err("locked without a majority".into()),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    println!("done");
+    Ok(())
+}

@@ -1,0 +1,335 @@
+//! The core client against real Redis nodes.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use quorumlock::{Error, InvalidInput, NodeErrorKind, Redlock};
+
+use crate::common::{shared, unique_key, Cluster};
+
+const TTL: Duration = Duration::from_secs(5);
+
+fn client(urls: &[String]) -> Redlock {
+    Redlock::builder()
+        .nodes(urls.iter().cloned())
+        .build()
+        .expect("valid config")
+}
+
+#[test]
+fn second_client_waits_for_release() {
+    let c = shared();
+    let key = unique_key("exclusion");
+    let (a, b) = (client(&c.urls()), client(&c.urls()));
+    let held = a.try_lock(&key, TTL).expect("first client locks");
+    match b.try_lock(&key, TTL) {
+        Err(Error::Taken { held: 3, nodes: 3 }) => {}
+        other => panic!("second client should be refused: {other:?}"),
+    }
+    held.release().expect("release");
+    let g = b
+        .try_lock(&key, TTL)
+        .expect("second client locks after release");
+    drop(g);
+}
+
+#[test]
+fn validity_is_less_than_ttl_and_token_is_on_every_node() {
+    let c = shared();
+    let key = unique_key("validity");
+    let g = client(&c.urls()).try_lock(&key, TTL).unwrap();
+    assert!(
+        g.validity() < TTL && g.validity() > TTL / 2,
+        "{:?}",
+        g.validity()
+    );
+    assert!(g.is_held());
+    assert_eq!(g.token().len(), 32);
+    for i in 0..c.len() {
+        assert_eq!(c.get(i, &key).as_deref(), Some(g.token()), "node {i}");
+        let pttl = c.pttl(i, &key);
+        assert!(pttl > 0 && pttl <= 5000, "node {i}: pttl {pttl}");
+    }
+}
+
+#[test]
+fn released_lock_is_gone_from_every_node() {
+    let c = shared();
+    let key = unique_key("released");
+    let locks = client(&c.urls());
+    locks.try_lock(&key, TTL).unwrap().release().unwrap();
+    assert!((0..c.len()).all(|i| c.get(i, &key).is_none()));
+
+    // Dropping the guard releases too.
+    let g = locks.try_lock(&key, TTL).unwrap();
+    drop(g);
+    assert!((0..c.len()).all(|i| c.get(i, &key).is_none()));
+}
+
+#[test]
+fn non_owner_cannot_release_or_extend() {
+    let c = shared();
+    let key = unique_key("non-owner");
+    let locks = client(&c.urls());
+    // Our key vanishes behind our back (an operator, a node restart) and
+    // another client takes the resource while our guard still has validity.
+    let stale = locks.try_lock(&key, TTL).unwrap();
+    for i in 0..c.len() {
+        c.del(i, &key);
+    }
+    let owner = locks.try_lock(&key, TTL).expect("free again");
+    assert!(matches!(
+        stale.extend(TTL),
+        Err(Error::NotOwner { nodes: 3 })
+    ));
+    assert!(stale.is_lost() && !stale.is_held());
+    assert!(matches!(stale.release(), Err(Error::NotOwner { nodes: 3 })));
+    for i in 0..c.len() {
+        assert_eq!(c.get(i, &key).as_deref(), Some(owner.token()), "node {i}");
+    }
+
+    // After its validity ran out a guard does not even try to extend, and
+    // its release leaves the new owner's key alone.
+    let key = unique_key("non-owner-expired");
+    let stale = locks.try_lock(&key, Duration::from_millis(200)).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let owner = locks
+        .try_lock(&key, TTL)
+        .expect("expired lock can be taken");
+    assert!(matches!(stale.extend(TTL), Err(Error::Expired)));
+    assert!(matches!(stale.release(), Err(Error::NotOwner { nodes: 3 })));
+    assert!((0..c.len()).all(|i| c.get(i, &key).as_deref() == Some(owner.token())));
+}
+
+#[test]
+fn release_after_expiry_says_expired() {
+    let c = shared();
+    let key = unique_key("expired");
+    let g = client(&c.urls())
+        .try_lock(&key, Duration::from_millis(100))
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!g.is_held());
+    assert!(matches!(g.release(), Err(Error::Expired)));
+}
+
+#[test]
+fn extend_keeps_exclusivity_past_the_original_ttl() {
+    let c = shared();
+    let key = unique_key("extend");
+    let (a, b) = (client(&c.urls()), client(&c.urls()));
+    let ttl = Duration::from_millis(300);
+    let g = a.try_lock(&key, ttl).unwrap();
+    let started = Instant::now();
+    while started.elapsed() < ttl * 3 {
+        std::thread::sleep(ttl / 3);
+        let v = g.extend(ttl).expect("extend while held");
+        assert!(v < ttl && v > ttl / 2, "{v:?}");
+        assert!(matches!(b.try_lock(&key, ttl), Err(Error::Taken { .. })));
+    }
+    assert!(g.is_held());
+    g.release().unwrap();
+}
+
+#[test]
+fn many_threads_never_overlap() {
+    let c = shared();
+    let key = unique_key("overlap");
+    let locks = Redlock::builder()
+        .nodes(c.urls())
+        .retry_delay(Duration::from_millis(3))
+        .retry_jitter(Duration::from_millis(3))
+        .build()
+        .unwrap();
+    let inside = Arc::new(AtomicUsize::new(0));
+    let overlaps = Arc::new(AtomicUsize::new(0));
+    let done = Arc::new(AtomicUsize::new(0));
+    std::thread::scope(|s| {
+        for _ in 0..16 {
+            let (locks, key) = (locks.clone(), key.clone());
+            let (inside, overlaps, done) = (inside.clone(), overlaps.clone(), done.clone());
+            s.spawn(move || {
+                for _ in 0..50 {
+                    let g = locks
+                        .lock_timeout(&key, TTL, Duration::from_secs(60))
+                        .expect("acquire within a minute");
+                    if inside.fetch_add(1, Ordering::SeqCst) != 0 {
+                        overlaps.fetch_add(1, Ordering::SeqCst);
+                    }
+                    std::thread::yield_now();
+                    inside.fetch_sub(1, Ordering::SeqCst);
+                    g.release().expect("release while held");
+                    done.fetch_add(1, Ordering::SeqCst);
+                }
+            });
+        }
+    });
+    assert_eq!(overlaps.load(Ordering::SeqCst), 0);
+    assert_eq!(done.load(Ordering::SeqCst), 16 * 50);
+}
+
+#[test]
+fn one_stopped_node_of_three_still_locks() {
+    let c = Cluster::start(3);
+    let locks = client(&c.urls());
+    c.stop(2);
+    let key = unique_key("minority-down");
+    let g = locks.lock(&key, TTL).expect("a majority is enough");
+    assert!(g.is_held());
+    assert_eq!(c.get(0, &key).as_deref(), Some(g.token()));
+}
+
+#[test]
+fn two_stopped_nodes_of_three_fail_with_their_names() {
+    let c = Cluster::start(3);
+    let locks = client(&c.urls());
+    let key = unique_key("majority-down");
+    c.stop(1);
+    c.stop(2);
+    match locks.try_lock(&key, TTL) {
+        Err(Error::NoQuorum {
+            agreed: 1,
+            quorum: 2,
+            failures,
+        }) => {
+            let mut failed: Vec<String> = failures.iter().map(|f| f.node().to_owned()).collect();
+            failed.sort();
+            let mut want: Vec<String> = [1, 2]
+                .iter()
+                .map(|&i| c.url(i).trim_start_matches("redis://").to_owned())
+                .collect();
+            want.sort();
+            assert_eq!(failed, want);
+        }
+        other => panic!("expected NoQuorum, got {other:?}"),
+    }
+    // The failed attempt did not leave its key on the healthy node.
+    assert_eq!(c.get(0, &key), None);
+}
+
+#[test]
+fn a_paused_node_costs_at_most_a_few_node_timeouts() {
+    let c = Cluster::start(3);
+    let timeout = Duration::from_millis(50);
+    let locks = Redlock::builder()
+        .nodes(c.urls())
+        .node_timeout(timeout)
+        .build()
+        .unwrap();
+    // Warm the pools so the measurement is about the hung node only.
+    drop(locks.lock(&unique_key("warm"), TTL).unwrap());
+    c.pause(1);
+    for n in 0..5 {
+        let key = unique_key("paused");
+        let t = Instant::now();
+        let g = locks
+            .try_lock(&key, TTL)
+            .expect("two healthy nodes suffice");
+        let took = t.elapsed();
+        assert!(took < timeout * 4, "attempt {n} took {took:?}");
+        let t = Instant::now();
+        g.release().expect("release on the healthy majority");
+        assert!(
+            t.elapsed() < timeout * 4,
+            "release {n} took {:?}",
+            t.elapsed()
+        );
+    }
+    c.unpause(1);
+}
+
+#[test]
+fn building_with_every_node_down_succeeds_and_locking_fails_fast() {
+    let c = Cluster::start(3);
+    let urls = c.urls();
+    for i in 0..3 {
+        c.stop(i);
+    }
+    let t = Instant::now();
+    let locks = client(&urls);
+    assert!(
+        t.elapsed() < Duration::from_millis(200),
+        "build took {:?}",
+        t.elapsed()
+    );
+    let t = Instant::now();
+    match locks.try_lock(&unique_key("all-down"), TTL) {
+        Err(Error::NoQuorum {
+            agreed: 0,
+            failures,
+            ..
+        }) => {
+            assert_eq!(failures.len(), 3);
+            assert!(failures
+                .iter()
+                .all(|f| matches!(f.kind(), NodeErrorKind::Unavailable | NodeErrorKind::Io)));
+        }
+        other => panic!("expected NoQuorum, got {other:?}"),
+    }
+    assert!(
+        t.elapsed() < Duration::from_millis(500),
+        "lock took {:?}",
+        t.elapsed()
+    );
+}
+
+#[test]
+fn bad_input_gets_typed_errors() {
+    let ok = ["redis://127.0.0.1:1".to_string()];
+    let builder = || Redlock::builder().nodes(ok.clone());
+    let cases: Vec<(&str, quorumlock::Result<Redlock>, fn(&InvalidInput) -> bool)> = vec![
+        ("no nodes", Redlock::builder().build(), |e| {
+            *e == InvalidInput::NoNodes
+        }),
+        (
+            "duplicate",
+            builder().node("redis://127.0.0.1:1/2").build(),
+            |e| matches!(e, InvalidInput::DuplicateNode(_)),
+        ),
+        (
+            "bad url",
+            Redlock::builder().node("mongodb://x").build(),
+            |e| matches!(e, InvalidInput::BadNodeUrl { .. }),
+        ),
+        (
+            "zero timeout",
+            builder().node_timeout(Duration::ZERO).build(),
+            |e| *e == InvalidInput::ZeroDuration("node_timeout"),
+        ),
+        ("nan drift", builder().drift_factor(f64::NAN).build(), |e| {
+            matches!(e, InvalidInput::DriftFactor(_))
+        }),
+        ("drift 1.0", builder().drift_factor(1.0).build(), |e| {
+            matches!(e, InvalidInput::DriftFactor(_))
+        }),
+        ("zero retries", builder().retry_count(0).build(), |e| {
+            *e == InvalidInput::ZeroCount("retry_count")
+        }),
+        ("zero pool", builder().pool_size(0).build(), |e| {
+            *e == InvalidInput::ZeroCount("pool_size")
+        }),
+    ];
+    for (name, result, check) in cases {
+        match result {
+            Err(Error::InvalidInput(e)) => assert!(check(&e), "{name}: {e:?}"),
+            other => panic!("{name}: {other:?}"),
+        }
+    }
+
+    let locks = builder().build().unwrap();
+    let calls: Vec<(&str, Duration)> = vec![
+        ("", TTL),
+        ("k", Duration::ZERO),
+        ("k", Duration::from_millis(2)),
+        ("k", Duration::MAX),
+    ];
+    for (res, ttl) in calls {
+        let e = locks.lock(res, ttl).expect_err("refused");
+        assert!(
+            matches!(e, Error::InvalidInput(_)),
+            "{res:?} {ttl:?}: {e:?}"
+        );
+        assert!(!e.is_retryable());
+    }
+}

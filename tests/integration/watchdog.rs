@@ -1,0 +1,203 @@
+//! Automatic renewal against real Redis nodes.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use quorumlock::{Error, Redlock};
+
+use crate::common::{shared, unique_key, Cluster};
+
+const TTL: Duration = Duration::from_millis(600);
+
+fn client(urls: Vec<String>, renew: bool) -> Redlock {
+    Redlock::builder()
+        .nodes(urls)
+        .auto_renew(renew)
+        .build()
+        .expect("valid config")
+}
+
+#[test]
+fn renewal_keeps_a_lock_through_a_section_three_times_its_ttl() {
+    let c = shared();
+    let key = unique_key("renewed");
+    let (holder, rival) = (client(c.urls(), true), client(c.urls(), false));
+    let g = holder.lock(&key, TTL).unwrap();
+    assert!(g.is_auto_renewed());
+    let started = Instant::now();
+    while started.elapsed() < TTL * 3 {
+        assert!(
+            matches!(rival.try_lock(&key, TTL), Err(Error::Taken { .. })),
+            "rival got the lock after {:?}",
+            started.elapsed()
+        );
+        assert!(g.is_held(), "lost after {:?}", started.elapsed());
+        std::thread::sleep(TTL / 6);
+    }
+    g.release().unwrap();
+    let t = Instant::now();
+    let r = rival
+        .lock_timeout(&key, TTL, Duration::from_secs(2))
+        .expect("rival acquires after release");
+    assert!(t.elapsed() < TTL / 2, "took {:?}", t.elapsed());
+    drop(r);
+}
+
+#[test]
+fn without_renewal_the_lock_expires_after_its_ttl() {
+    let c = shared();
+    let key = unique_key("not-renewed");
+    let (holder, rival) = (client(c.urls(), false), client(c.urls(), false));
+    let g = holder.lock(&key, TTL).unwrap();
+    assert!(!g.is_auto_renewed());
+    assert!(rival.try_lock(&key, TTL).is_err());
+    std::thread::sleep(TTL + TTL / 4);
+    assert!(!g.is_held());
+    let taken = rival.try_lock(&key, TTL).expect("expired lock is free");
+    drop(taken);
+}
+
+#[test]
+fn losing_the_majority_fires_the_loss_channel_within_about_a_ttl() {
+    let c = Cluster::start(3);
+    let lost_calls = Arc::new(AtomicUsize::new(0));
+    let counter = lost_calls.clone();
+    let locks = Redlock::builder()
+        .nodes(c.urls())
+        .auto_renew(true)
+        .on_lost(move |_, _| {
+            counter.fetch_add(1, Ordering::SeqCst);
+        })
+        .build()
+        .unwrap();
+    let g = locks.lock(&unique_key("majority-lost"), TTL).unwrap();
+    let lost = g.lost();
+    c.stop(1);
+    c.stop(2);
+    let t = Instant::now();
+    let why = lost
+        .recv_timeout(TTL * 3)
+        .expect("loss reported within three TTLs");
+    assert!(
+        t.elapsed() < TTL + TTL / 2,
+        "reported after {:?}",
+        t.elapsed()
+    );
+    assert!(matches!(why, Error::Expired), "{why:?}");
+    assert!(g.is_lost() && !g.is_held());
+    assert_eq!(lost_calls.load(Ordering::SeqCst), 1);
+    // Dropping a lost guard with most nodes down returns promptly.
+    let t = Instant::now();
+    drop(g);
+    assert!(
+        t.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        t.elapsed()
+    );
+}
+
+#[test]
+fn a_key_deleted_behind_the_holders_back_is_lost_at_the_next_renewal() {
+    let c = shared();
+    let key = unique_key("deleted");
+    let locks = client(c.urls(), true);
+    let g = locks.lock(&key, TTL).unwrap();
+    c.del(0, &key);
+    c.del(1, &key);
+    let why = g
+        .lost()
+        .recv_timeout(TTL)
+        .expect("loss detected at the next renewal");
+    assert!(matches!(why, Error::Expired), "{why:?}");
+    assert!(!g.is_held());
+    assert!(matches!(g.release(), Err(Error::Expired)));
+    // The watchdog cleaned up the key that was still ours.
+    assert_eq!(c.get(2, &key), None);
+}
+
+#[test]
+fn release_stops_renewal_for_good() {
+    let c = shared();
+    let key = unique_key("released-renewed");
+    let locks = client(c.urls(), true);
+    let g = locks.lock(&key, TTL).unwrap();
+    std::thread::sleep(TTL / 2); // at least one renewal
+    let lost = g.lost();
+    g.release().unwrap();
+    assert!(
+        lost.recv().is_err(),
+        "released: the loss channel disconnects"
+    );
+    for _ in 0..6 {
+        assert!((0..c.len()).all(|i| c.get(i, &key).is_none()));
+        std::thread::sleep(TTL / 3);
+    }
+}
+
+#[test]
+fn dropped_renewed_guard_is_released_and_not_renewed() {
+    let c = shared();
+    let key = unique_key("dropped-renewed");
+    let locks = client(c.urls(), true);
+    drop(locks.lock(&key, TTL).unwrap());
+    std::thread::sleep(TTL / 2);
+    assert!((0..c.len()).all(|i| c.get(i, &key).is_none()));
+    assert!(locks.try_lock(&key, TTL).is_ok());
+}
+
+#[test]
+fn with_lock_renews_during_the_closure_and_releases_after() {
+    let c = shared();
+    let key = unique_key("with-lock");
+    let locks = client(c.urls(), false);
+    let rival = client(c.urls(), false);
+    let out = locks
+        .with_lock(&key, TTL, |g| {
+            assert!(g.is_auto_renewed());
+            std::thread::sleep(TTL * 2);
+            assert!(rival.try_lock(&key, TTL).is_err());
+            g.is_held()
+        })
+        .unwrap();
+    assert!(out, "held through the whole closure");
+    assert!((0..c.len()).all(|i| c.get(i, &key).is_none()));
+
+    // A panicking closure still releases.
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _ = locks.with_lock(&key, TTL, |_| panic!("boom"));
+    }));
+    assert!(panicked.is_err());
+    assert!((0..c.len()).all(|i| c.get(i, &key).is_none()));
+}
+
+#[test]
+fn with_lock_reports_a_loss_during_the_closure() {
+    let c = shared();
+    let key = unique_key("with-lock-lost");
+    let locks = client(c.urls(), false);
+    let r = locks.with_lock(&key, TTL, |g| {
+        c.del(0, &key);
+        c.del(1, &key);
+        let _ = g.lost().recv_timeout(TTL * 2);
+        42
+    });
+    assert!(matches!(r, Err(Error::Expired)), "{r:?}");
+}
+
+#[test]
+fn renewal_survives_a_node_restart() {
+    let c = Cluster::start(3);
+    let key = unique_key("restart");
+    let locks = client(c.urls(), true);
+    let g = locks.lock(&key, TTL).unwrap();
+    c.stop(2);
+    c.restart(2);
+    let started = Instant::now();
+    while started.elapsed() < TTL * 3 {
+        assert!(g.is_held(), "lost after {:?}", started.elapsed());
+        std::thread::sleep(TTL / 6);
+    }
+    assert_eq!(c.get(0, &key).as_deref(), Some(g.token()));
+    g.release().unwrap();
+}
