@@ -1,0 +1,613 @@
+//! Test harness: N throwaway Redis nodes, as Docker containers (testcontainers) or as
+//! `redis-server` processes on 127.0.0.1.
+//!
+//! Environment:
+//! - `QUORUMLOCK_TEST_BACKEND` = `auto` (default) | `docker` | `process`. `auto` uses Docker
+//!   when the engine answers and the image is present (or can be pulled quickly), else
+//!   `redis-server` processes (one line on stderr says why). `docker` / `process` force a
+//!   backend and fail loudly when it does not work.
+//! - `QUORUMLOCK_REDIS_IMAGE` = image `name:tag` for the Docker backend, default
+//!   `redis:7-alpine`. `.ci/redis-image.sh` builds `quorumlock/redis:7-debian` from Debian's
+//!   redis-server package for engines that cannot pull.
+//! - `QUORUMLOCK_DOCKER_PULL_TIMEOUT` = seconds `auto`/`docker` may spend pulling a missing
+//!   image (default 60).
+//! - `QUORUMLOCK_REDIS_SERVER` = path of the `redis-server` binary for the process backend
+//!   (default: `redis-server` on PATH).
+//! - `QUORUMLOCK_HARNESS_VERBOSE` (any value) = print each cluster's backend, start time
+//!   and URLs on stderr.
+//!
+//! Old Docker engines (API < 1.53, e.g. Debian 12's 20.10 = 1.41) are handled by an
+//! in-process proxy that rewrites the API version in request paths (see `proxy.rs`).
+//!
+//! Include it with `#[path = "../common/mod.rs"] mod common;` (tests/integration) or
+//! `#[path = "../tests/common/mod.rs"] mod common;` (examples); an `#[allow(dead_code)]`
+//! on that line is optional.
+// `unused` rather than `dead_code`: includers may add `#[allow(dead_code)]` themselves and
+// clippy rejects the same lint allowed twice (duplicated_attributes).
+#![allow(unused)]
+
+mod docker;
+mod process;
+mod proxy;
+
+use std::collections::HashSet;
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// Default image for the Docker backend.
+pub const DEFAULT_IMAGE: &str = "redis:7-alpine";
+
+/// Which kind of nodes a [`Cluster`] runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// testcontainers-managed containers of `QUORUMLOCK_REDIS_IMAGE`.
+    Docker,
+    /// `redis-server` child processes on 127.0.0.1.
+    Process,
+}
+
+/// N throwaway Redis nodes. Dropping it removes every container / kills every process it
+/// started (also while a test panics).
+pub struct Cluster {
+    backend: Backend,
+    nodes: Vec<Node>,
+}
+
+struct Node {
+    host: String,
+    port: u16,
+    inner: Mutex<NodeImpl>,
+}
+
+enum NodeImpl {
+    Docker(Box<docker::DockerNode>),
+    Process(process::ProcessNode),
+}
+
+impl Cluster {
+    /// Starts `n` nodes; panics with a message saying what to install when no backend works.
+    pub fn start(n: usize) -> Cluster {
+        match Cluster::try_start(n) {
+            Ok(c) => c,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// Starts `n` nodes, or says why it could not.
+    pub fn try_start(n: usize) -> Result<Cluster, String> {
+        let backend = selected()?;
+        let started = Instant::now();
+        // Start the nodes in parallel; collect results so that a failure of one still lets
+        // the others be cleaned up (they drop with the Vec).
+        let results: Vec<Result<Node, String>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..n)
+                .map(|_| {
+                    std::thread::Builder::new()
+                        .name("ql-harness-start".into())
+                        .spawn_scoped(s, move || start_node(backend))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| match h {
+                    Ok(h) => h
+                        .join()
+                        .unwrap_or_else(|_| Err("node start panicked".to_string())),
+                    Err(e) => Err(format!("cannot spawn a thread: {e}")),
+                })
+                .collect()
+        });
+        let mut nodes = Vec::with_capacity(n);
+        let mut errors = Vec::new();
+        for r in results {
+            match r {
+                Ok(node) => nodes.push(node),
+                Err(e) => errors.push(e),
+            }
+        }
+        let cluster = Cluster {
+            backend: backend.kind(),
+            nodes,
+        };
+        if !errors.is_empty() {
+            drop(cluster);
+            return Err(format!(
+                "quorumlock test harness: could not start {n} Redis node(s) with the {:?} backend:\n  {}",
+                backend.kind(),
+                errors.join("\n  ")
+            ));
+        }
+        if std::env::var_os("QUORUMLOCK_HARNESS_VERBOSE").is_some() {
+            eprintln!(
+                "quorumlock test harness: {n} {:?} node(s) up in {:?}: {:?}",
+                cluster.backend,
+                started.elapsed(),
+                cluster.urls()
+            );
+        }
+        Ok(cluster)
+    }
+
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+
+    /// `redis://127.0.0.1:PORT` for every node; stable for the cluster's lifetime.
+    pub fn urls(&self) -> Vec<String> {
+        (0..self.len()).map(|i| self.url(i)).collect()
+    }
+
+    pub fn url(&self, i: usize) -> String {
+        let n = self.node(i);
+        format!("redis://{}:{}", n.host, n.port)
+    }
+
+    /// Kills node `i` (a dead node: connections are refused afterwards).
+    pub fn stop(&self, i: usize) {
+        let n = self.node(i);
+        let r = match &mut *n.lock() {
+            NodeImpl::Docker(d) => d.stop(),
+            NodeImpl::Process(p) => p.stop(),
+        };
+        if let Err(e) = r {
+            panic!("stop node {i} ({}): {e}", self.url(i));
+        }
+    }
+
+    /// Starts node `i` again on the same port, with no data; returns once it answers PING.
+    /// A running node is stopped first.
+    pub fn restart(&self, i: usize) {
+        let n = self.node(i);
+        let r = match &mut *n.lock() {
+            NodeImpl::Docker(d) => d.restart(&n.host, n.port),
+            NodeImpl::Process(p) => p.restart(),
+        };
+        if let Err(e) = r {
+            panic!("restart node {i} ({}): {e}", self.url(i));
+        }
+    }
+
+    /// Freezes node `i` (a hung node: TCP connections are accepted, nothing is answered).
+    pub fn pause(&self, i: usize) {
+        let n = self.node(i);
+        let r = match &mut *n.lock() {
+            NodeImpl::Docker(d) => d.pause(),
+            NodeImpl::Process(p) => p.pause(),
+        };
+        if let Err(e) = r {
+            panic!("pause node {i} ({}): {e}", self.url(i));
+        }
+    }
+
+    pub fn unpause(&self, i: usize) {
+        let n = self.node(i);
+        let r = match &mut *n.lock() {
+            NodeImpl::Docker(d) => d.unpause(),
+            NodeImpl::Process(p) => p.unpause(),
+        };
+        if let Err(e) = r {
+            panic!("unpause node {i} ({}): {e}", self.url(i));
+        }
+    }
+
+    /// A direct connection to node `i` with 1 s connect/read/write timeouts.
+    pub fn conn(&self, i: usize) -> redis::Connection {
+        self.try_conn(i, Duration::from_secs(1))
+            .unwrap_or_else(|e| panic!("connect to node {i} ({}): {e}", self.url(i)))
+    }
+
+    /// Like [`Cluster::conn`] with a chosen timeout, as a Result.
+    pub fn try_conn(&self, i: usize, timeout: Duration) -> redis::RedisResult<redis::Connection> {
+        use redis::IntoConnectionInfo;
+        let info = self.url(i).into_connection_info()?;
+        let settings = info.redis_settings().clone().set_skip_set_lib_name();
+        let client = redis::Client::open(info.set_redis_settings(settings))?;
+        let conn = client.get_connection_with_timeout(timeout)?;
+        conn.set_read_timeout(Some(timeout))?;
+        conn.set_write_timeout(Some(timeout))?;
+        Ok(conn)
+    }
+
+    /// `GET key` on node `i`.
+    pub fn get(&self, i: usize, key: &str) -> Option<String> {
+        redis::cmd("GET")
+            .arg(key)
+            .query(&mut self.conn(i))
+            .unwrap_or_else(|e| panic!("GET {key} on node {i}: {e}"))
+    }
+
+    /// `DEL key` on node `i`.
+    pub fn del(&self, i: usize, key: &str) {
+        let _: i64 = redis::cmd("DEL")
+            .arg(key)
+            .query(&mut self.conn(i))
+            .unwrap_or_else(|e| panic!("DEL {key} on node {i}: {e}"));
+    }
+
+    /// `PTTL key` on node `i` (-2: no such key, -1: no expiry).
+    pub fn pttl(&self, i: usize, key: &str) -> i64 {
+        redis::cmd("PTTL")
+            .arg(key)
+            .query(&mut self.conn(i))
+            .unwrap_or_else(|e| panic!("PTTL {key} on node {i}: {e}"))
+    }
+
+    fn node(&self, i: usize) -> &Node {
+        self.nodes.get(i).unwrap_or_else(|| {
+            panic!(
+                "node index {i} out of range: the cluster has {} nodes",
+                self.nodes.len()
+            )
+        })
+    }
+}
+
+impl Node {
+    fn lock(&self) -> MutexGuard<'_, NodeImpl> {
+        // A panic while holding the lock (a failed stop, say) must not wedge Drop.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let nodes = std::mem::take(&mut self.nodes);
+        std::thread::scope(|s| {
+            for node in nodes {
+                // If no thread can be spawned the closure, and with it the node, is dropped
+                // right here: the nodes' own Drop impls still remove container / process.
+                let _ = std::thread::Builder::new()
+                    .name("ql-harness-drop".into())
+                    .spawn_scoped(s, move || {
+                        let port = node.port;
+                        let inner = node.inner.into_inner().unwrap_or_else(|e| e.into_inner());
+                        match inner {
+                            NodeImpl::Docker(d) => d.remove(),
+                            NodeImpl::Process(p) => p.remove(),
+                        }
+                        release_port(port);
+                    });
+            }
+        });
+    }
+}
+
+fn start_node(backend: &'static Selected) -> Result<Node, String> {
+    let mut last = String::new();
+    // A port that was free when checked can be taken before the node binds it: retry with
+    // another port.
+    for _ in 0..3 {
+        let port = pick_port()?;
+        let r = match backend {
+            Selected::Docker(env) => docker::DockerNode::start(env, port)
+                .map(|(d, host)| (NodeImpl::Docker(Box::new(d)), host)),
+            Selected::Process(env) => process::ProcessNode::start(env, port)
+                .map(|p| (NodeImpl::Process(p), "127.0.0.1".to_string())),
+        };
+        match r {
+            Ok((inner, host)) => {
+                return Ok(Node {
+                    host,
+                    port,
+                    inner: Mutex::new(inner),
+                })
+            }
+            Err(e) => {
+                release_port(port);
+                let lower = e.to_ascii_lowercase();
+                last = e;
+                if !lower.contains("address already in use") && !lower.contains("already allocated")
+                {
+                    break;
+                }
+            }
+        }
+    }
+    Err(last)
+}
+
+// ---------------------------------------------------------------------------------------
+// shared cluster and keys
+
+static SHARED: Mutex<Weak<Cluster>> = Mutex::new(Weak::new());
+
+/// A 3-node cluster shared by concurrently running non-destructive tests (do not stop or
+/// pause its nodes). Created on demand; torn down when the last `Arc` drops.
+pub fn shared() -> Arc<Cluster> {
+    let mut guard = SHARED.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(c) = guard.upgrade() {
+        return c;
+    }
+    let c = Arc::new(Cluster::start(3));
+    *guard = Arc::downgrade(&c);
+    c
+}
+
+/// A key unique per call and per process: `test:{name}:{pid}:{counter}:{nanos}`.
+pub fn unique_key(name: &str) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "test:{name}:{}:{}:{}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed),
+        nanos()
+    )
+}
+
+// ---------------------------------------------------------------------------------------
+// backend selection (once per process)
+
+enum Selected {
+    Docker(docker::DockerEnv),
+    Process(process::ProcessEnv),
+}
+
+impl Selected {
+    fn kind(&self) -> Backend {
+        match self {
+            Selected::Docker(_) => Backend::Docker,
+            Selected::Process(_) => Backend::Process,
+        }
+    }
+}
+
+fn selected() -> Result<&'static Selected, String> {
+    static SELECTED: OnceLock<Result<Selected, String>> = OnceLock::new();
+    SELECTED.get_or_init(select).as_ref().map_err(Clone::clone)
+}
+
+fn image() -> String {
+    std::env::var("QUORUMLOCK_REDIS_IMAGE")
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| DEFAULT_IMAGE.to_string())
+}
+
+fn install_hint(image: &str) -> String {
+    format!(
+        "Install one of:\n  \
+         - redis-server (Debian/Ubuntu: `apt-get install redis-server`; macOS: `brew install redis`), or\n  \
+         - Docker (engine running, `docker` CLI on PATH) with the image `{image}` available \
+         (`docker pull {image}`; without a registry build a local one with `.ci/redis-image.sh` \
+         and set QUORUMLOCK_REDIS_IMAGE=quorumlock/redis:7-debian)."
+    )
+}
+
+fn select() -> Result<Selected, String> {
+    let mode = std::env::var("QUORUMLOCK_TEST_BACKEND")
+        .unwrap_or_default()
+        .trim()
+        .to_ascii_lowercase();
+    let image = image();
+    match mode.as_str() {
+        "docker" => docker::probe(&image).map(Selected::Docker).map_err(|e| {
+            format!(
+                "quorumlock test harness: QUORUMLOCK_TEST_BACKEND=docker, but Docker is not usable: {e}\n{}",
+                install_hint(&image)
+            )
+        }),
+        "process" => process::probe().map(Selected::Process).map_err(|e| {
+            format!(
+                "quorumlock test harness: QUORUMLOCK_TEST_BACKEND=process, but redis-server is not usable: {e}\n{}",
+                install_hint(&image)
+            )
+        }),
+        "" | "auto" => match docker::probe(&image) {
+            Ok(env) => Ok(Selected::Docker(env)),
+            Err(docker_err) => match process::probe() {
+                Ok(env) => {
+                    eprintln!(
+                        "quorumlock test harness: using redis-server processes on 127.0.0.1, not Docker: {docker_err}"
+                    );
+                    Ok(Selected::Process(env))
+                }
+                Err(proc_err) => Err(format!(
+                    "quorumlock test harness: no Redis backend works.\n  Docker: {docker_err}\n  \
+                     Process: {proc_err}\n{}",
+                    install_hint(&image)
+                )),
+            },
+        },
+        other => Err(format!(
+            "quorumlock test harness: QUORUMLOCK_TEST_BACKEND={other:?} is not one of auto, docker, process"
+        )),
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// helpers shared by the backends
+
+pub(crate) fn nanos() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0)
+}
+
+/// `(pid, start time in clock ticks)` of a process, from /proc; None when it is gone.
+pub(crate) fn proc_identity(pid: u32) -> Option<(u32, u64)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after = &stat[stat.rfind(')')? + 1..];
+    // Fields after "(comm)" start with field 3 (state); starttime is field 22.
+    let start = after.split_whitespace().nth(19)?.parse().ok()?;
+    Some((pid, start))
+}
+
+/// Identifies this test process across pid reuse: `hostname/pid/starttime`.
+pub(crate) fn owner_tag() -> &'static str {
+    static TAG: OnceLock<String> = OnceLock::new();
+    TAG.get_or_init(|| {
+        let pid = std::process::id();
+        let start = proc_identity(pid).map(|(_, s)| s).unwrap_or(0);
+        format!("{}/{pid}/{start}", hostname())
+    })
+}
+
+pub(crate) fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
+/// Whether the process named by an `owner_tag()` of this host is still running.
+pub(crate) fn owner_alive(tag: &str) -> bool {
+    let mut parts = tag.split('/');
+    let (Some(_host), Some(pid), Some(start)) = (parts.next(), parts.next(), parts.next()) else {
+        return true; // unknown format: leave it alone
+    };
+    let (Ok(pid), Ok(start)) = (pid.parse::<u32>(), start.parse::<u64>()) else {
+        return true;
+    };
+    proc_identity(pid).is_some_and(|(_, s)| s == start)
+}
+
+static PORTS_IN_USE: Mutex<Option<HashSet<u16>>> = Mutex::new(None);
+
+/// A port that is free on both 127.0.0.1 and 0.0.0.0, below the kernel's ephemeral range
+/// (so that a client socket cannot take it while a node is stopped), and not handed out
+/// to another live node of this process.
+pub(crate) fn pick_port() -> Result<u16, String> {
+    let (eph_low, _) = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| {
+            let mut it = s.split_whitespace().map(|p| p.parse::<u16>().ok());
+            Some((it.next()??, it.next()??))
+        })
+        .unwrap_or((32768, 60999));
+    let (lo, hi) = if eph_low > 12000 {
+        (10000u16, eph_low)
+    } else {
+        (eph_low.max(1024), 65535)
+    };
+    let span = u32::from(hi - lo);
+    let seed = (nanos() as u32) ^ std::process::id().wrapping_mul(2654435761);
+    let mut used = PORTS_IN_USE.lock().unwrap_or_else(|e| e.into_inner());
+    let used = used.get_or_insert_with(HashSet::new);
+    for k in 0..span.min(4000) {
+        let port = lo + ((seed.wrapping_add(k.wrapping_mul(7919))) % span) as u16;
+        if used.contains(&port) {
+            continue;
+        }
+        let free = TcpListener::bind(("127.0.0.1", port)).is_ok()
+            && TcpListener::bind(("0.0.0.0", port)).is_ok();
+        if free {
+            used.insert(port);
+            return Ok(port);
+        }
+    }
+    Err(format!("no free TCP port found in {lo}..{hi}"))
+}
+
+pub(crate) fn release_port(port: u16) {
+    let mut used = PORTS_IN_USE.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(used) = used.as_mut() {
+        used.remove(&port);
+    }
+}
+
+/// One raw `PING` (inline command); true on `+PONG`.
+pub(crate) fn ping_once(host: &str, port: u16, timeout: Duration) -> bool {
+    let Some(addr) = (host, port)
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next())
+    else {
+        return false;
+    };
+    let Ok(mut s) = TcpStream::connect_timeout(&addr, timeout) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(timeout));
+    let _ = s.set_write_timeout(Some(timeout));
+    if s.write_all(b"PING\r\n").is_err() {
+        return false;
+    }
+    let mut buf = [0u8; 7];
+    let mut got = 0;
+    while got < buf.len() {
+        match s.read(&mut buf[got..]) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got += n,
+        }
+    }
+    let _ = s.shutdown(Shutdown::Both);
+    buf[..got].starts_with(b"+PONG")
+}
+
+/// Polls PING until it answers or `limit` passes; `alive` may abort early with an error
+/// (e.g. the process exited).
+pub(crate) fn wait_for_ping(
+    host: &str,
+    port: u16,
+    limit: Duration,
+    mut alive: impl FnMut() -> Result<(), String>,
+) -> Result<Duration, String> {
+    let start = Instant::now();
+    loop {
+        if ping_once(host, port, Duration::from_millis(250)) {
+            return Ok(start.elapsed());
+        }
+        alive()?;
+        if start.elapsed() > limit {
+            return Err(format!("no PONG from {host}:{port} within {limit:?}"));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Runs a command with a time limit; Ok(stdout) on exit status 0, else Err with stderr.
+pub(crate) fn run_cmd(cmd: &mut Command, limit: Duration) -> Result<String, String> {
+    let what = format!("{cmd:?}");
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("{what}: cannot run: {e}"))?;
+    let out = child.stdout.take().expect("piped stdout");
+    let err = child.stderr.take().expect("piped stderr");
+    let reader = |mut r: Box<dyn Read + Send>| {
+        std::thread::Builder::new()
+            .name("ql-harness-cmd".into())
+            .spawn(move || {
+                let mut s = String::new();
+                let _ = r.read_to_string(&mut s);
+                s
+            })
+    };
+    let out_t = reader(Box::new(out)).map_err(|e| format!("{what}: spawn reader: {e}"))?;
+    let err_t = reader(Box::new(err)).map_err(|e| format!("{what}: spawn reader: {e}"))?;
+    let start = Instant::now();
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(st)) => break Some(st),
+            Ok(None) if start.elapsed() > limit => {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(2)),
+            Err(e) => return Err(format!("{what}: wait: {e}")),
+        }
+    };
+    let stdout = out_t.join().unwrap_or_default();
+    let stderr = err_t.join().unwrap_or_default();
+    match status {
+        Some(st) if st.success() => Ok(stdout),
+        Some(st) => Err(format!("{what} failed ({st}): {}", stderr.trim())),
+        None => Err(format!("{what} did not finish within {limit:?}")),
+    }
+}

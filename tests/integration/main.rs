@@ -1,0 +1,9 @@
+//! The integration-test binary: one binary, so that the Redis nodes of `common::shared()`
+//! are started once and shared by every module's tests.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod harness;
+mod lock;
+mod watchdog;
