@@ -10,7 +10,7 @@ use redis::IntoConnectionInfo;
 use crate::clock::{Rng, SystemClock};
 use crate::error::InvalidInput;
 use crate::guard::LostCallback;
-use crate::node::{NodeSpec, RedisTransport};
+use crate::node::{DriverConfig, NodeSpec, RedisTransport};
 use crate::redlock::Redlock;
 use crate::Result;
 
@@ -79,6 +79,8 @@ pub struct Builder {
     settings: Settings,
     pool_size: u32,
     on_lost: Option<Arc<LostCallback>>,
+    restart_protection: bool,
+    max_ttl: Option<Duration>,
 }
 
 impl Default for Builder {
@@ -88,6 +90,8 @@ impl Default for Builder {
             settings: Settings::default(),
             pool_size: 8,
             on_lost: None,
+            restart_protection: true,
+            max_ttl: None,
         }
     }
 }
@@ -100,6 +104,8 @@ impl fmt::Debug for Builder {
             .field("settings", &self.settings)
             .field("pool_size", &self.pool_size)
             .field("on_lost", &self.on_lost.is_some())
+            .field("restart_protection", &self.restart_protection)
+            .field("max_ttl", &self.max_ttl)
             .finish()
     }
 }
@@ -212,6 +218,30 @@ impl Builder {
         self
     }
 
+    /// Applies the Redlock delayed-restart rule in the client: a node that
+    /// restarted (its `run_id` changed since we last connected) has forgotten
+    /// the locks it held, so its votes do not count until it has been up
+    /// for the longest TTL in use — by then every lock it forgot has expired
+    /// everywhere. Costs one `INFO server` per new connection, none per lock.
+    ///
+    /// Defaults to true.
+    pub fn restart_protection(mut self, on: bool) -> Self {
+        self.restart_protection = on;
+        self
+    }
+
+    /// Sets the longest TTL any client of these nodes uses, for the
+    /// delayed-restart rule. When set, a node first seen with less uptime than
+    /// this is held back too (it may have restarted before this client
+    /// started). When unset, the longest TTL this client has used is tracked
+    /// and applied to restarts it observes.
+    ///
+    /// Defaults to unset (tracked from use).
+    pub fn max_ttl(mut self, ttl: Duration) -> Self {
+        self.max_ttl = Some(ttl);
+        self
+    }
+
     /// Validates the settings and creates the client. Never waits for a
     /// node: pools connect in the background, and a node that is down only
     /// costs its vote.
@@ -226,7 +256,15 @@ impl Builder {
             return Err(InvalidInput::ZeroCount("pool_size").into());
         }
         let specs = parse_nodes(&self.nodes)?;
-        let transport = RedisTransport::new(specs, self.settings.node_timeout, self.pool_size);
+        let transport = RedisTransport::new(
+            specs,
+            DriverConfig {
+                timeout: self.settings.node_timeout,
+                pool_size: self.pool_size,
+                restart_protection: self.restart_protection,
+                max_ttl: self.max_ttl,
+            },
+        );
         Ok(Redlock::from_parts(
             self.settings,
             Box::new(transport),

@@ -196,6 +196,13 @@ pub enum NodeErrorKind {
     Server,
     /// The server's reply was not what the command returns.
     Protocol,
+    /// Not asked: the node failed recently and is skipped (counted as a
+    /// failed vote at no cost) until a background probe sees it answer.
+    Skipped,
+    /// Not asked: the node restarted less than the longest TTL ago, so it may
+    /// have forgotten locks; its votes count again after that (the Redlock
+    /// delayed-restart rule).
+    Restarted,
 }
 
 impl fmt::Display for NodeErrorKind {
@@ -206,6 +213,8 @@ impl fmt::Display for NodeErrorKind {
             NodeErrorKind::Io => "i/o error",
             NodeErrorKind::Server => "server error",
             NodeErrorKind::Protocol => "unexpected reply",
+            NodeErrorKind::Skipped => "skipped after failures",
+            NodeErrorKind::Restarted => "restarted recently",
         })
     }
 }

@@ -144,7 +144,13 @@ impl Transport for Shared {
         &self.0.names
     }
 
-    fn run(&self, op: Op, keys: &[Key<'_>], deadline: Instant) -> Vec<NodeResult> {
+    fn run(
+        &self,
+        op: Op,
+        keys: &[Key<'_>],
+        deadline: Instant,
+        _decided: Option<crate::transport::Decided<'_>>,
+    ) -> Vec<NodeResult> {
         let f = &self.0;
         f.rounds.fetch_add(1, Ordering::SeqCst);
         let modes = f.modes.lock().clone();

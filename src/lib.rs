@@ -34,6 +34,7 @@ mod clock;
 mod config;
 mod error;
 mod guard;
+mod health;
 mod node;
 mod quorum;
 mod redlock;

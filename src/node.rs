@@ -8,18 +8,21 @@
 //! never returns to the pool.
 
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use log::{debug, warn};
+use log::{debug, info, warn};
+use parking_lot::Mutex;
 use r2d2::{ManageConnection, Pool, PooledConnection};
 use redis::{ConnectionInfo, ConnectionLike, RedisError, Value};
 use scheduled_thread_pool::ScheduledThreadPool;
 
-use crate::clock::Throttle;
+use crate::clock::{after, Throttle};
 use crate::error::{NodeError, NodeErrorKind};
+use crate::health::{Admit, Breaker, RestartWatch, LATE_LIMIT};
 use crate::scripts;
-use crate::transport::{Answer, Key, NodeResult, Op, Transport};
+use crate::transport::{Answer, Decided, Key, NodeResult, Op, Transport};
 
 /// The smallest socket timeout we set (`Some(ZERO)` is an error for std).
 const MIN_TIMEOUT: Duration = Duration::from_millis(1);
@@ -34,10 +37,69 @@ pub(crate) struct NodeSpec {
     pub info: ConnectionInfo,
 }
 
+/// Settings the driver needs beyond addresses.
+#[derive(Debug, Clone)]
+pub(crate) struct DriverConfig {
+    pub timeout: Duration,
+    pub pool_size: u32,
+    /// Apply the delayed-restart rule (read `INFO server` on each new
+    /// connection).
+    pub restart_protection: bool,
+    /// The operator's maximum TTL, if configured.
+    pub max_ttl: Option<Duration>,
+}
+
+/// What the pools' background threads and the rounds share about the nodes.
+#[derive(Debug)]
+struct Shared {
+    config: DriverConfig,
+    /// Longest TTL sent so far, in milliseconds.
+    tracked_ttl_ms: AtomicU64,
+}
+
+/// One node: its pool and what we know of its health.
+struct Node {
+    pool: Pool<Manager>,
+    health: Arc<Health>,
+}
+
+/// A node's breaker, restart watch and reply latency.
+#[derive(Debug)]
+struct Health {
+    name: String,
+    breaker: Mutex<Breaker>,
+    restart: Mutex<RestartWatch>,
+    /// Moving average of reply latency (ns): the order replies are read in.
+    latency_ns: AtomicU64,
+}
+
+impl Health {
+    fn failure(&self, now: Instant, why: &str) {
+        let window = self.breaker.lock().failure(now);
+        debug!("node {}: {why}; skipped for {window:?}", self.name);
+    }
+
+    fn success(&self, latency: Duration) {
+        let sample = u64::try_from(latency.as_nanos()).unwrap_or(u64::MAX);
+        let old = self.latency_ns.load(Ordering::Relaxed);
+        let avg = if old == 0 {
+            sample
+        } else {
+            old - old / 8 + sample / 8
+        };
+        self.latency_ns.store(avg, Ordering::Relaxed);
+        if self.breaker.lock().success() {
+            info!("node {}: answering again, back in use", self.name);
+        }
+    }
+}
+
 /// The production [`Transport`].
 pub(crate) struct RedisTransport {
     names: Vec<String>,
-    nodes: Vec<Pool<Manager>>,
+    nodes: Vec<Node>,
+    shared: Arc<Shared>,
+    threads: Arc<ScheduledThreadPool>,
 }
 
 impl fmt::Debug for RedisTransport {
@@ -50,9 +112,14 @@ impl fmt::Debug for RedisTransport {
 
 impl RedisTransport {
     /// Creates the pools without waiting for any node.
-    pub(crate) fn new(specs: Vec<NodeSpec>, timeout: Duration, pool_size: u32) -> Self {
+    pub(crate) fn new(specs: Vec<NodeSpec>, mut config: DriverConfig) -> Self {
+        config.timeout = config.timeout.max(MIN_TIMEOUT);
+        let shared = Arc::new(Shared {
+            config,
+            tracked_ttl_ms: AtomicU64::new(0),
+        });
         // One small set of connector threads for all of this client's pools:
-        // safe because every connect is bounded by `timeout`.
+        // safe because every connect is bounded by the timeout.
         let threads = Arc::new(
             ScheduledThreadPool::builder()
                 .num_threads(2)
@@ -62,12 +129,19 @@ impl RedisTransport {
         let mut names = Vec::with_capacity(specs.len());
         let mut nodes = Vec::with_capacity(specs.len());
         for spec in specs {
+            let health = Arc::new(Health {
+                name: spec.name.clone(),
+                breaker: Mutex::new(Breaker::default()),
+                restart: Mutex::new(RestartWatch::default()),
+                latency_ns: AtomicU64::new(0),
+            });
             let manager = Manager {
                 client: spec.info,
-                timeout: timeout.max(MIN_TIMEOUT),
+                shared: shared.clone(),
+                health: health.clone(),
             };
             let pool = Pool::builder()
-                .max_size(pool_size)
+                .max_size(shared.config.pool_size)
                 .min_idle(None)
                 .test_on_check_out(false)
                 // Background reconnects back off up to half of this: a node
@@ -80,62 +154,182 @@ impl RedisTransport {
                 .thread_pool(threads.clone())
                 .build_unchecked(manager);
             names.push(spec.name);
-            nodes.push(pool);
+            nodes.push(Node { pool, health });
         }
-        RedisTransport { names, nodes }
+        RedisTransport {
+            names,
+            nodes,
+            shared,
+            threads,
+        }
+    }
+
+    /// Whether node `i` takes part in this round; an error (counted as a
+    /// failed vote, at no cost) when its breaker is open or it restarted
+    /// too recently for its votes to count.
+    fn admit(&self, i: usize, now: Instant) -> Result<(), NodeError> {
+        let node = &self.nodes[i];
+        if let Some(until) = node.health.restart.lock().held(now) {
+            return Err(NodeError::new(
+                &self.names[i],
+                NodeErrorKind::Restarted,
+                format!(
+                    "votes count again in {:?}",
+                    until.saturating_duration_since(now)
+                ),
+            ));
+        }
+        let admit = node.health.breaker.lock().admit(now);
+        match admit {
+            Admit::Send => Ok(()),
+            Admit::Skip { until } => Err(NodeError::new(
+                &self.names[i],
+                NodeErrorKind::Skipped,
+                format!(
+                    "failing; retried in {:?}",
+                    until.saturating_duration_since(now)
+                ),
+            )),
+            Admit::Probe => {
+                let (pool, health) = (node.pool.clone(), node.health.clone());
+                let timeout = self.shared.config.timeout;
+                self.threads.execute(move || probe(&pool, &health, timeout));
+                Err(NodeError::new(
+                    &self.names[i],
+                    NodeErrorKind::Skipped,
+                    "probing",
+                ))
+            }
+        }
     }
 }
+
+/// One request to a node whose breaker is open: it rejoins on an answer.
+fn probe(pool: &Pool<Manager>, health: &Health, timeout: Duration) {
+    let started = Instant::now();
+    let answered = match pool.get_timeout(timeout) {
+        Ok(mut conn) => {
+            let ok = conn.inner.set_read_timeout(Some(timeout)).is_ok()
+                && redis::cmd("PING").query::<String>(&mut conn.inner).is_ok();
+            conn.broken |= !ok;
+            ok
+        }
+        Err(_) => false,
+    };
+    if answered {
+        health.success(started.elapsed());
+    } else {
+        health.failure(Instant::now(), "probe failed");
+    }
+}
+
+/// Below this, a reply read after the round was decided is not waited for.
+const DRAIN_MIN: Duration = Duration::from_micros(200);
 
 impl Transport for RedisTransport {
     fn node_names(&self) -> &[String] {
         &self.names
     }
 
-    fn run(&self, op: Op, keys: &[Key<'_>], deadline: Instant) -> Vec<NodeResult> {
+    fn run(
+        &self,
+        op: Op,
+        keys: &[Key<'_>],
+        deadline: Instant,
+        decided: Option<Decided<'_>>,
+    ) -> Vec<NodeResult> {
+        if let Op::Acquire { ttl } | Op::Extend { ttl } = op {
+            self.shared
+                .tracked_ttl_ms
+                .fetch_max(millis_ceil(ttl), Ordering::Relaxed);
+        }
         let round = Encoded::new(op, keys);
         let n = self.nodes.len();
         let mut results: Vec<Option<NodeResult>> = vec![None; n];
+        let mut conns: Vec<Option<PooledConnection<Manager>>> = (0..n).map(|_| None).collect();
 
-        // Check out: idle connections first (never waits), then wait for the
-        // rest within the round's deadline.
-        let mut conns: Vec<Option<PooledConnection<Manager>>> =
-            self.nodes.iter().map(|p| p.try_get()).collect();
+        // Admit and check out: idle connections first (never waits), then
+        // wait for the rest within the round's deadline.
+        let now = Instant::now();
         for i in 0..n {
-            if conns[i].is_none() {
+            match self.admit(i, now) {
+                Ok(()) => conns[i] = self.nodes[i].pool.try_get(),
+                Err(e) => results[i] = Some(Err(e)),
+            }
+        }
+        for i in 0..n {
+            if conns[i].is_none() && results[i].is_none() {
                 let wait = deadline.saturating_duration_since(Instant::now());
-                match self.nodes[i].get_timeout(wait) {
+                match self.nodes[i].pool.get_timeout(wait) {
                     Ok(c) => conns[i] = Some(c),
                     Err(e) => {
+                        self.nodes[i]
+                            .health
+                            .failure(Instant::now(), "no connection");
                         results[i] = Some(Err(NodeError::new(
                             &self.names[i],
                             NodeErrorKind::Unavailable,
                             e.to_string(),
-                        )))
+                        )));
                     }
                 }
             }
         }
 
         // Scatter.
+        let sent = Instant::now();
         for (i, slot) in conns.iter_mut().enumerate() {
             if let Some(conn) = slot {
                 if let Err(e) = conn.inner.send_packed_command(&round.packed) {
                     conn.broken = true;
-                    results[i] = Some(Err(node_error(&self.names[i], &e)));
+                    let err = node_error(&self.names[i], &e);
+                    self.nodes[i].health.failure(Instant::now(), err.detail());
+                    results[i] = Some(Err(err));
                     *slot = None;
                 }
             }
         }
 
-        // Gather.
-        for (i, slot) in conns.iter_mut().enumerate() {
-            if let Some(conn) = slot {
-                let r = round.receive(conn, deadline);
-                if r.is_err() {
-                    conn.broken = true;
+        // Gather, fastest nodes first, until the outcome is decided; then
+        // take only replies that arrive shortly after.
+        let mut order: Vec<usize> = (0..n).filter(|&i| conns[i].is_some()).collect();
+        order.sort_by_key(|&i| self.nodes[i].health.latency_ns.load(Ordering::Relaxed));
+        let mut drain: Option<Instant> = None;
+        for i in order {
+            let Some(conn) = conns[i].as_mut() else {
+                continue;
+            };
+            let health = &self.nodes[i].health;
+            let (until, floor) = match drain {
+                Some(d) => (d, Duration::from_micros(50)),
+                None => (deadline, MIN_TIMEOUT),
+            };
+            let r = round.receive(conn, until, floor);
+            let now = Instant::now();
+            match &r {
+                Ok(_) => health.success(now.saturating_duration_since(sent)),
+                Err((NodeErrorKind::Timeout, _)) if drain.is_some() => {
+                    if let Some(window) = health.breaker.lock().late(now) {
+                        debug!(
+                            "node {}: late {LATE_LIMIT} times; skipped for {window:?}",
+                            health.name
+                        );
+                    }
                 }
-                results[i] =
-                    Some(r.map_err(|(kind, detail)| NodeError::new(&self.names[i], kind, detail)));
+                Err((
+                    NodeErrorKind::Timeout | NodeErrorKind::Io | NodeErrorKind::Unavailable,
+                    why,
+                )) => health.failure(now, why),
+                Err(_) => {}
+            }
+            if r.is_err() {
+                conn.broken = true;
+            }
+            results[i] =
+                Some(r.map_err(|(kind, detail)| NodeError::new(&self.names[i], kind, detail)));
+            if drain.is_none() && decided.is_some_and(|f| f(&results)) {
+                let grace = now.saturating_duration_since(sent).max(DRAIN_MIN);
+                drain = Some(after(now, grace).min(deadline));
             }
         }
         drop(conns);
@@ -220,12 +414,13 @@ impl Encoded {
         &self,
         conn: &mut Conn,
         deadline: Instant,
+        floor: Duration,
     ) -> Result<Vec<Answer>, (NodeErrorKind, String)> {
         match self.op {
             Op::Acquire { .. } => {
                 let mut answers = Vec::with_capacity(self.keys);
                 for _ in 0..self.keys {
-                    answers.push(match conn.recv(deadline)? {
+                    answers.push(match conn.recv(deadline, floor)? {
                         Value::Okay => Answer::Ok,
                         Value::Nil => Answer::Other,
                         v => return Err(unexpected(v)),
@@ -234,14 +429,14 @@ impl Encoded {
                 Ok(answers)
             }
             Op::Release | Op::Extend { .. } => {
-                let mut reply = conn.recv(deadline)?;
+                let mut reply = conn.recv(deadline, floor)?;
                 if let (Value::ServerError(e), Some(fallback)) = (&reply, &self.fallback) {
                     if e.kind() == Some(redis::ServerErrorKind::NoScript) {
                         debug!("script not cached on node, sending EVAL");
                         conn.inner
                             .send_packed_command(fallback)
                             .map_err(|e| classify(&e))?;
-                        reply = conn.recv(deadline)?;
+                        reply = conn.recv(deadline, floor)?;
                     }
                 }
                 match reply {
@@ -300,31 +495,87 @@ pub(crate) struct Conn {
 }
 
 impl Conn {
-    fn recv(&mut self, deadline: Instant) -> Result<Value, (NodeErrorKind, String)> {
-        // Past the deadline we still take a reply that has already arrived
-        // (a slow node read earlier must not cost the others their votes),
-        // waiting at most MIN_TIMEOUT for it.
+    /// Reads one reply, waiting until `deadline` — and past it at most
+    /// `floor`, so that a reply that has already arrived is still taken (a
+    /// slow node read earlier must not cost the others their votes).
+    fn recv(
+        &mut self,
+        deadline: Instant,
+        floor: Duration,
+    ) -> Result<Value, (NodeErrorKind, String)> {
         let left = deadline.saturating_duration_since(Instant::now());
         self.inner
-            .set_read_timeout(Some(left.max(MIN_TIMEOUT)))
+            .set_read_timeout(Some(left.max(floor)))
             .map_err(|e| classify(&e))?;
         self.inner.recv_response().map_err(|e| classify(&e))
     }
 }
 
 /// Our r2d2 connection manager: connect with a timeout, socket timeouts set,
-/// TCP_NODELAY, no extra set-up round trips.
+/// TCP_NODELAY, no `CLIENT SETINFO`; with restart protection, one
+/// `INFO server` per new connection to notice a restarted node.
 pub(crate) struct Manager {
     client: ConnectionInfo,
-    timeout: Duration,
+    shared: Arc<Shared>,
+    health: Arc<Health>,
 }
 
 impl fmt::Debug for Manager {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Manager")
-            .field("addr", &self.client.addr().to_string())
-            .field("timeout", &self.timeout)
+            .field("node", &self.health.name)
             .finish()
+    }
+}
+
+impl Manager {
+    fn open(&self) -> Result<Conn, RedisError> {
+        let timeout = self.shared.config.timeout;
+        let client = redis::Client::open(self.client.clone())?;
+        let mut inner = client.get_connection_with_timeout(timeout)?;
+        inner.set_write_timeout(Some(timeout))?;
+        inner.set_read_timeout(Some(timeout))?;
+        if self.shared.config.restart_protection {
+            let started = Instant::now();
+            let info: String = redis::cmd("INFO").arg("server").query(&mut inner)?;
+            self.health.success(started.elapsed());
+            self.observe(&info);
+        }
+        Ok(Conn {
+            inner,
+            broken: false,
+        })
+    }
+
+    /// Applies the delayed-restart rule to what `INFO server` said.
+    fn observe(&self, info: &str) {
+        let field = |name: &str| {
+            info.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+                .map(str::trim)
+        };
+        let (Some(run_id), Some(uptime)) = (
+            field("run_id"),
+            field("uptime_in_seconds").and_then(|u| u.parse::<u64>().ok()),
+        ) else {
+            debug!("node {}: INFO without run_id/uptime", self.health.name);
+            return;
+        };
+        let tracked = Duration::from_millis(self.shared.tracked_ttl_ms.load(Ordering::Relaxed));
+        let held = self.health.restart.lock().observe(
+            run_id,
+            Duration::from_secs(uptime),
+            Instant::now(),
+            self.shared.config.max_ttl,
+            tracked,
+        );
+        if let Some(until) = held {
+            info!(
+                "node {}: up only {uptime} s (restarted?); its votes are held back for {:?} so that locks it forgot expire first",
+                self.health.name,
+                until.saturating_duration_since(Instant::now())
+            );
+        }
     }
 }
 
@@ -333,18 +584,18 @@ impl ManageConnection for Manager {
     type Error = RedisError;
 
     fn connect(&self) -> Result<Conn, RedisError> {
-        let client = redis::Client::open(self.client.clone())?;
-        let inner = client.get_connection_with_timeout(self.timeout)?;
-        inner.set_write_timeout(Some(self.timeout))?;
-        inner.set_read_timeout(Some(self.timeout))?;
-        Ok(Conn {
-            inner,
-            broken: false,
+        self.open().inspect_err(|e| {
+            // A refused or timed-out connect makes rounds skip the node at
+            // once instead of waiting for a connection that will not come.
+            if e.is_connection_refusal() || e.is_timeout() || e.is_io_error() {
+                self.health.failure(Instant::now(), "connect failed");
+            }
         })
     }
 
     fn is_valid(&self, conn: &mut Conn) -> Result<(), RedisError> {
-        conn.inner.set_read_timeout(Some(self.timeout))?;
+        conn.inner
+            .set_read_timeout(Some(self.shared.config.timeout))?;
         redis::cmd("PING")
             .query::<String>(&mut conn.inner)
             .map(drop)

@@ -17,6 +17,18 @@ pub(crate) fn quorum(nodes: usize) -> usize {
     nodes / 2 + 1
 }
 
+/// Whether a one-key round is settled by the replies so far (`None`: not
+/// read yet): a majority said OK, or too few nodes are left to make one.
+pub(crate) fn settled(results: &[Option<NodeResult>]) -> bool {
+    let q = quorum(results.len());
+    let ok = results
+        .iter()
+        .filter(|r| matches!(r, Some(Ok(a)) if a.first() == Some(&Answer::Ok)))
+        .count();
+    let pending = results.iter().filter(|r| r.is_none()).count();
+    ok >= q || ok + pending < q
+}
+
 /// `ttl × factor + 2 ms`, saturating; never panics for any `ttl` or factor.
 pub(crate) fn drift_allowance(ttl: Duration, factor: f64) -> Duration {
     let scaled =
@@ -178,6 +190,20 @@ mod tests {
             })
             .collect();
         Tally::of(&results, 0)
+    }
+
+    #[test]
+    fn a_round_is_settled_by_a_majority_either_way() {
+        let ok = || Some(Ok(vec![Answer::Ok]));
+        let other = || Some(Ok(vec![Answer::Other]));
+        let failed = || Some(fail("x"));
+        assert!(!settled(&[ok(), None, None]));
+        assert!(settled(&[ok(), ok(), None]));
+        assert!(!settled(&[ok(), other(), None]));
+        assert!(settled(&[other(), failed(), None]));
+        assert!(!settled(&[ok(), ok(), None, None, None]));
+        assert!(settled(&[ok(), ok(), ok(), None, None]));
+        assert!(settled(&[other(), other(), other(), None, None]));
     }
 
     #[test]

@@ -262,9 +262,12 @@ impl Inner {
         let start = self.clock.now();
         // No point waiting for replies past the moment validity would be gone.
         let budget = self.settings.node_timeout.min(ttl.saturating_sub(drift));
-        let results = self
-            .transport
-            .run(Op::Acquire { ttl }, &[key], after(start, budget));
+        let results = self.transport.run(
+            Op::Acquire { ttl },
+            &[key],
+            after(start, budget),
+            Some(&quorum::settled),
+        );
         let end = self.clock.now();
         let elapsed = end.saturating_duration_since(start);
         self.note_failures(&results);
@@ -298,7 +301,12 @@ impl Inner {
     /// Runs `op` for one key on every node, bounded by the node timeout.
     fn round(&self, op: Op, resource: &str, token: &str) -> Vec<NodeResult> {
         let deadline = after(self.clock.now(), self.settings.node_timeout);
-        let results = self.transport.run(op, &[Key { resource, token }], deadline);
+        let results = self.transport.run(
+            op,
+            &[Key { resource, token }],
+            deadline,
+            Some(&quorum::settled),
+        );
         self.note_failures(&results);
         results
     }
@@ -343,7 +351,11 @@ impl Inner {
             deadline = deadline.min(only.deadline());
         }
         let results = if deadline > start {
-            self.transport.run(Op::Extend { ttl }, &keys, deadline)
+            // One key: stop at a settled majority. Many: read every reply.
+            let settled: Option<crate::transport::Decided<'_>> =
+                (keys.len() == 1).then_some(&quorum::settled);
+            self.transport
+                .run(Op::Extend { ttl }, &keys, deadline, settled)
         } else {
             Vec::new()
         };
@@ -387,7 +399,7 @@ impl Inner {
             })
             .collect();
         let deadline = self.batch_deadline(self.clock.now(), keys.len());
-        let results = self.transport.run(Op::Release, &keys, deadline);
+        let results = self.transport.run(Op::Release, &keys, deadline, None);
         self.note_failures(&results);
     }
 

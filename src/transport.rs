@@ -41,6 +41,10 @@ pub(crate) enum Answer {
 /// node gave none.
 pub(crate) type NodeResult = Result<Vec<Answer>, NodeError>;
 
+/// Tells a round, from the results so far (`None`: not read yet), that its
+/// outcome is known and the remaining replies need not be waited for.
+pub(crate) type Decided<'a> = &'a dyn Fn(&[Option<NodeResult>]) -> bool;
+
 /// Access to the N nodes.
 pub(crate) trait Transport: Send + Sync + 'static {
     /// Display names of the nodes (no credentials), in node order.
@@ -49,6 +53,14 @@ pub(crate) trait Transport: Send + Sync + 'static {
     /// Runs `op` for every key on every node at once and returns one result
     /// per node, in node order. Must return by `deadline` (give or take a
     /// scheduling quantum): a node that has not answered by then is a
-    /// [`crate::NodeErrorKind::Timeout`].
-    fn run(&self, op: Op, keys: &[Key<'_>], deadline: Instant) -> Vec<NodeResult>;
+    /// [`crate::NodeErrorKind::Timeout`]. Once `decided` says the outcome is
+    /// known, it may stop waiting for the remaining nodes (they count as
+    /// timed out).
+    fn run(
+        &self,
+        op: Op,
+        keys: &[Key<'_>],
+        deadline: Instant,
+        decided: Option<Decided<'_>>,
+    ) -> Vec<NodeResult>;
 }
