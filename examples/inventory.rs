@@ -19,7 +19,6 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use quorumlock::{Error, Redlock};
 
-#[allow(dead_code)]
 #[path = "../tests/common/mod.rs"]
 mod common;
 

@@ -14,7 +14,6 @@ use std::time::{Duration, Instant};
 
 use quorumlock::{Error, Redlock};
 
-#[allow(dead_code)]
 #[path = "../tests/common/mod.rs"]
 mod common;
 

@@ -24,6 +24,7 @@ pub(crate) struct Settings {
     pub retry_jitter: Duration,
     pub auto_renew: bool,
     pub renew_fraction: f64,
+    pub local_queue: bool,
 }
 
 impl Default for Settings {
@@ -36,6 +37,7 @@ impl Default for Settings {
             retry_jitter: Duration::from_millis(100),
             auto_renew: false,
             renew_fraction: 1.0 / 3.0,
+            local_queue: true,
         }
     }
 }
@@ -184,6 +186,18 @@ impl Builder {
     /// Defaults to 8.
     pub fn pool_size(mut self, size: u32) -> Self {
         self.pool_size = size;
+        self
+    }
+
+    /// Queues threads of this process that wait for the same resource
+    /// locally (FIFO), so that only one of them at a time asks the nodes and a
+    /// release hands over to the next at once, instead of every thread
+    /// polling the nodes with jittered sleeps. `try_lock` never waits in the
+    /// queue. Contention with other processes is still settled by the nodes.
+    ///
+    /// Defaults to true.
+    pub fn local_queue(mut self, on: bool) -> Self {
+        self.settings.local_queue = on;
         self
     }
 

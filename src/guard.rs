@@ -10,6 +10,7 @@ use log::{debug, warn};
 use parking_lot::Mutex;
 
 use crate::error::Error;
+use crate::local::Permit;
 use crate::redlock::{Inner, Redlock};
 use crate::Result;
 
@@ -147,6 +148,9 @@ impl LockState {
 pub struct LockGuard {
     client: Redlock,
     state: Arc<LockState>,
+    /// This thread's turn among local waiters; dropped (handing over) only
+    /// after the release, since fields drop after `Drop::drop`.
+    _turn: Option<Permit>,
 }
 
 impl fmt::Debug for LockGuard {
@@ -162,10 +166,11 @@ impl fmt::Debug for LockGuard {
 }
 
 impl LockGuard {
-    pub(crate) fn new(client: Redlock, state: LockState) -> Self {
+    pub(crate) fn new(client: Redlock, state: LockState, turn: Option<Permit>) -> Self {
         LockGuard {
             client,
             state: Arc::new(state),
+            _turn: turn,
         }
     }
 

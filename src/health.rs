@@ -102,7 +102,6 @@ impl Breaker {
         }
     }
 
-    #[cfg(test)]
     pub(crate) fn is_closed(&self) -> bool {
         matches!(self.state, State::Closed { .. })
     }

@@ -35,6 +35,7 @@ mod config;
 mod error;
 mod guard;
 mod health;
+mod local;
 mod node;
 mod quorum;
 mod redlock;

@@ -79,7 +79,9 @@ impl Health {
         debug!("node {}: {why}; skipped for {window:?}", self.name);
     }
 
-    fn success(&self, latency: Duration) {
+    /// Folds one reply time (or time waited in vain) into the average that
+    /// orders reads: nodes that answer fast are read first.
+    fn sample_latency(&self, latency: Duration) {
         let sample = u64::try_from(latency.as_nanos()).unwrap_or(u64::MAX);
         let old = self.latency_ns.load(Ordering::Relaxed);
         let avg = if old == 0 {
@@ -88,6 +90,10 @@ impl Health {
             old - old / 8 + sample / 8
         };
         self.latency_ns.store(avg, Ordering::Relaxed);
+    }
+
+    fn success(&self, latency: Duration) {
+        self.sample_latency(latency);
         if self.breaker.lock().success() {
             info!("node {}: answering again, back in use", self.name);
         }
@@ -257,21 +263,46 @@ impl Transport for RedisTransport {
                 Err(e) => results[i] = Some(Err(e)),
             }
         }
-        for i in 0..n {
-            if conns[i].is_none() && results[i].is_none() {
-                let wait = deadline.saturating_duration_since(Instant::now());
-                match self.nodes[i].pool.get_timeout(wait) {
-                    Ok(c) => conns[i] = Some(c),
-                    Err(e) => {
-                        self.nodes[i]
-                            .health
-                            .failure(Instant::now(), "no connection");
-                        results[i] = Some(Err(NodeError::new(
-                            &self.names[i],
-                            NodeErrorKind::Unavailable,
-                            e.to_string(),
-                        )));
-                    }
+        // Wait for the missing connections in short slices, so that a node
+        // whose background connect was just refused (its breaker opens) is
+        // given up at once instead of at the deadline.
+        let mut missing: Vec<usize> = (0..n)
+            .filter(|&i| conns[i].is_none() && results[i].is_none())
+            .collect();
+        while let Some(&first) = missing.first() {
+            let now = Instant::now();
+            if now >= deadline {
+                for &i in &missing {
+                    self.nodes[i].health.failure(now, "no connection in time");
+                    results[i] = Some(Err(NodeError::new(
+                        &self.names[i],
+                        NodeErrorKind::Unavailable,
+                        "no connection before the deadline",
+                    )));
+                }
+                break;
+            }
+            missing.retain(|&i| {
+                let node = &self.nodes[i];
+                if let Some(c) = node.pool.try_get() {
+                    conns[i] = Some(c);
+                    false
+                } else if !node.health.breaker.lock().is_closed() {
+                    results[i] = Some(Err(NodeError::new(
+                        &self.names[i],
+                        NodeErrorKind::Unavailable,
+                        "cannot connect",
+                    )));
+                    false
+                } else {
+                    true
+                }
+            });
+            if missing.first() == Some(&first) {
+                let slice = deadline.saturating_duration_since(now).min(MIN_TIMEOUT);
+                if let Ok(c) = self.nodes[first].pool.get_timeout(slice) {
+                    conns[first] = Some(c);
+                    missing.remove(0);
                 }
             }
         }
@@ -319,7 +350,10 @@ impl Transport for RedisTransport {
                 Err((
                     NodeErrorKind::Timeout | NodeErrorKind::Io | NodeErrorKind::Unavailable,
                     why,
-                )) => health.failure(now, why),
+                )) => {
+                    health.sample_latency(now.saturating_duration_since(sent));
+                    health.failure(now, why)
+                }
                 Err(_) => {}
             }
             if r.is_err() {

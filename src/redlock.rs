@@ -12,6 +12,7 @@ use crate::clock::{after, new_token, Clock, Rng, Throttle};
 use crate::config::{Builder, Settings};
 use crate::error::{Error, InvalidInput};
 use crate::guard::{LockGuard, LockState, LostCallback, Timing};
+use crate::local::{Gates, Permit};
 use crate::quorum::{self, Tally};
 use crate::transport::{Answer, Key, NodeResult, Op, Transport};
 use crate::watchdog::Watchdog;
@@ -50,6 +51,7 @@ pub(crate) struct Inner {
     pub(crate) on_lost: Option<Arc<LostCallback>>,
     rng: Rng,
     warned: Vec<Throttle>,
+    gates: Arc<Gates>,
     me: Weak<Inner>,
     watchdog: OnceLock<Watchdog>,
 }
@@ -96,6 +98,7 @@ impl Redlock {
                 on_lost,
                 rng,
                 warned,
+                gates: Arc::default(),
                 me: me.clone(),
                 watchdog: OnceLock::new(),
             }),
@@ -198,11 +201,12 @@ impl Redlock {
     fn acquire(&self, resource: &str, ttl: Duration, budget: Budget) -> Result<LockGuard> {
         let inner = &self.inner;
         let drift = inner.validate(resource, ttl)?;
+        let mut permit = inner.local_turn(resource, budget);
         let mut attempt = 1u32;
         loop {
             let err = match inner.attempt(resource, ttl, drift) {
                 Ok(state) => {
-                    let guard = LockGuard::new(self.clone(), state);
+                    let guard = LockGuard::new(self.clone(), state, permit.take());
                     if inner.settings.auto_renew {
                         guard.auto_renew();
                     }
@@ -233,6 +237,29 @@ impl Redlock {
 }
 
 impl Inner {
+    /// Waits for this thread's turn among the threads of this process that
+    /// want `resource` (see [`crate::local`]). One attempt never waits; when
+    /// the wait runs out the caller still makes its attempts at the nodes,
+    /// which report the real state.
+    fn local_turn(&self, resource: &str, budget: Budget) -> Option<Permit> {
+        if !self.settings.local_queue {
+            return None;
+        }
+        let s = &self.settings;
+        let deadline = match budget {
+            Budget::Attempts(1) => return self.gates.try_acquire(resource),
+            Budget::Attempts(n) => {
+                let per_attempt = s
+                    .retry_delay
+                    .saturating_add(s.retry_jitter)
+                    .saturating_add(s.node_timeout);
+                after(self.clock.now(), per_attempt.saturating_mul(n))
+            }
+            Budget::Until(until) => until,
+        };
+        self.gates.acquire(resource, deadline)
+    }
+
     /// Checks a resource and TTL; returns the TTL's drift allowance.
     pub(crate) fn validate(&self, resource: &str, ttl: Duration) -> Result<Duration> {
         if resource.is_empty() {

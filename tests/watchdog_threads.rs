@@ -5,7 +5,6 @@ use std::time::{Duration, Instant};
 
 use quorumlock::Redlock;
 
-#[allow(dead_code)]
 mod common;
 
 use common::{unique_key, Cluster};

@@ -4,6 +4,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod degraded;
 mod harness;
 mod lock;
 mod watchdog;

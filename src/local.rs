@@ -1,0 +1,186 @@
+//! In-process queueing of threads that want the same resource.
+//!
+//! Without it, threads of one process contending for a hot key each poll the
+//! nodes with jittered sleeps: they fight each other, waste round trips and
+//! leave the lock idle between a release and the next lucky retry. With it,
+//! such threads wait in a FIFO queue here; only the head goes to the nodes,
+//! and a release hands over to the next thread at once. Contention between
+//! processes is still settled by the nodes (jittered retry).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Instant;
+
+use parking_lot::{Condvar, Mutex};
+
+/// The queues, one per resource that some thread holds or waits for.
+#[derive(Debug, Default)]
+pub(crate) struct Gates {
+    map: Mutex<HashMap<String, Arc<Gate>>>,
+}
+
+#[derive(Debug, Default)]
+struct Gate {
+    state: Mutex<GateState>,
+    turn: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct GateState {
+    held: bool,
+    waiting: VecDeque<u64>,
+    next_ticket: u64,
+}
+
+/// This thread's turn at a resource; the next waiter's starts when it drops.
+#[derive(Debug)]
+pub(crate) struct Permit {
+    gates: Arc<Gates>,
+    resource: String,
+    gate: Arc<Gate>,
+}
+
+impl Gates {
+    fn gate(&self, resource: &str) -> Arc<Gate> {
+        self.map
+            .lock()
+            .entry(resource.to_owned())
+            .or_default()
+            .clone()
+    }
+
+    /// Takes the resource's turn, waiting in FIFO order until `deadline`.
+    pub(crate) fn acquire(self: &Arc<Self>, resource: &str, deadline: Instant) -> Option<Permit> {
+        let gate = self.gate(resource);
+        let got = {
+            let mut st = gate.state.lock();
+            if !st.held && st.waiting.is_empty() {
+                st.held = true;
+                true
+            } else {
+                let ticket = st.next_ticket;
+                st.next_ticket = st.next_ticket.wrapping_add(1);
+                st.waiting.push_back(ticket);
+                loop {
+                    let my_turn = !st.held && st.waiting.front() == Some(&ticket);
+                    if my_turn {
+                        st.waiting.pop_front();
+                        st.held = true;
+                        break true;
+                    }
+                    if gate.turn.wait_until(&mut st, deadline).timed_out() {
+                        if !st.held && st.waiting.front() == Some(&ticket) {
+                            continue; // our turn came with the deadline
+                        }
+                        st.waiting.retain(|&t| t != ticket);
+                        // The head may have changed: let the new head look.
+                        gate.turn.notify_all();
+                        break false;
+                    }
+                }
+            }
+        };
+        if got {
+            Some(Permit {
+                gates: self.clone(),
+                resource: resource.to_owned(),
+                gate,
+            })
+        } else {
+            self.forget_if_idle(resource, &gate);
+            None
+        }
+    }
+
+    /// Takes the resource's turn only if nobody holds or waits for it.
+    pub(crate) fn try_acquire(self: &Arc<Self>, resource: &str) -> Option<Permit> {
+        let gate = self.gate(resource);
+        let got = {
+            let mut st = gate.state.lock();
+            let free = !st.held && st.waiting.is_empty();
+            st.held |= free;
+            free
+        };
+        if got {
+            Some(Permit {
+                gates: self.clone(),
+                resource: resource.to_owned(),
+                gate,
+            })
+        } else {
+            self.forget_if_idle(resource, &gate);
+            None
+        }
+    }
+
+    /// Removes a resource's queue once nobody holds, waits for or refers to it.
+    fn forget_if_idle(&self, resource: &str, gate: &Arc<Gate>) {
+        let mut map = self.map.lock();
+        let idle = {
+            let st = gate.state.lock();
+            !st.held && st.waiting.is_empty()
+        };
+        // Two references: the map's and the caller's.
+        if idle && Arc::strong_count(gate) == 2 {
+            map.remove(resource);
+        }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.map.lock().len()
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        self.gate.state.lock().held = false;
+        self.gate.turn.notify_all();
+        self.gates.forget_if_idle(&self.resource, &self.gate);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn one_turn_at_a_time_and_queues_are_forgotten() {
+        let gates = Arc::new(Gates::default());
+        let a = gates.try_acquire("r").expect("free");
+        assert!(gates.try_acquire("r").is_none());
+        assert!(gates.try_acquire("other").is_some());
+        let soon = Instant::now() + Duration::from_millis(20);
+        assert!(gates.acquire("r", soon).is_none(), "times out while held");
+        drop(a);
+        assert!(gates.try_acquire("r").is_some());
+        assert_eq!(gates.len(), 0, "idle queues are removed");
+    }
+
+    #[test]
+    fn waiters_are_served_in_arrival_order() {
+        let gates = Arc::new(Gates::default());
+        let first = gates.try_acquire("r").expect("free");
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        std::thread::scope(|s| {
+            for i in 0..4 {
+                let (mine, order) = (gates.clone(), order.clone());
+                s.spawn(move || {
+                    let p = mine.acquire("r", deadline).expect("turn");
+                    order.lock().push(i);
+                    std::thread::sleep(Duration::from_millis(2));
+                    drop(p);
+                });
+                // Let thread i queue before thread i + 1.
+                while gates.gate("r").state.lock().waiting.len() < i + 1 {
+                    std::thread::yield_now();
+                }
+            }
+            drop(first);
+        });
+        assert_eq!(*order.lock(), [0, 1, 2, 3]);
+        assert_eq!(gates.len(), 0);
+    }
+}

@@ -1,0 +1,236 @@
+//! Sick minorities, restarts and hot keys against real Redis nodes.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use quorumlock::{Error, Redlock};
+
+use crate::common::{shared, unique_key, Cluster};
+
+const TTL: Duration = Duration::from_secs(5);
+
+fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let t = Instant::now();
+    while t.elapsed() < limit {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    f()
+}
+
+#[test]
+fn early_decision_does_not_wait_for_a_hung_node_read_after_the_majority() {
+    let c = Cluster::start(3);
+    // No INFO on connect: every node starts with the same (unknown) latency,
+    // so replies are read in node order and the hung node 2 comes last.
+    let locks = Redlock::builder()
+        .nodes(c.urls())
+        .node_timeout(Duration::from_secs(1))
+        .restart_protection(false)
+        .build()
+        .unwrap();
+    c.pause(2);
+    let key = unique_key("early");
+    let t = Instant::now();
+    let g = locks
+        .try_lock(&key, TTL)
+        .expect("nodes 0 and 1 are a majority");
+    let took = t.elapsed();
+    assert!(
+        took < Duration::from_millis(250),
+        "waited {took:?} for a 1 s node timeout"
+    );
+    // The hung node executes the SET when it resumes: the late OK is still
+    // released by the guard.
+    c.unpause(2);
+    assert!(wait_until(Duration::from_secs(2), || c
+        .get(2, &key)
+        .as_deref()
+        == Some(g.token())));
+    g.release().unwrap();
+    assert!((0..3).all(|i| c.get(i, &key).is_none()));
+}
+
+#[test]
+fn a_hung_node_is_skipped_after_one_timeout_and_rejoins_when_it_answers() {
+    let c = Cluster::start(3);
+    let timeout = Duration::from_millis(300);
+    let locks = Redlock::builder()
+        .nodes(c.urls())
+        .node_timeout(timeout)
+        .build()
+        .unwrap();
+    drop(locks.lock(&unique_key("warm"), TTL).unwrap());
+    c.pause(0);
+    let t = Instant::now();
+    drop(locks.try_lock(&unique_key("first"), TTL).expect("majority"));
+    assert!(
+        t.elapsed() < timeout * 3,
+        "first attempt took {:?}",
+        t.elapsed()
+    );
+    for n in 0..20 {
+        let key = unique_key("skipped");
+        let t = Instant::now();
+        let g = locks.try_lock(&key, TTL).expect("majority");
+        g.release().unwrap();
+        let took = t.elapsed();
+        assert!(
+            took < timeout / 3,
+            "cycle {n} took {took:?}: the hung node was not skipped"
+        );
+    }
+    c.unpause(0);
+    // A background probe lets it back in within its (growing) skip window.
+    let key = unique_key("rejoined");
+    let rejoined = wait_until(Duration::from_secs(8), || {
+        let g = locks.try_lock(&key, TTL).expect("majority");
+        let on_node0 = c.get(0, &key).as_deref() == Some(g.token());
+        drop(g);
+        on_node0
+    });
+    assert!(rejoined, "node 0 never rejoined");
+}
+
+#[test]
+fn a_dead_node_costs_no_timeout() {
+    let c = Cluster::start(3);
+    c.stop(1);
+    let timeout = Duration::from_millis(500);
+    let locks = Redlock::builder()
+        .nodes(c.urls())
+        .node_timeout(timeout)
+        .build()
+        .unwrap();
+    for n in 0..20 {
+        let key = unique_key("dead");
+        let t = Instant::now();
+        let g = locks.lock(&key, TTL).expect("majority");
+        g.release().unwrap();
+        let took = t.elapsed();
+        assert!(
+            took < timeout / 5,
+            "cycle {n} took {took:?}: a refused node cost a wait"
+        );
+    }
+}
+
+#[test]
+fn a_restarted_node_votes_only_after_the_longest_ttl() {
+    let c = Cluster::start(3);
+    let ttl = Duration::from_secs(3);
+    let a = Redlock::builder().nodes(c.urls()).build().unwrap();
+    let b = Redlock::builder().nodes(c.urls()).build().unwrap();
+    let unprotected = Redlock::builder()
+        .nodes(c.urls())
+        .restart_protection(false)
+        .build()
+        .unwrap();
+    // B and the unprotected client know the nodes and have used this TTL.
+    for client in [&b, &unprotected] {
+        client
+            .lock(&unique_key("learn"), ttl)
+            .unwrap()
+            .release()
+            .unwrap();
+    }
+    let key = unique_key("restart");
+    c.stop(2);
+    let held = a.lock(&key, ttl).expect("bare majority of nodes 0 and 1");
+    assert!(c.get(1, &key).is_some());
+    // Node 1 restarts without persistence and forgets A's lock; node 2
+    // comes back empty too.
+    c.stop(1);
+    c.restart(1);
+    c.restart(2);
+    let restarted = Instant::now();
+    assert_eq!(c.get(1, &key), None);
+
+    // During the window B cannot win nodes 1 + 2.
+    match b.lock_timeout(&key, ttl, Duration::from_millis(1200)) {
+        Err(e) => assert!(e.is_retryable(), "{e}"),
+        Ok(_) => panic!("B locked while A still held it: the restarted nodes voted"),
+    }
+    assert!(held.is_held(), "A's lock is still valid");
+    // Without the rule a client does win it: the hazard is real.
+    let stolen = unprotected.lock_timeout(&key, ttl, Duration::from_millis(1500));
+    assert!(stolen.is_ok(), "control client: {stolen:?}");
+    drop(stolen);
+    assert!(
+        restarted.elapsed() < ttl,
+        "test too slow to be inside the window"
+    );
+
+    // After the window (and A's expiry) B locks, with node 1's vote.
+    let g = b
+        .lock_timeout(&key, ttl, Duration::from_secs(8))
+        .expect("normal operation resumes after the window");
+    assert!(restarted.elapsed() >= ttl - Duration::from_millis(100));
+    assert!(wait_until(Duration::from_secs(1), || c
+        .get(1, &key)
+        .as_deref()
+        == Some(g.token())));
+}
+
+#[test]
+fn threads_of_one_process_take_turns_on_a_hot_key() {
+    let c = shared();
+    let key = unique_key("hot");
+    let locks = Redlock::builder().nodes(c.urls()).build().unwrap();
+    let inside = Arc::new(AtomicUsize::new(0));
+    let overlaps = Arc::new(AtomicUsize::new(0));
+    let run_for = Duration::from_millis(1500);
+    let counts: Vec<usize> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..8)
+            .map(|_| {
+                let (locks, key, inside, overlaps) =
+                    (locks.clone(), key.clone(), inside.clone(), overlaps.clone());
+                s.spawn(move || {
+                    let started = Instant::now();
+                    let mut n = 0;
+                    while started.elapsed() < run_for {
+                        let g = locks
+                            .lock_timeout(&key, TTL, Duration::from_secs(10))
+                            .expect("turn within 10 s");
+                        if inside.fetch_add(1, Ordering::SeqCst) != 0 {
+                            overlaps.fetch_add(1, Ordering::SeqCst);
+                        }
+                        inside.fetch_sub(1, Ordering::SeqCst);
+                        g.release().expect("release");
+                        n += 1;
+                    }
+                    n
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or(0)).collect()
+    });
+    assert_eq!(overlaps.load(Ordering::SeqCst), 0);
+    let (min, max) = (
+        *counts.iter().min().unwrap_or(&0),
+        *counts.iter().max().unwrap_or(&0),
+    );
+    let total: usize = counts.iter().sum();
+    // Without local hand-over, 8 threads polling with 0-200 ms pauses manage
+    // a few dozen turns in 1.5 s; with it, hundreds.
+    assert!(total >= 200, "only {total} acquisitions: {counts:?}");
+    assert!(min * 3 >= max, "unfair spread {counts:?}");
+}
+
+#[test]
+fn try_lock_does_not_queue_behind_local_holders() {
+    let c = shared();
+    let key = unique_key("try");
+    let locks = Redlock::builder().nodes(c.urls()).build().unwrap();
+    let g = locks.lock(&key, TTL).unwrap();
+    let t = Instant::now();
+    assert!(matches!(
+        locks.try_lock(&key, TTL),
+        Err(Error::Taken { held: 3, nodes: 3 })
+    ));
+    assert!(t.elapsed() < Duration::from_millis(200));
+    drop(g);
+}
