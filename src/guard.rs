@@ -149,8 +149,10 @@ pub struct LockGuard {
     client: Redlock,
     state: Arc<LockState>,
     /// This thread's turn among local waiters; dropped (handing over) only
-    /// after the release, since fields drop after `Drop::drop`.
-    _turn: Option<Permit>,
+    /// after the release.
+    turn: Option<Permit>,
+    /// Released or handed over: nothing left for `Drop` to do.
+    done: bool,
 }
 
 impl fmt::Debug for LockGuard {
@@ -166,11 +168,12 @@ impl fmt::Debug for LockGuard {
 }
 
 impl LockGuard {
-    pub(crate) fn new(client: Redlock, state: LockState, turn: Option<Permit>) -> Self {
+    pub(crate) fn new(client: Redlock, state: Arc<LockState>, turn: Option<Permit>) -> Self {
         LockGuard {
             client,
-            state: Arc::new(state),
-            _turn: turn,
+            state,
+            turn,
+            done: false,
         }
     }
 
@@ -282,26 +285,57 @@ impl LockGuard {
     }
 
     /// Releases the lock on every node and reports the outcome. Renewal
-    /// stops before the keys are deleted.
+    /// stops before the keys are deleted. When other threads of this process
+    /// are queued for the resource and at least half the TTL is left, the
+    /// held lock passes straight to the next of them instead (no round trip;
+    /// see [`Builder::local_queue`](crate::Builder::local_queue)).
     ///
     /// # Errors
     /// [`Error::Expired`] when it had already expired on a majority,
     /// [`Error::NotOwner`] when another owner holds it now,
     /// [`Error::NoQuorum`] when too many nodes failed to answer (keys left
     /// behind expire with their TTL).
-    pub fn release(self) -> Result<()> {
+    pub fn release(mut self) -> Result<()> {
         self.finish().unwrap_or(Ok(()))
     }
 
-    /// Deregisters and releases, once. `None` when already done.
-    fn finish(&self) -> Option<Result<()>> {
+    /// Deregisters and releases, once (`None` when already done); or, with
+    /// threads of this process queued for the resource and at least half the
+    /// TTL left, hands the held lock to the next of them without a round trip.
+    fn finish(&mut self) -> Option<Result<()>> {
+        if std::mem::replace(&mut self.done, true) {
+            return None;
+        }
+        if let Some(turn) = self.turn.take() {
+            let t = self.state.timing();
+            let left = t
+                .deadline
+                .saturating_duration_since(self.inner().clock.now());
+            let handable = !self.state.is_renewing()
+                && !self.state.is_lost()
+                && !self.state.is_released()
+                && left >= t.ttl / 2
+                && turn.has_waiters();
+            if handable {
+                debug!(
+                    "lock {:?}: handed to the next local waiter",
+                    self.state.resource
+                );
+                turn.hand_over(self.state.clone());
+                return Some(Ok(()));
+            }
+            // Released below; the turn passes on once `turn` drops, after.
+            self.turn = Some(turn);
+        }
         if !self.state.take_release() {
             return None;
         }
         if self.state.is_renewing() {
             self.inner().watchdog().remove(self.state.id);
         }
-        Some(self.inner().release(&self.state))
+        let outcome = self.inner().release(&self.state);
+        self.turn.take();
+        Some(outcome)
     }
 }
 

@@ -6,12 +6,20 @@
 //! such threads wait in a FIFO queue here; only the head goes to the nodes,
 //! and a release hands over to the next thread at once. Contention between
 //! processes is still settled by the nodes (jittered retry).
+//!
+//! A release with waiters queued and at least half its TTL of validity left
+//! does not even go to the nodes: the lock itself (key, token, deadline) is
+//! handed to the next thread, which takes it with no round trip. Below half
+//! the TTL the lock is released on the nodes as usual, so one process cannot
+//! keep a key for longer than about half a TTL by handing it around.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex};
+
+use crate::guard::LockState;
 
 /// The queues, one per resource that some thread holds or waits for.
 #[derive(Debug, Default)]
@@ -30,6 +38,8 @@ struct GateState {
     held: bool,
     waiting: VecDeque<u64>,
     next_ticket: u64,
+    /// A held lock passed from the last holder to the next.
+    baton: Option<Arc<LockState>>,
 }
 
 /// This thread's turn at a resource; the next waiter's starts when it drops.
@@ -71,6 +81,13 @@ impl Gates {
                     if gate.turn.wait_until(&mut st, deadline).timed_out() {
                         if !st.held && st.waiting.front() == Some(&ticket) {
                             continue; // our turn came with the deadline
+                        }
+                        if !st.held && st.waiting.len() == 1 && st.baton.is_some() {
+                            // Nobody else is left to take a handed-over lock:
+                            // take the turn so that it is used or released.
+                            st.waiting.clear();
+                            st.held = true;
+                            break true;
                         }
                         st.waiting.retain(|&t| t != ticket);
                         // The head may have changed: let the new head look.
@@ -129,6 +146,23 @@ impl Gates {
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.map.lock().len()
+    }
+}
+
+impl Permit {
+    /// Whether other threads are queued for this resource.
+    pub(crate) fn has_waiters(&self) -> bool {
+        !self.gate.state.lock().waiting.is_empty()
+    }
+
+    /// Ends this turn, passing the held lock to the next thread in line.
+    pub(crate) fn hand_over(self, lock: Arc<LockState>) {
+        self.gate.state.lock().baton = Some(lock);
+    }
+
+    /// A lock handed over by the previous holder, if any.
+    pub(crate) fn take_baton(&self) -> Option<Arc<LockState>> {
+        self.gate.state.lock().baton.take()
     }
 }
 

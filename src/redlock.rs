@@ -202,11 +202,25 @@ impl Redlock {
         let inner = &self.inner;
         let drift = inner.validate(resource, ttl)?;
         let mut permit = inner.local_turn(resource, budget);
+        if let Some(baton) = permit.as_ref().and_then(Permit::take_baton) {
+            let t = baton.timing();
+            let live = !baton.is_lost() && t.deadline > inner.clock.now();
+            if live && t.ttl == ttl {
+                debug!("lock {resource:?}: taken over from a local holder");
+                let guard = LockGuard::new(self.clone(), baton, permit);
+                if inner.settings.auto_renew {
+                    guard.auto_renew();
+                }
+                return Ok(guard);
+            }
+            // Not what this caller asked for: release it, then lock anew.
+            let _ = inner.release(&baton);
+        }
         let mut attempt = 1u32;
         loop {
             let err = match inner.attempt(resource, ttl, drift) {
                 Ok(state) => {
-                    let guard = LockGuard::new(self.clone(), state, permit.take());
+                    let guard = LockGuard::new(self.clone(), Arc::new(state), permit.take());
                     if inner.settings.auto_renew {
                         guard.auto_renew();
                     }

@@ -234,3 +234,31 @@ fn try_lock_does_not_queue_behind_local_holders() {
     assert!(t.elapsed() < Duration::from_millis(200));
     drop(g);
 }
+
+#[test]
+fn a_lock_handed_to_a_local_waiter_stays_on_the_nodes() {
+    let c = shared();
+    let key = unique_key("handover");
+    let locks = Redlock::builder().nodes(c.urls()).build().unwrap();
+    let first = locks.lock(&key, TTL).unwrap();
+    let token = first.token().to_owned();
+    std::thread::scope(|s| {
+        let waiter = s.spawn(|| {
+            let g = locks
+                .lock_timeout(&key, TTL, Duration::from_secs(5))
+                .expect("handed over");
+            let on_nodes = (0..c.len()).all(|i| c.get(i, &key).as_deref() == Some(g.token()));
+            (g.token().to_owned(), g.is_held(), on_nodes, g.validity())
+        });
+        std::thread::sleep(Duration::from_millis(200)); // let it queue
+        first.release().expect("hand over");
+        let (got, held, on_nodes, validity) = waiter.join().expect("waiter");
+        assert_eq!(got, token, "the held lock itself was passed on");
+        assert!(held && on_nodes, "the previous guard must not delete it");
+        assert!(validity > TTL / 2, "{validity:?}");
+    });
+    assert!(
+        (0..c.len()).all(|i| c.get(i, &key).is_none()),
+        "released at the end"
+    );
+}

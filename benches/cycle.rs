@@ -1,0 +1,322 @@
+//! Lock+unlock latency on 3 and 5 local nodes — healthy, one node dead, one
+//! node paused — against a bare hand-written Redlock on single connections,
+//! plus hot-key contention (8 threads, one key, 5 nodes).
+//!
+//! ```text
+//! cargo bench --bench cycle                 # everything
+//! QUORUMLOCK_TEST_BACKEND=process cargo bench --bench cycle   # redis-server processes (less noise)
+//! ```
+//! Prints medians, p99 and max per scenario, and the ratios the README quotes.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use criterion::Criterion;
+use quorumlock::Redlock;
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use common::Cluster;
+
+const TTL: Duration = Duration::from_secs(10);
+const CYCLES: usize = 3000;
+
+struct Stats {
+    median: Duration,
+    p99: Duration,
+    max: Duration,
+}
+
+fn stats(mut v: Vec<Duration>) -> Stats {
+    v.sort_unstable();
+    let at = |q: f64| v[((v.len() as f64 - 1.0) * q).round() as usize];
+    Stats {
+        median: at(0.5),
+        p99: at(0.99),
+        max: at(1.0),
+    }
+}
+
+fn us(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+fn client(c: &Cluster) -> Redlock {
+    Redlock::builder().nodes(c.urls()).build().expect("client")
+}
+
+/// `CYCLES` lock+unlock cycles on distinct keys; returns each cycle's time.
+fn cycles(locks: &Redlock, tag: &str) -> Vec<Duration> {
+    // Warm the pools (and let a sick node be noticed) outside the sample.
+    for i in 0..20 {
+        if let Ok(g) = locks.try_lock(&format!("bench:{tag}:warm:{i}"), TTL) {
+            let _ = g.release();
+        }
+    }
+    (0..CYCLES)
+        .map(|i| {
+            let key = format!("bench:{tag}:{i}");
+            let t = Instant::now();
+            let g = locks.try_lock(&key, TTL).expect("lock");
+            g.release().expect("unlock");
+            t.elapsed()
+        })
+        .collect()
+}
+
+/// The bare algorithm by hand: one plain connection per node, SET NX PX to
+/// all, then the unlock script to all (scatter/gather, no pool, no checks).
+fn baseline(c: &Cluster, tag: &str) -> Vec<Duration> {
+    let mut conns: Vec<redis::Connection> = (0..c.len())
+        .map(|i| {
+            let info = redis::IntoConnectionInfo::into_connection_info(c.url(i).as_str())
+                .expect("url")
+                .set_tcp_settings(redis::io::tcp::TcpSettings::default().set_nodelay(true));
+            let settings = info.redis_settings().clone().set_skip_set_lib_name();
+            let client = redis::Client::open(info.set_redis_settings(settings)).expect("client");
+            client.get_connection().expect("connect")
+        })
+        .collect();
+    let unlock = redis::Script::new(
+        "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end",
+    );
+    let token = "0123456789abcdef0123456789abcdef";
+    let quorum = c.len() / 2 + 1;
+    let mut run = |key: &str| {
+        let set = redis::cmd("SET")
+            .arg(key)
+            .arg(token)
+            .arg("NX")
+            .arg("PX")
+            .arg(TTL.as_millis() as u64)
+            .get_packed_command();
+        for conn in conns.iter_mut() {
+            conn.send_packed_command(&set).expect("send");
+        }
+        let ok = conns
+            .iter_mut()
+            .map(|conn| conn.recv_response())
+            .filter(|r| matches!(r, Ok(redis::Value::Okay)))
+            .count();
+        assert!(ok >= quorum);
+        let del = redis::cmd("EVALSHA")
+            .arg(unlock.get_hash())
+            .arg(1)
+            .arg(key)
+            .arg(token)
+            .get_packed_command();
+        for conn in conns.iter_mut() {
+            conn.send_packed_command(&del).expect("send");
+        }
+        for conn in conns.iter_mut() {
+            let _ = conn.recv_response();
+        }
+    };
+    // Load the script once.
+    for i in 0..c.len() {
+        let _: String = unlock.prepare_invoke().load(&mut c.conn(i)).expect("load");
+    }
+    for i in 0..20 {
+        run(&format!("bench:{tag}:warm:{i}"));
+    }
+    (0..CYCLES)
+        .map(|i| {
+            let key = format!("bench:{tag}:{i}");
+            let t = Instant::now();
+            run(&key);
+            t.elapsed()
+        })
+        .collect()
+}
+
+struct Contention {
+    per_sec: f64,
+    min: usize,
+    max: usize,
+    overlaps: usize,
+}
+
+/// 8 threads on one key for `secs`: acquisitions per second, per-thread
+/// spread, overlaps seen by an in-section detector.
+fn contention(locks: &Redlock, key: &str, ttl: Duration, run_for: Duration) -> Contention {
+    let inside = Arc::new(AtomicUsize::new(0));
+    let overlaps = Arc::new(AtomicUsize::new(0));
+    let counts: Vec<usize> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..8)
+            .map(|_| {
+                let (locks, inside, overlaps) = (locks.clone(), inside.clone(), overlaps.clone());
+                s.spawn(move || {
+                    let started = Instant::now();
+                    let mut n = 0;
+                    while started.elapsed() < run_for {
+                        let left = run_for.saturating_sub(started.elapsed());
+                        let Ok(g) = locks.lock_timeout(key, ttl, left) else {
+                            continue;
+                        };
+                        if inside.fetch_add(1, Ordering::SeqCst) != 0 {
+                            overlaps.fetch_add(1, Ordering::SeqCst);
+                        }
+                        inside.fetch_sub(1, Ordering::SeqCst);
+                        let _ = g.release();
+                        n += 1;
+                    }
+                    n
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or(0)).collect()
+    });
+    let total: usize = counts.iter().sum();
+    Contention {
+        per_sec: total as f64 / run_for.as_secs_f64(),
+        min: counts.iter().copied().min().unwrap_or(0),
+        max: counts.iter().copied().max().unwrap_or(0),
+        overlaps: overlaps.load(Ordering::SeqCst),
+    }
+}
+
+fn main() {
+    let mut criterion = Criterion::default()
+        .configure_from_args()
+        .sample_size(20)
+        .measurement_time(Duration::from_secs(3));
+    let mut rows: Vec<String> = Vec::new();
+    let row = |rows: &mut Vec<String>,
+               name: &str,
+               s: &Stats,
+               healthy: Option<Duration>,
+               base: Option<Duration>| {
+        let ratio = |d: Option<Duration>| {
+            d.map(|d| format!("{:>6.2}x", s.median.as_secs_f64() / d.as_secs_f64()))
+                .unwrap_or_else(|| "      -".into())
+        };
+        rows.push(format!(
+            "{name:<28} median {:>8.1} us  p99 {:>8.1} us  max {:>9.1} us  vs healthy {}  vs bare {}",
+            us(s.median),
+            us(s.p99),
+            us(s.max),
+            ratio(healthy),
+            ratio(base)
+        ));
+    };
+
+    for n in [3usize, 5] {
+        let c = Cluster::start(n);
+        eprintln!("{n} nodes on the {:?} backend", c.backend());
+        let bare = stats(baseline(&c, &format!("bare{n}")));
+        row(
+            &mut rows,
+            &format!("{n} nodes bare algorithm"),
+            &bare,
+            None,
+            None,
+        );
+        let locks = client(&c);
+        criterion.bench_function(&format!("cycle/{n}-nodes/healthy"), |b| {
+            let mut i = 0u64;
+            b.iter(|| {
+                i += 1;
+                let g = locks
+                    .try_lock(&format!("bench:crit{n}:{i}"), TTL)
+                    .expect("lock");
+                g.release().expect("unlock");
+            })
+        });
+        let healthy = stats(cycles(&locks, &format!("healthy{n}")));
+        row(
+            &mut rows,
+            &format!("{n} nodes healthy"),
+            &healthy,
+            None,
+            Some(bare.median),
+        );
+
+        c.stop(n - 1);
+        let dead = stats(cycles(&client(&c), &format!("dead{n}")));
+        row(
+            &mut rows,
+            &format!("{n} nodes one dead"),
+            &dead,
+            Some(healthy.median),
+            Some(bare.median),
+        );
+        c.restart(n - 1);
+
+        c.pause(n - 1);
+        let paused_client = client(&c);
+        let first = Instant::now();
+        drop(paused_client.try_lock(&format!("bench:first{n}"), TTL));
+        let first = first.elapsed();
+        let paused = stats(cycles(&paused_client, &format!("paused{n}")));
+        row(
+            &mut rows,
+            &format!("{n} nodes one paused"),
+            &paused,
+            Some(healthy.median),
+            Some(bare.median),
+        );
+        rows.push(format!(
+            "{:<28} first attempt after the pause: {:.1} ms (node timeout 50 ms)",
+            "",
+            first.as_secs_f64() * 1e3
+        ));
+        c.unpause(n - 1);
+    }
+
+    let c = Cluster::start(5);
+    let run_for = Duration::from_secs(3);
+    let queued = contention(&client(&c), "bench:hot:queued", TTL, run_for);
+    // A short TTL: the lock goes back to the nodes every 100 ms.
+    let queued_short = contention(
+        &client(&c),
+        "bench:hot:queued-short",
+        Duration::from_millis(200),
+        run_for,
+    );
+    let naive = contention(
+        &Redlock::builder()
+            .nodes(c.urls())
+            .local_queue(false)
+            .build()
+            .expect("client"),
+        "bench:hot:naive",
+        TTL,
+        run_for,
+    );
+    let tight = contention(
+        &Redlock::builder()
+            .nodes(c.urls())
+            .local_queue(false)
+            .retry_delay(Duration::from_millis(1))
+            .retry_jitter(Duration::from_millis(1))
+            .build()
+            .expect("client"),
+        "bench:hot:tight",
+        TTL,
+        run_for,
+    );
+    for (name, r) in [
+        ("hot key, local queue", &queued),
+        ("hot key, queue, ttl 200 ms", &queued_short),
+        ("hot key, naive 100±100 ms", &naive),
+        ("hot key, naive 1±1 ms", &tight),
+    ] {
+        rows.push(format!(
+            "{name:<28} {:>8.0} acq/s  per thread min {} max {}  overlaps {}  ({:.1}x naive, {:.1}x tight)",
+            r.per_sec,
+            r.min,
+            r.max,
+            r.overlaps,
+            r.per_sec / naive.per_sec.max(f64::MIN_POSITIVE),
+            r.per_sec / tight.per_sec.max(f64::MIN_POSITIVE),
+        ));
+    }
+
+    criterion.final_summary();
+    println!("\nquorumlock lock+unlock cycles ({CYCLES} per scenario, node timeout 50 ms):");
+    for r in rows {
+        println!("  {r}");
+    }
+}
