@@ -12,6 +12,7 @@ use parking_lot::Mutex;
 use crate::error::Error;
 use crate::local::Permit;
 use crate::redlock::{Inner, Redlock};
+use crate::transport::Key;
 use crate::Result;
 
 /// Called on the watchdog thread when a renewed lock is lost: the resource
@@ -68,6 +69,14 @@ impl LockState {
             renewing: AtomicBool::new(false),
             loss_tx: Mutex::new(Some(tx)),
             loss_rx: rx,
+        }
+    }
+
+    /// The key and token, as the transport takes them.
+    pub(crate) fn key(&self) -> Key<'_> {
+        Key {
+            resource: &self.resource,
+            token: &self.token,
         }
     }
 

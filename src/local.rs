@@ -97,16 +97,7 @@ impl Gates {
                 }
             }
         };
-        if got {
-            Some(Permit {
-                gates: self.clone(),
-                resource: resource.to_owned(),
-                gate,
-            })
-        } else {
-            self.forget_if_idle(resource, &gate);
-            None
-        }
+        self.permit(resource, gate, got)
     }
 
     /// Takes the resource's turn only if nobody holds or waits for it.
@@ -118,16 +109,20 @@ impl Gates {
             st.held |= free;
             free
         };
+        self.permit(resource, gate, got)
+    }
+
+    /// The turn when `got`; else forgets the queue if it is idle.
+    fn permit(self: &Arc<Self>, resource: &str, gate: Arc<Gate>, got: bool) -> Option<Permit> {
         if got {
-            Some(Permit {
+            return Some(Permit {
                 gates: self.clone(),
                 resource: resource.to_owned(),
                 gate,
-            })
-        } else {
-            self.forget_if_idle(resource, &gate);
-            None
+            });
         }
+        self.forget_if_idle(resource, &gate);
+        None
     }
 
     /// Removes a resource's queue once nobody holds, waits for or refers to it.

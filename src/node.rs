@@ -229,8 +229,9 @@ fn probe(pool: &Pool<Manager>, health: &Health, timeout: Duration) {
     }
 }
 
-/// Below this, a reply read after the round was decided is not waited for.
-const DRAIN_MIN: Duration = Duration::from_micros(200);
+/// Least grace given to replies after a round is decided: a healthy node
+/// on a busy machine answers within it, a hung one costs no more.
+const DRAIN_MIN: Duration = Duration::from_millis(1);
 
 impl Transport for RedisTransport {
     fn node_names(&self) -> &[String] {
@@ -362,7 +363,10 @@ impl Transport for RedisTransport {
             results[i] =
                 Some(r.map_err(|(kind, detail)| NodeError::new(&self.names[i], kind, detail)));
             if drain.is_none() && decided.is_some_and(|f| f(&results)) {
-                let grace = now.saturating_duration_since(sent).max(DRAIN_MIN);
+                let grace = now
+                    .saturating_duration_since(sent)
+                    .saturating_mul(2)
+                    .max(DRAIN_MIN);
                 drain = Some(after(now, grace).min(deadline));
             }
         }

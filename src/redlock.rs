@@ -379,13 +379,7 @@ impl Inner {
     ) -> Vec<Result<Duration>> {
         let drift = quorum::drift_allowance(ttl, self.settings.drift_factor);
         let start = self.clock.now();
-        let keys: Vec<Key<'_>> = states
-            .iter()
-            .map(|s| Key {
-                resource: &s.resource,
-                token: &s.token,
-            })
-            .collect();
+        let keys: Vec<Key<'_>> = states.iter().map(|s| s.key()).collect();
         let mut deadline = self.batch_deadline(start, keys.len());
         if let [only] = states {
             // A lone extension need not wait past its lock's validity.
@@ -432,13 +426,7 @@ impl Inner {
 
     /// Best-effort release of many locks in one round trip per node.
     pub(crate) fn release_many(&self, states: &[&LockState]) {
-        let keys: Vec<Key<'_>> = states
-            .iter()
-            .map(|s| Key {
-                resource: &s.resource,
-                token: &s.token,
-            })
-            .collect();
+        let keys: Vec<Key<'_>> = states.iter().map(|s| s.key()).collect();
         let deadline = self.batch_deadline(self.clock.now(), keys.len());
         let results = self.transport.run(Op::Release, &keys, deadline, None);
         self.note_failures(&results);

@@ -228,6 +228,18 @@ impl Cluster {
             .unwrap_or_else(|e| panic!("GET {key} on node {i}: {e}"))
     }
 
+    /// On how many nodes `key` holds `token`; panics if any node holds
+    /// another value (a lock held by two owners at once).
+    pub fn holders(&self, key: &str, token: &str) -> usize {
+        (0..self.len())
+            .filter(|&i| match self.get(i, key) {
+                Some(v) if v == token => true,
+                Some(v) => panic!("node {i} holds {key} for another owner ({v})"),
+                None => false,
+            })
+            .count()
+    }
+
     /// `DEL key` on node `i`.
     pub fn del(&self, i: usize, key: &str) {
         let _: i64 = redis::cmd("DEL")

@@ -121,7 +121,7 @@ fn a_dead_node_costs_no_timeout() {
 #[test]
 fn a_restarted_node_votes_only_after_the_longest_ttl() {
     let c = Cluster::start(3);
-    let ttl = Duration::from_secs(3);
+    let ttl = Duration::from_secs(5);
     let a = Redlock::builder().nodes(c.urls()).build().unwrap();
     let b = Redlock::builder().nodes(c.urls()).build().unwrap();
     let unprotected = Redlock::builder()
@@ -144,9 +144,11 @@ fn a_restarted_node_votes_only_after_the_longest_ttl() {
     // Node 1 restarts without persistence and forgets A's lock; node 2
     // comes back empty too.
     c.stop(1);
+    // Both nodes start after this instant, so neither may vote before
+    // `restarted + ttl`.
+    let restarted = Instant::now();
     c.restart(1);
     c.restart(2);
-    let restarted = Instant::now();
     assert_eq!(c.get(1, &key), None);
 
     // During the window B cannot win nodes 1 + 2.
@@ -168,7 +170,11 @@ fn a_restarted_node_votes_only_after_the_longest_ttl() {
     let g = b
         .lock_timeout(&key, ttl, Duration::from_secs(8))
         .expect("normal operation resumes after the window");
-    assert!(restarted.elapsed() >= ttl - Duration::from_millis(100));
+    assert!(
+        restarted.elapsed() >= ttl,
+        "B locked {:?} after the restarts, inside the {ttl:?} window",
+        restarted.elapsed()
+    );
     assert!(wait_until(Duration::from_secs(1), || c
         .get(1, &key)
         .as_deref()
@@ -229,7 +235,7 @@ fn try_lock_does_not_queue_behind_local_holders() {
     let t = Instant::now();
     assert!(matches!(
         locks.try_lock(&key, TTL),
-        Err(Error::Taken { held: 3, nodes: 3 })
+        Err(Error::Taken { held, nodes: 3 }) if held >= 2
     ));
     assert!(t.elapsed() < Duration::from_millis(200));
     drop(g);
@@ -247,7 +253,7 @@ fn a_lock_handed_to_a_local_waiter_stays_on_the_nodes() {
             let g = locks
                 .lock_timeout(&key, TTL, Duration::from_secs(5))
                 .expect("handed over");
-            let on_nodes = (0..c.len()).all(|i| c.get(i, &key).as_deref() == Some(g.token()));
+            let on_nodes = c.holders(&key, g.token()) >= 2;
             (g.token().to_owned(), g.is_held(), on_nodes, g.validity())
         });
         std::thread::sleep(Duration::from_millis(200)); // let it queue

