@@ -11,6 +11,8 @@
 //!   redis-server package for engines that cannot pull.
 //! - `QUORUMLOCK_DOCKER_PULL_TIMEOUT` = seconds `auto`/`docker` may spend pulling a missing
 //!   image (default 60).
+//! - `QUORUMLOCK_AUTO_INSTALL` = `0` stops `auto` from installing redis-server with apt-get
+//!   when nothing else works (it does so only as root on a machine with apt-get).
 //! - `QUORUMLOCK_REDIS_SERVER` = path of the `redis-server` binary for the process backend
 //!   (default: `redis-server` on PATH).
 //! - `QUORUMLOCK_HARNESS_VERBOSE` (any value) = print each cluster's backend, start time
@@ -398,6 +400,54 @@ fn install_hint(image: &str) -> String {
     )
 }
 
+/// Last resort of `auto` on a Debian-like machine where we are root (a fresh
+/// CI or dev box with no registry for Docker): install redis-server with apt,
+/// saying so loudly, and probe again. `QUORUMLOCK_AUTO_INSTALL=0` turns it off.
+fn auto_install(probe_err: String) -> Result<process::ProcessEnv, String> {
+    let allowed = std::env::var("QUORUMLOCK_AUTO_INSTALL").map_or(true, |v| v.trim() != "0");
+    let root = Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0");
+    let apt = Command::new("apt-get")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !(allowed && root && apt) {
+        return Err(probe_err);
+    }
+    eprintln!(
+        "quorumlock test harness: no redis-server and no usable Docker image; installing          redis-server with apt-get (set QUORUMLOCK_AUTO_INSTALL=0 to prevent this)"
+    );
+    let run = |args: &[&str]| {
+        Command::new("apt-get")
+            .args(args)
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .status()
+            .map_err(|e| e.to_string())
+            .and_then(|s| {
+                s.success()
+                    .then_some(())
+                    .ok_or(format!("apt-get {args:?}: {s}"))
+            })
+    };
+    run(&["update", "-qq"])
+        .and_then(|()| {
+            run(&[
+                "install",
+                "-y",
+                "-qq",
+                "--no-install-recommends",
+                "redis-server",
+            ])
+        })
+        .map_err(|e| format!("{probe_err}; installing redis-server failed: {e}"))?;
+    process::probe()
+}
+
 fn select() -> Result<Selected, String> {
     let mode = std::env::var("QUORUMLOCK_TEST_BACKEND")
         .unwrap_or_default()
@@ -419,7 +469,7 @@ fn select() -> Result<Selected, String> {
         }),
         "" | "auto" => match docker::probe(&image) {
             Ok(env) => Ok(Selected::Docker(env)),
-            Err(docker_err) => match process::probe() {
+            Err(docker_err) => match process::probe().or_else(auto_install) {
                 Ok(env) => {
                     eprintln!(
                         "quorumlock test harness: using redis-server processes on 127.0.0.1, not Docker: {docker_err}"
