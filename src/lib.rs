@@ -58,3 +58,17 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
+
+#[cfg(test)]
+mod tests {
+    fn send_sync<T: Send + Sync>() {}
+
+    #[test]
+    fn handles_cross_threads() {
+        // Guards move into worker threads; clients are shared between them.
+        send_sync::<crate::Redlock>();
+        send_sync::<crate::LockGuard>();
+        send_sync::<crate::Builder>();
+        send_sync::<crate::Error>();
+    }
+}

@@ -326,7 +326,10 @@ impl Transport for RedisTransport {
         // take only replies that arrive shortly after.
         let mut order: Vec<usize> = (0..n).filter(|&i| conns[i].is_some()).collect();
         order.sort_by_key(|&i| self.nodes[i].health.latency_ns.load(Ordering::Relaxed));
-        let mut drain: Option<Instant> = None;
+        // Skipped nodes alone may already settle it (no majority possible).
+        let mut drain: Option<Instant> = decided
+            .is_some_and(|f| f(&results))
+            .then(|| after(Instant::now(), DRAIN_MIN).min(deadline));
         for i in order {
             let Some(conn) = conns[i].as_mut() else {
                 continue;
