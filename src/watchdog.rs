@@ -199,7 +199,9 @@ fn tick(inner: &Inner, entries: &mut Vec<Entry>) {
 
     for group in due.chunk_by(|a, b| a.0 == b.0) {
         for batch in group.chunks(MAX_BATCH) {
-            let ttl = batch[0].0;
+            let Some(&(ttl, _)) = batch.first() else {
+                continue;
+            };
             let states: Vec<&LockState> = batch.iter().map(|&(_, i)| &*entries[i].state).collect();
             let outcomes = inner.extend_many(&states, ttl, true);
             let after_round = inner.clock.now();
