@@ -3,7 +3,7 @@
 //! simulation: the algorithm runs unchanged against them.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -101,6 +101,8 @@ pub(crate) struct FakeNodes {
     /// Virtual time one healthy round takes.
     pub latency: Mutex<Duration>,
     pub rounds: AtomicUsize,
+    /// Makes the next round panic (a bug in a tick, simulated).
+    pub panic_next: AtomicBool,
 }
 
 impl FakeNodes {
@@ -112,6 +114,7 @@ impl FakeNodes {
             clock,
             latency: Mutex::new(Duration::from_millis(1)),
             rounds: AtomicUsize::new(0),
+            panic_next: AtomicBool::new(false),
         })
     }
 
@@ -152,6 +155,10 @@ impl Transport for Shared {
         _decided: Option<crate::transport::Decided<'_>>,
     ) -> Vec<NodeResult> {
         let f = &self.0;
+        assert!(
+            !f.panic_next.swap(false, Ordering::SeqCst),
+            "injected panic"
+        );
         f.rounds.fetch_add(1, Ordering::SeqCst);
         let modes = f.modes.lock().clone();
         let now = f.clock.now();

@@ -368,6 +368,52 @@ mod tests {
         assert!(entries.is_empty());
     }
 
+    fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
+        let t = std::time::Instant::now();
+        while !f() {
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "timed out waiting for {what}"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn the_thread_survives_a_panicking_tick_and_ends_with_the_client() {
+        let (locks, nodes, clock) = client(3);
+        let g = locks.try_lock("k", 300 * MS).unwrap();
+        g.auto_renew();
+        let before = g.deadline();
+        nodes.panic_next.store(true, Ordering::SeqCst);
+        clock.advance(100 * MS); // renewal due: this tick panics
+        wait_for("the injected panic", || {
+            !nodes.panic_next.load(Ordering::SeqCst)
+        });
+        // Still alive: the same lock is renewed on the next tick.
+        wait_for("a renewal after the panic", || g.deadline() > before);
+        assert!(g.is_held() && !g.is_lost());
+
+        let thread = locks
+            .inner
+            .watchdog()
+            .thread
+            .lock()
+            .as_ref()
+            .map(|h| h.thread().clone());
+        assert!(thread.is_some_and(|t| t.name() == Some(THREAD_NAME)));
+        let exited = locks.inner.watchdog().exited.clone();
+        drop(g);
+        drop(locks);
+        assert!(
+            matches!(
+                exited.recv_timeout(Duration::from_secs(2)),
+                Err(RecvTimeoutError::Disconnected)
+            ),
+            "the thread ends when the client is dropped"
+        );
+    }
+
     #[test]
     fn locks_with_different_ttls_go_in_separate_batches() {
         let (locks, nodes, clock) = client(3);
