@@ -344,6 +344,8 @@ impl Transport for RedisTransport {
             match &r {
                 Ok(_) => health.success(now.saturating_duration_since(sent)),
                 Err((NodeErrorKind::Timeout, _)) if drain.is_some() => {
+                    // At least this slow: read after the others next time.
+                    health.sample_latency(now.saturating_duration_since(sent));
                     if let Some(window) = health.breaker.lock().late(now) {
                         debug!(
                             "node {}: late {LATE_LIMIT} times; skipped for {window:?}",

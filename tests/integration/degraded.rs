@@ -9,6 +9,8 @@ use quorumlock::{Error, Redlock};
 use crate::common::{shared, unique_key, Cluster};
 
 const TTL: Duration = Duration::from_secs(5);
+/// Node timeout where timeouts are not the subject (loaded CI machines).
+const SLACK: Duration = Duration::from_millis(250);
 
 fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
     let t = Instant::now();
@@ -122,10 +124,19 @@ fn a_dead_node_costs_no_timeout() {
 fn a_restarted_node_votes_only_after_the_longest_ttl() {
     let c = Cluster::start(3);
     let ttl = Duration::from_secs(5);
-    let a = Redlock::builder().nodes(c.urls()).build().unwrap();
-    let b = Redlock::builder().nodes(c.urls()).build().unwrap();
+    let a = Redlock::builder()
+        .nodes(c.urls())
+        .node_timeout(SLACK)
+        .build()
+        .unwrap();
+    let b = Redlock::builder()
+        .nodes(c.urls())
+        .node_timeout(SLACK)
+        .build()
+        .unwrap();
     let unprotected = Redlock::builder()
         .nodes(c.urls())
+        .node_timeout(SLACK)
         .restart_protection(false)
         .build()
         .unwrap();
@@ -185,7 +196,11 @@ fn a_restarted_node_votes_only_after_the_longest_ttl() {
 fn threads_of_one_process_take_turns_on_a_hot_key() {
     let c = shared();
     let key = unique_key("hot");
-    let locks = Redlock::builder().nodes(c.urls()).build().unwrap();
+    let locks = Redlock::builder()
+        .nodes(c.urls())
+        .node_timeout(SLACK)
+        .build()
+        .unwrap();
     let inside = Arc::new(AtomicUsize::new(0));
     let overlaps = Arc::new(AtomicUsize::new(0));
     let run_for = Duration::from_millis(1500);
@@ -230,7 +245,11 @@ fn threads_of_one_process_take_turns_on_a_hot_key() {
 fn try_lock_does_not_queue_behind_local_holders() {
     let c = shared();
     let key = unique_key("try");
-    let locks = Redlock::builder().nodes(c.urls()).build().unwrap();
+    let locks = Redlock::builder()
+        .nodes(c.urls())
+        .node_timeout(SLACK)
+        .build()
+        .unwrap();
     let g = locks.lock(&key, TTL).unwrap();
     let t = Instant::now();
     assert!(matches!(
@@ -245,7 +264,11 @@ fn try_lock_does_not_queue_behind_local_holders() {
 fn a_lock_handed_to_a_local_waiter_stays_on_the_nodes() {
     let c = shared();
     let key = unique_key("handover");
-    let locks = Redlock::builder().nodes(c.urls()).build().unwrap();
+    let locks = Redlock::builder()
+        .nodes(c.urls())
+        .node_timeout(SLACK)
+        .build()
+        .unwrap();
     let first = locks.lock(&key, TTL).unwrap();
     let token = first.token().to_owned();
     std::thread::scope(|s| {
