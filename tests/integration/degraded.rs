@@ -60,11 +60,7 @@ fn early_decision_does_not_wait_for_a_hung_node_read_after_the_majority() {
 fn a_hung_node_is_skipped_after_one_timeout_and_rejoins_when_it_answers() {
     let c = Cluster::start(3);
     let timeout = Duration::from_millis(300);
-    let locks = Redlock::builder()
-        .nodes(c.urls())
-        .node_timeout(timeout)
-        .build()
-        .unwrap();
+    let locks = crate::client_with(c.urls(), timeout);
     drop(locks.lock(&unique_key("warm"), TTL).unwrap());
     c.pause(0);
     let t = Instant::now();
@@ -102,11 +98,7 @@ fn a_dead_node_costs_no_timeout() {
     let c = Cluster::start(3);
     c.stop(1);
     let timeout = Duration::from_millis(500);
-    let locks = Redlock::builder()
-        .nodes(c.urls())
-        .node_timeout(timeout)
-        .build()
-        .unwrap();
+    let locks = crate::client_with(c.urls(), timeout);
     for n in 0..20 {
         let key = unique_key("dead");
         let t = Instant::now();
@@ -124,16 +116,8 @@ fn a_dead_node_costs_no_timeout() {
 fn a_restarted_node_votes_only_after_the_longest_ttl() {
     let c = Cluster::start(3);
     let ttl = Duration::from_secs(5);
-    let a = Redlock::builder()
-        .nodes(c.urls())
-        .node_timeout(SLACK)
-        .build()
-        .unwrap();
-    let b = Redlock::builder()
-        .nodes(c.urls())
-        .node_timeout(SLACK)
-        .build()
-        .unwrap();
+    let a = crate::client_with(c.urls(), SLACK);
+    let b = crate::client_with(c.urls(), SLACK);
     let unprotected = Redlock::builder()
         .nodes(c.urls())
         .node_timeout(SLACK)
@@ -196,11 +180,7 @@ fn a_restarted_node_votes_only_after_the_longest_ttl() {
 fn threads_of_one_process_take_turns_on_a_hot_key() {
     let c = shared();
     let key = unique_key("hot");
-    let locks = Redlock::builder()
-        .nodes(c.urls())
-        .node_timeout(SLACK)
-        .build()
-        .unwrap();
+    let locks = crate::client_with(c.urls(), SLACK);
     let inside = Arc::new(AtomicUsize::new(0));
     let overlaps = Arc::new(AtomicUsize::new(0));
     let run_for = Duration::from_millis(1500);
@@ -245,11 +225,7 @@ fn threads_of_one_process_take_turns_on_a_hot_key() {
 fn try_lock_does_not_queue_behind_local_holders() {
     let c = shared();
     let key = unique_key("try");
-    let locks = Redlock::builder()
-        .nodes(c.urls())
-        .node_timeout(SLACK)
-        .build()
-        .unwrap();
+    let locks = crate::client_with(c.urls(), SLACK);
     let g = locks.lock(&key, TTL).unwrap();
     let t = Instant::now();
     assert!(matches!(
@@ -264,11 +240,7 @@ fn try_lock_does_not_queue_behind_local_holders() {
 fn a_lock_handed_to_a_local_waiter_stays_on_the_nodes() {
     let c = shared();
     let key = unique_key("handover");
-    let locks = Redlock::builder()
-        .nodes(c.urls())
-        .node_timeout(SLACK)
-        .build()
-        .unwrap();
+    let locks = crate::client_with(c.urls(), SLACK);
     let first = locks.lock(&key, TTL).unwrap();
     let token = first.token().to_owned();
     std::thread::scope(|s| {

@@ -15,11 +15,7 @@ const TTL: Duration = Duration::from_secs(5);
 const SLACK: Duration = Duration::from_millis(250);
 
 fn client(urls: &[String]) -> Redlock {
-    Redlock::builder()
-        .nodes(urls.iter().cloned())
-        .node_timeout(SLACK)
-        .build()
-        .expect("valid config")
+    crate::client_with(urls.to_vec(), SLACK)
 }
 
 #[test]
@@ -215,11 +211,7 @@ fn two_stopped_nodes_of_three_fail_with_their_names() {
 fn a_paused_node_costs_at_most_a_few_node_timeouts() {
     let c = Cluster::start(3);
     let timeout = Duration::from_millis(50);
-    let locks = Redlock::builder()
-        .nodes(c.urls())
-        .node_timeout(timeout)
-        .build()
-        .unwrap();
+    let locks = crate::client_with(c.urls(), timeout);
     // Warm the pools so the measurement is about the hung node only.
     drop(locks.lock(&unique_key("warm"), TTL).unwrap());
     c.pause(1);

@@ -8,3 +8,14 @@ mod degraded;
 mod harness;
 mod lock;
 mod watchdog;
+
+use std::time::Duration;
+
+/// A client over `urls` with this node timeout and the other defaults.
+fn client_with(urls: Vec<String>, node_timeout: Duration) -> quorumlock::Redlock {
+    quorumlock::Redlock::builder()
+        .nodes(urls)
+        .node_timeout(node_timeout)
+        .build()
+        .expect("valid config")
+}
