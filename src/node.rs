@@ -71,6 +71,8 @@ struct Health {
     restart: Mutex<RestartWatch>,
     /// Moving average of reply latency (ns): the order replies are read in.
     latency_ns: AtomicU64,
+    /// Rate limit of the warning that INFO is not permitted.
+    info_refused: Throttle,
 }
 
 impl Health {
@@ -140,6 +142,7 @@ impl RedisTransport {
                 breaker: Mutex::new(Breaker::default()),
                 restart: Mutex::new(RestartWatch::default()),
                 latency_ns: AtomicU64::new(0),
+                info_refused: Throttle::default(),
             });
             let manager = Manager {
                 client: spec.info,
@@ -580,9 +583,26 @@ impl Manager {
         inner.set_read_timeout(Some(timeout))?;
         if self.shared.config.restart_protection {
             let started = Instant::now();
-            let info: String = redis::cmd("INFO").arg("server").query(&mut inner)?;
-            self.health.success(started.elapsed());
-            self.observe(&info);
+            match redis::cmd("INFO").arg("server").query::<String>(&mut inner) {
+                Ok(info) => {
+                    self.health.success(started.elapsed());
+                    self.observe(&info);
+                }
+                Err(e) if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() => {
+                    return Err(e)
+                }
+                // The node answers but will not tell (an ACL without INFO,
+                // a proxy): usable, just without restart detection.
+                Err(e) => {
+                    self.health.success(started.elapsed());
+                    if self.health.info_refused.ready(Instant::now(), WARN_EVERY) {
+                        warn!(
+                            "node {}: INFO server refused ({e}); restarts of this node cannot be detected",
+                            self.health.name
+                        );
+                    }
+                }
+            }
         }
         Ok(Conn {
             inner,

@@ -263,3 +263,23 @@ fn a_lock_handed_to_a_local_waiter_stays_on_the_nodes() {
         "released at the end"
     );
 }
+
+#[test]
+fn nodes_that_refuse_info_are_still_used() {
+    // An ACL user without INFO (it is in @dangerous): restart detection
+    // cannot work, but locking must.
+    let c = Cluster::start(3);
+    let mut urls = Vec::new();
+    for i in 0..c.len() {
+        let _: () = redis::cmd("ACL")
+            .arg(&["SETUSER", "locker", "on", ">secret", "~*", "+@all", "-info"])
+            .query(&mut c.conn(i))
+            .expect("ACL SETUSER");
+        urls.push(c.url(i).replace("redis://", "redis://locker:secret@"));
+    }
+    let locks = crate::client_with(urls, SLACK);
+    let key = unique_key("no-info");
+    let g = locks.lock(&key, TTL).expect("locks without INFO");
+    assert!(c.holders(&key, g.token()) >= 2);
+    g.release().expect("release");
+}
