@@ -60,6 +60,9 @@ pub(crate) fn new_token() -> String {
     uuid::Uuid::new_v4().simple().to_string()
 }
 
+/// How often one node's failures may be logged at warn level.
+pub(crate) const WARN_EVERY: Duration = Duration::from_secs(30);
+
 /// Lets an event through at most once per period (for warn-level logs).
 #[derive(Debug, Default)]
 pub(crate) struct Throttle(parking_lot::Mutex<Option<Instant>>);

@@ -18,7 +18,7 @@ use r2d2::{ManageConnection, Pool, PooledConnection};
 use redis::{ConnectionInfo, ConnectionLike, RedisError, Value};
 use scheduled_thread_pool::ScheduledThreadPool;
 
-use crate::clock::{after, Throttle};
+use crate::clock::{after, Throttle, WARN_EVERY};
 use crate::error::{NodeError, NodeErrorKind};
 use crate::health::{Admit, Breaker, RestartWatch, LATE_LIMIT};
 use crate::scripts;
@@ -26,8 +26,6 @@ use crate::transport::{Answer, Decided, Key, NodeResult, Op, Transport};
 
 /// The smallest socket timeout we set (`Some(ZERO)` is an error for std).
 const MIN_TIMEOUT: Duration = Duration::from_millis(1);
-/// How often a failing node may log at warn level.
-pub(crate) const WARN_EVERY: Duration = Duration::from_secs(30);
 
 /// A parsed node address.
 #[derive(Debug, Clone)]

@@ -8,20 +8,18 @@ use std::time::{Duration, Instant};
 
 use log::{debug, trace, warn};
 
-use crate::clock::{after, new_token, Clock, Rng, Throttle};
+use crate::clock::{after, new_token, Clock, Rng, Throttle, WARN_EVERY};
 use crate::config::{Builder, Settings};
 use crate::error::{Error, InvalidInput};
 use crate::guard::{LockGuard, LockState, LostCallback, Timing};
 use crate::local::{Gates, Permit};
 use crate::quorum::{self, Tally};
-use crate::transport::{Answer, Key, NodeResult, Op, Transport};
+use crate::transport::{Key, NodeResult, Op, Transport};
 use crate::watchdog::Watchdog;
 use crate::Result;
 
 /// Longest TTL accepted (about ten years): far inside what Redis takes.
 const MAX_TTL: Duration = Duration::from_secs(10 * 365 * 86_400);
-/// How often one node's failures may be logged at warn level.
-const WARN_EVERY: Duration = Duration::from_secs(30);
 
 /// A Redlock client over N independent Redis nodes.
 ///
@@ -198,6 +196,15 @@ impl Redlock {
         }
     }
 
+    /// A guard for a held lock, renewed when the client renews every lock.
+    fn guard(&self, state: Arc<LockState>, turn: Option<Permit>) -> LockGuard {
+        let guard = LockGuard::new(self.clone(), state, turn);
+        if self.inner.settings.auto_renew {
+            guard.auto_renew();
+        }
+        guard
+    }
+
     fn acquire(&self, resource: &str, ttl: Duration, budget: Budget) -> Result<LockGuard> {
         let inner = &self.inner;
         let drift = inner.validate(resource, ttl)?;
@@ -207,11 +214,7 @@ impl Redlock {
             let live = !baton.is_lost() && t.deadline > inner.clock.now();
             if live && t.ttl == ttl {
                 debug!("lock {resource:?}: taken over from a local holder");
-                let guard = LockGuard::new(self.clone(), baton, permit);
-                if inner.settings.auto_renew {
-                    guard.auto_renew();
-                }
-                return Ok(guard);
+                return Ok(self.guard(baton, permit));
             }
             // Not what this caller asked for: release it, then lock anew.
             let _ = inner.release(&baton);
@@ -219,13 +222,7 @@ impl Redlock {
         let mut attempt = 1u32;
         loop {
             let err = match inner.attempt(resource, ttl, drift) {
-                Ok(state) => {
-                    let guard = LockGuard::new(self.clone(), Arc::new(state), permit.take());
-                    if inner.settings.auto_renew {
-                        guard.auto_renew();
-                    }
-                    return Ok(guard);
-                }
+                Ok(state) => return Ok(self.guard(Arc::new(state), permit.take())),
                 Err(e) if e.is_retryable() => e,
                 Err(e) => return Err(e),
             };
@@ -312,11 +309,10 @@ impl Inner {
         let end = self.clock.now();
         let elapsed = end.saturating_duration_since(start);
         self.note_failures(&results);
+        let tally = Tally::of(&results, 0);
         // Our SET may have landed on a node that answered OK or not at all.
-        let maybe_set = results
-            .iter()
-            .any(|r| matches!(r, Ok(a) if a.first() == Some(&Answer::Ok)) || r.is_err());
-        match quorum::decide_acquire(Tally::of(&results, 0), ttl, elapsed, drift) {
+        let maybe_set = tally.ok > 0 || !tally.failures.is_empty();
+        match quorum::decide_acquire(tally, ttl, elapsed, drift) {
             Ok(validity) => {
                 debug!("lock {resource:?}: acquired in {elapsed:?}, valid for {validity:?}");
                 trace!("lock {resource:?}: token {token}");

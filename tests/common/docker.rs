@@ -24,17 +24,11 @@ const OWNER_LABEL: &str = "quorumlock.owner";
 const READY: &str = "Ready to accept connections";
 /// The same command for the stock image (its entrypoint runs `redis-server ...` as user
 /// redis) and for `.ci/redis-image.sh`'s image (no entrypoint; PATH has redis-server).
-const REDIS_CMD: [&str; 9] = [
-    "redis-server",
-    "--bind",
-    "0.0.0.0",
-    "--protected-mode",
-    "no",
-    "--save",
-    "",
-    "--appendonly",
-    "no",
-];
+fn redis_cmd() -> Vec<&'static str> {
+    let mut cmd = vec!["redis-server", "--bind", "0.0.0.0"];
+    cmd.extend(super::THROWAWAY);
+    cmd
+}
 
 pub(crate) struct DockerEnv {
     /// What the CLI gets as DOCKER_HOST: the real engine, never the proxy.
@@ -251,7 +245,7 @@ impl DockerNode {
         let mut req = GenericImage::new(env.name.clone(), env.tag.clone())
             .with_exposed_port(6379.tcp())
             .with_wait_for(WaitFor::message_on_stdout(READY))
-            .with_cmd(REDIS_CMD)
+            .with_cmd(redis_cmd())
             .with_mapped_port(port, 6379.tcp())
             .with_label(LABEL, "1")
             .with_label(OWNER_LABEL, owner_tag())

@@ -40,6 +40,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+/// Server flags both backends pass: no protected mode, no persistence (a
+/// restart loses every key, as the restart tests need).
+pub(crate) const THROWAWAY: [&str; 6] =
+    ["--protected-mode", "no", "--save", "", "--appendonly", "no"];
+
 /// Default image for the Docker backend.
 pub const DEFAULT_IMAGE: &str = "redis:7-alpine";
 

@@ -123,22 +123,9 @@ impl ProcessNode {
             .map_err(|e| format!("cannot dup log file: {e}"))?;
         let port = self.port.to_string();
         let child = Command::new(&self.bin)
-            .args([
-                "--port",
-                &port,
-                "--bind",
-                "127.0.0.1",
-                "--protected-mode",
-                "no",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--daemonize",
-                "no",
-                "--logfile",
-                "",
-            ])
+            .args(["--port", &port, "--bind", "127.0.0.1"])
+            .args(super::THROWAWAY)
+            .args(["--daemonize", "no", "--logfile", ""])
             .arg("--dir")
             .arg(&self.workdir)
             .current_dir(&self.workdir)
