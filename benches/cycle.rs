@@ -44,7 +44,11 @@ fn us(d: Duration) -> f64 {
 }
 
 fn client(c: &Cluster) -> Redlock {
-    Redlock::builder().nodes(c.urls()).build().expect("client")
+    Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(c.urls())
+        .build()
+        .expect("client")
 }
 
 /// `CYCLES` lock+unlock cycles on distinct keys; returns each cycle's time.
@@ -277,6 +281,7 @@ fn main() {
     );
     let naive = contention(
         &Redlock::builder()
+            .fresh_cluster(true)
             .nodes(c.urls())
             .local_queue(false)
             .build()
@@ -287,6 +292,7 @@ fn main() {
     );
     let tight = contention(
         &Redlock::builder()
+            .fresh_cluster(true)
             .nodes(c.urls())
             .local_queue(false)
             .retry_delay(Duration::from_millis(1))

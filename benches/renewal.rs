@@ -73,6 +73,7 @@ fn main() {
     let mut rows = Vec::new();
     for k in [1usize, 100, 10_000] {
         let locks = Redlock::builder()
+            .fresh_cluster(true)
             .nodes(c.urls())
             .auto_renew(true)
             .build()

@@ -48,7 +48,14 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         }
     };
 
-    let locks = Redlock::builder().nodes(urls.iter().cloned()).build()?;
+    // Our own throwaway nodes are brand new: trust their (empty) lock history
+    // at once instead of waiting one TTL, as a restarted cluster would need.
+    // Never do this for nodes that may lose their data while locks are held.
+    let fresh = cluster.is_some();
+    let locks = Redlock::builder()
+        .nodes(urls.iter().cloned())
+        .fresh_cluster(fresh)
+        .build()?;
     println!(
         "client over {} nodes, quorum {}",
         locks.node_count(),
@@ -65,7 +72,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         guard.validity()
     );
 
-    let other = Redlock::builder().nodes(urls.iter().cloned()).build()?;
+    let other = Redlock::builder()
+        .nodes(urls.iter().cloned())
+        .fresh_cluster(fresh)
+        .build()?;
     match other.try_lock(&resource, ttl) {
         Err(Error::Taken { held, nodes }) => {
             println!("a second client is refused: held on {held} of {nodes} nodes")

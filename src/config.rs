@@ -8,6 +8,7 @@ use std::time::Duration;
 use redis::IntoConnectionInfo;
 
 use crate::clock::{Rng, SystemClock};
+use crate::conn::Target;
 use crate::error::InvalidInput;
 use crate::guard::LostCallback;
 use crate::node::{DriverConfig, NodeSpec, RedisTransport};
@@ -25,7 +26,16 @@ pub(crate) struct Settings {
     pub auto_renew: bool,
     pub renew_fraction: f64,
     pub local_queue: bool,
+    /// Apply the delayed-restart rule to acquire votes.
+    pub restart_protection: bool,
+    /// Trust a node's lock history the first time this client sees it.
+    pub fresh_cluster: bool,
+    /// The operator's longest TTL, if configured.
+    pub max_ttl: Option<Duration>,
 }
+
+/// Largest node timeout accepted: a round waits at most this long.
+pub(crate) const MAX_NODE_TIMEOUT: Duration = Duration::from_secs(60);
 
 impl Default for Settings {
     fn default() -> Self {
@@ -38,6 +48,9 @@ impl Default for Settings {
             auto_renew: false,
             renew_fraction: 1.0 / 3.0,
             local_queue: true,
+            restart_protection: true,
+            fresh_cluster: false,
+            max_ttl: None,
         }
     }
 }
@@ -46,6 +59,22 @@ impl Settings {
     pub(crate) fn validate(&self) -> Result<(), InvalidInput> {
         if self.node_timeout.is_zero() {
             return Err(InvalidInput::ZeroDuration("node_timeout"));
+        }
+        if self.node_timeout > MAX_NODE_TIMEOUT {
+            return Err(InvalidInput::DurationTooLong {
+                what: "node_timeout",
+                value: self.node_timeout,
+                max: MAX_NODE_TIMEOUT,
+            });
+        }
+        if let Some(max) = self.max_ttl {
+            if max > crate::redlock::MAX_TTL {
+                return Err(InvalidInput::DurationTooLong {
+                    what: "max_ttl",
+                    value: max,
+                    max: crate::redlock::MAX_TTL,
+                });
+            }
         }
         if !(self.drift_factor.is_finite() && (0.0..1.0).contains(&self.drift_factor)) {
             return Err(InvalidInput::DriftFactor(self.drift_factor));
@@ -81,8 +110,6 @@ pub struct Builder {
     settings: Settings,
     pool_size: u32,
     on_lost: Option<Arc<LostCallback>>,
-    restart_protection: bool,
-    max_ttl: Option<Duration>,
 }
 
 impl Default for Builder {
@@ -90,10 +117,8 @@ impl Default for Builder {
         Builder {
             nodes: Vec::new(),
             settings: Settings::default(),
-            pool_size: 8,
+            pool_size: 32,
             on_lost: None,
-            restart_protection: true,
-            max_ttl: None,
         }
     }
 }
@@ -106,8 +131,6 @@ impl fmt::Debug for Builder {
             .field("settings", &self.settings)
             .field("pool_size", &self.pool_size)
             .field("on_lost", &self.on_lost.is_some())
-            .field("restart_protection", &self.restart_protection)
-            .field("max_ttl", &self.max_ttl)
             .finish()
     }
 }
@@ -181,9 +204,17 @@ impl Builder {
         self
     }
 
-    /// Sets the most connections kept open to each node (at least 1).
+    /// Sets the most connections this client opens to each node (at least 1).
     ///
-    /// Defaults to 8.
+    /// A round holds one connection per node for about one round trip, so
+    /// this bounds how many threads can talk to the nodes at the same moment
+    /// without waiting: size it to the number of threads that lock at once.
+    /// Connections are opened on demand (two are kept idle) and closed after
+    /// 10 minutes unused. A round that finds no free connection in time
+    /// reports [`NodeErrorKind::NoConnection`](crate::NodeErrorKind::NoConnection)
+    /// for that node; it never counts against the node's health.
+    ///
+    /// Defaults to 32.
     pub fn pool_size(mut self, size: u32) -> Self {
         self.pool_size = size;
         self
@@ -232,27 +263,51 @@ impl Builder {
         self
     }
 
-    /// Applies the Redlock delayed-restart rule in the client: a node that
-    /// restarted (its `run_id` changed since we last connected) has forgotten
-    /// the locks it held, so its votes do not count until it has been up
-    /// for the longest TTL in use — by then every lock it forgot has expired
-    /// everywhere. Costs one `INFO server` per new connection, none per lock.
+    /// Applies the Redlock delayed-restart rule: a node whose lock history
+    /// is younger than the longest TTL in use does not vote.
+    ///
+    /// Every node keeps its lock history in one key, `quorumlock:meta`: when
+    /// it first carried a lock (by its own clock) and the longest TTL any
+    /// client used on it. A node that restarts without its data, or is
+    /// flushed, loses that key with the locks, so its history starts again
+    /// and its votes wait until every lock it may have forgotten has expired
+    /// everywhere. Each acquire reads and updates the history in the same
+    /// script as its `SET`: no extra round trip, no configuration, and it
+    /// also protects a client that meets the node for the first time.
+    ///
+    /// A brand-new cluster looks exactly like a fully restarted one, so its
+    /// first locks wait one TTL; see [`fresh_cluster`](Self::fresh_cluster).
     ///
     /// Defaults to true.
     pub fn restart_protection(mut self, on: bool) -> Self {
-        self.restart_protection = on;
+        self.settings.restart_protection = on;
+        self
+    }
+
+    /// Trusts a node's lock history the first time this client sees it, even
+    /// if it is young: for throwaway clusters (tests, demos) whose first
+    /// locks should not wait one TTL. A node whose history this client later
+    /// sees start again (it lost its data) is still held back.
+    ///
+    /// Unsafe for nodes that can lose their data while some client holds a
+    /// lock: a client started after such a restart would count the node's
+    /// vote at once.
+    ///
+    /// Defaults to false.
+    pub fn fresh_cluster(mut self, on: bool) -> Self {
+        self.settings.fresh_cluster = on;
         self
     }
 
     /// Sets the longest TTL any client of these nodes uses, for the
-    /// delayed-restart rule. When set, a node first seen with less uptime than
-    /// this is held back too (it may have restarted before this client
-    /// started). When unset, the longest TTL this client has used is tracked
-    /// and applied to restarts it observes.
+    /// delayed-restart rule. The nodes already carry the longest TTL used on
+    /// them; set this when a client with a longer TTL may not have reached
+    /// the nodes a restarted node is judged against (for instance when TTLs
+    /// differ widely between clients and nodes are often down).
     ///
-    /// Defaults to unset (tracked from use).
+    /// Defaults to unset (learnt from the nodes and from use).
     pub fn max_ttl(mut self, ttl: Duration) -> Self {
-        self.max_ttl = Some(ttl);
+        self.settings.max_ttl = Some(ttl);
         self
     }
 
@@ -275,8 +330,6 @@ impl Builder {
             DriverConfig {
                 timeout: self.settings.node_timeout,
                 pool_size: self.pool_size,
-                restart_protection: self.restart_protection,
-                max_ttl: self.max_ttl,
             },
         );
         Ok(Redlock::from_parts(
@@ -305,12 +358,15 @@ pub(crate) fn parse_nodes(urls: &[String]) -> Result<Vec<NodeSpec>, InvalidInput
             .as_str()
             .into_connection_info()
             .map_err(|e| bad(e.to_string()))?;
-        let addr = match info.addr() {
-            redis::ConnectionAddr::Tcp(host, port) => {
-                format!("{}:{port}", host.to_ascii_lowercase())
+        let (host, port) = match info.addr() {
+            redis::ConnectionAddr::Tcp(host, port) => (host.clone(), *port),
+            _ => {
+                return Err(bad(
+                    "only redis:// (TCP) nodes are supported for now".to_owned()
+                ))
             }
-            other => other.to_string(),
         };
+        let addr = format!("{}:{port}", host.to_ascii_lowercase());
         if !seen.insert(addr.clone()) {
             return Err(InvalidInput::DuplicateNode(addr));
         }
@@ -320,11 +376,15 @@ pub(crate) fn parse_nodes(urls: &[String]) -> Result<Vec<NodeSpec>, InvalidInput
         } else {
             format!("{addr}/{db}")
         };
-        let redis_settings = info.redis_settings().clone().set_skip_set_lib_name();
-        let info = info
-            .set_tcp_settings(redis::io::tcp::TcpSettings::default().set_nodelay(true))
-            .set_redis_settings(redis_settings);
-        specs.push(NodeSpec { name, info });
+        let rs = info.redis_settings();
+        let target = Target {
+            host,
+            port,
+            username: rs.username().map(str::to_owned),
+            password: rs.password().map(str::to_owned),
+            db,
+        };
+        specs.push(NodeSpec { name, target });
     }
     Ok(specs)
 }
@@ -356,9 +416,10 @@ mod tests {
         .unwrap();
         assert_eq!(specs[0].name, "127.0.0.1:7001");
         assert_eq!(specs[1].name, "example.com:7002/3");
-        assert_eq!(specs[1].info.redis_settings().password(), Some("secret"));
-        assert!(specs[1].info.redis_settings().skip_set_lib_name());
-        assert!(specs[0].info.tcp_settings().nodelay());
+        assert_eq!(specs[1].target.password.as_deref(), Some("secret"));
+        assert_eq!(specs[1].target.username.as_deref(), Some("user"));
+        assert_eq!(specs[1].target.db, 3);
+        assert!(!format!("{:?}", specs[1]).contains("secret"));
     }
 
     #[test]

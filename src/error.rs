@@ -137,6 +137,24 @@ pub enum InvalidInput {
     RenewFraction(f64),
     /// The resource name was empty.
     EmptyResource,
+    /// The resource name is longer than [`MAX_RESOURCE_LEN`](crate::MAX_RESOURCE_LEN) bytes.
+    ResourceTooLong {
+        /// Its length in bytes.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The resource name is a key this crate keeps on every node.
+    ReservedResource(&'static str),
+    /// A duration setting is above the bound this crate accepts.
+    DurationTooLong {
+        /// Which setting.
+        what: &'static str,
+        /// The value given.
+        value: Duration,
+        /// The largest value accepted.
+        max: Duration,
+    },
     /// The TTL was zero.
     ZeroTtl,
     /// The TTL does not exceed the clock-drift allowance, so no lock could
@@ -169,6 +187,18 @@ impl fmt::Display for InvalidInput {
                 write!(f, "renew fraction {x} is not a finite number in (0.0, 1.0)")
             }
             InvalidInput::EmptyResource => f.write_str("resource name is empty"),
+            InvalidInput::ResourceTooLong { len, max } => {
+                write!(
+                    f,
+                    "resource name is {len} bytes long; at most {max} are accepted"
+                )
+            }
+            InvalidInput::ReservedResource(name) => {
+                write!(f, "resource name {name:?} is reserved by quorumlock")
+            }
+            InvalidInput::DurationTooLong { what, value, max } => {
+                write!(f, "{what} {value:?} is above the largest accepted, {max:?}")
+            }
             InvalidInput::ZeroTtl => f.write_str("ttl is zero"),
             InvalidInput::TtlTooShort { ttl, allowance } => write!(
                 f,
@@ -199,10 +229,16 @@ pub enum NodeErrorKind {
     /// Not asked: the node failed recently and is skipped (counted as a
     /// failed vote at no cost) until a background probe sees it answer.
     Skipped,
-    /// Not asked: the node restarted less than the longest TTL ago, so it may
-    /// have forgotten locks; its votes count again after that (the Redlock
-    /// delayed-restart rule).
+    /// Its vote was not counted: the node's lock history is younger than the
+    /// longest TTL in use (it is new, or restarted and lost its data), so it
+    /// may have forgotten locks that are still held; its votes count again
+    /// after that (the Redlock delayed-restart rule).
     Restarted,
+    /// No pooled connection to the node was free before the round ended.
+    /// This is the client's own condition (all connections busy, or still
+    /// connecting), not the node's: raise
+    /// [`pool_size`](crate::Builder::pool_size) if it persists.
+    NoConnection,
 }
 
 impl fmt::Display for NodeErrorKind {
@@ -214,7 +250,8 @@ impl fmt::Display for NodeErrorKind {
             NodeErrorKind::Server => "server error",
             NodeErrorKind::Protocol => "unexpected reply",
             NodeErrorKind::Skipped => "skipped after failures",
-            NodeErrorKind::Restarted => "restarted recently",
+            NodeErrorKind::Restarted => "lock history too young to vote",
+            NodeErrorKind::NoConnection => "no free connection",
         })
     }
 }

@@ -13,7 +13,7 @@ use crate::clock::{after, Clock, Rng};
 use crate::config::Settings;
 use crate::error::{NodeError, NodeErrorKind};
 use crate::redlock::Redlock;
-use crate::transport::{Answer, Key, NodeResult, Op, Transport};
+use crate::transport::{Answer, Key, NodeFacts, NodeResult, Op, Reply, Transport};
 
 /// Virtual time: starts at a fixed instant, moves only when told (or slept).
 #[derive(Debug)]
@@ -64,13 +64,32 @@ pub(crate) enum Mode {
 #[derive(Debug, Default)]
 struct Store {
     keys: HashMap<String, (String, Instant)>,
+    /// Lock history: when it began, the longest TTL recorded.
+    meta: Option<(Instant, Duration)>,
 }
 
 impl Store {
+    /// The acquire script's bookkeeping: facts before this command.
+    fn history(
+        &mut self,
+        ttl: Duration,
+        known: Duration,
+        now: Instant,
+        base: Instant,
+    ) -> NodeFacts {
+        let (epoch, max) = *self.meta.get_or_insert((now, Duration::ZERO));
+        self.meta = Some((epoch, max.max(ttl).max(known)));
+        NodeFacts {
+            epoch: u64::try_from(epoch.saturating_duration_since(base).as_nanos()).unwrap_or(0) + 1,
+            age: now.saturating_duration_since(epoch),
+            max_ttl: max,
+        }
+    }
+
     fn apply(&mut self, op: Op, k: &Key<'_>, now: Instant) -> Answer {
         self.keys.retain(|_, (_, exp)| *exp > now);
         match (op, self.keys.get(k.resource)) {
-            (Op::Acquire { ttl }, None) => {
+            (Op::Acquire { ttl, .. }, None) => {
                 self.keys
                     .insert(k.resource.into(), (k.token.into(), after(now, ttl)));
                 Answer::Ok
@@ -78,7 +97,7 @@ impl Store {
             (Op::Acquire { .. }, Some(_)) => Answer::Other,
             (_, None) => Answer::Absent,
             (_, Some((t, _))) if t != k.token => Answer::Other,
-            (Op::Release, Some(_)) => {
+            (Op::Release { .. }, Some(_)) => {
                 self.keys.remove(k.resource);
                 Answer::Ok
             }
@@ -136,6 +155,42 @@ impl FakeNodes {
     pub(crate) fn del(&self, node: usize, key: &str) {
         self.stores[node].lock().keys.remove(key);
     }
+
+    /// The node restarts without its data: keys and lock history are gone.
+    pub(crate) fn wipe(&self, node: usize) {
+        *self.stores[node].lock() = Store::default();
+    }
+
+    /// Runs `op` on every node in `modes`, as one round at `now`.
+    fn apply_all(&self, modes: &[Mode], op: Op, keys: &[Key<'_>], now: Instant) -> Vec<NodeResult> {
+        modes
+            .iter()
+            .enumerate()
+            .map(|(i, mode)| {
+                let name = &self.names[i];
+                match mode {
+                    Mode::Down => Err(NodeError::new(name, NodeErrorKind::Unavailable, "refused")),
+                    Mode::Hung => Err(NodeError::new(name, NodeErrorKind::Timeout, "")),
+                    Mode::Up | Mode::Lossy => {
+                        let mut store = self.stores[i].lock();
+                        let facts = match op {
+                            Op::Acquire { ttl, known_max } => {
+                                Some(store.history(ttl, known_max, now, self.clock.base))
+                            }
+                            _ => None,
+                        };
+                        let answers: Vec<Answer> =
+                            keys.iter().map(|k| store.apply(op, k, now)).collect();
+                        if *mode == Mode::Lossy {
+                            Err(NodeError::new(name, NodeErrorKind::Timeout, ""))
+                        } else {
+                            Ok(Reply { answers, facts })
+                        }
+                    }
+                }
+            })
+            .collect()
+    }
 }
 
 /// Lets tests keep an `Arc<FakeNodes>` while the client owns a box.
@@ -153,6 +208,7 @@ impl Transport for Shared {
         keys: &[Key<'_>],
         deadline: Instant,
         _decided: Option<crate::transport::Decided<'_>>,
+        undo: Option<crate::transport::Undo<'_>>,
     ) -> Vec<NodeResult> {
         let f = &self.0;
         assert!(
@@ -162,27 +218,7 @@ impl Transport for Shared {
         f.rounds.fetch_add(1, Ordering::SeqCst);
         let modes = f.modes.lock().clone();
         let now = f.clock.now();
-        let results = modes
-            .iter()
-            .enumerate()
-            .map(|(i, mode)| {
-                let name = &f.names[i];
-                match mode {
-                    Mode::Down => Err(NodeError::new(name, NodeErrorKind::Unavailable, "refused")),
-                    Mode::Hung => Err(NodeError::new(name, NodeErrorKind::Timeout, "")),
-                    Mode::Up | Mode::Lossy => {
-                        let mut store = f.stores[i].lock();
-                        let answers: Vec<Answer> =
-                            keys.iter().map(|k| store.apply(op, k, now)).collect();
-                        if *mode == Mode::Lossy {
-                            Err(NodeError::new(name, NodeErrorKind::Timeout, ""))
-                        } else {
-                            Ok(answers)
-                        }
-                    }
-                }
-            })
-            .collect();
+        let results = f.apply_all(&modes, op, keys, now);
         // The round lasts one latency, or until the deadline if anyone hung.
         let waits = modes.iter().any(|m| matches!(m, Mode::Hung | Mode::Lossy));
         let end = if waits {
@@ -191,13 +227,30 @@ impl Transport for Shared {
             after(now, *f.latency.lock()).min(deadline)
         };
         f.clock.advance(end.saturating_duration_since(now));
+        if let (Some(undo), Op::Acquire { ttl, .. }) = (undo, op) {
+            if undo(&results) {
+                let release = Op::Release {
+                    keep_until: after(now, ttl),
+                };
+                f.apply_all(&modes, release, keys, f.clock.now());
+            }
+        }
         results
     }
 }
 
 /// A client over `n` fake nodes with default settings and a seeded RNG.
 pub(crate) fn client(n: usize) -> (Redlock, Arc<FakeNodes>, Arc<ManualClock>) {
-    client_with(n, Settings::default())
+    client_with(n, settings())
+}
+
+/// Default settings for a throwaway fake cluster (its first locks need not
+/// wait one TTL).
+pub(crate) fn settings() -> Settings {
+    Settings {
+        fresh_cluster: true,
+        ..Settings::default()
+    }
 }
 
 pub(crate) fn client_with(
@@ -206,12 +259,16 @@ pub(crate) fn client_with(
 ) -> (Redlock, Arc<FakeNodes>, Arc<ManualClock>) {
     let clock = ManualClock::new();
     let nodes = FakeNodes::new(n, clock.clone());
-    let client = Redlock::from_parts(
+    (client_over(&nodes, settings), nodes, clock)
+}
+
+/// Another client (another process) over the same fake nodes.
+pub(crate) fn client_over(nodes: &Arc<FakeNodes>, settings: Settings) -> Redlock {
+    Redlock::from_parts(
         settings,
         Box::new(Shared(nodes.clone())),
-        clock.clone(),
+        nodes.clock.clone(),
         Rng::new(42),
         None,
-    );
-    (client, nodes, clock)
+    )
 }

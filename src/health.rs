@@ -1,167 +1,116 @@
-//! Per-node health, free of I/O: a circuit breaker that skips a failing
-//! node, and the delayed-restart rule that keeps a freshly restarted node's
-//! votes out until the longest TTL has passed.
+//! Per-node health, free of I/O: one state machine per node with one door.
 //!
-//! The Redis driver feeds these from what it observes; a simulated cluster
-//! can reuse them unchanged.
+//! Its only input is an [`Outcome`]: what the node itself did with a command
+//! sent to it (answered, refused the connection, or let it time out). Waiting
+//! for a pooled connection, the caller's deadline, the caller's input and a
+//! successful connect are not outcomes and never change a node's health. A
+//! simulated cluster can drive this machine unchanged.
 
 use std::time::{Duration, Instant};
 
 use crate::clock::after;
 
-/// First skip window after a failure.
-pub(crate) const BREAKER_BASE: Duration = Duration::from_millis(200);
-/// Longest skip window: a node down for long is still probed this often.
-pub(crate) const BREAKER_MAX: Duration = Duration::from_secs(5);
-/// Rounds in a row a node may answer only after the outcome was decided
-/// before it counts as a failure.
-pub(crate) const LATE_LIMIT: u32 = 5;
+/// How often a failing node is sent a command anyway (not waited for), so
+/// that it rejoins within about this long once it answers again.
+pub(crate) const TRIAL_EVERY: Duration = Duration::from_millis(100);
 
-/// What to do with a node in the next round.
+/// What a node did with one command.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// It replied (any reply, including an error reply from the server).
+    Answered,
+    /// It refused or reset the connection, or the connect timed out.
+    Refused,
+    /// A command sent to it got no reply within the node timeout.
+    TimedOut,
+}
+
+/// How a round treats a node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Admit {
-    /// Send it the command.
-    Send,
-    /// Skip it: count a failed vote at no cost. `until` is the end of the
-    /// current window (informational).
-    Skip { until: Instant },
-    /// Skip it, and start one background probe now.
-    Probe,
+    /// Send and wait for the reply while it can still change the outcome.
+    Wait,
+    /// Failing: send if a connection is at hand, take a reply that arrives
+    /// in time, but do not wait for it.
+    Trial,
+    /// Failing, and tried recently: counted as a failed vote at no cost.
+    Skip,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum State {
-    Closed { late: u32 },
-    Open { until: Instant, backoff: Duration },
-    Probing { backoff: Duration },
+/// A node's health.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) enum NodeHealth {
+    /// Answering: rounds wait for it.
+    #[default]
+    Healthy,
+    /// Its last command was refused or timed out.
+    Failing {
+        /// When the failures began.
+        since: Instant,
+        /// The next round at or after this instant sends it a trial command.
+        next_trial: Instant,
+        /// What the last failure was.
+        last: Outcome,
+    },
 }
 
-/// Closed → (failure) → Open for a backoff window → one probe → Closed on
-/// success, Open with a doubled window (bounded) on failure.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Breaker {
-    state: State,
-}
-
-impl Default for Breaker {
-    fn default() -> Self {
-        Breaker {
-            state: State::Closed { late: 0 },
+impl NodeHealth {
+    /// The one input. Returns true when the node's state flips (for logs).
+    pub(crate) fn observe(&mut self, now: Instant, outcome: Outcome) -> bool {
+        match (outcome, *self) {
+            (Outcome::Answered, NodeHealth::Healthy) => false,
+            (Outcome::Answered, NodeHealth::Failing { .. }) => {
+                *self = NodeHealth::Healthy;
+                true
+            }
+            (_, NodeHealth::Healthy) => {
+                *self = NodeHealth::Failing {
+                    since: now,
+                    next_trial: after(now, TRIAL_EVERY),
+                    last: outcome,
+                };
+                true
+            }
+            (
+                _,
+                NodeHealth::Failing {
+                    since, next_trial, ..
+                },
+            ) => {
+                *self = NodeHealth::Failing {
+                    since,
+                    next_trial,
+                    last: outcome,
+                };
+                false
+            }
         }
     }
-}
 
-impl Breaker {
+    /// How the round starting `now` treats this node. At most one trial per
+    /// [`TRIAL_EVERY`] is handed out.
     pub(crate) fn admit(&mut self, now: Instant) -> Admit {
-        match self.state {
-            State::Closed { .. } => Admit::Send,
-            State::Open { until, backoff } if now >= until => {
-                self.state = State::Probing { backoff };
-                Admit::Probe
+        match self {
+            NodeHealth::Healthy => Admit::Wait,
+            NodeHealth::Failing { next_trial, .. } if now >= *next_trial => {
+                *next_trial = after(now, TRIAL_EVERY);
+                Admit::Trial
             }
-            State::Open { until, .. } => Admit::Skip { until },
-            State::Probing { backoff } => Admit::Skip {
-                until: after(now, backoff),
-            },
+            NodeHealth::Failing { .. } => Admit::Skip,
         }
     }
 
-    /// The node answered. Returns true when this closes an open breaker.
-    pub(crate) fn success(&mut self) -> bool {
-        let was_open = !matches!(self.state, State::Closed { .. });
-        self.state = State::Closed { late: 0 };
-        was_open
-    }
-
-    /// The node timed out, refused or broke the connection. Returns the
-    /// skip window it now gets.
-    pub(crate) fn failure(&mut self, now: Instant) -> Duration {
-        let backoff = match self.state {
-            State::Closed { .. } => BREAKER_BASE,
-            State::Open { backoff, .. } | State::Probing { backoff } => {
-                backoff.saturating_mul(2).min(BREAKER_MAX)
-            }
-        };
-        self.state = State::Open {
-            until: after(now, backoff),
-            backoff,
-        };
-        backoff
-    }
-
-    /// The round was decided without this node's reply, and it had not
-    /// answered shortly after. Repeatedly late counts as a failure.
-    pub(crate) fn late(&mut self, now: Instant) -> Option<Duration> {
-        match self.state {
-            State::Closed { late } if late + 1 >= LATE_LIMIT => Some(self.failure(now)),
-            State::Closed { late } => {
-                self.state = State::Closed { late: late + 1 };
-                None
-            }
-            _ => None,
-        }
-    }
-
-    pub(crate) fn is_closed(&self) -> bool {
-        matches!(self.state, State::Closed { .. })
+    pub(crate) fn is_healthy(&self) -> bool {
+        matches!(self, NodeHealth::Healthy)
     }
 }
 
-/// Resolution of Redis's `uptime_in_seconds`.
-const UPTIME_GRAIN: Duration = Duration::from_secs(1);
-
-/// The delayed-restart rule.
-///
-/// A node that restarts without persistence has forgotten the locks it held.
-/// If its vote counted at once, a second client could win a majority made of
-/// the restarted node plus nodes the first owner never had. Holding its votes
-/// back until it has been up for the longest TTL in use guarantees every lock
-/// it forgot has expired everywhere else too.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct RestartWatch {
-    run_id: Option<String>,
-    hold_until: Option<Instant>,
-}
-
-impl RestartWatch {
-    /// Records what a new connection read from `INFO server`. `configured`
-    /// is the operator's maximum TTL, `tracked` the longest TTL this client
-    /// used so far. Returns the hold's end when this observation starts one.
-    ///
-    /// - A changed `run_id` is a restart: hold until `start + max(configured, tracked)`.
-    /// - At first contact nothing is known of earlier locks except what the
-    ///   operator configured: hold until `start + configured` when set.
-    pub(crate) fn observe(
-        &mut self,
-        run_id: &str,
-        uptime: Duration,
-        now: Instant,
-        configured: Option<Duration>,
-        tracked: Duration,
-    ) -> Option<Instant> {
-        // Redis counts uptime as whole seconds of wall time since the start
-        // second, so it can read up to 1 s more than has passed: the start
-        // is taken 1 s later than `now - uptime` to never end a hold early.
-        let started = now
-            .checked_sub(uptime)
-            .map_or(now, |s| after(s, UPTIME_GRAIN).min(now));
-        let window = match &self.run_id {
-            Some(prev) if prev == run_id => None,
-            Some(_) => Some(configured.unwrap_or_default().max(tracked)),
-            None => configured,
-        };
-        self.run_id = Some(run_id.to_owned());
-        let until = after(started, window?);
-        if until > now && self.hold_until.is_none_or(|h| h < until) {
-            self.hold_until = Some(until);
-            return Some(until);
-        }
-        None
-    }
-
-    /// Until when this node's votes must not count, if they must not now.
-    pub(crate) fn held(&self, now: Instant) -> Option<Instant> {
-        self.hold_until.filter(|&h| h > now)
+/// Rule 4 of the node layer: nodes are skipped only while the nodes a round
+/// waits for can still make a quorum; otherwise every node is waited for.
+pub(crate) fn upgrade_if_short(admits: &mut [Admit], quorum: usize) {
+    let waited = admits.iter().filter(|a| **a == Admit::Wait).count();
+    if waited < quorum {
+        admits.iter_mut().for_each(|a| *a = Admit::Wait);
     }
 }
 
@@ -172,82 +121,49 @@ mod tests {
     const MS: Duration = Duration::from_millis(1);
 
     #[test]
-    fn breaker_opens_probes_and_closes() {
+    fn only_outcomes_move_the_state() {
         let t0 = Instant::now();
-        let mut b = Breaker::default();
-        assert_eq!(b.admit(t0), Admit::Send);
-        assert_eq!(b.failure(t0), BREAKER_BASE);
-        assert!(matches!(b.admit(t0 + MS), Admit::Skip { .. }));
-        // Window over: exactly one probe, then skips while it runs.
-        assert_eq!(b.admit(t0 + BREAKER_BASE), Admit::Probe);
-        assert!(matches!(b.admit(t0 + BREAKER_BASE), Admit::Skip { .. }));
-        assert!(b.success(), "probe success closes");
-        assert_eq!(b.admit(t0 + BREAKER_BASE), Admit::Send);
-        assert!(!b.success(), "already closed");
+        let mut h = NodeHealth::default();
+        assert_eq!(h.admit(t0), Admit::Wait);
+        assert!(!h.observe(t0, Outcome::Answered));
+        assert!(h.observe(t0, Outcome::TimedOut));
+        assert!(!h.is_healthy());
+        // Failing: skipped until a trial is due, then one trial per period.
+        assert_eq!(h.admit(t0 + MS), Admit::Skip);
+        assert_eq!(h.admit(t0 + TRIAL_EVERY), Admit::Trial);
+        assert_eq!(h.admit(t0 + TRIAL_EVERY), Admit::Skip);
+        assert_eq!(h.admit(t0 + 2 * TRIAL_EVERY), Admit::Trial);
+        // Further failures keep it failing without moving the trial clock.
+        assert!(!h.observe(t0 + 2 * TRIAL_EVERY, Outcome::Refused));
+        assert_eq!(h.admit(t0 + 2 * TRIAL_EVERY + MS), Admit::Skip);
+        // An answer brings it straight back.
+        assert!(h.observe(t0 + 3 * TRIAL_EVERY, Outcome::Answered));
+        assert_eq!(h.admit(t0 + 3 * TRIAL_EVERY), Admit::Wait);
     }
 
     #[test]
-    fn breaker_backoff_doubles_up_to_the_bound() {
+    fn failing_since_is_kept_across_failures() {
         let t0 = Instant::now();
-        let mut b = Breaker::default();
-        let mut windows = vec![b.failure(t0)];
-        for _ in 0..10 {
-            assert_eq!(b.admit(t0 + BREAKER_MAX * 20), Admit::Probe);
-            windows.push(b.failure(t0));
+        let mut h = NodeHealth::default();
+        h.observe(t0, Outcome::Refused);
+        h.observe(t0 + 10 * MS, Outcome::TimedOut);
+        match h {
+            NodeHealth::Failing { since, last, .. } => {
+                assert_eq!(since, t0);
+                assert_eq!(last, Outcome::TimedOut);
+            }
+            NodeHealth::Healthy => panic!("should be failing"),
         }
-        assert_eq!(windows[..4], [200 * MS, 400 * MS, 800 * MS, 1600 * MS]);
-        assert_eq!(*windows.last().unwrap(), BREAKER_MAX);
-        // A success resets the window.
-        b.success();
-        assert_eq!(b.failure(t0), BREAKER_BASE);
     }
 
     #[test]
-    fn repeatedly_late_nodes_are_opened() {
-        let t0 = Instant::now();
-        let mut b = Breaker::default();
-        for _ in 1..LATE_LIMIT {
-            assert_eq!(b.late(t0), None);
-        }
-        assert_eq!(b.late(t0), Some(BREAKER_BASE));
-        assert!(!b.is_closed());
-        // An answer in between resets the count.
-        let mut b = Breaker::default();
-        b.late(t0);
-        b.late(t0);
-        b.success();
-        assert_eq!(b.late(t0), None);
-    }
-
-    #[test]
-    fn restart_detected_by_run_id_holds_votes_for_the_longest_ttl() {
-        let now = Instant::now();
-        let mut w = RestartWatch::default();
-        // First contact, nothing configured: no hold even if young.
-        assert_eq!(w.observe("a", 2 * MS, now, None, 10_000 * MS), None);
-        assert_eq!(w.held(now), None);
-        // Same run id: nothing new.
-        assert_eq!(w.observe("a", 5000 * MS, now, None, 10_000 * MS), None);
-        // New run id, up 1 s, longest TTL 10 s: held until 9 s from now.
-        let until = w.observe("b", 1000 * MS, now, None, 10_000 * MS).unwrap();
-        // Started at most 1 s ago by INFO's count, which may be 1 s high.
-        assert_eq!(until, now + 10_000 * MS);
-        assert_eq!(w.held(now), Some(until));
-        assert_eq!(w.held(until), None, "votes count again after the window");
-        // A restart long ago needs no hold.
-        assert_eq!(w.observe("c", 60_000 * MS, now, None, 10_000 * MS), None);
-    }
-
-    #[test]
-    fn configured_max_ttl_also_holds_young_nodes_at_first_contact() {
-        let now = Instant::now();
-        let mut w = RestartWatch::default();
-        let until = w.observe("a", 500 * MS, now, Some(3000 * MS), Duration::ZERO);
-        assert_eq!(until, Some(now + 3000 * MS));
-        let mut old = RestartWatch::default();
-        assert_eq!(
-            old.observe("a", 5000 * MS, now, Some(3000 * MS), Duration::ZERO),
-            None
-        );
+    fn skipping_never_costs_the_quorum() {
+        use Admit::*;
+        let mut a = [Wait, Wait, Skip, Trial, Wait];
+        upgrade_if_short(&mut a, 3);
+        assert_eq!(a, [Wait, Wait, Skip, Trial, Wait], "3 waited: enough");
+        let mut a = [Wait, Skip, Trial, Skip, Wait];
+        upgrade_if_short(&mut a, 3);
+        assert_eq!(a, [Wait; 5], "2 waited of 3 needed: ask everyone");
     }
 }

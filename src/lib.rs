@@ -32,6 +32,7 @@
 
 mod clock;
 mod config;
+mod conn;
 mod error;
 mod guard;
 mod health;
@@ -50,6 +51,12 @@ pub use config::Builder;
 pub use error::{Error, InvalidInput, NodeError, NodeErrorKind};
 pub use guard::LockGuard;
 pub use redlock::Redlock;
+
+/// Longest resource name accepted, in bytes. A lock name is an identifier:
+/// 1 KiB leaves room for any structured name (tenant, table, row id) while a
+/// name sent to every node on every round stays small; hash longer
+/// identifiers before using them as a resource.
+pub const MAX_RESOURCE_LEN: usize = 1024;
 
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;

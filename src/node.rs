@@ -1,38 +1,52 @@
-//! The Redis driver: one r2d2 pool per node and scatter/gather I/O on the
-//! pooled sockets.
+//! The Redis driver: one r2d2 pool of non-blocking connections per node, and
+//! rounds that take replies in the order they arrive.
 //!
-//! A round writes the same packed command to every node first and only then
-//! reads the replies, so it costs about one round trip to the slowest node,
-//! not the sum, without a thread per node. Every read is bounded by the
-//! round's deadline; a connection that saw any error is marked broken and
-//! never returns to the pool.
+//! A round checks out a connection per node without waiting, writes the same
+//! packed command to every node, then waits on all sockets at once
+//! (`poll(2)`) and takes each reply as it arrives, until the caller says the
+//! outcome is settled (plus a short grace for stragglers) or the deadline
+//! passes. Nodes still lacking a connection are checked again while the round
+//! waits, so a node whose pool is busy or still connecting costs nothing
+//! unless its answer is needed.
+//!
+//! Health follows one rule: only a node's own answers to commands change it
+//! (see [`crate::health`]). Replies still in flight when a round ends stay on
+//! their connection and are read by its next user.
 
+use std::collections::VecDeque;
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use log::{debug, info, warn};
 use parking_lot::Mutex;
 use r2d2::{ManageConnection, Pool, PooledConnection};
-use redis::{ConnectionInfo, ConnectionLike, RedisError, Value};
-use scheduled_thread_pool::ScheduledThreadPool;
+use redis::Value;
+use scheduled_thread_pool::{OnPoolDropBehavior, ScheduledThreadPool};
 
 use crate::clock::{after, Throttle, WARN_EVERY};
+use crate::conn::{self, Conn, ConnectError, PollFlags, Target, MAX_PENDING, MIN_TIMEOUT};
 use crate::error::{NodeError, NodeErrorKind};
-use crate::health::{Admit, Breaker, RestartWatch, LATE_LIMIT};
+use crate::health::{self, Admit, NodeHealth, Outcome};
+use crate::quorum;
 use crate::scripts;
-use crate::transport::{Answer, Decided, Key, NodeResult, Op, Transport};
-
-/// The smallest socket timeout we set (`Some(ZERO)` is an error for std).
-const MIN_TIMEOUT: Duration = Duration::from_millis(1);
+use crate::transport::{Answer, Decided, Key, NodeFacts, NodeResult, Op, Reply, Transport, Undo};
 
 /// A parsed node address.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub(crate) struct NodeSpec {
     /// `host:port`, with `/db` when not 0. No credentials.
     pub name: String,
-    pub info: ConnectionInfo,
+    pub target: Target,
+}
+
+impl fmt::Debug for NodeSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NodeSpec")
+            .field("name", &self.name)
+            .finish()
+    }
 }
 
 /// Settings the driver needs beyond addresses.
@@ -40,72 +54,83 @@ pub(crate) struct NodeSpec {
 pub(crate) struct DriverConfig {
     pub timeout: Duration,
     pub pool_size: u32,
-    /// Apply the delayed-restart rule (read `INFO server` on each new
-    /// connection).
-    pub restart_protection: bool,
-    /// The operator's maximum TTL, if configured.
-    pub max_ttl: Option<Duration>,
 }
 
-/// What the pools' background threads and the rounds share about the nodes.
-#[derive(Debug)]
-struct Shared {
-    config: DriverConfig,
-    /// Longest TTL sent so far, in milliseconds.
-    tracked_ttl_ms: AtomicU64,
-}
+/// Idle connections kept open per node.
+const MIN_IDLE: u32 = 2;
+/// How often unanswered releases are sent again.
+const RETRY_EVERY: Duration = Duration::from_millis(100);
+/// Most releases kept for retry per node (the oldest are dropped first).
+const MAX_RETRIES: usize = 10_000;
+/// Most keys in one retried release command.
+const RETRY_BATCH: usize = 1_000;
+/// Least and most grace given to replies after a round is settled.
+const GRACE_MIN: Duration = Duration::from_micros(100);
+const GRACE_MAX: Duration = Duration::from_millis(1);
+/// How often a round looks again for a connection it is still missing.
+const CONN_RECHECK: Duration = Duration::from_micros(200);
 
-/// One node: its pool and what we know of its health.
-struct Node {
-    pool: Pool<Manager>,
-    health: Arc<Health>,
-}
-
-/// A node's breaker, restart watch and reply latency.
-#[derive(Debug)]
-struct Health {
+/// What one node's connections, rounds and background jobs share.
+struct NodeShared {
     name: String,
-    breaker: Mutex<Breaker>,
-    restart: Mutex<RestartWatch>,
-    /// Moving average of reply latency (ns): the order replies are read in.
-    latency_ns: AtomicU64,
-    /// Rate limit of the warning that INFO is not permitted.
-    info_refused: Throttle,
+    timeout: Duration,
+    health: Mutex<NodeHealth>,
+    /// Releases this node has not answered yet.
+    retries: Mutex<VecDeque<Retry>>,
+    retry_scheduled: AtomicBool,
 }
 
-impl Health {
-    fn failure(&self, now: Instant, why: &str) {
-        let window = self.breaker.lock().failure(now);
-        debug!("node {}: {why}; skipped for {window:?}", self.name);
-    }
+/// A release to send again.
+struct Retry {
+    resource: String,
+    token: String,
+    until: Instant,
+}
 
-    /// Folds one reply time (or time waited in vain) into the average that
-    /// orders reads: nodes that answer fast are read first.
-    fn sample_latency(&self, latency: Duration) {
-        let sample = u64::try_from(latency.as_nanos()).unwrap_or(u64::MAX);
-        let old = self.latency_ns.load(Ordering::Relaxed);
-        let avg = if old == 0 {
-            sample
-        } else {
-            old - old / 8 + sample / 8
-        };
-        self.latency_ns.store(avg, Ordering::Relaxed);
-    }
-
-    fn success(&self, latency: Duration) {
-        self.sample_latency(latency);
-        if self.breaker.lock().success() {
-            info!("node {}: answering again, back in use", self.name);
+impl NodeShared {
+    /// The single door of the node's health state machine.
+    fn observe(&self, outcome: Outcome) {
+        let flipped = self.health.lock().observe(Instant::now(), outcome);
+        if flipped {
+            match outcome {
+                Outcome::Answered => info!("node {}: answering again, back in use", self.name),
+                o => debug!("node {}: {o:?}; not waited for until it answers", self.name),
+            }
         }
     }
+
+    /// Outcome of a reply read at `now` to a command sent at `sent`.
+    fn replied(&self, sent: Instant, now: Instant) {
+        if now.saturating_duration_since(sent) > self.timeout {
+            self.observe(Outcome::TimedOut);
+        } else {
+            self.observe(Outcome::Answered);
+        }
+    }
+
+    fn is_healthy(&self) -> bool {
+        self.health.lock().is_healthy()
+    }
+}
+
+/// A node: its shared state and pool.
+struct NodeInner {
+    shared: Arc<NodeShared>,
+    pool: Pool<Manager>,
+}
+
+struct Node {
+    inner: Arc<NodeInner>,
+    /// This node's own background thread: connects and release retries, so
+    /// that a node that is slow to connect delays no other node.
+    threads: Arc<ScheduledThreadPool>,
 }
 
 /// The production [`Transport`].
 pub(crate) struct RedisTransport {
     names: Vec<String>,
     nodes: Vec<Node>,
-    shared: Arc<Shared>,
-    threads: Arc<ScheduledThreadPool>,
+    timeout: Duration,
 }
 
 impl fmt::Debug for RedisTransport {
@@ -118,42 +143,36 @@ impl fmt::Debug for RedisTransport {
 
 impl RedisTransport {
     /// Creates the pools without waiting for any node.
-    pub(crate) fn new(specs: Vec<NodeSpec>, mut config: DriverConfig) -> Self {
-        config.timeout = config.timeout.max(MIN_TIMEOUT);
-        let shared = Arc::new(Shared {
-            config,
-            tracked_ttl_ms: AtomicU64::new(0),
-        });
-        // One small set of connector threads for all of this client's pools:
-        // safe because every connect is bounded by the timeout.
-        let threads = Arc::new(
-            ScheduledThreadPool::builder()
-                .num_threads(2)
-                .thread_name_pattern("quorumlock-connect-{}")
-                .build(),
-        );
+    pub(crate) fn new(specs: Vec<NodeSpec>, config: DriverConfig) -> Self {
+        let timeout = config.timeout.max(MIN_TIMEOUT);
         let mut names = Vec::with_capacity(specs.len());
         let mut nodes = Vec::with_capacity(specs.len());
-        for spec in specs {
-            let health = Arc::new(Health {
+        for (i, spec) in specs.into_iter().enumerate() {
+            let threads = Arc::new(
+                ScheduledThreadPool::builder()
+                    .num_threads(1)
+                    .thread_name_pattern(&format!("quorumlock-n{i}"))
+                    .on_drop_behavior(OnPoolDropBehavior::DiscardPendingScheduled)
+                    .build(),
+            );
+            let shared = Arc::new(NodeShared {
                 name: spec.name.clone(),
-                breaker: Mutex::new(Breaker::default()),
-                restart: Mutex::new(RestartWatch::default()),
-                latency_ns: AtomicU64::new(0),
-                info_refused: Throttle::default(),
+                timeout,
+                health: Mutex::new(NodeHealth::default()),
+                retries: Mutex::new(VecDeque::new()),
+                retry_scheduled: AtomicBool::new(false),
             });
             let manager = Manager {
-                client: spec.info,
+                target: spec.target,
                 shared: shared.clone(),
-                health: health.clone(),
             };
             let pool = Pool::builder()
-                .max_size(shared.config.pool_size)
-                .min_idle(None)
+                .max_size(config.pool_size)
+                .min_idle(Some(MIN_IDLE.min(config.pool_size)))
                 .test_on_check_out(false)
-                // Background reconnects back off up to half of this: a node
-                // that comes back is used again within about a second.
-                .connection_timeout(Duration::from_secs(2))
+                // A failed background connect is retried after at most half
+                // of this: a node that comes back is connected within 200 ms.
+                .connection_timeout(Duration::from_millis(400))
                 .error_handler(Box::new(ConnectErrors {
                     node: spec.name.clone(),
                     warned: Throttle::default(),
@@ -161,78 +180,209 @@ impl RedisTransport {
                 .thread_pool(threads.clone())
                 .build_unchecked(manager);
             names.push(spec.name);
-            nodes.push(Node { pool, health });
+            nodes.push(Node {
+                inner: Arc::new(NodeInner { shared, pool }),
+                threads,
+            });
         }
         RedisTransport {
             names,
             nodes,
-            shared,
-            threads,
+            timeout,
         }
     }
 
-    /// Whether node `i` takes part in this round; an error (counted as a
-    /// failed vote, at no cost) when its breaker is open or it restarted
-    /// too recently for its votes to count.
-    fn admit(&self, i: usize, now: Instant) -> Result<(), NodeError> {
-        let node = &self.nodes[i];
-        if let Some(until) = node.health.restart.lock().held(now) {
-            return Err(NodeError::new(
-                &self.names[i],
-                NodeErrorKind::Restarted,
-                format!(
-                    "votes count again in {:?}",
-                    until.saturating_duration_since(now)
-                ),
-            ));
+    /// A connection to node `i` if one is idle (a new one is started in the
+    /// background otherwise). Late replies on it are read first; a connection
+    /// owing a reply older than the node timeout is the node's timeout.
+    fn checkout(&self, i: usize, now: Instant) -> Option<PooledConnection<Manager>> {
+        let node = &self.nodes[i].inner;
+        for _ in 0..MAX_PENDING {
+            let mut c = node.pool.get_timeout(Duration::ZERO).ok()?;
+            if prepare(&mut c, &node.shared, now) {
+                return Some(c);
+            }
         }
-        let admit = node.health.breaker.lock().admit(now);
-        match admit {
-            Admit::Send => Ok(()),
-            Admit::Skip { until } => Err(NodeError::new(
-                &self.names[i],
-                NodeErrorKind::Skipped,
-                format!(
-                    "failing; retried in {:?}",
-                    until.saturating_duration_since(now)
-                ),
-            )),
-            Admit::Probe => {
-                let (pool, health) = (node.pool.clone(), node.health.clone());
-                let timeout = self.shared.config.timeout;
-                self.threads.execute(move || probe(&pool, &health, timeout));
-                Err(NodeError::new(
-                    &self.names[i],
-                    NodeErrorKind::Skipped,
-                    "probing",
-                ))
+        None
+    }
+
+    fn enqueue_retries(&self, i: usize, keys: &[Key<'_>], until: Instant) {
+        if until <= Instant::now() || keys.is_empty() {
+            return;
+        }
+        let node = &self.nodes[i];
+        {
+            let mut q = node.inner.shared.retries.lock();
+            for k in keys {
+                if q.len() >= MAX_RETRIES {
+                    q.pop_front();
+                    debug!(
+                        "node {}: release retry queue full; oldest dropped",
+                        node.inner.shared.name
+                    );
+                }
+                q.push_back(Retry {
+                    resource: k.resource.to_owned(),
+                    token: k.token.to_owned(),
+                    until,
+                });
+            }
+        }
+        schedule_retry(&node.inner, &node.threads);
+    }
+}
+
+/// Reads late replies off a checked-out connection. False (and the
+/// connection marked broken) when it cannot take a new command.
+fn prepare(c: &mut PooledConnection<Manager>, node: &NodeShared, now: Instant) -> bool {
+    if c.broken {
+        return false;
+    }
+    if !c.pending().is_empty() {
+        if c.fill().is_err() {
+            node.observe(Outcome::Refused);
+            return false;
+        }
+        loop {
+            match c.next_reply() {
+                Ok(Some((p, v))) => {
+                    node.replied(p.sent, now);
+                    if let Some(undo) = p.undo.filter(|_| acquired_any(&v)) {
+                        debug!("node {}: a late SET landed; deleting it", node.name);
+                        c.queue(&undo, now, false);
+                        if c.flush().is_err() {
+                            return false;
+                        }
+                    }
+                }
+                Ok(None) => break,
+                Err(_) => {
+                    node.observe(Outcome::Refused);
+                    return false;
+                }
             }
         }
     }
+    if let Some(oldest) = c.pending().front() {
+        if now.saturating_duration_since(oldest.sent) >= node.timeout {
+            c.abandon();
+            node.observe(Outcome::TimedOut);
+            return false;
+        }
+        if c.pending().len() >= MAX_PENDING {
+            c.abandon();
+            return false;
+        }
+    }
+    true
 }
 
-/// One request to a node whose breaker is open: it rejoins on an answer.
-fn probe(pool: &Pool<Manager>, health: &Health, timeout: Duration) {
-    let started = Instant::now();
-    let answered = match pool.get_timeout(timeout) {
-        Ok(mut conn) => {
-            let ok = conn.inner.set_read_timeout(Some(timeout)).is_ok()
-                && redis::cmd("PING").query::<String>(&mut conn.inner).is_ok();
-            conn.broken |= !ok;
-            ok
-        }
-        Err(_) => false,
+/// Whether an acquire reply says some key was set.
+fn acquired_any(v: &Value) -> bool {
+    matches!(v, Value::Array(items) if items.iter().skip(3).any(|x| *x == Value::Int(1)))
+}
+
+/// Starts the node's release-retry job unless it is already scheduled.
+fn schedule_retry(node: &Arc<NodeInner>, threads: &Arc<ScheduledThreadPool>) {
+    if node.shared.retry_scheduled.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    let weak: Weak<NodeInner> = Arc::downgrade(node);
+    let pool = Arc::downgrade(threads);
+    threads.execute_after(RETRY_EVERY, move || retry_job(&weak, &pool));
+}
+
+/// Sends the node's unanswered releases again (one command for up to
+/// [`RETRY_BATCH`] keys); drops those answered or expired; reschedules
+/// itself while any remain. Stops when the client is gone.
+fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPool>) {
+    let Some(node) = weak.upgrade() else {
+        return;
     };
-    if answered {
-        health.success(started.elapsed());
-    } else {
-        health.failure(Instant::now(), "probe failed");
+    let shared = &node.shared;
+    let now = Instant::now();
+    let batch: Vec<(String, String)> = {
+        let mut q = shared.retries.lock();
+        q.retain(|r| r.until > now);
+        q.iter()
+            .take(RETRY_BATCH)
+            .map(|r| (r.resource.clone(), r.token.clone()))
+            .collect()
+    };
+    if !batch.is_empty() {
+        let keys: Vec<Key<'_>> = batch
+            .iter()
+            .map(|(resource, token)| Key { resource, token })
+            .collect();
+        let enc = Encoded::new(
+            Op::Release {
+                keep_until: Instant::now(),
+            },
+            &keys,
+        );
+        if let Ok(mut c) = node.pool.get_timeout(shared.timeout) {
+            if prepare(&mut c, shared, Instant::now()) {
+                let sent = Instant::now();
+                c.queue(&enc.packed, sent, true);
+                let answered = match c
+                    .flush()
+                    .and_then(|()| c.wait_reply(after(sent, shared.timeout)))
+                {
+                    Ok(v) => {
+                        shared.observe(Outcome::Answered);
+                        // NOSCRIPT or not, the node answered; a release the
+                        // script did not run is sent again as EVAL next time.
+                        !matches!(&v, Value::ServerError(e) if e.kind() == Some(redis::ServerErrorKind::NoScript))
+                    }
+                    Err(e) => {
+                        c.broken = true;
+                        shared.observe(if e.kind() == std::io::ErrorKind::TimedOut {
+                            Outcome::TimedOut
+                        } else {
+                            Outcome::Refused
+                        });
+                        false
+                    }
+                };
+                if answered {
+                    let done: std::collections::HashSet<&(String, String)> = batch.iter().collect();
+                    shared
+                        .retries
+                        .lock()
+                        .retain(|r| !done.contains(&(r.resource.clone(), r.token.clone())));
+                    debug!(
+                        "node {}: {} retried release(s) answered",
+                        shared.name,
+                        batch.len()
+                    );
+                } else if let Some(fallback) = &enc.fallback {
+                    // Load the script for the next try.
+                    if !c.broken {
+                        c.queue(fallback, Instant::now(), false);
+                        let _ = c.flush();
+                    }
+                }
+            }
+        }
+    }
+    shared.retry_scheduled.store(false, Ordering::Release);
+    let more = !shared.retries.lock().is_empty();
+    if more {
+        if let Some(threads) = threads.upgrade() {
+            schedule_retry(&node, &threads);
+        }
     }
 }
 
-/// Least grace given to replies after a round is decided: a healthy node
-/// on a busy machine answers within it, a hung one costs no more.
-const DRAIN_MIN: Duration = Duration::from_millis(1);
+/// One node's part in a round.
+struct Slot {
+    admit: Admit,
+    conn: Option<PooledConnection<Manager>>,
+    /// When our command was queued on `conn` (or on a connection since lost).
+    sent: Option<Instant>,
+    /// The EVAL fallback was sent after NOSCRIPT.
+    fell_back: bool,
+}
 
 impl Transport for RedisTransport {
     fn node_names(&self) -> &[String] {
@@ -245,159 +395,356 @@ impl Transport for RedisTransport {
         keys: &[Key<'_>],
         deadline: Instant,
         decided: Option<Decided<'_>>,
+        undo: Option<Undo<'_>>,
     ) -> Vec<NodeResult> {
-        if let Op::Acquire { ttl } | Op::Extend { ttl } = op {
-            self.shared
-                .tracked_ttl_ms
-                .fetch_max(millis_ceil(ttl), Ordering::Relaxed);
-        }
-        let round = Encoded::new(op, keys);
+        let start = Instant::now();
         let n = self.nodes.len();
-        let mut results: Vec<Option<NodeResult>> = vec![None; n];
-        let mut conns: Vec<Option<PooledConnection<Manager>>> = (0..n).map(|_| None).collect();
-
-        // Admit and check out: idle connections first (never waits), then
-        // wait for the rest within the round's deadline.
-        let now = Instant::now();
-        for i in 0..n {
-            match self.admit(i, now) {
-                Ok(()) => conns[i] = self.nodes[i].pool.try_get(),
-                Err(e) => results[i] = Some(Err(e)),
-            }
-        }
-        // Wait for the missing connections in short slices, so that a node
-        // whose background connect was just refused (its breaker opens) is
-        // given up at once instead of at the deadline.
-        let mut missing: Vec<usize> = (0..n)
-            .filter(|&i| conns[i].is_none() && results[i].is_none())
+        let release = matches!(op, Op::Release { .. });
+        let mut admits: Vec<Admit> = self
+            .nodes
+            .iter()
+            .map(|node| node.inner.shared.health.lock().admit(start))
             .collect();
-        while let Some(&first) = missing.first() {
-            let now = Instant::now();
-            if now >= deadline {
-                for &i in &missing {
-                    self.nodes[i].health.failure(now, "no connection in time");
-                    results[i] = Some(Err(NodeError::new(
-                        &self.names[i],
-                        NodeErrorKind::Unavailable,
-                        "no connection before the deadline",
-                    )));
-                }
-                break;
-            }
-            missing.retain(|&i| {
-                let node = &self.nodes[i];
-                if let Some(c) = node.pool.try_get() {
-                    conns[i] = Some(c);
-                    false
-                } else if !node.health.breaker.lock().is_closed() {
-                    results[i] = Some(Err(NodeError::new(
-                        &self.names[i],
-                        NodeErrorKind::Unavailable,
-                        "cannot connect",
-                    )));
-                    false
-                } else {
-                    true
+        if release {
+            // A delete is always safe to send: never skipped.
+            admits.iter_mut().for_each(|a| {
+                if *a == Admit::Skip {
+                    *a = Admit::Trial
                 }
             });
-            if missing.first() == Some(&first) {
-                let slice = deadline.saturating_duration_since(now).min(MIN_TIMEOUT);
-                if let Ok(c) = self.nodes[first].pool.get_timeout(slice) {
-                    conns[first] = Some(c);
-                    missing.remove(0);
+        } else {
+            health::upgrade_if_short(&mut admits, quorum::quorum(n));
+        }
+        let mut slots: Vec<Slot> = admits
+            .into_iter()
+            .map(|admit| Slot {
+                admit,
+                conn: None,
+                sent: None,
+                fell_back: false,
+            })
+            .collect();
+        let enc = Encoded::new(op, keys);
+        let results = self.exchange(&enc, keys, &mut slots, start, deadline, decided);
+
+        if let (Some(undo), Op::Acquire { ttl, .. }) = (undo, op) {
+            if undo(&results) {
+                let now = Instant::now();
+                let rel = Op::Release {
+                    keep_until: after(start, ttl),
+                };
+                for s in &mut slots {
+                    // Only where our SET left this client; on the same
+                    // connection, so the delete lands after it.
+                    s.admit = if s.sent.is_some() {
+                        Admit::Trial
+                    } else {
+                        Admit::Skip
+                    };
+                    s.sent = None;
+                    s.fell_back = false;
                 }
+                let enc = Encoded::new(rel, keys);
+                self.exchange(
+                    &enc,
+                    keys,
+                    &mut slots,
+                    now,
+                    after(now, self.timeout),
+                    Some(&quorum::settled),
+                );
+            }
+        }
+        results
+    }
+}
+
+impl RedisTransport {
+    /// Sends `enc` to every admitted node and gathers replies in arrival
+    /// order until `decided` or `deadline`. Connections stay in `slots`.
+    fn exchange(
+        &self,
+        enc: &Encoded,
+        keys: &[Key<'_>],
+        slots: &mut [Slot],
+        start: Instant,
+        deadline: Instant,
+        decided: Option<Decided<'_>>,
+    ) -> Vec<NodeResult> {
+        let n = slots.len();
+        let mut results: Vec<Option<NodeResult>> = vec![None; n];
+        // Nodes not waited for count as failed unless their reply arrives.
+        let mut provisional = vec![false; n];
+        for (i, s) in slots.iter_mut().enumerate() {
+            if s.admit != Admit::Wait {
+                results[i] = Some(Err(self.not_waited(i, s.admit)));
+                provisional[i] = true;
+            }
+            if s.admit != Admit::Skip {
+                self.send(i, s, enc, start, &mut results, &mut provisional);
             }
         }
 
-        // Scatter.
-        let sent = Instant::now();
-        for (i, slot) in conns.iter_mut().enumerate() {
-            if let Some(conn) = slot {
-                if let Err(e) = conn.inner.send_packed_command(&round.packed) {
-                    conn.broken = true;
-                    let err = node_error(&self.names[i], &e);
-                    self.nodes[i].health.failure(Instant::now(), err.detail());
-                    results[i] = Some(Err(err));
-                    *slot = None;
-                }
-            }
-        }
-
-        // Gather, fastest nodes first, until the outcome is decided; then
-        // take only replies that arrive shortly after.
-        let mut order: Vec<usize> = (0..n).filter(|&i| conns[i].is_some()).collect();
-        order.sort_by_key(|&i| self.nodes[i].health.latency_ns.load(Ordering::Relaxed));
-        // Skipped nodes alone may already settle it (no majority possible).
-        let mut drain: Option<Instant> = decided
-            .is_some_and(|f| f(&results))
-            .then(|| after(Instant::now(), DRAIN_MIN).min(deadline));
-        for i in order {
-            let Some(conn) = conns[i].as_mut() else {
-                continue;
-            };
-            let health = &self.nodes[i].health;
-            let (until, floor) = match drain {
-                Some(d) => (d, Duration::from_micros(50)),
-                None => (deadline, MIN_TIMEOUT),
-            };
-            let r = round.receive(conn, until, floor);
+        let mut settle: Option<Instant> = None;
+        let mut ready: Vec<(usize, PollFlags)> = Vec::with_capacity(n);
+        loop {
             let now = Instant::now();
-            match &r {
-                Ok(_) => health.success(now.saturating_duration_since(sent)),
-                Err((NodeErrorKind::Timeout, _)) if drain.is_some() => {
-                    // At least this slow: read after the others next time.
-                    health.sample_latency(now.saturating_duration_since(sent));
-                    if let Some(window) = health.breaker.lock().late(now) {
-                        debug!(
-                            "node {}: late {LATE_LIMIT} times; skipped for {window:?}",
-                            health.name
-                        );
+            if settle.is_none() && decided.is_some_and(|f| f(&results)) {
+                let grace = now
+                    .saturating_duration_since(start)
+                    .clamp(GRACE_MIN, GRACE_MAX);
+                settle = Some(after(now, grace).min(deadline));
+            }
+            // Waited-for nodes still without a connection: look again.
+            let mut missing = false;
+            for (i, s) in slots.iter_mut().enumerate() {
+                if s.admit == Admit::Wait && s.sent.is_none() && results[i].is_none() {
+                    if settle.is_none() {
+                        self.send(i, s, enc, now, &mut results, &mut provisional);
+                    }
+                    missing |= s.sent.is_none() && results[i].is_none();
+                }
+            }
+            let outstanding = slots
+                .iter()
+                .any(|s| s.conn.as_ref().is_some_and(|c| c.awaits_wanted()));
+            let until = settle.unwrap_or(deadline);
+            if (!outstanding && !missing) || now >= until || (settle.is_some() && !outstanding) {
+                break;
+            }
+            let mut wait = until.saturating_duration_since(now);
+            if missing && settle.is_none() {
+                wait = wait.min(CONN_RECHECK);
+            }
+            ready.clear();
+            {
+                let mut fds = Vec::with_capacity(n);
+                let mut idx = Vec::with_capacity(n);
+                for (i, s) in slots.iter().enumerate() {
+                    if let Some(c) = s.conn.as_ref().filter(|c| c.awaits_wanted()) {
+                        fds.push(c.poll_fd(c.wants_write()));
+                        idx.push(i);
                     }
                 }
-                Err((
-                    NodeErrorKind::Timeout | NodeErrorKind::Io | NodeErrorKind::Unavailable,
-                    why,
-                )) => {
-                    health.sample_latency(now.saturating_duration_since(sent));
-                    health.failure(now, why)
+                if fds.is_empty() {
+                    std::thread::sleep(wait);
+                } else if conn::poll(&mut fds, wait).is_err() {
+                    std::thread::sleep(wait.min(CONN_RECHECK));
                 }
-                Err(_) => {}
+                for (fd, &i) in fds.iter().zip(&idx) {
+                    let r = fd.revents();
+                    if !r.is_empty() {
+                        ready.push((i, r));
+                    }
+                }
             }
-            if r.is_err() {
-                conn.broken = true;
-            }
-            results[i] =
-                Some(r.map_err(|(kind, detail)| NodeError::new(&self.names[i], kind, detail)));
-            if drain.is_none() && decided.is_some_and(|f| f(&results)) {
-                let grace = now
-                    .saturating_duration_since(sent)
-                    .saturating_mul(2)
-                    .max(DRAIN_MIN);
-                drain = Some(after(now, grace).min(deadline));
+            for &(i, flags) in &ready {
+                self.on_ready(i, &mut slots[i], flags, enc, &mut results, &mut provisional);
             }
         }
-        drop(conns);
 
+        let now = Instant::now();
+        // An acquire reply still owed may yet say "set": keep its undo.
+        let undo = match enc.op {
+            Op::Acquire { ttl, .. } => Some(
+                Encoded::new(
+                    Op::Release {
+                        keep_until: after(start, ttl),
+                    },
+                    keys,
+                )
+                .packed,
+            ),
+            _ => None,
+        };
+        for (i, s) in slots.iter_mut().enumerate() {
+            let shared = &self.nodes[i].inner.shared;
+            if let Some(c) = s.conn.as_mut() {
+                if c.awaits_wanted() {
+                    c.unwant(undo.as_deref());
+                    if s.sent
+                        .is_some_and(|t| now.saturating_duration_since(t) >= shared.timeout)
+                    {
+                        // No reply within the node timeout: the node's own doing.
+                        c.abandon();
+                        shared.observe(Outcome::TimedOut);
+                    }
+                    if results[i].is_none() {
+                        results[i] = Some(Err(NodeError::new(
+                            &self.names[i],
+                            NodeErrorKind::Timeout,
+                            format!(
+                                "no reply in {:?}",
+                                now.saturating_duration_since(s.sent.unwrap_or(start))
+                            ),
+                        )));
+                    }
+                }
+            }
+            if results[i].is_none() {
+                results[i] = Some(Err(if shared.is_healthy() {
+                    NodeError::new(
+                        &self.names[i],
+                        NodeErrorKind::NoConnection,
+                        "no pooled connection was free before the round ended (this client's condition: see pool_size)",
+                    )
+                } else {
+                    self.not_waited(i, Admit::Skip)
+                }));
+            }
+        }
+
+        // Releases a node did not answer are kept and sent again later.
+        if let Op::Release { keep_until } = enc.op {
+            for (i, r) in results.iter().enumerate() {
+                if matches!(r, Some(Err(_))) && slots[i].admit != Admit::Skip {
+                    self.enqueue_retries(i, keys, keep_until);
+                }
+            }
+        }
         results
             .into_iter()
-            .zip(&self.names)
-            .map(|(r, name)| {
-                r.unwrap_or_else(|| {
-                    Err(NodeError::new(
-                        name,
-                        NodeErrorKind::Unavailable,
-                        "no result",
-                    ))
-                })
-            })
+            .map(|r| r.unwrap_or_else(|| Err(NodeError::new("?", NodeErrorKind::Unavailable, ""))))
             .collect()
+    }
+
+    fn not_waited(&self, i: usize, admit: Admit) -> NodeError {
+        let h = *self.nodes[i].inner.shared.health.lock();
+        let detail = match h {
+            NodeHealth::Failing { since, last, .. } => format!(
+                "{} for {:?}; {}",
+                match last {
+                    Outcome::Refused => "refusing connections",
+                    _ => "not answering",
+                },
+                Instant::now().saturating_duration_since(since),
+                if admit == Admit::Trial {
+                    "tried, not waited for"
+                } else {
+                    "not waited for"
+                }
+            ),
+            NodeHealth::Healthy => "not waited for".to_owned(),
+        };
+        let kind = match h {
+            NodeHealth::Failing {
+                last: Outcome::Refused,
+                ..
+            } => NodeErrorKind::Unavailable,
+            _ => NodeErrorKind::Skipped,
+        };
+        NodeError::new(&self.names[i], kind, detail)
+    }
+
+    /// Checks out a connection for node `i` if none is at hand and queues the
+    /// round's command on it.
+    fn send(
+        &self,
+        i: usize,
+        s: &mut Slot,
+        enc: &Encoded,
+        now: Instant,
+        results: &mut [Option<NodeResult>],
+        provisional: &mut [bool],
+    ) {
+        if s.conn.as_ref().is_some_and(|c| c.broken) {
+            s.conn = None;
+        }
+        if s.conn.is_none() {
+            s.conn = self.checkout(i, now);
+        }
+        let Some(c) = s.conn.as_mut() else {
+            return;
+        };
+        let sent = Instant::now();
+        c.queue(&enc.packed, sent, true);
+        s.sent = Some(sent);
+        if let Err(e) = c.flush() {
+            self.failed(i, s, e, results, provisional);
+        }
+    }
+
+    fn failed(
+        &self,
+        i: usize,
+        s: &mut Slot,
+        e: std::io::Error,
+        results: &mut [Option<NodeResult>],
+        provisional: &mut [bool],
+    ) {
+        let shared = &self.nodes[i].inner.shared;
+        let kind = if e.kind() == std::io::ErrorKind::InvalidData {
+            shared.observe(Outcome::Answered);
+            NodeErrorKind::Protocol
+        } else {
+            shared.observe(Outcome::Refused);
+            NodeErrorKind::Io
+        };
+        if let Some(c) = s.conn.as_mut() {
+            c.broken = true;
+            c.unwant(None);
+        }
+        s.conn = None;
+        results[i] = Some(Err(NodeError::new(&self.names[i], kind, e.to_string())));
+        provisional[i] = false;
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn on_ready(
+        &self,
+        i: usize,
+        s: &mut Slot,
+        flags: PollFlags,
+        enc: &Encoded,
+        results: &mut [Option<NodeResult>],
+        provisional: &mut [bool],
+    ) {
+        let Some(c) = s.conn.as_mut() else {
+            return;
+        };
+        if let Err(e) = c.on_ready(flags) {
+            return self.failed(i, s, e, results, provisional);
+        }
+        let shared = &self.nodes[i].inner.shared;
+        loop {
+            let Some(c) = s.conn.as_mut() else {
+                return;
+            };
+            let (p, v) = match c.next_reply() {
+                Ok(Some(r)) => r,
+                Ok(None) => return,
+                Err(e) => return self.failed(i, s, e, results, provisional),
+            };
+            let now = Instant::now();
+            shared.replied(p.sent, now);
+            if !p.wanted {
+                continue;
+            }
+            if let (Value::ServerError(e), Some(fallback), false) = (&v, &enc.fallback, s.fell_back)
+            {
+                if e.kind() == Some(redis::ServerErrorKind::NoScript) {
+                    debug!("node {}: script not cached, sending EVAL", self.names[i]);
+                    s.fell_back = true;
+                    c.queue(fallback, now, true);
+                    if let Err(e) = c.flush() {
+                        return self.failed(i, s, e, results, provisional);
+                    }
+                    continue;
+                }
+            }
+            results[i] = Some(
+                enc.decode(v)
+                    .map_err(|(kind, detail)| NodeError::new(&self.names[i], kind, detail)),
+            );
+            provisional[i] = false;
+        }
     }
 }
 
 /// A round's commands, packed once for all nodes.
 struct Encoded {
     op: Op,
-    keys: usize,
+    n: usize,
     packed: Vec<u8>,
     /// The same script sent as `EVAL`, for a node that answers NOSCRIPT.
     fallback: Option<Vec<u8>>,
@@ -405,41 +752,32 @@ struct Encoded {
 
 impl Encoded {
     fn new(op: Op, keys: &[Key<'_>]) -> Self {
-        match op {
-            Op::Acquire { ttl } => {
-                let ms = millis_ceil(ttl);
-                let mut packed = Vec::with_capacity(keys.len() * 96);
-                for k in keys {
-                    let mut cmd = redis::cmd("SET");
-                    cmd.arg(k.resource).arg(k.token).arg("NX").arg("PX").arg(ms);
-                    cmd.write_packed_command(&mut packed);
-                }
-                Encoded {
-                    op,
-                    keys: keys.len(),
-                    packed,
-                    fallback: None,
-                }
-            }
-            Op::Release => Self::script(op, &scripts::RELEASE, scripts::RELEASE_LUA, 0, keys),
-            Op::Extend { ttl } => Self::script(
-                op,
+        let (script, code, args): (&redis::Script, &str, Vec<u64>) = match op {
+            Op::Acquire { ttl, known_max } => (
+                &scripts::ACQUIRE,
+                scripts::ACQUIRE_LUA,
+                vec![millis_ceil(ttl), millis_ceil(known_max)],
+            ),
+            Op::Release { .. } => (&scripts::RELEASE, scripts::RELEASE_LUA, vec![0]),
+            Op::Extend { ttl } => (
                 &scripts::EXTEND,
                 scripts::EXTEND_LUA,
-                millis_ceil(ttl),
-                keys,
+                vec![millis_ceil(ttl)],
             ),
-        }
-    }
-
-    fn script(op: Op, script: &redis::Script, code: &str, arg: u64, keys: &[Key<'_>]) -> Self {
+        };
+        let acquire = matches!(op, Op::Acquire { .. });
         let pack = |verb: &str, body: &str| {
             let mut cmd = redis::cmd(verb);
-            cmd.arg(body).arg(keys.len());
+            cmd.arg(body).arg(keys.len() + usize::from(acquire));
             for k in keys {
                 cmd.arg(k.resource);
             }
-            cmd.arg(arg);
+            if acquire {
+                cmd.arg(scripts::META_KEY);
+            }
+            for a in &args {
+                cmd.arg(*a);
+            }
             for k in keys {
                 cmd.arg(k.token);
             }
@@ -447,56 +785,56 @@ impl Encoded {
         };
         Encoded {
             op,
-            keys: keys.len(),
+            n: keys.len(),
             packed: pack("EVALSHA", script.get_hash()),
             fallback: Some(pack("EVAL", code)),
         }
     }
 
-    /// Reads this round's replies from one connection.
-    fn receive(
-        &self,
-        conn: &mut Conn,
-        deadline: Instant,
-        floor: Duration,
-    ) -> Result<Vec<Answer>, (NodeErrorKind, String)> {
-        match self.op {
+    fn decode(&self, v: Value) -> Result<Reply, (NodeErrorKind, String)> {
+        let items = match v {
+            Value::Array(items) => items,
+            v => return Err(unexpected(v)),
+        };
+        let int = |v: &Value| match v {
+            Value::Int(x) => Some(*x),
+            _ => None,
+        };
+        let (facts, rest) = match self.op {
             Op::Acquire { .. } => {
-                let mut answers = Vec::with_capacity(self.keys);
-                for _ in 0..self.keys {
-                    answers.push(match conn.recv(deadline, floor)? {
-                        Value::Okay => Answer::Ok,
-                        Value::Nil => Answer::Other,
-                        v => return Err(unexpected(v)),
-                    });
+                if items.len() != self.n + 3 {
+                    return Err(unexpected(Value::Array(items)));
                 }
-                Ok(answers)
+                let f: Vec<i64> = items[..3].iter().filter_map(int).collect();
+                let [epoch, age, max] = f[..] else {
+                    return Err(unexpected(Value::Array(items)));
+                };
+                let facts = NodeFacts {
+                    epoch: u64::try_from(epoch).unwrap_or(0),
+                    age: Duration::from_millis(u64::try_from(age).unwrap_or(0)),
+                    max_ttl: Duration::from_millis(u64::try_from(max).unwrap_or(0)),
+                };
+                (Some(facts), &items[3..])
             }
-            Op::Release | Op::Extend { .. } => {
-                let mut reply = conn.recv(deadline, floor)?;
-                if let (Value::ServerError(e), Some(fallback)) = (&reply, &self.fallback) {
-                    if e.kind() == Some(redis::ServerErrorKind::NoScript) {
-                        debug!("script not cached on node, sending EVAL");
-                        conn.inner
-                            .send_packed_command(fallback)
-                            .map_err(|e| classify(&e))?;
-                        reply = conn.recv(deadline, floor)?;
-                    }
+            _ => {
+                if items.len() != self.n {
+                    return Err(unexpected(Value::Array(items)));
                 }
-                match reply {
-                    Value::Array(items) if items.len() == self.keys => items
-                        .into_iter()
-                        .map(|v| match v {
-                            Value::Int(1) => Ok(Answer::Ok),
-                            Value::Int(0) => Ok(Answer::Absent),
-                            Value::Int(-1) => Ok(Answer::Other),
-                            v => Err(unexpected(v)),
-                        })
-                        .collect(),
-                    v => Err(unexpected(v)),
-                }
+                (None, &items[..])
             }
-        }
+        };
+        let acquire = facts.is_some();
+        let answers = rest
+            .iter()
+            .map(|v| match (int(v), acquire) {
+                (Some(1), _) => Ok(Answer::Ok),
+                (Some(0), true) => Ok(Answer::Other),
+                (Some(0), false) => Ok(Answer::Absent),
+                (Some(-1), false) => Ok(Answer::Other),
+                _ => Err(unexpected(v.clone())),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Reply { answers, facts })
     }
 }
 
@@ -514,156 +852,45 @@ pub(crate) fn millis_ceil(d: Duration) -> u64 {
     u64::try_from(ms).unwrap_or(u64::MAX)
 }
 
-fn classify(e: &RedisError) -> (NodeErrorKind, String) {
-    let kind = if e.is_timeout() {
-        NodeErrorKind::Timeout
-    } else if e.is_connection_refusal() {
-        NodeErrorKind::Unavailable
-    } else if e.is_io_error() || e.is_connection_dropped() {
-        NodeErrorKind::Io
-    } else {
-        NodeErrorKind::Protocol
-    };
-    (kind, e.to_string())
-}
-
-fn node_error(node: &str, e: &RedisError) -> NodeError {
-    let (kind, detail) = classify(e);
-    NodeError::new(node, kind, detail)
-}
-
-/// A pooled connection that remembers whether it may be reused.
-pub(crate) struct Conn {
-    inner: redis::Connection,
-    broken: bool,
-}
-
-impl Conn {
-    /// Reads one reply, waiting until `deadline` — and past it at most
-    /// `floor`, so that a reply that has already arrived is still taken (a
-    /// slow node read earlier must not cost the others their votes).
-    fn recv(
-        &mut self,
-        deadline: Instant,
-        floor: Duration,
-    ) -> Result<Value, (NodeErrorKind, String)> {
-        let left = deadline.saturating_duration_since(Instant::now());
-        self.inner
-            .set_read_timeout(Some(left.max(floor)))
-            .map_err(|e| classify(&e))?;
-        self.inner.recv_response().map_err(|e| classify(&e))
-    }
-}
-
-/// Our r2d2 connection manager: connect with a timeout, socket timeouts set,
-/// TCP_NODELAY, no `CLIENT SETINFO`; with restart protection, one
-/// `INFO server` per new connection to notice a restarted node.
+/// Our r2d2 connection manager: connect with a timeout, non-blocking
+/// socket, TCP_NODELAY, AUTH and SELECT when configured. A refused or
+/// timed-out connect is the node's answer; a successful one changes nothing.
 pub(crate) struct Manager {
-    client: ConnectionInfo,
-    shared: Arc<Shared>,
-    health: Arc<Health>,
+    target: Target,
+    shared: Arc<NodeShared>,
 }
 
 impl fmt::Debug for Manager {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Manager")
-            .field("node", &self.health.name)
+            .field("node", &self.shared.name)
             .finish()
-    }
-}
-
-impl Manager {
-    fn open(&self) -> Result<Conn, RedisError> {
-        let timeout = self.shared.config.timeout;
-        let client = redis::Client::open(self.client.clone())?;
-        let mut inner = client.get_connection_with_timeout(timeout)?;
-        inner.set_write_timeout(Some(timeout))?;
-        inner.set_read_timeout(Some(timeout))?;
-        if self.shared.config.restart_protection {
-            let started = Instant::now();
-            match redis::cmd("INFO").arg("server").query::<String>(&mut inner) {
-                Ok(info) => {
-                    self.health.success(started.elapsed());
-                    self.observe(&info);
-                }
-                Err(e) if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() => {
-                    return Err(e)
-                }
-                // The node answers but will not tell (an ACL without INFO,
-                // a proxy): usable, just without restart detection.
-                Err(e) => {
-                    self.health.success(started.elapsed());
-                    if self.health.info_refused.ready(Instant::now(), WARN_EVERY) {
-                        warn!(
-                            "node {}: INFO server refused ({e}); restarts of this node cannot be detected",
-                            self.health.name
-                        );
-                    }
-                }
-            }
-        }
-        Ok(Conn {
-            inner,
-            broken: false,
-        })
-    }
-
-    /// Applies the delayed-restart rule to what `INFO server` said.
-    fn observe(&self, info: &str) {
-        let field = |name: &str| {
-            info.lines()
-                .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
-                .map(str::trim)
-        };
-        let (Some(run_id), Some(uptime)) = (
-            field("run_id"),
-            field("uptime_in_seconds").and_then(|u| u.parse::<u64>().ok()),
-        ) else {
-            debug!("node {}: INFO without run_id/uptime", self.health.name);
-            return;
-        };
-        let tracked = Duration::from_millis(self.shared.tracked_ttl_ms.load(Ordering::Relaxed));
-        let held = self.health.restart.lock().observe(
-            run_id,
-            Duration::from_secs(uptime),
-            Instant::now(),
-            self.shared.config.max_ttl,
-            tracked,
-        );
-        if let Some(until) = held {
-            info!(
-                "node {}: up only {uptime} s (restarted?); its votes are held back for {:?} so that locks it forgot expire first",
-                self.health.name,
-                until.saturating_duration_since(Instant::now())
-            );
-        }
     }
 }
 
 impl ManageConnection for Manager {
     type Connection = Conn;
-    type Error = RedisError;
+    type Error = ConnectError;
 
-    fn connect(&self) -> Result<Conn, RedisError> {
-        self.open().inspect_err(|e| {
-            // A refused or timed-out connect makes rounds skip the node at
-            // once instead of waiting for a connection that will not come.
-            if e.is_connection_refusal() || e.is_timeout() || e.is_io_error() {
-                self.health.failure(Instant::now(), "connect failed");
-            }
+    fn connect(&self) -> Result<Conn, ConnectError> {
+        Conn::connect(&self.target, self.shared.timeout).inspect_err(|e| {
+            self.shared.observe(match e {
+                ConnectError::Io(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+                    Outcome::TimedOut
+                }
+                _ => Outcome::Refused,
+            })
         })
     }
 
-    fn is_valid(&self, conn: &mut Conn) -> Result<(), RedisError> {
-        conn.inner
-            .set_read_timeout(Some(self.shared.config.timeout))?;
-        redis::cmd("PING")
-            .query::<String>(&mut conn.inner)
-            .map(drop)
+    fn is_valid(&self, _conn: &mut Conn) -> Result<(), ConnectError> {
+        // Not called (test_on_check_out is off): the command itself is the
+        // health check.
+        Ok(())
     }
 
     fn has_broken(&self, conn: &mut Conn) -> bool {
-        conn.broken || !conn.inner.is_open()
+        conn.broken
     }
 }
 
@@ -675,8 +902,8 @@ struct ConnectErrors {
     warned: Throttle,
 }
 
-impl r2d2::HandleError<RedisError> for ConnectErrors {
-    fn handle_error(&self, error: RedisError) {
+impl r2d2::HandleError<ConnectError> for ConnectErrors {
+    fn handle_error(&self, error: ConnectError) {
         if self.warned.ready(Instant::now(), WARN_EVERY) {
             warn!(
                 "node {}: cannot connect: {error} (repeats logged at debug for {WARN_EVERY:?})",
@@ -699,36 +926,5 @@ mod tests {
         assert_eq!(millis_ceil(Duration::from_millis(30_000)), 30_000);
         assert_eq!(millis_ceil(Duration::ZERO), 1);
         assert!(millis_ceil(Duration::MAX) > 0);
-    }
-
-    #[test]
-    fn scripts_are_packed_once_with_hash_and_fallback() {
-        let keys = [
-            Key {
-                resource: "a",
-                token: "t1",
-            },
-            Key {
-                resource: "b",
-                token: "t2",
-            },
-        ];
-        let e = Encoded::new(
-            Op::Extend {
-                ttl: Duration::from_millis(1500),
-            },
-            &keys,
-        );
-        let text = String::from_utf8_lossy(&e.packed);
-        assert!(text.contains("EVALSHA") && text.contains(scripts::EXTEND.get_hash()));
-        // KEYS then ttl then tokens.
-        let order: Vec<&str> = text
-            .split("\r\n")
-            .filter(|s| !s.starts_with(['*', '$']))
-            .collect();
-        assert_eq!(order[2..], ["2", "a", "b", "1500", "t1", "t2", ""]);
-        assert!(
-            String::from_utf8_lossy(e.fallback.as_deref().unwrap_or_default()).contains("PEXPIRE")
-        );
     }
 }

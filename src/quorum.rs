@@ -6,8 +6,8 @@
 
 use std::time::Duration;
 
-use crate::error::{Error, NodeError};
-use crate::transport::{Answer, NodeResult};
+use crate::error::{Error, NodeError, NodeErrorKind};
+use crate::transport::{Answer, NodeFacts, NodeResult};
 
 /// Extra drift allowance on top of `ttl × factor`, as in the Redlock spec.
 pub(crate) const DRIFT_FLOOR: Duration = Duration::from_millis(2);
@@ -20,13 +20,92 @@ pub(crate) fn quorum(nodes: usize) -> usize {
 /// Whether a one-key round is settled by the replies so far (`None`: not
 /// read yet): a majority said OK, or too few nodes are left to make one.
 pub(crate) fn settled(results: &[Option<NodeResult>]) -> bool {
+    settled_by(results, |_, _| true)
+}
+
+/// [`settled`], counting an OK from node `i` only when `counts(i, facts)`.
+pub(crate) fn settled_by(
+    results: &[Option<NodeResult>],
+    counts: impl Fn(usize, Option<&NodeFacts>) -> bool,
+) -> bool {
     let q = quorum(results.len());
     let ok = results
         .iter()
-        .filter(|r| matches!(r, Some(Ok(a)) if a.first() == Some(&Answer::Ok)))
+        .enumerate()
+        .filter(|(i, r)| {
+            matches!(r, Some(Ok(rep)) if rep.answers.first() == Some(&Answer::Ok)
+                && counts(*i, rep.facts.as_ref()))
+        })
         .count();
     let pending = results.iter().filter(|r| r.is_none()).count();
     ok >= q || ok + pending < q
+}
+
+/// The delayed-restart rule for one acquire round, decided from what the
+/// nodes report about themselves (see the README's safety argument).
+///
+/// A node whose lock history is younger than the longest TTL in use may
+/// have lost locks that are still held elsewhere, so its OK does not count.
+/// The longest TTL in use is the largest of `floor` (the TTL asked for, the
+/// configured `max_ttl`, the longest the client has seen) and every
+/// `max_ttl` the nodes reported in this round.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RestartRule {
+    pub enabled: bool,
+    pub floor: Duration,
+}
+
+impl RestartRule {
+    /// The longest TTL in use, as far as this round can tell.
+    pub(crate) fn longest<'a>(&self, facts: impl Iterator<Item = &'a NodeFacts>) -> Duration {
+        facts.map(|f| f.max_ttl).fold(self.floor, Duration::max)
+    }
+
+    /// How much longer a node with these facts is held back (zero: its vote
+    /// counts). `trusted`: the client chose to trust this node's history.
+    pub(crate) fn hold(&self, facts: &NodeFacts, longest: Duration, trusted: bool) -> Duration {
+        if !self.enabled || trusted {
+            return Duration::ZERO;
+        }
+        longest.saturating_sub(facts.age)
+    }
+}
+
+/// Facts of every reply so far, for [`RestartRule::longest`].
+pub(crate) fn facts_of<'a>(
+    results: impl Iterator<Item = &'a NodeResult>,
+) -> impl Iterator<Item = &'a NodeFacts> {
+    results.filter_map(|r| r.as_ref().ok()?.facts.as_ref())
+}
+
+/// Turns the OK votes of held-back nodes into failures that say why.
+pub(crate) fn hold_back(
+    results: Vec<NodeResult>,
+    names: &[String],
+    mut hold: impl FnMut(usize, &NodeFacts) -> Duration,
+) -> Vec<NodeResult> {
+    results
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| match r {
+            Ok(rep) if rep.answers.contains(&Answer::Ok) => match rep.facts {
+                Some(f) => {
+                    let left = hold(i, &f);
+                    if left.is_zero() {
+                        Ok(rep)
+                    } else {
+                        Err(NodeError::new(
+                            names.get(i).map_or("?", String::as_str),
+                            NodeErrorKind::Restarted,
+                            format!("lock history {:?} old; its votes count in {left:?}", f.age),
+                        ))
+                    }
+                }
+                None => Ok(rep),
+            },
+            r => r,
+        })
+        .collect()
 }
 
 /// `ttl × factor + 2 ms`, saturating; never panics for any `ttl` or factor.
@@ -64,7 +143,7 @@ impl Tally {
         let mut t = Tally::default();
         for r in results {
             match r {
-                Ok(answers) => match answers.get(index) {
+                Ok(reply) => match reply.answers.get(index) {
                     Some(Answer::Ok) => t.ok += 1,
                     Some(Answer::Other) => t.other += 1,
                     Some(Answer::Absent) => t.absent += 1,
@@ -185,7 +264,7 @@ mod tests {
             .iter()
             .enumerate()
             .map(|(i, a)| match a {
-                Some(a) => Ok(vec![*a]),
+                Some(a) => Ok(crate::transport::Reply::new(vec![*a])),
                 None => fail(&format!("n{i}")),
             })
             .collect();
@@ -194,8 +273,8 @@ mod tests {
 
     #[test]
     fn a_round_is_settled_by_a_majority_either_way() {
-        let ok = || Some(Ok(vec![Answer::Ok]));
-        let other = || Some(Ok(vec![Answer::Other]));
+        let ok = || Some(Ok(crate::transport::Reply::new(vec![Answer::Ok])));
+        let other = || Some(Ok(crate::transport::Reply::new(vec![Answer::Other])));
         let failed = || Some(fail("x"));
         assert!(!settled(&[ok(), None, None]));
         assert!(settled(&[ok(), ok(), None]));

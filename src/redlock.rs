@@ -2,7 +2,9 @@
 //! extension. Talks to nodes only through [`Transport`] and reads time only
 //! through [`Clock`].
 
+use std::cell::Cell;
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -13,13 +15,13 @@ use crate::config::{Builder, Settings};
 use crate::error::{Error, InvalidInput};
 use crate::guard::{LockGuard, LockState, LostCallback, Timing};
 use crate::local::{Gates, Permit};
-use crate::quorum::{self, Tally};
-use crate::transport::{Key, NodeResult, Op, Transport};
+use crate::quorum::{self, RestartRule, Tally};
+use crate::transport::{Key, NodeFacts, NodeResult, Op, Transport};
 use crate::watchdog::Watchdog;
 use crate::Result;
 
 /// Longest TTL accepted (about ten years): far inside what Redis takes.
-const MAX_TTL: Duration = Duration::from_secs(10 * 365 * 86_400);
+pub(crate) const MAX_TTL: Duration = Duration::from_secs(10 * 365 * 86_400);
 
 /// A Redlock client over N independent Redis nodes.
 ///
@@ -50,6 +52,10 @@ pub(crate) struct Inner {
     rng: Rng,
     warned: Vec<Throttle>,
     gates: Arc<Gates>,
+    /// Longest TTL (ms) this client has used or seen reported by a node.
+    known_max_ms: AtomicU64,
+    /// Per node, the lock-history epoch this client saw first (0: none yet).
+    epochs: Vec<AtomicU64>,
     me: Weak<Inner>,
     watchdog: OnceLock<Watchdog>,
 }
@@ -62,6 +68,10 @@ impl fmt::Debug for Redlock {
             .finish()
     }
 }
+
+/// An acquire round's outcome: when it ended, the decision, and the results
+/// after the delayed-restart rule.
+type Decision = (Instant, Result<Duration>, Vec<NodeResult>);
 
 /// How long `acquire` may keep trying.
 #[derive(Debug, Clone, Copy)]
@@ -88,6 +98,12 @@ impl Redlock {
             .iter()
             .map(|_| Throttle::default())
             .collect();
+        let epochs = transport
+            .node_names()
+            .iter()
+            .map(|_| AtomicU64::new(0))
+            .collect();
+        let known = settings.max_ttl.map_or(0, crate::node::millis_ceil);
         Redlock {
             inner: Arc::new_cyclic(|me| Inner {
                 settings,
@@ -97,6 +113,8 @@ impl Redlock {
                 rng,
                 warned,
                 gates: Arc::default(),
+                known_max_ms: AtomicU64::new(known),
+                epochs,
                 me: me.clone(),
                 watchdog: OnceLock::new(),
             }),
@@ -276,6 +294,16 @@ impl Inner {
         if resource.is_empty() {
             return Err(InvalidInput::EmptyResource.into());
         }
+        if resource.len() > crate::MAX_RESOURCE_LEN {
+            return Err(InvalidInput::ResourceTooLong {
+                len: resource.len(),
+                max: crate::MAX_RESOURCE_LEN,
+            }
+            .into());
+        }
+        if resource == crate::scripts::META_KEY {
+            return Err(InvalidInput::ReservedResource(crate::scripts::META_KEY).into());
+        }
         if ttl.is_zero() {
             return Err(InvalidInput::ZeroTtl.into());
         }
@@ -290,29 +318,70 @@ impl Inner {
     }
 
     /// One acquisition round: SET NX PX on every node, then the decision.
-    /// On failure, releases wherever our SET may have landed.
+    /// On failure, releases wherever our SET may have landed, on the same
+    /// connections as the SET.
     fn attempt(&self, resource: &str, ttl: Duration, drift: Duration) -> Result<LockState> {
         let token = new_token();
         let key = Key {
             resource,
             token: &token,
         };
+        let known = Duration::from_millis(self.known_max_ms.load(Ordering::Relaxed));
+        let rule = RestartRule {
+            enabled: self.settings.restart_protection,
+            floor: known.max(ttl),
+        };
         let start = self.clock.now();
         // No point waiting for replies past the moment validity would be gone.
         let budget = self.settings.node_timeout.min(ttl.saturating_sub(drift));
+        let settled = |results: &[Option<NodeResult>]| {
+            let longest = rule.longest(quorum::facts_of(results.iter().flatten()));
+            quorum::settled_by(results, |i, facts| {
+                facts.is_none_or(|f| rule.hold(f, longest, self.trusted(i, f)).is_zero())
+            })
+        };
+        // The decision, made once the replies are in (and before any undo).
+        let decision: Cell<Option<Decision>> = Cell::new(None);
+        let decide = |results: &[NodeResult]| {
+            let end = self.clock.now();
+            let judged = self.judge(results.to_vec(), &rule);
+            let elapsed = end.saturating_duration_since(start);
+            let tally = Tally::of(&judged, 0);
+            // Our SET may have landed on a node that answered OK or not at all.
+            let maybe_set = tally.ok > 0
+                || judged.iter().zip(results).any(|(j, r)| {
+                    j.is_err()
+                        && !matches!(r, Err(e) if e.kind() == crate::NodeErrorKind::NoConnection)
+                });
+            let outcome = quorum::decide_acquire(tally, ttl, elapsed, drift);
+            let undo = outcome.is_err() && maybe_set;
+            decision.set(Some((end, outcome, judged)));
+            undo
+        };
         let results = self.transport.run(
-            Op::Acquire { ttl },
+            Op::Acquire {
+                ttl,
+                known_max: rule.floor,
+            },
             &[key],
             after(start, budget),
-            Some(&quorum::settled),
+            Some(&settled),
+            Some(&decide),
         );
-        let end = self.clock.now();
+        let (end, outcome, judged) = match decision.take() {
+            Some(d) => d,
+            None => {
+                // A transport that did not call `undo`: decide now.
+                let _ = decide(&results);
+                decision
+                    .take()
+                    .unwrap_or_else(|| (self.clock.now(), Err(Error::Expired), Vec::new()))
+            }
+        };
+        self.learn(&results);
+        self.note_failures(&judged);
         let elapsed = end.saturating_duration_since(start);
-        self.note_failures(&results);
-        let tally = Tally::of(&results, 0);
-        // Our SET may have landed on a node that answered OK or not at all.
-        let maybe_set = tally.ok > 0 || !tally.failures.is_empty();
-        match quorum::decide_acquire(tally, ttl, elapsed, drift) {
+        match outcome {
             Ok(validity) => {
                 debug!("lock {resource:?}: acquired in {elapsed:?}, valid for {validity:?}");
                 trace!("lock {resource:?}: token {token}");
@@ -325,17 +394,46 @@ impl Inner {
             }
             Err(e) => {
                 debug!("lock {resource:?}: not acquired in {elapsed:?}: {e}");
-                if maybe_set {
-                    // Unlock everywhere, including nodes that timed out: their
-                    // SET may still land.
-                    let _ = self.round(Op::Release, resource, &token);
-                }
                 Err(e)
             }
         }
     }
 
-    /// Runs `op` for one key on every node, bounded by the node timeout.
+    /// Whether this client chose to trust node `i`'s lock history as seen.
+    fn trusted(&self, i: usize, facts: &NodeFacts) -> bool {
+        if !self.settings.fresh_cluster {
+            return false;
+        }
+        let seen = self.epochs.get(i).map_or(0, |e| e.load(Ordering::Relaxed));
+        seen == 0 || seen == facts.epoch
+    }
+
+    /// Applies the delayed-restart rule to an acquire round's results.
+    fn judge(&self, results: Vec<NodeResult>, rule: &RestartRule) -> Vec<NodeResult> {
+        let longest = rule.longest(quorum::facts_of(results.iter()));
+        quorum::hold_back(results, self.transport.node_names(), |i, f| {
+            rule.hold(f, longest, self.trusted(i, f))
+        })
+    }
+
+    /// Remembers what the nodes reported: the longest TTL in use and, per
+    /// node, the first lock-history epoch seen.
+    fn learn(&self, results: &[NodeResult]) {
+        for (i, r) in results.iter().enumerate() {
+            let Some(f) = r.as_ref().ok().and_then(|r| r.facts) else {
+                continue;
+            };
+            self.known_max_ms.fetch_max(
+                crate::node::millis_ceil(f.max_ttl).min(MAX_TTL.as_millis() as u64),
+                Ordering::Relaxed,
+            );
+            if let Some(e) = self.epochs.get(i) {
+                let _ = e.compare_exchange(0, f.epoch, Ordering::Relaxed, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Runs a release of one key on every node, bounded by the node timeout.
     fn round(&self, op: Op, resource: &str, token: &str) -> Vec<NodeResult> {
         let deadline = after(self.clock.now(), self.settings.node_timeout);
         let results = self.transport.run(
@@ -343,14 +441,24 @@ impl Inner {
             &[Key { resource, token }],
             deadline,
             Some(&quorum::settled),
+            None,
         );
         self.note_failures(&results);
         results
     }
 
+    /// Until when a lock's key may still exist on some node: a release not
+    /// answered by then need not be retried.
+    fn keep_until(&self, state: &LockState) -> Instant {
+        let t = state.timing();
+        let slack = quorum::drift_allowance(t.ttl, self.settings.drift_factor);
+        after(t.since, t.ttl.saturating_add(slack))
+    }
+
     /// Deletes the lock on every node where it still holds our token.
     pub(crate) fn release(&self, state: &LockState) -> Result<()> {
-        let results = self.round(Op::Release, &state.resource, &state.token);
+        let keep_until = self.keep_until(state);
+        let results = self.round(Op::Release { keep_until }, &state.resource, &state.token);
         quorum::decide_release(Tally::of(&results, 0))
     }
 
@@ -386,7 +494,7 @@ impl Inner {
             let settled: Option<crate::transport::Decided<'_>> =
                 (keys.len() == 1).then_some(&quorum::settled);
             self.transport
-                .run(Op::Extend { ttl }, &keys, deadline, settled)
+                .run(Op::Extend { ttl }, &keys, deadline, settled, None)
         } else {
             Vec::new()
         };
@@ -424,7 +532,14 @@ impl Inner {
     pub(crate) fn release_many(&self, states: &[&LockState]) {
         let keys: Vec<Key<'_>> = states.iter().map(|s| s.key()).collect();
         let deadline = self.batch_deadline(self.clock.now(), keys.len());
-        let results = self.transport.run(Op::Release, &keys, deadline, None);
+        let keep_until = states
+            .iter()
+            .map(|s| self.keep_until(s))
+            .max()
+            .unwrap_or(deadline);
+        let results = self
+            .transport
+            .run(Op::Release { keep_until }, &keys, deadline, None, None);
         self.note_failures(&results);
     }
 
@@ -460,7 +575,7 @@ impl Inner {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fake::{client, client_with, Mode};
+    use crate::fake::{client, client_over, client_with, Mode};
     use std::sync::atomic::Ordering;
 
     const MS: Duration = Duration::from_millis(1);
@@ -553,7 +668,7 @@ mod tests {
     fn lock_makes_retry_count_attempts_then_reports_the_last_error() {
         let settings = Settings {
             retry_count: 4,
-            ..Settings::default()
+            ..crate::fake::settings()
         };
         let (locks, nodes, clock) = client_with(3, settings);
         let _g = locks.try_lock("r", TTL).unwrap();
@@ -636,5 +751,146 @@ mod tests {
             }
         }
         assert_eq!(nodes.rounds.load(Ordering::SeqCst), 0);
+    }
+
+    /// Issue 7's restart race, made deterministic: X holds a lock on nodes
+    /// 0 and 2; node 2 restarts empty; a client that meets the cluster for
+    /// the first time must not win nodes 1 + 2, whatever TTL it asks for.
+    #[test]
+    fn a_node_that_lost_its_data_does_not_vote_for_a_fresh_client() {
+        let (x, nodes, clock) = client(3);
+        // The cluster has carried 10 s locks for a while.
+        drop(x.try_lock("warm", TTL).unwrap());
+        clock.advance(60 * TTL);
+        nodes.set_mode(1, Mode::Down);
+        let held = x.try_lock("r", TTL).expect("nodes 0 and 2");
+        nodes.set_mode(1, Mode::Up);
+        nodes.wipe(2);
+        clock.advance(TTL / 10);
+
+        // A fresh client with default (production) settings, asking 1 s.
+        let y = client_over(&nodes, Settings::default());
+        match y.try_lock("r", TTL / 10) {
+            Err(Error::NoQuorum { failures, .. }) => {
+                let f: Vec<_> = failures.iter().map(|f| (f.node(), f.kind())).collect();
+                assert_eq!(f, [("fake2:6379", crate::NodeErrorKind::Restarted)]);
+            }
+            other => panic!("two holders: {other:?}"),
+        }
+        assert!(nodes.get(2, "r").is_none(), "the held-back SET was undone");
+        // Without the rule it wins: the hazard is real.
+        let unprotected = client_over(
+            &nodes,
+            Settings {
+                restart_protection: false,
+                ..Settings::default()
+            },
+        );
+        assert!(unprotected.try_lock("r", TTL / 10).is_ok());
+        assert!(held.is_held());
+    }
+
+    #[test]
+    fn a_held_back_node_votes_again_after_the_longest_ttl() {
+        let (x, nodes, clock) = client(3);
+        drop(x.try_lock("warm", TTL).unwrap());
+        clock.advance(60 * TTL);
+        nodes.wipe(0);
+        nodes.wipe(1);
+        let y = client_over(&nodes, Settings::default());
+        assert!(y.try_lock("a", TTL / 10).is_err(), "two young nodes of 3");
+        // The young nodes learnt nothing of the 10 s TTL, but node 2 reports
+        // it: they are held for 10 s, not for the 1 s asked.
+        clock.advance(TTL / 2);
+        assert!(y.try_lock("b", TTL / 10).is_err());
+        clock.advance(TTL / 2);
+        assert!(y.try_lock("c", TTL / 10).is_ok());
+    }
+
+    #[test]
+    fn a_brand_new_cluster_waits_one_ttl_unless_declared_fresh() {
+        let (_, nodes, clock) = client_with(3, Settings::default());
+        let y = client_over(&nodes, Settings::default());
+        let t0 = clock.now();
+        let g = y.lock_timeout("r", TTL, 2 * TTL).expect("after one ttl");
+        let waited = clock.now() - t0;
+        assert!(waited >= TTL && waited < TTL + TTL / 2, "{waited:?}");
+        drop(g);
+        // Declared fresh: at once.
+        let (fresh, _, _) = client(3);
+        assert!(fresh.try_lock("r", TTL).is_ok());
+    }
+
+    #[test]
+    fn a_fresh_cluster_client_still_holds_back_a_node_it_saw_restart() {
+        let (x, nodes, clock) = client(3);
+        drop(x.try_lock("warm", TTL).unwrap());
+        clock.advance(TTL);
+        nodes.set_mode(1, Mode::Down);
+        let _held = x.try_lock("r", TTL).unwrap();
+        nodes.set_mode(1, Mode::Up);
+        nodes.wipe(2);
+        let y = client_over(&nodes, crate::fake::settings());
+        // y has never seen node 2: trusted at first sight (the documented
+        // risk of fresh_cluster); x has, and holds it back.
+        drop(y);
+        match x.try_lock("other", TTL) {
+            Ok(g) => {
+                assert_eq!(nodes.get(2, "other").as_deref(), Some(g.token()));
+                // Granted by nodes 0 and 1; node 2's vote did not count.
+            }
+            Err(e) => panic!("{e}"),
+        }
+        nodes.set_mode(1, Mode::Down);
+        match x.try_lock("third", TTL) {
+            Err(Error::NoQuorum { failures, .. }) => {
+                assert!(failures
+                    .iter()
+                    .any(|f| f.kind() == crate::NodeErrorKind::Restarted));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn releases_are_never_held_back() {
+        let (x, nodes, clock) = client(3);
+        drop(x.try_lock("warm", TTL).unwrap());
+        nodes.wipe(2);
+        clock.advance(TTL / 10);
+        // x saw node 2's history start again: its acquire votes are held
+        // back, but our SET there stands (it is ours).
+        let g = x.try_lock("r", TTL).expect("nodes 0 and 1");
+        assert_eq!(nodes.get(2, "r").as_deref(), Some(g.token()));
+        match x.try_lock("probe", TTL) {
+            Ok(p) => drop(p),
+            Err(e) => panic!("{e}"),
+        }
+        // With node 0 down, the release needs node 2's delete to count.
+        nodes.set_mode(0, Mode::Down);
+        g.release().expect("deleted on nodes 1 and 2: a majority");
+        assert!(nodes.get(2, "r").is_none());
+    }
+
+    #[test]
+    fn huge_and_reserved_resource_names_are_refused_before_any_io() {
+        let (locks, nodes, _) = client(3);
+        let huge = "x".repeat(crate::MAX_RESOURCE_LEN + 1);
+        match locks.try_lock(&huge, TTL) {
+            Err(Error::InvalidInput(InvalidInput::ResourceTooLong { len, max })) => {
+                assert_eq!(
+                    (len, max),
+                    (crate::MAX_RESOURCE_LEN + 1, crate::MAX_RESOURCE_LEN)
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            locks.lock(crate::scripts::META_KEY, TTL),
+            Err(Error::InvalidInput(InvalidInput::ReservedResource(_)))
+        ));
+        assert_eq!(nodes.rounds.load(Ordering::SeqCst), 0);
+        let longest = "y".repeat(crate::MAX_RESOURCE_LEN);
+        assert!(locks.try_lock(&longest, TTL).is_ok());
     }
 }

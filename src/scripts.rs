@@ -1,11 +1,49 @@
 //! Every Lua script the crate sends, with its SHA1 computed once.
 //!
-//! Both scripts take any number of keys (`KEYS[i]` with token `ARGV[i+1]`)
-//! and answer one integer per key: `1` done, `0` key absent, `-1` key held by
-//! another token. The watchdog uses the same scripts to renew many locks in
-//! one round trip.
+//! Release and extend take any number of keys (`KEYS[i]` with token
+//! `ARGV[i+1]`) and answer one integer per key: `1` done, `0` key absent,
+//! `-1` key held by another token. The watchdog uses the same scripts to
+//! renew many locks in one round trip.
 
 use std::sync::LazyLock;
+
+/// The node's own lock metadata (a hash, no TTL): `epoch`, the node time in
+/// ms when it first carried a lock, and `max_ttl`, the longest TTL in use.
+/// It disappears exactly when the node loses its data, which is what the
+/// delayed-restart rule needs to know. Not usable as a resource name.
+pub(crate) const META_KEY: &str = "quorumlock:meta";
+
+/// `SET NX PX` for every lock key, plus the node's lock history. `KEYS` are
+/// the lock keys then [`META_KEY`]; `ARGV[1]` the TTL in ms, `ARGV[2]` the
+/// longest TTL the client knows of, `ARGV[3..]` the tokens. Answers
+/// `{epoch, age_ms, max_ttl_before, r1, …}` with `ri` 1 (set) or 0 (exists).
+pub(crate) static ACQUIRE: LazyLock<redis::Script> =
+    LazyLock::new(|| redis::Script::new(ACQUIRE_LUA));
+
+/// Source of [`ACQUIRE`].
+pub(crate) const ACQUIRE_LUA: &str = r"local meta = KEYS[#KEYS]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local m = redis.call('HMGET', meta, 'epoch', 'max_ttl')
+local epoch = tonumber(m[1])
+if not epoch then
+  epoch = now
+  redis.call('HSET', meta, 'epoch', epoch)
+end
+local known = tonumber(m[2]) or 0
+local want = math.max(tonumber(ARGV[1]), tonumber(ARGV[2]))
+if want > known then
+  redis.call('HSET', meta, 'max_ttl', want)
+end
+local out = {epoch, math.max(now - epoch, 0), known}
+for i = 1, #KEYS - 1 do
+  if redis.call('SET', KEYS[i], ARGV[i + 2], 'NX', 'PX', ARGV[1]) then
+    out[i + 3] = 1
+  else
+    out[i + 3] = 0
+  end
+end
+return out";
 
 /// Compare-and-delete. `ARGV[1]` is unused (kept so both scripts share one
 /// argument layout).

@@ -18,10 +18,14 @@ pub(crate) struct Key<'a> {
 /// What to do to every key of a round, on every node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Op {
-    /// `SET key token NX PX ttl`.
-    Acquire { ttl: Duration },
-    /// Delete the key if it holds our token.
-    Release,
+    /// `SET key token NX PX ttl`, in a script that also records `known_max`
+    /// (the longest TTL the client knows to be in use) on the node and
+    /// reports the node's [`NodeFacts`].
+    Acquire { ttl: Duration, known_max: Duration },
+    /// Delete the key if it holds our token. A node that does not answer is
+    /// asked again in the background until `keep_until` (when every key of
+    /// the round has expired anyway).
+    Release { keep_until: Instant },
     /// Set the key's expiry to `ttl` if it holds our token.
     Extend { ttl: Duration },
 }
@@ -37,13 +41,48 @@ pub(crate) enum Answer {
     Absent,
 }
 
-/// One node's answers for every key of a round, in key order, or why the
-/// node gave none.
-pub(crate) type NodeResult = Result<Vec<Answer>, NodeError>;
+/// What an acquire reply says about the node itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct NodeFacts {
+    /// Identity of the node's lock history: the node time (ms) at which it
+    /// first recorded lock metadata. Changes when the node loses its data.
+    pub epoch: u64,
+    /// How long the node has kept its lock history (by its own clock).
+    pub age: Duration,
+    /// The longest TTL recorded on the node before this command.
+    pub max_ttl: Duration,
+}
+
+/// One node's reply to a round.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Reply {
+    /// One answer per key, in key order.
+    pub answers: Vec<Answer>,
+    /// Present on acquire replies.
+    pub facts: Option<NodeFacts>,
+}
+
+impl Reply {
+    #[cfg(test)]
+    pub(crate) fn new(answers: Vec<Answer>) -> Self {
+        Reply {
+            answers,
+            facts: None,
+        }
+    }
+}
+
+/// One node's reply, or why the node gave none.
+pub(crate) type NodeResult = Result<Reply, NodeError>;
 
 /// Tells a round, from the results so far (`None`: not read yet), that its
 /// outcome is known and the remaining replies need not be waited for.
 pub(crate) type Decided<'a> = &'a dyn Fn(&[Option<NodeResult>]) -> bool;
+
+/// Called with an acquire round's results; true when the attempt failed and
+/// every key must be deleted again, on the same connections (so that the
+/// delete reaches a node after the SET it undoes).
+pub(crate) type Undo<'a> = &'a dyn Fn(&[NodeResult]) -> bool;
 
 /// Access to the N nodes.
 pub(crate) trait Transport: Send + Sync + 'static {
@@ -51,16 +90,16 @@ pub(crate) trait Transport: Send + Sync + 'static {
     fn node_names(&self) -> &[String];
 
     /// Runs `op` for every key on every node at once and returns one result
-    /// per node, in node order. Must return by `deadline` (give or take a
-    /// scheduling quantum): a node that has not answered by then is a
-    /// [`crate::NodeErrorKind::Timeout`]. Once `decided` says the outcome is
-    /// known, it may stop waiting for the remaining nodes (they count as
-    /// timed out).
+    /// per node, in node order. Returns by `deadline` (give or take a
+    /// scheduling quantum), and earlier once `decided` says the outcome is
+    /// known: nodes that have not answered then count as timed out. With
+    /// `undo` (acquire rounds), releases the keys when it says so.
     fn run(
         &self,
         op: Op,
         keys: &[Key<'_>],
         deadline: Instant,
         decided: Option<Decided<'_>>,
+        undo: Option<Undo<'_>>,
     ) -> Vec<NodeResult>;
 }

@@ -25,6 +25,7 @@ fn one_thread_renews_a_thousand_locks_and_ends_with_the_client() {
     let c = Cluster::start(3);
     let ttl = Duration::from_millis(1500);
     let locks = Redlock::builder()
+        .fresh_cluster(true)
         .nodes(c.urls())
         .auto_renew(true)
         .build()

@@ -24,16 +24,16 @@ fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
 }
 
 #[test]
-fn early_decision_does_not_wait_for_a_hung_node_read_after_the_majority() {
+fn early_decision_does_not_wait_for_a_hung_node_and_leaves_no_key_behind() {
     let c = Cluster::start(3);
-    // No INFO on connect: every node starts with the same (unknown) latency,
-    // so replies are read in node order and the hung node 2 comes last.
     let locks = Redlock::builder()
+        .fresh_cluster(true)
         .nodes(c.urls())
         .node_timeout(Duration::from_secs(1))
-        .restart_protection(false)
         .build()
         .unwrap();
+    // Connections are open before the node hangs, so the SET reaches it.
+    drop(locks.try_lock(&unique_key("warm"), TTL).unwrap());
     c.pause(2);
     let key = unique_key("early");
     let t = Instant::now();
@@ -45,15 +45,16 @@ fn early_decision_does_not_wait_for_a_hung_node_read_after_the_majority() {
         took < Duration::from_millis(250),
         "waited {took:?} for a 1 s node timeout"
     );
-    // The hung node executes the SET when it resumes: the late OK is still
-    // released by the guard.
-    c.unpause(2);
-    assert!(wait_until(Duration::from_secs(2), || c
-        .get(2, &key)
-        .as_deref()
-        == Some(g.token())));
     g.release().unwrap();
-    assert!((0..3).all(|i| c.get(i, &key).is_none()));
+    // The hung node executes the SET when it resumes; the delete queued
+    // behind it (or retried in the background) removes it again.
+    c.unpause(2);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        wait_until(Duration::from_secs(3), || (0..3)
+            .all(|i| c.get(i, &key).is_none())),
+        "a key was left behind"
+    );
 }
 
 #[test]
@@ -119,6 +120,7 @@ fn a_restarted_node_votes_only_after_the_longest_ttl() {
     let a = crate::client_with(c.urls(), SLACK);
     let b = crate::client_with(c.urls(), SLACK);
     let unprotected = Redlock::builder()
+        .fresh_cluster(true)
         .nodes(c.urls())
         .node_timeout(SLACK)
         .restart_protection(false)

@@ -135,6 +135,7 @@ fn many_threads_never_overlap() {
     let c = shared();
     let key = unique_key("overlap");
     let locks = Redlock::builder()
+        .fresh_cluster(true)
         .nodes(c.urls())
         .node_timeout(SLACK)
         .retry_delay(Duration::from_millis(3))
@@ -278,16 +279,18 @@ fn building_with_every_node_down_succeeds_and_locking_fails_fast() {
 #[test]
 fn bad_input_gets_typed_errors() {
     let ok = ["redis://127.0.0.1:1".to_string()];
-    let builder = || Redlock::builder().nodes(ok.clone());
+    let builder = || Redlock::builder().fresh_cluster(true).nodes(ok.clone());
     type Case = (
         &'static str,
         quorumlock::Result<Redlock>,
         fn(&InvalidInput) -> bool,
     );
     let cases: Vec<Case> = vec![
-        ("no nodes", Redlock::builder().build(), |e| {
-            *e == InvalidInput::NoNodes
-        }),
+        (
+            "no nodes",
+            Redlock::builder().fresh_cluster(true).build(),
+            |e| *e == InvalidInput::NoNodes,
+        ),
         (
             "duplicate",
             builder().node("redis://127.0.0.1:1/2").build(),
@@ -295,7 +298,10 @@ fn bad_input_gets_typed_errors() {
         ),
         (
             "bad url",
-            Redlock::builder().node("mongodb://x").build(),
+            Redlock::builder()
+                .fresh_cluster(true)
+                .node("mongodb://x")
+                .build(),
             |e| matches!(e, InvalidInput::BadNodeUrl { .. }),
         ),
         (

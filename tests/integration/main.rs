@@ -14,6 +14,7 @@ use std::time::Duration;
 /// A client over `urls` with this node timeout and the other defaults.
 fn client_with(urls: Vec<String>, node_timeout: Duration) -> quorumlock::Redlock {
     quorumlock::Redlock::builder()
+        .fresh_cluster(true)
         .nodes(urls)
         .node_timeout(node_timeout)
         .build()

@@ -12,6 +12,7 @@ const TTL: Duration = Duration::from_millis(600);
 
 fn client(urls: Vec<String>, renew: bool) -> Redlock {
     Redlock::builder()
+        .fresh_cluster(true)
         .nodes(urls)
         .node_timeout(Duration::from_millis(150))
         .auto_renew(renew)
@@ -66,6 +67,7 @@ fn losing_the_majority_fires_the_loss_channel_within_about_a_ttl() {
     let lost_calls = Arc::new(AtomicUsize::new(0));
     let counter = lost_calls.clone();
     let locks = Redlock::builder()
+        .fresh_cluster(true)
         .nodes(c.urls())
         .auto_renew(true)
         .on_lost(move |_, _| {

@@ -1,0 +1,453 @@
+//! One connection to a node: a non-blocking `TcpStream` speaking RESP.
+//!
+//! The `redis` crate encodes commands and decodes replies; this module only
+//! moves bytes and finds where one reply ends, so that a round can send to
+//! every node, wait on all sockets at once with `poll(2)` and take replies in
+//! the order they arrive.
+//!
+//! A connection remembers the replies it still owes ([`Conn::pending`]): a
+//! round that ended before a slow node answered leaves its reply in flight,
+//! and the next user of the connection reads (and discards) it first.
+
+use std::collections::VecDeque;
+use std::io::{self, Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+use redis::Value;
+
+use crate::clock::after;
+
+/// The smallest socket timeout we set (`Some(ZERO)` is an error for std).
+pub(crate) const MIN_TIMEOUT: Duration = Duration::from_millis(1);
+
+/// Most replies one connection may owe before it is given up.
+pub(crate) const MAX_PENDING: usize = 4;
+
+/// Where and how to connect: address, credentials, database.
+#[derive(Clone)]
+pub(crate) struct Target {
+    pub host: String,
+    pub port: u16,
+    pub username: Option<String>,
+    pub password: Option<String>,
+    pub db: i64,
+}
+
+/// One reply the connection still owes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Pending {
+    /// When the command was queued.
+    pub sent: Instant,
+    /// Whether the current round waits for it (else it is read and dropped).
+    pub wanted: bool,
+    /// For an acquire whose round ended without its reply: the release that
+    /// undoes it, sent on this connection (after the SET) if the late reply
+    /// says it was set, or before the connection is given up.
+    pub undo: Option<Vec<u8>>,
+}
+
+/// A connection to one node.
+#[derive(Debug)]
+pub(crate) struct Conn {
+    stream: TcpStream,
+    rbuf: Vec<u8>,
+    wbuf: Vec<u8>,
+    wpos: usize,
+    pending: VecDeque<Pending>,
+    /// Must not be reused: an error, a timeout, a half-written command.
+    pub broken: bool,
+}
+
+/// Why a connect failed: the node refused or did not answer (its health
+/// changes), or it answered the handshake with an error.
+#[derive(Debug)]
+pub(crate) enum ConnectError {
+    /// Refused, reset, unreachable, or no answer within the timeout.
+    Io(io::Error),
+    /// AUTH or SELECT was answered with an error.
+    Refused(String),
+}
+
+impl std::fmt::Display for ConnectError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ConnectError::Io(e) => write!(f, "{e}"),
+            ConnectError::Refused(e) => write!(f, "handshake refused: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for ConnectError {}
+
+impl From<io::Error> for ConnectError {
+    fn from(e: io::Error) -> Self {
+        ConnectError::Io(e)
+    }
+}
+
+impl Conn {
+    /// Connects within `timeout` per resolved address (name resolution itself
+    /// is not bounded), authenticates and selects the database, then switches
+    /// the socket to non-blocking mode.
+    pub(crate) fn connect(t: &Target, timeout: Duration) -> Result<Conn, ConnectError> {
+        let timeout = timeout.max(MIN_TIMEOUT);
+        let mut last = None;
+        let mut stream = None;
+        for addr in (t.host.as_str(), t.port).to_socket_addrs()? {
+            match TcpStream::connect_timeout(&addr, timeout) {
+                Ok(s) => {
+                    stream = Some(s);
+                    break;
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        let stream = match stream {
+            Some(s) => s,
+            None => {
+                return Err(last
+                    .unwrap_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no address"))
+                    .into())
+            }
+        };
+        stream.set_nodelay(true)?;
+        stream.set_nonblocking(true)?;
+        let mut conn = Conn {
+            stream,
+            rbuf: Vec::with_capacity(512),
+            wbuf: Vec::new(),
+            wpos: 0,
+            pending: VecDeque::new(),
+            broken: false,
+        };
+        if let Some(password) = &t.password {
+            let mut auth = redis::cmd("AUTH");
+            if let Some(user) = &t.username {
+                auth.arg(user);
+            }
+            auth.arg(password);
+            conn.handshake(&auth.get_packed_command(), timeout)?;
+        }
+        if t.db != 0 {
+            conn.handshake(
+                &redis::cmd("SELECT").arg(t.db).get_packed_command(),
+                timeout,
+            )?;
+        }
+        Ok(conn)
+    }
+
+    /// Sends one setup command and waits for `+OK`.
+    fn handshake(&mut self, cmd: &[u8], timeout: Duration) -> Result<(), ConnectError> {
+        let now = Instant::now();
+        self.queue(cmd, now, false);
+        match self.wait_reply(after(now, timeout))? {
+            Value::Okay => Ok(()),
+            Value::ServerError(e) => Err(ConnectError::Refused(e.to_string())),
+            v => Err(ConnectError::Refused(format!("{v:?}"))),
+        }
+    }
+
+    /// Blocks (on this connection alone) until the next reply or `deadline`.
+    pub(crate) fn wait_reply(&mut self, deadline: Instant) -> io::Result<Value> {
+        loop {
+            if let Some((_, v)) = self.next_reply()? {
+                return Ok(v);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                self.broken = true;
+                return Err(io::ErrorKind::TimedOut.into());
+            }
+            let want_out = self.wants_write();
+            let mut fds = [self.poll_fd(want_out)];
+            poll(&mut fds, deadline.saturating_duration_since(now))?;
+            let ready = fds[0].revents();
+            self.on_ready(ready)?;
+        }
+    }
+
+    /// Appends a command; its reply is expected in order after the others.
+    pub(crate) fn queue(&mut self, cmd: &[u8], now: Instant, wanted: bool) {
+        if self.wpos == self.wbuf.len() {
+            self.wbuf.clear();
+            self.wpos = 0;
+        }
+        self.wbuf.extend_from_slice(cmd);
+        self.pending.push_back(Pending {
+            sent: now,
+            wanted,
+            undo: None,
+        });
+    }
+
+    /// Gives up the connection: first queues (without waiting) the undo of
+    /// every acquire still in flight, so that the node, when it gets to the
+    /// SET, deletes the key right after it.
+    pub(crate) fn abandon(&mut self) {
+        let undos: Vec<Vec<u8>> = self
+            .pending
+            .iter_mut()
+            .filter_map(|p| p.undo.take())
+            .collect();
+        if !undos.is_empty() && !self.broken {
+            let now = Instant::now();
+            for u in &undos {
+                self.queue(u, now, false);
+            }
+            let _ = self.flush();
+        }
+        self.broken = true;
+    }
+
+    /// Writes what the socket takes now. An error marks the connection broken.
+    pub(crate) fn flush(&mut self) -> io::Result<()> {
+        while self.wpos < self.wbuf.len() {
+            match self.stream.write(&self.wbuf[self.wpos..]) {
+                Ok(0) => {
+                    self.broken = true;
+                    return Err(io::ErrorKind::WriteZero.into());
+                }
+                Ok(k) => self.wpos += k,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    self.broken = true;
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether part of a command is still unwritten.
+    pub(crate) fn wants_write(&self) -> bool {
+        self.wpos < self.wbuf.len()
+    }
+
+    /// Reads what has arrived, without waiting. End of stream or an error
+    /// marks the connection broken.
+    pub(crate) fn fill(&mut self) -> io::Result<()> {
+        let mut chunk = [0u8; 8192];
+        loop {
+            match self.stream.read(&mut chunk) {
+                Ok(0) => {
+                    self.broken = true;
+                    return Err(io::Error::new(
+                        io::ErrorKind::ConnectionAborted,
+                        "connection closed by the node",
+                    ));
+                }
+                Ok(k) => {
+                    self.rbuf.extend_from_slice(&chunk[..k]);
+                    if k < chunk.len() {
+                        return Ok(());
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    self.broken = true;
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    /// Handles what `poll` reported for this connection: writes the rest of
+    /// a command, reads what arrived.
+    pub(crate) fn on_ready(&mut self, ready: PollFlags) -> io::Result<()> {
+        if ready.contains(PollFlags::OUT) {
+            self.flush()?;
+        }
+        if ready.intersects(PollFlags::IN | PollFlags::HUP | PollFlags::ERR) {
+            self.fill()?;
+        }
+        Ok(())
+    }
+
+    /// Takes the next complete reply off the buffer, with the command it
+    /// answers. A malformed or unexpected reply marks the connection broken.
+    pub(crate) fn next_reply(&mut self) -> io::Result<Option<(Pending, Value)>> {
+        let len = match frame_len(&self.rbuf) {
+            Ok(Some(len)) => len,
+            Ok(None) => return Ok(None),
+            Err(()) => return Err(self.protocol_error("malformed reply")),
+        };
+        let Some(p) = self.pending.pop_front() else {
+            return Err(self.protocol_error("reply to no command"));
+        };
+        let value = redis::parse_redis_value(&self.rbuf[..len]);
+        self.rbuf.drain(..len);
+        match value {
+            Ok(v) => Ok(Some((p, v))),
+            Err(e) => Err(self.protocol_error(&e.to_string())),
+        }
+    }
+
+    fn protocol_error(&mut self, what: &str) -> io::Error {
+        self.broken = true;
+        io::Error::new(io::ErrorKind::InvalidData, what.to_owned())
+    }
+
+    /// Replies still owed, oldest first.
+    pub(crate) fn pending(&self) -> &VecDeque<Pending> {
+        &self.pending
+    }
+
+    /// Whether a reply the current round waits for is still owed.
+    pub(crate) fn awaits_wanted(&self) -> bool {
+        self.pending.iter().any(|p| p.wanted)
+    }
+
+    /// The round is over: replies still owed are read and dropped later;
+    /// `undo` (for an acquire) is sent if such a late reply says it was set.
+    pub(crate) fn unwant(&mut self, undo: Option<&[u8]>) {
+        for p in &mut self.pending {
+            if p.wanted {
+                p.wanted = false;
+                p.undo = undo.map(<[u8]>::to_vec);
+            }
+        }
+    }
+
+    /// The poll entry for this connection.
+    pub(crate) fn poll_fd(&self, out: bool) -> PollFd<'_> {
+        let mut flags = PollFlags::IN;
+        if out {
+            flags |= PollFlags::OUT;
+        }
+        PollFd::new(&self.stream, flags)
+    }
+}
+
+pub(crate) use rustix::event::{PollFd, PollFlags};
+
+/// `poll(2)` for at most `wait` (nanosecond precision where the OS has it).
+pub(crate) fn poll(fds: &mut [PollFd<'_>], wait: Duration) -> io::Result<usize> {
+    let ts = rustix::event::Timespec {
+        tv_sec: i64::try_from(wait.as_secs())
+            .unwrap_or(i64::MAX)
+            .min(86_400),
+        tv_nsec: wait.subsec_nanos().into(),
+    };
+    match rustix::event::poll(fds, Some(&ts)) {
+        Ok(n) => Ok(n),
+        Err(rustix::io::Errno::INTR) => Ok(0),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Length of the first complete RESP2/RESP3 frame in `buf`: `Ok(None)` when
+/// more bytes are needed, `Err` when the bytes are not RESP. Iterative, so a
+/// deeply nested reply cannot overflow the stack.
+pub(crate) fn frame_len(buf: &[u8]) -> Result<Option<usize>, ()> {
+    let mut pos = 0usize;
+    let mut remaining: u64 = 1;
+    while remaining > 0 {
+        remaining -= 1;
+        let Some(&kind) = buf.get(pos) else {
+            return Ok(None);
+        };
+        let Some(eol) = find_crlf(buf, pos + 1) else {
+            return Ok(None);
+        };
+        let header = &buf[pos + 1..eol];
+        pos = eol + 2;
+        match kind {
+            b'+' | b'-' | b':' | b'_' | b'#' | b',' | b'(' => {}
+            b'$' | b'=' | b'!' => {
+                let n = parse_int(header)?;
+                if n >= 0 {
+                    let n = usize::try_from(n).map_err(|_| ())?;
+                    let end = pos
+                        .checked_add(n)
+                        .and_then(|e| e.checked_add(2))
+                        .ok_or(())?;
+                    if buf.len() < end {
+                        return Ok(None);
+                    }
+                    if &buf[end - 2..end] != b"\r\n" {
+                        return Err(());
+                    }
+                    pos = end;
+                }
+            }
+            b'*' | b'~' | b'>' => {
+                let n = parse_int(header)?;
+                if n > 0 {
+                    remaining = remaining.checked_add(n as u64).ok_or(())?;
+                }
+            }
+            b'%' | b'|' => {
+                let n = parse_int(header)?;
+                if n > 0 {
+                    let n = (n as u64).checked_mul(2).ok_or(())?;
+                    remaining = remaining.checked_add(n).ok_or(())?;
+                }
+                if kind == b'|' {
+                    // An attribute precedes the value it describes.
+                    remaining = remaining.checked_add(1).ok_or(())?;
+                }
+            }
+            _ => return Err(()),
+        }
+    }
+    Ok(Some(pos))
+}
+
+fn find_crlf(buf: &[u8], from: usize) -> Option<usize> {
+    buf.get(from..)?
+        .windows(2)
+        .position(|w| w == b"\r\n")
+        .map(|i| from + i)
+}
+
+fn parse_int(s: &[u8]) -> Result<i64, ()> {
+    std::str::from_utf8(s)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .ok_or(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_are_found_only_when_complete() {
+        assert_eq!(frame_len(b""), Ok(None));
+        assert_eq!(frame_len(b"+OK\r"), Ok(None));
+        assert_eq!(frame_len(b"+OK\r\n"), Ok(Some(5)));
+        assert_eq!(frame_len(b"+OK\r\n:1\r\n"), Ok(Some(5)));
+        assert_eq!(frame_len(b"$-1\r\n"), Ok(Some(5)));
+        assert_eq!(frame_len(b"$3\r\nab"), Ok(None));
+        assert_eq!(frame_len(b"$3\r\nabc\r\n"), Ok(Some(9)));
+        assert_eq!(frame_len(b"*2\r\n:1\r\n"), Ok(None));
+        assert_eq!(frame_len(b"*2\r\n:1\r\n:-1\r\n"), Ok(Some(13)));
+        assert_eq!(frame_len(b"*2\r\n*1\r\n:1\r\n$1\r\nx\r\n"), Ok(Some(19)));
+        assert_eq!(frame_len(b"*0\r\n"), Ok(Some(4)));
+        assert_eq!(frame_len(b"-ERR no\r\n"), Ok(Some(9)));
+        assert_eq!(frame_len(b"?x\r\n"), Err(()));
+        assert_eq!(frame_len(b"$3\r\nabcd\r\n"), Err(()));
+        assert_eq!(frame_len(b"*x\r\n"), Err(()));
+        // Every prefix of a frame is incomplete, never an error.
+        let full = b"*3\r\n:1\r\n$2\r\nab\r\n*1\r\n+OK\r\n";
+        for cut in 0..full.len() {
+            assert_eq!(frame_len(&full[..cut]), Ok(None), "cut at {cut}");
+        }
+        assert_eq!(frame_len(full), Ok(Some(full.len())));
+    }
+
+    #[test]
+    fn deep_nesting_does_not_recurse() {
+        let mut deep = Vec::new();
+        for _ in 0..100_000 {
+            deep.extend_from_slice(b"*1\r\n");
+        }
+        assert_eq!(frame_len(&deep), Ok(None));
+        deep.extend_from_slice(b":1\r\n");
+        assert_eq!(frame_len(&deep), Ok(Some(deep.len())));
+    }
+}
