@@ -29,6 +29,7 @@
 #![allow(unused)]
 
 mod docker;
+pub mod faults;
 mod process;
 mod proxy;
 

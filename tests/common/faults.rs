@@ -1,0 +1,217 @@
+//! Faulty nodes on 127.0.0.1 for tests and benchmarks: a black hole (accepts TCP, never
+//! answers), a delaying proxy in front of a real node (a slow node), and `CLIENT PAUSE …
+//! WRITE` (a node that answers reads but not writes). Each stops when dropped.
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// A node that accepts connections and reads what it is sent, but never replies.
+pub struct Blackhole {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Blackhole {
+    pub fn start() -> Blackhole {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind a black hole");
+        let addr = listener.local_addr().expect("local addr");
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("ql-blackhole".into())
+            .spawn(move || {
+                let held: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+                for stream in listener.incoming() {
+                    if flag.load(Ordering::SeqCst) {
+                        break;
+                    }
+                    if let Ok(s) = stream {
+                        // Keep the socket open and drain it, so that writes never block on
+                        // our side: the node "received" everything and answers nothing.
+                        let mut reader = match s.try_clone() {
+                            Ok(r) => r,
+                            Err(_) => continue,
+                        };
+                        held.lock().unwrap().push(s);
+                        let flag = flag.clone();
+                        let _ = std::thread::Builder::new()
+                            .name("ql-blackhole-rd".into())
+                            .spawn(move || {
+                                let mut buf = [0u8; 65536];
+                                while !flag.load(Ordering::SeqCst) {
+                                    match reader.read(&mut buf) {
+                                        Ok(0) | Err(_) => break,
+                                        Ok(_) => {}
+                                    }
+                                }
+                            });
+                    }
+                }
+                for s in held.lock().unwrap().drain(..) {
+                    let _ = s.shutdown(Shutdown::Both);
+                }
+            })
+            .expect("spawn black hole");
+        Blackhole {
+            addr,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://{}", self.addr)
+    }
+}
+
+impl Drop for Blackhole {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A proxy in front of a real node that delays every reply by `delay`: a node whose round
+/// trip is about `delay`.
+pub struct DelayProxy {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl DelayProxy {
+    /// Proxies to `upstream` (`redis://host:port`).
+    pub fn start(upstream: &str, delay: Duration) -> DelayProxy {
+        let target: SocketAddr = upstream
+            .trim_start_matches("redis://")
+            .trim_end_matches('/')
+            .parse()
+            .expect("upstream host:port");
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind a proxy");
+        let addr = listener.local_addr().expect("local addr");
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("ql-delay".into())
+            .spawn(move || {
+                for client in listener.incoming() {
+                    if flag.load(Ordering::SeqCst) {
+                        break;
+                    }
+                    let Ok(client) = client else { continue };
+                    let Ok(server) = TcpStream::connect(target) else {
+                        continue;
+                    };
+                    let _ = client.set_nodelay(true);
+                    let _ = server.set_nodelay(true);
+                    pipe(client.try_clone(), server.try_clone(), Duration::ZERO, &flag);
+                    pipe(server.try_clone(), client.try_clone(), delay, &flag);
+                }
+            })
+            .expect("spawn proxy");
+        DelayProxy {
+            addr,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://{}", self.addr)
+    }
+}
+
+/// Copies `from` to `to`, each chunk no earlier than `delay` after it was read.
+fn pipe(
+    from: std::io::Result<TcpStream>,
+    to: std::io::Result<TcpStream>,
+    delay: Duration,
+    stop: &Arc<AtomicBool>,
+) {
+    let (Ok(mut from), Ok(mut to)) = (from, to) else {
+        return;
+    };
+    let stop = stop.clone();
+    let (tx, rx) = std::sync::mpsc::channel::<(Instant, Vec<u8>)>();
+    let _ = std::thread::Builder::new()
+        .name("ql-delay-rd".into())
+        .spawn(move || {
+            let mut buf = [0u8; 65536];
+            loop {
+                match from.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(k) => {
+                        if tx.send((Instant::now(), buf[..k].to_vec())).is_err() {
+                            break;
+                        }
+                    }
+                }
+            }
+        });
+    let _ = std::thread::Builder::new()
+        .name("ql-delay-wr".into())
+        .spawn(move || {
+            while let Ok((at, chunk)) = rx.recv() {
+                if stop.load(Ordering::SeqCst) {
+                    break;
+                }
+                let due = at + delay;
+                let now = Instant::now();
+                if due > now {
+                    std::thread::sleep(due - now);
+                }
+                if to.write_all(&chunk).is_err() {
+                    break;
+                }
+            }
+            let _ = to.shutdown(Shutdown::Both);
+        });
+}
+
+impl Drop for DelayProxy {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// `CLIENT PAUSE ms WRITE` on node `i`: it keeps answering reads (PING, INFO) and accepting
+/// connections, but holds every write until the pause ends.
+pub fn pause_writes(c: &super::Cluster, i: usize, pause: Duration) {
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(pause.as_millis() as u64)
+        .arg("WRITE")
+        .query(&mut c.conn(i))
+        .expect("CLIENT PAUSE … WRITE");
+}
+
+/// Ends a `CLIENT PAUSE` on node `i` early.
+pub fn unpause_writes(c: &super::Cluster, i: usize) {
+    let _: () = redis::cmd("CLIENT")
+        .arg("UNPAUSE")
+        .query(&mut c.conn(i))
+        .expect("CLIENT UNPAUSE");
+}
+
+/// Threads of this process whose name starts with `prefix` (Linux: /proc/self/task).
+pub fn threads_named(prefix: &str) -> usize {
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    dir.filter_map(|e| e.ok())
+        .filter_map(|e| std::fs::read_to_string(e.path().join("comm")).ok())
+        .filter(|name| name.trim_end().starts_with(prefix))
+        .count()
+}
