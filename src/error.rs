@@ -217,8 +217,7 @@ impl std::error::Error for InvalidInput {}
 pub enum NodeErrorKind {
     /// No reply before the deadline (a hung or slow node).
     Timeout,
-    /// No connection could be had: refused, unreachable, or the pool had none
-    /// in time.
+    /// The node refuses connections, or is unreachable.
     Unavailable,
     /// The connection broke while talking (reset, closed).
     Io,
@@ -226,8 +225,9 @@ pub enum NodeErrorKind {
     Server,
     /// The server's reply was not what the command returns.
     Protocol,
-    /// Not asked: the node failed recently and is skipped (counted as a
-    /// failed vote at no cost) until a background probe sees it answer.
+    /// Not waited for: the node's last command timed out, so it counts as
+    /// a failed vote at no cost until it answers again (it is sent a trial
+    /// command at most every 100 ms).
     Skipped,
     /// Its vote was not counted: the node's lock history is younger than the
     /// longest TTL in use (it is new, or restarted and lost its data), so it
@@ -249,7 +249,7 @@ impl fmt::Display for NodeErrorKind {
             NodeErrorKind::Io => "i/o error",
             NodeErrorKind::Server => "server error",
             NodeErrorKind::Protocol => "unexpected reply",
-            NodeErrorKind::Skipped => "skipped after failures",
+            NodeErrorKind::Skipped => "not answering, not waited for",
             NodeErrorKind::Restarted => "lock history too young to vote",
             NodeErrorKind::NoConnection => "no free connection",
         })

@@ -64,9 +64,10 @@ const RETRY_EVERY: Duration = Duration::from_millis(100);
 const MAX_RETRIES: usize = 10_000;
 /// Most keys in one retried release command.
 const RETRY_BATCH: usize = 1_000;
-/// Least and most grace given to replies after a round is settled.
-const GRACE_MIN: Duration = Duration::from_micros(100);
-const GRACE_MAX: Duration = Duration::from_millis(1);
+/// Most grace given to straggling replies after a round is settled (it is
+/// a quarter of the time the round took to settle, at most this): enough for
+/// healthy nodes answering a hair later, too little for a sick node to cost.
+const GRACE_MAX: Duration = Duration::from_micros(250);
 /// How often a round looks again for a connection it is still missing.
 const CONN_RECHECK: Duration = Duration::from_micros(200);
 
@@ -197,8 +198,15 @@ impl RedisTransport {
     /// owing a reply older than the node timeout is the node's timeout.
     fn checkout(&self, i: usize, now: Instant) -> Option<PooledConnection<Manager>> {
         let node = &self.nodes[i].inner;
+        // Only a healthy node gets new connections started on demand; a
+        // failing one is reconnected by the pool's background retries.
+        let grow = node.shared.is_healthy();
         for _ in 0..MAX_PENDING {
-            let mut c = node.pool.get_timeout(Duration::ZERO).ok()?;
+            let mut c = if grow {
+                node.pool.get_timeout(Duration::ZERO).ok()?
+            } else {
+                node.pool.try_get()?
+            };
             if prepare(&mut c, &node.shared, now) {
                 return Some(c);
             }
@@ -320,8 +328,9 @@ fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPool>) {
             },
             &keys,
         );
-        if let Ok(mut c) = node.pool.get_timeout(shared.timeout) {
-            if prepare(&mut c, shared, Instant::now()) {
+        // Never wait for a connection here: connects run on this thread.
+        if let Some(mut c) = node.pool.try_get() {
+            if prepare(&mut c, shared, Instant::now()) && c.pending().is_empty() {
                 let sent = Instant::now();
                 c.queue(&enc.packed, sent, true);
                 let answered = match c
@@ -433,26 +442,21 @@ impl Transport for RedisTransport {
                 let rel = Op::Release {
                     keep_until: after(start, ttl),
                 };
-                for s in &mut slots {
-                    // Only where our SET left this client; on the same
-                    // connection, so the delete lands after it.
-                    s.admit = if s.sent.is_some() {
-                        Admit::Trial
-                    } else {
-                        Admit::Skip
+                for (i, (s, r)) in slots.iter_mut().zip(&results).enumerate() {
+                    // Only where our SET left this client, on the same
+                    // connection so that the delete lands after it; waiting
+                    // only for the nodes that answered the SET.
+                    s.admit = match (s.sent, r) {
+                        (None, _) => Admit::Skip,
+                        (Some(_), Ok(_)) => Admit::Wait,
+                        (Some(_), Err(_)) if self.nodes[i].inner.shared.is_healthy() => Admit::Wait,
+                        (Some(_), Err(_)) => Admit::Trial,
                     };
                     s.sent = None;
                     s.fell_back = false;
                 }
                 let enc = Encoded::new(rel, keys);
-                self.exchange(
-                    &enc,
-                    keys,
-                    &mut slots,
-                    now,
-                    after(now, self.timeout),
-                    Some(&quorum::settled),
-                );
+                self.exchange(&enc, keys, &mut slots, now, after(now, self.timeout), None);
             }
         }
         results
@@ -474,14 +478,12 @@ impl RedisTransport {
         let n = slots.len();
         let mut results: Vec<Option<NodeResult>> = vec![None; n];
         // Nodes not waited for count as failed unless their reply arrives.
-        let mut provisional = vec![false; n];
         for (i, s) in slots.iter_mut().enumerate() {
             if s.admit != Admit::Wait {
                 results[i] = Some(Err(self.not_waited(i, s.admit)));
-                provisional[i] = true;
             }
             if s.admit != Admit::Skip {
-                self.send(i, s, enc, start, &mut results, &mut provisional);
+                self.send(i, s, enc, start, &mut results);
             }
         }
 
@@ -490,24 +492,29 @@ impl RedisTransport {
         loop {
             let now = Instant::now();
             if settle.is_none() && decided.is_some_and(|f| f(&results)) {
-                let grace = now
-                    .saturating_duration_since(start)
-                    .clamp(GRACE_MIN, GRACE_MAX);
+                let grace = (now.saturating_duration_since(start) / 4).min(GRACE_MAX);
                 settle = Some(after(now, grace).min(deadline));
             }
             // Waited-for nodes still without a connection: look again.
             let mut missing = false;
             for (i, s) in slots.iter_mut().enumerate() {
                 if s.admit == Admit::Wait && s.sent.is_none() && results[i].is_none() {
+                    if !self.nodes[i].inner.shared.is_healthy() {
+                        // Its connect was refused meanwhile: that is its answer.
+                        results[i] = Some(Err(self.not_waited(i, Admit::Skip)));
+                        continue;
+                    }
                     if settle.is_none() {
-                        self.send(i, s, enc, now, &mut results, &mut provisional);
+                        self.send(i, s, enc, now, &mut results);
                     }
                     missing |= s.sent.is_none() && results[i].is_none();
                 }
             }
-            let outstanding = slots
-                .iter()
-                .any(|s| s.conn.as_ref().is_some_and(|c| c.awaits_wanted()));
+            // Only waited-for nodes keep the round open; a trial's reply is
+            // taken if it arrives meanwhile.
+            let outstanding = slots.iter().any(|s| {
+                s.admit == Admit::Wait && s.conn.as_ref().is_some_and(|c| c.awaits_wanted())
+            });
             let until = settle.unwrap_or(deadline);
             if (!outstanding && !missing) || now >= until || (settle.is_some() && !outstanding) {
                 break;
@@ -539,7 +546,7 @@ impl RedisTransport {
                 }
             }
             for &(i, flags) in &ready {
-                self.on_ready(i, &mut slots[i], flags, enc, &mut results, &mut provisional);
+                self.on_ready(i, &mut slots[i], flags, enc, &mut results);
             }
         }
 
@@ -557,9 +564,16 @@ impl RedisTransport {
             ),
             _ => None,
         };
+        // Per node: whether our command is still in flight on an open
+        // connection (it will be executed; a release need not be retried).
+        let mut in_flight = vec![false; n];
         for (i, s) in slots.iter_mut().enumerate() {
             let shared = &self.nodes[i].inner.shared;
             if let Some(c) = s.conn.as_mut() {
+                if c.wants_write() {
+                    // A half-written command: the connection cannot be reused.
+                    c.broken = true;
+                }
                 if c.awaits_wanted() {
                     c.unwant(undo.as_deref());
                     if s.sent
@@ -569,25 +583,34 @@ impl RedisTransport {
                         c.abandon();
                         shared.observe(Outcome::TimedOut);
                     }
+                    in_flight[i] = !c.broken;
                     if results[i].is_none() {
+                        let waited = now.saturating_duration_since(s.sent.unwrap_or(start));
+                        let detail = if settle.is_some() {
+                            format!("no reply in {waited:?}; the round was settled without it")
+                        } else {
+                            format!("no reply in {waited:?}")
+                        };
                         results[i] = Some(Err(NodeError::new(
                             &self.names[i],
                             NodeErrorKind::Timeout,
-                            format!(
-                                "no reply in {:?}",
-                                now.saturating_duration_since(s.sent.unwrap_or(start))
-                            ),
+                            detail,
                         )));
                     }
                 }
             }
             if results[i].is_none() {
                 results[i] = Some(Err(if shared.is_healthy() {
-                    NodeError::new(
-                        &self.names[i],
-                        NodeErrorKind::NoConnection,
-                        "no pooled connection was free before the round ended (this client's condition: see pool_size)",
-                    )
+                    let pool = &self.nodes[i].inner.pool;
+                    let detail = if pool.state().connections >= pool.max_size() {
+                        format!(
+                            "all {} pooled connections busy until the round ended (this client's condition: raise pool_size)",
+                            pool.max_size()
+                        )
+                    } else {
+                        "still connecting when the round ended".to_owned()
+                    };
+                    NodeError::new(&self.names[i], NodeErrorKind::NoConnection, detail)
                 } else {
                     self.not_waited(i, Admit::Skip)
                 }));
@@ -597,14 +620,18 @@ impl RedisTransport {
         // Releases a node did not answer are kept and sent again later.
         if let Op::Release { keep_until } = enc.op {
             for (i, r) in results.iter().enumerate() {
-                if matches!(r, Some(Err(_))) && slots[i].admit != Admit::Skip {
+                // Skip here means "our SET never reached it": nothing to undo.
+                if matches!(r, Some(Err(_))) && !in_flight[i] && slots[i].admit != Admit::Skip {
                     self.enqueue_retries(i, keys, keep_until);
                 }
             }
         }
         results
             .into_iter()
-            .map(|r| r.unwrap_or_else(|| Err(NodeError::new("?", NodeErrorKind::Unavailable, ""))))
+            .zip(&self.names)
+            .map(|(r, name)| {
+                r.unwrap_or_else(|| Err(NodeError::new(name, NodeErrorKind::Unavailable, "")))
+            })
             .collect()
     }
 
@@ -645,7 +672,6 @@ impl RedisTransport {
         enc: &Encoded,
         now: Instant,
         results: &mut [Option<NodeResult>],
-        provisional: &mut [bool],
     ) {
         if s.conn.as_ref().is_some_and(|c| c.broken) {
             s.conn = None;
@@ -660,7 +686,7 @@ impl RedisTransport {
         c.queue(&enc.packed, sent, true);
         s.sent = Some(sent);
         if let Err(e) = c.flush() {
-            self.failed(i, s, e, results, provisional);
+            self.failed(i, s, e, results);
         }
     }
 
@@ -670,7 +696,6 @@ impl RedisTransport {
         s: &mut Slot,
         e: std::io::Error,
         results: &mut [Option<NodeResult>],
-        provisional: &mut [bool],
     ) {
         let shared = &self.nodes[i].inner.shared;
         let kind = if e.kind() == std::io::ErrorKind::InvalidData {
@@ -686,7 +711,6 @@ impl RedisTransport {
         }
         s.conn = None;
         results[i] = Some(Err(NodeError::new(&self.names[i], kind, e.to_string())));
-        provisional[i] = false;
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -697,13 +721,12 @@ impl RedisTransport {
         flags: PollFlags,
         enc: &Encoded,
         results: &mut [Option<NodeResult>],
-        provisional: &mut [bool],
     ) {
         let Some(c) = s.conn.as_mut() else {
             return;
         };
         if let Err(e) = c.on_ready(flags) {
-            return self.failed(i, s, e, results, provisional);
+            return self.failed(i, s, e, results);
         }
         let shared = &self.nodes[i].inner.shared;
         loop {
@@ -713,7 +736,7 @@ impl RedisTransport {
             let (p, v) = match c.next_reply() {
                 Ok(Some(r)) => r,
                 Ok(None) => return,
-                Err(e) => return self.failed(i, s, e, results, provisional),
+                Err(e) => return self.failed(i, s, e, results),
             };
             let now = Instant::now();
             shared.replied(p.sent, now);
@@ -727,7 +750,7 @@ impl RedisTransport {
                     s.fell_back = true;
                     c.queue(fallback, now, true);
                     if let Err(e) = c.flush() {
-                        return self.failed(i, s, e, results, provisional);
+                        return self.failed(i, s, e, results);
                     }
                     continue;
                 }
@@ -736,7 +759,6 @@ impl RedisTransport {
                 enc.decode(v)
                     .map_err(|(kind, detail)| NodeError::new(&self.names[i], kind, detail)),
             );
-            provisional[i] = false;
         }
     }
 }

@@ -17,6 +17,8 @@ pub(crate) const META_KEY: &str = "quorumlock:meta";
 /// the lock keys then [`META_KEY`]; `ARGV[1]` the TTL in ms, `ARGV[2]` the
 /// longest TTL the client knows of, `ARGV[3..]` the tokens. Answers
 /// `{epoch, age_ms, max_ttl_before, r1, …}` with `ri` 1 (set) or 0 (exists).
+/// The epoch is rounded up and the current time down, so that the age is
+/// never more than the time the node has really kept its data.
 pub(crate) static ACQUIRE: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(ACQUIRE_LUA));
 
@@ -27,7 +29,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local m = redis.call('HMGET', meta, 'epoch', 'max_ttl')
 local epoch = tonumber(m[1])
 if not epoch then
-  epoch = now
+  epoch = now + 1
   redis.call('HSET', meta, 'epoch', epoch)
 end
 local known = tonumber(m[2]) or 0

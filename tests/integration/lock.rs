@@ -188,19 +188,18 @@ fn two_stopped_nodes_of_three_fail_with_their_names() {
     c.stop(1);
     c.stop(2);
     match locks.try_lock(&key, TTL) {
+        // Node 0's reply may not have been waited for: the two refusals
+        // settle the round on their own.
         Err(Error::NoQuorum {
-            agreed: 1,
+            agreed: 0 | 1,
             quorum: 2,
             failures,
         }) => {
-            let mut failed: Vec<String> = failures.iter().map(|f| f.node().to_owned()).collect();
-            failed.sort();
-            let mut want: Vec<String> = [1, 2]
-                .iter()
-                .map(|&i| c.url(i).trim_start_matches("redis://").to_owned())
-                .collect();
-            want.sort();
-            assert_eq!(failed, want);
+            let failed: Vec<String> = failures.iter().map(|f| f.node().to_owned()).collect();
+            for i in [1, 2] {
+                let name = c.url(i).trim_start_matches("redis://").to_owned();
+                assert!(failed.contains(&name), "{name} not in {failed:?}");
+            }
         }
         other => panic!("expected NoQuorum, got {other:?}"),
     }
@@ -259,11 +258,22 @@ fn building_with_every_node_down_succeeds_and_locking_fails_fast() {
             ..
         }) => {
             assert_eq!(failures.len(), 3);
+            // Two refusals settle the round: the third node may still have
+            // been connecting (no connection yet), never a wait charged to it.
+            let refused = failures
+                .iter()
+                .filter(|f| {
+                    matches!(
+                        f.kind(),
+                        NodeErrorKind::Unavailable | NodeErrorKind::Io | NodeErrorKind::Skipped
+                    )
+                })
+                .count();
             assert!(
-                failures.iter().all(|f| matches!(
-                    f.kind(),
-                    NodeErrorKind::Unavailable | NodeErrorKind::Io | NodeErrorKind::Skipped
-                )),
+                refused >= 2
+                    && failures.iter().all(|f| refused == 3
+                        || f.kind() != NodeErrorKind::NoConnection
+                        || f.detail().contains("connecting")),
                 "{failures:?}"
             );
         }
