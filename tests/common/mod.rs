@@ -210,6 +210,21 @@ impl Cluster {
         }
     }
 
+    /// Whether `key` is gone from every node within `limit` (polled): a release returns
+    /// once a majority deleted the key, and the other nodes' deletes land a moment later.
+    pub fn gone_everywhere(&self, key: &str, limit: Duration) -> bool {
+        let until = Instant::now() + limit;
+        loop {
+            if (0..self.len()).all(|i| self.get(i, key).is_none()) {
+                return true;
+            }
+            if Instant::now() >= until {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// A direct connection to node `i` with 1 s connect/read/write timeouts.
     pub fn conn(&self, i: usize) -> redis::Connection {
         self.try_conn(i, Duration::from_secs(1))
