@@ -322,6 +322,14 @@ impl Conn {
     }
 }
 
+impl Drop for Conn {
+    /// However a connection ends (closed as stale, dropped with its pool),
+    /// a SET still in flight on it is followed by its undo.
+    fn drop(&mut self) {
+        self.abandon();
+    }
+}
+
 pub(crate) use rustix::event::{PollFd, PollFlags};
 
 /// `poll(2)` for at most `wait` (nanosecond precision where the OS has it).

@@ -255,12 +255,8 @@ fn prepare(c: &mut PooledConnection<Manager>, node: &NodeShared, now: Instant) -
             match c.next_reply() {
                 Ok(Some((p, v))) => {
                     node.replied(p.sent, now);
-                    if let Some(undo) = p.undo.filter(|_| acquired_any(&v)) {
-                        debug!("node {}: a late SET landed; deleting it", node.name);
-                        c.queue(&undo, now, false);
-                        if c.flush().is_err() {
-                            return false;
-                        }
+                    if late_reply(c, node, p, &v, now).is_err() {
+                        return false;
                     }
                 }
                 Ok(None) => break,
@@ -283,6 +279,23 @@ fn prepare(c: &mut PooledConnection<Manager>, node: &NodeShared, now: Instant) -
         }
     }
     true
+}
+
+/// A reply no round waits for any more: if it says a SET of an ended round
+/// landed, deletes that key again (on the same connection).
+fn late_reply(
+    c: &mut Conn,
+    node: &NodeShared,
+    p: crate::conn::Pending,
+    v: &Value,
+    now: Instant,
+) -> std::io::Result<()> {
+    if let Some(undo) = p.undo.filter(|_| acquired_any(v)) {
+        debug!("node {}: a late SET landed; deleting it", node.name);
+        c.queue(&undo, now, false);
+        c.flush()?;
+    }
+    Ok(())
 }
 
 /// Whether an acquire reply says some key was set.
@@ -741,6 +754,9 @@ impl RedisTransport {
             let now = Instant::now();
             shared.replied(p.sent, now);
             if !p.wanted {
+                if let Err(e) = late_reply(c, shared, p, &v, now) {
+                    return self.failed(i, s, e, results);
+                }
                 continue;
             }
             if let (Value::ServerError(e), Some(fallback), false) = (&v, &enc.fallback, s.fell_back)
