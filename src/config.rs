@@ -68,11 +68,11 @@ impl Settings {
             });
         }
         if let Some(max) = self.max_ttl {
-            if max > crate::redlock::MAX_TTL {
+            if max > crate::MAX_TTL {
                 return Err(InvalidInput::DurationTooLong {
                     what: "max_ttl",
                     value: max,
-                    max: crate::redlock::MAX_TTL,
+                    max: crate::MAX_TTL,
                 });
             }
         }

@@ -21,8 +21,10 @@ use crate::clock::after;
 /// The smallest socket timeout we set (`Some(ZERO)` is an error for std).
 pub(crate) const MIN_TIMEOUT: Duration = Duration::from_millis(1);
 
-/// Most replies one connection may owe before it is given up.
-pub(crate) const MAX_PENDING: usize = 4;
+/// Most replies one connection may owe before it is given up. Commands are
+/// pipelined behind replies still owed by a slow node; a node that does not
+/// answer at all is caught earlier, when its oldest reply is overdue.
+pub(crate) const MAX_PENDING: usize = 32;
 
 /// Where and how to connect: address, credentials, database.
 #[derive(Clone)]
@@ -134,6 +136,17 @@ impl Conn {
                 &redis::cmd("SELECT").arg(t.db).get_packed_command(),
                 timeout,
             )?;
+        }
+        // Load the scripts so that rounds never meet NOSCRIPT on a node that
+        // answers late; an error reply (an ACL without SCRIPT) is fine: the
+        // rounds fall back to EVAL.
+        let now = Instant::now();
+        let loads = crate::scripts::load_commands();
+        for load in &loads {
+            conn.queue(load, now, false);
+        }
+        for _ in &loads {
+            conn.wait_reply(after(now, timeout))?;
         }
         Ok(conn)
     }
@@ -299,6 +312,13 @@ impl Conn {
     /// Whether a reply the current round waits for is still owed.
     pub(crate) fn awaits_wanted(&self) -> bool {
         self.pending.iter().any(|p| p.wanted)
+    }
+
+    /// The attempt was granted: late SETs are kept, not undone.
+    pub(crate) fn forget_undo(&mut self) {
+        for p in &mut self.pending {
+            p.undo = None;
+        }
     }
 
     /// The round is over: replies still owed are read and dropped later;

@@ -165,8 +165,7 @@ pub enum InvalidInput {
         /// The drift allowance it must exceed.
         allowance: Duration,
     },
-    /// The TTL is larger than Redis accepts (over `i64::MAX` milliseconds
-    /// is refused; this crate caps at about 10 years).
+    /// The TTL is longer than [`MAX_TTL`](crate::MAX_TTL) (one hour).
     TtlTooLong(Duration),
 }
 

@@ -58,6 +58,14 @@ pub use redlock::Redlock;
 /// identifiers before using them as a resource.
 pub const MAX_RESOURCE_LEN: usize = 1024;
 
+/// Longest TTL accepted for a lock (and for `Builder::max_ttl`): one hour.
+///
+/// With renewal ([`LockGuard::auto_renew`]) a TTL need only cover the
+/// longest stall of the holder, so a longer one only delays recovery after
+/// a crash. The bound also lets the delayed-restart rule settle a round early
+/// on the votes of nodes whose lock history is older than it (see the README).
+pub const MAX_TTL: std::time::Duration = std::time::Duration::from_secs(3600);
+
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 

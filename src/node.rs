@@ -100,13 +100,11 @@ impl NodeShared {
         }
     }
 
-    /// Outcome of a reply read at `now` to a command sent at `sent`.
-    fn replied(&self, sent: Instant, now: Instant) {
-        if now.saturating_duration_since(sent) > self.timeout {
-            self.observe(Outcome::TimedOut);
-        } else {
-            self.observe(Outcome::Answered);
-        }
+    /// A reply was read. When it arrived is not known for one read late
+    /// (at the connection's next use), so any reply is an answer; a timeout
+    /// is only ever seen as a reply still missing after the node timeout.
+    fn replied(&self) {
+        self.observe(Outcome::Answered);
     }
 
     fn is_healthy(&self) -> bool {
@@ -201,7 +199,7 @@ impl RedisTransport {
         // Only a healthy node gets new connections started on demand; a
         // failing one is reconnected by the pool's background retries.
         let grow = node.shared.is_healthy();
-        for _ in 0..MAX_PENDING {
+        for _ in 0..3 {
             let mut c = if grow {
                 node.pool.get_timeout(Duration::ZERO).ok()?
             } else {
@@ -254,7 +252,7 @@ fn prepare(c: &mut PooledConnection<Manager>, node: &NodeShared, now: Instant) -
         loop {
             match c.next_reply() {
                 Ok(Some((p, v))) => {
-                    node.replied(p.sent, now);
+                    node.replied();
                     if late_reply(c, node, p, &v, now).is_err() {
                         return false;
                     }
@@ -293,6 +291,15 @@ fn late_reply(
     if let Some(undo) = p.undo.filter(|_| acquired_any(v)) {
         debug!("node {}: a late SET landed; deleting it", node.name);
         c.queue(&undo, now, false);
+        c.flush()?;
+    }
+    if matches!(v, Value::ServerError(e) if e.kind() == Some(redis::ServerErrorKind::NoScript)) {
+        // The round that sent it ended before it could fall back to EVAL:
+        // load the scripts so that the next round's EVALSHA runs.
+        debug!("node {}: scripts not cached; loading them", node.name);
+        for load in scripts::load_commands() {
+            c.queue(&load, now, false);
+        }
         c.flush()?;
     }
     Ok(())
@@ -450,7 +457,13 @@ impl Transport for RedisTransport {
         let results = self.exchange(&enc, keys, &mut slots, start, deadline, decided);
 
         if let (Some(undo), Op::Acquire { ttl, .. }) = (undo, op) {
-            if undo(&results) {
+            if !undo(&results) {
+                // Granted (or nothing to undo): a SET landing late is part of
+                // the lock, and the guard's release deletes it.
+                for c in slots.iter_mut().filter_map(|s| s.conn.as_mut()) {
+                    c.forget_undo();
+                }
+            } else {
                 let now = Instant::now();
                 let rel = Op::Release {
                     keep_until: after(start, ttl),
@@ -563,6 +576,9 @@ impl RedisTransport {
             }
         }
 
+        // Replies that arrived while this thread was not scheduled are
+        // taken before anyone is charged a timeout.
+        self.collect_arrived(slots, enc, &mut results);
         let now = Instant::now();
         // An acquire reply still owed may yet say "set": keep its undo.
         let undo = match enc.op {
@@ -646,6 +662,38 @@ impl RedisTransport {
                 r.unwrap_or_else(|| Err(NodeError::new(name, NodeErrorKind::Unavailable, "")))
             })
             .collect()
+    }
+
+    /// One non-blocking pass over the connections still owing a reply.
+    fn collect_arrived(
+        &self,
+        slots: &mut [Slot],
+        enc: &Encoded,
+        results: &mut [Option<NodeResult>],
+    ) {
+        let mut ready = Vec::new();
+        {
+            let mut fds = Vec::new();
+            let mut idx = Vec::new();
+            for (i, s) in slots.iter().enumerate() {
+                if let Some(c) = s.conn.as_ref().filter(|c| c.awaits_wanted()) {
+                    fds.push(c.poll_fd(false));
+                    idx.push(i);
+                }
+            }
+            if fds.is_empty() || conn::poll(&mut fds, Duration::ZERO).is_err() {
+                return;
+            }
+            for (fd, &i) in fds.iter().zip(&idx) {
+                let r = fd.revents();
+                if !r.is_empty() {
+                    ready.push((i, r));
+                }
+            }
+        }
+        for (i, flags) in ready {
+            self.on_ready(i, &mut slots[i], flags, enc, results);
+        }
     }
 
     fn not_waited(&self, i: usize, admit: Admit) -> NodeError {
@@ -752,7 +800,7 @@ impl RedisTransport {
                 Err(e) => return self.failed(i, s, e, results),
             };
             let now = Instant::now();
-            shared.replied(p.sent, now);
+            shared.replied();
             if !p.wanted {
                 if let Err(e) = late_reply(c, shared, p, &v, now) {
                     return self.failed(i, s, e, results);

@@ -28,17 +28,30 @@ pub(crate) fn settled_by(
     results: &[Option<NodeResult>],
     counts: impl Fn(usize, Option<&NodeFacts>) -> bool,
 ) -> bool {
+    settled_acquire(results, &counts, &counts)
+}
+
+/// Whether an acquire round is settled: a majority of OKs that `certain`ly
+/// count (no reply still to come can disqualify them), or too few OKs that
+/// `count` now, even with every pending reply, to make one.
+pub(crate) fn settled_acquire(
+    results: &[Option<NodeResult>],
+    certain: impl Fn(usize, Option<&NodeFacts>) -> bool,
+    counts: impl Fn(usize, Option<&NodeFacts>) -> bool,
+) -> bool {
     let q = quorum(results.len());
-    let ok = results
-        .iter()
-        .enumerate()
-        .filter(|(i, r)| {
-            matches!(r, Some(Ok(rep)) if rep.answers.first() == Some(&Answer::Ok)
-                && counts(*i, rep.facts.as_ref()))
+    let oks = || {
+        results.iter().enumerate().filter_map(|(i, r)| match r {
+            Some(Ok(rep)) if rep.answers.first() == Some(&Answer::Ok) => {
+                Some((i, rep.facts.as_ref()))
+            }
+            _ => None,
         })
-        .count();
+    };
+    let sure = oks().filter(|&(i, f)| certain(i, f)).count();
+    let maybe = oks().filter(|&(i, f)| counts(i, f)).count();
     let pending = results.iter().filter(|r| r.is_none()).count();
-    ok >= q || ok + pending < q
+    sure >= q || maybe + pending < q
 }
 
 /// The delayed-restart rule for one acquire round, decided from what the

@@ -20,8 +20,7 @@ use crate::transport::{Key, NodeFacts, NodeResult, Op, Transport};
 use crate::watchdog::Watchdog;
 use crate::Result;
 
-/// Longest TTL accepted (about ten years): far inside what Redis takes.
-pub(crate) const MAX_TTL: Duration = Duration::from_secs(10 * 365 * 86_400);
+use crate::MAX_TTL;
 
 /// A Redlock client over N independent Redis nodes.
 ///
@@ -334,11 +333,25 @@ impl Inner {
         let start = self.clock.now();
         // No point waiting for replies past the moment validity would be gone.
         let budget = self.settings.node_timeout.min(ttl.saturating_sub(drift));
+        // Beyond this age a node's vote cannot be disqualified by what a node
+        // that has not answered yet reports: no TTL in use is longer.
+        let horizon = self.settings.max_ttl.unwrap_or(MAX_TTL);
         let settled = |results: &[Option<NodeResult>]| {
             let longest = rule.longest(quorum::facts_of(results.iter().flatten()));
-            quorum::settled_by(results, |i, facts| {
+            let counts = |i: usize, facts: Option<&NodeFacts>| {
                 facts.is_none_or(|f| rule.hold(f, longest, self.trusted(i, f)).is_zero())
-            })
+            };
+            // A young vote counts only once every waited-for node answered:
+            // a straggler may report a longer TTL in use.
+            let all_in = results.iter().all(Option::is_some);
+            let certain = |i: usize, facts: Option<&NodeFacts>| {
+                counts(i, facts)
+                    && (all_in
+                        || !rule.enabled
+                        || facts
+                            .is_none_or(|f| f.age >= horizon.max(longest) || self.trusted(i, f)))
+            };
+            quorum::settled_acquire(results, certain, counts)
         };
         // The decision, made once the replies are in (and before any undo).
         let decision: Cell<Option<Decision>> = Cell::new(None);

@@ -83,3 +83,13 @@ for i, key in ipairs(KEYS) do
   end
 end
 return out";
+
+/// `SCRIPT LOAD` for every script, packed.
+pub(crate) fn load_commands() -> [Vec<u8>; 3] {
+    [ACQUIRE_LUA, RELEASE_LUA, EXTEND_LUA].map(|code| {
+        redis::cmd("SCRIPT")
+            .arg("LOAD")
+            .arg(code)
+            .get_packed_command()
+    })
+}

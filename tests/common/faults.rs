@@ -112,7 +112,12 @@ impl DelayProxy {
                     };
                     let _ = client.set_nodelay(true);
                     let _ = server.set_nodelay(true);
-                    pipe(client.try_clone(), server.try_clone(), Duration::ZERO, &flag);
+                    pipe(
+                        client.try_clone(),
+                        server.try_clone(),
+                        Duration::ZERO,
+                        &flag,
+                    );
                     pipe(server.try_clone(), client.try_clone(), delay, &flag);
                 }
             })
@@ -214,4 +219,33 @@ pub fn threads_named(prefix: &str) -> usize {
         .filter_map(|e| std::fs::read_to_string(e.path().join("comm")).ok())
         .filter(|name| name.trim_end().starts_with(prefix))
         .count()
+}
+
+/// [`pause_writes`] for as long as the guard lives: dropping it (also while a test panics)
+/// ends the pause.
+pub struct WritePause<'a> {
+    cluster: &'a super::Cluster,
+    node: usize,
+}
+
+impl<'a> WritePause<'a> {
+    /// `CLIENT PAUSE pause WRITE` on node `i` of `cluster`.
+    pub fn start(cluster: &'a super::Cluster, i: usize, pause: Duration) -> WritePause<'a> {
+        pause_writes(cluster, i, pause);
+        WritePause { cluster, node: i }
+    }
+}
+
+impl Drop for WritePause<'_> {
+    fn drop(&mut self) {
+        // No panic here: this may run while a test is already panicking.
+        match self.cluster.try_conn(self.node, Duration::from_secs(1)) {
+            Ok(mut conn) => {
+                if let Err(e) = redis::cmd("CLIENT").arg("UNPAUSE").query::<()>(&mut conn) {
+                    eprintln!("CLIENT UNPAUSE on node {}: {e}", self.node);
+                }
+            }
+            Err(e) => eprintln!("CLIENT UNPAUSE on node {}: connect: {e}", self.node),
+        }
+    }
 }

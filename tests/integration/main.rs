@@ -7,6 +7,7 @@ mod common;
 mod degraded;
 mod harness;
 mod lock;
+mod node_layer;
 mod watchdog;
 
 use std::time::Duration;
