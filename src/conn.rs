@@ -23,8 +23,9 @@ pub(crate) const MIN_TIMEOUT: Duration = Duration::from_millis(1);
 
 /// Most replies one connection may owe before it is given up. Commands are
 /// pipelined behind replies still owed by a slow node; a node that does not
-/// answer at all is caught earlier, when its oldest reply is overdue.
-pub(crate) const MAX_PENDING: usize = 32;
+/// answer at all is caught before this, when its oldest reply is overdue
+/// (so this only bounds memory: a few hundred bytes a reply).
+pub(crate) const MAX_PENDING: usize = 1024;
 
 /// Where and how to connect: address, credentials, database.
 #[derive(Clone)]
@@ -47,6 +48,8 @@ pub(crate) struct Pending {
     /// undoes it, sent on this connection (after the SET) if the late reply
     /// says it was set, or before the connection is given up.
     pub undo: Option<Vec<u8>>,
+    /// For such an acquire: its tokens, whose SET may still land.
+    pub tokens: Vec<String>,
 }
 
 /// A connection to one node.
@@ -192,6 +195,7 @@ impl Conn {
             sent: now,
             wanted,
             undo: None,
+            tokens: Vec::new(),
         });
     }
 
@@ -323,11 +327,14 @@ impl Conn {
 
     /// The round is over: replies still owed are read and dropped later;
     /// `undo` (for an acquire) is sent if such a late reply says it was set.
-    pub(crate) fn unwant(&mut self, undo: Option<&[u8]>) {
+    pub(crate) fn unwant(&mut self, undo: Option<(&[u8], &[String])>) {
         for p in &mut self.pending {
             if p.wanted {
                 p.wanted = false;
-                p.undo = undo.map(<[u8]>::to_vec);
+                if let Some((undo, tokens)) = undo {
+                    p.undo = Some(undo.to_vec());
+                    p.tokens = tokens.to_vec();
+                }
             }
         }
     }

@@ -233,6 +233,9 @@ pub enum NodeErrorKind {
     /// may have forgotten locks that are still held; its votes count again
     /// after that (the Redlock delayed-restart rule).
     Restarted,
+    /// Not a failure: the round's outcome was settled before this node's
+    /// reply arrived, so it was not waited for (its reply is read later).
+    NotAwaited,
     /// No pooled connection to the node was free before the round ended.
     /// This is the client's own condition (all connections busy, or still
     /// connecting), not the node's: raise
@@ -251,6 +254,7 @@ impl fmt::Display for NodeErrorKind {
             NodeErrorKind::Skipped => "not answering, not waited for",
             NodeErrorKind::Restarted => "lock history too young to vote",
             NodeErrorKind::NoConnection => "no free connection",
+            NodeErrorKind::NotAwaited => "not awaited",
         })
     }
 }

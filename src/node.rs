@@ -13,7 +13,7 @@
 //! (see [`crate::health`]). Replies still in flight when a round ends stay on
 //! their connection and are read by its next user.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
@@ -64,10 +64,6 @@ const RETRY_EVERY: Duration = Duration::from_millis(100);
 const MAX_RETRIES: usize = 10_000;
 /// Most keys in one retried release command.
 const RETRY_BATCH: usize = 1_000;
-/// Most grace given to straggling replies after a round is settled (it is
-/// a quarter of the time the round took to settle, at most this): enough for
-/// healthy nodes answering a hair later, too little for a sick node to cost.
-const GRACE_MAX: Duration = Duration::from_micros(250);
 /// How often a round looks again for a connection it is still missing.
 const CONN_RECHECK: Duration = Duration::from_micros(200);
 
@@ -78,6 +74,10 @@ struct NodeShared {
     health: Mutex<NodeHealth>,
     /// Releases this node has not answered yet.
     retries: Mutex<VecDeque<Retry>>,
+    /// Tokens of acquires sent to this node whose reply has not been read:
+    /// their SET may still land, after any delete sent on another
+    /// connection. Kept until the reply is read or the key would expire.
+    unsettled: Mutex<HashMap<String, Instant>>,
     retry_scheduled: AtomicBool,
 }
 
@@ -159,6 +159,7 @@ impl RedisTransport {
                 timeout,
                 health: Mutex::new(NodeHealth::default()),
                 retries: Mutex::new(VecDeque::new()),
+                unsettled: Mutex::new(HashMap::new()),
                 retry_scheduled: AtomicBool::new(false),
             });
             let manager = Manager {
@@ -288,6 +289,12 @@ fn late_reply(
     v: &Value,
     now: Instant,
 ) -> std::io::Result<()> {
+    if !p.tokens.is_empty() {
+        let mut unsettled = node.unsettled.lock();
+        for t in &p.tokens {
+            unsettled.remove(t);
+        }
+    }
     if let Some(undo) = p.undo.filter(|_| acquired_any(v)) {
         debug!("node {}: a late SET landed; deleting it", node.name);
         c.queue(&undo, now, false);
@@ -329,6 +336,14 @@ fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPool>) {
     };
     let shared = &node.shared;
     let now = Instant::now();
+    // Read late replies off every idle connection (they may say a SET landed).
+    let idle: Vec<_> = std::iter::from_fn(|| node.pool.try_get())
+        .take(node.pool.max_size() as usize)
+        .collect();
+    for mut c in idle {
+        prepare(&mut c, shared, now);
+    }
+    shared.unsettled.lock().retain(|_, until| *until > now);
     let batch: Vec<(String, String)> = {
         let mut q = shared.retries.lock();
         q.retain(|r| r.until > now);
@@ -374,7 +389,12 @@ fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPool>) {
                     }
                 };
                 if answered {
-                    let done: std::collections::HashSet<&(String, String)> = batch.iter().collect();
+                    let unsettled = shared.unsettled.lock();
+                    // Done, unless a SET of that token may still land.
+                    let done: HashSet<&(String, String)> = batch
+                        .iter()
+                        .filter(|(_, token)| !unsettled.contains_key(token))
+                        .collect();
                     shared
                         .retries
                         .lock()
@@ -518,8 +538,9 @@ impl RedisTransport {
         loop {
             let now = Instant::now();
             if settle.is_none() && decided.is_some_and(|f| f(&results)) {
-                let grace = (now.saturating_duration_since(start) / 4).min(GRACE_MAX);
-                settle = Some(after(now, grace).min(deadline));
+                // Settled: what has already arrived is taken below; nothing
+                // more is waited for.
+                settle = Some(now);
             }
             // Waited-for nodes still without a connection: look again.
             let mut missing = false;
@@ -581,17 +602,14 @@ impl RedisTransport {
         self.collect_arrived(slots, enc, &mut results);
         let now = Instant::now();
         // An acquire reply still owed may yet say "set": keep its undo.
-        let undo = match enc.op {
-            Op::Acquire { ttl, .. } => Some(
-                Encoded::new(
-                    Op::Release {
-                        keep_until: after(start, ttl),
-                    },
-                    keys,
-                )
-                .packed,
-            ),
-            _ => None,
+        let tokens: Vec<String> = keys.iter().map(|k| k.token.to_owned()).collect();
+        let (undo, unsettled_until) = match enc.op {
+            Op::Acquire { ttl, .. } => {
+                let until = after(start, ttl);
+                let rel = Op::Release { keep_until: until };
+                (Some(Encoded::new(rel, keys).packed), Some(until))
+            }
+            _ => (None, None),
         };
         // Per node: whether our command is still in flight on an open
         // connection (it will be executed; a release need not be retried).
@@ -604,7 +622,13 @@ impl RedisTransport {
                     c.broken = true;
                 }
                 if c.awaits_wanted() {
-                    c.unwant(undo.as_deref());
+                    c.unwant(undo.as_deref().map(|u| (u, tokens.as_slice())));
+                    if let Some(until) = unsettled_until {
+                        let mut unsettled = shared.unsettled.lock();
+                        for t in &tokens {
+                            unsettled.insert(t.clone(), until);
+                        }
+                    }
                     if s.sent
                         .is_some_and(|t| now.saturating_duration_since(t) >= shared.timeout)
                     {
@@ -615,16 +639,19 @@ impl RedisTransport {
                     in_flight[i] = !c.broken;
                     if results[i].is_none() {
                         let waited = now.saturating_duration_since(s.sent.unwrap_or(start));
-                        let detail = if settle.is_some() {
-                            format!("no reply in {waited:?}; the round was settled without it")
+                        results[i] = Some(Err(if settle.is_some() {
+                            NodeError::new(
+                                &self.names[i],
+                                NodeErrorKind::NotAwaited,
+                                format!("settled {waited:?} after sending, before its reply"),
+                            )
                         } else {
-                            format!("no reply in {waited:?}")
-                        };
-                        results[i] = Some(Err(NodeError::new(
-                            &self.names[i],
-                            NodeErrorKind::Timeout,
-                            detail,
-                        )));
+                            NodeError::new(
+                                &self.names[i],
+                                NodeErrorKind::Timeout,
+                                format!("no reply in {waited:?}"),
+                            )
+                        }));
                     }
                 }
             }
@@ -650,7 +677,15 @@ impl RedisTransport {
         if let Op::Release { keep_until } = enc.op {
             for (i, r) in results.iter().enumerate() {
                 // Skip here means "our SET never reached it": nothing to undo.
-                if matches!(r, Some(Err(_))) && !in_flight[i] && slots[i].admit != Admit::Skip {
+                let unanswered =
+                    matches!(r, Some(Err(_))) && !in_flight[i] && slots[i].admit != Admit::Skip;
+                // A SET of ours still unsettled there may land after this
+                // delete: delete again until it has been read or expired.
+                let unsettled = {
+                    let u = self.nodes[i].inner.shared.unsettled.lock();
+                    !u.is_empty() && keys.iter().any(|k| u.contains_key(k.token))
+                };
+                if unanswered || unsettled {
                     self.enqueue_retries(i, keys, keep_until);
                 }
             }

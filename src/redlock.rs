@@ -575,7 +575,9 @@ impl Inner {
         let now = self.clock.now();
         for (i, r) in results.iter().enumerate() {
             if let Err(e) = r {
-                if self.warned.get(i).is_some_and(|t| t.ready(now, WARN_EVERY)) {
+                if e.kind() == crate::NodeErrorKind::NotAwaited {
+                    trace!("{e}");
+                } else if self.warned.get(i).is_some_and(|t| t.ready(now, WARN_EVERY)) {
                     warn!("{e} (further failures of this node logged at debug for {WARN_EVERY:?})");
                 } else {
                     debug!("{e}");
