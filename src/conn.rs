@@ -318,13 +318,6 @@ impl Conn {
         self.pending.iter().any(|p| p.wanted)
     }
 
-    /// The attempt was granted: late SETs are kept, not undone.
-    pub(crate) fn forget_undo(&mut self) {
-        for p in &mut self.pending {
-            p.undo = None;
-        }
-    }
-
     /// The round is over: replies still owed are read and dropped later;
     /// `undo` (for an acquire) is sent if such a late reply says it was set.
     pub(crate) fn unwant(&mut self, undo: Option<(&[u8], &[String])>) {
@@ -346,14 +339,6 @@ impl Conn {
             flags |= PollFlags::OUT;
         }
         PollFd::new(&self.stream, flags)
-    }
-}
-
-impl Drop for Conn {
-    /// However a connection ends (closed as stale, dropped with its pool),
-    /// a SET still in flight on it is followed by its undo.
-    fn drop(&mut self) {
-        self.abandon();
     }
 }
 

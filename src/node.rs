@@ -75,10 +75,19 @@ struct NodeShared {
     /// Releases this node has not answered yet.
     retries: Mutex<VecDeque<Retry>>,
     /// Tokens of acquires sent to this node whose reply has not been read:
-    /// their SET may still land, after any delete sent on another
-    /// connection. Kept until the reply is read or the key would expire.
-    unsettled: Mutex<HashMap<String, Instant>>,
+    /// their SET may still land, after a delete sent on another connection.
+    /// Kept until the reply is read (or the key would have expired), with
+    /// whether a release was sent meanwhile: then the reader deletes the key
+    /// again, on the connection that carried the SET.
+    unsettled: Mutex<HashMap<String, Unsettled>>,
     retry_scheduled: AtomicBool,
+}
+
+/// An acquire whose reply has not been read yet.
+#[derive(Debug, Clone, Copy)]
+struct Unsettled {
+    until: Instant,
+    released: bool,
 }
 
 /// A release to send again.
@@ -289,13 +298,16 @@ fn late_reply(
     v: &Value,
     now: Instant,
 ) -> std::io::Result<()> {
+    let mut released = false;
     if !p.tokens.is_empty() {
         let mut unsettled = node.unsettled.lock();
         for t in &p.tokens {
-            unsettled.remove(t);
+            released |= unsettled.remove(t).is_some_and(|u| u.released);
         }
     }
-    if let Some(undo) = p.undo.filter(|_| acquired_any(v)) {
+    // A granted lock's late copy stays (it is part of the lock) unless the
+    // lock was released meanwhile; a failed attempt's was undone already.
+    if let Some(undo) = p.undo.filter(|_| released && acquired_any(v)) {
         debug!("node {}: a late SET landed; deleting it", node.name);
         c.queue(&undo, now, false);
         c.flush()?;
@@ -343,7 +355,7 @@ fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPool>) {
     for mut c in idle {
         prepare(&mut c, shared, now);
     }
-    shared.unsettled.lock().retain(|_, until| *until > now);
+    shared.unsettled.lock().retain(|_, u| u.until > now);
     let batch: Vec<(String, String)> = {
         let mut q = shared.retries.lock();
         q.retain(|r| r.until > now);
@@ -404,12 +416,10 @@ fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPool>) {
                         shared.name,
                         batch.len()
                     );
-                } else if let Some(fallback) = &enc.fallback {
+                } else if !c.broken {
                     // Load the script for the next try.
-                    if !c.broken {
-                        c.queue(fallback, Instant::now(), false);
-                        let _ = c.flush();
-                    }
+                    c.queue(&enc.fallback(), Instant::now(), false);
+                    let _ = c.flush();
                 }
             }
         }
@@ -477,13 +487,7 @@ impl Transport for RedisTransport {
         let results = self.exchange(&enc, keys, &mut slots, start, deadline, decided);
 
         if let (Some(undo), Op::Acquire { ttl, .. }) = (undo, op) {
-            if !undo(&results) {
-                // Granted (or nothing to undo): a SET landing late is part of
-                // the lock, and the guard's release deletes it.
-                for c in slots.iter_mut().filter_map(|s| s.conn.as_mut()) {
-                    c.forget_undo();
-                }
-            } else {
+            if undo(&results) {
                 let now = Instant::now();
                 let rel = Op::Release {
                     keep_until: after(start, ttl),
@@ -523,6 +527,20 @@ impl RedisTransport {
     ) -> Vec<NodeResult> {
         let n = slots.len();
         let mut results: Vec<Option<NodeResult>> = vec![None; n];
+        if let Op::Release { .. } = enc.op {
+            // Before any delete leaves: whoever reads the reply of a SET of
+            // these keys from now on deletes the key again after it.
+            for node in &self.nodes {
+                let mut u = node.inner.shared.unsettled.lock();
+                if !u.is_empty() {
+                    for k in keys {
+                        if let Some(e) = u.get_mut(k.token) {
+                            e.released = true;
+                        }
+                    }
+                }
+            }
+        }
         // Nodes not waited for count as failed unless their reply arrives.
         for (i, s) in slots.iter_mut().enumerate() {
             if s.admit != Admit::Wait {
@@ -602,9 +620,17 @@ impl RedisTransport {
         self.collect_arrived(slots, enc, &mut results);
         let now = Instant::now();
         // An acquire reply still owed may yet say "set": keep its undo.
-        let tokens: Vec<String> = keys.iter().map(|k| k.token.to_owned()).collect();
+        // (Built only when some reply is still owed.)
+        let owed = slots
+            .iter()
+            .any(|s| s.conn.as_ref().is_some_and(|c| c.awaits_wanted()));
+        let tokens: Vec<String> = if owed {
+            keys.iter().map(|k| k.token.to_owned()).collect()
+        } else {
+            Vec::new()
+        };
         let (undo, unsettled_until) = match enc.op {
-            Op::Acquire { ttl, .. } => {
+            Op::Acquire { ttl, .. } if owed => {
                 let until = after(start, ttl);
                 let rel = Op::Release { keep_until: until };
                 (Some(Encoded::new(rel, keys).packed), Some(until))
@@ -625,8 +651,14 @@ impl RedisTransport {
                     c.unwant(undo.as_deref().map(|u| (u, tokens.as_slice())));
                     if let Some(until) = unsettled_until {
                         let mut unsettled = shared.unsettled.lock();
+                        if unsettled.len() >= MAX_RETRIES {
+                            unsettled.retain(|_, u| u.until > now);
+                        }
                         for t in &tokens {
-                            unsettled.insert(t.clone(), until);
+                            unsettled.entry(t.clone()).or_insert(Unsettled {
+                                until,
+                                released: false,
+                            });
                         }
                     }
                     if s.sent
@@ -680,7 +712,7 @@ impl RedisTransport {
                 let unanswered =
                     matches!(r, Some(Err(_))) && !in_flight[i] && slots[i].admit != Admit::Skip;
                 // A SET of ours still unsettled there may land after this
-                // delete: delete again until it has been read or expired.
+                // delete: keep deleting until its reply has been read.
                 let unsettled = {
                     let u = self.nodes[i].inner.shared.unsettled.lock();
                     !u.is_empty() && keys.iter().any(|k| u.contains_key(k.token))
@@ -842,12 +874,11 @@ impl RedisTransport {
                 }
                 continue;
             }
-            if let (Value::ServerError(e), Some(fallback), false) = (&v, &enc.fallback, s.fell_back)
-            {
+            if let (Value::ServerError(e), false) = (&v, s.fell_back) {
                 if e.kind() == Some(redis::ServerErrorKind::NoScript) {
                     debug!("node {}: script not cached, sending EVAL", self.names[i]);
                     s.fell_back = true;
-                    c.queue(fallback, now, true);
+                    c.queue(&enc.fallback(), now, true);
                     if let Err(e) = c.flush() {
                         return self.failed(i, s, e, results);
                     }
@@ -867,8 +898,8 @@ struct Encoded {
     op: Op,
     n: usize,
     packed: Vec<u8>,
-    /// The same script sent as `EVAL`, for a node that answers NOSCRIPT.
-    fallback: Option<Vec<u8>>,
+    /// The script's source, for a node that answers NOSCRIPT.
+    code: &'static str,
 }
 
 impl Encoded {
@@ -908,8 +939,29 @@ impl Encoded {
             op,
             n: keys.len(),
             packed: pack("EVALSHA", script.get_hash()),
-            fallback: Some(pack("EVAL", code)),
+            code,
         }
+    }
+
+    /// The same command as `EVAL` with the script's source (built only for
+    /// a node that answered NOSCRIPT): `packed` with its `EVALSHA <sha1>`
+    /// elements replaced.
+    fn fallback(&self) -> Vec<u8> {
+        // `*N\r\n` then `$7\r\nEVALSHA\r\n` then `$40\r\n<sha1>\r\n`.
+        let head = self
+            .packed
+            .windows(2)
+            .position(|w| w == b"\r\n")
+            .map_or(0, |p| p + 2);
+        let rest = self.packed.get(head + 13 + 47..).unwrap_or_default();
+        let mut out = Vec::with_capacity(self.packed.len() + self.code.len());
+        out.extend_from_slice(&self.packed[..head]);
+        out.extend_from_slice(b"$4\r\nEVAL\r\n");
+        out.extend_from_slice(format!("${}\r\n", self.code.len()).as_bytes());
+        out.extend_from_slice(self.code.as_bytes());
+        out.extend_from_slice(b"\r\n");
+        out.extend_from_slice(rest);
+        out
     }
 
     fn decode(&self, v: Value) -> Result<Reply, (NodeErrorKind, String)> {
@@ -1039,6 +1091,46 @@ impl r2d2::HandleError<ConnectError> for ConnectErrors {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fallback_is_the_same_command_as_eval() {
+        let keys = [
+            Key {
+                resource: "a",
+                token: "t1",
+            },
+            Key {
+                resource: "b",
+                token: "t2",
+            },
+        ];
+        let ops = [
+            Op::Acquire {
+                ttl: Duration::from_millis(1500),
+                known_max: Duration::from_secs(3),
+            },
+            Op::Extend {
+                ttl: Duration::from_millis(1500),
+            },
+            Op::Release {
+                keep_until: Instant::now(),
+            },
+        ];
+        for op in ops {
+            let e = Encoded::new(op, &keys);
+            let text = String::from_utf8_lossy(&e.packed).into_owned();
+            let want = text.replacen("$7\r\nEVALSHA", "$4\r\nEVAL", 1).replacen(
+                &format!("$40\r\n{}", sha_of(&text)),
+                &format!("${}\r\n{}", e.code.len(), e.code),
+                1,
+            );
+            assert_eq!(String::from_utf8_lossy(&e.fallback()), want, "{op:?}");
+        }
+    }
+
+    fn sha_of(packed: &str) -> String {
+        packed.split("\r\n").nth(4).unwrap_or_default().to_owned()
+    }
 
     #[test]
     fn millis_round_up_and_never_zero() {

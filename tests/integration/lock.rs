@@ -355,3 +355,38 @@ fn bad_input_gets_typed_errors() {
         assert!(!e.is_retryable());
     }
 }
+
+#[test]
+fn flushed_scripts_fall_back_to_eval_on_every_kind_of_round() {
+    let c = Cluster::start(3);
+    let locks = client(&c.urls());
+    drop(locks.try_lock(&unique_key("warm"), TTL).unwrap());
+    for i in 0..3 {
+        let _: () = redis::cmd("SCRIPT")
+            .arg("FLUSH")
+            .query(&mut c.conn(i))
+            .expect("SCRIPT FLUSH");
+    }
+    // Acquire, extend and release each meet NOSCRIPT on pooled connections
+    // and must still work (EVAL with the source, then cached again).
+    let key = unique_key("flushed");
+    let g = locks
+        .try_lock(&key, TTL)
+        .expect("acquire after SCRIPT FLUSH");
+    assert_eq!(c.holders(&key, g.token()), 3);
+    for i in 0..3 {
+        let _: () = redis::cmd("SCRIPT")
+            .arg("FLUSH")
+            .query(&mut c.conn(i))
+            .expect("SCRIPT FLUSH");
+    }
+    g.extend(TTL).expect("extend after SCRIPT FLUSH");
+    for i in 0..3 {
+        let _: () = redis::cmd("SCRIPT")
+            .arg("FLUSH")
+            .query(&mut c.conn(i))
+            .expect("SCRIPT FLUSH");
+    }
+    g.release().expect("release after SCRIPT FLUSH");
+    assert!(c.gone_everywhere(&key, Duration::from_secs(1)));
+}
