@@ -34,6 +34,10 @@ pub(crate) struct Settings {
     pub max_ttl: Option<Duration>,
 }
 
+/// Largest pool size accepted (connections per node): far above any useful
+/// number of threads locking at once.
+pub(crate) const MAX_POOL_SIZE: u32 = 1024;
+
 /// Largest node timeout accepted: a round waits at most this long.
 pub(crate) const MAX_NODE_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -66,6 +70,9 @@ impl Settings {
                 value: self.node_timeout,
                 max: MAX_NODE_TIMEOUT,
             });
+        }
+        if self.max_ttl.is_some_and(|t| t.is_zero()) {
+            return Err(InvalidInput::ZeroDuration("max_ttl"));
         }
         if let Some(max) = self.max_ttl {
             if max > crate::MAX_TTL {
@@ -204,7 +211,7 @@ impl Builder {
         self
     }
 
-    /// Sets the most connections this client opens to each node (at least 1).
+    /// Sets the most connections this client opens to each node (1 to 1,024).
     ///
     /// A round holds one connection per node for about one round trip, so
     /// this bounds how many threads can talk to the nodes at the same moment
@@ -323,6 +330,14 @@ impl Builder {
         self.settings.validate()?;
         if self.pool_size == 0 {
             return Err(InvalidInput::ZeroCount("pool_size").into());
+        }
+        if self.pool_size > MAX_POOL_SIZE {
+            return Err(InvalidInput::CountTooLarge {
+                what: "pool_size",
+                value: self.pool_size.into(),
+                max: MAX_POOL_SIZE.into(),
+            }
+            .into());
         }
         let specs = parse_nodes(&self.nodes)?;
         let transport = RedisTransport::new(

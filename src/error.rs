@@ -146,6 +146,15 @@ pub enum InvalidInput {
     },
     /// The resource name is a key this crate keeps on every node.
     ReservedResource(&'static str),
+    /// A count setting is above the bound this crate accepts.
+    CountTooLarge {
+        /// Which setting.
+        what: &'static str,
+        /// The value given.
+        value: u64,
+        /// The largest value accepted.
+        max: u64,
+    },
     /// A duration setting is above the bound this crate accepts.
     DurationTooLong {
         /// Which setting.
@@ -194,6 +203,9 @@ impl fmt::Display for InvalidInput {
             }
             InvalidInput::ReservedResource(name) => {
                 write!(f, "resource name {name:?} is reserved by quorumlock")
+            }
+            InvalidInput::CountTooLarge { what, value, max } => {
+                write!(f, "{what} {value} is above the largest accepted, {max}")
             }
             InvalidInput::DurationTooLong { what, value, max } => {
                 write!(f, "{what} {value:?} is above the largest accepted, {max:?}")

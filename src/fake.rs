@@ -177,7 +177,13 @@ impl FakeNodes {
                             Op::Acquire { ttl, known_max } => {
                                 Some(store.history(ttl, known_max, now, self.clock.base))
                             }
-                            _ => None,
+                            Op::Extend { ttl } => {
+                                if let Some((_, max)) = &mut store.meta {
+                                    *max = (*max).max(ttl);
+                                }
+                                None
+                            }
+                            Op::Release { .. } => None,
                         };
                         let answers: Vec<Answer> =
                             keys.iter().map(|k| store.apply(op, k, now)).collect();

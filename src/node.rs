@@ -548,6 +548,16 @@ impl RedisTransport {
             }
             if s.admit != Admit::Skip {
                 self.send(i, s, enc, start, &mut results);
+                if s.conn.is_none() && s.admit == Admit::Wait {
+                    // Every connection to this node is in use by other rounds
+                    // of this client: queue for one, in node order, so that
+                    // rounds never hold some connections while waiting for
+                    // others held by rounds that wait for theirs.
+                    s.conn = self.wait_busy_pool(i, deadline);
+                    if s.conn.is_some() {
+                        self.send(i, s, enc, Instant::now(), &mut results);
+                    }
+                }
             }
         }
 
@@ -818,6 +828,23 @@ impl RedisTransport {
         }
     }
 
+    /// A connection to a healthy node whose every connection is checked
+    /// out: waits (until `deadline`) for one to come back. None when the node
+    /// is not in that state (it is connecting, or failing).
+    fn wait_busy_pool(&self, i: usize, deadline: Instant) -> Option<PooledConnection<Manager>> {
+        let node = &self.nodes[i].inner;
+        let st = node.pool.state();
+        if !node.shared.is_healthy()
+            || st.idle_connections > 0
+            || st.connections < node.pool.max_size()
+        {
+            return None;
+        }
+        let wait = deadline.saturating_duration_since(Instant::now());
+        let mut c = node.pool.get_timeout(wait).ok()?;
+        prepare(&mut c, &node.shared, Instant::now()).then_some(c)
+    }
+
     fn failed(
         &self,
         i: usize,
@@ -917,14 +944,15 @@ impl Encoded {
                 vec![millis_ceil(ttl)],
             ),
         };
-        let acquire = matches!(op, Op::Acquire { .. });
+        // Acquire and extend also take the node's lock-history key.
+        let meta = matches!(op, Op::Acquire { .. } | Op::Extend { .. });
         let pack = |verb: &str, body: &str| {
             let mut cmd = redis::cmd(verb);
-            cmd.arg(body).arg(keys.len() + usize::from(acquire));
+            cmd.arg(body).arg(keys.len() + usize::from(meta));
             for k in keys {
                 cmd.arg(k.resource);
             }
-            if acquire {
+            if meta {
                 cmd.arg(scripts::META_KEY);
             }
             for a in &args {

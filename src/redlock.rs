@@ -495,6 +495,10 @@ impl Inner {
         loud: bool,
     ) -> Vec<Result<Duration>> {
         let drift = quorum::drift_allowance(ttl, self.settings.drift_factor);
+        // A TTL grown by extension is a TTL in use, for the restart rule (the
+        // extend script records it on the nodes too).
+        self.known_max_ms
+            .fetch_max(crate::node::millis_ceil(ttl), Ordering::Relaxed);
         let start = self.clock.now();
         let keys: Vec<Key<'_>> = states.iter().map(|s| s.key()).collect();
         let mut deadline = self.batch_deadline(start, keys.len());

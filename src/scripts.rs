@@ -18,7 +18,11 @@ pub(crate) const META_KEY: &str = "quorumlock:meta";
 /// longest TTL the client knows of, `ARGV[3..]` the tokens. Answers
 /// `{epoch, age_ms, max_ttl_before, r1, …}` with `ri` 1 (set) or 0 (exists).
 /// The epoch is rounded up and the current time down, so that the age is
-/// never more than the time the node has really kept its data.
+/// never more than the time the node has really kept its data; an epoch in
+/// the node's future (its clock was stepped back) starts again now. The age
+/// is also at most the server process's uptime (less a second, its
+/// resolution): a node restarted from a snapshot or an AOF kept its history
+/// but may have lost its latest locks. An ACL without `INFO` skips that cap.
 pub(crate) static ACQUIRE: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(ACQUIRE_LUA));
 
@@ -28,16 +32,24 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local m = redis.call('HMGET', meta, 'epoch', 'max_ttl')
 local epoch = tonumber(m[1])
-if not epoch then
+if not epoch or epoch > now + 1 then
   epoch = now + 1
   redis.call('HSET', meta, 'epoch', epoch)
+end
+local age = math.max(now - epoch, 0)
+local info = redis.pcall('INFO', 'server')
+if type(info) == 'string' then
+  local up = tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
+  if up then
+    age = math.min(age, math.max(up - 1, 0) * 1000)
+  end
 end
 local known = tonumber(m[2]) or 0
 local want = math.max(tonumber(ARGV[1]), tonumber(ARGV[2]))
 if want > known then
   redis.call('HSET', meta, 'max_ttl', want)
 end
-local out = {epoch, math.max(now - epoch, 0), known}
+local out = {epoch, age, known}
 for i = 1, #KEYS - 1 do
   if redis.call('SET', KEYS[i], ARGV[i + 2], 'NX', 'PX', ARGV[1]) then
     out[i + 3] = 1
@@ -66,13 +78,21 @@ for i, key in ipairs(KEYS) do
 end
 return out";
 
-/// Compare-and-pexpire to `ARGV[1]` milliseconds.
+/// Compare-and-pexpire to `ARGV[1]` milliseconds. Its last key is
+/// [`META_KEY`], where a longer TTL than any recorded is written, so that
+/// the delayed-restart rule also knows TTLs that grew by extension.
 pub(crate) static EXTEND: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(EXTEND_LUA));
 
 /// Source of [`EXTEND`].
 pub(crate) const EXTEND_LUA: &str = r"local out = {}
-for i, key in ipairs(KEYS) do
+local meta = KEYS[#KEYS]
+local known = tonumber(redis.call('HGET', meta, 'max_ttl')) or 0
+if tonumber(ARGV[1]) > known then
+  redis.call('HSET', meta, 'max_ttl', ARGV[1])
+end
+for i = 1, #KEYS - 1 do
+  local key = KEYS[i]
   local v = redis.call('GET', key)
   if v == ARGV[i + 1] then
     out[i] = redis.call('PEXPIRE', key, ARGV[1])

@@ -6,6 +6,7 @@ mod common;
 
 mod degraded;
 mod harness;
+mod hostile;
 mod lock;
 mod node_layer;
 mod watchdog;

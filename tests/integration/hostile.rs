@@ -1,0 +1,310 @@
+//! Hostile review of the node layer v2 (issue 7): each test names a defect found by
+//! attacking the change, asserts the behaviour the README promises, and failed on the
+//! code it was written against. Bounds are generous (a loaded 2-core machine).
+
+use std::time::{Duration, Instant};
+
+use quorumlock::Redlock;
+
+use crate::common::{unique_key, Cluster};
+
+/// Node timeout where timeouts are not the subject.
+const SLACK: Duration = Duration::from_millis(250);
+
+fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let t = Instant::now();
+    while t.elapsed() < limit {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    f()
+}
+
+/// A client with default settings except the node timeout: restart protection on, not
+/// `fresh_cluster` (it has never seen these nodes).
+fn fresh_process_client(urls: Vec<String>) -> Redlock {
+    Redlock::builder()
+        .nodes(urls)
+        .node_timeout(SLACK)
+        .build()
+        .expect("valid config")
+}
+
+/// `SET key value PX ms` on node `i`, straight to the node.
+fn plant(c: &Cluster, i: usize, key: &str, value: &str, ttl: Duration) {
+    let _: () = redis::cmd("SET")
+        .arg(key)
+        .arg(value)
+        .arg("PX")
+        .arg(ttl.as_millis() as u64)
+        .query(&mut c.conn(i))
+        .expect("SET on the node");
+}
+
+/// Node `i`'s own clock (`TIME`), in ms.
+fn node_time_ms(c: &Cluster, i: usize) -> u64 {
+    let (s, us): (u64, u64) = redis::cmd("TIME")
+        .query(&mut c.conn(i))
+        .expect("TIME on the node");
+    s * 1000 + us / 1000
+}
+
+/// Whether node `i` carries a lock history.
+fn has_history(c: &Cluster, i: usize) -> bool {
+    let n: i64 = redis::cmd("EXISTS")
+        .arg("quorumlock:meta")
+        .query(&mut c.conn(i))
+        .expect("EXISTS on the node");
+    n == 1
+}
+
+/// `HSET quorumlock:meta epoch E max_ttl M` on node `i`.
+fn set_history(c: &Cluster, i: usize, epoch_ms: u64, max_ttl_ms: u64) {
+    let _: i64 = redis::cmd("HSET")
+        .arg("quorumlock:meta")
+        .arg("epoch")
+        .arg(epoch_ms)
+        .arg("max_ttl")
+        .arg(max_ttl_ms)
+        .query(&mut c.conn(i))
+        .expect("HSET on the node");
+}
+
+// ---------------------------------------------------------------------------------------
+// Safety: the delayed-restart rule
+
+/// DEFECT (safety, two holders): `extend` to a TTL longer than the one the lock was
+/// acquired with is not recorded in the nodes' lock history (`EXTEND_LUA` never touches
+/// `quorumlock:meta`, and the client's `known_max_ms` only learns acquire TTLs). X takes
+/// the key for 500 ms on nodes 0 and 1 (node 2 had it for someone else), extends it to
+/// 30 s; node 1 restarts empty. A fresh client asking 500 ms holds node 1 back for only
+/// 500 ms (the longest TTL the nodes report), then wins nodes 1 + 2 while X's lock still
+/// has ~29 s of validity.
+#[test]
+fn extending_to_a_longer_ttl_is_recorded_for_the_restart_rule() {
+    let c = Cluster::start(3);
+    let key = unique_key("extend-longer");
+    let short = Duration::from_millis(500);
+    let x = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(c.urls())
+        .node_timeout(SLACK)
+        .build()
+        .expect("valid config");
+    // Node 2 holds the key for a previous owner that is about to let it go.
+    plant(&c, 2, &key, "previous-owner", Duration::from_secs(60));
+    let held = x.try_lock(&key, short).expect("X: nodes 0 and 1");
+    held.extend(Duration::from_secs(30))
+        .expect("X extends to 30 s");
+    c.del(2, &key);
+    c.restart(1);
+
+    let y = fresh_process_client(c.urls());
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(3) {
+        if y.try_lock(&key, short).is_ok() {
+            panic!(
+                "two holders: Y was granted {key} {:?} after node 1's restart while X \
+                 (extended to 30 s) still holds it (X is_held = {}, validity {:?})",
+                t0.elapsed(),
+                held.is_held(),
+                held.validity()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(held.is_held());
+}
+
+/// DEFECT (safety, two holders): a node restarted from an RDB snapshot (Redis' default
+/// persistence, or AOF `everysec`) keeps `quorumlock:meta` from before the lock but has
+/// lost the lock key. The lock history then looks as old as ever and its vote counts at
+/// once: restarts are no longer detected at all (the previous node layer read `INFO
+/// server` run_id/uptime on new connections). X holds the key on nodes 0 and 1; node 1
+/// restarts from a snapshot taken before X's SET; a fresh client wins nodes 1 + 2.
+#[test]
+fn a_node_restarted_from_an_older_snapshot_does_not_vote_during_the_hold() {
+    let c = Cluster::start(3);
+    let ttl = Duration::from_secs(2);
+    let key = unique_key("rdb-restart");
+    let x = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(c.urls())
+        .node_timeout(SLACK)
+        .build()
+        .expect("valid config");
+    // The cluster has carried 2 s locks for longer than 2 s (on every node: a first
+    // round may settle before a node still connecting is sent anything).
+    assert!(
+        wait_until(Duration::from_secs(5), || {
+            drop(x.try_lock(&unique_key("warm"), ttl));
+            (0..3).all(|i| has_history(&c, i))
+        }),
+        "warm-up never reached every node"
+    );
+    std::thread::sleep(ttl + Duration::from_millis(300));
+    // Node 1's last snapshot, taken before X's lock.
+    let _: () = redis::cmd("SAVE")
+        .query(&mut c.conn(1))
+        .expect("SAVE on node 1");
+    plant(&c, 2, &key, "previous-owner", Duration::from_secs(60));
+    let held = x.try_lock(&key, ttl).expect("X: nodes 0 and 1");
+    c.del(2, &key);
+    // Node 1 crashes and comes back from its snapshot.
+    c.restart(1);
+    assert!(
+        has_history(&c, 1),
+        "the snapshot should have restored the history"
+    );
+    assert!(c.get(1, &key).is_none(), "the snapshot predates X's key");
+
+    let y = fresh_process_client(c.urls());
+    while held.is_held() && held.validity() > Duration::from_millis(300) {
+        if y.try_lock(&key, ttl).is_ok() {
+            panic!(
+                "two holders: Y was granted {key} by nodes 1 (restarted from an older \
+                 snapshot) and 2 while X holds it for {:?} more",
+                held.validity()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Liveness: node clocks
+
+/// DEFECT (liveness, a node that never rejoins): a node whose clock is stepped back after
+/// its lock history began (an RTC ahead at boot corrected by NTP, a VM restored from an
+/// old snapshot) reports `age = max(now − epoch, 0) = 0` until its clock catches up with
+/// the epoch again — here a day — and is held back as "restarted" all that time, although
+/// its history is the only thing that moved. Holding it for the longest TTL from the
+/// moment the step is seen (resetting the epoch) is just as safe. Nodes 0 and 1 have old
+/// histories, node 2's epoch lies a day in its future; node 0 is down: every lock needs
+/// node 2, and must be possible within a few TTLs.
+#[test]
+fn a_node_whose_clock_stepped_back_rejoins_within_the_longest_ttl() {
+    let c = Cluster::start(3);
+    let ttl = Duration::from_millis(500);
+    let day = 86_400_000;
+    for i in 0..2 {
+        set_history(&c, i, node_time_ms(&c, i) - day, 500);
+    }
+    set_history(&c, 2, node_time_ms(&c, 2) + day, 500);
+    c.stop(0);
+    let y = fresh_process_client(c.urls());
+    let key = unique_key("clock-back");
+    let t0 = Instant::now();
+    match y.lock_timeout(&key, ttl, Duration::from_secs(5)) {
+        Ok(g) => {
+            eprintln!("granted {:?} after the first attempt", t0.elapsed());
+            let _ = g.release();
+        }
+        Err(e) => {
+            panic!("node 2 (clock stepped back a day) still held back after 5 s (10 TTLs): {e}")
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Liveness: pool pressure
+
+/// DEFECT (liveness, hold-and-wait under pool pressure): a round keeps the connections it
+/// got while it polls for the ones it is missing, and another round holds those: with more
+/// threads than `pool_size`, rounds block each other until their deadlines (dining
+/// philosophers) instead of queueing for a few round trips. Measured: `pool_size(1)` with
+/// 2 threads fails ~10 % of `try_lock`s, with 32 threads 99.5 % (6 successes in 2 s),
+/// `pool_size(4)` with 32 threads ~90 %; all `NoQuorum` of `NoConnection`s on healthy
+/// local nodes whose round trip is ~0.2 ms. README: "A thread that finds none free waits
+/// only within its attempt's deadline" — 8 threads sharing one connection per node need
+/// a few ms each, far inside a 250 ms node timeout.
+#[test]
+fn more_threads_than_pool_size_queue_instead_of_failing() {
+    let c = Cluster::start(3);
+    let locks = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(c.urls())
+        .node_timeout(SLACK)
+        .pool_size(1)
+        .build()
+        .expect("valid config");
+    drop(locks.lock(&unique_key("warm"), Duration::from_secs(5)));
+    let ok = std::sync::atomic::AtomicUsize::new(0);
+    let failed = std::sync::Mutex::new(Vec::new());
+    let stop = Instant::now() + Duration::from_secs(2);
+    std::thread::scope(|s| {
+        for _ in 0..8 {
+            s.spawn(|| {
+                while Instant::now() < stop {
+                    match locks.try_lock(&unique_key("pool1"), Duration::from_secs(5)) {
+                        Ok(g) => {
+                            ok.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            let _ = g.release();
+                        }
+                        Err(e) => failed.lock().unwrap().push(e.to_string()),
+                    }
+                }
+            });
+        }
+    });
+    let ok = ok.into_inner();
+    let failed = failed.into_inner().unwrap();
+    let total = ok + failed.len();
+    assert!(
+        failed.len() * 20 <= total,
+        "8 threads on pool_size(1): {} of {total} attempts failed on healthy nodes (first: {:?})",
+        failed.len(),
+        failed.first()
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Odd settings
+
+/// Runs this test binary again with only `test` selected and `HOSTILE_CHILD=1`; returns
+/// its exit status and output.
+fn in_child(test: &str) -> (std::process::ExitStatus, String) {
+    let out = std::process::Command::new(std::env::current_exe().expect("test binary"))
+        .args(["--exact", test, "--nocapture", "--test-threads=1"])
+        .env("HOSTILE_CHILD", "1")
+        .output()
+        .expect("run the test binary");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status, text)
+}
+
+/// DEFECT (crash on a setting): `pool_size(u32::MAX)` passes `build()`'s validation (only
+/// zero is refused) and aborts the whole process ("memory allocation of 790273982280 bytes
+/// failed", SIGABRT): r2d2 allocates per `max_size`. Expected: `InvalidInput` for a pool
+/// size above a documented bound (or a clamp), never an abort. Run in a child process.
+#[test]
+fn an_absurd_pool_size_is_refused_not_an_abort() {
+    let (status, out) = in_child("hostile::huge_pool_size_child");
+    assert!(
+        status.success(),
+        "pool_size(u32::MAX) killed the process ({status}):\n{out}"
+    );
+}
+
+/// The child of [`an_absurd_pool_size_is_refused_not_an_abort`]; does nothing unless
+/// `HOSTILE_CHILD` is set.
+#[test]
+fn huge_pool_size_child() {
+    if std::env::var_os("HOSTILE_CHILD").is_none() {
+        return;
+    }
+    let built = Redlock::builder()
+        .node("redis://127.0.0.1:1")
+        .pool_size(u32::MAX)
+        .build();
+    match built {
+        Err(quorumlock::Error::InvalidInput(_)) | Ok(_) => {}
+        Err(e) => panic!("unexpected error: {e}"),
+    }
+}
