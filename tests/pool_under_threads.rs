@@ -5,25 +5,11 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use quorumlock::{Error, Redlock};
+use quorumlock::Redlock;
 
 mod common;
 
-use common::{unique_key, Cluster};
-
-/// A one-line summary of an error: its variant and, for `NoQuorum`, each failure's kind.
-fn summary(e: &Error) -> String {
-    match e {
-        Error::NoQuorum {
-            agreed, failures, ..
-        } => {
-            let kinds: Vec<String> = failures.iter().map(|f| format!("{:?}", f.kind())).collect();
-            format!("NoQuorum(agreed {agreed}: {})", kinds.join("+"))
-        }
-        Error::Taken { held, nodes } => format!("Taken({held}/{nodes})"),
-        e => format!("{e:?}"),
-    }
-}
+use common::{summary, unique_key, Cluster};
 
 /// Waiting for a pooled connection was charged to the node (its breaker opened, other
 /// rounds gave healthy nodes up) and the pool held 8 connections: about 80 % of the

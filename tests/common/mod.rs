@@ -41,6 +41,32 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+/// Polls `f` every 20 ms until it is true or `limit` has passed; its last answer.
+pub fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let t = Instant::now();
+    while t.elapsed() < limit {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    f()
+}
+
+/// A one-line summary of a lock error: its variant and, for `NoQuorum`, each failure's kind.
+pub fn summary(e: &quorumlock::Error) -> String {
+    match e {
+        quorumlock::Error::NoQuorum {
+            agreed, failures, ..
+        } => {
+            let kinds: Vec<String> = failures.iter().map(|f| format!("{:?}", f.kind())).collect();
+            format!("NoQuorum(agreed {agreed}: {})", kinds.join("+"))
+        }
+        quorumlock::Error::Taken { held, nodes } => format!("Taken({held}/{nodes})"),
+        e => format!("{e:?}"),
+    }
+}
+
 /// Server flags both backends pass: no protected mode, no persistence (a
 /// restart loses every key, as the restart tests need).
 pub(crate) const THROWAWAY: [&str; 6] =

@@ -6,22 +6,11 @@ use std::time::{Duration, Instant};
 
 use quorumlock::{Error, Redlock};
 
-use crate::common::{shared, unique_key, Cluster};
+use crate::common::{shared, unique_key, wait_until, Cluster};
 
 const TTL: Duration = Duration::from_secs(5);
 /// Node timeout where timeouts are not the subject (loaded CI machines).
 const SLACK: Duration = Duration::from_millis(250);
-
-fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let t = Instant::now();
-    while t.elapsed() < limit {
-        if f() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    f()
-}
 
 #[test]
 fn early_decision_does_not_wait_for_a_hung_node_and_leaves_no_key_behind() {

@@ -6,21 +6,10 @@ use std::time::{Duration, Instant};
 
 use quorumlock::Redlock;
 
-use crate::common::{unique_key, Cluster};
+use crate::common::{unique_key, wait_until, Cluster};
 
 /// Node timeout where timeouts are not the subject.
 const SLACK: Duration = Duration::from_millis(250);
-
-fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let t = Instant::now();
-    while t.elapsed() < limit {
-        if f() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    f()
-}
 
 /// A client with default settings except the node timeout: restart protection on, not
 /// `fresh_cluster` (it has never seen these nodes).

@@ -22,21 +22,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use quorumlock::{Error, InvalidInput, Redlock, MAX_RESOURCE_LEN};
 
 use crate::common::faults::{Blackhole, DelayProxy, WritePause};
-use crate::common::{unique_key, Cluster};
+use crate::common::{summary, unique_key, wait_until, Cluster};
 
 /// Node timeout where timeouts are not the subject (loaded CI machines).
 const SLACK: Duration = Duration::from_millis(250);
-
-fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let t = Instant::now();
-    while t.elapsed() < limit {
-        if f() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    f()
-}
 
 /// Wall-clock milliseconds since the Unix epoch: comparable between processes.
 fn unix_ms() -> u128 {
@@ -55,20 +44,6 @@ fn on_nodes_but(c: &Cluster, key: &str, down: usize) -> Vec<Option<String>> {
     (0..c.len())
         .map(|i| if i == down { None } else { c.get(i, key) })
         .collect()
-}
-
-/// A one-line summary of an error: its variant and, for `NoQuorum`, each failure's kind.
-fn summary(e: &Error) -> String {
-    match e {
-        Error::NoQuorum {
-            agreed, failures, ..
-        } => {
-            let kinds: Vec<String> = failures.iter().map(|f| format!("{:?}", f.kind())).collect();
-            format!("NoQuorum(agreed {agreed}: {})", kinds.join("+"))
-        }
-        Error::Taken { held, nodes } => format!("Taken({held}/{nodes})"),
-        e => format!("{e:?}"),
-    }
 }
 
 // ---------------------------------------------------------------------------------------
