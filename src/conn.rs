@@ -50,6 +50,9 @@ pub(crate) struct Pending {
     pub undo: Option<Vec<u8>>,
     /// For such an acquire: its tokens, whose SET may still land.
     pub tokens: Vec<String>,
+    /// For a release whose round ended without its reply: the same release
+    /// as `EVAL`, sent if the late reply is NOSCRIPT (a delete is never lost).
+    pub resend: Option<Vec<u8>>,
 }
 
 /// A connection to one node.
@@ -196,6 +199,7 @@ impl Conn {
             wanted,
             undo: None,
             tokens: Vec::new(),
+            resend: None,
         });
     }
 
@@ -320,7 +324,7 @@ impl Conn {
 
     /// The round is over: replies still owed are read and dropped later;
     /// `undo` (for an acquire) is sent if such a late reply says it was set.
-    pub(crate) fn unwant(&mut self, undo: Option<(&[u8], &[String])>) {
+    pub(crate) fn unwant(&mut self, undo: Option<(&[u8], &[String])>, resend: Option<&[u8]>) {
         for p in &mut self.pending {
             if p.wanted {
                 p.wanted = false;
@@ -328,6 +332,7 @@ impl Conn {
                     p.undo = Some(undo.to_vec());
                     p.tokens = tokens.to_vec();
                 }
+                p.resend = resend.map(<[u8]>::to_vec);
             }
         }
     }

@@ -314,8 +314,12 @@ fn late_reply(
     }
     if matches!(v, Value::ServerError(e) if e.kind() == Some(redis::ServerErrorKind::NoScript)) {
         // The round that sent it ended before it could fall back to EVAL:
-        // load the scripts so that the next round's EVALSHA runs.
+        // a release is sent again as EVAL (a delete is never lost), and the
+        // scripts are loaded so that the next round's EVALSHA runs.
         debug!("node {}: scripts not cached; loading them", node.name);
+        if let Some(resend) = &p.resend {
+            c.queue(resend, now, false);
+        }
         for load in scripts::load_commands() {
             c.queue(&load, now, false);
         }
@@ -639,6 +643,10 @@ impl RedisTransport {
         } else {
             Vec::new()
         };
+        let resend = match enc.op {
+            Op::Release { .. } if owed => Some(enc.fallback()),
+            _ => None,
+        };
         let (undo, unsettled_until) = match enc.op {
             Op::Acquire { ttl, .. } if owed => {
                 let until = after(start, ttl);
@@ -658,7 +666,10 @@ impl RedisTransport {
                     c.broken = true;
                 }
                 if c.awaits_wanted() {
-                    c.unwant(undo.as_deref().map(|u| (u, tokens.as_slice())));
+                    c.unwant(
+                        undo.as_deref().map(|u| (u, tokens.as_slice())),
+                        resend.as_deref(),
+                    );
                     if let Some(until) = unsettled_until {
                         let mut unsettled = shared.unsettled.lock();
                         if unsettled.len() >= MAX_RETRIES {
@@ -862,7 +873,7 @@ impl RedisTransport {
         };
         if let Some(c) = s.conn.as_mut() {
             c.broken = true;
-            c.unwant(None);
+            c.unwant(None, None);
         }
         s.conn = None;
         results[i] = Some(Err(NodeError::new(&self.names[i], kind, e.to_string())));

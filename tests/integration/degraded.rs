@@ -106,10 +106,34 @@ fn a_dead_node_costs_no_timeout() {
 fn a_restarted_node_votes_only_after_the_longest_ttl() {
     let c = Cluster::start(3);
     let ttl = Duration::from_secs(5);
-    let a = crate::client_with(c.urls(), SLACK);
-    let b = crate::client_with(c.urls(), SLACK);
+    // Production defaults (no fresh_cluster): the cluster's lock history must
+    // be older than the TTL first. A throwaway client writes it on every
+    // node; then one TTL passes.
+    let warm = crate::client_with(c.urls(), SLACK);
+    let has_history = |i: usize| {
+        redis::cmd("HGET")
+            .arg("quorumlock:meta")
+            .arg("epoch")
+            .query::<Option<i64>>(&mut c.conn(i))
+            .ok()
+            .flatten()
+            .is_some()
+    };
+    assert!(wait_until(Duration::from_secs(5), || {
+        drop(warm.lock(&unique_key("warm"), ttl));
+        (0..3).all(has_history)
+    }));
+    std::thread::sleep(ttl);
+    let protected = || {
+        Redlock::builder()
+            .nodes(c.urls())
+            .node_timeout(SLACK)
+            .build()
+            .unwrap()
+    };
+    let a = protected();
+    let b = protected();
     let unprotected = Redlock::builder()
-        .fresh_cluster(true)
         .nodes(c.urls())
         .node_timeout(SLACK)
         .restart_protection(false)
