@@ -123,7 +123,9 @@ fn a_restarted_node_votes_only_after_the_longest_ttl() {
         drop(warm.lock(&unique_key("warm"), ttl));
         (0..3).all(has_history)
     }));
-    std::thread::sleep(ttl);
+    // (+2 s: the age a node reports is also capped by its uptime, counted
+    // in whole seconds less one.)
+    std::thread::sleep(ttl + Duration::from_secs(2));
     let protected = || {
         Redlock::builder()
             .nodes(c.urls())
