@@ -95,30 +95,39 @@ pub(crate) fn facts_of<'a>(
 pub(crate) fn hold_back(
     results: Vec<NodeResult>,
     names: &[String],
-    mut hold: impl FnMut(usize, &NodeFacts) -> Duration,
+    mut hold: impl FnMut(usize, &NodeFacts) -> Option<String>,
 ) -> Vec<NodeResult> {
     results
         .into_iter()
         .enumerate()
         .map(|(i, r)| match r {
             Ok(rep) if rep.answers.contains(&Answer::Ok) => match rep.facts {
-                Some(f) => {
-                    let left = hold(i, &f);
-                    if left.is_zero() {
-                        Ok(rep)
-                    } else {
-                        Err(NodeError::new(
-                            names.get(i).map_or("?", String::as_str),
-                            NodeErrorKind::Restarted,
-                            format!("lock history {:?} old; its votes count in {left:?}", f.age),
-                        ))
-                    }
-                }
+                Some(f) => match hold(i, &f) {
+                    None => Ok(rep),
+                    Some(why) => Err(NodeError::new(
+                        names.get(i).map_or("?", String::as_str),
+                        NodeErrorKind::Restarted,
+                        why,
+                    )),
+                },
                 None => Ok(rep),
             },
             r => r,
         })
         .collect()
+}
+
+/// Whether every node a round waited for answered it: only then have all
+/// the reports that could name a longer TTL in use been heard. Nodes the
+/// round did not wait for (failing) do not count.
+pub(crate) fn heard_all(results: &[NodeResult]) -> bool {
+    results.iter().all(|r| match r {
+        Ok(_) => true,
+        Err(e) => matches!(
+            e.kind(),
+            NodeErrorKind::Skipped | NodeErrorKind::Unavailable | NodeErrorKind::Restarted
+        ),
+    })
 }
 
 /// `ttl × factor + 2 ms`, saturating; never panics for any `ttl` or factor.

@@ -333,9 +333,7 @@ impl Inner {
         let start = self.clock.now();
         // No point waiting for replies past the moment validity would be gone.
         let budget = self.settings.node_timeout.min(ttl.saturating_sub(drift));
-        // Beyond this age a node's vote cannot be disqualified by what a node
-        // that has not answered yet reports: no TTL in use is longer.
-        let horizon = self.settings.max_ttl.unwrap_or(MAX_TTL);
+        let horizon = self.horizon();
         let settled = |results: &[Option<NodeResult>]| {
             let longest = rule.longest(quorum::facts_of(results.iter().flatten()));
             let counts = |i: usize, facts: Option<&NodeFacts>| {
@@ -424,9 +422,32 @@ impl Inner {
     /// Applies the delayed-restart rule to an acquire round's results.
     fn judge(&self, results: Vec<NodeResult>, rule: &RestartRule) -> Vec<NodeResult> {
         let longest = rule.longest(quorum::facts_of(results.iter()));
+        let horizon = self.horizon().max(longest);
+        let heard_all = quorum::heard_all(&results);
         quorum::hold_back(results, self.transport.node_names(), |i, f| {
-            rule.hold(f, longest, self.trusted(i, f))
+            let trusted = self.trusted(i, f);
+            let left = rule.hold(f, longest, trusted);
+            if !left.is_zero() {
+                Some(format!(
+                    "lock history {:?} old; its votes count in {left:?}",
+                    f.age
+                ))
+            } else if rule.enabled && !trusted && !heard_all && f.age < horizon {
+                // A node that did not answer may know a longer TTL in use.
+                Some(format!(
+                    "lock history {:?} old, and not every node answered to say no longer TTL is in use",
+                    f.age
+                ))
+            } else {
+                None
+            }
         })
+    }
+
+    /// Beyond this age a node's vote cannot be disqualified by what another
+    /// node reports: no TTL in use is longer.
+    fn horizon(&self) -> Duration {
+        self.settings.max_ttl.unwrap_or(MAX_TTL)
     }
 
     /// Remembers what the nodes reported: the longest TTL in use and, per
