@@ -373,7 +373,9 @@ fn flushed_scripts_fall_back_to_eval_on_every_kind_of_round() {
     let g = locks
         .try_lock(&key, TTL)
         .expect("acquire after SCRIPT FLUSH");
-    assert_eq!(c.holders(&key, g.token()), 3);
+    // A node whose NOSCRIPT came after the round settled is not sent the SET
+    // again (the round did not need it): a majority holds it.
+    assert!(c.holders(&key, g.token()) >= 2);
     for i in 0..3 {
         let _: () = redis::cmd("SCRIPT")
             .arg("FLUSH")
