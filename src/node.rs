@@ -545,6 +545,10 @@ impl RedisTransport {
                 }
             }
         }
+        // Queueing for a busy pool is safe only while this round holds no
+        // connection to a later node (rounds then wait in one global order);
+        // a round reusing its connections (an undo) never queues.
+        let may_queue = slots.iter().all(|s| s.conn.is_none());
         // Nodes not waited for count as failed unless their reply arrives.
         for (i, s) in slots.iter_mut().enumerate() {
             if s.admit != Admit::Wait {
@@ -552,7 +556,7 @@ impl RedisTransport {
             }
             if s.admit != Admit::Skip {
                 self.send(i, s, enc, start, &mut results);
-                if s.conn.is_none() && s.admit == Admit::Wait {
+                if s.conn.is_none() && s.admit == Admit::Wait && may_queue {
                     // Every connection to this node is in use by other rounds
                     // of this client: queue for one, in node order, so that
                     // rounds never hold some connections while waiting for
