@@ -38,6 +38,9 @@ pub(crate) struct Settings {
 /// number of threads locking at once.
 pub(crate) const MAX_POOL_SIZE: u32 = 1024;
 
+/// Largest retry pause (and jitter) accepted: `lock()` makes several.
+pub(crate) const MAX_RETRY_DELAY: Duration = Duration::from_secs(60);
+
 /// Largest node timeout accepted: a round waits at most this long.
 pub(crate) const MAX_NODE_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -86,11 +89,26 @@ impl Settings {
         if !(self.drift_factor.is_finite() && (0.0..1.0).contains(&self.drift_factor)) {
             return Err(InvalidInput::DriftFactor(self.drift_factor));
         }
+        // At most 1/2: a renewal due at ttl × fraction must leave room, inside
+        // the validity (ttl less the drift allowance and the round), for it
+        // to fail and be retried at least once.
         if !(self.renew_fraction.is_finite()
             && self.renew_fraction > 0.0
-            && self.renew_fraction < 1.0)
+            && self.renew_fraction <= 0.5)
         {
             return Err(InvalidInput::RenewFraction(self.renew_fraction));
+        }
+        for (what, value) in [
+            ("retry_delay", self.retry_delay),
+            ("retry_jitter", self.retry_jitter),
+        ] {
+            if value > MAX_RETRY_DELAY {
+                return Err(InvalidInput::DurationTooLong {
+                    what,
+                    value,
+                    max: MAX_RETRY_DELAY,
+                });
+            }
         }
         if self.retry_count == 0 {
             return Err(InvalidInput::ZeroCount("retry_count"));
@@ -194,7 +212,7 @@ impl Builder {
         self
     }
 
-    /// Sets the mean pause between attempts.
+    /// Sets the mean pause between attempts (at most 60 s).
     ///
     /// Defaults to 100 ms (with the default jitter: a random pause of 0–200 ms).
     pub fn retry_delay(mut self, delay: Duration) -> Self {
@@ -249,8 +267,8 @@ impl Builder {
         self
     }
 
-    /// Sets when renewals happen: every `ttl × fraction` (in `(0, 1)`). A
-    /// failed renewal is retried while validity remains.
+    /// Sets when renewals happen: every `ttl × fraction`, in `(0, 1/2]` so that
+    /// a failed renewal can be retried while validity remains.
     ///
     /// Defaults to 1/3 (as Redisson: a 30 s lock is renewed every 10 s).
     pub fn renew_fraction(mut self, fraction: f64) -> Self {
@@ -452,6 +470,50 @@ mod tests {
             parse_nodes(&urls(&["not a url"])).unwrap_err(),
             InvalidInput::BadNodeUrl { .. }
         ));
+    }
+
+    #[test]
+    fn settings_that_cannot_work_are_refused() {
+        let base = Settings::default;
+        // Renewed after its deadline: a healthy lock would be lost.
+        for f in [0.995, 0.51, 1.0, 0.0, f64::NAN] {
+            let s = Settings {
+                renew_fraction: f,
+                ..base()
+            };
+            assert!(
+                matches!(s.validate(), Err(InvalidInput::RenewFraction(_))),
+                "{f}"
+            );
+        }
+        assert!(Settings {
+            renew_fraction: 0.5,
+            ..base()
+        }
+        .validate()
+        .is_ok());
+        // lock() would block for ever.
+        for (what, s) in [
+            (
+                "retry_delay",
+                Settings {
+                    retry_delay: Duration::MAX,
+                    ..base()
+                },
+            ),
+            (
+                "retry_jitter",
+                Settings {
+                    retry_jitter: Duration::MAX,
+                    ..base()
+                },
+            ),
+        ] {
+            match s.validate() {
+                Err(InvalidInput::DurationTooLong { what: w, .. }) => assert_eq!(w, what),
+                other => panic!("{what}: {other:?}"),
+            }
+        }
     }
 
     #[test]

@@ -133,7 +133,7 @@ pub enum InvalidInput {
     ZeroCount(&'static str),
     /// The drift factor was not a finite number in `0.0..1.0`.
     DriftFactor(f64),
-    /// The renewal fraction was not a finite number in `(0.0, 1.0)`.
+    /// The renewal fraction was not a finite number in `(0.0, 0.5]`.
     RenewFraction(f64),
     /// The resource name was empty.
     EmptyResource,
@@ -192,7 +192,7 @@ impl fmt::Display for InvalidInput {
                 write!(f, "drift factor {x} is not a finite number in 0.0..1.0")
             }
             InvalidInput::RenewFraction(x) => {
-                write!(f, "renew fraction {x} is not a finite number in (0.0, 1.0)")
+                write!(f, "renew fraction {x} is not a finite number in (0.0, 0.5]")
             }
             InvalidInput::EmptyResource => f.write_str("resource name is empty"),
             InvalidInput::ResourceTooLong { len, max } => {

@@ -189,8 +189,10 @@ impl Redlock {
     /// # Errors
     /// As [`lock`](Self::lock) when the lock cannot be taken; and, after `f`
     /// ran, the reason the lock was lost ([`Error::Expired`],
-    /// [`Error::NotOwner`]) if it was lost while `f` ran — `f`'s result is
-    /// then dropped, because its work was not protected.
+    /// [`Error::NotOwner`]) if it was lost while `f` ran, and
+    /// [`Error::Expired`] if `f` finished after the lock's deadline (whether
+    /// or not the watchdog had noticed) — `f`'s result is then dropped,
+    /// because its work was not protected.
     pub fn with_lock<T>(
         &self,
         resource: &str,
@@ -201,8 +203,14 @@ impl Redlock {
         guard.auto_renew();
         let out = f(&guard);
         let lost = guard.lost().try_recv().ok();
+        // Judged by the deadline itself, whatever the watchdog has seen yet:
+        // work that ended past it ran without the lock's guarantee (the keys
+        // may still be ours on the nodes: they outlive validity by the drift
+        // allowance).
+        let in_time = guard.is_held();
         match (guard.release(), lost) {
             (_, Some(reason)) => Err(reason),
+            (_, None) if !in_time => Err(Error::Expired),
             (Ok(()), None) => Ok(out),
             (Err(e @ (Error::Expired | Error::NotOwner { .. })), None) => Err(e),
             (Err(e), None) => {
@@ -932,5 +940,23 @@ mod tests {
         assert_eq!(nodes.rounds.load(Ordering::SeqCst), 0);
         let longest = "y".repeat(crate::MAX_RESOURCE_LEN);
         assert!(locks.try_lock(&longest, TTL).is_ok());
+    }
+
+    /// Issue 8: `with_lock` must not report success for work that finished
+    /// after the lock's validity, even while the keys (which live the full
+    /// TTL, a drift allowance longer) are still ours on the nodes.
+    #[test]
+    fn with_lock_reports_work_that_outlived_its_validity() {
+        let (locks, _, clock) = client(3);
+        let ttl = TTL;
+        let r = locks.with_lock("r", ttl, |g| {
+            // Past the deadline, before the keys expire on the nodes.
+            let past = g.validity() + MS;
+            clock.advance(past);
+            assert!(!g.is_held());
+        });
+        assert!(matches!(r, Err(Error::Expired)), "{r:?}");
+        // Work done in time is still Ok.
+        assert!(locks.with_lock("s", ttl, |_| clock.advance(MS)).is_ok());
     }
 }
