@@ -278,7 +278,9 @@ impl Builder {
 
     /// Sets a function the watchdog calls, on its thread, when a renewed lock
     /// is lost, with the resource and the reason. Keep it short: it delays
-    /// other renewals while it runs. A panic in it is caught and logged.
+    /// other renewals while it runs. A panic in it is caught and logged. A
+    /// failed manual [`LockGuard::extend`](crate::LockGuard::extend) does not
+    /// call it (the caller gets the error).
     /// [`LockGuard::lost`](crate::LockGuard::lost) is the per-lock
     /// alternative.
     ///

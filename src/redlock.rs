@@ -564,7 +564,10 @@ impl Inner {
                         ttl,
                     }),
                     Err(e @ (Error::NotOwner { .. } | Error::Expired)) => {
-                        state.lose(e, self.on_lost.as_deref(), loud)
+                        // The callback is the watchdog's (as documented): a
+                        // manual extend returns the error to its caller.
+                        let callback = if loud { self.on_lost.as_deref() } else { None };
+                        state.lose(e, callback, loud)
                     }
                     Err(_) => {}
                 }
@@ -958,5 +961,32 @@ mod tests {
         assert!(matches!(r, Err(Error::Expired)), "{r:?}");
         // Work done in time is still Ok.
         assert!(locks.with_lock("s", ttl, |_| clock.advance(MS)).is_ok());
+    }
+
+    /// Issue 8: `on_lost` is the watchdog's callback; a failed manual
+    /// `extend` reports to its caller and must not run it on the caller's
+    /// thread.
+    #[test]
+    fn a_failed_manual_extend_does_not_run_on_lost() {
+        use std::sync::atomic::AtomicUsize;
+        let calls = Arc::new(AtomicUsize::new(0));
+        let seen = calls.clone();
+        let clock = crate::fake::ManualClock::new();
+        let nodes = crate::fake::FakeNodes::new(3, clock.clone());
+        let locks = Redlock::from_parts(
+            crate::fake::settings(),
+            Box::new(crate::fake::Shared(nodes.clone())),
+            clock,
+            Rng::new(1),
+            Some(Arc::new(move |_: &str, _: &Error| {
+                seen.fetch_add(1, Ordering::SeqCst);
+            })),
+        );
+        let g = locks.try_lock("r", TTL).unwrap();
+        nodes.del(0, "r");
+        nodes.del(1, "r");
+        assert!(matches!(g.extend(TTL), Err(Error::Expired)));
+        assert!(g.is_lost());
+        assert_eq!(calls.load(Ordering::SeqCst), 0);
     }
 }

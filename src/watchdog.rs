@@ -174,12 +174,17 @@ fn tick(inner: &Inner, entries: &mut Vec<Entry>) {
     let fraction = inner.settings.renew_fraction;
     let callback = inner.on_lost.as_deref();
 
+    // Ran out of validity before a renewal succeeded: lost, and deleted
+    // below with the others (the nodes may have executed renewals whose
+    // replies never came, and keep the key).
+    let mut expired: Vec<Arc<LockState>> = Vec::new();
     entries.retain(|e| {
         if e.state.is_released() || e.state.is_lost() {
             return false;
         }
         if e.state.deadline() <= now {
             e.state.lose(&Error::Expired, callback, true);
+            expired.push(e.state.clone());
             return false;
         }
         true
@@ -192,9 +197,6 @@ fn tick(inner: &Inner, entries: &mut Vec<Entry>) {
             is_due(entries[i].next, now, interval(t.ttl, fraction)).then_some((t.ttl, i))
         })
         .collect();
-    if due.is_empty() {
-        return;
-    }
     due.sort_unstable();
 
     for group in due.chunk_by(|a, b| a.0 == b.0) {
@@ -219,11 +221,12 @@ fn tick(inner: &Inner, entries: &mut Vec<Entry>) {
 
     // Lost locks: stop renewing, and delete what may still be ours so that
     // nobody waits for a TTL that protects nothing.
-    let lost: Vec<Arc<LockState>> = entries
+    let mut lost: Vec<Arc<LockState>> = entries
         .iter()
         .filter(|e| e.state.is_lost())
         .map(|e| e.state.clone())
         .collect();
+    lost.append(&mut expired);
     if !lost.is_empty() {
         entries.retain(|e| !e.state.is_lost());
         let states: Vec<&LockState> = lost.iter().map(|s| &**s).collect();
@@ -353,6 +356,32 @@ mod tests {
         // Lost no later than its deadline, after several retries.
         assert!(ticks >= 3, "{ticks}");
         assert!(clock.now() <= g.deadline() + 60 * MS);
+    }
+
+    /// Issue 8: a lock declared lost because its validity ran out (the
+    /// renewals' replies were lost, though the nodes executed them) must be
+    /// deleted on the nodes, as the README says, not left for a whole TTL.
+    #[test]
+    fn a_lock_that_ran_out_of_validity_is_deleted_on_the_nodes() {
+        let (locks, nodes, clock) = client(3);
+        let g = locks.try_lock("k", 300 * MS).unwrap();
+        let mut entries = vec![entry(&g, 1.0 / 3.0)];
+        for i in 0..3 {
+            nodes.set_mode(i, Mode::Lossy);
+        }
+        let mut ticks = 0;
+        while !g.is_lost() && ticks < 100 {
+            if let Some(next) = entries.first().map(|e| e.next) {
+                clock.advance(next.saturating_duration_since(clock.now()));
+            }
+            tick(&locks.inner, &mut entries);
+            ticks += 1;
+        }
+        assert!(g.is_lost());
+        assert!(
+            (0..3).all(|i| nodes.get(i, "k").is_none()),
+            "keys left behind by a lock lost to its deadline"
+        );
     }
 
     #[test]
