@@ -203,12 +203,14 @@ impl Conn {
 
     /// Gives up the connection: first queues (without waiting) the undo of
     /// every acquire still in flight, so that the node, when it gets to the
-    /// SET, deletes the key right after it.
+    /// SET, deletes the key right after it, and every release again.
     pub(crate) fn abandon(&mut self) {
+        // Undos of acquires, and releases again as EVAL (a release whose
+        // reply never came may have met NOSCRIPT; deleting twice is harmless).
         let undos: Vec<Vec<u8>> = self
             .pending
             .iter_mut()
-            .filter_map(|p| p.undo.take())
+            .filter_map(|p| p.undo.take().or_else(|| p.resend.take()))
             .collect();
         if !undos.is_empty() && !self.broken {
             let now = Instant::now();
@@ -313,6 +315,11 @@ impl Conn {
     /// Replies still owed, oldest first.
     pub(crate) fn pending(&self) -> &VecDeque<Pending> {
         &self.pending
+    }
+
+    /// Whether a release whose reply has not been read is owed.
+    pub(crate) fn owes_release(&self) -> bool {
+        self.pending.iter().any(|p| p.resend.is_some())
     }
 
     /// Whether a reply the current round waits for is still owed.

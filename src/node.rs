@@ -353,12 +353,15 @@ fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPool>) {
     let shared = &node.shared;
     let now = Instant::now();
     // Read late replies off every idle connection (they may say a SET landed).
-    let idle: Vec<_> = std::iter::from_fn(|| node.pool.try_get())
+    let mut idle: Vec<_> = std::iter::from_fn(|| node.pool.try_get())
         .take(node.pool.max_size() as usize)
         .collect();
-    for mut c in idle {
-        prepare(&mut c, shared, now);
+    for c in &mut idle {
+        prepare(c, shared, now);
     }
+    // A release still owed its reply (it may come back NOSCRIPT): look again.
+    let owed = idle.iter().any(|c| !c.broken && c.owes_release());
+    drop(idle);
     shared.unsettled.lock().retain(|_, u| u.until > now);
     let batch: Vec<(String, String)> = {
         let mut q = shared.retries.lock();
@@ -429,7 +432,7 @@ fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPool>) {
         }
     }
     shared.retry_scheduled.store(false, Ordering::Release);
-    let more = !shared.retries.lock().is_empty();
+    let more = owed || !shared.retries.lock().is_empty();
     if more {
         if let Some(threads) = threads.upgrade() {
             schedule_retry(&node, &threads);
@@ -744,6 +747,11 @@ impl RedisTransport {
                 };
                 if unanswered || unsettled {
                     self.enqueue_retries(i, keys, keep_until);
+                } else if in_flight[i] {
+                    // Its reply is read by the connection's next user, or by
+                    // the node's thread if the connection sits idle.
+                    let node = &self.nodes[i];
+                    schedule_retry(&node.inner, &node.threads);
                 }
             }
         }

@@ -392,3 +392,46 @@ fn flushed_scripts_fall_back_to_eval_on_every_kind_of_round() {
     g.release().expect("release after SCRIPT FLUSH");
     assert!(c.gone_everywhere(&key, Duration::from_secs(1)));
 }
+
+/// A release whose round settled before a slower node's reply came back NOSCRIPT (the
+/// script cache was flushed) must still delete the key there, even if the client then
+/// sits idle and nobody reuses that connection.
+#[test]
+fn a_late_noscript_release_is_resent_even_when_the_client_is_idle() {
+    let c = Cluster::start(3);
+    let slow = crate::common::faults::DelayProxy::start(&c.url(2), Duration::from_millis(30));
+    let locks = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes([c.url(0), c.url(1), slow.url()])
+        .build()
+        .expect("valid config");
+    drop(locks.lock(&unique_key("warm"), TTL).unwrap());
+    std::thread::sleep(Duration::from_millis(300));
+    let key = unique_key("late-noscript");
+    let g = locks.lock(&key, TTL).unwrap();
+    assert!(
+        crate::common::wait_until(Duration::from_secs(1), || c.get(2, &key).as_deref()
+            == Some(g.token())),
+        "the slow node never got the lock"
+    );
+    // Let the client read the slow node's late reply to that SET (its next
+    // rounds do), so that only the release's own reply is owed below.
+    std::thread::sleep(Duration::from_millis(100));
+    for n in 0..3 {
+        drop(locks.try_lock(&unique_key(&format!("drain{n}")), TTL));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for i in 0..3 {
+        let _: () = redis::cmd("SCRIPT")
+            .arg("FLUSH")
+            .query(&mut c.conn(i))
+            .expect("SCRIPT FLUSH");
+    }
+    g.release().expect("released on nodes 0 and 1");
+    // The client is now idle: the slow node's NOSCRIPT must still lead to EVAL.
+    assert!(
+        c.gone_everywhere(&key, Duration::from_secs(2)),
+        "left on the slow node: {:?}",
+        c.get(2, &key)
+    );
+}
