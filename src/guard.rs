@@ -326,15 +326,28 @@ impl LockGuard {
                 && left >= t.ttl / 2
                 && turn.has_waiters();
             if handable {
-                debug!(
-                    "lock {:?}: handed to the next local waiter",
-                    self.state.resource
-                );
-                turn.hand_over(self.state.clone());
-                return Some(Ok(()));
+                // With nobody left waiting, the lock and the turn come back:
+                // released below, the turn passing on after.
+                match turn.hand_over(self.state.clone()) {
+                    Ok(()) => {
+                        debug!(
+                            "lock {:?}: handed to the next local waiter",
+                            self.state.resource
+                        );
+                        return Some(Ok(()));
+                    }
+                    Err((turn, _)) => {
+                        debug!(
+                            "lock {:?}: the local waiter left; releasing instead",
+                            self.state.resource
+                        );
+                        self.turn = Some(turn);
+                    }
+                }
+            } else {
+                // Released below; the turn passes on once `turn` drops, after.
+                self.turn = Some(turn);
             }
-            // Released below; the turn passes on once `turn` drops, after.
-            self.turn = Some(turn);
         }
         if !self.state.take_release() {
             return None;

@@ -48,6 +48,8 @@ pub(crate) struct Permit {
     gates: Arc<Gates>,
     resource: String,
     gate: Arc<Gate>,
+    /// The turn was passed on with the lock: nothing left to give up.
+    handed: bool,
 }
 
 impl Gates {
@@ -119,6 +121,7 @@ impl Gates {
                 gates: self.clone(),
                 resource: resource.to_owned(),
                 gate,
+                handed: false,
             });
         }
         self.forget_if_idle(resource, &gate);
@@ -150,9 +153,27 @@ impl Permit {
         !self.gate.state.lock().waiting.is_empty()
     }
 
-    /// Ends this turn, passing the held lock to the next thread in line.
-    pub(crate) fn hand_over(self, lock: Arc<LockState>) {
-        self.gate.state.lock().baton = Some(lock);
+    /// Ends this turn, passing the held lock to the next thread in line, in
+    /// one step: the turn and the lock go together to the waiter at the
+    /// front, which takes both even if its deadline passes meanwhile. With
+    /// nobody waiting any more, the lock comes back (the caller releases it)
+    /// and the turn stays with this permit.
+    pub(crate) fn hand_over(
+        mut self,
+        lock: Arc<LockState>,
+    ) -> Result<(), (Permit, Arc<LockState>)> {
+        {
+            let mut st = self.gate.state.lock();
+            if st.waiting.is_empty() {
+                drop(st);
+                return Err((self, lock));
+            }
+            st.baton = Some(lock);
+            st.held = false;
+        }
+        self.handed = true;
+        self.gate.turn.notify_all();
+        Ok(())
     }
 
     /// A lock handed over by the previous holder, if any.
@@ -163,8 +184,10 @@ impl Permit {
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.gate.state.lock().held = false;
-        self.gate.turn.notify_all();
+        if !self.handed {
+            self.gate.state.lock().held = false;
+            self.gate.turn.notify_all();
+        }
         self.gates.forget_if_idle(&self.resource, &self.gate);
     }
 }
@@ -185,6 +208,46 @@ mod tests {
         drop(a);
         assert!(gates.try_acquire("r").is_some());
         assert_eq!(gates.len(), 0, "idle queues are removed");
+    }
+
+    /// Issue 8's hand-over race: the holder saw a waiter, the waiter's
+    /// deadline passed before the hand-over, and the baton was dropped with
+    /// the queue (the lock stayed on the nodes with no guard anywhere). The
+    /// hand-over must either reach a waiter that takes it or come back.
+    #[test]
+    fn a_hand_over_reaches_a_waiter_or_comes_back() {
+        use crate::guard::{LockState, Timing};
+        let gates = Arc::new(Gates::default());
+        let holder = gates.try_acquire("r").expect("free");
+        let waiter = {
+            let gates = gates.clone();
+            std::thread::spawn(move || {
+                let soon = Instant::now() + Duration::from_millis(30);
+                gates.acquire("r", soon).map(|p| p.take_baton().is_some())
+            })
+        };
+        while !holder.has_waiters() {
+            std::thread::yield_now();
+        }
+        // The holder decided to hand over; the waiter gives up meanwhile.
+        std::thread::sleep(Duration::from_millis(100));
+        let now = Instant::now();
+        let lock = Arc::new(LockState::new(
+            "r",
+            "token".into(),
+            Timing {
+                since: now,
+                deadline: now + Duration::from_secs(10),
+                ttl: Duration::from_secs(10),
+            },
+        ));
+        let outcome = holder.hand_over(lock.clone());
+        let took = waiter.join().expect("waiter");
+        match (outcome, took) {
+            (Ok(()), Some(true)) => {}
+            (Err((_, back)), None) => assert!(Arc::ptr_eq(&back, &lock)),
+            (o, t) => panic!("lock orphaned: hand-over {:?}, waiter {t:?}", o.is_ok()),
+        }
     }
 
     #[test]
