@@ -14,7 +14,7 @@
 //! keep a key for longer than about half a TTL by handing it around.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex};
@@ -40,6 +40,9 @@ struct GateState {
     next_ticket: u64,
     /// A held lock passed from the last holder to the next.
     baton: Option<Arc<LockState>>,
+    /// The lock the turn's holder holds, once it has one: waiters stop
+    /// waiting when it expires or is lost, whatever its guard does.
+    holder: Option<Weak<LockState>>,
 }
 
 /// This thread's turn at a resource; the next waiter's starts when it drops.
@@ -80,7 +83,20 @@ impl Gates {
                         st.held = true;
                         break true;
                     }
-                    if gate.turn.wait_until(&mut st, deadline).timed_out() {
+                    // Waiting is bounded by the holder's lock, not its guard:
+                    // once that expires or is lost, go to the nodes.
+                    let holder_until = st.held.then(|| holder_deadline(&st)).flatten();
+                    if holder_until.is_some_and(|h| h <= Instant::now()) {
+                        st.waiting.retain(|&t| t != ticket);
+                        gate.turn.notify_all();
+                        break false;
+                    }
+                    let wake = holder_until.map_or(deadline, |h| h.min(deadline));
+                    if gate.turn.wait_until(&mut st, wake).timed_out() && Instant::now() < deadline
+                    {
+                        continue; // the holder's lock ran out: looked at above
+                    }
+                    if Instant::now() >= deadline {
                         if !st.held && st.waiting.front() == Some(&ticket) {
                             continue; // our turn came with the deadline
                         }
@@ -153,6 +169,11 @@ impl Permit {
         !self.gate.state.lock().waiting.is_empty()
     }
 
+    /// Records the lock this turn's holder now holds.
+    pub(crate) fn set_holder(&self, lock: &Arc<LockState>) {
+        self.gate.state.lock().holder = Some(Arc::downgrade(lock));
+    }
+
     /// Ends this turn, passing the held lock to the next thread in line, in
     /// one step: the turn and the lock go together to the waiter at the
     /// front, which takes both even if its deadline passes meanwhile. With
@@ -170,6 +191,7 @@ impl Permit {
             }
             st.baton = Some(lock);
             st.held = false;
+            st.holder = None;
         }
         self.handed = true;
         self.gate.turn.notify_all();
@@ -185,11 +207,25 @@ impl Permit {
 impl Drop for Permit {
     fn drop(&mut self) {
         if !self.handed {
-            self.gate.state.lock().held = false;
+            let mut st = self.gate.state.lock();
+            st.held = false;
+            st.holder = None;
+            drop(st);
             self.gate.turn.notify_all();
         }
         self.gates.forget_if_idle(&self.resource, &self.gate);
     }
+}
+
+/// Until when the turn's holder may still hold its lock; `None` while it
+/// has none yet (it is asking the nodes) or its guard is gone.
+fn holder_deadline(st: &GateState) -> Option<Instant> {
+    let h = st.holder.as_ref()?.upgrade()?;
+    Some(if h.is_lost() || h.is_released() {
+        Instant::now()
+    } else {
+        h.deadline()
+    })
 }
 
 #[cfg(test)]
@@ -248,6 +284,37 @@ mod tests {
             (Err((_, back)), None) => assert!(Arc::ptr_eq(&back, &lock)),
             (o, t) => panic!("lock orphaned: hand-over {:?}, waiter {t:?}", o.is_ok()),
         }
+    }
+
+    /// Issue 8: a waiter waited for the holder's guard, not its lock: a
+    /// guard kept alive past its lock's deadline (or leaked) stalled every
+    /// later `lock()` of the key in the process for the whole wait.
+    #[test]
+    fn waiters_stop_waiting_for_a_holder_whose_lock_expired() {
+        use crate::guard::{LockState, Timing};
+        let gates = Arc::new(Gates::default());
+        let holder = gates.try_acquire("r").expect("free");
+        let now = Instant::now();
+        let lock = Arc::new(LockState::new(
+            "r",
+            "token".into(),
+            Timing {
+                since: now,
+                deadline: now + Duration::from_millis(50),
+                ttl: Duration::from_millis(60),
+            },
+        ));
+        holder.set_holder(&lock);
+        let t = Instant::now();
+        let got = gates.acquire("r", t + Duration::from_secs(5));
+        let waited = t.elapsed();
+        assert!(got.is_none(), "the turn is still the holder's");
+        assert!(
+            waited < Duration::from_secs(1),
+            "waited {waited:?} for a lock that expired after 50 ms"
+        );
+        drop(holder);
+        assert!(gates.try_acquire("r").is_some());
     }
 
     #[test]

@@ -223,6 +223,10 @@ impl Redlock {
 
     /// A guard for a held lock, renewed when the client renews every lock.
     fn guard(&self, state: Arc<LockState>, turn: Option<Permit>) -> LockGuard {
+        if let Some(turn) = &turn {
+            // Local waiters wait for this lock, not for its guard.
+            turn.set_holder(&state);
+        }
         let guard = LockGuard::new(self.clone(), state, turn);
         if self.inner.settings.auto_renew {
             guard.auto_renew();
