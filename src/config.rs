@@ -276,11 +276,13 @@ impl Builder {
         self
     }
 
-    /// Sets a function the watchdog calls, on its thread, when a renewed lock
-    /// is lost, with the resource and the reason. Keep it short: it delays
-    /// other renewals while it runs. A panic in it is caught and logged. A
-    /// failed manual [`LockGuard::extend`](crate::LockGuard::extend) does not
-    /// call it (the caller gets the error).
+    /// Sets a function called when the watchdog finds a renewed lock lost,
+    /// with the resource and the reason. It runs on a thread of its own (one
+    /// per client, named `qlock-on-lost`), in order, so a slow callback
+    /// delays later callbacks but never a renewal. A panic in it is caught
+    /// and logged. A failed manual
+    /// [`LockGuard::extend`](crate::LockGuard::extend) does not call it (the
+    /// caller gets the error).
     /// [`LockGuard::lost`](crate::LockGuard::lost) is the per-lock
     /// alternative.
     ///

@@ -15,9 +15,42 @@ use crate::redlock::{Inner, Redlock};
 use crate::transport::Key;
 use crate::Result;
 
-/// Called on the watchdog thread when a renewed lock is lost: the resource
-/// and the reason.
+/// Called when a renewed lock is lost: the resource and the reason.
 pub(crate) type LostCallback = dyn Fn(&str, &Error) + Send + Sync + 'static;
+
+/// Runs the user's `on_lost` callback on a thread of its own, so that a slow
+/// callback never delays the renewal of other locks. The thread ends when
+/// the client is dropped (after the callback it may be running returns).
+pub(crate) struct Callbacks {
+    tx: crossbeam_channel::Sender<(String, Error)>,
+}
+
+impl Callbacks {
+    pub(crate) fn spawn(f: Arc<LostCallback>) -> Option<Callbacks> {
+        let (tx, rx) = crossbeam_channel::unbounded::<(String, Error)>();
+        let spawned = std::thread::Builder::new()
+            .name("qlock-on-lost".into())
+            .spawn(move || {
+                for (resource, err) in rx {
+                    let run = std::panic::AssertUnwindSafe(|| f(&resource, &err));
+                    if std::panic::catch_unwind(run).is_err() {
+                        warn!("lock {resource:?}: the on_lost callback panicked");
+                    }
+                }
+            });
+        match spawned {
+            Ok(_) => Some(Callbacks { tx }),
+            Err(e) => {
+                warn!("cannot start the on_lost thread: {e}; the callback will not run");
+                None
+            }
+        }
+    }
+
+    fn notify(&self, resource: &str, err: &Error) {
+        let _ = self.tx.send((resource.to_owned(), err.clone()));
+    }
+}
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -104,7 +137,7 @@ impl LockState {
     /// and the callback. Ignored after release: a release racing a renewal
     /// is not a loss. `loud` logs at warn (the watchdog found it), else debug
     /// (the caller of `extend` already gets the error).
-    pub(crate) fn lose(&self, err: &Error, callback: Option<&LostCallback>, loud: bool) {
+    pub(crate) fn lose(&self, err: &Error, callback: Option<&Callbacks>, loud: bool) {
         if self.is_released() || self.lost.swap(true, Ordering::AcqRel) {
             return;
         }
@@ -117,11 +150,7 @@ impl LockState {
             let _ = tx.try_send(err.clone());
         }
         if let Some(cb) = callback {
-            let resource = self.resource.as_str();
-            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| cb(resource, err))).is_err()
-            {
-                warn!("lock {resource:?}: the on_lost callback panicked");
-            }
+            cb.notify(&self.resource, err);
         }
     }
 

@@ -13,7 +13,7 @@ use log::{debug, trace, warn};
 use crate::clock::{after, new_token, Clock, Rng, Throttle, WARN_EVERY};
 use crate::config::{Builder, Settings};
 use crate::error::{Error, InvalidInput};
-use crate::guard::{LockGuard, LockState, LostCallback, Timing};
+use crate::guard::{Callbacks, LockGuard, LockState, LostCallback, Timing};
 use crate::local::{Gates, Permit};
 use crate::quorum::{self, RestartRule, Tally};
 use crate::transport::{Key, NodeFacts, NodeResult, Op, Transport};
@@ -47,7 +47,7 @@ pub(crate) struct Inner {
     pub(crate) settings: Settings,
     pub(crate) transport: Box<dyn Transport>,
     pub(crate) clock: Arc<dyn Clock>,
-    pub(crate) on_lost: Option<Arc<LostCallback>>,
+    pub(crate) on_lost: Option<Callbacks>,
     rng: Rng,
     warned: Vec<Throttle>,
     gates: Arc<Gates>,
@@ -108,7 +108,7 @@ impl Redlock {
                 settings,
                 transport,
                 clock,
-                on_lost,
+                on_lost: on_lost.and_then(Callbacks::spawn),
                 rng,
                 warned,
                 gates: Arc::default(),
@@ -570,7 +570,7 @@ impl Inner {
                     Err(e @ (Error::NotOwner { .. } | Error::Expired)) => {
                         // The callback is the watchdog's (as documented): a
                         // manual extend returns the error to its caller.
-                        let callback = if loud { self.on_lost.as_deref() } else { None };
+                        let callback = if loud { self.on_lost.as_ref() } else { None };
                         state.lose(e, callback, loud)
                     }
                     Err(_) => {}

@@ -172,7 +172,7 @@ pub(crate) fn retry_at(
 fn tick(inner: &Inner, entries: &mut Vec<Entry>) {
     let now = inner.clock.now();
     let fraction = inner.settings.renew_fraction;
-    let callback = inner.on_lost.as_deref();
+    let callback = inner.on_lost.as_ref();
 
     // Ran out of validity before a renewal succeeded: lost, and deleted
     // below with the others (the nodes may have executed renewals whose
@@ -382,6 +382,43 @@ mod tests {
             (0..3).all(|i| nodes.get(i, "k").is_none()),
             "keys left behind by a lock lost to its deadline"
         );
+    }
+
+    /// Issue 8: a slow `on_lost` callback ran on the renewal thread and
+    /// delayed every other lock's renewal while it ran.
+    #[test]
+    fn a_slow_on_lost_callback_does_not_delay_renewals() {
+        use std::sync::atomic::AtomicUsize;
+        let calls = Arc::new(AtomicUsize::new(0));
+        let seen = calls.clone();
+        let clock = crate::fake::ManualClock::new();
+        let nodes = crate::fake::FakeNodes::new(3, clock.clone());
+        let locks = crate::Redlock::from_parts(
+            crate::fake::settings(),
+            Box::new(crate::fake::Shared(nodes.clone())),
+            clock.clone(),
+            crate::clock::Rng::new(1),
+            Some(Arc::new(move |_: &str, _: &Error| {
+                std::thread::sleep(Duration::from_millis(500));
+                seen.fetch_add(1, Ordering::SeqCst);
+            })),
+        );
+        let lost = locks.try_lock("lost", 300 * MS).unwrap();
+        let kept = locks.try_lock("kept", 300 * MS).unwrap();
+        let mut entries = vec![entry(&lost, 1.0 / 3.0), entry(&kept, 1.0 / 3.0)];
+        nodes.del(0, "lost");
+        nodes.del(1, "lost");
+        clock.advance(100 * MS);
+        let t = std::time::Instant::now();
+        tick(&locks.inner, &mut entries);
+        assert!(lost.is_lost() && kept.is_held());
+        assert!(
+            t.elapsed() < Duration::from_millis(250),
+            "the tick waited {:?} for the callback",
+            t.elapsed()
+        );
+        // It still runs, once, on its own thread.
+        wait_for("the callback", || calls.load(Ordering::SeqCst) == 1);
     }
 
     #[test]
