@@ -145,6 +145,10 @@ impl Redlock {
     /// [`retry_count`](Builder::retry_count) attempts with a jittered pause
     /// between them. Returns the last attempt's error when all fail.
     ///
+    /// Waits at most `retry_count × (retry_delay + retry_jitter +
+    /// node_timeout)` in all (750 ms with the defaults), queueing behind
+    /// threads of this process included, plus at most one node timeout.
+    ///
     /// # Errors
     /// As [`try_lock`](Self::try_lock).
     pub fn lock(&self, resource: &str, ttl: Duration) -> Result<LockGuard> {
@@ -237,7 +241,9 @@ impl Redlock {
     fn acquire(&self, resource: &str, ttl: Duration, budget: Budget) -> Result<LockGuard> {
         let inner = &self.inner;
         let drift = inner.validate(resource, ttl)?;
-        let mut permit = inner.local_turn(resource, budget);
+        // One deadline for the whole call, local wait and attempts alike.
+        let until = inner.wait_deadline(budget);
+        let mut permit = inner.local_turn(resource, budget, until);
         if let Some(baton) = permit.as_ref().and_then(Permit::take_baton) {
             let t = baton.timing();
             let live = !baton.is_lost() && t.deadline > inner.clock.now();
@@ -258,17 +264,16 @@ impl Redlock {
             let s = &inner.settings;
             let mut pause =
                 quorum::retry_delay(s.retry_delay, s.retry_jitter, inner.rng.next_u64());
-            match budget {
-                Budget::Attempts(n) if attempt >= n => return Err(err),
-                Budget::Attempts(_) => {}
-                Budget::Until(until) => {
-                    let left = until.saturating_duration_since(inner.clock.now());
-                    if left.is_zero() {
-                        return Err(err);
-                    }
-                    pause = pause.min(left);
+            if let Budget::Attempts(n) = budget {
+                if attempt >= n {
+                    return Err(err);
                 }
             }
+            let left = until.saturating_duration_since(inner.clock.now());
+            if left.is_zero() {
+                return Err(err);
+            }
+            pause = pause.min(left);
             debug!("lock {resource:?}: attempt {attempt} failed ({err}); retrying in {pause:?}");
             inner.clock.sleep(pause);
             attempt = attempt.saturating_add(1);
@@ -281,13 +286,21 @@ impl Inner {
     /// want `resource` (see [`crate::local`]). One attempt never waits; when
     /// the wait runs out the caller still makes its attempts at the nodes,
     /// which report the real state.
-    fn local_turn(&self, resource: &str, budget: Budget) -> Option<Permit> {
+    fn local_turn(&self, resource: &str, budget: Budget, until: Instant) -> Option<Permit> {
         if !self.settings.local_queue {
             return None;
         }
+        match budget {
+            Budget::Attempts(1) => self.gates.try_acquire(resource),
+            _ => self.gates.acquire(resource, until),
+        }
+    }
+
+    /// The most a call may wait: `lock()` gets `retry_count × (retry_delay +
+    /// retry_jitter + node_timeout)`, `lock_timeout()` its own wait.
+    fn wait_deadline(&self, budget: Budget) -> Instant {
         let s = &self.settings;
-        let deadline = match budget {
-            Budget::Attempts(1) => return self.gates.try_acquire(resource),
+        match budget {
             Budget::Attempts(n) => {
                 let per_attempt = s
                     .retry_delay
@@ -296,8 +309,7 @@ impl Inner {
                 after(self.clock.now(), per_attempt.saturating_mul(n))
             }
             Budget::Until(until) => until,
-        };
-        self.gates.acquire(resource, deadline)
+        }
     }
 
     /// Checks a resource and TTL; returns the TTL's drift allowance.

@@ -300,3 +300,37 @@ fn nodes_that_refuse_info_are_still_used() {
     assert!(c.holders(&key, g.token()) >= 2);
     g.release().expect("release");
 }
+
+/// Issue 8: `lock()` waited its whole budget in the local queue behind a thread of the
+/// same process, and then made all its attempts on top (1.13 s instead of 750 ms with
+/// the defaults). One deadline now bounds the whole call.
+#[test]
+fn lock_behind_a_local_holder_waits_no_longer_than_its_budget() {
+    let c = shared();
+    let key = unique_key("budget");
+    let locks = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(c.urls())
+        .retry_delay(Duration::from_millis(300))
+        .retry_jitter(Duration::ZERO)
+        .build()
+        .unwrap();
+    // 3 × (300 + 0 + 50) ms.
+    let budget = Duration::from_millis(1050);
+    let held = locks.lock(&key, TTL).unwrap();
+    let t = Instant::now();
+    let waited = std::thread::scope(|s| {
+        s.spawn(|| {
+            assert!(locks.lock(&key, TTL).is_err(), "the key is held");
+            t.elapsed()
+        })
+        .join()
+        .unwrap()
+    });
+    drop(held);
+    // The old code: the budget in the queue, then two 300 ms pauses and three rounds.
+    assert!(
+        waited < budget + Duration::from_millis(300),
+        "lock() waited {waited:?} for a {budget:?} budget"
+    );
+}
