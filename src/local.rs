@@ -218,10 +218,12 @@ impl Drop for Permit {
 }
 
 /// Until when the turn's holder may still hold its lock; `None` while it
-/// has none yet (it is asking the nodes) or its guard is gone.
+/// has none yet (it is asking the nodes) or its guard is gone. A lock being
+/// released still counts until its turn ends, right after the release round
+/// (waiters leaving then would race the holder's delete at the nodes).
 fn holder_deadline(st: &GateState) -> Option<Instant> {
     let h = st.holder.as_ref()?.upgrade()?;
-    Some(if h.is_lost() || h.is_released() {
+    Some(if h.is_lost() {
         Instant::now()
     } else {
         h.deadline()
