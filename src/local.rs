@@ -248,13 +248,26 @@ mod tests {
         assert_eq!(gates.len(), 0, "idle queues are removed");
     }
 
+    /// A lock on "r" valid for `valid` from now.
+    fn held_for(valid: Duration) -> Arc<LockState> {
+        let now = Instant::now();
+        Arc::new(LockState::new(
+            "r",
+            "token".into(),
+            crate::guard::Timing {
+                since: now,
+                deadline: now + valid,
+                ttl: valid,
+            },
+        ))
+    }
+
     /// Issue 8's hand-over race: the holder saw a waiter, the waiter's
     /// deadline passed before the hand-over, and the baton was dropped with
     /// the queue (the lock stayed on the nodes with no guard anywhere). The
     /// hand-over must either reach a waiter that takes it or come back.
     #[test]
     fn a_hand_over_reaches_a_waiter_or_comes_back() {
-        use crate::guard::{LockState, Timing};
         let gates = Arc::new(Gates::default());
         let holder = gates.try_acquire("r").expect("free");
         let waiter = {
@@ -269,16 +282,7 @@ mod tests {
         }
         // The holder decided to hand over; the waiter gives up meanwhile.
         std::thread::sleep(Duration::from_millis(100));
-        let now = Instant::now();
-        let lock = Arc::new(LockState::new(
-            "r",
-            "token".into(),
-            Timing {
-                since: now,
-                deadline: now + Duration::from_secs(10),
-                ttl: Duration::from_secs(10),
-            },
-        ));
+        let lock = held_for(Duration::from_secs(10));
         let outcome = holder.hand_over(lock.clone());
         let took = waiter.join().expect("waiter");
         match (outcome, took) {
@@ -293,19 +297,9 @@ mod tests {
     /// later `lock()` of the key in the process for the whole wait.
     #[test]
     fn waiters_stop_waiting_for_a_holder_whose_lock_expired() {
-        use crate::guard::{LockState, Timing};
         let gates = Arc::new(Gates::default());
         let holder = gates.try_acquire("r").expect("free");
-        let now = Instant::now();
-        let lock = Arc::new(LockState::new(
-            "r",
-            "token".into(),
-            Timing {
-                since: now,
-                deadline: now + Duration::from_millis(50),
-                ttl: Duration::from_millis(60),
-            },
-        ));
+        let lock = held_for(Duration::from_millis(50));
         holder.set_holder(&lock);
         let t = Instant::now();
         let got = gates.acquire("r", t + Duration::from_secs(5));
