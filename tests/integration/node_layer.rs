@@ -217,12 +217,15 @@ fn a_huge_resource_name_is_refused_and_harms_nothing() {
     let keys_on_nodes = || -> Vec<i64> {
         (0..c.len())
             .map(|i| {
-                let mut conn = c.conn(i);
-                let all: i64 = redis::cmd("DBSIZE").query(&mut conn).expect("DBSIZE");
-                let meta: i64 = redis::cmd("EXISTS")
+                // Both in one transaction: a late script may create the
+                // history between two separate reads.
+                let (all, meta): (i64, i64) = redis::pipe()
+                    .atomic()
+                    .cmd("DBSIZE")
+                    .cmd("EXISTS")
                     .arg("quorumlock:meta")
-                    .query(&mut conn)
-                    .expect("EXISTS");
+                    .query(&mut c.conn(i))
+                    .expect("DBSIZE, EXISTS");
                 all - meta
             })
             .collect()
