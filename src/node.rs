@@ -409,15 +409,17 @@ fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPool>) {
                 };
                 if answered {
                     let unsettled = shared.unsettled.lock();
-                    // Done, unless a SET of that token may still land.
-                    let done: HashSet<&(String, String)> = batch
+                    // Done, unless a SET of that token may still land (tokens
+                    // are one per attempt: they name the entries).
+                    let done: HashSet<&str> = batch
                         .iter()
-                        .filter(|(_, token)| !unsettled.contains_key(token))
+                        .map(|(_, token)| token.as_str())
+                        .filter(|token| !unsettled.contains_key(*token))
                         .collect();
                     shared
                         .retries
                         .lock()
-                        .retain(|r| !done.contains(&(r.resource.clone(), r.token.clone())));
+                        .retain(|r| !done.contains(r.token.as_str()));
                     debug!(
                         "node {}: {} retried release(s) answered",
                         shared.name,

@@ -987,17 +987,9 @@ mod tests {
         use std::sync::atomic::AtomicUsize;
         let calls = Arc::new(AtomicUsize::new(0));
         let seen = calls.clone();
-        let clock = crate::fake::ManualClock::new();
-        let nodes = crate::fake::FakeNodes::new(3, clock.clone());
-        let locks = Redlock::from_parts(
-            crate::fake::settings(),
-            Box::new(crate::fake::Shared(nodes.clone())),
-            clock,
-            Rng::new(1),
-            Some(Arc::new(move |_: &str, _: &Error| {
-                seen.fetch_add(1, Ordering::SeqCst);
-            })),
-        );
+        let (locks, nodes, _) = crate::fake::client_with_on_lost(3, move |_, _| {
+            seen.fetch_add(1, Ordering::SeqCst);
+        });
         let g = locks.try_lock("r", TTL).unwrap();
         nodes.del(0, "r");
         nodes.del(1, "r");

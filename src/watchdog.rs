@@ -391,18 +391,10 @@ mod tests {
         use std::sync::atomic::AtomicUsize;
         let calls = Arc::new(AtomicUsize::new(0));
         let seen = calls.clone();
-        let clock = crate::fake::ManualClock::new();
-        let nodes = crate::fake::FakeNodes::new(3, clock.clone());
-        let locks = crate::Redlock::from_parts(
-            crate::fake::settings(),
-            Box::new(crate::fake::Shared(nodes.clone())),
-            clock.clone(),
-            crate::clock::Rng::new(1),
-            Some(Arc::new(move |_: &str, _: &Error| {
-                std::thread::sleep(Duration::from_millis(500));
-                seen.fetch_add(1, Ordering::SeqCst);
-            })),
-        );
+        let (locks, nodes, clock) = crate::fake::client_with_on_lost(3, move |_, _| {
+            std::thread::sleep(Duration::from_millis(500));
+            seen.fetch_add(1, Ordering::SeqCst);
+        });
         let lost = locks.try_lock("lost", 300 * MS).unwrap();
         let kept = locks.try_lock("kept", 300 * MS).unwrap();
         let mut entries = vec![entry(&lost, 1.0 / 3.0), entry(&kept, 1.0 / 3.0)];
