@@ -106,6 +106,11 @@ impl Store {
                     .insert(k.resource.into(), (k.token.into(), after(now, ttl)));
                 Answer::Ok
             }
+            (Op::Swap { .. }, Some(&(_, expiry))) => {
+                let next = k.next.unwrap_or(k.token);
+                self.keys.insert(k.resource.into(), (next.into(), expiry));
+                Answer::Ok
+            }
         }
     }
 }
@@ -174,7 +179,7 @@ impl FakeNodes {
                     Mode::Up | Mode::Lossy => {
                         let mut store = self.stores[i].lock();
                         let facts = match op {
-                            Op::Acquire { ttl, known_max } => {
+                            Op::Acquire { ttl, known_max } | Op::Swap { ttl, known_max } => {
                                 Some(store.history(ttl, known_max, now, self.clock.base))
                             }
                             Op::Extend { ttl } => {
@@ -185,8 +190,21 @@ impl FakeNodes {
                             }
                             Op::Release { .. } => None,
                         };
-                        let answers: Vec<Answer> =
-                            keys.iter().map(|k| store.apply(op, k, now)).collect();
+                        let answers: Vec<Answer> = if let Op::Swap { .. } = op {
+                            // One answer: swapped from whichever token it held.
+                            let held = keys.iter().find(|k| {
+                                store
+                                    .keys
+                                    .get(k.resource)
+                                    .is_some_and(|(t, e)| t == k.token && *e > now)
+                            });
+                            match held.or(keys.first()) {
+                                Some(k) => vec![store.apply(op, k, now)],
+                                None => Vec::new(),
+                            }
+                        } else {
+                            keys.iter().map(|k| store.apply(op, k, now)).collect()
+                        };
                         if *mode == Mode::Lossy {
                             Err(NodeError::new(name, NodeErrorKind::Timeout, ""))
                         } else {
@@ -233,12 +251,14 @@ impl Transport for Shared {
             after(now, *f.latency.lock()).min(deadline)
         };
         f.clock.advance(end.saturating_duration_since(now));
-        if let (Some(undo), Op::Acquire { ttl, .. }) = (undo, op) {
+        if let (Some(undo), Op::Acquire { ttl, .. } | Op::Swap { ttl, .. }) = (undo, op) {
             if undo(&results) {
                 let release = Op::Release {
                     keep_until: after(now, ttl),
                 };
-                f.apply_all(&modes, release, keys, f.clock.now());
+                // A failed swap gives up the old token and the new one.
+                let both = crate::transport::swapped(keys);
+                f.apply_all(&modes, release, &both, f.clock.now());
             }
         }
         results

@@ -59,6 +59,9 @@ pub(crate) struct LockState {
     pub(crate) id: u64,
     pub(crate) resource: String,
     pub(crate) token: String,
+    /// Tokens of the critical sections this one took over (see
+    /// `Inner::take_over`) that some node may still hold: released with it.
+    pub(crate) prior: Vec<String>,
     timing: Mutex<Timing>,
     lost: AtomicBool,
     released: AtomicBool,
@@ -96,6 +99,7 @@ impl LockState {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             resource: resource.to_owned(),
             token,
+            prior: Vec::new(),
             timing: Mutex::new(timing),
             lost: AtomicBool::new(false),
             released: AtomicBool::new(false),
@@ -107,10 +111,12 @@ impl LockState {
 
     /// The key and token, as the transport takes them.
     pub(crate) fn key(&self) -> Key<'_> {
-        Key {
-            resource: &self.resource,
-            token: &self.token,
-        }
+        Key::new(&self.resource, &self.token)
+    }
+
+    /// Every token of this lock some node may hold, ours first.
+    pub(crate) fn all_keys(&self) -> impl Iterator<Item = Key<'_>> {
+        std::iter::once(self.key()).chain(self.prior.iter().map(|t| Key::new(&self.resource, t)))
     }
 
     pub(crate) fn timing(&self) -> Timing {
@@ -229,7 +235,8 @@ impl LockGuard {
         &self.state.resource
     }
 
-    /// This acquisition's random token (the value stored under the key).
+    /// This critical section's random token (the value stored under the
+    /// key). A lock handed over between threads gets a new one.
     pub fn token(&self) -> &str {
         &self.state.token
     }
@@ -325,8 +332,10 @@ impl LockGuard {
     /// Releases the lock on every node and reports the outcome. Renewal
     /// stops before the keys are deleted. When other threads of this process
     /// are queued for the resource and at least half the TTL is left, the
-    /// held lock passes straight to the next of them instead (no round trip;
-    /// see [`Builder::local_queue`](crate::Builder::local_queue)).
+    /// held lock passes to the next of them instead, which continues it
+    /// under a token of its own (see
+    /// [`Builder::local_queue`](crate::Builder::local_queue)); this guard's
+    /// [`lost`](Self::lost) channel is disconnected either way.
     ///
     /// # Errors
     /// [`Error::Expired`] when it had already expired on a majority,
@@ -359,6 +368,9 @@ impl LockGuard {
                 // released below, the turn passing on after.
                 match turn.hand_over(self.state.clone()) {
                     Ok(()) => {
+                        // This critical section ends here: the receiver
+                        // continues under a token of its own.
+                        self.state.take_release();
                         debug!(
                             "lock {:?}: handed to the next local waiter",
                             self.state.resource

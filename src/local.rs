@@ -8,10 +8,11 @@
 //! processes is still settled by the nodes (jittered retry).
 //!
 //! A release with waiters queued and at least half its TTL of validity left
-//! does not even go to the nodes: the lock itself (key, token, deadline) is
-//! handed to the next thread, which takes it with no round trip. Below half
-//! the TTL the lock is released on the nodes as usual, so one process cannot
-//! keep a key for longer than about half a TTL by handing it around.
+//! hands the lock to the next thread, which makes it its own critical section
+//! with one swap round (a fresh token, the same expiry; see
+//! `Inner::take_over`). Below half the TTL the lock is released on the nodes
+//! as usual, so one process cannot keep a key for longer than one TTL by
+//! handing it around.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Weak};

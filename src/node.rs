@@ -374,7 +374,7 @@ fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPool>) {
     if !batch.is_empty() {
         let keys: Vec<Key<'_>> = batch
             .iter()
-            .map(|(resource, token)| Key { resource, token })
+            .map(|(resource, token)| Key::new(resource, token))
             .collect();
         let enc = Encoded::new(
             Op::Release {
@@ -495,7 +495,7 @@ impl Transport for RedisTransport {
         let enc = Encoded::new(op, keys);
         let results = self.exchange(&enc, keys, &mut slots, start, deadline, decided);
 
-        if let (Some(undo), Op::Acquire { ttl, .. }) = (undo, op) {
+        if let (Some(undo), Op::Acquire { ttl, .. } | Op::Swap { ttl, .. }) = (undo, op) {
             if undo(&results) {
                 let now = Instant::now();
                 let rel = Op::Release {
@@ -506,6 +506,8 @@ impl Transport for RedisTransport {
                     // connection so that the delete lands after it; waiting
                     // only for the nodes that answered the SET.
                     s.admit = match (s.sent, r) {
+                        // A failed swap releases the old lock everywhere.
+                        (None, _) if matches!(op, Op::Swap { .. }) => Admit::Trial,
                         (None, _) => Admit::Skip,
                         (Some(_), Ok(_)) => Admit::Wait,
                         (Some(_), Err(_)) if self.nodes[i].inner.shared.is_healthy() => Admit::Wait,
@@ -514,6 +516,13 @@ impl Transport for RedisTransport {
                     s.sent = None;
                     s.fell_back = false;
                 }
+                // A failed swap gives up the handed-over lock too.
+                let both = crate::transport::swapped(keys);
+                let keys = if let Op::Swap { .. } = op {
+                    &both[..]
+                } else {
+                    keys
+                };
                 let enc = Encoded::new(rel, keys);
                 self.exchange(&enc, keys, &mut slots, now, after(now, self.timeout), None);
             }
@@ -647,8 +656,13 @@ impl RedisTransport {
         let owed = slots
             .iter()
             .any(|s| s.conn.as_ref().is_some_and(|c| c.awaits_wanted()));
+        // The tokens a late acquire or swap may still write, and their keys.
+        let written: Vec<Key<'_>> = match enc.op {
+            Op::Swap { .. } => crate::transport::swapped(keys).split_off(keys.len()),
+            _ => keys.to_vec(),
+        };
         let tokens: Vec<String> = if owed {
-            keys.iter().map(|k| k.token.to_owned()).collect()
+            written.iter().map(|k| k.token.to_owned()).collect()
         } else {
             Vec::new()
         };
@@ -657,10 +671,10 @@ impl RedisTransport {
             _ => None,
         };
         let (undo, unsettled_until) = match enc.op {
-            Op::Acquire { ttl, .. } if owed => {
+            Op::Acquire { ttl, .. } | Op::Swap { ttl, .. } if owed => {
                 let until = after(start, ttl);
                 let rel = Op::Release { keep_until: until };
-                (Some(Encoded::new(rel, keys).packed), Some(until))
+                (Some(Encoded::new(rel, &written).packed), Some(until))
             }
             _ => (None, None),
         };
@@ -962,6 +976,11 @@ impl Encoded {
                 scripts::ACQUIRE_LUA,
                 vec![millis_ceil(ttl), millis_ceil(known_max)],
             ),
+            Op::Swap { ttl, known_max } => (
+                &scripts::SWAP,
+                scripts::SWAP_LUA,
+                vec![millis_ceil(ttl), millis_ceil(known_max)],
+            ),
             Op::Release { .. } => (&scripts::RELEASE, scripts::RELEASE_LUA, vec![0]),
             Op::Extend { ttl } => (
                 &scripts::EXTEND,
@@ -969,12 +988,19 @@ impl Encoded {
                 vec![millis_ceil(ttl)],
             ),
         };
-        // Acquire and extend also take the node's lock-history key.
-        let meta = matches!(op, Op::Acquire { .. } | Op::Extend { .. });
+        // Acquire, swap and extend also take the node's lock-history key.
+        let meta = !matches!(op, Op::Release { .. });
+        let swap = matches!(op, Op::Swap { .. });
+        // A swap names one key, its new token, then the tokens it may hold.
+        let named = if swap {
+            &keys[..keys.len().min(1)]
+        } else {
+            keys
+        };
         let pack = |verb: &str, body: &str| {
             let mut cmd = redis::cmd(verb);
-            cmd.arg(body).arg(keys.len() + usize::from(meta));
-            for k in keys {
+            cmd.arg(body).arg(named.len() + usize::from(meta));
+            for k in named {
                 cmd.arg(k.resource);
             }
             if meta {
@@ -983,6 +1009,9 @@ impl Encoded {
             for a in &args {
                 cmd.arg(*a);
             }
+            if swap {
+                cmd.arg(keys.first().and_then(|k| k.next).unwrap_or_default());
+            }
             for k in keys {
                 cmd.arg(k.token);
             }
@@ -990,7 +1019,7 @@ impl Encoded {
         };
         Encoded {
             op,
-            n: keys.len(),
+            n: named.len(),
             packed: pack("EVALSHA", script.get_hash()),
             code,
         }
@@ -1027,7 +1056,7 @@ impl Encoded {
             _ => None,
         };
         let (facts, rest) = match self.op {
-            Op::Acquire { .. } => {
+            Op::Acquire { .. } | Op::Swap { .. } => {
                 if items.len() != self.n + 3 {
                     return Err(unexpected(Value::Array(items)));
                 }
@@ -1049,7 +1078,8 @@ impl Encoded {
                 (None, &items[..])
             }
         };
-        let acquire = facts.is_some();
+        // An acquire's 0 is "exists"; everyone else's "absent".
+        let acquire = matches!(self.op, Op::Acquire { .. });
         let answers = rest
             .iter()
             .map(|v| match (int(v), acquire) {
@@ -1147,16 +1177,7 @@ mod tests {
 
     #[test]
     fn fallback_is_the_same_command_as_eval() {
-        let keys = [
-            Key {
-                resource: "a",
-                token: "t1",
-            },
-            Key {
-                resource: "b",
-                token: "t2",
-            },
-        ];
+        let keys = [Key::new("a", "t1"), Key::new("b", "t2")];
         let ops = [
             Op::Acquire {
                 ttl: Duration::from_millis(1500),

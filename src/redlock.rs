@@ -16,11 +16,15 @@ use crate::error::{Error, InvalidInput};
 use crate::guard::{Callbacks, LockGuard, LockState, LostCallback, Timing};
 use crate::local::{Gates, Permit};
 use crate::quorum::{self, RestartRule, Tally};
-use crate::transport::{Key, NodeFacts, NodeResult, Op, Transport};
+use crate::transport::{Answer, Key, NodeFacts, NodeResult, Op, Transport};
 use crate::watchdog::Watchdog;
 use crate::Result;
 
 use crate::MAX_TTL;
+
+/// How many earlier tokens a handed-over lock remembers for release (those
+/// some node the swaps missed may still hold; older ones expire with it).
+const MAX_PRIOR: usize = 4;
 
 /// A Redlock client over N independent Redis nodes.
 ///
@@ -245,14 +249,15 @@ impl Redlock {
         let until = inner.wait_deadline(budget);
         let mut permit = inner.local_turn(resource, budget, until);
         if let Some(baton) = permit.as_ref().and_then(Permit::take_baton) {
-            let t = baton.timing();
-            let live = !baton.is_lost() && t.deadline > inner.clock.now();
-            if live && t.ttl == ttl {
-                debug!("lock {resource:?}: taken over from a local holder");
-                return Ok(self.guard(baton, permit));
+            match inner.take_over(&baton, ttl) {
+                Ok(state) => {
+                    debug!("lock {resource:?}: taken over from a local holder");
+                    return Ok(self.guard(Arc::new(state), permit));
+                }
+                Err(e) => {
+                    debug!("lock {resource:?}: not taken over ({e}); locking anew");
+                }
             }
-            // Not what this caller asked for: release it, then lock anew.
-            let _ = inner.release(&baton);
         }
         let mut attempt = 1u32;
         loop {
@@ -345,10 +350,7 @@ impl Inner {
     /// connections as the SET.
     fn attempt(&self, resource: &str, ttl: Duration, drift: Duration) -> Result<LockState> {
         let token = new_token();
-        let key = Key {
-            resource,
-            token: &token,
-        };
+        let key = Key::new(resource, &token);
         let known = Duration::from_millis(self.known_max_ms.load(Ordering::Relaxed));
         let rule = RestartRule {
             enabled: self.settings.restart_protection,
@@ -434,6 +436,80 @@ impl Inner {
         }
     }
 
+    /// Makes a lock handed over by this process's last holder a new critical
+    /// section: one swap round gives the key a fresh token, keeping its
+    /// expiry, on every node where it holds the old token. It counts like an
+    /// extension: a majority, inside the old validity, which the new section
+    /// inherits unchanged (so hand-overs never keep a key longer than one
+    /// TTL). Not tried for another TTL than the lock's, or with less than
+    /// [`node_timeout`](crate::Builder::node_timeout) of validity left. On
+    /// any failure the old lock (and any new token) is deleted: the caller
+    /// then locks anew.
+    fn take_over(&self, baton: &LockState, ttl: Duration) -> Result<LockState> {
+        let start = self.clock.now();
+        let timing = baton.timing();
+        let time_left = timing.deadline.saturating_duration_since(start);
+        if baton.is_lost() || timing.ttl != ttl || time_left < self.settings.node_timeout {
+            let _ = self.release(baton);
+            return Err(Error::Expired);
+        }
+        let token = new_token();
+        let keys: Vec<Key<'_>> = baton
+            .all_keys()
+            .map(|k| Key {
+                next: Some(&token),
+                ..k
+            })
+            .collect();
+        let known = Duration::from_millis(self.known_max_ms.load(Ordering::Relaxed));
+        let outcome: Cell<Option<Result<Duration>>> = Cell::new(None);
+        let decide = |results: &[NodeResult]| {
+            let elapsed = self.clock.now().saturating_duration_since(start);
+            // The drift allowance was taken from the deadline at acquisition.
+            let o = quorum::decide_extend(
+                Tally::of(results, 0),
+                ttl,
+                elapsed,
+                Duration::ZERO,
+                time_left,
+            );
+            let undo = o.is_err();
+            outcome.set(Some(o));
+            undo
+        };
+        let op = Op::Swap {
+            ttl,
+            known_max: known.max(ttl),
+        };
+        let results = self.transport.run(
+            op,
+            &keys,
+            timing
+                .deadline
+                .min(after(start, self.settings.node_timeout)),
+            Some(&quorum::settled),
+            Some(&decide),
+        );
+        self.learn(&results);
+        self.note_failures(&results);
+        outcome.take().unwrap_or(Err(Error::Expired))?;
+        trace!("lock {:?}: token {token}", baton.resource);
+        // A node the swap did not reach may still hold an older token, with
+        // the lock's expiry: released with this lock (a few at most).
+        let everywhere = results
+            .iter()
+            .all(|r| matches!(r, Ok(rep) if rep.answers.first() == Some(&Answer::Ok)));
+        let mut state = LockState::new(&baton.resource, token, timing);
+        if !everywhere {
+            let mut prior = baton.prior.clone();
+            prior.push(baton.token.clone());
+            let cut = prior.len().saturating_sub(MAX_PRIOR);
+            prior.drain(..cut);
+            state.prior = prior;
+        }
+        Ok(state)
+    }
+
     /// Whether this client chose to trust node `i`'s lock history as seen.
     fn trusted(&self, i: usize, facts: &NodeFacts) -> bool {
         if !self.settings.fresh_cluster {
@@ -491,16 +567,12 @@ impl Inner {
         }
     }
 
-    /// Runs a release of one key on every node, bounded by the node timeout.
-    fn round(&self, op: Op, resource: &str, token: &str) -> Vec<NodeResult> {
+    /// Runs a release of one lock on every node, bounded by the node timeout.
+    fn round(&self, op: Op, keys: &[Key<'_>]) -> Vec<NodeResult> {
         let deadline = after(self.clock.now(), self.settings.node_timeout);
-        let results = self.transport.run(
-            op,
-            &[Key { resource, token }],
-            deadline,
-            Some(&quorum::settled),
-            None,
-        );
+        let results = self
+            .transport
+            .run(op, keys, deadline, Some(&quorum::settled), None);
         self.note_failures(&results);
         results
     }
@@ -516,7 +588,8 @@ impl Inner {
     /// Deletes the lock on every node where it still holds our token.
     pub(crate) fn release(&self, state: &LockState) -> Result<()> {
         let keep_until = self.keep_until(state);
-        let results = self.round(Op::Release { keep_until }, &state.resource, &state.token);
+        let keys: Vec<Key<'_>> = state.all_keys().collect();
+        let results = self.round(Op::Release { keep_until }, &keys);
         quorum::decide_release(Tally::of(&results, 0))
     }
 
@@ -595,7 +668,7 @@ impl Inner {
 
     /// Best-effort release of many locks in one round trip per node.
     pub(crate) fn release_many(&self, states: &[&LockState]) {
-        let keys: Vec<Key<'_>> = states.iter().map(|s| s.key()).collect();
+        let keys: Vec<Key<'_>> = states.iter().flat_map(|s| s.all_keys()).collect();
         let deadline = self.batch_deadline(self.clock.now(), keys.len());
         let keep_until = states
             .iter()
@@ -729,6 +802,76 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!((0..3).all(|i| nodes.get(i, "r").is_none()));
+    }
+
+    /// Issue 8: a take-over is a new critical section under a fresh token,
+    /// swapped on every node in one round, keeping the lock's expiry.
+    #[test]
+    fn a_take_over_swaps_in_a_fresh_token_in_one_round() {
+        let (locks, nodes, clock) = client(3);
+        let g = locks.lock("r", TTL).unwrap();
+        let old = g.state().clone();
+        clock.advance(TTL / 4);
+        let before = nodes.rounds.load(Ordering::SeqCst);
+        let new = locks.inner.take_over(&old, TTL).expect("taken over");
+        assert_eq!(nodes.rounds.load(Ordering::SeqCst) - before, 1);
+        assert_ne!(new.token, old.token);
+        assert!((0..3).all(|i| nodes.get(i, "r").as_deref() == Some(new.token.as_str())));
+        assert_eq!(new.timing(), old.timing(), "the same expiry");
+        std::mem::forget(g);
+    }
+
+    /// A node the swap did not reach keeps the old token, with the lock's
+    /// expiry: the next swap takes it from there, and releasing the new
+    /// section deletes it there too, so no key is left behind to block that
+    /// node's vote until the TTL runs out.
+    #[test]
+    fn releasing_a_taken_over_lock_deletes_old_tokens_the_swap_missed() {
+        let (locks, nodes, _) = client(3);
+        let g = locks.lock("r", TTL).unwrap();
+        nodes.set_mode(2, Mode::Down);
+        let b = locks.inner.take_over(g.state(), TTL).expect("2 of 3");
+        std::mem::forget(g);
+        nodes.set_mode(2, Mode::Up);
+        // And once more, with node 2 still on the first token.
+        nodes.set_mode(1, Mode::Down);
+        let c = locks.inner.take_over(&b, TTL).expect("2 of 3");
+        nodes.set_mode(1, Mode::Up);
+        // Node 2 missed the first swap; the second takes it from there.
+        assert_eq!(nodes.get(2, "r").as_deref(), Some(c.token.as_str()));
+        assert!(nodes.get(1, "r").is_some_and(|t| t != c.token), "missed");
+        locks.inner.release(&c).expect("released");
+        assert!((0..3).all(|i| nodes.get(i, "r").is_none()), "nothing left");
+    }
+
+    /// Issue 8: a handed-over lock that a majority no longer holds, or with
+    /// too little validity left to swap inside it, is not used: it is
+    /// deleted everywhere (the caller locks anew).
+    #[test]
+    fn a_take_over_that_cannot_count_deletes_the_old_lock() {
+        let (locks, nodes, clock) = client(3);
+        let g = locks.lock("r", TTL).unwrap();
+        nodes.del(0, "r");
+        nodes.del(1, "r");
+        assert!(matches!(
+            locks.inner.take_over(g.state(), TTL),
+            Err(Error::Expired)
+        ));
+        assert!((0..3).all(|i| nodes.get(i, "r").is_none()), "nothing left");
+        std::mem::forget(g);
+
+        let g = locks.lock("s", TTL).unwrap();
+        let left = g.validity();
+        clock.advance(left - 10 * MS);
+        let before = nodes.rounds.load(Ordering::SeqCst);
+        assert!(locks.inner.take_over(g.state(), TTL).is_err());
+        assert!((0..3).all(|i| nodes.get(i, "s").is_none()), "released");
+        assert_eq!(
+            nodes.rounds.load(Ordering::SeqCst) - before,
+            1,
+            "no swap tried"
+        );
+        std::mem::forget(g);
     }
 
     #[test]

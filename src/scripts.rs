@@ -26,8 +26,11 @@ pub(crate) const META_KEY: &str = "quorumlock:meta";
 pub(crate) static ACQUIRE: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(ACQUIRE_LUA));
 
-/// Source of [`ACQUIRE`].
-pub(crate) const ACQUIRE_LUA: &str = r"local meta = KEYS[#KEYS]
+/// The head shared by [`ACQUIRE_LUA`] and [`SWAP_LUA`]: the node's lock
+/// history, read and updated, and the reply's first three elements.
+macro_rules! history_lua {
+    () => {
+        r"local meta = KEYS[#KEYS]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local m = redis.call('HMGET', meta, 'epoch', 'max_ttl')
@@ -50,14 +53,48 @@ if want > known then
   redis.call('HSET', meta, 'max_ttl', want)
 end
 local out = {epoch, age, known}
-for i = 1, #KEYS - 1 do
+local n = #KEYS - 1
+"
+    };
+}
+
+/// Source of [`ACQUIRE`].
+pub(crate) const ACQUIRE_LUA: &str = concat!(
+    history_lua!(),
+    r"for i = 1, n do
   if redis.call('SET', KEYS[i], ARGV[i + 2], 'NX', 'PX', ARGV[1]) then
     out[i + 3] = 1
   else
     out[i + 3] = 0
   end
 end
-return out";
+return out"
+);
+
+/// Hands a held lock to a new critical section: where `KEYS[1]` holds one
+/// of the tokens `ARGV[4..]`, it gets token `ARGV[3]`, atomically, keeping
+/// its expiry (`KEEPTTL` by hand, for Redis before 6). `KEYS[2]` is
+/// [`META_KEY`]; `ARGV[1..2]` and the reply's head as [`ACQUIRE`], then one
+/// element: `1` (swapped), `0` (absent) or `-1` (another token).
+pub(crate) static SWAP: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(SWAP_LUA));
+
+/// Source of [`SWAP`].
+pub(crate) const SWAP_LUA: &str = concat!(
+    history_lua!(),
+    r"local v = redis.call('GET', KEYS[1])
+local left = redis.call('PTTL', KEYS[1])
+out[4] = v and -1 or 0
+if v and left > 0 then
+  for i = 4, #ARGV do
+    if v == ARGV[i] then
+      redis.call('SET', KEYS[1], ARGV[3], 'PX', left)
+      out[4] = 1
+      break
+    end
+  end
+end
+return out"
+);
 
 /// Compare-and-delete. `ARGV[1]` is unused (kept so both scripts share one
 /// argument layout).
@@ -105,8 +142,8 @@ end
 return out";
 
 /// `SCRIPT LOAD` for every script, packed.
-pub(crate) fn load_commands() -> [Vec<u8>; 3] {
-    [ACQUIRE_LUA, RELEASE_LUA, EXTEND_LUA].map(|code| {
+pub(crate) fn load_commands() -> [Vec<u8>; 4] {
+    [ACQUIRE_LUA, RELEASE_LUA, EXTEND_LUA, SWAP_LUA].map(|code| {
         redis::cmd("SCRIPT")
             .arg("LOAD")
             .arg(code)

@@ -13,6 +13,30 @@ use crate::error::NodeError;
 pub(crate) struct Key<'a> {
     pub resource: &'a str,
     pub token: &'a str,
+    /// For [`Op::Swap`]: the token that replaces `token`.
+    pub next: Option<&'a str>,
+}
+
+impl<'a> Key<'a> {
+    pub(crate) fn new(resource: &'a str, token: &'a str) -> Self {
+        Key {
+            resource,
+            token,
+            next: None,
+        }
+    }
+}
+
+/// Every token a swap of `keys` may leave on a node (the old ones and the
+/// new), as keys to release.
+pub(crate) fn swapped<'a>(keys: &[Key<'a>]) -> Vec<Key<'a>> {
+    let next = keys
+        .first()
+        .and_then(|k| Some(Key::new(k.resource, k.next?)));
+    keys.iter()
+        .map(|k| Key::new(k.resource, k.token))
+        .chain(next)
+        .collect()
 }
 
 /// What to do to every key of a round, on every node.
@@ -28,6 +52,12 @@ pub(crate) enum Op {
     Release { keep_until: Instant },
     /// Set the key's expiry to `ttl` if it holds our token.
     Extend { ttl: Duration },
+    /// A held lock handed to a new critical section. The keys all name one
+    /// resource, with one `next` token; each `token` is one the key may
+    /// hold (the lock's and its predecessors'). Where it holds one of them,
+    /// the key gets `next`, atomically, keeping its expiry. One answer per
+    /// node. `ttl` is the lock's; records and reports like `Acquire`.
+    Swap { ttl: Duration, known_max: Duration },
 }
 
 /// One node's answer for one key.
@@ -58,7 +88,7 @@ pub(crate) struct NodeFacts {
 pub(crate) struct Reply {
     /// One answer per key, in key order.
     pub answers: Vec<Answer>,
-    /// Present on acquire replies.
+    /// Present on acquire and swap replies.
     pub facts: Option<NodeFacts>,
 }
 

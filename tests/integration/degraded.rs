@@ -253,28 +253,45 @@ fn try_lock_does_not_queue_behind_local_holders() {
     drop(g);
 }
 
+/// Issue 8: a lock handed to a local waiter is a new critical section: the
+/// waiter gets it under a fresh token (swapped on the nodes in one round),
+/// the old token is gone from every node, and the old holder's loss channel
+/// is disconnected (it can no longer fire for someone else's section).
 #[test]
-fn a_lock_handed_to_a_local_waiter_stays_on_the_nodes() {
+fn a_lock_handed_to_a_local_waiter_gets_a_fresh_token() {
     let c = shared();
     let key = unique_key("handover");
     let locks = crate::client_with(c.urls(), SLACK);
     let first = locks.lock(&key, TTL).unwrap();
     let token = first.token().to_owned();
+    let old_lost = first.lost();
     std::thread::scope(|s| {
         let waiter = s.spawn(|| {
-            let g = locks
+            locks
                 .lock_timeout(&key, TTL, Duration::from_secs(5))
-                .expect("handed over");
-            let on_nodes = c.holders(&key, g.token()) >= 2;
-            (g.token().to_owned(), g.is_held(), on_nodes, g.validity())
+                .expect("handed over")
         });
         std::thread::sleep(Duration::from_millis(200)); // let it queue
         first.release().expect("hand over");
-        let (got, held, on_nodes, validity) = waiter.join().expect("waiter");
-        assert_eq!(got, token, "the held lock itself was passed on");
-        assert!(held && on_nodes, "the previous guard must not delete it");
-        assert!(validity > TTL / 2, "{validity:?}");
+        let g = waiter.join().expect("waiter");
+        assert_ne!(g.token(), token, "a new critical section has its own token");
+        assert!(g.is_held() && g.validity() > TTL / 2, "{g:?}");
+        // The swap round ends at a majority. A node it missed (busy pool,
+        // scripts flushed by another test) keeps the old token until the
+        // new section's release deletes it there too (checked below).
+        let swapped = (0..3)
+            .filter(|&i| c.get(i, &key).as_deref() == Some(g.token()))
+            .count();
+        assert!(swapped >= 2, "swapped on {swapped} nodes");
+        g.release().expect("release");
     });
+    assert!(
+        matches!(
+            old_lost.try_recv(),
+            Err(crossbeam_channel::TryRecvError::Disconnected)
+        ),
+        "the old holder's loss channel is closed"
+    );
     assert!(
         c.gone_everywhere(&key, Duration::from_secs(1)),
         "released at the end"
