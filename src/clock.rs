@@ -60,6 +60,16 @@ pub(crate) fn new_token() -> String {
     uuid::Uuid::new_v4().simple().to_string()
 }
 
+/// The token of a new critical section of a handed-over lock: the lock's
+/// lineage (the token it was acquired with), a dot, 64 fresh random bits.
+/// The release script deletes any token of a lineage, so a node that missed
+/// a swap is still cleaned up (see `scripts::RELEASE_LUA`).
+pub(crate) fn section_token(token: &str) -> String {
+    let lineage = token.split('.').next().unwrap_or(token);
+    let random = uuid::Uuid::new_v4().as_u64_pair().0;
+    format!("{lineage}.{random:016x}")
+}
+
 /// How often one node's failures may be logged at warn level.
 pub(crate) const WARN_EVERY: Duration = Duration::from_secs(30);
 

@@ -38,7 +38,9 @@ pub enum Error {
         ttl: Duration,
     },
     /// Release or extend found the lock no longer ours on a majority: it
-    /// expired (or was lost) before the call.
+    /// expired (or was lost) before the call. From `lock`/`lock_timeout`:
+    /// the lock another thread of this process handed over could not be
+    /// used, and the wait ran out.
     Expired,
     /// Release or extend found the key held by another owner on `nodes`
     /// nodes: our lock expired and someone else took it.

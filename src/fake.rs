@@ -96,7 +96,12 @@ impl Store {
             }
             (Op::Acquire { .. }, Some(_)) => Answer::Other,
             (_, None) => Answer::Absent,
-            (_, Some((t, _))) if t != k.token => Answer::Other,
+            (Op::Release { .. } | Op::Swap { .. }, Some((t, _)))
+                if !crate::transport::ours(t, k.token) || k.next.is_some_and(|n| n == t) =>
+            {
+                Answer::Other
+            }
+            (Op::Extend { .. }, Some((t, _))) if t != k.token => Answer::Other,
             (Op::Release { .. }, Some(_)) => {
                 self.keys.remove(k.resource);
                 Answer::Ok
@@ -190,21 +195,8 @@ impl FakeNodes {
                             }
                             Op::Release { .. } => None,
                         };
-                        let answers: Vec<Answer> = if let Op::Swap { .. } = op {
-                            // One answer: swapped from whichever token it held.
-                            let held = keys.iter().find(|k| {
-                                store
-                                    .keys
-                                    .get(k.resource)
-                                    .is_some_and(|(t, e)| t == k.token && *e > now)
-                            });
-                            match held.or(keys.first()) {
-                                Some(k) => vec![store.apply(op, k, now)],
-                                None => Vec::new(),
-                            }
-                        } else {
-                            keys.iter().map(|k| store.apply(op, k, now)).collect()
-                        };
+                        let answers: Vec<Answer> =
+                            keys.iter().map(|k| store.apply(op, k, now)).collect();
                         if *mode == Mode::Lossy {
                             Err(NodeError::new(name, NodeErrorKind::Timeout, ""))
                         } else {

@@ -59,9 +59,6 @@ pub(crate) struct LockState {
     pub(crate) id: u64,
     pub(crate) resource: String,
     pub(crate) token: String,
-    /// Tokens of the critical sections this one took over (see
-    /// `Inner::take_over`) that some node may still hold: released with it.
-    pub(crate) prior: Vec<String>,
     timing: Mutex<Timing>,
     lost: AtomicBool,
     released: AtomicBool,
@@ -99,7 +96,6 @@ impl LockState {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             resource: resource.to_owned(),
             token,
-            prior: Vec::new(),
             timing: Mutex::new(timing),
             lost: AtomicBool::new(false),
             released: AtomicBool::new(false),
@@ -112,11 +108,6 @@ impl LockState {
     /// The key and token, as the transport takes them.
     pub(crate) fn key(&self) -> Key<'_> {
         Key::new(&self.resource, &self.token)
-    }
-
-    /// Every token of this lock some node may hold, ours first.
-    pub(crate) fn all_keys(&self) -> impl Iterator<Item = Key<'_>> {
-        std::iter::once(self.key()).chain(self.prior.iter().map(|t| Key::new(&self.resource, t)))
     }
 
     pub(crate) fn timing(&self) -> Timing {
@@ -236,7 +227,9 @@ impl LockGuard {
     }
 
     /// This critical section's random token (the value stored under the
-    /// key). A lock handed over between threads gets a new one.
+    /// key). A lock handed over between threads gets a new one, of the form
+    /// `<lineage>.<random>` where the lineage is the token it was acquired
+    /// with.
     pub fn token(&self) -> &str {
         &self.state.token
     }

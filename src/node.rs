@@ -524,7 +524,14 @@ impl Transport for RedisTransport {
                     keys
                 };
                 let enc = Encoded::new(rel, keys);
-                self.exchange(&enc, keys, &mut slots, now, after(now, self.timeout), None);
+                // A failed swap's caller locks anew within its own bound:
+                // its undo is sent, not waited for (a delete not answered
+                // is retried in the background).
+                let wait = match op {
+                    Op::Swap { .. } => Duration::ZERO,
+                    _ => self.timeout,
+                };
+                self.exchange(&enc, keys, &mut slots, now, after(now, wait), None);
             }
         }
         results

@@ -16,15 +16,11 @@ use crate::error::{Error, InvalidInput};
 use crate::guard::{Callbacks, LockGuard, LockState, LostCallback, Timing};
 use crate::local::{Gates, Permit};
 use crate::quorum::{self, RestartRule, Tally};
-use crate::transport::{Answer, Key, NodeFacts, NodeResult, Op, Transport};
+use crate::transport::{Key, NodeFacts, NodeResult, Op, Transport};
 use crate::watchdog::Watchdog;
 use crate::Result;
 
 use crate::MAX_TTL;
-
-/// How many earlier tokens a handed-over lock remembers for release (those
-/// some node the swaps missed may still hold; older ones expire with it).
-const MAX_PRIOR: usize = 4;
 
 /// A Redlock client over N independent Redis nodes.
 ///
@@ -254,6 +250,10 @@ impl Redlock {
                     debug!("lock {resource:?}: taken over from a local holder");
                     return Ok(self.guard(Arc::new(state), permit));
                 }
+                Err(e) if inner.clock.now() >= until => {
+                    debug!("lock {resource:?}: not taken over ({e}) and no time left");
+                    return Err(e);
+                }
                 Err(e) => {
                     debug!("lock {resource:?}: not taken over ({e}); locking anew");
                 }
@@ -453,14 +453,11 @@ impl Inner {
             let _ = self.release(baton);
             return Err(Error::Expired);
         }
-        let token = new_token();
-        let keys: Vec<Key<'_>> = baton
-            .all_keys()
-            .map(|k| Key {
-                next: Some(&token),
-                ..k
-            })
-            .collect();
+        let token = crate::clock::section_token(&baton.token);
+        let key = Key {
+            next: Some(&token),
+            ..baton.key()
+        };
         let known = Duration::from_millis(self.known_max_ms.load(Ordering::Relaxed));
         let outcome: Cell<Option<Result<Duration>>> = Cell::new(None);
         let decide = |results: &[NodeResult]| {
@@ -483,7 +480,7 @@ impl Inner {
         };
         let results = self.transport.run(
             op,
-            &keys,
+            &[key],
             timing
                 .deadline
                 .min(after(start, self.settings.node_timeout)),
@@ -494,20 +491,10 @@ impl Inner {
         self.note_failures(&results);
         outcome.take().unwrap_or(Err(Error::Expired))?;
         trace!("lock {:?}: token {token}", baton.resource);
-        // A node the swap did not reach may still hold an older token, with
-        // the lock's expiry: released with this lock (a few at most).
-        let everywhere = results
-            .iter()
-            .all(|r| matches!(r, Ok(rep) if rep.answers.first() == Some(&Answer::Ok)));
-        let mut state = LockState::new(&baton.resource, token, timing);
-        if !everywhere {
-            let mut prior = baton.prior.clone();
-            prior.push(baton.token.clone());
-            let cut = prior.len().saturating_sub(MAX_PRIOR);
-            prior.drain(..cut);
-            state.prior = prior;
-        }
-        Ok(state)
+        // A node the swap did not reach keeps an earlier token of the
+        // lineage, with the lock's expiry; the next swap or the release
+        // takes it from there.
+        Ok(LockState::new(&baton.resource, token, timing))
     }
 
     /// Whether this client chose to trust node `i`'s lock history as seen.
@@ -588,8 +575,7 @@ impl Inner {
     /// Deletes the lock on every node where it still holds our token.
     pub(crate) fn release(&self, state: &LockState) -> Result<()> {
         let keep_until = self.keep_until(state);
-        let keys: Vec<Key<'_>> = state.all_keys().collect();
-        let results = self.round(Op::Release { keep_until }, &keys);
+        let results = self.round(Op::Release { keep_until }, &[state.key()]);
         quorum::decide_release(Tally::of(&results, 0))
     }
 
@@ -668,7 +654,7 @@ impl Inner {
 
     /// Best-effort release of many locks in one round trip per node.
     pub(crate) fn release_many(&self, states: &[&LockState]) {
-        let keys: Vec<Key<'_>> = states.iter().flat_map(|s| s.all_keys()).collect();
+        let keys: Vec<Key<'_>> = states.iter().map(|s| s.key()).collect();
         let deadline = self.batch_deadline(self.clock.now(), keys.len());
         let keep_until = states
             .iter()
@@ -841,6 +827,26 @@ mod tests {
         assert_eq!(nodes.get(2, "r").as_deref(), Some(c.token.as_str()));
         assert!(nodes.get(1, "r").is_some_and(|t| t != c.token), "missed");
         locks.inner.release(&c).expect("released");
+        assert!((0..3).all(|i| nodes.get(i, "r").is_none()), "nothing left");
+    }
+
+    /// Review of the swap: a node that missed many swaps in a row (down, or
+    /// skipped as failing) still holds the first section's token; the last
+    /// section's release must delete it (a list of recent tokens forgot it).
+    #[test]
+    fn a_node_that_missed_many_swaps_is_cleaned_by_the_release() {
+        let (locks, nodes, _) = client(3);
+        let g = locks.lock("r", TTL).unwrap();
+        let first = g.state().token.clone();
+        nodes.set_mode(2, Mode::Down);
+        let mut state = locks.inner.take_over(g.state(), TTL).expect("2 of 3");
+        std::mem::forget(g);
+        for _ in 0..10 {
+            state = locks.inner.take_over(&state, TTL).expect("2 of 3");
+        }
+        nodes.set_mode(2, Mode::Up);
+        assert_eq!(nodes.get(2, "r"), Some(first));
+        locks.inner.release(&state).expect("released");
         assert!((0..3).all(|i| nodes.get(i, "r").is_none()), "nothing left");
     }
 

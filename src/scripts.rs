@@ -58,6 +58,21 @@ local n = #KEYS - 1
     };
 }
 
+/// `ours(v, t)`: whether value `v` is token `t` or, for a handed-over
+/// lock's token `L.S`, any token of the same lineage (`L` or `L.*`).
+macro_rules! ours_lua {
+    () => {
+        r"local function ours(v, t)
+  if not v then return false end
+  if v == t then return true end
+  local dot = string.find(t, '.', 1, true)
+  if not dot then return false end
+  return v == string.sub(t, 1, dot - 1) or string.sub(v, 1, dot) == string.sub(t, 1, dot)
+end
+"
+    };
+}
+
 /// Source of [`ACQUIRE`].
 pub(crate) const ACQUIRE_LUA: &str = concat!(
     history_lua!(),
@@ -71,41 +86,41 @@ end
 return out"
 );
 
-/// Hands a held lock to a new critical section: where `KEYS[1]` holds one
-/// of the tokens `ARGV[4..]`, it gets token `ARGV[3]`, atomically, keeping
-/// its expiry (`KEEPTTL` by hand, for Redis before 6). `KEYS[2]` is
-/// [`META_KEY`]; `ARGV[1..2]` and the reply's head as [`ACQUIRE`], then one
-/// element: `1` (swapped), `0` (absent) or `-1` (another token).
+/// Hands a held lock to a new critical section: where `KEYS[1]` holds token
+/// `ARGV[4]` or an earlier one of its lineage (a node that missed earlier
+/// swaps), it gets token `ARGV[3]`, atomically, keeping its expiry
+/// (`KEEPTTL` by hand, for Redis before 6). `KEYS[2]` is [`META_KEY`];
+/// `ARGV[1..2]` and the reply's head as [`ACQUIRE`], then one element: `1`
+/// (swapped), `0` (absent) or `-1` (another owner).
 pub(crate) static SWAP: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(SWAP_LUA));
 
 /// Source of [`SWAP`].
 pub(crate) const SWAP_LUA: &str = concat!(
+    ours_lua!(),
     history_lua!(),
     r"local v = redis.call('GET', KEYS[1])
 local left = redis.call('PTTL', KEYS[1])
 out[4] = v and -1 or 0
-if v and left > 0 then
-  for i = 4, #ARGV do
-    if v == ARGV[i] then
-      redis.call('SET', KEYS[1], ARGV[3], 'PX', left)
-      out[4] = 1
-      break
-    end
-  end
+if left > 0 and v ~= ARGV[3] and ours(v, ARGV[4]) then
+  redis.call('SET', KEYS[1], ARGV[3], 'PX', left)
+  out[4] = 1
 end
 return out"
 );
 
 /// Compare-and-delete. `ARGV[1]` is unused (kept so both scripts share one
-/// argument layout).
+/// argument layout). A handed-over lock's token also deletes the earlier
+/// tokens of its lineage, which a node that missed a swap may still hold.
 pub(crate) static RELEASE: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(RELEASE_LUA));
 
 /// Source of [`RELEASE`].
-pub(crate) const RELEASE_LUA: &str = r"local out = {}
+pub(crate) const RELEASE_LUA: &str = concat!(
+    ours_lua!(),
+    r"local out = {}
 for i, key in ipairs(KEYS) do
   local v = redis.call('GET', key)
-  if v == ARGV[i + 1] then
+  if ours(v, ARGV[i + 1]) then
     out[i] = redis.call('DEL', key)
   elseif v then
     out[i] = -1
@@ -113,7 +128,8 @@ for i, key in ipairs(KEYS) do
     out[i] = 0
   end
 end
-return out";
+return out"
+);
 
 /// Compare-and-pexpire to `ARGV[1]` milliseconds. Its last key is
 /// [`META_KEY`], where a longer TTL than any recorded is written, so that

@@ -39,6 +39,20 @@ pub(crate) fn swapped<'a>(keys: &[Key<'a>]) -> Vec<Key<'a>> {
         .collect()
 }
 
+/// Whether a key's value `v` belongs to token `t`, as the release and swap
+/// scripts decide: `v` is `t` or, for a handed-over lock's token `L.S`, any
+/// token of lineage `L` (`L` itself or `L.*`).
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) fn ours(v: &str, t: &str) -> bool {
+    if v == t {
+        return true;
+    }
+    match t.split_once('.') {
+        Some((lineage, _)) => v == lineage || v.split_once('.').is_some_and(|(l, _)| l == lineage),
+        None => false,
+    }
+}
+
 /// What to do to every key of a round, on every node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Op {
@@ -52,11 +66,10 @@ pub(crate) enum Op {
     Release { keep_until: Instant },
     /// Set the key's expiry to `ttl` if it holds our token.
     Extend { ttl: Duration },
-    /// A held lock handed to a new critical section. The keys all name one
-    /// resource, with one `next` token; each `token` is one the key may
-    /// hold (the lock's and its predecessors'). Where it holds one of them,
-    /// the key gets `next`, atomically, keeping its expiry. One answer per
-    /// node. `ttl` is the lock's; records and reports like `Acquire`.
+    /// A held lock handed to a new critical section: where the key holds
+    /// our token (or an earlier one of its lineage, see [`ours`]), it gets
+    /// the key's `next` token, atomically, keeping its expiry. One key.
+    /// `ttl` is the lock's; records and reports like `Acquire`.
     Swap { ttl: Duration, known_max: Duration },
 }
 
@@ -132,4 +145,20 @@ pub(crate) trait Transport: Send + Sync + 'static {
         decided: Option<Decided<'_>>,
         undo: Option<Undo<'_>>,
     ) -> Vec<NodeResult>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ours;
+
+    #[test]
+    fn a_section_token_owns_its_lineage_and_nothing_else() {
+        assert!(ours("abc", "abc"));
+        assert!(!ours("abc.1", "abc"), "a plain token is exact");
+        assert!(ours("abc", "abc.2"));
+        assert!(ours("abc.1", "abc.2"));
+        assert!(!ours("abd.1", "abc.2"));
+        assert!(!ours("abcd", "abc.2"), "a lineage is whole");
+        assert!(!ours("ab", "abc.2"));
+    }
 }

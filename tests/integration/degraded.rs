@@ -351,3 +351,95 @@ fn lock_behind_a_local_holder_waits_no_longer_than_its_budget() {
         "lock() waited {waited:?} for a {budget:?} budget"
     );
 }
+
+/// Review of the hand-over swap: a baton received at the end of `lock()`'s
+/// budget that cannot be used (another TTL) cost a release round and then
+/// a full attempt on top: 862 ms for an 800 ms bound (budget + one node
+/// timeout). A failed take-over with no time left now ends the call.
+#[test]
+fn an_unusable_baton_at_the_deadline_keeps_lock_within_its_bound() {
+    use crate::common::faults::DelayProxy;
+    let c = shared();
+    let proxies: Vec<_> = c
+        .urls()
+        .iter()
+        .map(|u| DelayProxy::start(u, Duration::from_millis(150)))
+        .collect();
+    let locks = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(proxies.iter().map(|p| p.url()))
+        .node_timeout(Duration::from_millis(200))
+        .retry_count(2)
+        .retry_delay(Duration::from_millis(100))
+        .retry_jitter(Duration::ZERO)
+        .build()
+        .unwrap();
+    // Budget 2 × (100 + 0 + 200) = 600 ms; bound 600 + 200 = 800 ms.
+    let bound = Duration::from_millis(800);
+    let key = unique_key("baton-bound");
+    let held = locks.lock(&key, Duration::from_secs(10)).unwrap();
+    let took = std::thread::scope(|s| {
+        let waiter = s.spawn(|| {
+            let t = Instant::now();
+            let r = locks.lock(&key, Duration::from_secs(8));
+            (t.elapsed(), r.is_ok())
+        });
+        std::thread::sleep(Duration::from_millis(560));
+        drop(held); // hands over a 10 s lock to a waiter that wants 8 s
+        waiter.join().unwrap().0
+    });
+    assert!(took <= bound, "lock() took {took:?}, bound {bound:?}");
+    assert!(
+        c.gone_everywhere(&key, Duration::from_secs(2)),
+        "nothing left"
+    );
+}
+
+/// Review of the hand-over swap: a node skipped (paused, then failing) for
+/// many hand-overs in a row kept the first section's token, which the last
+/// section's release no longer named (it remembered 4 tokens): `release()`
+/// said `Ok` and the key stayed there for the whole TTL. A token now names
+/// its lineage, and release deletes any token of it.
+#[test]
+fn a_node_that_missed_many_hand_overs_is_cleaned_by_the_release() {
+    let c = Cluster::start(3);
+    let locks = crate::client_with(c.urls(), Duration::from_millis(100));
+    let ttl = Duration::from_secs(10);
+    let key = unique_key("missed-swaps");
+    let first = locks.lock(&key, ttl).unwrap();
+    let t0 = first.token().to_owned();
+    assert_eq!(c.holders(&key, &t0), 3);
+    c.pause(2);
+    // A round that needs node 2's reply (node 0 refuses): it times out and
+    // is then skipped as failing.
+    let probe = unique_key("missed-swaps-probe");
+    let _: () = redis::cmd("SET")
+        .arg(&probe)
+        .arg("x")
+        .arg("PX")
+        .arg(5000)
+        .query(&mut c.conn(0))
+        .unwrap();
+    assert!(locks.try_lock(&probe, ttl).is_err());
+    let mut g = first;
+    for _ in 0..10 {
+        g = std::thread::scope(|s| {
+            let w = s.spawn(|| {
+                locks
+                    .lock_timeout(&key, ttl, Duration::from_secs(2))
+                    .expect("handed over")
+            });
+            std::thread::sleep(Duration::from_millis(3)); // let it queue
+            g.release().expect("hand over");
+            w.join().expect("waiter")
+        });
+    }
+    c.unpause(2);
+    assert!(g.token().starts_with(&t0), "one lineage: {}", g.token());
+    g.release().expect("release");
+    assert!(
+        c.gone_everywhere(&key, Duration::from_secs(2)),
+        "left: {:?}",
+        (0..3).map(|i| c.get(i, &key)).collect::<Vec<_>>()
+    );
+}
