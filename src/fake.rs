@@ -248,9 +248,8 @@ impl Transport for Shared {
                 let release = Op::Release {
                     keep_until: after(now, ttl),
                 };
-                // A failed swap gives up the old token and the new one.
-                let both = crate::transport::swapped(keys);
-                f.apply_all(&modes, release, &both, f.clock.now());
+                let written = crate::transport::written(op, keys);
+                f.apply_all(&modes, release, &written, f.clock.now());
             }
         }
         results

@@ -517,12 +517,8 @@ impl Transport for RedisTransport {
                     s.fell_back = false;
                 }
                 // A failed swap gives up the handed-over lock too.
-                let both = crate::transport::swapped(keys);
-                let keys = if let Op::Swap { .. } = op {
-                    &both[..]
-                } else {
-                    keys
-                };
+                let written = crate::transport::written(op, keys);
+                let keys = &written[..];
                 let enc = Encoded::new(rel, keys);
                 // A failed swap's caller locks anew within its own bound:
                 // its undo is sent, not waited for (a delete not answered
@@ -664,10 +660,7 @@ impl RedisTransport {
             .iter()
             .any(|s| s.conn.as_ref().is_some_and(|c| c.awaits_wanted()));
         // The tokens a late acquire or swap may still write, and their keys.
-        let written: Vec<Key<'_>> = match enc.op {
-            Op::Swap { .. } => crate::transport::swapped(keys).split_off(keys.len()),
-            _ => keys.to_vec(),
-        };
+        let written = crate::transport::written(enc.op, keys);
         let tokens: Vec<String> = if owed {
             written.iter().map(|k| k.token.to_owned()).collect()
         } else {

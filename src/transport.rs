@@ -27,22 +27,23 @@ impl<'a> Key<'a> {
     }
 }
 
-/// Every token a swap of `keys` may leave on a node (the old ones and the
-/// new), as keys to release.
-pub(crate) fn swapped<'a>(keys: &[Key<'a>]) -> Vec<Key<'a>> {
-    let next = keys
-        .first()
-        .and_then(|k| Some(Key::new(k.resource, k.next?)));
-    keys.iter()
-        .map(|k| Key::new(k.resource, k.token))
-        .chain(next)
-        .collect()
+/// The keys whose tokens a round of `op` writes, as keys to release: a
+/// swap's new token (whose lineage also covers the old one, see [`ours`]),
+/// else the keys themselves.
+pub(crate) fn written<'a>(op: Op, keys: &[Key<'a>]) -> Vec<Key<'a>> {
+    match op {
+        Op::Swap { .. } => keys
+            .iter()
+            .map(|k| Key::new(k.resource, k.next.unwrap_or(k.token)))
+            .collect(),
+        _ => keys.to_vec(),
+    }
 }
 
 /// Whether a key's value `v` belongs to token `t`, as the release and swap
 /// scripts decide: `v` is `t` or, for a handed-over lock's token `L.S`, any
 /// token of lineage `L` (`L` itself or `L.*`).
-#[cfg_attr(not(test), allow(dead_code))]
+#[cfg_attr(not(test), allow(dead_code))] // the fake nodes' copy of the scripts' rule
 pub(crate) fn ours(v: &str, t: &str) -> bool {
     if v == t {
         return true;
