@@ -269,6 +269,26 @@ impl Cluster {
         Ok(conn)
     }
 
+    /// Whether node `i` carries a lock history (`quorumlock:meta`).
+    pub fn has_history(&self, i: usize) -> bool {
+        redis::cmd("EXISTS")
+            .arg("quorumlock:meta")
+            .query::<i64>(&mut self.conn(i))
+            .unwrap_or_else(|e| panic!("EXISTS on node {i}: {e}"))
+            == 1
+    }
+
+    /// Locks throwaway keys for `ttl` with `locks` until every node carries a
+    /// lock history recording `ttl` (a round settles without the slowest
+    /// node, and a node still connecting is not sent anything); false if
+    /// that takes over 5 s. The history's age counts from here.
+    pub fn write_history(&self, locks: &quorumlock::Redlock, ttl: Duration) -> bool {
+        wait_until(Duration::from_secs(5), || {
+            drop(locks.try_lock(&unique_key("history"), ttl));
+            (0..self.len()).all(|i| self.has_history(i))
+        })
+    }
+
     /// `GET key` on node `i`.
     pub fn get(&self, i: usize, key: &str) -> Option<String> {
         redis::cmd("GET")

@@ -110,19 +110,7 @@ fn a_restarted_node_votes_only_after_the_longest_ttl() {
     // be older than the TTL first. A throwaway client writes it on every
     // node; then one TTL passes.
     let warm = crate::client_with(c.urls(), SLACK);
-    let has_history = |i: usize| {
-        redis::cmd("HGET")
-            .arg("quorumlock:meta")
-            .arg("epoch")
-            .query::<Option<i64>>(&mut c.conn(i))
-            .ok()
-            .flatten()
-            .is_some()
-    };
-    assert!(wait_until(Duration::from_secs(5), || {
-        drop(warm.lock(&unique_key("warm"), ttl));
-        (0..3).all(has_history)
-    }));
+    assert!(c.write_history(&warm, ttl));
     // (+2 s: the age a node reports is also capped by its uptime, counted
     // in whole seconds less one.)
     std::thread::sleep(ttl + Duration::from_secs(2));

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use quorumlock::Redlock;
 
-use crate::common::{unique_key, wait_until, Cluster};
+use crate::common::{unique_key, Cluster};
 
 /// Node timeout where timeouts are not the subject.
 const SLACK: Duration = Duration::from_millis(250);
@@ -41,14 +41,6 @@ fn node_time_ms(c: &Cluster, i: usize) -> u64 {
 }
 
 /// Whether node `i` carries a lock history.
-fn has_history(c: &Cluster, i: usize) -> bool {
-    let n: i64 = redis::cmd("EXISTS")
-        .arg("quorumlock:meta")
-        .query(&mut c.conn(i))
-        .expect("EXISTS on the node");
-    n == 1
-}
-
 /// `HSET quorumlock:meta epoch E max_ttl M` on node `i`.
 fn set_history(c: &Cluster, i: usize, epoch_ms: u64, max_ttl_ms: u64) {
     let _: i64 = redis::cmd("HSET")
@@ -126,13 +118,7 @@ fn a_node_restarted_from_an_older_snapshot_does_not_vote_during_the_hold() {
         .expect("valid config");
     // The cluster has carried 2 s locks for longer than 2 s (on every node: a first
     // round may settle before a node still connecting is sent anything).
-    assert!(
-        wait_until(Duration::from_secs(5), || {
-            drop(x.try_lock(&unique_key("warm"), ttl));
-            (0..3).all(|i| has_history(&c, i))
-        }),
-        "warm-up never reached every node"
-    );
+    assert!(c.write_history(&x, ttl), "warm-up never reached every node");
     std::thread::sleep(ttl + Duration::from_millis(300));
     // Node 1's last snapshot, taken before X's lock.
     let _: () = redis::cmd("SAVE")
@@ -144,7 +130,7 @@ fn a_node_restarted_from_an_older_snapshot_does_not_vote_during_the_hold() {
     // Node 1 crashes and comes back from its snapshot.
     c.restart(1);
     assert!(
-        has_history(&c, 1),
+        c.has_history(1),
         "the snapshot should have restored the history"
     );
     assert!(c.get(1, &key).is_none(), "the snapshot predates X's key");

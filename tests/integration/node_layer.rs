@@ -525,15 +525,10 @@ fn restarted_node_met_by_a_fresh_process(third: ThirdNode) {
         .expect("valid config");
     // Until one lock reached every node: a round settles without the slowest node, and a
     // node whose connection was not open yet is not sent the command at all.
-    let everywhere = wait_until(Duration::from_secs(5), || {
-        let g = history
-            .lock(&unique_key("history"), HOLD_TTL)
-            .expect("history lock");
-        let all = c.holders(g.resource(), g.token()) == 3;
-        g.release().expect("release");
-        all
-    });
-    assert!(everywhere, "no history lock reached all three nodes");
+    assert!(
+        c.write_history(&history, HOLD_TTL),
+        "no history lock reached all three nodes"
+    );
     drop(history);
     std::thread::sleep((HOLD_TTL + Duration::from_millis(1200)).saturating_sub(born.elapsed()));
 
@@ -687,17 +682,10 @@ fn a_slow_node_that_knows_the_longest_ttl_is_heard_before_restarted_nodes_vote()
         .nodes(urls.clone())
         .build()
         .expect("valid config");
-    let everywhere = wait_until(Duration::from_secs(5), || {
-        let g = history
-            .lock(&unique_key("history"), HOLD_TTL)
-            .expect("history lock");
-        let all = wait_until(Duration::from_millis(200), || {
-            c.holders(g.resource(), g.token()) == 3
-        });
-        g.release().expect("release");
-        all
-    });
-    assert!(everywhere, "no history lock reached all three nodes");
+    assert!(
+        c.write_history(&history, HOLD_TTL),
+        "no history lock reached all three nodes"
+    );
     drop(history);
     std::thread::sleep((HOLD_TTL + Duration::from_millis(1200)).saturating_sub(born.elapsed()));
 
