@@ -430,3 +430,69 @@ fn a_node_that_missed_many_hand_overs_is_cleaned_by_the_release() {
         (0..3).map(|i| c.get(i, &key)).collect::<Vec<_>>()
     );
 }
+
+/// Hostile check of the hand-over swap: 2 of 3 nodes hang while a lock is
+/// handed over. The swap cannot count, its undo is sent without waiting,
+/// and the receiver's own attempts fail; once the nodes resume, no key of
+/// the lineage (nor of the attempts) is left anywhere.
+#[test]
+fn a_hand_over_while_two_nodes_hang_leaves_nothing_after_they_resume() {
+    let c = Cluster::start(3);
+    let locks = crate::client_with(c.urls(), Duration::from_millis(100));
+    let key = unique_key("handover-hung");
+    let first = locks.lock(&key, TTL).unwrap();
+    let outcome = std::thread::scope(|s| {
+        let waiter = s.spawn(|| {
+            locks
+                .lock_timeout(&key, TTL, Duration::from_millis(1500))
+                .map(|g| g.token().to_owned())
+        });
+        std::thread::sleep(Duration::from_millis(100)); // let it queue
+        c.pause(1);
+        c.pause(2);
+        first.release().expect("handed over");
+        waiter.join().expect("waiter")
+    });
+    c.unpause(1);
+    c.unpause(2);
+    assert!(outcome.is_err(), "one node cannot grant: {outcome:?}");
+    assert!(
+        c.gone_everywhere(&key, Duration::from_secs(3)),
+        "left: {:?}",
+        (0..3).map(|i| c.get(i, &key)).collect::<Vec<_>>()
+    );
+}
+
+/// Hostile check of the hand-over swap: a node under `CLIENT PAUSE WRITE`
+/// holds every swap (a write script) while rounds settle on the other two;
+/// the held swaps land late, after later swaps and even after the release.
+/// Nothing of the lineage may be left once the pause ends.
+#[test]
+fn hand_overs_past_a_write_paused_node_leave_nothing_behind() {
+    use crate::common::faults::WritePause;
+    let c = Cluster::start(3);
+    let locks = crate::client_with(c.urls(), Duration::from_millis(100));
+    let key = unique_key("handover-wp");
+    let mut g = locks.lock(&key, TTL).unwrap();
+    {
+        let _paused = WritePause::start(&c, 2, Duration::from_secs(5));
+        for _ in 0..5 {
+            g = std::thread::scope(|s| {
+                let w = s.spawn(|| {
+                    locks
+                        .lock_timeout(&key, TTL, Duration::from_secs(2))
+                        .expect("handed over or locked anew")
+                });
+                std::thread::sleep(Duration::from_millis(3)); // let it queue
+                g.release().expect("hand over");
+                w.join().expect("waiter")
+            });
+        }
+        g.release().expect("release");
+    }
+    assert!(
+        c.gone_everywhere(&key, Duration::from_secs(3)),
+        "left: {:?}",
+        (0..3).map(|i| c.get(i, &key)).collect::<Vec<_>>()
+    );
+}
