@@ -32,6 +32,8 @@ pub(crate) struct Settings {
     pub fresh_cluster: bool,
     /// The operator's longest TTL, if configured.
     pub max_ttl: Option<Duration>,
+    /// Give every lock a fencing token (one more round trip per acquire).
+    pub fencing: bool,
 }
 
 /// Largest pool size accepted (connections per node): far above any useful
@@ -58,6 +60,7 @@ impl Default for Settings {
             restart_protection: true,
             fresh_cluster: false,
             max_ttl: None,
+            fencing: false,
         }
     }
 }
@@ -342,6 +345,44 @@ impl Builder {
     /// Defaults to unset (learnt from the nodes and from use).
     pub fn max_ttl(mut self, ttl: Duration) -> Self {
         self.settings.max_ttl = Some(ttl);
+        self
+    }
+
+    /// Gives every lock a fencing token,
+    /// [`LockGuard::fencing_token`](crate::LockGuard::fencing_token): a number
+    /// that grows with every critical section of a resource, for storage to
+    /// refuse writes from a holder that paused past its lock (see the
+    /// README's "Fencing tokens").
+    ///
+    /// Costs one more round trip per acquisition: the token, the largest
+    /// counter among the nodes that granted the lock, is written back to the
+    /// nodes where the key is still ours, and the lock is returned only once
+    /// a majority has it. Renewal keeps the token; a lock handed to another
+    /// thread of this process gets the next one, in the swap it needs
+    /// anyway.
+    ///
+    /// Each fenced resource keeps one counter per node, forever: a field
+    /// `fence:<resource>` of the hash `quorumlock:meta`. Fence a bounded
+    /// set of resources, not one name per request.
+    ///
+    /// Defaults to false.
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    ///
+    /// let locks = quorumlock::Redlock::builder()
+    ///     .nodes(["redis://127.0.0.1:7001", "redis://127.0.0.1:7002", "redis://127.0.0.1:7003"])
+    ///     .fencing(true)
+    ///     .build()?;
+    /// let guard = locks.lock("lock:sku:42", Duration::from_secs(10))?;
+    /// let token = guard.fencing_token().expect("fencing is on");
+    /// // UPDATE stock SET qty = qty - 1, last_token = :token
+    /// //  WHERE sku = 42 AND last_token < :token
+    /// # let _ = token;
+    /// # Ok::<(), quorumlock::Error>(())
+    /// ```
+    pub fn fencing(mut self, on: bool) -> Self {
+        self.settings.fencing = on;
         self
     }
 

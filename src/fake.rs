@@ -66,6 +66,8 @@ struct Store {
     keys: HashMap<String, (String, Instant)>,
     /// Lock history: when it began, the longest TTL recorded.
     meta: Option<(Instant, Duration)>,
+    /// Fencing counters, per resource (they go with the lock history).
+    fences: HashMap<String, u64>,
 }
 
 impl Store {
@@ -86,14 +88,35 @@ impl Store {
         }
     }
 
-    fn apply(&mut self, op: Op, k: &Key<'_>, now: Instant) -> Answer {
+    /// `counter = max(counter, value)`; returns the new counter.
+    fn raise_fence(&mut self, resource: &str, value: u64) -> u64 {
+        let c = self.fences.entry(resource.into()).or_default();
+        *c = (*c).max(value);
+        *c
+    }
+
+    /// Runs `op` for one key, as the scripts do; also returns the fencing
+    /// counter a fenced acquire set. `micros`: the node's clock, the floor
+    /// of a counter.
+    fn apply(&mut self, op: Op, k: &Key<'_>, now: Instant, micros: u64) -> (Answer, Option<u64>) {
         self.keys.retain(|_, (_, exp)| *exp > now);
         match (op, self.keys.get(k.resource)) {
-            (Op::Acquire { ttl, .. }, None) => {
+            (Op::Acquire { ttl, fenced, .. }, None) => {
                 self.keys
                     .insert(k.resource.into(), (k.token.into(), after(now, ttl)));
-                Answer::Ok
+                let fence = fenced.then(|| {
+                    let next = self.fences.get(k.resource).map_or(0, |c| c + 1);
+                    self.raise_fence(k.resource, next.max(micros))
+                });
+                (Answer::Ok, fence)
             }
+            (op, _) => (self.apply_other(op, k, now), None),
+        }
+    }
+
+    fn apply_other(&mut self, op: Op, k: &Key<'_>, now: Instant) -> Answer {
+        match (op, self.keys.get(k.resource)) {
+            (Op::Acquire { .. }, None) => Answer::Ok, // handled by `apply`
             (Op::Acquire { .. }, Some(_)) => Answer::Other,
             (_, None) => Answer::Absent,
             (Op::Release { .. } | Op::Swap { .. }, Some((t, _)))
@@ -101,7 +124,11 @@ impl Store {
             {
                 Answer::Other
             }
-            (Op::Extend { .. }, Some((t, _))) if t != k.token => Answer::Other,
+            (Op::Extend { .. } | Op::Fence { .. }, Some((t, _))) if t != k.token => Answer::Other,
+            (Op::Fence { value }, Some(_)) => {
+                self.raise_fence(k.resource, value);
+                Answer::Ok
+            }
             (Op::Release { .. }, Some(_)) => {
                 self.keys.remove(k.resource);
                 Answer::Ok
@@ -111,9 +138,12 @@ impl Store {
                     .insert(k.resource.into(), (k.token.into(), after(now, ttl)));
                 Answer::Ok
             }
-            (Op::Swap { .. }, Some(&(_, expiry))) => {
+            (Op::Swap { fence, .. }, Some(&(_, expiry))) => {
                 let next = k.next.unwrap_or(k.token);
                 self.keys.insert(k.resource.into(), (next.into(), expiry));
+                if let Some(f) = fence {
+                    self.raise_fence(k.resource, f);
+                }
                 Answer::Ok
             }
         }
@@ -126,12 +156,27 @@ pub(crate) struct FakeNodes {
     names: Vec<String>,
     modes: Mutex<Vec<Mode>>,
     stores: Vec<Mutex<Store>>,
+    /// Per node, its wall clock's offset in µs (fencing counters' floor).
+    offsets: Mutex<Vec<i64>>,
     clock: Arc<ManualClock>,
     /// Virtual time one healthy round takes.
     pub latency: Mutex<Duration>,
     pub rounds: AtomicUsize,
     /// Makes the next round panic (a bug in a tick, simulated).
     pub panic_next: AtomicBool,
+    /// Runs at the start of every round, before the nodes' modes are read.
+    pub before_round: Mutex<Option<Hook>>,
+}
+
+/// A test's hook into every round: the nodes and the round's operation.
+pub(crate) struct Hook(pub Box<HookFn>);
+
+type HookFn = dyn Fn(&FakeNodes, Op) + Send + Sync;
+
+impl std::fmt::Debug for Hook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Hook")
+    }
 }
 
 impl FakeNodes {
@@ -140,10 +185,12 @@ impl FakeNodes {
             names: (0..n).map(|i| format!("fake{i}:6379")).collect(),
             modes: Mutex::new(vec![Mode::Up; n]),
             stores: (0..n).map(|_| Mutex::default()).collect(),
+            offsets: Mutex::new(vec![0; n]),
             clock,
             latency: Mutex::new(Duration::from_millis(1)),
             rounds: AtomicUsize::new(0),
             panic_next: AtomicBool::new(false),
+            before_round: Mutex::new(None),
         })
     }
 
@@ -171,6 +218,26 @@ impl FakeNodes {
         *self.stores[node].lock() = Store::default();
     }
 
+    /// Node `i`'s wall clock in µs (its `TIME`) at `now`: virtual time from
+    /// a 2023 epoch, plus the node's offset.
+    fn micros(&self, i: usize, now: Instant) -> u64 {
+        let since = now.saturating_duration_since(self.clock.base);
+        let t = 1_700_000_000_000_000i64
+            .saturating_add(i64::try_from(since.as_micros()).unwrap_or(i64::MAX))
+            .saturating_add(self.offsets.lock()[i]);
+        u64::try_from(t).unwrap_or(0)
+    }
+
+    /// Moves node `i`'s wall clock (not its key expiry) by `micros`.
+    pub(crate) fn set_clock_offset(&self, node: usize, micros: i64) {
+        self.offsets.lock()[node] = micros;
+    }
+
+    /// The fencing counter of `resource` on `node`.
+    pub(crate) fn fence(&self, node: usize, resource: &str) -> Option<u64> {
+        self.stores[node].lock().fences.get(resource).copied()
+    }
+
     /// Runs `op` on every node in `modes`, as one round at `now`.
     fn apply_all(&self, modes: &[Mode], op: Op, keys: &[Key<'_>], now: Instant) -> Vec<NodeResult> {
         modes
@@ -184,7 +251,8 @@ impl FakeNodes {
                     Mode::Up | Mode::Lossy => {
                         let mut store = self.stores[i].lock();
                         let facts = match op {
-                            Op::Acquire { ttl, known_max } | Op::Swap { ttl, known_max } => {
+                            Op::Acquire { ttl, known_max, .. }
+                            | Op::Swap { ttl, known_max, .. } => {
                                 Some(store.history(ttl, known_max, now, self.clock.base))
                             }
                             Op::Extend { ttl } => {
@@ -193,14 +261,26 @@ impl FakeNodes {
                                 }
                                 None
                             }
-                            Op::Release { .. } => None,
+                            Op::Release { .. } | Op::Fence { .. } => None,
                         };
-                        let answers: Vec<Answer> =
-                            keys.iter().map(|k| store.apply(op, k, now)).collect();
+                        let micros = self.micros(i, now);
+                        let mut fence = None;
+                        let answers: Vec<Answer> = keys
+                            .iter()
+                            .map(|k| {
+                                let (a, f) = store.apply(op, k, now, micros);
+                                fence = fence.max(f);
+                                a
+                            })
+                            .collect();
                         if *mode == Mode::Lossy {
                             Err(NodeError::new(name, NodeErrorKind::Timeout, ""))
                         } else {
-                            Ok(Reply { answers, facts })
+                            Ok(Reply {
+                                answers,
+                                facts,
+                                fence,
+                            })
                         }
                     }
                 }
@@ -232,6 +312,9 @@ impl Transport for Shared {
             "injected panic"
         );
         f.rounds.fetch_add(1, Ordering::SeqCst);
+        if let Some(hook) = &*f.before_round.lock() {
+            (hook.0)(f, op);
+        }
         let modes = f.modes.lock().clone();
         let now = f.clock.now();
         let results = f.apply_all(&modes, op, keys, now);

@@ -59,6 +59,8 @@ pub(crate) struct LockState {
     pub(crate) id: u64,
     pub(crate) resource: String,
     pub(crate) token: String,
+    /// The fencing token, for a client with fencing on.
+    pub(crate) fence: Option<u64>,
     timing: Mutex<Timing>,
     lost: AtomicBool,
     released: AtomicBool,
@@ -90,12 +92,13 @@ pub(crate) struct Timing {
 }
 
 impl LockState {
-    pub(crate) fn new(resource: &str, token: String, timing: Timing) -> Self {
+    pub(crate) fn new(resource: &str, token: String, fence: Option<u64>, timing: Timing) -> Self {
         let (tx, rx) = crossbeam_channel::bounded(1);
         LockState {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             resource: resource.to_owned(),
             token,
+            fence,
             timing: Mutex::new(timing),
             lost: AtomicBool::new(false),
             released: AtomicBool::new(false),
@@ -232,6 +235,28 @@ impl LockGuard {
     /// with.
     pub fn token(&self) -> &str {
         &self.state.token
+    }
+
+    /// This critical section's fencing token, when the client was built
+    /// with [`fencing`](crate::Builder::fencing) on (else `None`).
+    ///
+    /// Strictly greater than the token of every critical section of the
+    /// same resource granted before this one started, under Redlock's own
+    /// assumptions (bounded clock drift, restarted nodes held back) and,
+    /// after a node lost its data, nodes' clocks that agree within the
+    /// longest TTL. Renewal keeps it; a hand-over to another thread of this
+    /// process gives the next one. Pass it with every write to the
+    /// protected storage and have the storage refuse a token lower than the
+    /// last it saw:
+    ///
+    /// ```sql
+    /// UPDATE stock SET qty = qty - 1, last_token = :token
+    ///  WHERE sku = :sku AND last_token <= :token
+    /// ```
+    ///
+    /// Below 2^53, so it also fits a JavaScript number or a double.
+    pub fn fencing_token(&self) -> Option<u64> {
+        self.state.fence
     }
 
     /// The TTL of the last successful acquire, extend or renewal.

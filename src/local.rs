@@ -255,6 +255,7 @@ mod tests {
         Arc::new(LockState::new(
             "r",
             "token".into(),
+            None,
             crate::guard::Timing {
                 since: now,
                 deadline: now + valid,

@@ -971,15 +971,23 @@ struct Encoded {
 impl Encoded {
     fn new(op: Op, keys: &[Key<'_>]) -> Self {
         let (script, code, args): (&redis::Script, &str, Vec<u64>) = match op {
-            Op::Acquire { ttl, known_max } => (
+            Op::Acquire {
+                ttl,
+                known_max,
+                fenced,
+            } => (
                 &scripts::ACQUIRE,
                 scripts::ACQUIRE_LUA,
-                vec![millis_ceil(ttl), millis_ceil(known_max)],
+                vec![millis_ceil(ttl), millis_ceil(known_max), u64::from(fenced)],
             ),
-            Op::Swap { ttl, known_max } => (
+            Op::Swap {
+                ttl,
+                known_max,
+                fence,
+            } => (
                 &scripts::SWAP,
                 scripts::SWAP_LUA,
-                vec![millis_ceil(ttl), millis_ceil(known_max)],
+                vec![millis_ceil(ttl), millis_ceil(known_max), fence.unwrap_or(0)],
             ),
             Op::Release { .. } => (&scripts::RELEASE, scripts::RELEASE_LUA, vec![0]),
             Op::Extend { ttl } => (
@@ -987,8 +995,9 @@ impl Encoded {
                 scripts::EXTEND_LUA,
                 vec![millis_ceil(ttl)],
             ),
+            Op::Fence { value } => (&scripts::FENCE, scripts::FENCE_LUA, vec![value]),
         };
-        // Acquire, swap and extend also take the node's lock-history key.
+        // All but release also take the node's lock-history key.
         let meta = !matches!(op, Op::Release { .. });
         let swap = matches!(op, Op::Swap { .. });
         // A swap names one key, its new token, then the tokens it may hold.
@@ -1078,19 +1087,30 @@ impl Encoded {
                 (None, &items[..])
             }
         };
-        // An acquire's 0 is "exists"; everyone else's "absent".
+        // An acquire's 0 is "exists"; everyone else's "absent". A fenced
+        // acquire answers a set key with its counter.
         let acquire = matches!(self.op, Op::Acquire { .. });
+        let fenced = matches!(self.op, Op::Acquire { fenced: true, .. });
+        let mut fence = None;
         let answers = rest
             .iter()
             .map(|v| match (int(v), acquire) {
-                (Some(1), _) => Ok(Answer::Ok),
+                (Some(1), _) if !fenced => Ok(Answer::Ok),
+                (Some(c), true) if fenced && c > 0 => {
+                    fence = fence.max(u64::try_from(c).ok());
+                    Ok(Answer::Ok)
+                }
                 (Some(0), true) => Ok(Answer::Other),
                 (Some(0), false) => Ok(Answer::Absent),
                 (Some(-1), false) => Ok(Answer::Other),
                 _ => Err(unexpected(v.clone())),
             })
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(Reply { answers, facts })
+        Ok(Reply {
+            answers,
+            facts,
+            fence,
+        })
     }
 }
 
@@ -1182,7 +1202,14 @@ mod tests {
             Op::Acquire {
                 ttl: Duration::from_millis(1500),
                 known_max: Duration::from_secs(3),
+                fenced: true,
             },
+            Op::Swap {
+                ttl: Duration::from_millis(1500),
+                known_max: Duration::from_secs(3),
+                fence: Some(1 << 52),
+            },
+            Op::Fence { value: 1 << 52 },
             Op::Extend {
                 ttl: Duration::from_millis(1500),
             },

@@ -399,6 +399,7 @@ impl Inner {
             Op::Acquire {
                 ttl,
                 known_max: rule.floor,
+                fenced: self.settings.fencing,
             },
             &[key],
             after(start, budget),
@@ -427,11 +428,76 @@ impl Inner {
                     deadline: after(end, validity),
                     ttl,
                 };
-                Ok(LockState::new(resource, token, timing))
+                if !self.settings.fencing {
+                    return Ok(LockState::new(resource, token, None, timing));
+                }
+                // The token: the largest counter among the granting nodes.
+                let fence = judged
+                    .iter()
+                    .filter_map(|r| r.as_ref().ok()?.fence)
+                    .max()
+                    .unwrap_or(0);
+                let state = LockState::new(resource, token, Some(fence), timing);
+                self.write_back(&state, fence)?;
+                Ok(state)
             }
             Err(e) => {
                 debug!("lock {resource:?}: not acquired in {elapsed:?}: {e}");
                 Err(e)
+            }
+        }
+    }
+
+    /// A fenced lock's write-back: `counter = max(counter, fence)` on every
+    /// node where the key still holds our token, counted like an extension
+    /// (a majority, inside validity). Only then may the lock be used: any
+    /// later holder's `SET` on a node of that majority comes after our key
+    /// left it, hence after the write-back, so its token is larger. On
+    /// failure the lock is released and the attempt failed (retryable).
+    fn write_back(&self, state: &LockState, fence: u64) -> Result<()> {
+        let start = self.clock.now();
+        let timing = state.timing();
+        let time_left = timing.deadline.saturating_duration_since(start);
+        let results = if fence == 0 || time_left.is_zero() {
+            Vec::new()
+        } else {
+            let deadline = timing
+                .deadline
+                .min(after(start, self.settings.node_timeout));
+            let op = Op::Fence { value: fence };
+            let results =
+                self.transport
+                    .run(op, &[state.key()], deadline, Some(&quorum::settled), None);
+            self.note_failures(&results);
+            results
+        };
+        let elapsed = self.clock.now().saturating_duration_since(start);
+        let outcome = if results.is_empty() {
+            Err(Error::Expired)
+        } else {
+            quorum::decide_extend(
+                Tally::of(&results, 0),
+                timing.ttl,
+                elapsed,
+                Duration::ZERO,
+                time_left,
+            )
+        };
+        match outcome {
+            Ok(_) => {
+                debug!("lock {:?}: fencing token {fence}", state.resource);
+                Ok(())
+            }
+            Err(e) => {
+                debug!("lock {:?}: fencing token not recorded: {e}", state.resource);
+                let _ = self.release(state);
+                Err(match e {
+                    e @ Error::NoQuorum { .. } => e,
+                    _ => Error::ValidityExhausted {
+                        elapsed: self.clock.now().saturating_duration_since(timing.since),
+                        ttl: timing.ttl,
+                    },
+                })
             }
         }
     }
@@ -474,9 +540,13 @@ impl Inner {
             outcome.set(Some(o));
             undo
         };
+        // The next section's fencing token: the swap writes it wherever it
+        // swaps, so it is its own write-back.
+        let fence = baton.fence.map(|f| f.saturating_add(1));
         let op = Op::Swap {
             ttl,
             known_max: known.max(ttl),
+            fence,
         };
         let results = self.transport.run(
             op,
@@ -494,7 +564,7 @@ impl Inner {
         // A node the swap did not reach keeps an earlier token of the
         // lineage, with the lock's expiry; the next swap or the release
         // takes it from there.
-        Ok(LockState::new(&baton.resource, token, timing))
+        Ok(LockState::new(&baton.resource, token, fence, timing))
     }
 
     /// Whether this client chose to trust node `i`'s lock history as seen.
@@ -1145,5 +1215,154 @@ mod tests {
         assert!(matches!(g.extend(TTL), Err(Error::Expired)));
         assert!(g.is_lost());
         assert_eq!(calls.load(Ordering::SeqCst), 0);
+    }
+
+    fn fenced() -> Settings {
+        Settings {
+            fencing: true,
+            ..crate::fake::settings()
+        }
+    }
+
+    /// Issue 9: tokens grow with every critical section, across clients,
+    /// and cost exactly one more round; an unfenced client has none.
+    #[test]
+    fn fencing_tokens_grow_with_every_critical_section() {
+        let (a, nodes, clock) = client_with(3, fenced());
+        let b = client_over(&nodes, fenced());
+        let mut last = 0;
+        for i in 0..20 {
+            let locks = if i % 2 == 0 { &a } else { &b };
+            let before = nodes.rounds.load(Ordering::SeqCst);
+            let g = locks.try_lock("r", TTL).unwrap();
+            assert_eq!(
+                nodes.rounds.load(Ordering::SeqCst) - before,
+                2,
+                "SET, write-back"
+            );
+            let t = g.fencing_token().expect("fenced");
+            assert!(t > last, "{t} after {last}");
+            last = t;
+            // Renewal keeps the token.
+            g.extend(TTL).unwrap();
+            assert_eq!(g.fencing_token(), Some(t));
+            if i % 3 == 0 {
+                drop(g); // released
+            } else {
+                std::mem::forget(g);
+                clock.advance(TTL + MS); // expired
+            }
+        }
+        let (plain, _, _) = client(3);
+        assert_eq!(plain.try_lock("r", TTL).unwrap().fencing_token(), None);
+    }
+
+    /// Issue 9's ordering argument: the token is the largest counter of the
+    /// granting majority, and it is written back where our key is, so that
+    /// a later holder granted by other nodes still gets a larger one. Node
+    /// 2's clock runs a second ahead: its counter, hence our token, is far
+    /// above node 0's until the write-back.
+    #[test]
+    fn the_write_back_lifts_every_granting_node_to_the_token() {
+        let (locks, nodes, _) = client_with(3, fenced());
+        nodes.set_clock_offset(2, 1_000_000);
+        nodes.set_mode(1, Mode::Down);
+        let g = locks.try_lock("r", TTL).unwrap();
+        let t1 = g.fencing_token().unwrap();
+        assert_eq!(
+            nodes.fence(2, "r"),
+            Some(t1),
+            "node 2's counter is the token"
+        );
+        assert_eq!(nodes.fence(0, "r"), Some(t1), "written back to node 0");
+        g.release().unwrap();
+        nodes.set_mode(1, Mode::Up);
+        nodes.set_mode(2, Mode::Down);
+        let g = locks.try_lock("r", TTL).unwrap();
+        assert!(
+            g.fencing_token().unwrap() > t1,
+            "nodes 0 and 1 grant a larger one"
+        );
+    }
+
+    /// A write-back that misses the majority (a node gone between the SET
+    /// and the write-back) must not hand out the lock: it is released, and
+    /// the attempt fails with a retryable error.
+    #[test]
+    fn a_lock_whose_token_was_not_written_back_is_not_returned() {
+        let (locks, nodes, _) = client_with(3, fenced());
+        *nodes.before_round.lock() = Some(crate::fake::Hook(Box::new(|n, op| {
+            if matches!(op, Op::Fence { .. }) {
+                n.set_mode(0, Mode::Down);
+                n.set_mode(1, Mode::Hung);
+            }
+        })));
+        match locks.try_lock("r", TTL) {
+            Err(e @ Error::NoQuorum { .. }) => assert!(e.is_retryable()),
+            other => panic!("{other:?}"),
+        }
+        *nodes.before_round.lock() = None;
+        assert!(nodes.get(2, "r").is_none(), "released where it answered");
+        // A key deleted behind our back between the rounds: the same.
+        *nodes.before_round.lock() = Some(crate::fake::Hook(Box::new(|n, op| {
+            if matches!(op, Op::Fence { .. }) {
+                n.del(0, "s");
+                n.del(1, "s");
+            }
+        })));
+        match locks.try_lock("s", TTL) {
+            Err(e) => assert!(e.is_retryable(), "{e:?}"),
+            Ok(g) => panic!("granted without a written-back token: {g:?}"),
+        }
+    }
+
+    /// Issue 9: a hand-over gives the next token, written by the swap
+    /// itself (no extra round), so a later holder elsewhere gets more.
+    #[test]
+    fn a_hand_over_gives_the_next_token_in_the_swap() {
+        let (locks, nodes, _) = client_with(3, fenced());
+        let g = locks.lock("r", TTL).unwrap();
+        let t = g.fencing_token().unwrap();
+        let before = nodes.rounds.load(Ordering::SeqCst);
+        let next = locks.inner.take_over(g.state(), TTL).expect("taken over");
+        std::mem::forget(g);
+        assert_eq!(nodes.rounds.load(Ordering::SeqCst) - before, 1);
+        assert_eq!(next.fence, Some(t + 1));
+        assert!((0..3).all(|i| nodes.fence(i, "r") == Some(t + 1)));
+        locks.inner.release(&next).unwrap();
+        let other = client_over(&nodes, fenced());
+        assert!(other.try_lock("r", TTL).unwrap().fencing_token().unwrap() > t + 1);
+    }
+
+    /// A node that lost its data restarts its counters from its clock: the
+    /// next token is still larger, as long as that clock is not behind the
+    /// clocks that made earlier tokens by more than the time since. The
+    /// README states this assumption; the second half shows it is needed.
+    #[test]
+    fn a_node_that_lost_its_counters_restarts_them_from_its_clock() {
+        let (locks, nodes, _) = client_with(3, fenced());
+        nodes.set_mode(2, Mode::Down);
+        let t1 = locks.try_lock("r", TTL).unwrap().fencing_token().unwrap();
+        nodes.set_mode(2, Mode::Up);
+        // Node 1 loses its data; node 0 is down: nodes 1 and 2 (which never
+        // saw the lock) grant the next one, after the restart hold.
+        nodes.wipe(1);
+        nodes.set_mode(0, Mode::Down);
+        let t2 = locks.lock_timeout("r", TTL, 2 * TTL).unwrap();
+        let t2 = t2.fencing_token().unwrap();
+        assert!(t2 > t1, "{t2} after {t1}");
+        // The same with node 1's and node 2's clocks behind by more than the
+        // time since t2 was granted: the token goes backwards.
+        nodes.set_mode(0, Mode::Up);
+        nodes.wipe(1);
+        nodes.set_mode(0, Mode::Down);
+        nodes.set_clock_offset(1, -60_000_000);
+        nodes.set_clock_offset(2, -60_000_000);
+        // Node 2 kept its counter (t2 was written back there): it still
+        // wins. Wipe it too, as a whole-cluster data loss would.
+        nodes.wipe(2);
+        let t3 = locks.lock_timeout("r", TTL, 2 * TTL).unwrap();
+        let t3 = t3.fencing_token().unwrap();
+        assert!(t3 < t2, "assumption broken: {t3} after {t2}");
     }
 }

@@ -15,8 +15,10 @@ pub(crate) const META_KEY: &str = "quorumlock:meta";
 
 /// `SET NX PX` for every lock key, plus the node's lock history. `KEYS` are
 /// the lock keys then [`META_KEY`]; `ARGV[1]` the TTL in ms, `ARGV[2]` the
-/// longest TTL the client knows of, `ARGV[3..]` the tokens. Answers
-/// `{epoch, age_ms, max_ttl_before, r1, …}` with `ri` 1 (set) or 0 (exists).
+/// longest TTL the client knows of, `ARGV[3]` `1` for a fenced lock (else
+/// `0`), `ARGV[4..]` the tokens. Answers `{epoch, age_ms, max_ttl_before,
+/// r1, …}` with `ri` 0 (exists) or, where set, 1 or (fenced) the key's new
+/// fencing counter (see [`ACQUIRE_LUA`]).
 /// The epoch is rounded up and the current time down, so that the age is
 /// never more than the time the node has really kept its data; an epoch in
 /// the node's future (its clock was stepped back) starts again now. The age
@@ -73,12 +75,26 @@ end
     };
 }
 
-/// Source of [`ACQUIRE`].
+/// Source of [`ACQUIRE`]. A resource's fencing counter is the field
+/// `fence:<resource>` of [`META_KEY`], so that counters disappear exactly
+/// with the lock history (a node that lost its data is held back, and its
+/// counters start again from its clock). A fenced SET moves the counter to
+/// `max(counter + 1, node time in µs)`: it never goes backwards, not even
+/// on a node that lost its data (the floor is the node's clock), and stays
+/// below 2^53 (exact in Lua's numbers) until the year 2255.
 pub(crate) const ACQUIRE_LUA: &str = concat!(
     history_lua!(),
-    r"for i = 1, n do
-  if redis.call('SET', KEYS[i], ARGV[i + 2], 'NX', 'PX', ARGV[1]) then
-    out[i + 3] = 1
+    r"local micros = tonumber(t[1]) * 1000000 + tonumber(t[2])
+for i = 1, n do
+  if redis.call('SET', KEYS[i], ARGV[i + 3], 'NX', 'PX', ARGV[1]) then
+    if ARGV[3] == '1' then
+      local f = 'fence:' .. KEYS[i]
+      local c = math.max((tonumber(redis.call('HGET', meta, f)) or 0) + 1, micros)
+      redis.call('HSET', meta, f, string.format('%.0f', c))
+      out[i + 3] = c
+    else
+      out[i + 3] = 1
+    end
   else
     out[i + 3] = 0
   end
@@ -87,11 +103,13 @@ return out"
 );
 
 /// Hands a held lock to a new critical section: where `KEYS[1]` holds token
-/// `ARGV[4]` or an earlier one of its lineage (a node that missed earlier
-/// swaps), it gets token `ARGV[3]`, atomically, keeping its expiry
-/// (`KEEPTTL` by hand, for Redis before 6). `KEYS[2]` is [`META_KEY`];
-/// `ARGV[1..2]` and the reply's head as [`ACQUIRE`], then one element: `1`
-/// (swapped), `0` (absent) or `-1` (another owner).
+/// `ARGV[5]` or an earlier one of its lineage (a node that missed earlier
+/// swaps), it gets token `ARGV[4]`, atomically, keeping its expiry
+/// (`KEEPTTL` by hand, for Redis before 6), and for a fenced lock its
+/// counter becomes at least `ARGV[3]`, the new section's fencing token (`0`:
+/// not fenced). `KEYS[2]` is [`META_KEY`]; `ARGV[1..2]` and the reply's head
+/// as [`ACQUIRE`], then one element: `1` (swapped), `0` (absent) or `-1`
+/// (another owner).
 pub(crate) static SWAP: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(SWAP_LUA));
 
 /// Source of [`SWAP`].
@@ -101,12 +119,45 @@ pub(crate) const SWAP_LUA: &str = concat!(
     r"local v = redis.call('GET', KEYS[1])
 local left = redis.call('PTTL', KEYS[1])
 out[4] = v and -1 or 0
-if left > 0 and v ~= ARGV[3] and ours(v, ARGV[4]) then
-  redis.call('SET', KEYS[1], ARGV[3], 'PX', left)
+if left > 0 and v ~= ARGV[4] and ours(v, ARGV[5]) then
+  redis.call('SET', KEYS[1], ARGV[4], 'PX', left)
+  if ARGV[3] ~= '0' then
+    local f = 'fence:' .. KEYS[1]
+    if (tonumber(redis.call('HGET', meta, f)) or 0) < tonumber(ARGV[3]) then
+      redis.call('HSET', meta, f, ARGV[3])
+    end
+  end
   out[4] = 1
 end
 return out"
 );
+
+/// A fenced lock's write-back: where `KEYS[i]` still holds exactly token
+/// `ARGV[i + 1]`, its counter (in [`META_KEY`], the last key) becomes at
+/// least `ARGV[1]`, the token granted. Answers as [`RELEASE`]. Because it
+/// only writes where the key is ours, any later holder's `SET` on that
+/// node comes after it, and its counter starts above our token.
+pub(crate) static FENCE: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(FENCE_LUA));
+
+/// Source of [`FENCE`].
+pub(crate) const FENCE_LUA: &str = r"local out = {}
+local meta = KEYS[#KEYS]
+for i = 1, #KEYS - 1 do
+  local key = KEYS[i]
+  local v = redis.call('GET', key)
+  if v == ARGV[i + 1] then
+    local f = 'fence:' .. key
+    if (tonumber(redis.call('HGET', meta, f)) or 0) < tonumber(ARGV[1]) then
+      redis.call('HSET', meta, f, ARGV[1])
+    end
+    out[i] = 1
+  elseif v then
+    out[i] = -1
+  else
+    out[i] = 0
+  end
+end
+return out";
 
 /// Compare-and-delete. `ARGV[1]` is unused (kept so both scripts share one
 /// argument layout). A handed-over lock's token also deletes the earlier
@@ -158,8 +209,8 @@ end
 return out";
 
 /// `SCRIPT LOAD` for every script, packed.
-pub(crate) fn load_commands() -> [Vec<u8>; 4] {
-    [ACQUIRE_LUA, RELEASE_LUA, EXTEND_LUA, SWAP_LUA].map(|code| {
+pub(crate) fn load_commands() -> [Vec<u8>; 5] {
+    [ACQUIRE_LUA, RELEASE_LUA, EXTEND_LUA, SWAP_LUA, FENCE_LUA].map(|code| {
         redis::cmd("SCRIPT")
             .arg("LOAD")
             .arg(code)

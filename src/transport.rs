@@ -59,8 +59,13 @@ pub(crate) fn ours(v: &str, t: &str) -> bool {
 pub(crate) enum Op {
     /// `SET key token NX PX ttl`, in a script that also records `known_max`
     /// (the longest TTL the client knows to be in use) on the node and
-    /// reports the node's [`NodeFacts`].
-    Acquire { ttl: Duration, known_max: Duration },
+    /// reports the node's [`NodeFacts`]. `fenced`: where set, the key's
+    /// fencing counter is advanced and reported in [`Reply::fence`].
+    Acquire {
+        ttl: Duration,
+        known_max: Duration,
+        fenced: bool,
+    },
     /// Delete the key if it holds our token. A node that does not answer is
     /// asked again in the background until `keep_until` (when every key of
     /// the round has expired anyway).
@@ -70,8 +75,17 @@ pub(crate) enum Op {
     /// A held lock handed to a new critical section: where the key holds
     /// our token (or an earlier one of its lineage, see [`ours`]), it gets
     /// the key's `next` token, atomically, keeping its expiry. One key.
-    /// `ttl` is the lock's; records and reports like `Acquire`.
-    Swap { ttl: Duration, known_max: Duration },
+    /// `ttl` is the lock's; records and reports like `Acquire`. `fence`:
+    /// the new section's fencing token, written to the counter where
+    /// swapped (`counter = max(counter, fence)`).
+    Swap {
+        ttl: Duration,
+        known_max: Duration,
+        fence: Option<u64>,
+    },
+    /// A fenced lock's write-back: where the key holds exactly our token,
+    /// its fencing counter becomes at least `value`.
+    Fence { value: u64 },
 }
 
 /// One node's answer for one key.
@@ -104,6 +118,9 @@ pub(crate) struct Reply {
     pub answers: Vec<Answer>,
     /// Present on acquire and swap replies.
     pub facts: Option<NodeFacts>,
+    /// A fenced acquire's counter, where the key was set (fenced acquire
+    /// rounds have one key; with several, the largest).
+    pub fence: Option<u64>,
 }
 
 impl Reply {
@@ -112,6 +129,7 @@ impl Reply {
         Reply {
             answers,
             facts: None,
+            fence: None,
         }
     }
 }

@@ -309,6 +309,15 @@ impl Cluster {
             .count()
     }
 
+    /// The fencing counter of `key` on node `i` (`HGET quorumlock:meta fence:<key>`).
+    pub fn fence(&self, i: usize, key: &str) -> Option<u64> {
+        redis::cmd("HGET")
+            .arg("quorumlock:meta")
+            .arg(format!("fence:{key}"))
+            .query(&mut self.conn(i))
+            .unwrap_or_else(|e| panic!("HGET fence:{key} on node {i}: {e}"))
+    }
+
     /// `DEL key` on node `i`.
     pub fn del(&self, i: usize, key: &str) {
         let _: i64 = redis::cmd("DEL")

@@ -5,6 +5,7 @@
 mod common;
 
 mod degraded;
+mod fencing;
 mod harness;
 mod hostile;
 mod lock;
