@@ -166,6 +166,28 @@ impl Cluster {
         Ok(cluster)
     }
 
+    /// Starts `n` `redis-server` processes whatever the selected backend, node `i` with the
+    /// extra environment `env_for(i)` (e.g. libfaketime's, to move one node's clock).
+    pub fn start_processes(
+        n: usize,
+        env_for: impl Fn(usize) -> Vec<(String, String)>,
+    ) -> Result<Cluster, String> {
+        static PROCESS: OnceLock<Result<Selected, String>> = OnceLock::new();
+        let backend = PROCESS
+            .get_or_init(|| process::probe().map(Selected::Process))
+            .as_ref()
+            .map_err(|e| format!("quorumlock test harness: redis-server is not usable: {e}"))?;
+        let mut cluster = Cluster {
+            backend: Backend::Process,
+            nodes: Vec::with_capacity(n),
+        };
+        for i in 0..n {
+            // On failure, `cluster` drops and removes the nodes already started.
+            cluster.nodes.push(start_node_with(backend, env_for(i))?);
+        }
+        Ok(cluster)
+    }
+
     pub fn backend(&self) -> Backend {
         self.backend
     }
@@ -375,6 +397,14 @@ impl Drop for Cluster {
 }
 
 fn start_node(backend: &'static Selected) -> Result<Node, String> {
+    start_node_with(backend, Vec::new())
+}
+
+/// Starts a node; `extra_env` goes to a process node's redis-server.
+fn start_node_with(
+    backend: &'static Selected,
+    extra_env: Vec<(String, String)>,
+) -> Result<Node, String> {
     let mut last = String::new();
     // A port that was free when checked can be taken before the node binds it: retry with
     // another port.
@@ -383,8 +413,10 @@ fn start_node(backend: &'static Selected) -> Result<Node, String> {
         let r = match backend {
             Selected::Docker(env) => docker::DockerNode::start(env, port)
                 .map(|(d, host)| (NodeImpl::Docker(Box::new(d)), host)),
-            Selected::Process(env) => process::ProcessNode::start(env, port)
-                .map(|p| (NodeImpl::Process(p), "127.0.0.1".to_string())),
+            Selected::Process(env) => {
+                process::ProcessNode::start_with_env(env, port, extra_env.clone())
+                    .map(|p| (NodeImpl::Process(p), "127.0.0.1".to_string()))
+            }
         };
         match r {
             Ok((inner, host)) => {

@@ -89,10 +89,20 @@ pub(crate) struct ProcessNode {
     log: PathBuf,
     pidfile: PathBuf,
     workdir: PathBuf,
+    /// Extra environment for redis-server (e.g. libfaketime's).
+    extra_env: Vec<(String, String)>,
 }
 
 impl ProcessNode {
     pub(crate) fn start(env: &ProcessEnv, port: u16) -> Result<ProcessNode, String> {
+        Self::start_with_env(env, port, Vec::new())
+    }
+
+    pub(crate) fn start_with_env(
+        env: &ProcessEnv,
+        port: u16,
+        extra_env: Vec<(String, String)>,
+    ) -> Result<ProcessNode, String> {
         let stem = format!("{}-{port}", std::process::id());
         let workdir = env.dir.join(format!("{stem}.d"));
         fs::create_dir_all(&workdir)
@@ -105,6 +115,7 @@ impl ProcessNode {
             log: env.dir.join(format!("{stem}.log")),
             pidfile: env.dir.join(format!("{stem}.pid")),
             workdir,
+            extra_env,
         };
         match node.spawn() {
             Ok(()) => Ok(node),
@@ -129,6 +140,7 @@ impl ProcessNode {
             .arg("--dir")
             .arg(&self.workdir)
             .current_dir(&self.workdir)
+            .envs(self.extra_env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log2)

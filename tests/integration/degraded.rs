@@ -102,6 +102,10 @@ fn a_dead_node_costs_no_timeout() {
     }
 }
 
+/// Issue 9's fault suite, scenario 2: a node killed (-9) and started empty while a lock is
+/// held. With restart protection no second holder is granted; without it one is. Clients
+/// are fenced: even the control's second holder gets a larger token, since the restarted
+/// node's counter starts again from its clock.
 #[test]
 fn a_restarted_node_votes_only_after_the_longest_ttl() {
     let c = Cluster::start(3);
@@ -118,6 +122,7 @@ fn a_restarted_node_votes_only_after_the_longest_ttl() {
         Redlock::builder()
             .nodes(c.urls())
             .node_timeout(SLACK)
+            .fencing(true)
             .build()
             .unwrap()
     };
@@ -127,6 +132,7 @@ fn a_restarted_node_votes_only_after_the_longest_ttl() {
         .nodes(c.urls())
         .node_timeout(SLACK)
         .restart_protection(false)
+        .fencing(true)
         .build()
         .unwrap();
     // B and the unprotected client know the nodes and have used this TTL.
@@ -159,7 +165,12 @@ fn a_restarted_node_votes_only_after_the_longest_ttl() {
     assert!(held.is_held(), "A's lock is still valid");
     // Without the rule a client does win it: the hazard is real.
     let stolen = unprotected.lock_timeout(&key, ttl, Duration::from_millis(1500));
-    assert!(stolen.is_ok(), "control client: {stolen:?}");
+    let stolen = stolen.unwrap_or_else(|e| panic!("control client: {e}"));
+    let (first, second) = (held.fencing_token(), stolen.fencing_token());
+    assert!(
+        second > first,
+        "fencing orders the two holders: {second:?} after {first:?}"
+    );
     drop(stolen);
     assert!(
         restarted.elapsed() < ttl,
