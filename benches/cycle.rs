@@ -1,6 +1,7 @@
 //! Lock+unlock latency on 3 and 5 local nodes — healthy, one node dead, one
 //! node paused — against a bare hand-written Redlock on single connections,
-//! plus hot-key contention (8 threads, one key, 5 nodes).
+//! plus hot-key contention (8 threads, one key, 5 nodes), each also with
+//! fencing tokens on.
 //!
 //! ```text
 //! cargo bench --bench cycle                 # everything
@@ -47,6 +48,16 @@ fn client(c: &Cluster) -> Redlock {
     Redlock::builder()
         .fresh_cluster(true)
         .nodes(c.urls())
+        .build()
+        .expect("client")
+}
+
+/// A client whose locks carry fencing tokens (one more round trip each).
+fn fenced_client(c: &Cluster) -> Redlock {
+    Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(c.urls())
+        .fencing(true)
         .build()
         .expect("client")
 }
@@ -237,6 +248,15 @@ fn main() {
             Some(bare.median),
         );
 
+        let fenced = stats(cycles(&fenced_client(&c), &format!("fenced{n}")));
+        row(
+            &mut rows,
+            &format!("{n} nodes healthy, fenced"),
+            &fenced,
+            Some(healthy.median),
+            Some(bare.median),
+        );
+
         c.stop(n - 1);
         let dead = stats(cycles(&client(&c), &format!("dead{n}")));
         row(
@@ -279,6 +299,7 @@ fn main() {
         Duration::from_millis(200),
         run_for,
     );
+    let queued_fenced = contention(&fenced_client(&c), "bench:hot:queued-fenced", TTL, run_for);
     let naive = contention(
         &Redlock::builder()
             .fresh_cluster(true)
@@ -306,6 +327,7 @@ fn main() {
     for (name, r) in [
         ("hot key, local queue", &queued),
         ("hot key, queue, ttl 200 ms", &queued_short),
+        ("hot key, queue, fenced", &queued_fenced),
         ("hot key, naive 100±100 ms", &naive),
         ("hot key, naive 1±1 ms", &tight),
     ] {

@@ -377,7 +377,7 @@ impl Builder {
     /// let guard = locks.lock("lock:sku:42", Duration::from_secs(10))?;
     /// let token = guard.fencing_token().expect("fencing is on");
     /// // UPDATE stock SET qty = qty - 1, last_token = :token
-    /// //  WHERE sku = 42 AND last_token < :token
+    /// //  WHERE sku = 42 AND last_token <= :token
     /// # let _ = token;
     /// # Ok::<(), quorumlock::Error>(())
     /// ```

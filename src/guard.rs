@@ -247,14 +247,22 @@ impl LockGuard {
     /// longest TTL. Renewal keeps it; a hand-over to another thread of this
     /// process gives the next one. Pass it with every write to the
     /// protected storage and have the storage refuse a token lower than the
-    /// last it saw:
+    /// last it saw (`<=`, not `<`: a section may write more than once, and
+    /// two sections never share a token):
     ///
     /// ```sql
     /// UPDATE stock SET qty = qty - 1, last_token = :token
     ///  WHERE sku = :sku AND last_token <= :token
     /// ```
     ///
-    /// Below 2^53, so it also fits a JavaScript number or a double.
+    /// When a write depends on an earlier read, register the token at the
+    /// read too (`SET last_token = max(last_token, :token)`): otherwise a
+    /// stale holder's write can land between a newer holder's read and
+    /// write, and be overwritten.
+    ///
+    /// Tokens start from the nodes' clocks in microseconds (about 1.8e15
+    /// today): below 2^53, so they fit a signed 64-bit SQL integer
+    /// (`i64::try_from`), a double or a JavaScript number.
     pub fn fencing_token(&self) -> Option<u64> {
         self.state.fence
     }

@@ -194,7 +194,7 @@ fn naive_attempt(c: &Cluster, key: &str, token: &str, ttl: Duration) -> bool {
             set_on.push(i);
         }
     }
-    if set_on.len() >= c.len() / 2 + 1 {
+    if set_on.len() > c.len() / 2 {
         return true;
     }
     for i in set_on {
