@@ -147,7 +147,9 @@ impl Redlock {
     ///
     /// Waits at most `retry_count × (retry_delay + retry_jitter +
     /// node_timeout)` in all (750 ms with the defaults), queueing behind
-    /// threads of this process included, plus at most one node timeout.
+    /// threads of this process included, plus at most one node timeout
+    /// (three with [`fencing`](Builder::fencing): the last attempt's
+    /// write-back round and, if that fails, its release).
     ///
     /// # Errors
     /// As [`try_lock`](Self::try_lock).
