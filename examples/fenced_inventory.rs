@@ -190,16 +190,7 @@ fn main() {
 }
 
 fn run() -> Result<()> {
-    let (cluster, urls): (_, Vec<String>) = match std::env::var("REDLOCK_NODES") {
-        Ok(list) if !list.trim().is_empty() => {
-            (None, list.split(',').map(|s| s.trim().to_owned()).collect())
-        }
-        _ => {
-            let c = common::Cluster::try_start(3)?;
-            let urls = c.urls();
-            (Some(c), urls)
-        }
-    };
+    let (urls, cluster) = common::example_nodes(3)?;
     // Our own throwaway nodes are brand new: trust their empty lock history.
     let fresh = cluster.is_some();
     let nanos = SystemTime::now().duration_since(UNIX_EPOCH)?.as_nanos();

@@ -91,16 +91,7 @@ fn main() {
 }
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {
-    let (_cluster, urls) = match std::env::var("REDLOCK_NODES") {
-        Ok(list) if !list.trim().is_empty() => {
-            (None, list.split(',').map(|s| s.trim().to_owned()).collect())
-        }
-        _ => {
-            let c = common::Cluster::try_start(3)?;
-            let urls = c.urls();
-            (Some(c), urls)
-        }
-    };
+    let (urls, _cluster) = common::example_nodes(3)?;
     let sku = format!("sku-{}", std::process::id());
     let repository = Arc::new(InventoryRepository::default());
     repository.update_stock(&sku, 20);

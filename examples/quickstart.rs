@@ -25,28 +25,7 @@ fn main() {
 }
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {
-    let configured = std::env::var("REDLOCK_NODES")
-        .ok()
-        .filter(|s| !s.trim().is_empty());
-    let (urls, cluster) = match configured {
-        Some(list) => {
-            let urls: Vec<String> = list.split(',').map(|s| s.trim().to_owned()).collect();
-            println!("using REDLOCK_NODES: {urls:?}");
-            (urls, None)
-        }
-        None => {
-            println!("REDLOCK_NODES not set: starting 3 throwaway Redis nodes...");
-            let t = Instant::now();
-            let cluster = common::Cluster::try_start(3)?;
-            println!(
-                "  started with the {:?} backend in {:?}: {:?}",
-                cluster.backend(),
-                t.elapsed(),
-                cluster.urls()
-            );
-            (cluster.urls(), Some(cluster))
-        }
-    };
+    let (urls, cluster) = common::example_nodes(3)?;
 
     // Our own throwaway nodes are brand new: trust their (empty) lock history
     // at once instead of waiting one TTL, as a restarted cluster would need.

@@ -457,6 +457,30 @@ pub fn shared() -> Arc<Cluster> {
     c
 }
 
+/// For the examples: the nodes in `REDLOCK_NODES` (comma-separated URLs) or, when it is unset,
+/// `n` throwaway nodes started here, returned too so that they live as long as the caller
+/// keeps them (they are removed when dropped). Says which on stdout.
+pub fn example_nodes(n: usize) -> Result<(Vec<String>, Option<Cluster>), String> {
+    let configured = std::env::var("REDLOCK_NODES")
+        .ok()
+        .filter(|s| !s.trim().is_empty());
+    if let Some(list) = configured {
+        let urls: Vec<String> = list.split(',').map(|s| s.trim().to_owned()).collect();
+        println!("using REDLOCK_NODES: {urls:?}");
+        return Ok((urls, None));
+    }
+    println!("REDLOCK_NODES not set: starting {n} throwaway Redis nodes...");
+    let t = Instant::now();
+    let cluster = Cluster::try_start(n)?;
+    println!(
+        "  started with the {:?} backend in {:?}: {:?}",
+        cluster.backend(),
+        t.elapsed(),
+        cluster.urls()
+    );
+    Ok((cluster.urls(), Some(cluster)))
+}
+
 /// A key unique per call and per process: `test:{name}:{pid}:{counter}:{nanos}`.
 pub fn unique_key(name: &str) -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
