@@ -328,9 +328,10 @@ fn late_reply(
     Ok(())
 }
 
-/// Whether an acquire reply says some key was set.
+/// Whether an acquire or swap reply says some key was set: `1`, or a
+/// fenced acquire's counter.
 fn acquired_any(v: &Value) -> bool {
-    matches!(v, Value::Array(items) if items.iter().skip(3).any(|x| *x == Value::Int(1)))
+    matches!(v, Value::Array(items) if items.iter().skip(3).any(|x| matches!(x, Value::Int(c) if *c > 0)))
 }
 
 /// Starts the node's release-retry job unless it is already scheduled.
@@ -1096,7 +1097,7 @@ impl Encoded {
             .iter()
             .map(|v| match (int(v), acquire) {
                 (Some(1), _) if !fenced => Ok(Answer::Ok),
-                (Some(c), true) if fenced && c > 0 => {
+                (Some(c), true) if fenced && c > 0 && c.unsigned_abs() <= scripts::FENCE_LIMIT => {
                     fence = fence.max(u64::try_from(c).ok());
                     Ok(Answer::Ok)
                 }

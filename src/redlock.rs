@@ -474,6 +474,8 @@ impl Inner {
             results
         };
         let elapsed = self.clock.now().saturating_duration_since(start);
+        let nodes = results.len();
+        let taken = Tally::of(&results, 0).other;
         let outcome = if results.is_empty() {
             Err(Error::Expired)
         } else {
@@ -493,8 +495,11 @@ impl Inner {
             Err(e) => {
                 debug!("lock {:?}: fencing token not recorded: {e}", state.resource);
                 let _ = self.release(state);
+                // As an acquire would say it: too many nodes failed, another
+                // owner has the key, or the lock ran out of time.
                 Err(match e {
                     e @ Error::NoQuorum { .. } => e,
+                    Error::NotOwner { .. } => Error::Taken { held: taken, nodes },
                     _ => Error::ValidityExhausted {
                         elapsed: self.clock.now().saturating_duration_since(timing.since),
                         ttl: timing.ttl,
@@ -513,11 +518,19 @@ impl Inner {
     /// [`node_timeout`](crate::Builder::node_timeout) of validity left. On
     /// any failure the old lock (and any new token) is deleted: the caller
     /// then locks anew.
-    fn take_over(&self, baton: &LockState, ttl: Duration) -> Result<LockState> {
+    pub(crate) fn take_over(&self, baton: &LockState, ttl: Duration) -> Result<LockState> {
         let start = self.clock.now();
         let timing = baton.timing();
         let time_left = timing.deadline.saturating_duration_since(start);
-        if baton.is_lost() || timing.ttl != ttl || time_left < self.settings.node_timeout {
+        // A fenced baton's next token must stay exact in the scripts.
+        let exhausted = baton
+            .fence
+            .is_some_and(|f| f >= crate::scripts::FENCE_LIMIT);
+        if baton.is_lost()
+            || timing.ttl != ttl
+            || time_left < self.settings.node_timeout
+            || exhausted
+        {
             let _ = self.release(baton);
             return Err(Error::Expired);
         }
@@ -544,7 +557,7 @@ impl Inner {
         };
         // The next section's fencing token: the swap writes it wherever it
         // swaps, so it is its own write-back.
-        let fence = baton.fence.map(|f| f.saturating_add(1));
+        let fence = baton.fence.map(|f| f + 1);
         let op = Op::Swap {
             ttl,
             known_max: known.max(ttl),

@@ -75,16 +75,33 @@ end
     };
 }
 
+/// The largest fencing counter: Lua's numbers are doubles, exact only up
+/// to 2^53, so a counter past it could round `+ 1` away (two sections with
+/// one token). A fenced acquire meeting a counter at this limit, or a node
+/// clock within 2^40 µs (12 days) of it, in the year 2255, fails with an
+/// error instead.
+pub(crate) const FENCE_LIMIT: u64 = (1 << 53) - 1;
+
 /// Source of [`ACQUIRE`]. A resource's fencing counter is the field
 /// `fence:<resource>` of [`META_KEY`], so that counters disappear exactly
 /// with the lock history (a node that lost its data is held back, and its
 /// counters start again from its clock). A fenced SET moves the counter to
 /// `max(counter + 1, node time in µs)`: it never goes backwards, not even
-/// on a node that lost its data (the floor is the node's clock), and stays
-/// below 2^53 (exact in Lua's numbers) until the year 2255.
+/// on a node that lost its data (the floor is the node's clock), and never
+/// passes [`FENCE_LIMIT`] (the script refuses first, before any SET).
 pub(crate) const ACQUIRE_LUA: &str = concat!(
     history_lua!(),
     r"local micros = tonumber(t[1]) * 1000000 + tonumber(t[2])
+if ARGV[3] == '1' then
+  if micros >= 9007199254740991 - 1099511627776 then
+    return redis.error_reply('ERR quorumlock: the node clock is past the year 2255; fencing tokens must stay below 2^53')
+  end
+  for i = 1, n do
+    if (tonumber(redis.call('HGET', meta, 'fence:' .. KEYS[i])) or 0) >= 9007199254740991 then
+      return redis.error_reply('ERR quorumlock: this resource\'s fencing counter is at its limit, 2^53 - 1')
+    end
+  end
+end
 for i = 1, n do
   if redis.call('SET', KEYS[i], ARGV[i + 3], 'NX', 'PX', ARGV[1]) then
     if ARGV[3] == '1' then

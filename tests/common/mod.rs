@@ -457,6 +457,74 @@ pub fn shared() -> Arc<Cluster> {
     c
 }
 
+/// Builds `tests/common/clockshift.c`, the LD_PRELOAD shim that moves one redis-server's
+/// wall clock (libfaketime deadlocks with redis-server's jemalloc: wolfcw/libfaketime#130).
+/// Panics, naming what is missing, when gcc cannot build it: clock tests are never skipped.
+pub fn clockshift_lib() -> std::path::PathBuf {
+    static LIB: OnceLock<std::path::PathBuf> = OnceLock::new();
+    LIB.get_or_init(|| {
+        let src =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/common/clockshift.c");
+        let out =
+            std::env::temp_dir().join(format!("quorumlock-clockshift-{}.so", std::process::id()));
+        let status = Command::new("gcc")
+            .args(["-shared", "-fPIC", "-O2", "-o"])
+            .arg(&out)
+            .arg(&src)
+            .status()
+            .unwrap_or_else(|e| panic!("clock tests need gcc to build {}: {e}", src.display()));
+        assert!(
+            status.success(),
+            "gcc could not build {}: {status}",
+            src.display()
+        );
+        out
+    })
+    .clone()
+}
+
+/// One node's wall-clock offset, read by the clock shim through a shared mapping of a file.
+/// Start the node with [`ClockOffset::env`]; the file is removed on drop.
+pub struct ClockOffset(std::path::PathBuf);
+
+impl ClockOffset {
+    pub fn new() -> ClockOffset {
+        let path = std::env::temp_dir().join(format!("{}.offset", unique_key("clock")));
+        std::fs::write(&path, 0i64.to_le_bytes()).expect("offset file");
+        ClockOffset(path)
+    }
+
+    /// The environment that runs a redis-server under the shim, reading this offset.
+    pub fn env(&self) -> Vec<(String, String)> {
+        vec![
+            ("LD_PRELOAD".into(), clockshift_lib().display().to_string()),
+            ("QL_CLOCK_OFFSET_FILE".into(), self.0.display().to_string()),
+        ]
+    }
+
+    /// Steps the node's wall clock to `micros` from real time (in place: the file is mapped).
+    pub fn set_micros(&self, micros: i64) {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&self.0)
+            .expect("offset file");
+        f.write_all_at(&micros.to_le_bytes(), 0)
+            .expect("write offset");
+    }
+
+    /// Steps the node's wall clock to `secs` from real time.
+    pub fn set(&self, secs: i64) {
+        self.set_micros(secs.saturating_mul(1_000_000));
+    }
+}
+
+impl Drop for ClockOffset {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 /// For the examples: the nodes in `REDLOCK_NODES` (comma-separated URLs) or, when it is unset,
 /// `n` throwaway nodes started here, returned too so that they live as long as the caller
 /// keeps them (they are removed when dropped). Says which on stdout.

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use quorumlock::Redlock;
 
-use crate::common::{shared, unique_key, Cluster};
+use crate::common::{shared, unique_key, ClockOffset, Cluster};
 
 const TTL: Duration = Duration::from_secs(5);
 const SLACK: Duration = Duration::from_millis(250);
@@ -351,60 +351,6 @@ fn nodes_paused_and_resumed_mid_round_cause_no_overlap_and_leave_no_key() {
     );
 }
 
-/// Builds `tests/common/clockshift.c`, the LD_PRELOAD shim that moves one redis-server's
-/// wall clock (libfaketime deadlocks with redis-server's jemalloc: wolfcw/libfaketime#130).
-/// Panics, naming what is missing, when gcc cannot build it: this test is never skipped.
-fn clockshift_lib() -> std::path::PathBuf {
-    static LIB: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
-    LIB.get_or_init(|| {
-        let src =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/common/clockshift.c");
-        let out =
-            std::env::temp_dir().join(format!("quorumlock-clockshift-{}.so", std::process::id()));
-        let status = std::process::Command::new("gcc")
-            .args(["-shared", "-fPIC", "-O2", "-o"])
-            .arg(&out)
-            .arg(&src)
-            .status()
-            .unwrap_or_else(|e| panic!("scenario 4 needs gcc to build {}: {e}", src.display()));
-        assert!(
-            status.success(),
-            "gcc could not build {}: {status}",
-            src.display()
-        );
-        out
-    })
-    .clone()
-}
-
-/// One node's wall-clock offset, read by the shim through a shared mapping of this file.
-struct ClockOffset(std::path::PathBuf);
-
-impl ClockOffset {
-    fn new() -> ClockOffset {
-        let path = std::env::temp_dir().join(format!("{}.offset", unique_key("clock")));
-        std::fs::write(&path, 0i64.to_le_bytes()).expect("offset file");
-        ClockOffset(path)
-    }
-
-    /// Steps the node's wall clock to `secs` from real time (in place: the file is mapped).
-    fn set(&self, secs: i64) {
-        use std::os::unix::fs::FileExt;
-        let f = std::fs::OpenOptions::new()
-            .write(true)
-            .open(&self.0)
-            .expect("offset file");
-        f.write_all_at(&(secs * 1_000_000).to_le_bytes(), 0)
-            .expect("write offset");
-    }
-}
-
-impl Drop for ClockOffset {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
 /// Scenario 4: one node's wall clock jumps (an NTP step), on a redis-server process run
 /// under the clock shim. Redlock assumes clocks that run at about the same rate; what a
 /// jump does, and what the README promises:
@@ -418,18 +364,8 @@ impl Drop for ClockOffset {
 #[test]
 fn a_clock_jump_on_one_node_is_survived_by_a_full_lock_and_fenced_on_a_bare_majority() {
     let offset = ClockOffset::new();
-    let lib = clockshift_lib();
-    let c = Cluster::start_processes(3, |i| match i {
-        0 => vec![
-            ("LD_PRELOAD".into(), lib.display().to_string()),
-            (
-                "QL_CLOCK_OFFSET_FILE".into(),
-                offset.0.display().to_string(),
-            ),
-        ],
-        _ => Vec::new(),
-    })
-    .unwrap_or_else(|e| panic!("{e}"));
+    let c = Cluster::start_processes(3, |i| if i == 0 { offset.env() } else { Vec::new() })
+        .unwrap_or_else(|e| panic!("{e}"));
     let (a, b) = (fenced(&c.urls()), fenced(&c.urls()));
     for l in [&a, &b] {
         drop(l.lock(&unique_key("warm"), TTL).expect("warm-up"));

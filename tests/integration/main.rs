@@ -6,6 +6,7 @@ mod common;
 
 mod degraded;
 mod fencing;
+mod fencing_hostile;
 mod harness;
 mod hostile;
 mod lock;

@@ -1,0 +1,464 @@
+//! Hostile checks of the fencing tokens (issue 9) against real Redis nodes: what a
+//! reviewer with a brief to break them tried. The first two were defects (counters past
+//! 2^53, where Lua's doubles round `+ 1` away, tied and went backwards); the rest held.
+
+use std::sync::{Arc, Barrier, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use quorumlock::Redlock;
+
+use crate::common::faults::{Blackhole, WritePause};
+use crate::common::{shared, unique_key, wait_until, ClockOffset, Cluster};
+use crate::fencing::fenced;
+
+const TTL: Duration = Duration::from_secs(5);
+const TWO_53: u64 = 1 << 53;
+
+/// `HSET quorumlock:meta fence:<key> <value>` on node `i`.
+fn set_counter(c: &Cluster, i: usize, key: &str, value: u64) {
+    let _: i64 = redis::cmd("HSET")
+        .arg("quorumlock:meta")
+        .arg(format!("fence:{key}"))
+        .arg(value.to_string())
+        .query(&mut c.conn(i))
+        .expect("HSET");
+}
+
+/// A hand-over: `locks` takes `key`, a second thread of the same client queues for it,
+/// the holder releases (which hands the lock over). Returns (holder's token, receiver's).
+fn hand_over(locks: &Redlock, key: &str) -> (u64, u64) {
+    let first = locks.lock(key, TTL).expect("holder locks");
+    let t = first.fencing_token().expect("fenced");
+    let ready = Arc::new(Barrier::new(2));
+    let waiter = {
+        let (locks, key, ready) = (locks.clone(), key.to_owned(), ready.clone());
+        std::thread::spawn(move || {
+            ready.wait();
+            let g = locks
+                .lock_timeout(&key, TTL, Duration::from_secs(5))
+                .expect("handed over");
+            let t = g.fencing_token().expect("fenced");
+            g.release().expect("release");
+            t
+        })
+    };
+    ready.wait();
+    std::thread::sleep(Duration::from_millis(100)); // the waiter queues
+    first.release().expect("hand over");
+    (t, waiter.join().expect("waiter"))
+}
+
+/// Runs the same schedule on `key` and returns every token in the order the sections
+/// held the lock: three fresh locks alternating between two clients, one hand-over, and a
+/// fresh lock by the other client after it.
+fn schedule(a: &Redlock, b: &Redlock, key: &str) -> Vec<(&'static str, u64)> {
+    let mut tokens = Vec::new();
+    for i in 0..4 {
+        let (who, l) = if i % 2 == 0 { ("A", a) } else { ("B", b) };
+        let g = l
+            .lock_timeout(key, TTL, Duration::from_secs(5))
+            .expect("free key");
+        tokens.push((who, g.fencing_token().expect("fenced")));
+        g.release().expect("release");
+    }
+    let (held, next) = hand_over(a, key);
+    tokens.push(("A holds", held));
+    tokens.push(("A hands over", next));
+    let g = b
+        .lock_timeout(key, TTL, Duration::from_secs(5))
+        .expect("free key");
+    tokens.push(("B after", g.fencing_token().expect("fenced")));
+    g.release().expect("release");
+    tokens
+}
+
+/// Every pair of consecutive sections whose token did not grow.
+fn not_increasing(tokens: &[(&'static str, u64)]) -> Vec<String> {
+    tokens
+        .windows(2)
+        .filter(|w| w[1].1 <= w[0].1)
+        .map(|w| format!("{} {} then {} {}", w[0].0, w[0].1, w[1].0, w[1].1))
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------
+// Counters at the limit of exact Lua numbers
+
+/// Review of issue 9: counters are Lua doubles. Planted just past 2^53, `counter + 1`
+/// rounded back to `counter`: two sections got one token (the README's `<=` check then
+/// lets the stale one write) and a hand-over's `T + 1` was not recorded. Now a fenced
+/// acquire meeting a counter at the limit fails with an error that says so, and never ties.
+#[test]
+fn a_counter_at_the_limit_of_exact_numbers_refuses_instead_of_tying() {
+    let c = shared();
+    let key = unique_key("fence-2p53");
+    for i in 0..c.len() {
+        set_counter(&c, i, &key, TWO_53 + 4);
+    }
+    match fenced(&c.urls()).try_lock(&key, TTL) {
+        Err(quorumlock::Error::NoQuorum { failures, .. }) => {
+            // A majority said why (the round settles without the last node).
+            let said = failures
+                .iter()
+                .filter(|f| {
+                    f.kind() == quorumlock::NodeErrorKind::Server
+                        && f.to_string().contains("at its limit")
+                })
+                .count();
+            assert!(said >= 2, "{failures:?}");
+        }
+        other => panic!("a token past 2^53 cannot be exact: {other:?}"),
+    }
+    assert!(
+        c.gone_everywhere(&key, Duration::from_secs(1)),
+        "no SET ran"
+    );
+}
+
+/// The same, reached through the API: node 0's wall clock runs ~230 years ahead (the
+/// clock shim of the fault suite's scenario 4) while fenced locks are taken, then steps
+/// back. Node 0 refuses fenced acquires while its clock is past the year 2255 (its counter
+/// would pass 2^53), nodes 1 and 2 grant them, and tokens keep growing once the clock is
+/// right again.
+#[test]
+fn a_node_clock_past_2255_is_refused_and_tokens_keep_growing() {
+    let offset = ClockOffset::new();
+    let c = Cluster::start_processes(3, |i| if i == 0 { offset.env() } else { Vec::new() })
+        .unwrap_or_else(|e| panic!("{e}"));
+    let now_us = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as i64;
+    // Node 0's clock: 2^53 µs + ~12 days (mid-2255).
+    offset.set_micros((TWO_53 as i64) + (1 << 40) - now_us);
+    let (a, b) = (fenced(&c.urls()), fenced(&c.urls()));
+    let key = unique_key("fence-2255");
+    let g = a.lock(&key, TTL).expect("nodes 1 and 2 grant it");
+    let t0 = g.fencing_token().unwrap();
+    assert!(t0 < TWO_53, "{t0}");
+    assert_eq!(c.get(0, &key), None, "node 0 refused before its SET");
+    g.release().unwrap();
+    // NTP fixes node 0's clock.
+    offset.set(0);
+    let mut tokens = vec![("A (node 0's clock ahead)", t0)];
+    tokens.extend(schedule(&a, &b, &key));
+    let bad = not_increasing(&tokens);
+    assert!(
+        bad.is_empty(),
+        "tokens in holding order {tokens:?}: not increasing: {bad:?}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Attacks that held up
+
+/// 2 clients × 16 threads on one hot key: hand-overs inside each client, fresh locks
+/// across them. Each section checks, while it still holds the lock, that its token is
+/// above the previous section's (a mutex taken inside the section: sections do not
+/// overlap, so the mutex order is the holding order), and no token repeats.
+#[test]
+fn thirty_two_threads_on_one_hot_key_get_tokens_in_holding_order() {
+    let c = shared();
+    let key = unique_key("fence-hot32");
+    let clients: Vec<Redlock> = (0..2).map(|_| fenced(&c.urls())).collect();
+    // (largest token so far, violations, every token)
+    type Seen = (u64, Vec<String>, Vec<u64>);
+    let last: Arc<Mutex<Seen>> = Arc::default();
+    let ttl = Duration::from_secs(3);
+    std::thread::scope(|s| {
+        for t in 0..32 {
+            let (l, key, last) = (clients[t % 2].clone(), key.clone(), last.clone());
+            s.spawn(move || {
+                for _ in 0..6 {
+                    let g = l
+                        .lock_timeout(&key, ttl, Duration::from_secs(60))
+                        .expect("a turn within 60 s");
+                    let tok = g.fencing_token().unwrap();
+                    {
+                        let mut st = last.lock().unwrap();
+                        assert!(g.is_held(), "still held at the check");
+                        if tok <= st.0 {
+                            let msg = format!("thread {t}: {tok} after {}", st.0);
+                            st.1.push(msg);
+                        }
+                        st.0 = st.0.max(tok);
+                        st.2.push(tok);
+                    }
+                    std::thread::sleep(Duration::from_micros(300));
+                    g.release().expect("release");
+                }
+            });
+        }
+    });
+    let (_, bad, mut all) = std::mem::take(&mut *last.lock().unwrap());
+    assert!(bad.is_empty(), "tokens out of holding order: {bad:?}");
+    let n = all.len();
+    all.sort_unstable();
+    all.dedup();
+    assert_eq!(all.len(), n, "a token was given to two sections");
+    assert_eq!(n, 32 * 6);
+}
+
+/// A node under `CLIENT PAUSE … WRITE` from before the client starts: every fenced lock
+/// is granted without waiting for it, tokens grow, and once writes resume no key is left.
+#[test]
+fn a_write_paused_node_from_client_start_costs_fenced_locks_nothing() {
+    let c = Cluster::start(3);
+    let pause = WritePause::start(&c, 2, Duration::from_secs(30));
+    let locks = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(c.urls())
+        .node_timeout(Duration::from_millis(200))
+        .fencing(true)
+        .build()
+        .unwrap();
+    let key = unique_key("fence-wpause");
+    let mut last = 0;
+    for i in 0..20 {
+        let t = Instant::now();
+        let g = locks.lock(&key, TTL).expect("nodes 0 and 1");
+        let took = t.elapsed();
+        let tok = g.fencing_token().unwrap();
+        assert!(tok > last, "{tok} after {last}");
+        last = tok;
+        if i > 0 {
+            assert!(took < Duration::from_millis(150), "lock {i} took {took:?}");
+        }
+        g.release().unwrap();
+    }
+    drop(pause);
+    assert!(
+        c.gone_everywhere(&key, Duration::from_secs(3)),
+        "left on node 2: {:?}",
+        c.get(2, &key)
+    );
+    let g = fenced(&c.urls()).lock(&key, TTL).unwrap();
+    assert!(g.fencing_token().unwrap() > last);
+}
+
+/// A node that accepts TCP and never answers, from client start: locks are granted at
+/// the pace of the two good nodes, with growing tokens.
+#[test]
+fn a_hung_node_from_client_start_costs_fenced_locks_nothing() {
+    let c = shared();
+    let hole = Blackhole::start();
+    let locks = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes([c.url(0), c.url(1), hole.url()])
+        .node_timeout(Duration::from_millis(200))
+        .fencing(true)
+        .build()
+        .unwrap();
+    let key = unique_key("fence-hole");
+    let mut last = 0;
+    let t = Instant::now();
+    for _ in 0..20 {
+        let g = locks.lock(&key, TTL).expect("nodes 0 and 1");
+        let tok = g.fencing_token().unwrap();
+        assert!(tok > last, "{tok} after {last}");
+        last = tok;
+        g.release().unwrap();
+    }
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+}
+
+/// SCRIPT FLUSH on every node between the acquire and the hand-over, and between the
+/// hand-over and a fresh lock: tokens still grow.
+#[test]
+fn tokens_grow_across_script_flushes() {
+    let c = Cluster::start(3);
+    let flush = || {
+        for i in 0..3 {
+            let _: () = redis::cmd("SCRIPT")
+                .arg("FLUSH")
+                .query(&mut c.conn(i))
+                .unwrap();
+        }
+    };
+    let (a, b) = (fenced(&c.urls()), fenced(&c.urls()));
+    let key = unique_key("fence-flush");
+    flush();
+    let (t, next) = {
+        let first = a.lock(&key, TTL).unwrap();
+        let t = first.fencing_token().unwrap();
+        flush();
+        let waiter = {
+            let (a, key) = (a.clone(), key.clone());
+            std::thread::spawn(move || {
+                let g = a.lock_timeout(&key, TTL, Duration::from_secs(5)).unwrap();
+                g.fencing_token().unwrap()
+            })
+        };
+        std::thread::sleep(Duration::from_millis(100));
+        first.release().unwrap();
+        (t, waiter.join().unwrap())
+    };
+    assert_eq!(next, t + 1);
+    flush();
+    let g = b.lock_timeout(&key, TTL, Duration::from_secs(5)).unwrap();
+    assert!(g.fencing_token().unwrap() > next);
+}
+
+/// Node 2 is frozen (SIGSTOP) through four hand-overs, resumes, then node 0 dies: the
+/// next holder is granted by node 1 and node 2 (which missed every swap), and its token is
+/// above the last hand-over's.
+#[test]
+fn a_node_that_missed_several_swaps_still_orders_the_next_token() {
+    let c = Cluster::start(3);
+    let locks = fenced(&c.urls());
+    let key = unique_key("fence-missed");
+    drop(locks.lock(&unique_key("warm"), TTL).unwrap());
+    c.pause(2);
+    let holder = locks.lock(&key, TTL).expect("nodes 0 and 1");
+    let mut last = holder.fencing_token().unwrap();
+    let mut holder = Some(holder);
+    for _ in 0..4 {
+        let (l, k) = (locks.clone(), key.clone());
+        let (tx, rx) = std::sync::mpsc::channel();
+        let w = std::thread::spawn(move || {
+            let g = l.lock_timeout(&k, TTL, Duration::from_secs(5)).unwrap();
+            let t = g.fencing_token().unwrap();
+            tx.send(()).unwrap();
+            // Keep it until the main thread hands it on.
+            (g, t)
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        holder.take().unwrap().release().unwrap();
+        rx.recv().unwrap();
+        let (g, t) = w.join().unwrap();
+        assert_eq!(t, last + 1);
+        last = t;
+        holder = Some(g);
+    }
+    c.unpause(2);
+    drop(holder);
+    c.stop(0);
+    let b = fenced(&[c.url(0), c.url(1), c.url(2)]);
+    let g = b
+        .lock_timeout(&key, TTL, Duration::from_secs(10))
+        .expect("nodes 1 and 2");
+    assert!(
+        g.fencing_token().unwrap() > last,
+        "{:?} after {last}",
+        g.fencing_token()
+    );
+}
+
+/// Production settings (restart protection, no fresh-cluster trust), equal clocks: a
+/// node restarted empty while a lock is held on a bare majority; the next holder, granted
+/// by it and a node that never saw the lock once the hold is over, gets a larger token.
+#[test]
+fn a_node_restarted_empty_gives_a_larger_token_after_its_hold() {
+    let c = Cluster::start(3);
+    let ttl = Duration::from_secs(1);
+    let client = || {
+        Redlock::builder()
+            .nodes(c.urls())
+            .node_timeout(Duration::from_millis(250))
+            .max_ttl(Duration::from_secs(2))
+            .fencing(true)
+            .build()
+            .unwrap()
+    };
+    let a = client();
+    let key = unique_key("fence-restart");
+    c.stop(2);
+    let g = a
+        .lock_timeout(&key, ttl, Duration::from_secs(10))
+        .expect("nodes 0 and 1 once their history is old enough");
+    let t = g.fencing_token().unwrap();
+    c.restart(1);
+    c.stop(0);
+    c.restart(2);
+    let b = client();
+    match b.try_lock(&key, ttl) {
+        Err(e) => assert!(e.is_retryable(), "{e}"),
+        Ok(_) => panic!("two young nodes granted at once"),
+    }
+    let gb = b
+        .lock_timeout(&key, ttl, Duration::from_secs(10))
+        .expect("after the hold");
+    assert!(gb.fencing_token().unwrap() > t);
+    std::mem::forget(g);
+}
+
+/// Renewal keeps the token and does not move the counters; extending by hand too.
+#[test]
+fn renewal_keeps_the_token_and_the_counters() {
+    let c = shared();
+    let key = unique_key("fence-renew");
+    let locks = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(c.urls())
+        .auto_renew(true)
+        .fencing(true)
+        .build()
+        .unwrap();
+    let ttl = Duration::from_millis(400);
+    let g = locks.lock(&key, ttl).unwrap();
+    let t = g.fencing_token().unwrap();
+    // A node whose SET came in after the round settled may hold a larger counter of its
+    // own (its clock read later): only renewal's effect is checked.
+    std::thread::sleep(Duration::from_millis(50));
+    let before: Vec<Option<u64>> = (0..3).map(|i| c.fence(i, &key)).collect();
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(g.is_held() && !g.is_lost());
+    g.extend(ttl).unwrap();
+    assert_eq!(g.fencing_token(), Some(t));
+    let after: Vec<Option<u64>> = (0..3).map(|i| c.fence(i, &key)).collect();
+    assert_eq!(before, after, "renewals moved the counters");
+    g.release().unwrap();
+    let g = fenced(&c.urls()).lock(&key, TTL).unwrap();
+    assert!(g.fencing_token().unwrap() > t);
+}
+
+/// Validity runs out during the write-back: node 2 is down, node 1 answers 50 ms late (a
+/// delaying proxy), the TTL is 100 ms. The acquire round leaves 47 ms of validity, the
+/// write-back needs 50: no guard, a retryable error from every attempt of lock(), and the
+/// key is gone from the nodes afterwards.
+#[test]
+fn validity_running_out_during_the_write_back_grants_nothing() {
+    let c = Cluster::start(3);
+    let slow = crate::common::faults::DelayProxy::start(&c.url(1), Duration::from_millis(50));
+    let locks = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes([c.url(0), slow.url(), c.url(2)])
+        .node_timeout(Duration::from_millis(200))
+        .fencing(true)
+        .build()
+        .unwrap();
+    drop(locks.lock(&unique_key("warm"), TTL).unwrap());
+    c.stop(2);
+    let key = unique_key("fence-late-wb");
+    match locks.lock(&key, Duration::from_millis(100)) {
+        Ok(g) => panic!(
+            "granted with {:?} of validity left, token {:?}",
+            g.validity(),
+            g.fencing_token()
+        ),
+        Err(e) => assert!(e.is_retryable(), "{e:?}"),
+    }
+    assert!(
+        wait_until(Duration::from_secs(1), || (0..2)
+            .all(|i| c.get(i, &key).is_none())),
+        "key left behind: {:?} {:?}",
+        c.get(0, &key),
+        c.get(1, &key)
+    );
+}
+
+/// Extreme inputs with fencing: the longest TTL, an unbounded wait.
+#[test]
+fn extreme_inputs_with_fencing() {
+    let c = shared();
+    let locks = fenced(&c.urls());
+    let key = unique_key("fence-huge");
+    let g = locks
+        .lock_timeout(&key, quorumlock::MAX_TTL, Duration::MAX)
+        .unwrap();
+    let t = g.fencing_token().unwrap();
+    assert!(t < TWO_53);
+    g.release().unwrap();
+    assert!(locks.lock(&key, Duration::MAX).is_err());
+    assert!(c.gone_everywhere(&key, Duration::from_secs(1)));
+}
