@@ -1234,6 +1234,18 @@ mod tests {
         packed.split("\r\n").nth(4).unwrap_or_default().to_owned()
     }
 
+    /// Review of issue 9: a fenced acquire answers a set key with its
+    /// counter, not 1; a late reply must still be seen as "set" (so that a
+    /// lock released meanwhile is deleted again behind it).
+    #[test]
+    fn a_late_fenced_set_is_seen_as_set() {
+        let reply = |r: i64| Value::Array([1, 2, 3, r].map(Value::Int).to_vec());
+        assert!(acquired_any(&reply(1)));
+        assert!(acquired_any(&reply(1_796_000_000_000_000)));
+        assert!(!acquired_any(&reply(0)), "exists");
+        assert!(!acquired_any(&reply(-1)), "another owner (swap)");
+    }
+
     #[test]
     fn millis_round_up_and_never_zero() {
         assert_eq!(millis_ceil(Duration::from_micros(1)), 1);
