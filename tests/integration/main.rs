@@ -5,6 +5,7 @@
 mod common;
 
 mod degraded;
+mod fence_workers;
 mod fencing;
 mod fencing_hostile;
 mod harness;
