@@ -53,22 +53,20 @@ fn tokens_grow_across_clients_and_are_written_back() {
     );
 }
 
-#[test]
-fn a_hand_over_between_threads_gives_the_next_token() {
-    let c = shared();
-    let key = unique_key("fence-handover");
-    let locks = fenced(&c.urls());
-    let first = locks.lock(&key, TTL).unwrap();
-    let t = first.fencing_token().unwrap();
+/// A hand-over: `locks` takes `key`, a second thread of the same client queues for it,
+/// the holder releases (which hands the lock over). Returns (holder's token, receiver's).
+pub(crate) fn hand_over(locks: &Redlock, key: &str) -> (u64, u64) {
+    let first = locks.lock(key, TTL).expect("holder locks");
+    let t = first.fencing_token().expect("fenced");
     let ready = Arc::new(Barrier::new(2));
     let waiter = {
-        let (locks, key, ready) = (locks.clone(), key.clone(), ready.clone());
+        let (locks, key, ready) = (locks.clone(), key.to_owned(), ready.clone());
         std::thread::spawn(move || {
             ready.wait();
             let g = locks
                 .lock_timeout(&key, TTL, Duration::from_secs(5))
                 .expect("handed over");
-            let t = g.fencing_token();
+            let t = g.fencing_token().expect("fenced");
             g.release().expect("release");
             t
         })
@@ -76,8 +74,15 @@ fn a_hand_over_between_threads_gives_the_next_token() {
     ready.wait();
     std::thread::sleep(Duration::from_millis(100)); // the waiter queues
     first.release().expect("hand over");
-    let next = waiter.join().expect("waiter");
-    assert_eq!(next, Some(t + 1));
+    (t, waiter.join().expect("waiter"))
+}
+
+#[test]
+fn a_hand_over_between_threads_gives_the_next_token() {
+    let c = shared();
+    let key = unique_key("fence-handover");
+    let (t, next) = hand_over(&fenced(&c.urls()), &key);
+    assert_eq!(next, t + 1);
     let g = fenced(&c.urls()).lock(&key, TTL).unwrap();
     assert!(g.fencing_token().unwrap() > t + 1);
 }

@@ -2,14 +2,14 @@
 //! reviewer with a brief to break them tried. The first two were defects (counters past
 //! 2^53, where Lua's doubles round `+ 1` away, tied and went backwards); the rest held.
 
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use quorumlock::Redlock;
 
 use crate::common::faults::{Blackhole, WritePause};
 use crate::common::{shared, unique_key, wait_until, ClockOffset, Cluster};
-use crate::fencing::fenced;
+use crate::fencing::{fenced, hand_over};
 
 const TTL: Duration = Duration::from_secs(5);
 const TWO_53: u64 = 1 << 53;
@@ -22,30 +22,6 @@ fn set_counter(c: &Cluster, i: usize, key: &str, value: u64) {
         .arg(value.to_string())
         .query(&mut c.conn(i))
         .expect("HSET");
-}
-
-/// A hand-over: `locks` takes `key`, a second thread of the same client queues for it,
-/// the holder releases (which hands the lock over). Returns (holder's token, receiver's).
-fn hand_over(locks: &Redlock, key: &str) -> (u64, u64) {
-    let first = locks.lock(key, TTL).expect("holder locks");
-    let t = first.fencing_token().expect("fenced");
-    let ready = Arc::new(Barrier::new(2));
-    let waiter = {
-        let (locks, key, ready) = (locks.clone(), key.to_owned(), ready.clone());
-        std::thread::spawn(move || {
-            ready.wait();
-            let g = locks
-                .lock_timeout(&key, TTL, Duration::from_secs(5))
-                .expect("handed over");
-            let t = g.fencing_token().expect("fenced");
-            g.release().expect("release");
-            t
-        })
-    };
-    ready.wait();
-    std::thread::sleep(Duration::from_millis(100)); // the waiter queues
-    first.release().expect("hand over");
-    (t, waiter.join().expect("waiter"))
 }
 
 /// Runs the same schedule on `key` and returns every token in the order the sections
