@@ -475,12 +475,13 @@ impl Inner {
         };
         let elapsed = self.clock.now().saturating_duration_since(start);
         let nodes = results.len();
-        let taken = Tally::of(&results, 0).other;
+        let tally = Tally::of(&results, 0);
+        let taken = tally.other;
         let outcome = if results.is_empty() {
             Err(Error::Expired)
         } else {
             quorum::decide_extend(
-                Tally::of(&results, 0),
+                tally,
                 timing.ttl,
                 elapsed,
                 Duration::ZERO,
