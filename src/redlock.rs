@@ -480,13 +480,7 @@ impl Inner {
         let outcome = if results.is_empty() {
             Err(Error::Expired)
         } else {
-            quorum::decide_extend(
-                tally,
-                timing.ttl,
-                elapsed,
-                Duration::ZERO,
-                time_left,
-            )
+            quorum::decide_extend(tally, timing.ttl, elapsed, Duration::ZERO, time_left)
         };
         match outcome {
             Ok(_) => {
