@@ -117,24 +117,26 @@ impl Store {
     /// counter a fenced acquire set. `micros`: the node's clock, the floor
     /// of a counter.
     fn apply(&mut self, op: Op, k: &Key<'_>, now: Instant, micros: u64) -> (Answer, Option<u64>) {
-        self.keys.retain(|_, (_, exp)| *exp > now);
-        match (op, self.keys.get(k.resource)) {
-            (Op::Acquire { ttl, fenced, .. }, None) => {
-                self.keys
-                    .insert(k.resource.into(), (k.token.into(), after(now, ttl)));
-                let fence = fenced.then(|| {
-                    let next = self.fences.get(k.resource).map_or(0, |c| c + 1);
-                    self.raise_fence(k.resource, next.max(micros))
-                });
-                (Answer::Ok, fence)
+        let answer = self.apply_key(op, k, now);
+        let fence = match (op, answer) {
+            (Op::Acquire { fenced: true, .. }, Answer::Ok) => {
+                let next = self.fences.get(k.resource).map_or(0, |c| c + 1);
+                Some(self.raise_fence(k.resource, next.max(micros)))
             }
-            (op, _) => (self.apply_other(op, k, now), None),
-        }
+            _ => None,
+        };
+        (answer, fence)
     }
 
-    fn apply_other(&mut self, op: Op, k: &Key<'_>, now: Instant) -> Answer {
+    /// What `op` does to one key.
+    fn apply_key(&mut self, op: Op, k: &Key<'_>, now: Instant) -> Answer {
+        self.keys.retain(|_, (_, exp)| *exp > now);
         match (op, self.keys.get(k.resource)) {
-            (Op::Acquire { .. }, None) => Answer::Ok, // handled by `apply`
+            (Op::Acquire { ttl, .. }, None) => {
+                self.keys
+                    .insert(k.resource.into(), (k.token.into(), after(now, ttl)));
+                Answer::Ok
+            }
             (Op::Acquire { .. }, Some(_)) => Answer::Other,
             (_, None) => Answer::Absent,
             (Op::Release { .. } | Op::Swap { .. }, Some((t, _)))

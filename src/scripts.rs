@@ -75,6 +75,30 @@ end
     };
 }
 
+/// The loop shared by the scripts that act on keys holding exactly our
+/// token (`KEYS[i]`, token `ARGV[i + 1]`, [`META_KEY`] last): runs `$own`
+/// where the key is ours (it sets `out[i]`), answers `-1` (another owner)
+/// or `0` (absent) elsewhere, and returns `out`.
+macro_rules! each_own_key_lua {
+    ($own:expr) => {
+        concat!(
+            r"for i = 1, #KEYS - 1 do
+  local key = KEYS[i]
+  local v = redis.call('GET', key)
+  if v == ARGV[i + 1] then
+",
+            $own,
+            r"  elseif v then
+    out[i] = -1
+  else
+    out[i] = 0
+  end
+end
+return out"
+        )
+    };
+}
+
 /// The largest fencing counter: Lua's numbers are doubles, exact only up
 /// to 2^53, so a counter past it could round `+ 1` away (two sections with
 /// one token). A fenced acquire meeting a counter at this limit, or a node
@@ -157,24 +181,19 @@ return out"
 pub(crate) static FENCE: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(FENCE_LUA));
 
 /// Source of [`FENCE`].
-pub(crate) const FENCE_LUA: &str = r"local out = {}
+pub(crate) const FENCE_LUA: &str = concat!(
+    r"local out = {}
 local meta = KEYS[#KEYS]
-for i = 1, #KEYS - 1 do
-  local key = KEYS[i]
-  local v = redis.call('GET', key)
-  if v == ARGV[i + 1] then
-    local f = 'fence:' .. key
+",
+    each_own_key_lua!(
+        r"    local f = 'fence:' .. key
     if (tonumber(redis.call('HGET', meta, f)) or 0) < tonumber(ARGV[1]) then
       redis.call('HSET', meta, f, ARGV[1])
     end
     out[i] = 1
-  elseif v then
-    out[i] = -1
-  else
-    out[i] = 0
-  end
-end
-return out";
+"
+    )
+);
 
 /// Compare-and-delete. `ARGV[1]` is unused (kept so both scripts share one
 /// argument layout). A handed-over lock's token also deletes the earlier
@@ -206,24 +225,16 @@ pub(crate) static EXTEND: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(EXTEND_LUA));
 
 /// Source of [`EXTEND`].
-pub(crate) const EXTEND_LUA: &str = r"local out = {}
+pub(crate) const EXTEND_LUA: &str = concat!(
+    r"local out = {}
 local meta = KEYS[#KEYS]
 local known = tonumber(redis.call('HGET', meta, 'max_ttl')) or 0
 if tonumber(ARGV[1]) > known then
   redis.call('HSET', meta, 'max_ttl', ARGV[1])
 end
-for i = 1, #KEYS - 1 do
-  local key = KEYS[i]
-  local v = redis.call('GET', key)
-  if v == ARGV[i + 1] then
-    out[i] = redis.call('PEXPIRE', key, ARGV[1])
-  elseif v then
-    out[i] = -1
-  else
-    out[i] = 0
-  end
-end
-return out";
+",
+    each_own_key_lua!("    out[i] = redis.call('PEXPIRE', key, ARGV[1])\n")
+);
 
 /// `SCRIPT LOAD` for every script, packed.
 pub(crate) fn load_commands() -> [Vec<u8>; 5] {
