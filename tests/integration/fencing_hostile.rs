@@ -438,3 +438,39 @@ fn extreme_inputs_with_fencing() {
     assert!(locks.lock(&key, Duration::MAX).is_err());
     assert!(c.gone_everywhere(&key, Duration::from_secs(1)));
 }
+
+/// 2 of 3 nodes paused (SIGSTOP) during a fenced attempt: it fails, and once they resume
+/// no key is left (the SETs they ran late are deleted behind them), and the next lock's
+/// token is above every counter those late SETs moved.
+#[test]
+fn two_nodes_paused_during_a_fenced_attempt_leave_no_key() {
+    let c = Cluster::start(3);
+    let locks = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(c.urls())
+        .node_timeout(Duration::from_millis(300))
+        .fencing(true)
+        .build()
+        .unwrap();
+    drop(locks.lock(&unique_key("warm"), TTL).unwrap());
+    let key = unique_key("fence-two-paused");
+    c.pause(1);
+    c.pause(2);
+    let attempt = locks.try_lock(&key, Duration::from_secs(20));
+    c.unpause(1);
+    c.unpause(2);
+    assert!(attempt.is_err(), "one node of three granted: {attempt:?}");
+    assert!(
+        c.gone_everywhere(&key, Duration::from_secs(3)),
+        "left after the nodes resumed: {:?}",
+        (0..3).map(|i| c.get(i, &key)).collect::<Vec<_>>()
+    );
+    // The late SETs moved the counters where they ran; the next token is above them all.
+    let counters: Vec<Option<u64>> = (0..3).map(|i| c.fence(i, &key)).collect();
+    let g = fenced(&c.urls()).lock(&key, TTL).expect("nobody holds it");
+    let t = g.fencing_token().unwrap();
+    assert!(
+        counters.iter().flatten().all(|&f| t > f),
+        "{t} vs {counters:?}"
+    );
+}
