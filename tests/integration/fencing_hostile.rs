@@ -437,6 +437,15 @@ fn extreme_inputs_with_fencing() {
     g.release().unwrap();
     assert!(locks.lock(&key, Duration::MAX).is_err());
     assert!(c.gone_everywhere(&key, Duration::from_secs(1)));
+    // The longest resource name is also the longest counter field; one more is refused.
+    let longest = format!(
+        "{key}:{}",
+        "x".repeat(quorumlock::MAX_RESOURCE_LEN - key.len() - 1)
+    );
+    let g = locks.lock(&longest, TTL).expect("the longest name");
+    assert!(g.fencing_token().unwrap() < TWO_53);
+    g.release().unwrap();
+    assert!(locks.lock(&format!("{longest}x"), TTL).is_err());
 }
 
 /// 2 of 3 nodes paused (SIGSTOP) during a fenced attempt: it fails, and once they resume
