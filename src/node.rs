@@ -80,6 +80,11 @@ struct NodeShared {
     /// whether a release was sent meanwhile: then the reader deletes the key
     /// again, on the connection that carried the SET.
     unsettled: Mutex<HashMap<String, Unsettled>>,
+    /// Tokens whose late SET was deleted again here, by that undo, because
+    /// a release was under way (until when the key would have expired). The
+    /// release's own delete, on another connection, may then find the key
+    /// gone: deleted by us, and counted so.
+    undone: Mutex<HashMap<String, Instant>>,
     retry_scheduled: AtomicBool,
 }
 
@@ -169,6 +174,7 @@ impl RedisTransport {
                 health: Mutex::new(NodeHealth::default()),
                 retries: Mutex::new(VecDeque::new()),
                 unsettled: Mutex::new(HashMap::new()),
+                undone: Mutex::new(HashMap::new()),
                 retry_scheduled: AtomicBool::new(false),
             });
             let manager = Manager {
@@ -298,19 +304,25 @@ fn late_reply(
     v: &Value,
     now: Instant,
 ) -> std::io::Result<()> {
-    let mut released = false;
+    let mut released = None;
     if !p.tokens.is_empty() {
         let mut unsettled = node.unsettled.lock();
         for t in &p.tokens {
-            released |= unsettled.remove(t).is_some_and(|u| u.released);
+            if let Some(u) = unsettled.remove(t).filter(|u| u.released) {
+                released = released.max(Some(u.until));
+            }
         }
     }
     // A granted lock's late copy stays (it is part of the lock) unless the
     // lock was released meanwhile; a failed attempt's was undone already.
-    if let Some(undo) = p.undo.filter(|_| released && acquired_any(v)) {
+    if let (Some(undo), Some(until)) = (p.undo.as_ref(), released.filter(|_| acquired_any(v))) {
         debug!("node {}: a late SET landed; deleting it", node.name);
-        c.queue(&undo, now, false);
+        c.queue(undo, now, false);
         c.flush()?;
+        let mut undone = node.undone.lock();
+        for t in &p.tokens {
+            undone.insert(t.clone(), until);
+        }
     }
     if matches!(v, Value::ServerError(e) if e.kind() == Some(redis::ServerErrorKind::NoScript)) {
         // The round that sent it ended before it could fall back to EVAL:
@@ -364,6 +376,7 @@ fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPool>) {
     let owed = idle.iter().any(|c| !c.broken && c.owes_release());
     drop(idle);
     shared.unsettled.lock().retain(|_, u| u.until > now);
+    shared.undone.lock().retain(|_, until| *until > now);
     let batch: Vec<(String, String)> = {
         let mut q = shared.retries.lock();
         q.retain(|r| r.until > now);
@@ -952,10 +965,20 @@ impl RedisTransport {
                     continue;
                 }
             }
-            results[i] = Some(
-                enc.decode(v)
-                    .map_err(|(kind, detail)| NodeError::new(&self.names[i], kind, detail)),
-            );
+            let mut r = enc.decode(v);
+            if let (Ok(reply), Op::Release { .. }) = (&mut r, enc.op) {
+                // "Absent" behind our own undo of a late SET: deleted by us.
+                let mut undone = shared.undone.lock();
+                if !undone.is_empty() {
+                    for (a, t) in reply.answers.iter_mut().zip(&enc.tokens) {
+                        if *a == Answer::Absent && undone.remove(t).is_some() {
+                            *a = Answer::Ok;
+                        }
+                    }
+                }
+            }
+            results[i] =
+                Some(r.map_err(|(kind, detail)| NodeError::new(&self.names[i], kind, detail)));
         }
     }
 }
@@ -964,6 +987,8 @@ impl RedisTransport {
 struct Encoded {
     op: Op,
     n: usize,
+    /// A release's tokens, in key order.
+    tokens: Vec<String>,
     packed: Vec<u8>,
     /// The script's source, for a node that answers NOSCRIPT.
     code: &'static str,
@@ -1027,9 +1052,14 @@ impl Encoded {
             }
             cmd.get_packed_command()
         };
+        let tokens = match op {
+            Op::Release { .. } => keys.iter().map(|k| k.token.to_owned()).collect(),
+            _ => Vec::new(),
+        };
         Encoded {
             op,
             n: named.len(),
+            tokens,
             packed: pack("EVALSHA", script.get_hash()),
             code,
         }
