@@ -1,22 +1,44 @@
-//! The one seam through which the algorithm reads time and randomness.
+//! The one seam through which the algorithm reads time, waits, starts
+//! threads and draws randomness.
 //!
-//! Production code uses [`SystemClock`]; tests (and the planned deterministic
-//! simulation) substitute a virtual clock so that every timing decision of the
-//! algorithm can be replayed.
+//! Production code uses [`SystemClock`]; tests substitute a virtual clock,
+//! and the deterministic simulation (`crate::sim`) a scheduler that runs one
+//! thread at a time on virtual time, so that every timing decision of the
+//! algorithm, the local queue and the renewal thread replays from a seed.
 
 use std::fmt;
+use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// Monotonic time as the algorithm sees it.
+/// Monotonic time as the algorithm sees it, and every way it blocks: the
+/// algorithm never calls `Instant::now`, sleeps or waits on a condition
+/// variable except through this trait.
 pub(crate) trait Clock: Send + Sync + fmt::Debug + 'static {
     /// The current instant.
     fn now(&self) -> Instant;
+
     /// Block the calling thread for `d` (retry back-off).
     fn sleep(&self, d: Duration);
+
+    /// Blocks until `signal` is notified after it read `seen` (see
+    /// [`Signal::seen`]) or, with `until`, until that instant of this
+    /// clock. May return early; callers re-check their condition.
+    fn wait(&self, signal: &Arc<Signal>, seen: u64, until: Option<Instant>) {
+        // This clock's instants, as a real timeout (equal for real time).
+        let real = until.map(|u| after(Instant::now(), u.saturating_duration_since(self.now())));
+        signal.wait_real(seen, real);
+    }
+
+    /// Starts a thread whose time and waits go through this clock.
+    fn spawn(&self, name: &str, f: Box<dyn FnOnce() + Send>) -> io::Result<JoinHandle<()>> {
+        std::thread::Builder::new().name(name.into()).spawn(f)
+    }
 }
 
-/// Real time: `Instant::now` and `thread::sleep`.
+/// Real time: `Instant::now`, `thread::sleep`, OS threads.
 #[derive(Debug, Default)]
 pub(crate) struct SystemClock;
 
@@ -26,6 +48,45 @@ impl Clock for SystemClock {
     }
     fn sleep(&self, d: Duration) {
         std::thread::sleep(d)
+    }
+}
+
+/// A wake-up call between threads: a condition variable with a count, so
+/// that a wait that starts after a notification (`seen` is stale) returns at
+/// once. Read [`seen`](Self::seen) while holding the lock that guards the
+/// condition, release it, then [`Clock::wait`].
+#[derive(Debug, Default)]
+pub(crate) struct Signal {
+    count: parking_lot::Mutex<u64>,
+    cv: parking_lot::Condvar,
+}
+
+impl Signal {
+    /// Notifications so far.
+    pub(crate) fn seen(&self) -> u64 {
+        *self.count.lock()
+    }
+
+    /// Wakes every thread waiting on this signal.
+    pub(crate) fn notify(&self) {
+        let mut count = self.count.lock();
+        *count = count.wrapping_add(1);
+        self.cv.notify_all();
+    }
+
+    /// Real-time wait: until notified after `seen` or `until` passes.
+    pub(crate) fn wait_real(&self, seen: u64, until: Option<Instant>) {
+        let mut count = self.count.lock();
+        while *count == seen {
+            match until {
+                Some(u) => {
+                    if self.cv.wait_until(&mut count, u).timed_out() {
+                        return;
+                    }
+                }
+                None => self.cv.wait(&mut count),
+            }
+        }
     }
 }
 

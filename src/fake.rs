@@ -46,6 +46,18 @@ impl Clock for ManualClock {
     fn sleep(&self, d: Duration) {
         self.advance(d)
     }
+    /// Waits in real time as long as the virtual wait; if nobody notified
+    /// meanwhile, the virtual time passes too (nothing else happened).
+    fn wait(&self, signal: &Arc<crate::clock::Signal>, seen: u64, until: Option<Instant>) {
+        let left = until.map(|u| u.saturating_duration_since(self.now()));
+        signal.wait_real(seen, left.map(|d| after(Instant::now(), d)));
+        if let Some(u) = until {
+            if signal.seen() == seen {
+                let behind = u.saturating_duration_since(self.now());
+                self.advance(behind);
+            }
+        }
+    }
 }
 
 /// How a fake node behaves.

@@ -18,20 +18,29 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Weak};
 use std::time::Instant;
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::{Mutex, MutexGuard};
 
+use crate::clock::{Clock, Signal, SystemClock};
 use crate::guard::LockState;
 
 /// The queues, one per resource that some thread holds or waits for.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Gates {
     map: Mutex<HashMap<String, Arc<Gate>>>,
+    /// Time and waits (virtual in the simulation).
+    clock: Arc<dyn Clock>,
+}
+
+impl Default for Gates {
+    fn default() -> Self {
+        Gates::new(Arc::new(SystemClock))
+    }
 }
 
 #[derive(Debug, Default)]
 struct Gate {
     state: Mutex<GateState>,
-    turn: Condvar,
+    turn: Arc<Signal>,
 }
 
 #[derive(Debug, Default)]
@@ -57,6 +66,13 @@ pub(crate) struct Permit {
 }
 
 impl Gates {
+    pub(crate) fn new(clock: Arc<dyn Clock>) -> Self {
+        Gates {
+            map: Mutex::default(),
+            clock,
+        }
+    }
+
     fn gate(&self, resource: &str) -> Arc<Gate> {
         self.map
             .lock()
@@ -84,23 +100,16 @@ impl Gates {
                         st.held = true;
                         break true;
                     }
+                    let now = self.clock.now();
                     // Waiting is bounded by the holder's lock, not its guard:
                     // once that expires or is lost, go to the nodes.
-                    let holder_until = st.held.then(|| holder_deadline(&st)).flatten();
-                    if holder_until.is_some_and(|h| h <= Instant::now()) {
+                    let holder_until = st.held.then(|| holder_deadline(&st, now)).flatten();
+                    if holder_until.is_some_and(|h| h <= now) {
                         st.waiting.retain(|&t| t != ticket);
-                        gate.turn.notify_all();
+                        gate.turn.notify();
                         break false;
                     }
-                    let wake = holder_until.map_or(deadline, |h| h.min(deadline));
-                    if gate.turn.wait_until(&mut st, wake).timed_out() && Instant::now() < deadline
-                    {
-                        continue; // the holder's lock ran out: looked at above
-                    }
-                    if Instant::now() >= deadline {
-                        if !st.held && st.waiting.front() == Some(&ticket) {
-                            continue; // our turn came with the deadline
-                        }
+                    if now >= deadline {
                         if !st.held && st.waiting.len() == 1 && st.baton.is_some() {
                             // Nobody else is left to take a handed-over lock:
                             // take the turn so that it is used or released.
@@ -110,13 +119,21 @@ impl Gates {
                         }
                         st.waiting.retain(|&t| t != ticket);
                         // The head may have changed: let the new head look.
-                        gate.turn.notify_all();
+                        gate.turn.notify();
                         break false;
                     }
+                    let wake = holder_until.map_or(deadline, |h| h.min(deadline));
+                    self.wait(&gate, &mut st, wake);
                 }
             }
         };
         self.permit(resource, gate, got)
+    }
+
+    /// Waits for a change at `gate` (or `until`), without its state lock.
+    fn wait(&self, gate: &Gate, st: &mut MutexGuard<'_, GateState>, until: Instant) {
+        let seen = gate.turn.seen();
+        MutexGuard::unlocked(st, || self.clock.wait(&gate.turn, seen, Some(until)));
     }
 
     /// Takes the resource's turn only if nobody holds or waits for it.
@@ -195,7 +212,7 @@ impl Permit {
             st.holder = None;
         }
         self.handed = true;
-        self.gate.turn.notify_all();
+        self.gate.turn.notify();
         Ok(())
     }
 
@@ -212,7 +229,7 @@ impl Drop for Permit {
             st.held = false;
             st.holder = None;
             drop(st);
-            self.gate.turn.notify_all();
+            self.gate.turn.notify();
         }
         self.gates.forget_if_idle(&self.resource, &self.gate);
     }
@@ -222,10 +239,10 @@ impl Drop for Permit {
 /// has none yet (it is asking the nodes) or its guard is gone. A lock being
 /// released still counts until its turn ends, right after the release round
 /// (waiters leaving then would race the holder's delete at the nodes).
-fn holder_deadline(st: &GateState) -> Option<Instant> {
+fn holder_deadline(st: &GateState, now: Instant) -> Option<Instant> {
     let h = st.holder.as_ref()?.upgrade()?;
     Some(if h.is_lost() {
-        Instant::now()
+        now
     } else {
         h.deadline()
     })

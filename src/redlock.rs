@@ -107,11 +107,11 @@ impl Redlock {
             inner: Arc::new_cyclic(|me| Inner {
                 settings,
                 transport,
-                clock,
+                clock: clock.clone(),
                 on_lost: on_lost.and_then(Callbacks::spawn),
                 rng,
                 warned,
-                gates: Arc::default(),
+                gates: Arc::new(Gates::new(clock.clone())),
                 known_max_ms: AtomicU64::new(known),
                 epochs,
                 me: me.clone(),
@@ -966,8 +966,11 @@ mod tests {
             retry_count: 4,
             ..crate::fake::settings()
         };
-        let (locks, nodes, clock) = client_with(3, settings);
-        let _g = locks.try_lock("r", TTL).unwrap();
+        let (locks, nodes, clock) = client_with(3, settings.clone());
+        // Held by another process (a holder in this one would be queued
+        // behind, on the same virtual clock, for the whole wait).
+        let other = client_over(&nodes, settings);
+        let _g = other.try_lock("r", TTL).unwrap();
         let (r0, t0) = (nodes.rounds.load(Ordering::SeqCst), clock.now());
         assert!(matches!(locks.lock("r", TTL), Err(Error::Taken { .. })));
         assert_eq!(nodes.rounds.load(Ordering::SeqCst) - r0, 4);

@@ -7,15 +7,16 @@
 //! or its validity runs out before a renewal succeeds. It holds only a weak
 //! reference to the client and stops when the client is gone.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use log::{debug, error};
 use parking_lot::Mutex;
 
-use crate::clock::{after, Clock};
+use crate::clock::{after, Clock, Signal};
 use crate::error::Error;
 use crate::guard::LockState;
 use crate::redlock::Inner;
@@ -36,21 +37,29 @@ enum Msg {
 pub(crate) struct Watchdog {
     tx: Option<Sender<Msg>>,
     thread: Mutex<Option<JoinHandle<()>>>,
-    /// Disconnected when the thread has ended.
-    exited: Receiver<()>,
+    /// Wakes the thread: a message was sent, or the channel closed.
+    wake: Arc<Signal>,
+    /// Set, and `wake` notified, when the thread has ended.
+    exited: Arc<AtomicBool>,
+    clock: Arc<dyn Clock>,
 }
 
 impl Watchdog {
     pub(crate) fn spawn(client: Weak<Inner>, clock: Arc<dyn Clock>) -> Watchdog {
         let (tx, rx) = crossbeam_channel::unbounded();
-        let (exit_tx, exited) = crossbeam_channel::bounded::<()>(0);
-        let thread = thread::Builder::new()
-            .name(THREAD_NAME.into())
-            .spawn(move || {
-                let _exit = exit_tx;
-                run(&client, &*clock, &rx);
+        let wake = Arc::new(Signal::default());
+        let exited = Arc::new(AtomicBool::new(false));
+        let run_clock = clock.clone();
+        let (run_wake, run_exited) = (wake.clone(), exited.clone());
+        let thread = clock.spawn(
+            THREAD_NAME,
+            Box::new(move || {
+                run(&client, &*run_clock, &rx, &run_wake);
                 debug!("watchdog stopped");
-            });
+                run_exited.store(true, Ordering::Release);
+                run_wake.notify();
+            }),
+        );
         let thread = match thread {
             Ok(h) => Some(h),
             Err(e) => {
@@ -61,27 +70,33 @@ impl Watchdog {
         Watchdog {
             tx: Some(tx),
             thread: Mutex::new(thread),
+            wake,
             exited,
+            clock,
+        }
+    }
+
+    fn send(&self, msg: Msg) {
+        if let Some(tx) = &self.tx {
+            let _ = tx.send(msg);
+            self.wake.notify();
         }
     }
 
     pub(crate) fn add(&self, state: Arc<LockState>) {
-        if let Some(tx) = &self.tx {
-            let _ = tx.send(Msg::Add(state));
-        }
+        self.send(Msg::Add(state));
     }
 
     pub(crate) fn remove(&self, id: u64) {
-        if let Some(tx) = &self.tx {
-            let _ = tx.send(Msg::Remove(id));
-        }
+        self.send(Msg::Remove(id));
     }
 }
 
 impl Drop for Watchdog {
     fn drop(&mut self) {
-        // Closing the channel wakes the thread, which then ends.
+        // Closing the channel and waking the thread ends it.
         self.tx.take();
+        self.wake.notify();
         let Some(handle) = self.thread.lock().take() else {
             return;
         };
@@ -90,11 +105,18 @@ impl Drop for Watchdog {
             // it ends on its own once this tick returns.
             return;
         }
-        match self.exited.recv_timeout(JOIN_BOUND) {
-            Err(RecvTimeoutError::Disconnected) => {
+        let until = after(self.clock.now(), JOIN_BOUND);
+        loop {
+            let seen = self.wake.seen();
+            if self.exited.load(Ordering::Acquire) {
                 let _ = handle.join();
+                return;
             }
-            _ => debug!("watchdog still busy after {JOIN_BOUND:?}; detached"),
+            if self.clock.now() >= until {
+                debug!("watchdog still busy after {JOIN_BOUND:?}; detached");
+                return;
+            }
+            self.clock.wait(&self.wake, seen, Some(until));
         }
     }
 }
@@ -105,41 +127,36 @@ struct Entry {
     next: Instant,
 }
 
-fn run(client: &Weak<Inner>, clock: &dyn Clock, rx: &Receiver<Msg>) {
+fn run(client: &Weak<Inner>, clock: &dyn Clock, rx: &Receiver<Msg>, wake: &Arc<Signal>) {
     let mut entries: Vec<Entry> = Vec::new();
     loop {
-        let first = match entries.iter().map(|e| e.next).min() {
-            Some(at) => rx.recv_timeout(at.saturating_duration_since(clock.now())),
-            None => rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
-        };
-        let fraction = match client.upgrade() {
-            Some(inner) => inner.settings.renew_fraction,
-            None => return,
-        };
-        let mut apply = |msg: Msg| match msg {
-            Msg::Add(state) => {
-                let t = state.timing();
-                let next = after(t.since, interval(t.ttl, fraction));
-                entries.push(Entry { state, next });
-            }
-            Msg::Remove(id) => entries.retain(|e| e.state.id != id),
-        };
-        match first {
-            Ok(msg) => apply(msg),
-            Err(RecvTimeoutError::Timeout) => {}
-            Err(RecvTimeoutError::Disconnected) => return,
-        }
-        while let Ok(msg) = rx.try_recv() {
-            apply(msg);
-        }
+        // Read before looking, so that a message sent meanwhile wakes us.
+        let seen = wake.seen();
         let Some(inner) = client.upgrade() else {
             return;
         };
+        let fraction = inner.settings.renew_fraction;
+        loop {
+            match rx.try_recv() {
+                Ok(Msg::Add(state)) => {
+                    let t = state.timing();
+                    let next = after(t.since, interval(t.ttl, fraction));
+                    entries.push(Entry { state, next });
+                }
+                Ok(Msg::Remove(id)) => entries.retain(|e| e.state.id != id),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => return,
+            }
+        }
         let ticked =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| tick(&inner, &mut entries)));
         if ticked.is_err() {
             error!("a renewal tick panicked; the watchdog keeps running");
         }
+        // Not kept while asleep: the client may be dropped meanwhile.
+        drop(inner);
+        let next = entries.iter().map(|e| e.next).min();
+        clock.wait(wake, seen, next);
     }
 }
 
@@ -463,11 +480,9 @@ mod tests {
         let exited = locks.inner.watchdog().exited.clone();
         drop(g);
         drop(locks);
+        // Dropping the client joins the thread (within a second).
         assert!(
-            matches!(
-                exited.recv_timeout(Duration::from_secs(2)),
-                Err(RecvTimeoutError::Disconnected)
-            ),
+            exited.load(std::sync::atomic::Ordering::Acquire),
             "the thread ends when the client is dropped"
         );
     }
