@@ -73,9 +73,10 @@ pub(crate) enum Mode {
     Lossy,
 }
 
+/// One node's data, as the scripts keep it (shared with the simulation).
 #[derive(Debug, Default)]
-struct Store {
-    keys: HashMap<String, (String, Instant)>,
+pub(crate) struct Store {
+    pub(crate) keys: HashMap<String, (String, Instant)>,
     /// Lock history: when it began, the longest TTL recorded.
     meta: Option<(Instant, Duration)>,
     /// Fencing counters, per resource (they go with the lock history).
@@ -123,6 +124,57 @@ impl Store {
         let c = self.fences.entry(resource.into()).or_default();
         *c = (*c).max(value);
         *c
+    }
+
+    /// Runs one round's `op` on this node at `now` (its own clock; `base`
+    /// is the instant its epochs count from, `micros` its wall clock), as
+    /// the scripts do: the reply, or why the node refused.
+    pub(crate) fn round(
+        &mut self,
+        op: Op,
+        keys: &[Key<'_>],
+        now: Instant,
+        base: Instant,
+        micros: u64,
+    ) -> Result<Reply, &'static str> {
+        if let Some(why) = self.refuses_fence(op, keys, micros) {
+            return Err(why);
+        }
+        let facts = match op {
+            Op::Acquire { ttl, known_max, .. } | Op::Swap { ttl, known_max, .. } => {
+                Some(self.history(ttl, known_max, now, base))
+            }
+            Op::Extend { ttl } => {
+                if let Some((_, max)) = &mut self.meta {
+                    *max = (*max).max(ttl);
+                }
+                None
+            }
+            Op::Release { .. } | Op::Fence { .. } => None,
+        };
+        let mut fence = None;
+        let answers: Vec<Answer> = keys
+            .iter()
+            .map(|k| {
+                let (a, f) = self.apply(op, k, now, micros);
+                fence = fence.max(f);
+                a
+            })
+            .collect();
+        Ok(Reply {
+            answers,
+            facts,
+            fence,
+        })
+    }
+
+    /// A lock history that began at `epoch` (a node that has run for a
+    /// while), so that its votes count from the start.
+    pub(crate) fn with_history(epoch: Instant) -> Self {
+        Store {
+            meta: Some((epoch, Duration::ZERO)),
+            ..Store::default()
+        }
     }
 
     /// Runs `op` for one key, as the scripts do; also returns the fencing
@@ -281,41 +333,17 @@ impl FakeNodes {
                     Mode::Down => Err(NodeError::new(name, NodeErrorKind::Unavailable, "refused")),
                     Mode::Hung => Err(NodeError::new(name, NodeErrorKind::Timeout, "")),
                     Mode::Up | Mode::Lossy => {
-                        let mut store = self.stores[i].lock();
-                        if let Some(why) = store.refuses_fence(op, keys, self.micros(i, now)) {
-                            return Err(NodeError::new(name, NodeErrorKind::Server, why));
-                        }
-                        let facts = match op {
-                            Op::Acquire { ttl, known_max, .. }
-                            | Op::Swap { ttl, known_max, .. } => {
-                                Some(store.history(ttl, known_max, now, self.clock.base))
-                            }
-                            Op::Extend { ttl } => {
-                                if let Some((_, max)) = &mut store.meta {
-                                    *max = (*max).max(ttl);
-                                }
-                                None
-                            }
-                            Op::Release { .. } | Op::Fence { .. } => None,
-                        };
                         let micros = self.micros(i, now);
-                        let mut fence = None;
-                        let answers: Vec<Answer> = keys
-                            .iter()
-                            .map(|k| {
-                                let (a, f) = store.apply(op, k, now, micros);
-                                fence = fence.max(f);
-                                a
-                            })
-                            .collect();
-                        if *mode == Mode::Lossy {
-                            Err(NodeError::new(name, NodeErrorKind::Timeout, ""))
-                        } else {
-                            Ok(Reply {
-                                answers,
-                                facts,
-                                fence,
-                            })
+                        let reply =
+                            self.stores[i]
+                                .lock()
+                                .round(op, keys, now, self.clock.base, micros);
+                        match reply {
+                            Err(why) => Err(NodeError::new(name, NodeErrorKind::Server, why)),
+                            Ok(_) if *mode == Mode::Lossy => {
+                                Err(NodeError::new(name, NodeErrorKind::Timeout, ""))
+                            }
+                            Ok(reply) => Ok(reply),
                         }
                     }
                 }

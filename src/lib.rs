@@ -46,6 +46,8 @@ mod watchdog;
 
 #[cfg(test)]
 mod fake;
+#[cfg(test)]
+mod sim;
 
 pub use config::Builder;
 pub use error::{Error, InvalidInput, NodeError, NodeErrorKind};

@@ -241,11 +241,7 @@ impl Drop for Permit {
 /// (waiters leaving then would race the holder's delete at the nodes).
 fn holder_deadline(st: &GateState, now: Instant) -> Option<Instant> {
     let h = st.holder.as_ref()?.upgrade()?;
-    Some(if h.is_lost() {
-        now
-    } else {
-        h.deadline()
-    })
+    Some(if h.is_lost() { now } else { h.deadline() })
 }
 
 #[cfg(test)]

@@ -147,9 +147,10 @@ impl Redlock {
     ///
     /// Waits at most `retry_count × (retry_delay + retry_jitter +
     /// node_timeout)` in all (750 ms with the defaults), queueing behind
-    /// threads of this process included, plus at most one node timeout
-    /// (three with [`fencing`](Builder::fencing): the last attempt's
-    /// write-back round and, if that fails, its release).
+    /// threads of this process included, plus at most two node timeouts
+    /// (the last attempt's round and, when it fails, the delete of what it
+    /// may have set; three with [`fencing`](Builder::fencing): the round,
+    /// the write-back and, if that fails, the release).
     ///
     /// # Errors
     /// As [`try_lock`](Self::try_lock).
@@ -163,7 +164,8 @@ impl Redlock {
 
     /// Takes `resource` for `ttl`, retrying with jittered pauses until it
     /// succeeds or `wait` has passed (at least one attempt is made). Returns
-    /// the last attempt's error when time runs out.
+    /// the last attempt's error when time runs out, within `wait` plus the
+    /// node timeouts [`lock`](Self::lock) adds to its own bound.
     ///
     /// # Errors
     /// As [`try_lock`](Self::try_lock).

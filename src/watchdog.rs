@@ -221,6 +221,16 @@ fn tick(inner: &Inner, entries: &mut Vec<Entry>) {
             let Some(&(ttl, _)) = batch.first() else {
                 continue;
             };
+            // Rounds of earlier batches let other threads run: a lock may
+            // have been released or lost meanwhile, and is not renewed.
+            let batch: Vec<(Duration, usize)> = batch
+                .iter()
+                .copied()
+                .filter(|&(_, i)| !entries[i].state.is_released() && !entries[i].state.is_lost())
+                .collect();
+            if batch.is_empty() {
+                continue;
+            }
             let states: Vec<&LockState> = batch.iter().map(|&(_, i)| &*entries[i].state).collect();
             let outcomes = inner.extend_many(&states, ttl, true);
             let after_round = inner.clock.now();

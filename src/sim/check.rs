@@ -1,0 +1,365 @@
+//! The checkers, evaluated at every scheduling step (the world changes only
+//! at steps, so that is continuous on virtual time).
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::guard::LockState;
+use crate::sim::world::{NodeState, SimNode};
+use crate::transport::{written, Key, Op};
+
+/// What a violation is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Kind {
+    /// Two critical sections of one resource both within validity at once.
+    TwoHolders,
+    /// A section's write was based on a read another section's write had
+    /// already made stale (two holders in effect).
+    LostUpdate,
+    /// A fencing token not above every earlier grant's.
+    FenceOrder,
+    /// A lock reported valid past what its last round allows.
+    DeadlineBeyondTtl,
+    /// A section that lost its lock (or ran out) was told it had not.
+    Unsignalled,
+    /// A renewal or write-back sent for a section that had ended.
+    WriteAfterEnd,
+    /// A key outlived its section by more than one TTL.
+    KeyOutlived,
+    /// A call waited longer than its documented bound.
+    WaitBound,
+    /// With every node healthy and no contention, a lock was not granted.
+    Liveness,
+    /// A logical thread panicked, or the run deadlocked or hung.
+    Crash,
+}
+
+/// One violation, at a virtual instant.
+#[derive(Debug, Clone)]
+pub(crate) struct Violation {
+    pub(crate) at: u64,
+    pub(crate) kind: Kind,
+    pub(crate) what: String,
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:?} at {:.3} ms: {}",
+            self.kind,
+            self.at as f64 / 1e6,
+            self.what
+        )
+    }
+}
+
+struct Section {
+    who: String,
+    state: Arc<LockState>,
+    granted: u64,
+    /// Seen not valid (lost, or past its deadline) while not yet released.
+    lapsed: bool,
+    ended: bool,
+}
+
+/// The protected storage of one resource: a counter updated by
+/// read-modify-write, refusing stale fencing tokens when they are used.
+#[derive(Debug, Default)]
+struct Protected {
+    value: u64,
+    last_fence: u64,
+}
+
+/// Counts for the run's report.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Stats {
+    pub(crate) grants: u64,
+    pub(crate) writes: u64,
+    pub(crate) refused: u64,
+    pub(crate) lapsed: u64,
+}
+
+/// Every checker's state.
+pub(crate) struct Checker {
+    pub(crate) violations: Vec<Violation>,
+    pub(crate) stats: Stats,
+    base: Instant,
+    sections: BTreeMap<usize, Section>,
+    next_section: usize,
+    max_fence: BTreeMap<String, u64>,
+    /// Per token, when its section ended.
+    ended: BTreeMap<String, u64>,
+    /// Per token, when the last round that wrote it ended, and its TTL.
+    last_round: BTreeMap<String, (u64, Duration)>,
+    stores: BTreeMap<String, Protected>,
+    last_keys_check: u64,
+    /// The longest a message can be in flight in this run (ns).
+    max_delay: u64,
+}
+
+impl Checker {
+    pub(crate) fn new(base: Instant, max_delay: u64) -> Self {
+        Checker {
+            violations: Vec::new(),
+            stats: Stats::default(),
+            base,
+            sections: BTreeMap::new(),
+            next_section: 0,
+            max_fence: BTreeMap::new(),
+            ended: BTreeMap::new(),
+            last_round: BTreeMap::new(),
+            stores: BTreeMap::new(),
+            last_keys_check: 0,
+            max_delay,
+        }
+    }
+
+    pub(crate) fn fail(&mut self, at: u64, kind: Kind, what: String) {
+        // One of each kind is enough to report (and keeps runs cheap).
+        if !self.violations.iter().any(|v| v.kind == kind) {
+            self.violations.push(Violation { at, kind, what });
+        }
+    }
+
+    pub(crate) fn violation(&mut self, at: u64, what: String) {
+        self.fail(at, Kind::Crash, what);
+    }
+
+    fn nanos(&self, t: Instant) -> u64 {
+        u64::try_from(t.saturating_duration_since(self.base).as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    fn held(&self, s: &Section, now: u64) -> bool {
+        !s.ended
+            && !s.state.is_lost()
+            && !s.state.is_released()
+            && self.nanos(s.state.deadline()) > now
+    }
+
+    /// A critical section starts: returns its handle for [`end`](Self::end).
+    pub(crate) fn grant(&mut self, now: u64, state: &Arc<LockState>, who: &str) -> usize {
+        self.stats.grants += 1;
+        let mut overlap = None;
+        for s in self.sections.values() {
+            if s.state.resource == state.resource && self.held(s, now) {
+                overlap = Some(format!(
+                    "{who} granted {:?} while {} (granted at {:.3} ms) still holds it until {:.3} ms",
+                    state.resource,
+                    s.who,
+                    s.granted as f64 / 1e6,
+                    self.nanos(s.state.deadline()) as f64 / 1e6
+                ));
+            }
+        }
+        if let Some(what) = overlap {
+            self.fail(now, Kind::TwoHolders, what);
+        }
+        if let Some(f) = state.fence {
+            let max = self.max_fence.entry(state.resource.clone()).or_default();
+            if f <= *max {
+                let what = format!("{who} got fencing token {f}, not above {max}");
+                self.fail(now, Kind::FenceOrder, what);
+            }
+            let max = self.max_fence.entry(state.resource.clone()).or_default();
+            *max = (*max).max(f);
+        }
+        self.next_section += 1;
+        let id = self.next_section;
+        self.sections.insert(
+            id,
+            Section {
+                who: who.to_owned(),
+                state: state.clone(),
+                granted: now,
+                lapsed: false,
+                ended: false,
+            },
+        );
+        id
+    }
+
+    /// The section's holder is done. `told_held`: what the API told it at
+    /// the end (no loss reported, validity left, `with_lock` returned Ok).
+    pub(crate) fn end(&mut self, id: usize, now: u64, told_held: bool) {
+        let Some(mut s) = self.sections.remove(&id) else {
+            return;
+        };
+        s.ended = true;
+        let (lapsed, who) = (s.lapsed, s.who.clone());
+        let token = s.state.token.clone();
+        self.ended.insert(token, now);
+        if lapsed {
+            self.stats.lapsed += 1;
+            if told_held {
+                let what = format!("{who}'s lock lapsed during its section; it was told it held");
+                self.fail(now, Kind::Unsignalled, what);
+            }
+        }
+    }
+
+    /// Reads the protected value (registering the token, when fenced).
+    pub(crate) fn read(&mut self, resource: &str, fence: Option<u64>) -> u64 {
+        let p = self.stores.entry(resource.to_owned()).or_default();
+        if let Some(f) = fence {
+            p.last_fence = p.last_fence.max(f);
+        }
+        p.value
+    }
+
+    /// Writes `read + 1`; false when the store refused a stale token.
+    pub(crate) fn write(
+        &mut self,
+        now: u64,
+        resource: &str,
+        read: u64,
+        fence: Option<u64>,
+        who: &str,
+    ) -> bool {
+        let p = self.stores.entry(resource.to_owned()).or_default();
+        if fence.is_some_and(|f| f < p.last_fence) {
+            self.stats.refused += 1;
+            return false;
+        }
+        let current = p.value;
+        p.value = read + 1;
+        if let Some(f) = fence {
+            p.last_fence = p.last_fence.max(f);
+        }
+        self.stats.writes += 1;
+        if current != read {
+            let what = format!(
+                "{who} wrote {resource:?} = {} from a read of {read}, over {current} written meanwhile",
+                read + 1
+            );
+            self.fail(now, Kind::LostUpdate, what);
+        }
+        true
+    }
+
+    /// A round of `op` leaves the client.
+    pub(crate) fn sent(&mut self, op: Op, keys: &[Key<'_>], now: u64) {
+        if std::env::var_os("QUORUMLOCK_SIM_TRACE").is_some() {
+            let names: Vec<&str> = keys.iter().map(|k| k.resource).collect();
+            println!("{:10.3} ms send {op:?} {names:?}", now as f64 / 1e6);
+        }
+        if matches!(op, Op::Extend { .. } | Op::Fence { .. }) {
+            for k in keys {
+                let released = self
+                    .sections
+                    .values()
+                    .any(|s| s.state.token == k.token && s.state.is_released());
+                if released || self.ended.contains_key(k.token) {
+                    let what = format!(
+                        "{op:?} sent by {:?} for {:?} after its section was released",
+                        std::thread::current().name().unwrap_or("?"),
+                        k.resource,
+                    );
+                    self.fail(now, Kind::WriteAfterEnd, what);
+                }
+            }
+        }
+    }
+
+    /// A round of `op` is over (its writes, if any, are on the way).
+    pub(crate) fn round_ended(&mut self, keys: &[Key<'_>], op: Op, now: u64) {
+        let ttl = match op {
+            Op::Acquire { ttl, .. } | Op::Swap { ttl, .. } | Op::Extend { ttl } => ttl,
+            Op::Release { .. } | Op::Fence { .. } => return,
+        };
+        for k in written(op, keys) {
+            self.last_round.insert(k.token.to_owned(), (now, ttl));
+        }
+    }
+
+    /// A node ran a command (for checkers that look at nodes' data).
+    pub(crate) fn applied(
+        &mut self,
+        _node: &SimNode,
+        _i: usize,
+        _op: Op,
+        _keys: &[Key<'_>],
+        _now: u64,
+    ) {
+    }
+
+    /// The continuous checks, at every step.
+    pub(crate) fn observe(&mut self, now: u64, nodes: &[SimNode], base: Instant) {
+        let mut two = None;
+        let live: Vec<&Section> = self.sections.values().collect();
+        for (i, a) in live.iter().enumerate() {
+            if self.held(a, now) {
+                let t = a.state.timing();
+                if t.deadline > crate::clock::after(t.since, t.ttl) {
+                    let what = format!("{} valid until since + {:?}", a.who, t.deadline - t.since);
+                    two.get_or_insert((Kind::DeadlineBeyondTtl, what));
+                }
+                for b in &live[i + 1..] {
+                    if b.state.resource == a.state.resource && self.held(b, now) {
+                        let what = format!(
+                            "{} and {} both valid for {:?}",
+                            a.who, b.who, a.state.resource
+                        );
+                        two.get_or_insert((Kind::TwoHolders, what));
+                    }
+                }
+            }
+        }
+        if let Some((kind, what)) = two {
+            self.fail(now, kind, what);
+        }
+        for s in self.sections.values_mut() {
+            if !s.ended
+                && !s.state.is_released()
+                && (s.state.is_lost() || {
+                    let d = u64::try_from(
+                        s.state
+                            .deadline()
+                            .saturating_duration_since(base)
+                            .as_nanos(),
+                    )
+                    .unwrap_or(u64::MAX);
+                    d <= now
+                })
+            {
+                s.lapsed = true;
+            }
+        }
+        // Keys: gone within one TTL of their section's end (in the node's
+        // time), plus the network's longest delay and any time the node was
+        // unreachable (it may run commands it held meanwhile).
+        if now < self.last_keys_check + 1_000_000 {
+            return;
+        }
+        self.last_keys_check = now;
+        for (i, node) in nodes.iter().enumerate() {
+            if node.state != NodeState::Up || node.isolated || node.clock.jumped_back {
+                continue;
+            }
+            let local = base + Duration::from_nanos(node.clock.at(now));
+            for (resource, (token, expiry)) in &node.store.keys {
+                if *expiry <= local {
+                    continue;
+                }
+                let Some(&(round, ttl)) = self.last_round.get(token) else {
+                    continue;
+                };
+                let end = self.ended.get(token).copied().unwrap_or(0).max(round);
+                let life = ttl.as_nanos() as f64 / node.clock.rate;
+                let bound = end + self.max_delay + node.unreachable + life as u64 + 2_000_000;
+                if now > bound {
+                    let what = format!(
+                        "node {i} still holds {resource:?} {:.3} ms after its section ended (TTL {ttl:?}; last round ended {:.3} ms, section {:?}; {:?} left; token {token})",
+                        (now - end) as f64 / 1e6,
+                        round as f64 / 1e6,
+                        self.ended.get(token).map(|e| *e as f64 / 1e6),
+                        *expiry - local,
+                    );
+                    self.fail(now, Kind::KeyOutlived, what);
+                }
+            }
+        }
+    }
+}

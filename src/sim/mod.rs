@@ -1,0 +1,642 @@
+//! Deterministic simulation: the production algorithm (attempts, the
+//! delayed-restart rule, fencing, the health model's admission rules, the
+//! local queue and hand-over, the renewal thread) against simulated nodes
+//! and a simulated network, driven by one seed.
+//!
+//! - [`sched`]: logical threads on virtual time, one running at a time.
+//! - [`world`]: nodes (the fake nodes' script semantics, each with its own
+//!   clock rate and jumps), the network (delay, loss, duplication,
+//!   reordering across connections, FIFO within one), faults (pause, crash,
+//!   restart with or without data, isolation), and the [`Transport`] the
+//!   clients use.
+//! - [`check`]: safety, liveness and accounting checkers.
+//!
+//! What it does not run: the Redis driver's socket engine (`node.rs`),
+//! which the integration suite runs against real nodes.
+//!
+//! [`Transport`]: crate::transport::Transport
+
+pub(crate) mod check;
+pub(crate) mod sched;
+pub(crate) mod world;
+
+#[cfg(test)]
+mod tests;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::clock::{Clock, Rng, Signal};
+use crate::config::Settings;
+use crate::error::Error;
+use crate::redlock::Redlock;
+use crate::LockGuard;
+
+use check::{Checker, Kind, Stats, Violation};
+use sched::{Sched, SimClock, SimRng};
+use world::{Fault, Net, SimTransport, World};
+
+const MS: u64 = 1_000_000;
+
+/// Which assumptions a run keeps or breaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mix {
+    /// Every fault within Redlock's assumptions: pauses, crashes, restarts
+    /// with and without data, isolation, lossy and reordering networks,
+    /// clock drift within the factor, stalls past the TTL with fencing.
+    Standard,
+    /// Clocks set back and stepped forward a little, no data loss.
+    ClockJumps,
+    /// Broken: restart protection off, restarts wipe data.
+    NoRestartProtection,
+    /// Broken: node clocks run up to 2× fast against a 1 % factor.
+    DriftBeyondFactor,
+    /// Broken: holders stall past their TTL and the store has no fencing.
+    StallWithoutFencing,
+}
+
+impl Mix {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Mix::Standard => "standard",
+            Mix::ClockJumps => "clock-jumps",
+            Mix::NoRestartProtection => "no-restart-protection",
+            Mix::DriftBeyondFactor => "drift-beyond-factor",
+            Mix::StallWithoutFencing => "stall-without-fencing",
+        }
+    }
+
+    pub(crate) fn parse(s: &str) -> Option<Mix> {
+        [
+            Mix::Standard,
+            Mix::ClockJumps,
+            Mix::NoRestartProtection,
+            Mix::DriftBeyondFactor,
+            Mix::StallWithoutFencing,
+        ]
+        .into_iter()
+        .find(|m| m.name() == s)
+    }
+}
+
+/// One run's parameters, all drawn from the seed.
+#[derive(Debug, Clone)]
+pub(crate) struct Plan {
+    pub(crate) seed: u64,
+    pub(crate) mix: Mix,
+    pub(crate) nodes: usize,
+    pub(crate) clients: usize,
+    pub(crate) threads: usize,
+    pub(crate) resources: usize,
+    /// The workload runs this long (virtual ns); then faults heal.
+    pub(crate) run_for: u64,
+    pub(crate) settings: Settings,
+    pub(crate) rates: Vec<f64>,
+    pub(crate) net: Net,
+    pub(crate) faults: Vec<(u64, Fault)>,
+    /// Chance that a manual section stalls past its TTL without renewal.
+    pub(crate) stall: f64,
+    pub(crate) ttls: Vec<u64>,
+}
+
+impl Plan {
+    pub(crate) fn new(seed: u64, mix: Mix) -> Plan {
+        let mut r = SimRng::new(seed);
+        let nodes = [3, 3, 5, 4, 1][r.below(5) as usize];
+        let mut settings = Settings {
+            node_timeout: r.millis(20, 80),
+            retry_count: 1 + r.below(4) as u32,
+            retry_delay: r.millis(10, 100),
+            retry_jitter: r.millis(0, 50),
+            local_queue: r.below(5) != 0,
+            fencing: r.chance(0.5),
+            ..Settings::default()
+        };
+        let rho = settings.drift_factor * 0.9;
+        let mut rates: Vec<f64> = (0..nodes)
+            .map(|_| 1.0 + rho * (2.0 * (r.below(1001) as f64 / 1000.0) - 1.0))
+            .collect();
+        let lossy = r.chance(0.6);
+        let net = Net {
+            latency: (50_000 + r.below(200_000), 300_000 + r.below(3 * MS)),
+            spike: if lossy {
+                0.05 * r.below(100) as f64 / 100.0
+            } else {
+                0.0
+            },
+            spike_max: r.below(3) * settings.node_timeout.as_nanos() as u64,
+            loss: if lossy {
+                0.05 * r.below(100) as f64 / 100.0
+            } else {
+                0.0
+            },
+            dup: if lossy {
+                0.03 * r.below(100) as f64 / 100.0
+            } else {
+                0.0
+            },
+        };
+        let run_for = 500 * MS + r.below(700) * MS;
+        let mut stall = 0.0;
+        let mut wipe = 0.5;
+        let mut jumps = false;
+        match mix {
+            Mix::Standard => {
+                if settings.fencing && r.chance(0.5) {
+                    stall = 0.2;
+                }
+            }
+            Mix::ClockJumps => {
+                jumps = true;
+                wipe = 0.0;
+            }
+            Mix::NoRestartProtection => {
+                settings.restart_protection = false;
+                settings.fencing = false;
+                wipe = 1.0;
+            }
+            Mix::DriftBeyondFactor => {
+                for rate in rates.iter_mut() {
+                    if r.chance(0.5) {
+                        *rate = 1.0 + r.below(100) as f64 / 100.0;
+                    }
+                }
+            }
+            Mix::StallWithoutFencing => {
+                settings.fencing = false;
+                stall = 0.3;
+            }
+        }
+        let mut faults = Vec::new();
+        for _ in 0..r.below(7) {
+            let at = r.below(run_for);
+            let node = r.below(nodes as u64) as usize;
+            let d = r.below(400 * MS) + MS;
+            let kind = r.below(if jumps { 4 } else { 3 });
+            let (start, stop) = match kind {
+                0 => (Fault::Pause(node), Fault::Resume(node)),
+                1 => (
+                    Fault::Crash(node),
+                    Fault::Restart {
+                        node,
+                        wipe: r.chance(wipe),
+                    },
+                ),
+                2 => (Fault::Isolate(node), Fault::Heal(node)),
+                _ => {
+                    // Back by up to a second, or forward by under 1 ms
+                    // (inside the 2 ms of the drift allowance).
+                    let delta = if r.chance(0.5) {
+                        -(r.below(1_000 * MS) as i64)
+                    } else {
+                        r.below(MS) as i64
+                    };
+                    faults.push((at, Fault::Jump(node, delta)));
+                    continue;
+                }
+            };
+            faults.push((at, start));
+            faults.push((at + d, stop));
+        }
+        faults.push((run_for, Fault::HealAll));
+        Plan {
+            seed,
+            mix,
+            nodes,
+            clients: 1 + r.below(3) as usize,
+            threads: 1 + r.below(3) as usize,
+            resources: 1 + r.below(2) as usize,
+            run_for,
+            settings,
+            rates,
+            net,
+            faults,
+            stall,
+            ttls: vec![30, 60, 120, 250],
+        }
+    }
+}
+
+impl Plan {
+    /// A calm world for a scripted schedule: `nodes` nodes, exact clocks,
+    /// a steady 1 ms network, no faults, default settings (local queue on).
+    pub(crate) fn calm(seed: u64, nodes: usize) -> Plan {
+        Plan {
+            seed,
+            mix: Mix::Standard,
+            nodes,
+            clients: 0,
+            threads: 0,
+            resources: 1,
+            run_for: 0,
+            settings: Settings::default(),
+            rates: vec![1.0; nodes],
+            net: Net {
+                latency: (MS, MS),
+                ..Net::calm()
+            },
+            faults: Vec::new(),
+            stall: 0.0,
+            ttls: Vec::new(),
+        }
+    }
+}
+
+/// What one run found.
+#[derive(Debug)]
+pub(crate) struct Report {
+    pub(crate) plan: Plan,
+    pub(crate) violations: Vec<Violation>,
+    pub(crate) stats: Stats,
+    pub(crate) steps: u64,
+    /// Virtual time the run covered (ns).
+    pub(crate) virtual_ns: u64,
+    /// The schedule's fingerprint (see `sched::Core::trace`).
+    pub(crate) trace: u64,
+}
+
+impl Report {
+    pub(crate) fn has(&self, kind: Kind) -> bool {
+        self.violations.iter().any(|v| v.kind == kind)
+    }
+
+    /// The command that replays this run.
+    pub(crate) fn replay(&self) -> String {
+        format!(
+            "QUORUMLOCK_SIM_SEED={:#x} QUORUMLOCK_SIM_MIX={} cargo test --lib sim::tests::replay -- --nocapture",
+            self.plan.seed,
+            self.plan.mix.name()
+        )
+    }
+}
+
+/// Runs the plan of `seed` under `mix`.
+pub(crate) fn run(seed: u64, mix: Mix) -> Report {
+    run_plan(Plan::new(seed, mix))
+}
+
+/// A shared view of the run for the workload threads.
+pub(crate) struct Ctx {
+    sched: Arc<Sched>,
+    plan: Plan,
+    /// Workers still running, and the signal each notifies when it ends.
+    running: AtomicUsize,
+    done: Arc<Signal>,
+}
+
+impl Ctx {
+    pub(crate) fn now(&self) -> u64 {
+        self.sched.nanos()
+    }
+
+    pub(crate) fn clock(&self) -> SimClock {
+        SimClock(self.sched.clone())
+    }
+
+    /// A new client (a process of its own) with `settings`.
+    pub(crate) fn client(&self, settings: Settings) -> Redlock {
+        client(self, settings, self.plan.seed)
+    }
+
+    /// Starts a logical thread.
+    pub(crate) fn spawn(&self, name: &str, f: impl FnOnce() + Send + 'static) {
+        if self.clock().spawn(name, Box::new(f)).is_err() {
+            self.fail(Kind::Crash, format!("cannot start {name}"));
+        }
+    }
+
+    /// A critical section starts (for the checkers); see [`end`](Self::end).
+    pub(crate) fn grant(&self, g: &LockGuard, who: &str) -> usize {
+        let now = self.now();
+        self.with(|c| c.grant(now, g.state(), who))
+    }
+
+    /// A critical section ended; `told_held`: what the API told it.
+    pub(crate) fn end(&self, id: usize, told_held: bool) {
+        let now = self.now();
+        self.with(|c| c.end(id, now, told_held));
+    }
+
+    /// Changes the world now.
+    pub(crate) fn fault(&self, f: Fault) {
+        let now = self.now();
+        self.sched.lock().world.schedule(now, f);
+    }
+
+    /// Sleeps until `ms` milliseconds of virtual time.
+    pub(crate) fn sleep_until(&self, ms: u64) {
+        let left = (ms * MS).saturating_sub(self.now());
+        self.clock().sleep(Duration::from_nanos(left));
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&mut Checker) -> T) -> T {
+        f(&mut self.sched.lock().world.check)
+    }
+
+    /// With `QUORUMLOCK_SIM_TRACE` set, prints what a worker does.
+    fn trace(&self, who: &str, what: impl FnOnce() -> String) {
+        if std::env::var_os("QUORUMLOCK_SIM_TRACE").is_some() {
+            println!("{:10.3} ms {who}: {}", self.now() as f64 / 1e6, what());
+        }
+    }
+
+    pub(crate) fn fail(&self, kind: Kind, what: String) {
+        let now = self.now();
+        self.with(|c| c.fail(now, kind, what));
+    }
+
+    /// The documented bound of a call that may wait `budget` in all.
+    fn bound(&self, budget: Duration) -> Duration {
+        let s = &self.plan.settings;
+        let extra = s.node_timeout * if s.fencing { 3 } else { 2 };
+        budget + extra + Duration::from_millis(1)
+    }
+
+    fn per_attempt(&self) -> Duration {
+        let s = &self.plan.settings;
+        s.retry_delay + s.retry_jitter + s.node_timeout
+    }
+}
+
+/// Runs the random workload of `plan`.
+pub(crate) fn run_plan(plan: Plan) -> Report {
+    simulate(plan, Box::new(main_thread))
+}
+
+/// The first logical thread of a run: the workload, or a test's script.
+pub(crate) type Script = Box<dyn FnOnce(&Arc<Ctx>, SimRng) + Send>;
+
+/// Runs `main` in the world `plan` describes (nodes, clocks, network,
+/// faults), with every checker on.
+pub(crate) fn simulate(plan: Plan, main: Script) -> Report {
+    debug_assert_eq!(plan.rates.len(), plan.nodes);
+    let base = Instant::now();
+    let mut rng = SimRng::new(plan.seed ^ 0xa076_1d64_78bd_642f);
+    let check = Checker::new(base, plan.net.max_delay());
+    let world = World::new(base, &plan.rates, plan.net, rng.fork(), check);
+    let sched = Sched::new(plan.seed, world, base);
+    {
+        let mut core = sched.lock();
+        for &(at, f) in &plan.faults {
+            core.world.schedule(at, f);
+        }
+    }
+    let ctx = Arc::new(Ctx {
+        sched: sched.clone(),
+        plan: plan.clone(),
+        running: AtomicUsize::new(plan.clients * plan.threads),
+        done: Arc::default(),
+    });
+    let main_rng = rng.fork();
+    let main = {
+        let ctx = ctx.clone();
+        Box::new(move || main(&ctx, main_rng))
+    };
+    sched.run(main, Duration::from_secs(60));
+    let mut core = sched.lock();
+    if let Some(why) = core.aborted.take() {
+        let at = sched.nanos();
+        core.world.check.fail(at, Kind::Crash, why);
+    }
+    Report {
+        plan,
+        violations: core.world.check.violations.clone(),
+        stats: core.world.check.stats,
+        steps: core.steps,
+        virtual_ns: sched.nanos(),
+        trace: core.trace,
+    }
+}
+
+fn client(ctx: &Ctx, settings: Settings, seed: u64) -> Redlock {
+    let clock: Arc<dyn Clock> = Arc::new(SimClock(ctx.sched.clone()));
+    let transport = SimTransport::new(&ctx.sched, settings.node_timeout);
+    Redlock::from_parts(settings, Box::new(transport), clock, Rng::new(seed), None)
+}
+
+fn main_thread(ctx: &Arc<Ctx>, mut rng: SimRng) {
+    let clock = SimClock(ctx.sched.clone());
+    let plan = &ctx.plan;
+    for c in 0..plan.clients {
+        let locks = client(ctx, plan.settings.clone(), rng.next());
+        for t in 0..plan.threads {
+            let (ctx2, locks, trng) = (ctx.clone(), locks.clone(), rng.fork());
+            let who = format!("c{c}t{t}");
+            let body = Box::new(move || {
+                worker(&ctx2, &locks, trng, &who);
+                drop(locks);
+                ctx2.running.fetch_sub(1, Ordering::AcqRel);
+                ctx2.done.notify();
+            });
+            if clock.spawn(&format!("c{c}t{t}"), body).is_err() {
+                ctx.fail(Kind::Crash, "cannot start a worker".into());
+            }
+        }
+    }
+    // The workload runs, faults heal at `run_for`; once every worker is
+    // done and a TTL has passed, a lone client must get every lock at once.
+    loop {
+        let seen = ctx.done.seen();
+        if ctx.running.load(Ordering::Acquire) == 0 {
+            break;
+        }
+        clock.wait(&ctx.done, seen, None);
+    }
+    let longest = Duration::from_millis(plan.ttls.iter().copied().max().unwrap_or(0));
+    let healed = Duration::from_nanos(plan.run_for.saturating_sub(ctx.now()));
+    clock.sleep(healed + 2 * longest + Duration::from_nanos(plan.net.max_delay()));
+    probe(ctx, &clock);
+}
+
+/// After healing: a fresh client, alone, must get each lock on its first
+/// attempt, and nothing may be left on the nodes a TTL after.
+fn probe(ctx: &Ctx, clock: &SimClock) {
+    let plan = &ctx.plan;
+    let settings = Settings {
+        retry_count: 1,
+        ..plan.settings.clone()
+    };
+    let locks = client(ctx, settings, plan.seed);
+    let ttl = Duration::from_millis(200);
+    // A node that lost its data votes once its new history is a TTL old
+    // (the restart rule), which starts at the first lock command it runs.
+    let wait = ttl + 2 * ctx.per_attempt();
+    for r in (0..plan.resources)
+        .map(|i| format!("r{i}"))
+        .chain(["fresh".to_owned()])
+    {
+        match locks.lock_timeout(&r, ttl, wait) {
+            Ok(g) => {
+                if let Err(e) = g.release() {
+                    ctx.fail(Kind::Liveness, format!("probe release of {r:?}: {e}"));
+                }
+            }
+            Err(e) => ctx.fail(
+                Kind::Liveness,
+                format!("healthy and alone, {r:?} not granted: {e}"),
+            ),
+        }
+    }
+    drop(locks);
+    clock.sleep(ttl * 2);
+    let now = ctx.now();
+    let core = ctx.sched.lock();
+    let left: Vec<String> = core
+        .world
+        .nodes
+        .iter()
+        .enumerate()
+        .filter(|(_, n)| !n.clock.jumped_back)
+        .flat_map(|(i, n)| {
+            let local = ctx.sched.instant(n.clock.at(now));
+            n.store
+                .keys
+                .iter()
+                .filter(move |(_, (_, exp))| *exp > local)
+                .map(move |(k, _)| format!("node {i}: {k}"))
+        })
+        .collect();
+    drop(core);
+    if !left.is_empty() {
+        ctx.fail(Kind::KeyOutlived, format!("keys left at the end: {left:?}"));
+    }
+}
+
+fn worker(ctx: &Ctx, locks: &Redlock, mut rng: SimRng, who: &str) {
+    let clock = SimClock(ctx.sched.clone());
+    let plan = &ctx.plan;
+    while ctx.now() < plan.run_for {
+        let resource = format!("r{}", rng.below(plan.resources as u64));
+        let ttl = Duration::from_millis(plan.ttls[rng.below(plan.ttls.len() as u64) as usize]);
+        let start = clock.now();
+        match rng.below(10) {
+            0..=3 => {
+                let mut acquired = None;
+                let mut section = None;
+                let out = locks.with_lock(&resource, ttl, |g| {
+                    acquired = Some(clock.now());
+                    let id = ctx.with(|c| c.grant(ctx.now(), g.state(), who));
+                    section = Some(id);
+                    work(ctx, &clock, &mut rng, g, ttl, false);
+                });
+                let waited = acquired.unwrap_or_else(|| clock.now()) - start;
+                check_wait(
+                    ctx,
+                    "with_lock",
+                    waited,
+                    ctx.per_attempt() * plan.settings.retry_count,
+                );
+                ctx.trace(who, || {
+                    format!("with_lock({resource}, {ttl:?}) -> {:?}", out.as_ref().err())
+                });
+                if let Some(id) = section {
+                    let now = ctx.now();
+                    ctx.with(|c| c.end(id, now, out.is_ok()));
+                }
+            }
+            4..=6 => {
+                let got = locks.lock(&resource, ttl);
+                let budget = ctx.per_attempt() * plan.settings.retry_count;
+                check_wait(ctx, "lock", clock.now() - start, budget);
+                if let Ok(g) = got {
+                    manual(ctx, &clock, &mut rng, g, ttl, who);
+                }
+            }
+            7 => {
+                let got = locks.try_lock(&resource, ttl);
+                check_wait(ctx, "try_lock", clock.now() - start, ctx.per_attempt());
+                if let Ok(g) = got {
+                    manual(ctx, &clock, &mut rng, g, ttl, who);
+                }
+            }
+            _ => {
+                let wait = Duration::from_millis(rng.below(300));
+                ctx.trace(who, || {
+                    format!("lock_timeout({resource}, {ttl:?}, {wait:?})")
+                });
+                let got = locks.lock_timeout(&resource, ttl, wait);
+                ctx.trace(who, || {
+                    format!("-> {:?}", got.as_ref().map(|g| g.deadline() - start))
+                });
+                check_wait(ctx, "lock_timeout", clock.now() - start, wait);
+                if let Ok(g) = got {
+                    manual(ctx, &clock, &mut rng, g, ttl, who);
+                }
+            }
+        }
+        clock.sleep(Duration::from_millis(rng.below(30)));
+    }
+}
+
+fn check_wait(ctx: &Ctx, call: &str, waited: Duration, budget: Duration) {
+    let bound = ctx.bound(budget);
+    if waited > bound {
+        ctx.fail(
+            Kind::WaitBound,
+            format!("{call} waited {waited:?}, bound {bound:?}"),
+        );
+    }
+}
+
+/// A section with a guard of its own: maybe renewed, maybe extended, maybe
+/// stalled; then released or dropped.
+fn manual(ctx: &Ctx, clock: &SimClock, rng: &mut SimRng, g: LockGuard, ttl: Duration, who: &str) {
+    let id = ctx.with(|c| c.grant(ctx.now(), g.state(), who));
+    let stall = rng.chance(ctx.plan.stall);
+    ctx.trace(who, || format!("holds {} (stall {stall})", g.resource()));
+    if !stall && rng.chance(0.5) {
+        g.auto_renew();
+    }
+    if !stall && rng.chance(0.2) {
+        let _ = g.extend(ttl);
+    }
+    work(ctx, clock, rng, &g, ttl, stall);
+    let told = g.is_held() && g.lost().try_recv().is_err();
+    let released = if rng.chance(0.5) {
+        g.release()
+    } else {
+        drop(g);
+        Ok(())
+    };
+    if let Err(e @ Error::InvalidInput(_)) = &released {
+        ctx.fail(Kind::Crash, format!("release: {e}"));
+    }
+    let now = ctx.now();
+    ctx.trace(who, || {
+        format!("ended {id}: told {told}, release {released:?}")
+    });
+    ctx.with(|c| c.end(id, now, told));
+}
+
+/// The critical section's work: a read, some steps (each checking the lock,
+/// as careful code does), a write. A stalled holder checks, then pauses
+/// past its TTL (a GC pause, a swapped-out process), then writes anyway:
+/// only fencing can stop that write.
+fn work(ctx: &Ctx, clock: &SimClock, rng: &mut SimRng, g: &LockGuard, ttl: Duration, stall: bool) {
+    let fence = g.fencing_token();
+    let resource = g.resource().to_owned();
+    let read = ctx.with(|c| c.read(&resource, fence));
+    if stall {
+        let checked = g.is_held();
+        clock.sleep(ttl + ttl * (1 + rng.below(3) as u32) / 2);
+        if checked {
+            let now = ctx.now();
+            ctx.with(|c| c.write(now, &resource, read, fence, "a stalled holder"));
+        }
+        return;
+    }
+    let steps = 1 + rng.below(4);
+    let long = rng.chance(0.2);
+    for _ in 0..steps {
+        if !g.is_held() {
+            return;
+        }
+        let step = if long { ttl / 2 } else { ttl / 8 };
+        clock.sleep(Duration::from_nanos(rng.below(step.as_nanos() as u64 + 1)));
+    }
+    if g.is_held() {
+        let now = ctx.now();
+        ctx.with(|c| c.write(now, &resource, read, fence, "a holder"));
+    }
+}

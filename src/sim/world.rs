@@ -1,0 +1,591 @@
+//! The simulated world: nodes with their own clocks, a network that delays,
+//! loses, duplicates and reorders messages, faults on a schedule, and the
+//! transport through which the production algorithm talks to it.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use crate::clock::{after, Signal};
+use crate::error::{NodeError, NodeErrorKind};
+use crate::fake::Store;
+use crate::health::{self, Admit, NodeHealth, Outcome};
+use crate::sim::check::Checker;
+use crate::sim::sched::{Sched, SimRng};
+use crate::transport::{Decided, Key, NodeResult, Op, Transport, Undo};
+
+/// Where every node's clock starts (ns): an hour in, so that clocks can
+/// jump back.
+pub(crate) const CLOCK_START: u64 = 3_600_000_000_000;
+
+/// A node's wall clock: `local(t) = local + (t − anchor) × rate`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct NodeClock {
+    anchor: u64,
+    local: u64,
+    pub(crate) rate: f64,
+    /// It was ever set back (keys then outlive their TTL in real time).
+    pub(crate) jumped_back: bool,
+}
+
+impl NodeClock {
+    fn new(rate: f64) -> Self {
+        NodeClock {
+            anchor: 0,
+            local: CLOCK_START,
+            rate,
+            jumped_back: false,
+        }
+    }
+
+    pub(crate) fn at(&self, t: u64) -> u64 {
+        let d = t.saturating_sub(self.anchor) as f64 * self.rate;
+        self.local.saturating_add(d as u64)
+    }
+
+    fn jump(&mut self, t: u64, delta: i64) {
+        self.local = self.at(t).saturating_add_signed(delta);
+        self.anchor = t;
+        self.jumped_back |= delta < 0;
+    }
+}
+
+/// How a node runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum NodeState {
+    Up,
+    /// SIGSTOPped: messages queue up and run at resume.
+    Paused,
+    /// Crashed: connections are refused.
+    Down,
+}
+
+pub(crate) struct SimNode {
+    pub(crate) store: Store,
+    pub(crate) state: NodeState,
+    /// Messages and replies to and from it are dropped (a black hole).
+    pub(crate) isolated: bool,
+    backlog: Vec<Msg>,
+    pub(crate) clock: NodeClock,
+    /// Time it spent paused, crashed or cut off (virtual ns): messages it
+    /// held meanwhile may land that much later.
+    pub(crate) unreachable: u64,
+    since: Option<u64>,
+}
+
+/// The network's behaviour for one run.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Net {
+    /// One-way delay range (ns).
+    pub(crate) latency: (u64, u64),
+    /// Chance of a delay spike, and its largest size (ns).
+    pub(crate) spike: f64,
+    pub(crate) spike_max: u64,
+    /// Chance that one message (request or reply) is lost.
+    pub(crate) loss: f64,
+    /// Chance that a request is delivered twice (the copy later).
+    pub(crate) dup: f64,
+}
+
+impl Net {
+    pub(crate) fn calm() -> Self {
+        Net {
+            latency: (100_000, 1_000_000),
+            spike: 0.0,
+            spike_max: 0,
+            loss: 0.0,
+            dup: 0.0,
+        }
+    }
+
+    /// The longest a message can take (a duplicate: twice).
+    pub(crate) fn max_delay(&self) -> u64 {
+        2 * (self.latency.1 + self.spike_max)
+    }
+}
+
+/// A scheduled change to the world.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Fault {
+    Pause(usize),
+    Resume(usize),
+    Crash(usize),
+    Restart {
+        node: usize,
+        wipe: bool,
+    },
+    Isolate(usize),
+    Heal(usize),
+    /// The node's wall clock steps by this many ns.
+    Jump(usize, i64),
+    /// The network turns calm and every node comes back up.
+    HealAll,
+}
+
+/// One round in flight: the replies so far, and who to wake.
+pub(crate) struct Round {
+    results: Mutex<Vec<Option<NodeResult>>>,
+    signal: Arc<Signal>,
+    open: AtomicBool,
+    health: Arc<Mutex<Vec<NodeHealth>>>,
+}
+
+#[derive(Clone)]
+struct OwnedKey {
+    resource: String,
+    token: String,
+    next: Option<String>,
+}
+
+#[derive(Clone)]
+struct Msg {
+    node: usize,
+    op: Op,
+    keys: Vec<OwnedKey>,
+    round: Option<Arc<Round>>,
+}
+
+enum Event {
+    Arrive(Msg),
+    Reply {
+        round: Arc<Round>,
+        node: usize,
+        result: NodeResult,
+    },
+    Fault(Fault),
+}
+
+/// Nodes, network and checkers, guarded by the scheduler's lock.
+pub(crate) struct World {
+    pub(crate) base: Instant,
+    pub(crate) names: Vec<String>,
+    pub(crate) nodes: Vec<SimNode>,
+    pub(crate) net: Net,
+    pub(crate) check: Checker,
+    events: BTreeMap<(u64, u64), Event>,
+    seq: u64,
+    rng: SimRng,
+    /// Per connection, when its last message arrives (FIFO per connection).
+    lanes: BTreeMap<u64, u64>,
+    next_lane: u64,
+}
+
+impl World {
+    pub(crate) fn new(base: Instant, rates: &[f64], net: Net, rng: SimRng, check: Checker) -> Self {
+        let nodes = rates
+            .iter()
+            .map(|&rate| SimNode {
+                // Running for an hour already: its votes count at once.
+                store: Store::with_history(base),
+                state: NodeState::Up,
+                isolated: false,
+                backlog: Vec::new(),
+                clock: NodeClock::new(rate),
+                unreachable: 0,
+                since: None,
+            })
+            .collect();
+        World {
+            base,
+            names: (0..rates.len()).map(|i| format!("sim{i}:6379")).collect(),
+            nodes,
+            net,
+            check,
+            events: BTreeMap::new(),
+            seq: 0,
+            rng,
+            lanes: BTreeMap::new(),
+            next_lane: 0,
+        }
+    }
+
+    fn push(&mut self, at: u64, e: Event) {
+        self.seq += 1;
+        self.events.insert((at, self.seq), e);
+    }
+
+    pub(crate) fn schedule(&mut self, at: u64, f: Fault) {
+        self.push(at, Event::Fault(f));
+    }
+
+    pub(crate) fn next_event(&self) -> Option<u64> {
+        self.events.keys().next().map(|k| k.0)
+    }
+
+    /// Runs the checkers at `now` (after any change).
+    pub(crate) fn observe(&mut self, now: u64) {
+        self.check.observe(now, &self.nodes, self.base);
+    }
+
+    /// Fires every event due at or before `now`, in order.
+    pub(crate) fn fire(&mut self, now: u64) {
+        while let Some(entry) = self.events.first_entry() {
+            if entry.key().0 > now {
+                break;
+            }
+            let ((at, _), e) = entry.remove_entry();
+            match e {
+                Event::Arrive(msg) => self.arrive(msg, at),
+                Event::Reply {
+                    round,
+                    node,
+                    result,
+                } => {
+                    let t = after(self.base, Duration::from_nanos(at));
+                    round.health.lock()[node].observe(t, Outcome::Answered);
+                    if round.open.load(Ordering::Acquire) {
+                        let mut results = round.results.lock();
+                        if results[node].is_none() {
+                            results[node] = Some(result);
+                        }
+                        drop(results);
+                        round.signal.notify();
+                    }
+                }
+                Event::Fault(f) => self.fault(f, at),
+            }
+        }
+    }
+
+    fn delay(&mut self) -> u64 {
+        let (lo, hi) = self.net.latency;
+        let mut d = lo + self.rng.below(hi.saturating_sub(lo) + 1);
+        if self.rng.chance(self.net.spike) {
+            d += self.rng.below(self.net.spike_max + 1);
+        }
+        d
+    }
+
+    fn reachable(&mut self, node: usize, since: bool, now: u64) {
+        let n = &mut self.nodes[node];
+        let down = n.state != NodeState::Up || n.isolated;
+        match (down, n.since) {
+            (true, None) if since => n.since = Some(now),
+            (false, Some(s)) => {
+                n.unreachable += now.saturating_sub(s);
+                n.since = None;
+            }
+            _ => {}
+        }
+    }
+
+    fn fault(&mut self, f: Fault, now: u64) {
+        match f {
+            Fault::Pause(i) => {
+                if self.nodes[i].state == NodeState::Up {
+                    self.nodes[i].state = NodeState::Paused;
+                }
+            }
+            Fault::Resume(i) => {
+                if self.nodes[i].state == NodeState::Paused {
+                    self.nodes[i].state = NodeState::Up;
+                    for msg in std::mem::take(&mut self.nodes[i].backlog) {
+                        self.process(msg, now);
+                    }
+                }
+            }
+            Fault::Crash(i) => {
+                self.nodes[i].state = NodeState::Down;
+                self.nodes[i].backlog.clear();
+            }
+            Fault::Restart { node, wipe } => {
+                if self.nodes[node].state == NodeState::Down {
+                    if wipe {
+                        self.nodes[node].store = Store::default();
+                    }
+                    self.nodes[node].state = NodeState::Up;
+                }
+            }
+            Fault::Isolate(i) => self.nodes[i].isolated = true,
+            Fault::Heal(i) => self.nodes[i].isolated = false,
+            Fault::Jump(i, delta) => self.nodes[i].clock.jump(now, delta),
+            Fault::HealAll => {
+                self.net = Net::calm();
+                for i in 0..self.nodes.len() {
+                    self.nodes[i].isolated = false;
+                    match self.nodes[i].state {
+                        NodeState::Paused => self.fault(Fault::Resume(i), now),
+                        NodeState::Down => self.fault(
+                            Fault::Restart {
+                                node: i,
+                                wipe: false,
+                            },
+                            now,
+                        ),
+                        NodeState::Up => {}
+                    }
+                }
+            }
+        }
+        let node = match f {
+            Fault::Pause(i) | Fault::Resume(i) | Fault::Crash(i) | Fault::Isolate(i) => Some(i),
+            Fault::Heal(i) | Fault::Jump(i, _) => Some(i),
+            Fault::Restart { node, .. } => Some(node),
+            Fault::HealAll => None,
+        };
+        for i in node.map_or(0..self.nodes.len(), |i| i..i + 1) {
+            self.reachable(i, true, now);
+        }
+    }
+
+    /// Sends `msg` on connection `lane` at `now`.
+    fn send(&mut self, msg: Msg, lane: u64, now: u64) {
+        let i = msg.node;
+        if self.nodes[i].state == NodeState::Down {
+            if let Some(round) = &msg.round {
+                round.health.lock()[i].observe(self.instant(now), Outcome::Refused);
+                round.results.lock()[i] = Some(Err(NodeError::new(
+                    &self.names[i],
+                    NodeErrorKind::Unavailable,
+                    "connection refused",
+                )));
+            }
+            return;
+        }
+        if self.nodes[i].isolated || self.rng.chance(self.net.loss) {
+            return;
+        }
+        let last = self.lanes.get(&lane).copied().unwrap_or(0);
+        let at = (now + self.delay()).max(last + 1);
+        self.lanes.insert(lane, at);
+        if self.rng.chance(self.net.dup) {
+            let copy = Msg {
+                round: None,
+                ..msg.clone()
+            };
+            let later = at + self.delay();
+            self.push(later, Event::Arrive(copy));
+        }
+        self.push(at, Event::Arrive(msg));
+    }
+
+    fn instant(&self, nanos: u64) -> Instant {
+        after(self.base, Duration::from_nanos(nanos))
+    }
+
+    fn arrive(&mut self, msg: Msg, now: u64) {
+        let node = &mut self.nodes[msg.node];
+        match node.state {
+            NodeState::Down => {}
+            NodeState::Paused => node.backlog.push(msg),
+            NodeState::Up if node.isolated => {}
+            NodeState::Up => self.process(msg, now),
+        }
+    }
+
+    /// The node runs the command now and replies.
+    fn process(&mut self, msg: Msg, now: u64) {
+        let i = msg.node;
+        let local = self.nodes[i].clock.at(now);
+        let node_now = self.instant(local);
+        let micros = 1_700_000_000_000_000 + local / 1_000;
+        let keys: Vec<Key<'_>> = msg
+            .keys
+            .iter()
+            .map(|k| Key {
+                resource: &k.resource,
+                token: &k.token,
+                next: k.next.as_deref(),
+            })
+            .collect();
+        let reply = self.nodes[i]
+            .store
+            .round(msg.op, &keys, node_now, self.base, micros);
+        self.check.applied(&self.nodes[i], i, msg.op, &keys, now);
+        let Some(round) = msg.round else { return };
+        if self.nodes[i].isolated || self.rng.chance(self.net.loss) {
+            return;
+        }
+        let result =
+            reply.map_err(|why| NodeError::new(&self.names[i], NodeErrorKind::Server, why));
+        let at = now + self.delay();
+        self.push(
+            at,
+            Event::Reply {
+                round,
+                node: i,
+                result,
+            },
+        );
+    }
+}
+
+/// One client's (one process's) view of the simulated nodes.
+pub(crate) struct SimTransport {
+    sched: Arc<Sched>,
+    names: Vec<String>,
+    health: Arc<Mutex<Vec<NodeHealth>>>,
+    timeout: Duration,
+}
+
+impl SimTransport {
+    pub(crate) fn new(sched: &Arc<Sched>, timeout: Duration) -> Self {
+        let names = sched.lock().world.names.clone();
+        SimTransport {
+            sched: sched.clone(),
+            health: Arc::new(Mutex::new(vec![NodeHealth::default(); names.len()])),
+            names,
+            timeout,
+        }
+    }
+
+    /// Sends `op` to the nodes `to` on connections `lanes` (new ones when
+    /// empty) as one round; returns the round and its connections.
+    fn send(&self, op: Op, keys: &[Key<'_>], to: &[bool], lanes: &mut Vec<u64>) -> Arc<Round> {
+        let n = self.names.len();
+        let round = Arc::new(Round {
+            results: Mutex::new(vec![None; n]),
+            signal: Arc::new(Signal::default()),
+            open: AtomicBool::new(true),
+            health: self.health.clone(),
+        });
+        let owned: Vec<OwnedKey> = keys
+            .iter()
+            .map(|k| OwnedKey {
+                resource: k.resource.to_owned(),
+                token: k.token.to_owned(),
+                next: k.next.map(str::to_owned),
+            })
+            .collect();
+        let now = self.sched.nanos();
+        let mut core = self.sched.lock();
+        let world = &mut core.world;
+        world.check.sent(op, keys, now);
+        if lanes.is_empty() {
+            for _ in 0..n {
+                world.next_lane += 1;
+                lanes.push(world.next_lane);
+            }
+        }
+        for (i, &lane) in lanes.iter().enumerate() {
+            if to[i] {
+                let msg = Msg {
+                    node: i,
+                    op,
+                    keys: owned.clone(),
+                    round: Some(round.clone()),
+                };
+                world.send(msg, lane, now);
+            }
+        }
+        round
+    }
+
+    /// Waits for `round`'s replies from the nodes in `wait` until
+    /// `decided` or `deadline`; returns the results and whether it settled.
+    fn gather(
+        &self,
+        round: &Round,
+        wait: &[bool],
+        deadline: Instant,
+        decided: Option<Decided<'_>>,
+    ) -> (Vec<Option<NodeResult>>, bool) {
+        loop {
+            let seen = round.signal.seen();
+            let results = round.results.lock().clone();
+            if decided.is_some_and(|f| f(&results)) {
+                return (results, true);
+            }
+            let missing = (0..results.len()).any(|i| wait[i] && results[i].is_none());
+            let now = self.sched.instant(self.sched.nanos());
+            if !missing || now >= deadline {
+                return (results, false);
+            }
+            self.sched.wait_signal(&round.signal, seen, Some(deadline));
+        }
+    }
+}
+
+impl Transport for SimTransport {
+    fn node_names(&self) -> &[String] {
+        &self.names
+    }
+
+    fn run(
+        &self,
+        op: Op,
+        keys: &[Key<'_>],
+        deadline: Instant,
+        decided: Option<Decided<'_>>,
+        undo: Option<Undo<'_>>,
+    ) -> Vec<NodeResult> {
+        let n = self.names.len();
+        let start = self.sched.instant(self.sched.nanos());
+        // The production node layer's admission rules.
+        let mut admits: Vec<Admit> = self
+            .health
+            .lock()
+            .iter_mut()
+            .map(|h| h.admit(start))
+            .collect();
+        if matches!(op, Op::Release { .. }) {
+            admits.iter_mut().for_each(|a| {
+                if *a == Admit::Skip {
+                    *a = Admit::Trial
+                }
+            });
+        } else {
+            health::upgrade_if_short(&mut admits, crate::quorum::quorum(n));
+        }
+        let sent: Vec<bool> = admits.iter().map(|a| *a != Admit::Skip).collect();
+        let wait: Vec<bool> = admits.iter().map(|a| *a == Admit::Wait).collect();
+        let mut lanes = Vec::new();
+        let round = self.send(op, keys, &sent, &mut lanes);
+        let (results, settled) = self.gather(&round, &wait, deadline, decided);
+        round.open.store(false, Ordering::Release);
+        let end = self.sched.instant(self.sched.nanos());
+        let results: Vec<NodeResult> = results
+            .into_iter()
+            .enumerate()
+            .map(|(i, r)| {
+                r.unwrap_or_else(|| {
+                    let (kind, why) = match admits[i] {
+                        Admit::Skip => (NodeErrorKind::Skipped, "failing: not sent"),
+                        _ if settled => (NodeErrorKind::NotAwaited, "settled before its reply"),
+                        Admit::Trial => (NodeErrorKind::Timeout, "trial: no reply in time"),
+                        Admit::Wait => {
+                            self.health.lock()[i].observe(end, Outcome::TimedOut);
+                            (NodeErrorKind::Timeout, "no reply")
+                        }
+                    };
+                    Err(NodeError::new(&self.names[i], kind, why))
+                })
+            })
+            .collect();
+        self.sched
+            .lock()
+            .world
+            .check
+            .round_ended(keys, op, self.sched.nanos());
+        if let (Some(undo), Op::Acquire { ttl, .. } | Op::Swap { ttl, .. }) = (undo, op) {
+            if undo(&results) {
+                // Where our write may have landed, on the same connections.
+                let written = crate::transport::written(op, keys);
+                let rel = Op::Release {
+                    keep_until: after(start, ttl),
+                };
+                let to: Vec<bool> = match op {
+                    Op::Swap { .. } => vec![true; n],
+                    _ => sent.clone(),
+                };
+                let answered: Vec<bool> = results
+                    .iter()
+                    .zip(&to)
+                    .map(|(r, t)| *t && r.is_ok())
+                    .collect();
+                let undo_round = self.send(rel, &written, &to, &mut lanes);
+                let wait_for = match op {
+                    Op::Swap { .. } => Duration::ZERO,
+                    _ => self.timeout,
+                };
+                let now = self.sched.instant(self.sched.nanos());
+                self.gather(&undo_round, &answered, after(now, wait_for), None);
+                undo_round.open.store(false, Ordering::Release);
+            }
+        }
+        results
+    }
+}
