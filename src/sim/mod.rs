@@ -111,6 +111,8 @@ impl Plan {
             retry_jitter: r.millis(0, 50),
             local_queue: r.below(5) != 0,
             fencing: r.chance(0.5),
+            drift_factor: [0.01, 0.001, 0.05][r.below(3) as usize],
+            renew_fraction: [1.0 / 3.0, 0.1, 0.5][r.below(3) as usize],
             ..Settings::default()
         };
         let rho = settings.drift_factor * 0.9;
@@ -445,7 +447,17 @@ fn main_thread(ctx: &Arc<Ctx>, mut rng: SimRng) {
     }
     let longest = Duration::from_millis(plan.ttls.iter().copied().max().unwrap_or(0));
     let healed = Duration::from_nanos(plan.run_for.saturating_sub(ctx.now()));
-    clock.sleep(healed + 2 * longest + Duration::from_nanos(plan.net.max_delay()));
+    // A clock set back keeps its node's keys that much longer.
+    let back = plan
+        .faults
+        .iter()
+        .filter_map(|f| match f.1 {
+            Fault::Jump(_, d) if d < 0 => Some(d.unsigned_abs()),
+            _ => None,
+        })
+        .sum::<u64>();
+    let drain = Duration::from_nanos(plan.net.max_delay() + back);
+    clock.sleep(healed + 2 * longest + drain);
     probe(ctx, &clock);
 }
 

@@ -160,9 +160,9 @@ mod regressions {
     use std::time::Duration;
 
     use super::describe;
+    use crate::clock::Clock;
     use crate::sim::check::Kind;
     use crate::sim::world::Fault;
-    use crate::clock::Clock;
     use crate::sim::{simulate, Ctx, Plan, Report, MS};
 
     const T: fn(u64) -> Duration = Duration::from_millis;
@@ -253,7 +253,10 @@ mod regressions {
                 ctx.fault(Fault::Heal(2));
                 ctx.fault(Fault::Crash(0));
                 ctx.sleep_until(50);
-                ctx.fault(Fault::Restart { node: 0, wipe: true });
+                ctx.fault(Fault::Restart {
+                    node: 0,
+                    wipe: true,
+                });
                 let other = ctx.client(ctx.plan.settings.clone());
                 // Nodes 0 (empty) and 2 would make a majority.
                 while ctx.now() < 900 * MS {

@@ -259,11 +259,12 @@ impl World {
         d
     }
 
-    fn reachable(&mut self, node: usize, since: bool, now: u64) {
+    /// Keeps count of the time `node` is unreachable, after a fault.
+    fn reachable(&mut self, node: usize, now: u64) {
         let n = &mut self.nodes[node];
         let down = n.state != NodeState::Up || n.isolated;
         match (down, n.since) {
-            (true, None) if since => n.since = Some(now),
+            (true, None) => n.since = Some(now),
             (false, Some(s)) => {
                 n.unreachable += now.saturating_sub(s);
                 n.since = None;
@@ -327,7 +328,7 @@ impl World {
             Fault::HealAll => None,
         };
         for i in node.map_or(0..self.nodes.len(), |i| i..i + 1) {
-            self.reachable(i, true, now);
+            self.reachable(i, now);
         }
     }
 
@@ -394,7 +395,6 @@ impl World {
         let reply = self.nodes[i]
             .store
             .round(msg.op, &keys, node_now, self.base, micros);
-        self.check.applied(&self.nodes[i], i, msg.op, &keys, now);
         let Some(round) = msg.round else { return };
         if self.nodes[i].isolated || self.rng.chance(self.net.loss) {
             return;
