@@ -326,6 +326,15 @@ impl Ctx {
         self.sched.lock().world.schedule(now, f);
     }
 
+    /// Another client's lock on `resource`, on `node` only.
+    pub(crate) fn plant(&self, node: usize, resource: &str, ttl: Duration) {
+        let now = self.now();
+        self.sched
+            .lock()
+            .world
+            .plant(node, resource, "someone-else", ttl, now);
+    }
+
     /// Sleeps until `ms` milliseconds of virtual time.
     pub(crate) fn sleep_until(&self, ms: u64) {
         let left = (ms * MS).saturating_sub(self.now());

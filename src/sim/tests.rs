@@ -310,4 +310,36 @@ mod regressions {
             }));
         }
     }
+
+    /// The node-layer work: a node that takes commands but never answers
+    /// them (paused for writes: `CLIENT PAUSE … WRITE`, and every lock
+    /// command writes) cost a full node timeout on every attempt whose
+    /// outcome hung on it. Now it is failing after one timeout, and later
+    /// attempts count it as a failed vote at once (a trial every 100 ms).
+    #[test]
+    fn a_node_that_never_answers_costs_one_timeout_not_one_per_attempt() {
+        clean(&script(Plan::calm(3, 3), |ctx| {
+            ctx.fault(Fault::Pause(2));
+            ctx.plant(0, "r", T(60_000));
+            let locks = ctx.client(ctx.plan.settings.clone());
+            let timeout = ctx.plan.settings.node_timeout;
+            ctx.sleep_until(1);
+            // Node 0 says taken, node 1 grants: node 2 decides, every time.
+            for attempt in 0..10 {
+                let start = ctx.now();
+                let got = locks.try_lock("r", T(1_000));
+                let took = Duration::from_nanos(ctx.now() - start);
+                if got.is_ok() {
+                    ctx.fail(Kind::TwoHolders, "granted against node 0".into());
+                }
+                if attempt > 0 && took >= timeout / 2 {
+                    ctx.fail(
+                        Kind::WaitBound,
+                        format!("attempt {attempt} waited {took:?} for the silent node"),
+                    );
+                }
+            }
+            ctx.fault(Fault::Resume(2));
+        }));
+    }
 }
