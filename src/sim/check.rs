@@ -92,8 +92,9 @@ pub(crate) struct Checker {
     max_fence: BTreeMap<String, u64>,
     /// Per token, when its section ended.
     ended: BTreeMap<String, u64>,
-    /// Per token, when the last round that wrote it ended, and its TTL.
-    last_round: BTreeMap<String, (u64, Duration)>,
+    /// Per token, when the last command that set its expiry was sent, and
+    /// the TTL it set.
+    last_write: BTreeMap<String, (u64, Duration)>,
     stores: BTreeMap<String, Protected>,
     last_keys_check: u64,
     /// The longest a message can be in flight in this run (ns).
@@ -110,7 +111,7 @@ impl Checker {
             next_section: 0,
             max_fence: BTreeMap::new(),
             ended: BTreeMap::new(),
-            last_round: BTreeMap::new(),
+            last_write: BTreeMap::new(),
             stores: BTreeMap::new(),
             last_keys_check: 0,
             max_delay,
@@ -241,6 +242,11 @@ impl Checker {
 
     /// A round of `op` leaves the client.
     pub(crate) fn sent(&mut self, op: Op, keys: &[Key<'_>], now: u64) {
+        if let Op::Acquire { ttl, .. } | Op::Swap { ttl, .. } | Op::Extend { ttl } = op {
+            for k in written(op, keys) {
+                self.last_write.insert(k.token.to_owned(), (now, ttl));
+            }
+        }
         if std::env::var_os("QUORUMLOCK_SIM_TRACE").is_some() {
             let names: Vec<&str> = keys.iter().map(|k| k.resource).collect();
             println!("{:10.3} ms send {op:?} {names:?}", now as f64 / 1e6);
@@ -260,17 +266,6 @@ impl Checker {
                     self.fail(now, Kind::WriteAfterEnd, what);
                 }
             }
-        }
-    }
-
-    /// A round of `op` is over (its writes, if any, are on the way).
-    pub(crate) fn round_ended(&mut self, keys: &[Key<'_>], op: Op, now: u64) {
-        let ttl = match op {
-            Op::Acquire { ttl, .. } | Op::Swap { ttl, .. } | Op::Extend { ttl } => ttl,
-            Op::Release { .. } | Op::Fence { .. } => return,
-        };
-        for k in written(op, keys) {
-            self.last_round.insert(k.token.to_owned(), (now, ttl));
         }
     }
 
@@ -332,17 +327,17 @@ impl Checker {
                 if *expiry <= local {
                     continue;
                 }
-                let Some(&(round, ttl)) = self.last_round.get(token) else {
+                let Some(&(sent, ttl)) = self.last_write.get(token) else {
                     continue;
                 };
-                let end = self.ended.get(token).copied().unwrap_or(0).max(round);
+                let end = self.ended.get(token).copied().unwrap_or(0).max(sent);
                 let life = ttl.as_nanos() as f64 / node.clock.rate;
                 let bound = end + self.max_delay + node.unreachable + life as u64 + 2_000_000;
                 if now > bound {
                     let what = format!(
-                        "node {i} still holds {resource:?} {:.3} ms after its section ended (TTL {ttl:?}; last round ended {:.3} ms, section {:?}; {:?} left; token {token})",
+                        "node {i} still holds {resource:?} {:.3} ms after its section ended (TTL {ttl:?}; last write sent at {:.3} ms, section ended {:?}; {:?} left; token {token})",
                         (now - end) as f64 / 1e6,
-                        round as f64 / 1e6,
+                        sent as f64 / 1e6,
                         self.ended.get(token).map(|e| *e as f64 / 1e6),
                         *expiry - local,
                     );
@@ -458,7 +453,7 @@ mod tests {
             known_max: ttl,
             fenced: false,
         };
-        w.check.round_ended(&[key], op, 0);
+        w.check.sent(op, &[key], 0);
         let expiry = base + Duration::from_nanos(CLOCK_START) + Duration::from_secs(10);
         w.nodes[0]
             .store

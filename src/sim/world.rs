@@ -575,11 +575,6 @@ impl Transport for SimTransport {
                 })
             })
             .collect();
-        self.sched
-            .lock()
-            .world
-            .check
-            .round_ended(keys, op, self.sched.nanos());
         if let (Some(undo), Op::Acquire { ttl, .. } | Op::Swap { ttl, .. }) = (undo, op) {
             if undo(&results) {
                 // Where our write may have landed, on the same connections.
