@@ -233,6 +233,15 @@ fn tick(inner: &Inner, entries: &mut Vec<Entry>) {
             }
             let states: Vec<&LockState> = batch.iter().map(|&(_, i)| &*entries[i].state).collect();
             let outcomes = inner.extend_many(&states, ttl, true);
+            // Released while the round was on the wire: where the release's
+            // delete missed a node and our extend did not, the key would
+            // live on for a TTL. Delete again (compare-and-delete: harmless
+            // where it is gone).
+            let released: Vec<&LockState> =
+                states.iter().copied().filter(|s| s.is_released()).collect();
+            if !released.is_empty() {
+                inner.release_many(&released);
+            }
             let after_round = inner.clock.now();
             for (&(_, i), outcome) in batch.iter().zip(outcomes) {
                 let e = &mut entries[i];
@@ -495,6 +504,31 @@ mod tests {
             exited.load(std::sync::atomic::Ordering::Acquire),
             "the thread ends when the client is dropped"
         );
+    }
+
+    /// Found by the simulation's review: the tick skips released locks,
+    /// then sends; a holder releasing in between (another thread) saw its
+    /// delete miss a node that the renewal then reached, which kept the key
+    /// there for another TTL. The tick now deletes such a lock again.
+    #[test]
+    fn a_lock_released_while_its_renewal_is_sent_is_deleted_again() {
+        let (locks, nodes, clock) = client(3);
+        let g = locks.try_lock("k", 300 * MS).unwrap();
+        let mut entries = vec![entry(&g, 1.0 / 3.0)];
+        let state = g.state().clone();
+        *nodes.before_round.lock() = Some(crate::fake::Hook(Box::new(move |n, op| {
+            if matches!(op, crate::transport::Op::Extend { .. }) {
+                // The holder releases now; its delete misses node 2.
+                state.take_release();
+                n.del(0, "k");
+                n.del(1, "k");
+            }
+        })));
+        clock.advance(100 * MS);
+        tick(&locks.inner, &mut entries);
+        *nodes.before_round.lock() = None;
+        assert_eq!(nodes.get(2, "k"), None, "the renewal kept the released key");
+        drop(g); // released above: nothing left to do
     }
 
     #[test]
