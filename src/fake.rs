@@ -217,9 +217,11 @@ impl Store {
                 self.keys.remove(k.resource);
                 Answer::Ok
             }
-            (Op::Extend { ttl }, Some(_)) => {
+            (Op::Extend { ttl }, Some(&(_, expiry))) => {
+                // Never shortens (the script's PTTL check).
+                let expiry = expiry.max(after(now, ttl));
                 self.keys
-                    .insert(k.resource.into(), (k.token.into(), after(now, ttl)));
+                    .insert(k.resource.into(), (k.token.into(), expiry));
                 Answer::Ok
             }
             (Op::Swap { fence, .. }, Some(&(_, expiry))) => {

@@ -156,7 +156,7 @@ impl LockState {
 
     /// Marks the lock released; true the first time only. Disconnects the
     /// loss channel so that nobody waits on it forever.
-    fn take_release(&self) -> bool {
+    pub(crate) fn take_release(&self) -> bool {
         let first = !self.released.swap(true, Ordering::AcqRel);
         if first {
             self.loss_tx.lock().take();
@@ -338,10 +338,13 @@ impl LockGuard {
         self.state.is_renewing()
     }
 
-    /// Sets the lock's expiry to `ttl` from now on every node where it is
-    /// still ours, and moves the deadline. Succeeds only with a majority and
-    /// only if done before the current validity runs out. Returns the new
-    /// validity.
+    /// Makes the lock last at least `ttl` from now on every node where it
+    /// is still ours, and moves the deadline forward. It never shortens a
+    /// lock: with a `ttl` below what is left the lock stays as it was (a
+    /// shortening extension delayed in the network could otherwise land
+    /// after a later renewal, and cut the keys short under a holder that
+    /// believes it holds). Succeeds only with a majority and only if done
+    /// before the current validity runs out. Returns the validity left.
     ///
     /// # Errors
     /// [`Error::Expired`] or [`Error::NotOwner`] when the lock is no longer

@@ -692,6 +692,11 @@ impl Inner {
             // A lone extension need not wait past its lock's validity.
             deadline = deadline.min(only.deadline());
         }
+        // What each lock had left when the round started.
+        let time_left: Vec<Duration> = states
+            .iter()
+            .map(|s| s.deadline().saturating_duration_since(start))
+            .collect();
         let results = if deadline > start {
             // One key: stop at a settled majority. Many: read every reply.
             let settled: Option<crate::transport::Decided<'_>> =
@@ -708,18 +713,23 @@ impl Inner {
             .iter()
             .enumerate()
             .map(|(i, state)| {
-                let time_left = state.deadline().saturating_duration_since(start);
+                let time_left = time_left[i];
                 let outcome = if time_left.is_zero() || results.is_empty() {
                     Err(Error::Expired)
                 } else {
                     quorum::decide_extend(Tally::of(&results, i), ttl, elapsed, drift, time_left)
                 };
                 match &outcome {
-                    Ok(validity) => state.set_timing(Timing {
-                        since: start,
-                        deadline: after(end, *validity),
-                        ttl,
-                    }),
+                    // The script never shortens a key: a TTL shorter than
+                    // what was left leaves the lock as it was.
+                    Ok(validity) if after(end, *validity) > state.deadline() => {
+                        state.set_timing(Timing {
+                            since: start,
+                            deadline: after(end, *validity),
+                            ttl,
+                        })
+                    }
+                    Ok(_) => {}
                     Err(e @ (Error::NotOwner { .. } | Error::Expired)) => {
                         // The callback is the watchdog's (as documented): a
                         // manual extend returns the error to its caller.
@@ -729,7 +739,7 @@ impl Inner {
                     Err(_) => {}
                 }
                 trace!("extend {:?}: {outcome:?} in {elapsed:?}", state.resource);
-                outcome
+                outcome.map(|_| state.deadline().saturating_duration_since(end))
             })
             .collect()
     }

@@ -233,7 +233,13 @@ if tonumber(ARGV[1]) > known then
   redis.call('HSET', meta, 'max_ttl', ARGV[1])
 end
 ",
-    each_own_key_lua!("    out[i] = redis.call('PEXPIRE', key, ARGV[1])\n")
+    each_own_key_lua!(
+        r"    if redis.call('PTTL', key) < tonumber(ARGV[1]) then
+      redis.call('PEXPIRE', key, ARGV[1])
+    end
+    out[i] = 1
+"
+    )
 );
 
 /// `SCRIPT LOAD` for every script, packed.

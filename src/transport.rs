@@ -70,7 +70,8 @@ pub(crate) enum Op {
     /// asked again in the background until `keep_until` (when every key of
     /// the round has expired anyway).
     Release { keep_until: Instant },
-    /// Set the key's expiry to `ttl` if it holds our token.
+    /// Make the key live at least `ttl` more if it holds our token (its
+    /// expiry never moves back).
     Extend { ttl: Duration },
     /// A held lock handed to a new critical section: where the key holds
     /// our token (or an earlier one of its lineage, see [`ours`]), it gets

@@ -130,6 +130,35 @@ fn extend_keeps_exclusivity_past_the_original_ttl() {
     g.release().unwrap();
 }
 
+/// The simulation's find: an extension to a shorter TTL, delayed in the
+/// network past a later renewal, cut the keys short under a holder that
+/// believed it held. Extensions never shorten a key.
+#[test]
+fn extend_to_a_shorter_ttl_never_shortens_the_lock() {
+    let c = shared();
+    let key = unique_key("extend-shorter");
+    let g = client(&c.urls()).try_lock(&key, TTL).unwrap();
+    let deadline = g.deadline();
+    let v = g.extend(Duration::from_millis(500)).expect("extend");
+    assert!(
+        v > TTL / 2,
+        "the validity left, not the shorter TTL's: {v:?}"
+    );
+    assert_eq!(g.deadline(), deadline, "the deadline stays");
+    for i in 0..3 {
+        let pttl = c.pttl(i, &key);
+        assert!(
+            pttl > 4_000,
+            "node {i}: PTTL {pttl} ms after extend(500 ms)"
+        );
+    }
+    // A longer one still extends.
+    g.extend(TTL * 2).expect("extend");
+    assert!(g.deadline() > deadline);
+    assert!(c.pttl(0, &key) > 9_000);
+    g.release().unwrap();
+}
+
 #[test]
 fn many_threads_never_overlap() {
     let c = shared();
