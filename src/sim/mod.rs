@@ -98,6 +98,8 @@ pub(crate) struct Plan {
     /// Chance that a manual section stalls past its TTL without renewal.
     pub(crate) stall: f64,
     pub(crate) ttls: Vec<u64>,
+    /// Threads may be preempted just before each round is sent.
+    pub(crate) preempt: bool,
 }
 
 impl Plan {
@@ -175,7 +177,7 @@ impl Plan {
             let at = r.below(run_for);
             let node = r.below(nodes as u64) as usize;
             let d = r.below(400 * MS) + MS;
-            let kind = r.below(if jumps { 4 } else { 3 });
+            let kind = r.below(if jumps { 5 } else { 4 });
             let (start, stop) = match kind {
                 0 => (Fault::Pause(node), Fault::Resume(node)),
                 1 => (
@@ -186,6 +188,7 @@ impl Plan {
                     },
                 ),
                 2 => (Fault::Isolate(node), Fault::Heal(node)),
+                3 => (Fault::Mute(node), Fault::Unmute(node)),
                 _ => {
                     // Back by up to a second, or forward by under 1 ms
                     // (inside the 2 ms of the drift allowance).
@@ -216,6 +219,7 @@ impl Plan {
             faults,
             stall,
             ttls: vec![30, 60, 120, 250],
+            preempt: r.chance(0.5),
         }
     }
 }
@@ -241,6 +245,7 @@ impl Plan {
             faults: Vec::new(),
             stall: 0.0,
             ttls: Vec::new(),
+            preempt: false,
         }
     }
 }
@@ -335,6 +340,31 @@ impl Ctx {
             .plant(node, resource, "someone-else", ttl, now);
     }
 
+    /// `release()` returned Ok: the lock's lineage must be gone from a
+    /// majority of nodes now.
+    fn check_released(&self, token: &str) {
+        let now = self.now();
+        let lineage = check::lineage(token);
+        let mut core = self.sched.lock();
+        let world = &mut core.world;
+        let holding = world
+            .nodes
+            .iter()
+            .filter(|n| {
+                let local = world.base + Duration::from_nanos(n.clock.at(now));
+                n.store
+                    .keys
+                    .values()
+                    .any(|(t, exp)| *exp > local && check::lineage(t) == lineage)
+            })
+            .count();
+        let n = world.nodes.len();
+        if n - holding < crate::quorum::quorum(n) {
+            let what = format!("release() returned Ok with the key on {holding} of {n} nodes");
+            world.check.fail(now, Kind::Leaked, what);
+        }
+    }
+
     /// Sleeps until `ms` milliseconds of virtual time.
     pub(crate) fn sleep_until(&self, ms: u64) {
         let left = (ms * MS).saturating_sub(self.now());
@@ -406,9 +436,11 @@ pub(crate) fn simulate(plan: Plan, main: Script) -> Report {
     };
     sched.run(main, Duration::from_secs(60));
     let mut core = sched.lock();
+    let at = sched.nanos();
     if let Some(why) = core.aborted.take() {
-        let at = sched.nanos();
         core.world.check.fail(at, Kind::Crash, why);
+    } else {
+        core.world.check.finish(at);
     }
     Report {
         plan,
@@ -422,7 +454,7 @@ pub(crate) fn simulate(plan: Plan, main: Script) -> Report {
 
 fn client(ctx: &Ctx, settings: Settings, seed: u64) -> Redlock {
     let clock: Arc<dyn Clock> = Arc::new(SimClock(ctx.sched.clone()));
-    let transport = SimTransport::new(&ctx.sched, settings.node_timeout);
+    let transport = SimTransport::new(&ctx.sched, settings.node_timeout, ctx.plan.preempt);
     Redlock::from_parts(settings, Box::new(transport), clock, Rng::new(seed), None)
 }
 
@@ -605,7 +637,13 @@ fn check_wait(ctx: &Ctx, call: &str, waited: Duration, budget: Duration) {
 fn manual(ctx: &Ctx, clock: &SimClock, rng: &mut SimRng, g: LockGuard, ttl: Duration, who: &str) {
     let id = ctx.with(|c| c.grant(ctx.now(), g.state(), who));
     let stall = rng.chance(ctx.plan.stall);
-    ctx.trace(who, || format!("holds {} (stall {stall})", g.resource()));
+    ctx.trace(who, || {
+        format!(
+            "holds {} (stall {stall}) until {:.3} ms",
+            g.resource(),
+            ctx.sched.nanos_of(g.deadline()) as f64 / 1e6
+        )
+    });
     if !stall && rng.chance(0.5) {
         g.auto_renew();
     }
@@ -614,8 +652,16 @@ fn manual(ctx: &Ctx, clock: &SimClock, rng: &mut SimRng, g: LockGuard, ttl: Dura
     }
     work(ctx, clock, rng, &g, ttl, stall);
     let told = g.is_held() && g.lost().try_recv().is_err();
+    let token = g.token().to_owned();
+    // A release may hand the lock to a local waiter instead (the key stays).
+    let may_hand =
+        ctx.plan.settings.local_queue && !g.state().is_renewing() && g.validity() >= g.ttl() / 2;
     let released = if rng.chance(0.5) {
-        g.release()
+        let r = g.release();
+        if r.is_ok() && !may_hand {
+            ctx.check_released(&token);
+        }
+        r
     } else {
         drop(g);
         Ok(())
@@ -628,6 +674,32 @@ fn manual(ctx: &Ctx, clock: &SimClock, rng: &mut SimRng, g: LockGuard, ttl: Dura
         format!("ended {id}: told {told}, release {released:?}")
     });
     ctx.with(|c| c.end(id, now, told));
+}
+
+/// Extends the lock to a random TTL: a success must have completed inside
+/// the old validity.
+fn extend(ctx: &Ctx, clock: &SimClock, rng: &mut SimRng, g: &LockGuard) {
+    let ttl = Duration::from_millis(ctx.plan.ttls[rng.below(ctx.plan.ttls.len() as u64) as usize]);
+    let old = g.deadline();
+    let t0 = ctx.now();
+    let out = g.extend(ttl);
+    ctx.trace("extend", || {
+        format!(
+            "{} {ttl:?} from {:.3} ms: {:?}, deadline {:.3} -> {:.3} ms",
+            g.resource(),
+            t0 as f64 / 1e6,
+            out,
+            ctx.sched.nanos_of(old) as f64 / 1e6,
+            ctx.sched.nanos_of(g.deadline()) as f64 / 1e6
+        )
+    });
+    if out.is_ok() && clock.now() >= old {
+        let late = clock.now() - old;
+        ctx.fail(
+            Kind::LateExtend,
+            format!("an extension completed {late:?} after the deadline succeeded"),
+        );
+    }
 }
 
 /// The critical section's work: a read, some steps (each checking the lock,
@@ -651,7 +723,13 @@ fn work(ctx: &Ctx, clock: &SimClock, rng: &mut SimRng, g: &LockGuard, ttl: Durat
     let long = rng.chance(0.2);
     for _ in 0..steps {
         if !g.is_held() {
+            if rng.chance(0.3) {
+                extend(ctx, clock, rng, g); // past the deadline: must fail
+            }
             return;
+        }
+        if rng.chance(0.15) {
+            extend(ctx, clock, rng, g);
         }
         let step = if long { ttl / 2 } else { ttl / 8 };
         clock.sleep(Duration::from_nanos(rng.below(step.as_nanos() as u64 + 1)));

@@ -240,6 +240,11 @@ impl Sched {
         }
     }
 
+    /// Lets the scheduler pick again (maybe another thread) at this instant.
+    pub(crate) fn yield_now(&self) {
+        self.block(Wait::Until(self.nanos()));
+    }
+
     /// Parks the caller until `signal` moves past `seen` or `until`.
     pub(crate) fn wait_signal(&self, signal: &Arc<Signal>, seen: u64, until: Option<Instant>) {
         let until = until.map(|u| self.nanos_of(u));

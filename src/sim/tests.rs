@@ -177,8 +177,8 @@ mod regressions {
 
     /// Found by the simulation (seed 0x337, clock-jumps): a renewal tick
     /// renews one batch per TTL, one round each; a lock released during an
-    /// earlier batch's round was still renewed in a later batch (an extend
-    /// for a released key: on a node the release missed, the key lived on).
+    /// earlier batch's round was still renewed in a later batch: on a node
+    /// the release missed, the renewal kept the key for another TTL.
     #[test]
     fn a_renewal_tick_skips_a_lock_released_during_an_earlier_batch() {
         let mut plan = Plan::calm(1, 3);
@@ -194,7 +194,10 @@ mod regressions {
             b.auto_renew();
             let ib = ctx.grant(&b, "b");
             ctx.sleep_until(112); // b's batch is on the wire
+                                  // The release misses node 2, where a renewal sent later lands.
+            ctx.fault(Fault::Isolate(2));
             assert!(a.release().is_ok());
+            ctx.fault(Fault::Heal(2));
             ctx.end(ia, true);
             ctx.sleep_until(200);
             assert!(b.release().is_ok());
@@ -340,6 +343,37 @@ mod regressions {
                 }
             }
             ctx.fault(Fault::Resume(2));
+        }));
+    }
+
+    /// Found by the simulation (extensions at random points, with random
+    /// TTLs): an extension to a TTL shorter than what was left, failed for
+    /// the client (its replies lost) or overtaken by a renewal, had still
+    /// cut the keys short on the nodes it reached; the guard kept a longer
+    /// deadline, and a contender got the lock while the holder believed it
+    /// held. Extensions now never shorten a key.
+    #[test]
+    fn an_extension_to_a_shorter_ttl_never_cuts_the_keys_short() {
+        clean(&script(Plan::calm(4, 3), |ctx| {
+            let holder = ctx.client(ctx.plan.settings.clone());
+            let g = holder.lock("r", T(200)).expect("holder");
+            let id = ctx.grant(&g, "holder");
+            for i in 0..3 {
+                ctx.fault(Fault::Mute(i));
+            }
+            let _ = g.extend(T(30)); // lands everywhere, no reply anywhere
+            for i in 0..3 {
+                ctx.fault(Fault::Unmute(i));
+            }
+            let other = ctx.client(ctx.plan.settings.clone());
+            ctx.sleep_until(100);
+            if let Ok(c) = other.try_lock("r", T(200)) {
+                let cid = ctx.grant(&c, "contender");
+                let _ = c.release();
+                ctx.end(cid, true);
+            }
+            ctx.end(id, g.is_held());
+            drop(g);
         }));
     }
 }

@@ -68,6 +68,8 @@ pub(crate) struct SimNode {
     pub(crate) state: NodeState,
     /// Messages and replies to and from it are dropped (a black hole).
     pub(crate) isolated: bool,
+    /// It runs commands, but its replies are lost.
+    muted: bool,
     backlog: Vec<Msg>,
     pub(crate) clock: NodeClock,
     /// Time it spent paused, crashed or cut off (virtual ns): messages it
@@ -119,6 +121,9 @@ pub(crate) enum Fault {
     },
     Isolate(usize),
     Heal(usize),
+    /// The node's replies are lost (it still runs what it receives).
+    Mute(usize),
+    Unmute(usize),
     /// The node's wall clock steps by this many ns.
     Jump(usize, i64),
     /// The network turns calm and every node comes back up.
@@ -127,7 +132,10 @@ pub(crate) enum Fault {
 
 /// One round in flight: the replies so far, and who to wake.
 pub(crate) struct Round {
+    /// Per node: the reply, or the error it counts as until one arrives.
     results: Mutex<Vec<Option<NodeResult>>>,
+    /// Per node: a reply arrived (it replaces a not-waited-for error).
+    replied: Mutex<Vec<bool>>,
     signal: Arc<Signal>,
     open: AtomicBool,
     health: Arc<Mutex<Vec<NodeHealth>>>,
@@ -143,6 +151,8 @@ struct OwnedKey {
 #[derive(Clone)]
 struct Msg {
     node: usize,
+    /// When the client sent it (virtual ns).
+    sent: u64,
     op: Op,
     keys: Vec<OwnedKey>,
     round: Option<Arc<Round>>,
@@ -182,6 +192,7 @@ impl World {
                 store: Store::with_history(base),
                 state: NodeState::Up,
                 isolated: false,
+                muted: false,
                 backlog: Vec::new(),
                 clock: NodeClock::new(rate),
                 unreachable: 0,
@@ -252,11 +263,12 @@ impl World {
                     let t = after(self.base, Duration::from_nanos(at));
                     round.health.lock()[node].observe(t, Outcome::Answered);
                     if round.open.load(Ordering::Acquire) {
-                        let mut results = round.results.lock();
-                        if results[node].is_none() {
-                            results[node] = Some(result);
+                        let mut replied = round.replied.lock();
+                        if !replied[node] {
+                            replied[node] = true;
+                            round.results.lock()[node] = Some(result);
                         }
-                        drop(results);
+                        drop(replied);
                         round.signal.notify();
                     }
                 }
@@ -317,11 +329,14 @@ impl World {
             }
             Fault::Isolate(i) => self.nodes[i].isolated = true,
             Fault::Heal(i) => self.nodes[i].isolated = false,
+            Fault::Mute(i) => self.nodes[i].muted = true,
+            Fault::Unmute(i) => self.nodes[i].muted = false,
             Fault::Jump(i, delta) => self.nodes[i].clock.jump(now, delta),
             Fault::HealAll => {
                 self.net = Net::calm();
                 for i in 0..self.nodes.len() {
                     self.nodes[i].isolated = false;
+                    self.nodes[i].muted = false;
                     match self.nodes[i].state {
                         NodeState::Paused => self.fault(Fault::Resume(i), now),
                         NodeState::Down => self.fault(
@@ -338,7 +353,7 @@ impl World {
         }
         let node = match f {
             Fault::Pause(i) | Fault::Resume(i) | Fault::Crash(i) | Fault::Isolate(i) => Some(i),
-            Fault::Heal(i) | Fault::Jump(i, _) => Some(i),
+            Fault::Heal(i) | Fault::Jump(i, _) | Fault::Mute(i) | Fault::Unmute(i) => Some(i),
             Fault::Restart { node, .. } => Some(node),
             Fault::HealAll => None,
         };
@@ -353,6 +368,7 @@ impl World {
         if self.nodes[i].state == NodeState::Down {
             if let Some(round) = &msg.round {
                 round.health.lock()[i].observe(self.instant(now), Outcome::Refused);
+                round.replied.lock()[i] = true;
                 round.results.lock()[i] = Some(Err(NodeError::new(
                     &self.names[i],
                     NodeErrorKind::Unavailable,
@@ -367,7 +383,9 @@ impl World {
         let last = self.lanes.get(&lane).copied().unwrap_or(0);
         let at = (now + self.delay()).max(last + 1);
         self.lanes.insert(lane, at);
-        if self.rng.chance(self.net.dup) {
+        // Over TCP only the client's own retries repeat a command, and it
+        // retries only deletes.
+        if matches!(msg.op, Op::Release { .. }) && self.rng.chance(self.net.dup) {
             let copy = Msg {
                 round: None,
                 ..msg.clone()
@@ -410,8 +428,16 @@ impl World {
         let reply = self.nodes[i]
             .store
             .round(msg.op, &keys, node_now, self.base, micros);
+        if let (Ok(r), Op::Acquire { .. } | Op::Extend { .. } | Op::Swap { .. }) = (&reply, msg.op)
+        {
+            for (k, a) in keys.iter().zip(&r.answers) {
+                if *a == crate::transport::Answer::Ok {
+                    self.check.landed(k.token, msg.sent);
+                }
+            }
+        }
         let Some(round) = msg.round else { return };
-        if self.nodes[i].isolated || self.rng.chance(self.net.loss) {
+        if self.nodes[i].isolated || self.nodes[i].muted || self.rng.chance(self.net.loss) {
             return;
         }
         let result =
@@ -434,25 +460,34 @@ pub(crate) struct SimTransport {
     names: Vec<String>,
     health: Arc<Mutex<Vec<NodeHealth>>>,
     timeout: Duration,
+    /// Yield to the scheduler before every round.
+    preempt: bool,
 }
 
 impl SimTransport {
-    pub(crate) fn new(sched: &Arc<Sched>, timeout: Duration) -> Self {
+    pub(crate) fn new(sched: &Arc<Sched>, timeout: Duration, preempt: bool) -> Self {
         let names = sched.lock().world.names.clone();
         SimTransport {
             sched: sched.clone(),
             health: Arc::new(Mutex::new(vec![NodeHealth::default(); names.len()])),
             names,
             timeout,
+            preempt,
         }
     }
 
-    /// Sends `op` to the nodes `to` on connections `lanes` (new ones when
-    /// empty) as one round; returns the round and its connections.
-    fn send(&self, op: Op, keys: &[Key<'_>], to: &[bool], lanes: &mut Vec<u64>) -> Arc<Round> {
+    /// Sends `op` to the nodes `admits` lets through, on connections
+    /// `lanes` (new ones when empty), as one round; nodes not waited for
+    /// count as failed until their reply arrives, as in `node.rs`.
+    fn send(&self, op: Op, keys: &[Key<'_>], admits: &[Admit], lanes: &mut Vec<u64>) -> Arc<Round> {
         let n = self.names.len();
+        let health = self.health.lock().clone();
+        let prefilled: Vec<Option<NodeResult>> = (0..n)
+            .map(|i| (admits[i] != Admit::Wait).then(|| Err(self.not_waited(i, &health))))
+            .collect();
         let round = Arc::new(Round {
-            results: Mutex::new(vec![None; n]),
+            results: Mutex::new(prefilled),
+            replied: Mutex::new(vec![false; n]),
             signal: Arc::new(Signal::default()),
             open: AtomicBool::new(true),
             health: self.health.clone(),
@@ -476,9 +511,10 @@ impl SimTransport {
             }
         }
         for (i, &lane) in lanes.iter().enumerate() {
-            if to[i] {
+            if admits[i] != Admit::Skip {
                 let msg = Msg {
                     node: i,
+                    sent: now,
                     op,
                     keys: owned.clone(),
                     round: Some(round.clone()),
@@ -487,6 +523,18 @@ impl SimTransport {
             }
         }
         round
+    }
+
+    /// The error of a node not waited for, as `node.rs` words it.
+    fn not_waited(&self, i: usize, health: &[NodeHealth]) -> NodeError {
+        let kind = match health[i] {
+            NodeHealth::Failing {
+                last: Outcome::Refused,
+                ..
+            } => NodeErrorKind::Unavailable,
+            _ => NodeErrorKind::Skipped,
+        };
+        NodeError::new(&self.names[i], kind, "not waited for")
     }
 
     /// Waits for `round`'s replies from the nodes in `wait` until
@@ -528,6 +576,11 @@ impl Transport for SimTransport {
         undo: Option<Undo<'_>>,
     ) -> Vec<NodeResult> {
         let n = self.names.len();
+        if self.preempt {
+            // Another thread may run between the caller's decision to send
+            // and the send (preemption, which blocking points alone miss).
+            self.sched.yield_now();
+        }
         let start = self.sched.instant(self.sched.nanos());
         // The production node layer's admission rules.
         let mut admits: Vec<Admit> = self
@@ -548,7 +601,7 @@ impl Transport for SimTransport {
         let sent: Vec<bool> = admits.iter().map(|a| *a != Admit::Skip).collect();
         let wait: Vec<bool> = admits.iter().map(|a| *a == Admit::Wait).collect();
         let mut lanes = Vec::new();
-        let round = self.send(op, keys, &sent, &mut lanes);
+        let round = self.send(op, keys, &admits, &mut lanes);
         let (results, settled) = self.gather(&round, &wait, deadline, decided);
         round.open.store(false, Ordering::Release);
         let end = self.sched.instant(self.sched.nanos());
@@ -557,19 +610,16 @@ impl Transport for SimTransport {
             .enumerate()
             .map(|(i, r)| {
                 r.unwrap_or_else(|| {
-                    let (kind, why) = match admits[i] {
-                        Admit::Skip => (NodeErrorKind::Skipped, "failing: not sent"),
-                        _ if settled => (NodeErrorKind::NotAwaited, "settled before its reply"),
-                        Admit::Trial => (NodeErrorKind::Timeout, "trial: no reply in time"),
-                        Admit::Wait => {
-                            // Only a node that had the whole node timeout
-                            // failed; a round cut short by the caller's
-                            // deadline says nothing about it (rule 2).
-                            if end.saturating_duration_since(start) >= self.timeout {
-                                self.health.lock()[i].observe(end, Outcome::TimedOut);
-                            }
-                            (NodeErrorKind::Timeout, "no reply")
+                    let (kind, why) = if settled {
+                        (NodeErrorKind::NotAwaited, "settled before its reply")
+                    } else {
+                        // Only a node that had the whole node timeout
+                        // failed; a round cut short by the caller's
+                        // deadline says nothing about it (rule 2).
+                        if end.saturating_duration_since(start) >= self.timeout {
+                            self.health.lock()[i].observe(end, Outcome::TimedOut);
                         }
+                        (NodeErrorKind::Timeout, "no reply")
                     };
                     Err(NodeError::new(&self.names[i], kind, why))
                 })
@@ -577,27 +627,30 @@ impl Transport for SimTransport {
             .collect();
         if let (Some(undo), Op::Acquire { ttl, .. } | Op::Swap { ttl, .. }) = (undo, op) {
             if undo(&results) {
-                // Where our write may have landed, on the same connections.
+                // Where our write may have landed, on the same connections,
+                // waiting (but for a swap's) for the nodes that answered.
                 let written = crate::transport::written(op, keys);
                 let rel = Op::Release {
                     keep_until: after(start, ttl),
                 };
-                let to: Vec<bool> = match op {
-                    Op::Swap { .. } => vec![true; n],
-                    _ => sent.clone(),
-                };
-                let answered: Vec<bool> = results
-                    .iter()
-                    .zip(&to)
-                    .map(|(r, t)| *t && r.is_ok())
+                let health = self.health.lock().clone();
+                let admits: Vec<Admit> = (0..n)
+                    .map(|i| match (sent[i], &results[i]) {
+                        (false, _) if matches!(op, Op::Swap { .. }) => Admit::Trial,
+                        (false, _) => Admit::Skip,
+                        (true, Ok(_)) => Admit::Wait,
+                        (true, Err(_)) if health[i].is_healthy() => Admit::Wait,
+                        (true, Err(_)) => Admit::Trial,
+                    })
                     .collect();
-                let undo_round = self.send(rel, &written, &to, &mut lanes);
+                let wait: Vec<bool> = admits.iter().map(|a| *a == Admit::Wait).collect();
+                let undo_round = self.send(rel, &written, &admits, &mut lanes);
                 let wait_for = match op {
                     Op::Swap { .. } => Duration::ZERO,
                     _ => self.timeout,
                 };
                 let now = self.sched.instant(self.sched.nanos());
-                self.gather(&undo_round, &answered, after(now, wait_for), None);
+                self.gather(&undo_round, &wait, after(now, wait_for), None);
                 undo_round.open.store(false, Ordering::Release);
             }
         }
