@@ -62,6 +62,10 @@ pub(crate) struct LockState {
     /// The fencing token, for a client with fencing on.
     pub(crate) fence: Option<u64>,
     timing: Mutex<Timing>,
+    /// The latest an extension sent for this lock may keep its key on a
+    /// node (`start + ttl` of the longest sent), whether or not it
+    /// succeeded: extensions never shorten a key.
+    reach: Mutex<Option<Instant>>,
     lost: AtomicBool,
     released: AtomicBool,
     renewing: AtomicBool,
@@ -100,6 +104,7 @@ impl LockState {
             token,
             fence,
             timing: Mutex::new(timing),
+            reach: Mutex::new(None),
             lost: AtomicBool::new(false),
             released: AtomicBool::new(false),
             renewing: AtomicBool::new(false),
@@ -121,8 +126,24 @@ impl LockState {
         self.timing.lock().deadline
     }
 
-    pub(crate) fn set_timing(&self, timing: Timing) {
-        *self.timing.lock() = timing;
+    /// Moves the lock to `timing` if that moves its deadline forward (in
+    /// one step: two extensions finishing together never move it back).
+    pub(crate) fn raise_timing(&self, timing: Timing) {
+        let mut t = self.timing.lock();
+        if timing.deadline > t.deadline {
+            *t = timing;
+        }
+    }
+
+    /// Records that an extension sent now may keep the key until `until`.
+    pub(crate) fn reach_until(&self, until: Instant) {
+        let mut r = self.reach.lock();
+        *r = Some(r.map_or(until, |r| r.max(until)));
+    }
+
+    /// See [`reach_until`](Self::reach_until).
+    pub(crate) fn reach(&self) -> Option<Instant> {
+        *self.reach.lock()
     }
 
     pub(crate) fn is_lost(&self) -> bool {

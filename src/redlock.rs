@@ -651,7 +651,11 @@ impl Inner {
     fn keep_until(&self, state: &LockState) -> Instant {
         let t = state.timing();
         let slack = quorum::drift_allowance(t.ttl, self.settings.drift_factor);
-        after(t.since, t.ttl.saturating_add(slack))
+        let own = after(t.since, t.ttl.saturating_add(slack));
+        // A failed extension may have reached some nodes, and set a later
+        // expiry there.
+        let reach = state.reach().map(|r| after(r, slack));
+        own.max(reach.unwrap_or(own))
     }
 
     /// Deletes the lock on every node where it still holds our token.
@@ -697,6 +701,9 @@ impl Inner {
             .iter()
             .map(|s| s.deadline().saturating_duration_since(start))
             .collect();
+        for state in states {
+            state.reach_until(after(start, ttl));
+        }
         let results = if deadline > start {
             // One key: stop at a settled majority. Many: read every reply.
             let settled: Option<crate::transport::Decided<'_>> =
@@ -714,22 +721,26 @@ impl Inner {
             .enumerate()
             .map(|(i, state)| {
                 let time_left = time_left[i];
-                let outcome = if time_left.is_zero() || results.is_empty() {
+                let mut outcome = if time_left.is_zero() || results.is_empty() {
                     Err(Error::Expired)
                 } else {
                     quorum::decide_extend(Tally::of(&results, i), ttl, elapsed, drift, time_left)
                 };
+                if matches!(outcome, Err(Error::ValidityExhausted { .. }))
+                    && state.deadline() >= after(end, ttl.saturating_sub(drift))
+                {
+                    // A TTL too short to survive the round, on a lock that
+                    // already lasts that long: nothing to do, and done.
+                    outcome = Ok(Duration::ZERO);
+                }
                 match &outcome {
                     // The script never shortens a key: a TTL shorter than
                     // what was left leaves the lock as it was.
-                    Ok(validity) if after(end, *validity) > state.deadline() => {
-                        state.set_timing(Timing {
-                            since: start,
-                            deadline: after(end, *validity),
-                            ttl,
-                        })
-                    }
-                    Ok(_) => {}
+                    Ok(validity) => state.raise_timing(Timing {
+                        since: start,
+                        deadline: after(end, *validity),
+                        ttl,
+                    }),
                     Err(e @ (Error::NotOwner { .. } | Error::Expired)) => {
                         // The callback is the watchdog's (as documented): a
                         // manual extend returns the error to its caller.

@@ -499,11 +499,11 @@ mod tests {
         let exited = locks.inner.watchdog().exited.clone();
         drop(g);
         drop(locks);
-        // Dropping the client joins the thread (within a second).
-        assert!(
-            exited.load(std::sync::atomic::Ordering::Acquire),
-            "the thread ends when the client is dropped"
-        );
+        // Dropping the client ends the thread (joined within a second; on
+        // a loaded machine it may end just after).
+        wait_for("the thread to end with the client", || {
+            exited.load(std::sync::atomic::Ordering::Acquire)
+        });
     }
 
     /// Found by the simulation's review: the tick skips released locks,

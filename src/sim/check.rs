@@ -24,6 +24,9 @@ pub(crate) enum Kind {
     LateExtend,
     /// A lock reported valid past what its last round allows.
     DeadlineBeyondTtl,
+    /// A lock reported valid while its key is on fewer than a majority of
+    /// nodes (not counting nodes that lost their data since the grant).
+    DeadlineBeyondKeys,
     /// A section that lost its lock (or ran out) was told it had not.
     Unsignalled,
     /// A key of ours left on a node with no delete sent after it landed, or
@@ -321,6 +324,38 @@ impl Checker {
         if let Some((kind, what)) = two {
             self.fail(now, kind, what);
         }
+        // What the guard reports held must be on a majority of the nodes.
+        let quorum = crate::quorum::quorum(nodes.len());
+        let mut short = None;
+        for a in self.sections.values() {
+            if nodes.is_empty() || !self.held(a, now) {
+                continue;
+            }
+            let own = lineage(&a.state.token);
+            let holding = nodes
+                .iter()
+                .filter(|n| {
+                    let local = base + Duration::from_nanos(n.clock.at(now));
+                    n.wiped_at.is_some_and(|w| w >= a.granted)
+                        || n.store
+                            .keys
+                            .get(&a.state.resource)
+                            .is_some_and(|(t, exp)| *exp > local && lineage(t) == own)
+                })
+                .count();
+            if holding < quorum {
+                short.get_or_insert(format!(
+                    "{} holds {:?} until {:.3} ms, but its key is on {holding} of {} nodes",
+                    a.who,
+                    a.state.resource,
+                    self.nanos(a.state.deadline()) as f64 / 1e6,
+                    nodes.len()
+                ));
+            }
+        }
+        if let Some(what) = short {
+            self.fail(now, Kind::DeadlineBeyondKeys, what);
+        }
         for s in self.sections.values_mut() {
             if !s.ended
                 && !s.state.is_released()
@@ -485,5 +520,37 @@ mod tests {
         assert!(w.check.violations.is_empty(), "within its TTL");
         w.observe(500 * MS);
         assert_eq!(kinds(&w.check), [Kind::KeyOutlived]);
+    }
+
+    #[test]
+    fn a_held_lock_whose_key_is_on_a_minority_is_reported() {
+        let base = Instant::now();
+        let mut w = World::new(
+            base,
+            &[1.0; 3],
+            Net::calm(),
+            SimRng::new(1),
+            Checker::new(base, 0),
+        );
+        let held = lock(base, "t.1", 0, 90, 100, None);
+        w.check.grant(0, &held, "holder");
+        let expiry = base + Duration::from_nanos(CLOCK_START) + Duration::from_secs(1);
+        // Another section token of its lineage counts (a missed swap).
+        w.nodes[0]
+            .store
+            .keys
+            .insert("r".into(), ("t".into(), expiry));
+        w.nodes[1]
+            .store
+            .keys
+            .insert("r".into(), ("t.1".into(), expiry));
+        w.observe(MS);
+        assert!(w.check.violations.is_empty(), "on 2 of 3");
+        w.nodes[1]
+            .store
+            .keys
+            .insert("r".into(), ("other".into(), expiry));
+        w.observe(2 * MS);
+        assert_eq!(kinds(&w.check), [Kind::DeadlineBeyondKeys]);
     }
 }

@@ -72,6 +72,8 @@ pub(crate) struct SimNode {
     muted: bool,
     backlog: Vec<Msg>,
     pub(crate) clock: NodeClock,
+    /// When it last restarted without its data (virtual ns).
+    pub(crate) wiped_at: Option<u64>,
     /// Time it spent paused, crashed or cut off (virtual ns): messages it
     /// held meanwhile may land that much later.
     pub(crate) unreachable: u64,
@@ -195,6 +197,7 @@ impl World {
                 muted: false,
                 backlog: Vec::new(),
                 clock: NodeClock::new(rate),
+                wiped_at: None,
                 unreachable: 0,
                 since: None,
             })
@@ -323,6 +326,7 @@ impl World {
                 if self.nodes[node].state == NodeState::Down {
                     if wipe {
                         self.nodes[node].store = Store::default();
+                        self.nodes[node].wiped_at = Some(now);
                     }
                     self.nodes[node].state = NodeState::Up;
                 }
