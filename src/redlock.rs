@@ -1401,4 +1401,38 @@ mod tests {
         let t3 = t3.fencing_token().unwrap();
         assert!(t3 < t2, "assumption broken: {t3} after {t2}");
     }
+
+    /// Extensions never shorten a lock: one too short to survive its own
+    /// round, on a lock that already lasts longer, is done (it used to
+    /// report `ValidityExhausted` for a healthy lock).
+    #[test]
+    fn an_extension_shorter_than_what_is_left_is_done() {
+        let (locks, nodes, _clock) = client(3);
+        *nodes.latency.lock() = 2 * MS;
+        let g = locks.try_lock("r", TTL).unwrap();
+        let deadline = g.deadline();
+        let v = g.extend(3 * MS).expect("nothing to do is done");
+        assert!(v > TTL / 2, "{v:?}");
+        assert_eq!(g.deadline(), deadline);
+    }
+
+    /// A failed extension may still have set a later expiry on the nodes
+    /// it reached: the release's retry window covers it.
+    #[test]
+    fn a_failed_extension_widens_the_release_window() {
+        let (locks, nodes, clock) = client(3);
+        let g = locks.try_lock("r", TTL).unwrap();
+        for i in 0..3 {
+            nodes.set_mode(i, Mode::Lossy);
+        }
+        let start = clock.now();
+        assert!(g.extend(10 * TTL).is_err(), "no replies: not extended");
+        assert!(g.deadline() < start + TTL, "the deadline stays");
+        let keep = locks.inner.keep_until(g.state());
+        assert!(
+            keep >= start + 10 * TTL,
+            "release window {:?}",
+            keep - start
+        );
+    }
 }
