@@ -105,6 +105,22 @@ impl NodeHealth {
     }
 }
 
+/// A round's admissions, from each node's own: a delete is always safe to
+/// send, so it skips nobody (failing nodes get a trial); any other round
+/// skips failing nodes only while the ones it waits for can still make a
+/// quorum ([`upgrade_if_short`]).
+pub(crate) fn admit_round(admits: &mut [Admit], release: bool, quorum: usize) {
+    if release {
+        admits.iter_mut().for_each(|a| {
+            if *a == Admit::Skip {
+                *a = Admit::Trial
+            }
+        });
+    } else {
+        upgrade_if_short(admits, quorum);
+    }
+}
+
 /// Rule 4 of the node layer: nodes are skipped only while the nodes a round
 /// waits for can still make a quorum; otherwise every node is waited for.
 pub(crate) fn upgrade_if_short(admits: &mut [Admit], quorum: usize) {

@@ -487,16 +487,7 @@ impl Transport for RedisTransport {
             .iter()
             .map(|node| node.inner.shared.health.lock().admit(start))
             .collect();
-        if release {
-            // A delete is always safe to send: never skipped.
-            admits.iter_mut().for_each(|a| {
-                if *a == Admit::Skip {
-                    *a = Admit::Trial
-                }
-            });
-        } else {
-            health::upgrade_if_short(&mut admits, quorum::quorum(n));
-        }
+        health::admit_round(&mut admits, release, quorum::quorum(n));
         let mut slots: Vec<Slot> = admits
             .into_iter()
             .map(|admit| Slot {

@@ -25,7 +25,7 @@ pub(crate) enum Kind {
     /// A lock reported valid past what its last round allows.
     DeadlineBeyondTtl,
     /// A lock reported valid while its key is on fewer than a majority of
-    /// nodes (not counting nodes that lost their data since the grant).
+    /// nodes (nodes that lost their data since it was acquired count).
     DeadlineBeyondKeys,
     /// A section that lost its lock (or ran out) was told it had not.
     Unsignalled,
@@ -72,6 +72,9 @@ struct Section {
     who: String,
     state: Arc<LockState>,
     granted: u64,
+    /// When the round that first set its keys started (the restart rule
+    /// holds back any node that lost its data after that).
+    since: u64,
     /// Seen not valid (lost, or past its deadline) while not yet released.
     lapsed: bool,
     ended: bool,
@@ -193,6 +196,7 @@ impl Checker {
                 who: who.to_owned(),
                 state: state.clone(),
                 granted: now,
+                since: self.nanos(state.timing().since),
                 lapsed: false,
                 ended: false,
             },
@@ -336,7 +340,7 @@ impl Checker {
                 .iter()
                 .filter(|n| {
                     let local = base + Duration::from_nanos(n.clock.at(now));
-                    n.wiped_at.is_some_and(|w| w >= a.granted)
+                    n.wiped_at.is_some_and(|w| w >= a.since)
                         || n.store
                             .keys
                             .get(&a.state.resource)

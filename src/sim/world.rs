@@ -593,15 +593,8 @@ impl Transport for SimTransport {
             .iter_mut()
             .map(|h| h.admit(start))
             .collect();
-        if matches!(op, Op::Release { .. }) {
-            admits.iter_mut().for_each(|a| {
-                if *a == Admit::Skip {
-                    *a = Admit::Trial
-                }
-            });
-        } else {
-            health::upgrade_if_short(&mut admits, crate::quorum::quorum(n));
-        }
+        let release = matches!(op, Op::Release { .. });
+        health::admit_round(&mut admits, release, crate::quorum::quorum(n));
         let sent: Vec<bool> = admits.iter().map(|a| *a != Admit::Skip).collect();
         let wait: Vec<bool> = admits.iter().map(|a| *a == Admit::Wait).collect();
         let mut lanes = Vec::new();
