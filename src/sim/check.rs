@@ -105,8 +105,6 @@ pub(crate) struct Checker {
     sections: BTreeMap<usize, Section>,
     next_section: usize,
     max_fence: BTreeMap<String, u64>,
-    /// Per token, when its section ended.
-    ended: BTreeMap<String, u64>,
     /// Per lineage, when the last command that landed (set or kept the
     /// key on a node) was sent, and when the last delete was sent.
     landed: BTreeMap<String, u64>,
@@ -129,7 +127,6 @@ impl Checker {
             sections: BTreeMap::new(),
             next_section: 0,
             max_fence: BTreeMap::new(),
-            ended: BTreeMap::new(),
             last_write: BTreeMap::new(),
             landed: BTreeMap::new(),
             deleted: BTreeMap::new(),
@@ -212,8 +209,6 @@ impl Checker {
         };
         s.ended = true;
         let (lapsed, who) = (s.lapsed, s.who.clone());
-        let token = s.state.token.clone();
-        self.ended.insert(token, now);
         if lapsed {
             self.stats.lapsed += 1;
             if told_held {
@@ -339,12 +334,8 @@ impl Checker {
             let holding = nodes
                 .iter()
                 .filter(|n| {
-                    let local = base + Duration::from_nanos(n.clock.at(now));
                     n.wiped_at.is_some_and(|w| w >= a.since)
-                        || n.store
-                            .keys
-                            .get(&a.state.resource)
-                            .is_some_and(|(t, exp)| *exp > local && lineage(t) == own)
+                        || n.holds(base, now, &a.state.resource, own)
                 })
                 .count();
             if holding < quorum {
@@ -388,7 +379,7 @@ impl Checker {
             if node.state != NodeState::Up || node.isolated || node.clock.jumped_back {
                 continue;
             }
-            let local = base + Duration::from_nanos(node.clock.at(now));
+            let local = node.local(base, now);
             for (resource, (token, expiry)) in &node.store.keys {
                 if *expiry <= local {
                     continue;
@@ -402,9 +393,8 @@ impl Checker {
                     until + self.max_delay + node.unreachable + slow.max(0.0) as u64 + 2_000_000;
                 if now > bound {
                     let what = format!(
-                        "node {i} still holds {resource:?} {:.3} ms past its last write's TTL ({ttl:?}; section ended at {:?} ms; {:?} left)",
+                        "node {i} still holds {resource:?} {:.3} ms past its last write's TTL ({ttl:?}; {:?} left)",
                         (now - until) as f64 / 1e6,
-                        self.ended.get(token).map(|e| *e as f64 / 1e6),
                         *expiry - local,
                     );
                     self.fail(now, Kind::KeyOutlived, what);

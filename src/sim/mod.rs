@@ -342,21 +342,14 @@ impl Ctx {
 
     /// `release()` returned Ok: the lock's lineage must be gone from a
     /// majority of nodes now.
-    fn check_released(&self, token: &str) {
+    fn check_released(&self, resource: &str, token: &str) {
         let now = self.now();
-        let lineage = check::lineage(token);
         let mut core = self.sched.lock();
         let world = &mut core.world;
         let holding = world
             .nodes
             .iter()
-            .filter(|n| {
-                let local = world.base + Duration::from_nanos(n.clock.at(now));
-                n.store
-                    .keys
-                    .values()
-                    .any(|(t, exp)| *exp > local && check::lineage(t) == lineage)
-            })
+            .filter(|n| n.holds(world.base, now, resource, check::lineage(token)))
             .count();
         let n = world.nodes.len();
         if n - holding < crate::quorum::quorum(n) {
@@ -542,7 +535,7 @@ fn probe(ctx: &Ctx, clock: &SimClock) {
         .enumerate()
         .filter(|(_, n)| !n.clock.jumped_back)
         .flat_map(|(i, n)| {
-            let local = ctx.sched.instant(n.clock.at(now));
+            let local = n.local(core.world.base, now);
             n.store
                 .keys
                 .iter()
@@ -652,14 +645,14 @@ fn manual(ctx: &Ctx, clock: &SimClock, rng: &mut SimRng, g: LockGuard, ttl: Dura
     }
     work(ctx, clock, rng, &g, ttl, stall);
     let told = g.is_held() && g.lost().try_recv().is_err();
-    let token = g.token().to_owned();
+    let (resource, token) = (g.resource().to_owned(), g.token().to_owned());
     // A release may hand the lock to a local waiter instead (the key stays).
     let may_hand =
         ctx.plan.settings.local_queue && !g.state().is_renewing() && g.validity() >= g.ttl() / 2;
     let released = if rng.chance(0.5) {
         let r = g.release();
         if r.is_ok() && !may_hand {
-            ctx.check_released(&token);
+            ctx.check_released(&resource, &token);
         }
         r
     } else {

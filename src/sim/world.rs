@@ -53,6 +53,23 @@ impl NodeClock {
     }
 }
 
+impl SimNode {
+    /// The node's own clock at virtual time `now`, as an instant of its
+    /// store (keys expire on it).
+    pub(crate) fn local(&self, base: Instant, now: u64) -> Instant {
+        after(base, Duration::from_nanos(self.clock.at(now)))
+    }
+
+    /// Whether `resource` holds a live token of `lineage` on this node.
+    pub(crate) fn holds(&self, base: Instant, now: u64, resource: &str, lineage: &str) -> bool {
+        let local = self.local(base, now);
+        self.store
+            .keys
+            .get(resource)
+            .is_some_and(|(t, exp)| *exp > local && crate::sim::check::lineage(t) == lineage)
+    }
+}
+
 /// How a node runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum NodeState {
