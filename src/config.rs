@@ -5,8 +5,6 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use redis::IntoConnectionInfo;
-
 use crate::clock::{Rng, SystemClock};
 use crate::conn::Target;
 use crate::error::InvalidInput;
@@ -34,6 +32,8 @@ pub(crate) struct Settings {
     pub max_ttl: Option<Duration>,
     /// Give every lock a fencing token (one more round trip per acquire).
     pub fencing: bool,
+    /// The user's event handler.
+    pub events: crate::events::Events,
 }
 
 /// Largest pool size accepted (connections per node): far above any useful
@@ -61,6 +61,7 @@ impl Default for Settings {
             fresh_cluster: false,
             max_ttl: None,
             fencing: false,
+            events: crate::events::Events::default(),
         }
     }
 }
@@ -138,6 +139,7 @@ pub struct Builder {
     settings: Settings,
     pool_size: u32,
     on_lost: Option<Arc<LostCallback>>,
+    tls: TlsSettings,
 }
 
 impl Default for Builder {
@@ -147,6 +149,7 @@ impl Default for Builder {
             settings: Settings::default(),
             pool_size: 32,
             on_lost: None,
+            tls: TlsSettings::default(),
         }
     }
 }
@@ -159,6 +162,7 @@ impl fmt::Debug for Builder {
             .field("settings", &self.settings)
             .field("pool_size", &self.pool_size)
             .field("on_lost", &self.on_lost.is_some())
+            .field("tls", &self.tls)
             .finish()
     }
 }
@@ -386,6 +390,26 @@ impl Builder {
         self
     }
 
+    /// Sends what the client does to `handler`: attempts, renewals,
+    /// losses, releases and node state changes, for metrics and traces
+    /// (see [`EventHandler`](crate::EventHandler)). Replaces any earlier
+    /// handler. Defaults to none.
+    pub fn events(mut self, handler: Arc<dyn crate::EventHandler>) -> Self {
+        self.settings.events = crate::events::Events(Some(handler));
+        self
+    }
+
+    /// TLS settings for `rediss://` nodes: which CAs to trust and, for
+    /// nodes that require one, the client certificate (feature
+    /// `tls-rustls`). `rediss://` nodes are verified against the default
+    /// roots when this is not called; certificate verification cannot be
+    /// turned off. The files are read by [`build`](Self::build).
+    #[cfg(feature = "tls-rustls")]
+    pub fn tls(mut self, tls: crate::Tls) -> Self {
+        self.tls.tls = Some(tls);
+        self
+    }
+
     /// Validates the settings and creates the client. Never waits for a
     /// node: pools connect in the background, and a node that is down only
     /// costs its vote.
@@ -407,12 +431,13 @@ impl Builder {
             }
             .into());
         }
-        let specs = parse_nodes(&self.nodes)?;
+        let specs = parse_nodes_with(&self.nodes, &self.tls)?;
         let transport = RedisTransport::new(
             specs,
             DriverConfig {
                 timeout: self.settings.node_timeout,
                 pool_size: self.pool_size,
+                events: self.settings.events.clone(),
             },
         );
         Ok(Redlock::from_parts(
@@ -425,60 +450,153 @@ impl Builder {
     }
 }
 
-/// Parses and checks node URLs: at least one, each parsable, no server twice.
+/// Parses and checks node URLs: at least one, each parsable, no server
+/// twice, with the default TLS settings.
+#[cfg(test)]
 pub(crate) fn parse_nodes(urls: &[String]) -> Result<Vec<NodeSpec>, InvalidInput> {
+    parse_nodes_with(urls, &TlsSettings::default())
+}
+
+/// The TLS settings of a builder (nothing without the `tls-rustls` feature).
+#[derive(Clone, Default, Debug)]
+pub(crate) struct TlsSettings {
+    #[cfg(feature = "tls-rustls")]
+    tls: Option<crate::tls::Tls>,
+}
+
+/// [`parse_nodes`] with `tls` for `rediss://` nodes (the default roots when
+/// none is set).
+pub(crate) fn parse_nodes_with(
+    urls: &[String],
+    tls: &TlsSettings,
+) -> Result<Vec<NodeSpec>, InvalidInput> {
     if urls.is_empty() {
         return Err(InvalidInput::NoNodes);
     }
+    #[cfg(feature = "tls-rustls")]
+    let mut tls_config = None;
     let mut seen = HashSet::new();
     let mut specs = Vec::with_capacity(urls.len());
     for url in urls {
-        let bad = |reason: String| InvalidInput::BadNodeUrl {
+        let bad = |reason: &str| InvalidInput::BadNodeUrl {
             url: redact(url),
-            reason,
+            reason: reason.to_owned(),
         };
-        let info = url
-            .as_str()
-            .into_connection_info()
-            .map_err(|e| bad(e.to_string()))?;
-        let (host, port) = match info.addr() {
-            redis::ConnectionAddr::Tcp(host, port) => (host.clone(), *port),
-            _ => {
-                return Err(bad(
-                    "only redis:// (TCP) nodes are supported for now".to_owned()
-                ))
-            }
+        let parsed = url::Url::parse(url).map_err(|e| bad(&e.to_string()))?;
+        let secure = match parsed.scheme() {
+            "redis" => false,
+            "rediss" => true,
+            _ => return Err(bad("only redis:// and rediss:// (TCP) nodes are supported")),
         };
-        let addr = format!("{}:{port}", host.to_ascii_lowercase());
-        if !seen.insert(addr.clone()) {
-            return Err(InvalidInput::DuplicateNode(addr));
+        let host = match parsed.host() {
+            Some(url::Host::Domain(d)) if !d.is_empty() => d.to_owned(),
+            Some(url::Host::Ipv4(ip)) => ip.to_string(),
+            Some(url::Host::Ipv6(ip)) => ip.to_string(),
+            _ => return Err(bad("no host")),
+        };
+        let port = parsed.port().unwrap_or(6379);
+        if parsed.query().is_some() {
+            return Err(bad(
+                "query parameters are not supported (give the database as the path: /N)",
+            ));
         }
-        let db = info.redis_settings().db();
+        if let Some(f) = parsed.fragment() {
+            return Err(bad(&if f == "insecure" {
+                "certificate verification cannot be turned off (#insecure): \
+                 trust the node's CA with Tls::ca_file"
+                    .to_owned()
+            } else {
+                format!("unexpected fragment #{f}")
+            }));
+        }
+        let db = match parsed.path().trim_start_matches('/') {
+            "" => 0,
+            p => p
+                .parse::<i64>()
+                .ok()
+                .filter(|db| *db >= 0)
+                .ok_or_else(|| bad("the path must be a database number (/0, /1, …)"))?,
+        };
+        let decode = |s: &str| -> Result<String, InvalidInput> {
+            percent_encoding::percent_decode_str(s)
+                .decode_utf8()
+                .map(|v| v.into_owned())
+                .map_err(|_| bad("the credentials are not UTF-8 once decoded"))
+        };
+        let username = match parsed.username() {
+            "" => None,
+            u => Some(decode(u)?),
+        };
+        let password = parsed.password().map(decode).transpose()?;
+        let host_port = match parsed.host() {
+            Some(url::Host::Ipv6(_)) => format!("[{host}]:{port}"),
+            _ => format!("{}:{port}", host.to_ascii_lowercase()),
+        };
+        if !seen.insert(host_port.clone()) {
+            return Err(InvalidInput::DuplicateNode(host_port));
+        }
         let name = if db == 0 {
-            addr
+            host_port
         } else {
-            format!("{addr}/{db}")
+            format!("{host_port}/{db}")
         };
-        let rs = info.redis_settings();
-        let target = Target {
-            host,
-            port,
-            username: rs.username().map(str::to_owned),
-            password: rs.password().map(str::to_owned),
-            db,
+        #[cfg(feature = "tls-rustls")]
+        let tls_target = if secure {
+            if tls_config.is_none() {
+                tls_config = Some(tls.tls.clone().unwrap_or_default().config()?);
+            }
+            let config = tls_config.clone().ok_or(InvalidInput::NoNodes)?;
+            Some(crate::tls::TlsTarget::new(config, &host).map_err(|e| bad(&e))?)
+        } else {
+            None
         };
-        specs.push(NodeSpec { name, target });
+        #[cfg(not(feature = "tls-rustls"))]
+        if secure {
+            let _ = tls;
+            return Err(bad(
+                "rediss:// (TLS) nodes need the crate feature `tls-rustls`",
+            ));
+        }
+        specs.push(NodeSpec {
+            name,
+            target: Target {
+                host,
+                port,
+                username,
+                password,
+                db,
+                #[cfg(feature = "tls-rustls")]
+                tls: tls_target,
+            },
+        });
     }
     Ok(specs)
 }
 
-/// The URL with any `user:password@` part masked.
-fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            format!("{}://***@{}", &url[..scheme], &url[at + 1..])
+/// The URL with its password and query masked, for messages. A URL that
+/// does not parse shows only its scheme: its secrets cannot be told apart.
+pub(crate) fn redact(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(u) if u.cannot_be_a_base() || u.host().is_none() => format!("{}:…", u.scheme()),
+        Ok(mut u) => {
+            if u.password().is_some() {
+                let _ = u.set_password(Some("***"));
+            }
+            if u.query().is_some() {
+                u.set_query(Some("***"));
+            }
+            u.to_string()
         }
-        _ => url.to_owned(),
+        Err(_) => match url.split_once("://") {
+            Some((scheme, _))
+                if scheme
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c)) =>
+            {
+                format!("{scheme}://…")
+            }
+            _ => "…".to_owned(),
+        },
     }
 }
 
@@ -513,7 +631,7 @@ mod tests {
             InvalidInput::DuplicateNode("h:1".into())
         );
         match parse_nodes(&urls(&["redis://u:pw@h:1", "http://u:pw@x:1"])).unwrap_err() {
-            InvalidInput::BadNodeUrl { url, .. } => assert_eq!(url, "http://***@x:1"),
+            InvalidInput::BadNodeUrl { url, .. } => assert_eq!(url, "http://u:***@x:1/"),
             e => panic!("{e:?}"),
         }
         assert!(matches!(
@@ -568,7 +686,80 @@ mod tests {
 
     #[test]
     fn redacts_credentials() {
-        assert_eq!(redact("redis://u:p@h:1/0"), "redis://***@h:1/0");
+        assert_eq!(redact("redis://u:p@h:1/0"), "redis://u:***@h:1/0");
+        assert_eq!(redact("redis://:p@h:1"), "redis://:***@h:1");
         assert_eq!(redact("redis://h:1"), "redis://h:1");
+        assert_eq!(redact("rediss://u@h:1"), "rediss://u@h:1");
+        // Secrets outside the user-info part: query parameters, and an `@`
+        // inside the password itself.
+        for (url, secret) in [
+            ("redis+unix:///tmp/redis.sock?pass=s3cret", "s3cret"),
+            ("unix:///tmp/redis.sock?db=1&pass=s3cret", "s3cret"),
+            ("redis://h:1/0?password=s3cret", "s3cret"),
+            ("redis://u:p%40ss@h:1", "p%40ss"),
+            ("redis://u:s3cr@t@h:1", "s3cr@t"),
+            ("redis://u:s3cret@h:99999", "s3cret"),
+            ("redis://u:s3cret@[::1:1", "s3cret"),
+            ("s3cret", "s3cret"),
+            ("redis:s3cret", "s3cret"),
+        ] {
+            let shown = redact(url);
+            assert!(!shown.contains(secret), "{url} shown as {shown}");
+            let text = match parse_nodes(&urls(&[url])) {
+                Err(e) => format!("{e} {e:?}"),
+                Ok(specs) => format!("{specs:?}"),
+            };
+            {
+                assert!(!text.contains(secret), "{url}: {text}");
+            }
+        }
+        let b = Builder::new().nodes(["redis+unix:///s?pass=s3cret", "redis://u:s3cret@h:1"]);
+        assert!(!format!("{b:?}").contains("s3cret"), "{b:?}");
+    }
+
+    #[test]
+    fn parses_urls_with_a_real_parser() {
+        let specs = parse_nodes(&urls(&[
+            "redis://h1",
+            "redis://us%3Aer:p%40ss%3Aword@h2:7002/15",
+            "redis://[::1]:7003",
+        ]))
+        .unwrap();
+        assert_eq!(specs[0].name, "h1:6379");
+        assert_eq!(specs[1].target.username.as_deref(), Some("us:er"));
+        assert_eq!(specs[1].target.password.as_deref(), Some("p@ss:word"));
+        assert_eq!(specs[1].target.db, 15);
+        assert_eq!(specs[2].target.host, "::1");
+        assert_eq!(specs[2].name, "[::1]:7003");
+        // A password alone (Redis before 6: `AUTH password`).
+        let s = &parse_nodes(&urls(&["redis://:pw@h:1"])).unwrap()[0];
+        assert_eq!(s.target.username, None);
+        assert_eq!(s.target.password.as_deref(), Some("pw"));
+        for (url, why) in [
+            ("redis+unix:///tmp/r.sock", "redis://"),
+            ("redis://h:1/x", "database"),
+            ("redis://h:1/-1", "database"),
+            ("redis://h:1?db=2", "query"),
+            ("redis:///0", "host"),
+            ("rediss://h:1/#insecure", "insecure"),
+        ] {
+            match parse_nodes(&urls(&[url])) {
+                Err(InvalidInput::BadNodeUrl { reason, .. }) => {
+                    assert!(reason.contains(why), "{url}: {reason}")
+                }
+                other => panic!("{url}: {other:?}"),
+            }
+        }
+    }
+
+    #[cfg(not(feature = "tls-rustls"))]
+    #[test]
+    fn tls_urls_name_the_feature_they_need() {
+        match parse_nodes(&urls(&["rediss://h:1"])) {
+            Err(InvalidInput::BadNodeUrl { reason, .. }) => {
+                assert!(reason.contains("tls-rustls"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
     }
 }

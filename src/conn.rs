@@ -1,4 +1,5 @@
-//! One connection to a node: a non-blocking `TcpStream` speaking RESP.
+//! One connection to a node: a non-blocking `TcpStream` speaking RESP, in
+//! the clear or (feature `tls-rustls`) through rustls.
 //!
 //! The `redis` crate encodes commands and decodes replies; this module only
 //! moves bytes and finds where one reply ends, so that a round can send to
@@ -27,7 +28,7 @@ pub(crate) const MIN_TIMEOUT: Duration = Duration::from_millis(1);
 /// (so this only bounds memory: a few hundred bytes a reply).
 pub(crate) const MAX_PENDING: usize = 1024;
 
-/// Where and how to connect: address, credentials, database.
+/// Where and how to connect: address, credentials, database, TLS.
 #[derive(Clone)]
 pub(crate) struct Target {
     pub host: String,
@@ -35,6 +36,66 @@ pub(crate) struct Target {
     pub username: Option<String>,
     pub password: Option<String>,
     pub db: i64,
+    /// For `rediss://` nodes.
+    #[cfg(feature = "tls-rustls")]
+    pub tls: Option<crate::tls::TlsTarget>,
+}
+
+/// The socket, in the clear or under TLS.
+#[derive(Debug)]
+enum Stream {
+    Plain(TcpStream),
+    #[cfg(feature = "tls-rustls")]
+    Tls(Box<crate::tls::TlsStream>),
+}
+
+impl Stream {
+    fn tcp(&self) -> &TcpStream {
+        match self {
+            Stream::Plain(s) => s,
+            #[cfg(feature = "tls-rustls")]
+            Stream::Tls(t) => &t.tcp,
+        }
+    }
+
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Stream::Plain(s) => s.write(buf),
+            #[cfg(feature = "tls-rustls")]
+            Stream::Tls(t) => t.write(buf),
+        }
+    }
+
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Stream::Plain(s) => s.read(buf),
+            #[cfg(feature = "tls-rustls")]
+            Stream::Tls(t) => t.read(buf),
+        }
+    }
+
+    /// Encrypted bytes still to write (TLS only).
+    fn wants_write(&self) -> bool {
+        match self {
+            Stream::Plain(_) => false,
+            #[cfg(feature = "tls-rustls")]
+            Stream::Tls(t) => t.wants_write(),
+        }
+    }
+
+    fn push(&mut self) -> io::Result<()> {
+        match self {
+            Stream::Plain(_) => Ok(()),
+            #[cfg(feature = "tls-rustls")]
+            Stream::Tls(t) => t.push(),
+        }
+    }
+
+    /// Whether a short read means the socket is drained (not so under TLS:
+    /// rustls hands out one record's bytes at a time).
+    fn short_read_drains(&self) -> bool {
+        matches!(self, Stream::Plain(_))
+    }
 }
 
 /// One reply the connection still owes.
@@ -58,7 +119,7 @@ pub(crate) struct Pending {
 /// A connection to one node.
 #[derive(Debug)]
 pub(crate) struct Conn {
-    stream: TcpStream,
+    stream: Stream,
     rbuf: Vec<u8>,
     wbuf: Vec<u8>,
     wpos: usize,
@@ -75,6 +136,31 @@ pub(crate) enum ConnectError {
     Io(io::Error),
     /// AUTH or SELECT was answered with an error.
     Refused(String),
+    /// The TLS handshake failed: the node's certificate was refused, or
+    /// the node refused ours (or our lack of one).
+    #[cfg_attr(not(feature = "tls-rustls"), allow(dead_code))]
+    Tls(String),
+}
+
+impl ConnectError {
+    /// The kind of node failure this is.
+    pub(crate) fn kind(&self) -> crate::error::NodeErrorKind {
+        use crate::error::NodeErrorKind;
+        match self {
+            ConnectError::Io(e) if e.kind() == io::ErrorKind::TimedOut => NodeErrorKind::Timeout,
+            ConnectError::Io(_) => NodeErrorKind::Unavailable,
+            ConnectError::Refused(_) => NodeErrorKind::Server,
+            ConnectError::Tls(_) => NodeErrorKind::Tls,
+        }
+    }
+
+    /// The message, without what [`kind`](Self::kind) already says.
+    pub(crate) fn detail(&self) -> String {
+        match self {
+            ConnectError::Tls(e) => e.clone(),
+            e => e.to_string(),
+        }
+    }
 }
 
 impl std::fmt::Display for ConnectError {
@@ -82,6 +168,7 @@ impl std::fmt::Display for ConnectError {
         match self {
             ConnectError::Io(e) => write!(f, "{e}"),
             ConnectError::Refused(e) => write!(f, "handshake refused: {e}"),
+            ConnectError::Tls(e) => write!(f, "TLS handshake failed: {e}"),
         }
     }
 }
@@ -90,14 +177,18 @@ impl std::error::Error for ConnectError {}
 
 impl From<io::Error> for ConnectError {
     fn from(e: io::Error) -> Self {
+        #[cfg(feature = "tls-rustls")]
+        if let Some(why) = crate::tls::tls_failure(&e) {
+            return ConnectError::Tls(why);
+        }
         ConnectError::Io(e)
     }
 }
 
 impl Conn {
     /// Connects within `timeout` per resolved address (name resolution itself
-    /// is not bounded), authenticates and selects the database, then switches
-    /// the socket to non-blocking mode.
+    /// is not bounded), runs the TLS handshake (within `timeout` again),
+    /// authenticates and selects the database, each within `timeout`.
     pub(crate) fn connect(t: &Target, timeout: Duration) -> Result<Conn, ConnectError> {
         let timeout = timeout.max(MIN_TIMEOUT);
         let mut last = None;
@@ -121,6 +212,13 @@ impl Conn {
         };
         stream.set_nodelay(true)?;
         stream.set_nonblocking(true)?;
+        #[cfg(feature = "tls-rustls")]
+        let stream = match &t.tls {
+            Some(tls) => Stream::Tls(Box::new(crate::tls::TlsStream::new(stream, tls)?)),
+            None => Stream::Plain(stream),
+        };
+        #[cfg(not(feature = "tls-rustls"))]
+        let stream = Stream::Plain(stream);
         let mut conn = Conn {
             stream,
             rbuf: Vec::with_capacity(512),
@@ -129,6 +227,8 @@ impl Conn {
             pending: VecDeque::new(),
             broken: false,
         };
+        conn.tls_handshake(timeout)?;
+        let mut checked = false;
         if let Some(password) = &t.password {
             let mut auth = redis::cmd("AUTH");
             if let Some(user) = &t.username {
@@ -136,12 +236,20 @@ impl Conn {
             }
             auth.arg(password);
             conn.handshake(&auth.get_packed_command(), timeout)?;
+            checked = true;
         }
         if t.db != 0 {
             conn.handshake(
                 &redis::cmd("SELECT").arg(t.db).get_packed_command(),
                 timeout,
             )?;
+            checked = true;
+        }
+        if !checked && !conn.stream.short_read_drains() {
+            // Under TLS 1.3 a node refuses a client certificate (or its
+            // absence) only after our side of the handshake is done: one
+            // PING makes that a connect error, not a failed round.
+            conn.handshake(&redis::cmd("PING").get_packed_command(), timeout)?;
         }
         // Load the scripts so that rounds never meet NOSCRIPT on a node that
         // answers late. Not waited for: the replies are read (and dropped)
@@ -155,12 +263,57 @@ impl Conn {
         Ok(conn)
     }
 
-    /// Sends one setup command and waits for `+OK`.
+    /// Runs the TLS handshake to its end (nothing to do in the clear).
+    fn tls_handshake(&mut self, timeout: Duration) -> Result<(), ConnectError> {
+        #[cfg(feature = "tls-rustls")]
+        if let Stream::Tls(t) = &mut self.stream {
+            let deadline = after(Instant::now(), timeout);
+            loop {
+                t.push()?;
+                if !t.is_handshaking() {
+                    return Ok(());
+                }
+                let now = Instant::now();
+                if now >= deadline {
+                    self.broken = true;
+                    return Err(ConnectError::Io(io::ErrorKind::TimedOut.into()));
+                }
+                let mut fds = [PollFd::new(&t.tcp, {
+                    let mut f = PollFlags::IN;
+                    if t.wants_write() {
+                        f |= PollFlags::OUT;
+                    }
+                    f
+                })];
+                poll(&mut fds, deadline.saturating_duration_since(now))?;
+                if fds[0].revents().is_empty() {
+                    continue;
+                }
+                match t.pull() {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        return Err(ConnectError::Io(io::Error::new(
+                            io::ErrorKind::ConnectionAborted,
+                            "connection closed during the TLS handshake",
+                        )))
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        }
+        let _ = timeout;
+        Ok(())
+    }
+
+    /// Sends one setup command and waits for `+OK` (`+PONG` for `PING`).
     fn handshake(&mut self, cmd: &[u8], timeout: Duration) -> Result<(), ConnectError> {
         let now = Instant::now();
         self.queue(cmd, now, false);
+        self.flush()?;
         match self.wait_reply(after(now, timeout))? {
             Value::Okay => Ok(()),
+            Value::SimpleString(s) if s == "PONG" => Ok(()),
             Value::ServerError(e) => Err(ConnectError::Refused(e.to_string())),
             v => Err(ConnectError::Refused(format!("{v:?}"))),
         }
@@ -224,6 +377,10 @@ impl Conn {
 
     /// Writes what the socket takes now. An error marks the connection broken.
     pub(crate) fn flush(&mut self) -> io::Result<()> {
+        if let Err(e) = self.stream.push() {
+            self.broken = true;
+            return Err(e);
+        }
         while self.wpos < self.wbuf.len() {
             match self.stream.write(&self.wbuf[self.wpos..]) {
                 Ok(0) => {
@@ -244,7 +401,7 @@ impl Conn {
 
     /// Whether part of a command is still unwritten.
     pub(crate) fn wants_write(&self) -> bool {
-        self.wpos < self.wbuf.len()
+        self.wpos < self.wbuf.len() || self.stream.wants_write()
     }
 
     /// Reads what has arrived, without waiting. End of stream or an error
@@ -262,7 +419,7 @@ impl Conn {
                 }
                 Ok(k) => {
                     self.rbuf.extend_from_slice(&chunk[..k]);
-                    if k < chunk.len() {
+                    if k < chunk.len() && self.stream.short_read_drains() {
                         return Ok(());
                     }
                 }
@@ -348,7 +505,7 @@ impl Conn {
         if out {
             flags |= PollFlags::OUT;
         }
-        PollFd::new(&self.stream, flags)
+        PollFd::new(self.stream.tcp(), flags)
     }
 }
 

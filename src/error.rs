@@ -178,6 +178,9 @@ pub enum InvalidInput {
     },
     /// The TTL is longer than [`MAX_TTL`](crate::MAX_TTL) (one hour).
     TtlTooLong(Duration),
+    /// The TLS settings cannot be used: a file that cannot be read or holds
+    /// no certificate or key, a key that does not match its certificate.
+    Tls(String),
 }
 
 impl fmt::Display for InvalidInput {
@@ -218,6 +221,7 @@ impl fmt::Display for InvalidInput {
                 "ttl {ttl:?} does not exceed the clock-drift allowance {allowance:?}"
             ),
             InvalidInput::TtlTooLong(ttl) => write!(f, "ttl {ttl:?} is too long"),
+            InvalidInput::Tls(why) => write!(f, "TLS settings: {why}"),
         }
     }
 }
@@ -250,6 +254,10 @@ pub enum NodeErrorKind {
     /// Not a failure: the round's outcome was settled before this node's
     /// reply arrived, so it was not waited for (its reply is read later).
     NotAwaited,
+    /// The TLS handshake failed: the node's certificate was not trusted
+    /// (or not for its name), or the node refused our client certificate or
+    /// its absence. The detail says which.
+    Tls,
     /// No pooled connection to the node was free before the round ended.
     /// This is the client's own condition (all connections busy, or still
     /// connecting), not the node's: raise
@@ -268,6 +276,7 @@ impl fmt::Display for NodeErrorKind {
             NodeErrorKind::Skipped => "not answering, not waited for",
             NodeErrorKind::Restarted => "lock history too young to vote",
             NodeErrorKind::NoConnection => "no free connection",
+            NodeErrorKind::Tls => "TLS handshake failed",
             NodeErrorKind::NotAwaited => "not awaited",
         })
     }

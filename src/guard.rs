@@ -61,6 +61,8 @@ pub(crate) struct LockState {
     pub(crate) token: String,
     /// The fencing token, for a client with fencing on.
     pub(crate) fence: Option<u64>,
+    /// Start of the round that acquired it (events report time held).
+    pub(crate) acquired: Instant,
     timing: Mutex<Timing>,
     /// The latest an extension sent for this lock may keep its key on a
     /// node (`start + ttl` of the longest sent), whether or not it
@@ -103,6 +105,7 @@ impl LockState {
             resource: resource.to_owned(),
             token,
             fence,
+            acquired: timing.since,
             timing: Mutex::new(timing),
             reach: Mutex::new(None),
             lost: AtomicBool::new(false),
@@ -158,9 +161,10 @@ impl LockState {
     /// and the callback. Ignored after release: a release racing a renewal
     /// is not a loss. `loud` logs at warn (the watchdog found it), else debug
     /// (the caller of `extend` already gets the error).
-    pub(crate) fn lose(&self, err: &Error, callback: Option<&Callbacks>, loud: bool) {
+    /// Declares the lock lost; true the first time only.
+    pub(crate) fn lose(&self, err: &Error, callback: Option<&Callbacks>, loud: bool) -> bool {
         if self.is_released() || self.lost.swap(true, Ordering::AcqRel) {
-            return;
+            return false;
         }
         if loud {
             warn!("lock {:?} lost: {err}", self.resource);
@@ -173,6 +177,7 @@ impl LockState {
         if let Some(cb) = callback {
             cb.notify(&self.resource, err);
         }
+        true
     }
 
     /// Marks the lock released; true the first time only. Disconnects the

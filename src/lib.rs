@@ -34,6 +34,7 @@ mod clock;
 mod config;
 mod conn;
 mod error;
+mod events;
 mod guard;
 mod health;
 mod local;
@@ -41,6 +42,8 @@ mod node;
 mod quorum;
 mod redlock;
 mod scripts;
+#[cfg(feature = "tls-rustls")]
+mod tls;
 mod transport;
 mod watchdog;
 
@@ -51,8 +54,14 @@ mod sim;
 
 pub use config::Builder;
 pub use error::{Error, InvalidInput, NodeError, NodeErrorKind};
+pub use events::{
+    AttemptEvent, EventHandler, LostEvent, NodeChange, NodeEvent, NodeOutcome, Nodes, ReleaseEvent,
+    RenewalEvent,
+};
 pub use guard::LockGuard;
-pub use redlock::Redlock;
+pub use redlock::{KeyInfo, NodeKey, Redlock};
+#[cfg(feature = "tls-rustls")]
+pub use tls::Tls;
 
 /// Longest resource name accepted, in bytes. A lock name is an identifier:
 /// 1 KiB leaves room for any structured name (tenant, table, row id) while a

@@ -28,10 +28,13 @@ use scheduled_thread_pool::{OnPoolDropBehavior, ScheduledThreadPool};
 use crate::clock::{after, Throttle, WARN_EVERY};
 use crate::conn::{self, Conn, ConnectError, PollFlags, Target, MAX_PENDING, MIN_TIMEOUT};
 use crate::error::{NodeError, NodeErrorKind};
+use crate::events::{Events, NodeChange, NodeEvent};
 use crate::health::{self, Admit, NodeHealth, Outcome};
 use crate::quorum;
 use crate::scripts;
-use crate::transport::{Answer, Decided, Key, NodeFacts, NodeResult, Op, Reply, Transport, Undo};
+use crate::transport::{
+    Answer, Decided, Key, NodeFacts, NodeResult, Op, Reply, Stored, Transport, Undo,
+};
 
 /// A parsed node address.
 #[derive(Clone)]
@@ -54,6 +57,7 @@ impl fmt::Debug for NodeSpec {
 pub(crate) struct DriverConfig {
     pub timeout: Duration,
     pub pool_size: u32,
+    pub events: Events,
 }
 
 /// Idle connections kept open per node.
@@ -86,6 +90,10 @@ struct NodeShared {
     /// gone: deleted by us, and counted so.
     undone: Mutex<HashMap<String, Instant>>,
     retry_scheduled: AtomicBool,
+    /// Why the last connect failed (cleared by a successful one), for the
+    /// errors of rounds that could not use the node.
+    connect_error: Mutex<Option<(NodeErrorKind, String)>>,
+    events: Events,
 }
 
 /// An acquire whose reply has not been read yet.
@@ -107,9 +115,23 @@ impl NodeShared {
     fn observe(&self, outcome: Outcome) {
         let flipped = self.health.lock().observe(Instant::now(), outcome);
         if flipped {
-            match outcome {
-                Outcome::Answered => info!("node {}: answering again, back in use", self.name),
-                o => debug!("node {}: {o:?}; not waited for until it answers", self.name),
+            let change = match outcome {
+                Outcome::Answered => {
+                    info!("node {}: answering again, back in use", self.name);
+                    NodeChange::Rejoined
+                }
+                o => {
+                    debug!("node {}: {o:?}; not waited for until it answers", self.name);
+                    NodeChange::Skipped {
+                        refused: o == Outcome::Refused,
+                    }
+                }
+            };
+            if let Some(h) = self.events.get() {
+                h.on_node(&NodeEvent {
+                    node: &self.name,
+                    change,
+                });
             }
         }
     }
@@ -134,6 +156,8 @@ struct NodeInner {
 
 struct Node {
     inner: Arc<NodeInner>,
+    /// Where to connect outside the pool (status queries).
+    target: Target,
     /// This node's own background thread: connects and release retries, so
     /// that a node that is slow to connect delays no other node.
     threads: Arc<ScheduledThreadPool>,
@@ -176,9 +200,11 @@ impl RedisTransport {
                 unsettled: Mutex::new(HashMap::new()),
                 undone: Mutex::new(HashMap::new()),
                 retry_scheduled: AtomicBool::new(false),
+                connect_error: Mutex::new(None),
+                events: config.events.clone(),
             });
             let manager = Manager {
-                target: spec.target,
+                target: spec.target.clone(),
                 shared: shared.clone(),
             };
             let pool = Pool::builder()
@@ -197,6 +223,7 @@ impl RedisTransport {
             names.push(spec.name);
             nodes.push(Node {
                 inner: Arc::new(NodeInner { shared, pool }),
+                target: spec.target,
                 threads,
             });
         }
@@ -252,6 +279,63 @@ impl RedisTransport {
         }
         schedule_retry(&node.inner, &node.threads);
     }
+}
+
+/// `GET` and `PTTL` of one key on a new connection, within `timeout` each
+/// for the connect and for the replies.
+fn inspect_one(
+    target: &Target,
+    resource: &str,
+    timeout: Duration,
+) -> Result<Option<Stored>, (NodeErrorKind, String)> {
+    let mut c = Conn::connect(target, timeout).map_err(|e| (e.kind(), e.detail()))?;
+    let now = Instant::now();
+    c.queue(
+        &redis::cmd("GET").arg(resource).get_packed_command(),
+        now,
+        true,
+    );
+    c.queue(
+        &redis::cmd("PTTL").arg(resource).get_packed_command(),
+        now,
+        true,
+    );
+    let io = |e: std::io::Error| {
+        let kind = if e.kind() == std::io::ErrorKind::TimedOut {
+            NodeErrorKind::Timeout
+        } else {
+            NodeErrorKind::Io
+        };
+        (kind, e.to_string())
+    };
+    c.flush().map_err(io)?;
+    let deadline = after(now, timeout);
+    // Replies to the connect's script loads come first.
+    let mut replies = Vec::with_capacity(2);
+    while replies.len() < 2 {
+        let wanted = c.pending().front().is_some_and(|p| p.wanted);
+        let v = c.wait_reply(deadline).map_err(io)?;
+        if wanted {
+            replies.push(v);
+        }
+    }
+    let pttl = replies.pop();
+    let value = replies.pop();
+    let value = match value {
+        Some(Value::Nil) => return Ok(None),
+        Some(Value::BulkString(b)) => String::from_utf8_lossy(&b).into_owned(),
+        Some(Value::ServerError(e)) => return Err((NodeErrorKind::Server, e.to_string())),
+        v => return Err((NodeErrorKind::Protocol, format!("GET answered {v:?}"))),
+    };
+    let ttl = match pttl {
+        Some(Value::Int(ms)) if ms >= 0 => Some(Duration::from_millis(ms.unsigned_abs())),
+        Some(Value::Int(-1)) => None,
+        // Expired between the two commands.
+        Some(Value::Int(_)) => return Ok(None),
+        Some(Value::ServerError(e)) => return Err((NodeErrorKind::Server, e.to_string())),
+        v => return Err((NodeErrorKind::Protocol, format!("PTTL answered {v:?}"))),
+    };
+    Ok(Some(Stored { value, ttl }))
 }
 
 /// Reads late replies off a checked-out connection. False (and the
@@ -469,6 +553,36 @@ struct Slot {
 impl Transport for RedisTransport {
     fn node_names(&self) -> &[String] {
         &self.names
+    }
+
+    fn inspect(&self, resource: &str, timeout: Duration) -> Vec<Result<Option<Stored>, NodeError>> {
+        // A fresh connection per node, all at once: a status query neither
+        // waits for a pooled connection nor changes a node's health.
+        std::thread::scope(|scope| {
+            let jobs: Vec<_> = self
+                .nodes
+                .iter()
+                .zip(&self.names)
+                .map(|(node, name)| {
+                    scope.spawn(move || {
+                        inspect_one(&node.target, resource, timeout)
+                            .map_err(|(kind, detail)| NodeError::new(name, kind, detail))
+                    })
+                })
+                .collect();
+            jobs.into_iter()
+                .zip(&self.names)
+                .map(|(job, name)| {
+                    job.join().unwrap_or_else(|_| {
+                        Err(NodeError::new(
+                            name,
+                            NodeErrorKind::Protocol,
+                            "status query panicked",
+                        ))
+                    })
+                })
+                .collect()
+        })
     }
 
     fn run(
@@ -818,28 +932,44 @@ impl RedisTransport {
     }
 
     fn not_waited(&self, i: usize, admit: Admit) -> NodeError {
-        let h = *self.nodes[i].inner.shared.health.lock();
-        let detail = match h {
-            NodeHealth::Failing { since, last, .. } => format!(
-                "{} for {:?}; {}",
+        let shared = &self.nodes[i].inner.shared;
+        let h = *shared.health.lock();
+        let connect_error = match h {
+            NodeHealth::Failing {
+                last: Outcome::Refused,
+                ..
+            } => shared.connect_error.lock().clone(),
+            _ => None,
+        };
+        let tried = if admit == Admit::Trial {
+            "tried, not waited for"
+        } else {
+            "not waited for"
+        };
+        let detail = match (h, &connect_error) {
+            (NodeHealth::Failing { since, .. }, Some((_, e))) => format!(
+                "{e}, for {:?}; {tried}",
+                Instant::now().saturating_duration_since(since),
+            ),
+            (NodeHealth::Failing { since, last, .. }, None) => format!(
+                "{} for {:?}; {tried}",
                 match last {
                     Outcome::Refused => "refusing connections",
                     _ => "not answering",
                 },
                 Instant::now().saturating_duration_since(since),
-                if admit == Admit::Trial {
-                    "tried, not waited for"
-                } else {
-                    "not waited for"
-                }
             ),
-            NodeHealth::Healthy => "not waited for".to_owned(),
+            (NodeHealth::Healthy, _) => "not waited for".to_owned(),
         };
-        let kind = match h {
-            NodeHealth::Failing {
-                last: Outcome::Refused,
-                ..
-            } => NodeErrorKind::Unavailable,
+        let kind = match (h, connect_error) {
+            (_, Some((kind @ (NodeErrorKind::Tls | NodeErrorKind::Server), _))) => kind,
+            (
+                NodeHealth::Failing {
+                    last: Outcome::Refused,
+                    ..
+                },
+                _,
+            ) => NodeErrorKind::Unavailable,
             _ => NodeErrorKind::Skipped,
         };
         NodeError::new(&self.names[i], kind, detail)
@@ -1171,7 +1301,9 @@ impl ManageConnection for Manager {
     type Error = ConnectError;
 
     fn connect(&self) -> Result<Conn, ConnectError> {
-        Conn::connect(&self.target, self.shared.timeout).inspect_err(|e| {
+        let result = Conn::connect(&self.target, self.shared.timeout);
+        *self.shared.connect_error.lock() = result.as_ref().err().map(|e| (e.kind(), e.detail()));
+        result.inspect_err(|e| {
             self.shared.observe(match e {
                 ConnectError::Io(e) if e.kind() == std::io::ErrorKind::TimedOut => {
                     Outcome::TimedOut

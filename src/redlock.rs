@@ -4,7 +4,7 @@
 
 use std::cell::Cell;
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -12,7 +12,10 @@ use log::{debug, trace, warn};
 
 use crate::clock::{after, new_token, Clock, Rng, Throttle, WARN_EVERY};
 use crate::config::{Builder, Settings};
-use crate::error::{Error, InvalidInput};
+use crate::error::{Error, InvalidInput, NodeError};
+use crate::events::{
+    AttemptEvent, LostEvent, NodeChange, NodeEvent, Nodes, ReleaseEvent, RenewalEvent,
+};
 use crate::guard::{Callbacks, LockGuard, LockState, LostCallback, Timing};
 use crate::local::{Gates, Permit};
 use crate::quorum::{self, RestartRule, Tally};
@@ -55,6 +58,8 @@ pub(crate) struct Inner {
     known_max_ms: AtomicU64,
     /// Per node, the lock-history epoch this client saw first (0: none yet).
     epochs: Vec<AtomicU64>,
+    /// Per node, whether the last event said its votes are held back.
+    held_back: Vec<AtomicBool>,
     me: Weak<Inner>,
     watchdog: OnceLock<Watchdog>,
 }
@@ -64,6 +69,59 @@ impl fmt::Debug for Redlock {
         f.debug_struct("Redlock")
             .field("nodes", &self.inner.transport.node_names())
             .field("settings", &self.inner.settings)
+            .finish()
+    }
+}
+
+/// One node's copy of a lock key, from [`Redlock::inspect`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeKey {
+    node: String,
+    key: std::result::Result<Option<KeyInfo>, NodeError>,
+}
+
+impl NodeKey {
+    /// The node's address, `host:port` (with `/db` when not 0).
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// The key on this node: `Ok(None)` when it does not exist, `Err` when
+    /// the node could not be asked.
+    pub fn key(&self) -> std::result::Result<Option<&KeyInfo>, &NodeError> {
+        self.key.as_ref().map(Option::as_ref)
+    }
+}
+
+/// A lock key as one node stores it.
+///
+/// `Debug` hides the token: it is what lets its owner release or extend the
+/// lock, so it is printed only when asked for ([`token`](Self::token)).
+#[derive(Clone, PartialEq, Eq)]
+pub struct KeyInfo {
+    token: String,
+    ttl: Option<Duration>,
+}
+
+impl KeyInfo {
+    /// The stored token (the value a holder's [`LockGuard::token`] starts
+    /// with; after a hand-over it carries a section suffix).
+    pub fn token(&self) -> &str {
+        &self.token
+    }
+
+    /// Remaining time to live on this node's clock; `None` for a key
+    /// without expiry (not one this crate wrote).
+    pub fn ttl(&self) -> Option<Duration> {
+        self.ttl
+    }
+}
+
+impl fmt::Debug for KeyInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KeyInfo")
+            .field("token", &"<hidden>")
+            .field("ttl", &self.ttl)
             .finish()
     }
 }
@@ -103,6 +161,11 @@ impl Redlock {
             .map(|_| AtomicU64::new(0))
             .collect();
         let known = settings.max_ttl.map_or(0, crate::node::millis_ceil);
+        let names_len_flags = transport
+            .node_names()
+            .iter()
+            .map(|_| AtomicBool::new(false))
+            .collect();
         Redlock {
             inner: Arc::new_cyclic(|me| Inner {
                 settings,
@@ -114,6 +177,7 @@ impl Redlock {
                 gates: Arc::new(Gates::new(clock.clone())),
                 known_max_ms: AtomicU64::new(known),
                 epochs,
+                held_back: names_len_flags,
                 me: me.clone(),
                 watchdog: OnceLock::new(),
             }),
@@ -227,6 +291,56 @@ impl Redlock {
                 Ok(out)
             }
         }
+    }
+
+    /// What every node stores for `resource` right now: whether the key
+    /// exists, its token and its remaining time to live. One entry per node,
+    /// in the builder's order.
+    ///
+    /// For operators and status tools (`quorumlock status`): each node is
+    /// asked on a connection of its own, all at once, within the node
+    /// timeout for the connect and again for the replies. It takes no lock
+    /// and changes no node's health. A node's copy says nothing on its own
+    /// about who holds the lock: a lock is held only on a majority, within
+    /// its validity.
+    ///
+    /// ```no_run
+    /// let locks = quorumlock::Redlock::builder()
+    ///     .nodes(["redis://127.0.0.1:7001", "redis://127.0.0.1:7002", "redis://127.0.0.1:7003"])
+    ///     .build()?;
+    /// for node in locks.inspect("lock:nightly-report")? {
+    ///     match node.key() {
+    ///         Ok(Some(k)) => println!("{}: held, {:?} left", node.node(), k.ttl()),
+    ///         Ok(None) => println!("{}: free", node.node()),
+    ///         Err(e) => println!("{}: {e}", node.node()),
+    ///     }
+    /// }
+    /// # Ok::<(), quorumlock::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a resource name [`lock`](Self::lock)
+    /// would refuse; per-node failures are in the entries.
+    pub fn inspect(&self, resource: &str) -> Result<Vec<NodeKey>> {
+        self.inner.validate(resource, Duration::from_secs(1))?;
+        let names = self.inner.transport.node_names();
+        let found = self
+            .inner
+            .transport
+            .inspect(resource, self.inner.settings.node_timeout);
+        Ok(names
+            .iter()
+            .zip(found)
+            .map(|(node, key)| NodeKey {
+                node: node.clone(),
+                key: key.map(|k| {
+                    k.map(|s| KeyInfo {
+                        token: s.value,
+                        ttl: s.ttl,
+                    })
+                }),
+            })
+            .collect())
     }
 
     /// A guard for a held lock, renewed when the client renews every lock.
@@ -423,7 +537,7 @@ impl Inner {
         self.learn(&results);
         self.note_failures(&judged);
         let elapsed = end.saturating_duration_since(start);
-        match outcome {
+        let result = (|| match outcome {
             Ok(validity) => {
                 debug!("lock {resource:?}: acquired in {elapsed:?}, valid for {validity:?}");
                 trace!("lock {resource:?}: token {token}");
@@ -449,7 +563,24 @@ impl Inner {
                 debug!("lock {resource:?}: not acquired in {elapsed:?}: {e}");
                 Err(e)
             }
+        })();
+        if self.settings.events.get().is_some() {
+            let longest = rule.longest(quorum::facts_of(results.iter()));
+            let holds: Vec<Duration> = results
+                .iter()
+                .enumerate()
+                .map(|(i, r)| {
+                    r.as_ref()
+                        .ok()
+                        .and_then(|r| r.facts)
+                        .map_or(Duration::ZERO, |f| {
+                            rule.hold(&f, longest, self.trusted(i, &f))
+                        })
+                })
+                .collect();
+            self.attempt_event(resource, start, result.as_ref(), &judged, &holds);
         }
+        result
     }
 
     /// A fenced lock's write-back: `counter = max(counter, fence)` on every
@@ -571,7 +702,19 @@ impl Inner {
         );
         self.learn(&results);
         self.note_failures(&results);
-        outcome.take().unwrap_or(Err(Error::Expired))?;
+        let outcome = outcome.take().unwrap_or(Err(Error::Expired));
+        if let Some(h) = self.settings.events.get() {
+            let now = self.clock.now();
+            h.on_attempt(&AttemptEvent {
+                resource: &baton.resource,
+                elapsed: now.saturating_duration_since(start),
+                outcome: outcome
+                    .as_ref()
+                    .map(|_| timing.deadline.saturating_duration_since(now)),
+                nodes: Nodes::new(self.transport.node_names(), &results, 0),
+            });
+        }
+        outcome?;
         trace!("lock {:?}: token {token}", baton.resource);
         // A node the swap did not reach keeps an earlier token of the
         // lineage, with the lock's expiry; the next swap or the release
@@ -662,7 +805,68 @@ impl Inner {
     pub(crate) fn release(&self, state: &LockState) -> Result<()> {
         let keep_until = self.keep_until(state);
         let results = self.round(Op::Release { keep_until }, &[state.key()]);
-        quorum::decide_release(Tally::of(&results, 0))
+        let outcome = quorum::decide_release(Tally::of(&results, 0));
+        if let Some(h) = self.settings.events.get() {
+            h.on_release(&ReleaseEvent {
+                resource: &state.resource,
+                held: self.clock.now().saturating_duration_since(state.acquired),
+                outcome: outcome.as_ref().map(|_| ()),
+                nodes: Nodes::new(self.transport.node_names(), &results, 0),
+            });
+        }
+        outcome
+    }
+
+    /// Tells the event handler a lock was lost.
+    pub(crate) fn lost_event(&self, state: &LockState, error: &Error) {
+        if let Some(h) = self.settings.events.get() {
+            h.on_lost(&LostEvent {
+                resource: &state.resource,
+                error,
+                held: self.clock.now().saturating_duration_since(state.acquired),
+            });
+        }
+    }
+
+    /// Tells the event handler an attempt ended, and which nodes the
+    /// delayed-restart rule started or stopped holding back.
+    fn attempt_event(
+        &self,
+        resource: &str,
+        start: Instant,
+        outcome: Result<&LockState, &Error>,
+        judged: &[NodeResult],
+        holds: &[Duration],
+    ) {
+        let Some(h) = self.settings.events.get() else {
+            return;
+        };
+        let now = self.clock.now();
+        h.on_attempt(&AttemptEvent {
+            resource,
+            elapsed: now.saturating_duration_since(start),
+            outcome: outcome.map(|s| s.deadline().saturating_duration_since(now)),
+            nodes: Nodes::new(self.transport.node_names(), judged, 0),
+        });
+        let names = self.transport.node_names();
+        for (i, r) in judged.iter().enumerate() {
+            let Some(flag) = self.held_back.get(i) else {
+                continue;
+            };
+            let left = holds.get(i).copied().unwrap_or_default();
+            let change = match r {
+                Err(e) if e.kind() == crate::NodeErrorKind::Restarted && !left.is_zero() => (!flag
+                    .swap(true, Ordering::Relaxed))
+                .then_some(NodeChange::HeldBack { votes_in: left }),
+                Ok(_) => flag
+                    .swap(false, Ordering::Relaxed)
+                    .then_some(NodeChange::HoldOver),
+                Err(_) => None,
+            };
+            if let (Some(change), Some(node)) = (change, names.get(i)) {
+                h.on_node(&NodeEvent { node, change });
+            }
+        }
     }
 
     /// Sets the lock's expiry to `ttl` on every node where it holds our
@@ -733,6 +937,7 @@ impl Inner {
                     // already lasts that long: nothing to do, and done.
                     outcome = Ok(Duration::ZERO);
                 }
+                let mut lost_now = false;
                 match &outcome {
                     // The script never shortens a key: a TTL shorter than
                     // what was left leaves the lock as it was.
@@ -745,9 +950,23 @@ impl Inner {
                         // The callback is the watchdog's (as documented): a
                         // manual extend returns the error to its caller.
                         let callback = if loud { self.on_lost.as_ref() } else { None };
-                        state.lose(e, callback, loud)
+                        lost_now = state.lose(e, callback, loud);
                     }
                     Err(_) => {}
+                }
+                if let Some(h) = self.settings.events.get() {
+                    h.on_renewal(&RenewalEvent {
+                        resource: &state.resource,
+                        automatic: loud,
+                        elapsed,
+                        outcome: outcome
+                            .as_ref()
+                            .map(|_| state.deadline().saturating_duration_since(end)),
+                        nodes: Nodes::new(self.transport.node_names(), &results, i),
+                    });
+                }
+                if let (true, Err(e)) = (lost_now, &outcome) {
+                    self.lost_event(state, e);
                 }
                 trace!("extend {:?}: {outcome:?} in {elapsed:?}", state.resource);
                 outcome.map(|_| state.deadline().saturating_duration_since(end))

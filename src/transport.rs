@@ -165,6 +165,31 @@ pub(crate) trait Transport: Send + Sync + 'static {
         decided: Option<Decided<'_>>,
         undo: Option<Undo<'_>>,
     ) -> Vec<NodeResult>;
+
+    /// Reads `resource`'s value and remaining time to live on every node,
+    /// each within `timeout`, outside of rounds and pools (an operator's
+    /// status query). Doubles that do not model it answer with an error.
+    fn inspect(&self, resource: &str, timeout: Duration) -> Vec<Result<Option<Stored>, NodeError>> {
+        let _ = (resource, timeout);
+        self.node_names()
+            .iter()
+            .map(|n| {
+                Err(NodeError::new(
+                    n,
+                    crate::error::NodeErrorKind::Protocol,
+                    "not supported by this transport",
+                ))
+            })
+            .collect()
+    }
+}
+
+/// A key as one node stores it: its value and remaining time to live
+/// (`None`: no expiry).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Stored {
+    pub value: String,
+    pub ttl: Option<Duration>,
 }
 
 #[cfg(test)]

@@ -200,7 +200,9 @@ fn tick(inner: &Inner, entries: &mut Vec<Entry>) {
             return false;
         }
         if e.state.deadline() <= now {
-            e.state.lose(&Error::Expired, callback, true);
+            if e.state.lose(&Error::Expired, callback, true) {
+                inner.lost_event(&e.state, &Error::Expired);
+            }
             expired.push(e.state.clone());
             return false;
         }

@@ -5,6 +5,7 @@
 mod common;
 
 mod degraded;
+mod events;
 mod fence_workers;
 mod fencing;
 mod fencing_hostile;
@@ -12,6 +13,8 @@ mod harness;
 mod hostile;
 mod lock;
 mod node_layer;
+#[cfg(feature = "tls-rustls")]
+mod tls;
 mod watchdog;
 
 use std::time::Duration;

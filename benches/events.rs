@@ -1,0 +1,120 @@
+//! The healthy lock+unlock cycle (3 local nodes) with no event handler,
+//! with a no-op handler and with a counting handler, interleaved in blocks
+//! so that drift in the machine's load hits all three alike.
+//!
+//! ```text
+//! QUORUMLOCK_TEST_BACKEND=process cargo bench --bench events
+//! ```
+//! Prints each variant's median and mean cycle, and the no-op handler's
+//! cost relative to none (the goal: within 2 %).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use quorumlock::{AttemptEvent, EventHandler, Redlock, ReleaseEvent};
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+const TTL: Duration = Duration::from_secs(10);
+const BLOCKS: usize = 20;
+const PER_BLOCK: usize = 500;
+
+struct Noop;
+impl EventHandler for Noop {}
+
+#[derive(Default)]
+struct Counting {
+    attempts: AtomicU64,
+    nodes_agreed: AtomicU64,
+    releases: AtomicU64,
+}
+
+impl EventHandler for Counting {
+    fn on_attempt(&self, e: &AttemptEvent<'_>) {
+        self.attempts.fetch_add(1, Ordering::Relaxed);
+        self.nodes_agreed
+            .fetch_add(e.nodes().agreed() as u64, Ordering::Relaxed);
+    }
+    fn on_release(&self, _: &ReleaseEvent<'_>) {
+        self.releases.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+fn client(urls: &[String], events: Option<Arc<dyn EventHandler>>) -> Redlock {
+    let mut b = Redlock::builder().fresh_cluster(true).nodes(urls.to_vec());
+    if let Some(h) = events {
+        b = b.events(h);
+    }
+    b.build().expect("client")
+}
+
+fn block(locks: &Redlock, tag: &str, block: usize, out: &mut Vec<Duration>) {
+    for i in 0..PER_BLOCK {
+        let key = format!("bench:events:{tag}:{block}:{i}");
+        let t = Instant::now();
+        let g = locks.try_lock(&key, TTL).expect("lock");
+        g.release().expect("unlock");
+        out.push(t.elapsed());
+    }
+}
+
+fn median(v: &mut [Duration]) -> Duration {
+    v.sort_unstable();
+    v[v.len() / 2]
+}
+
+fn mean(v: &[Duration]) -> Duration {
+    v.iter().sum::<Duration>() / u32::try_from(v.len()).unwrap_or(u32::MAX).max(1)
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return; // `cargo test --benches` lists benches; nothing to list here
+    }
+    let cluster = common::Cluster::start(3);
+    let urls = cluster.urls();
+    let counting = Arc::new(Counting::default());
+    let variants: Vec<(&str, Redlock)> = vec![
+        ("none", client(&urls, None)),
+        ("no-op", client(&urls, Some(Arc::new(Noop)))),
+        ("counting", client(&urls, Some(counting.clone()))),
+    ];
+    let mut times: Vec<Vec<Duration>> = vec![Vec::new(); variants.len()];
+    // Warm-up: pools connected, caches hot.
+    for (tag, locks) in &variants {
+        block(locks, tag, usize::MAX, &mut Vec::new());
+    }
+    for b in 0..BLOCKS {
+        // Rotate the order so that no variant always runs first.
+        for k in 0..variants.len() {
+            let j = (b + k) % variants.len();
+            let (tag, locks) = &variants[j];
+            block(locks, tag, b, &mut times[j]);
+        }
+    }
+    let mut medians = Vec::new();
+    for ((tag, _), t) in variants.iter().zip(&mut times) {
+        let m = median(t);
+        println!(
+            "events/{tag:<9} cycles {:>6}  median {:>8.1} µs  mean {:>8.1} µs",
+            t.len(),
+            m.as_secs_f64() * 1e6,
+            mean(t).as_secs_f64() * 1e6
+        );
+        medians.push(m);
+    }
+    let ratio = |a: Duration, b: Duration| (a.as_secs_f64() / b.as_secs_f64() - 1.0) * 100.0;
+    println!(
+        "no-op handler vs none: {:+.2} % (median), {:+.2} % (mean); counting vs none: {:+.2} % (median)",
+        ratio(medians[1], medians[0]),
+        ratio(mean(&times[1]), mean(&times[0])),
+        ratio(medians[2], medians[0]),
+    );
+    println!(
+        "counting handler saw {} attempts, {} releases",
+        counting.attempts.load(Ordering::Relaxed),
+        counting.releases.load(Ordering::Relaxed)
+    );
+}

@@ -1,0 +1,526 @@
+//! Event hooks for metrics and traces: [`EventHandler`], given to
+//! [`Builder::events`](crate::Builder::events).
+//!
+//! Handlers run on the thread that did the work (a caller's thread, the
+//! renewal thread, a node's background thread), after the round, holding
+//! none of the client's locks. Events borrow what the round produced, so a
+//! client without a handler pays nothing and a no-op handler next to
+//! nothing (`cargo bench --bench cycle` measures both).
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::error::{Error, NodeErrorKind};
+use crate::transport::{Answer, NodeResult};
+
+/// Receives what the client does. Every method has a no-op default:
+/// implement those you need.
+///
+/// Keep handlers quick (bump a counter, record into a histogram, send on a
+/// channel): they run on the client's threads, and a slow one delays the
+/// caller or the renewal of every lock. A panic in a handler is not caught.
+///
+/// ```
+/// use std::sync::atomic::{AtomicU64, Ordering};
+/// use quorumlock::{AttemptEvent, EventHandler};
+///
+/// #[derive(Default)]
+/// struct Counters {
+///     acquired: AtomicU64,
+///     refused: AtomicU64,
+/// }
+///
+/// impl EventHandler for Counters {
+///     fn on_attempt(&self, event: &AttemptEvent<'_>) {
+///         let counter = if event.acquired() { &self.acquired } else { &self.refused };
+///         counter.fetch_add(1, Ordering::Relaxed);
+///     }
+/// }
+///
+/// let counters = std::sync::Arc::new(Counters::default());
+/// let builder = quorumlock::Redlock::builder()
+///     .nodes(["redis://127.0.0.1:7001"])
+///     .events(counters.clone());
+/// # let _ = builder;
+/// ```
+pub trait EventHandler: Send + Sync + 'static {
+    /// An attempt to acquire a lock ended (each attempt of `lock()`'s
+    /// retries, a hand-over between threads of this process included).
+    fn on_attempt(&self, event: &AttemptEvent<'_>) {
+        let _ = event;
+    }
+
+    /// An extension ended: a renewal by the renewal thread, or a call to
+    /// [`LockGuard::extend`](crate::LockGuard::extend).
+    fn on_renewal(&self, event: &RenewalEvent<'_>) {
+        let _ = event;
+    }
+
+    /// A held lock was found lost (expired before its renewal, or no longer
+    /// holding our token on a majority).
+    fn on_lost(&self, event: &LostEvent<'_>) {
+        let _ = event;
+    }
+
+    /// A lock was released (explicitly, on drop, or by `with_lock`).
+    fn on_release(&self, event: &ReleaseEvent<'_>) {
+        let _ = event;
+    }
+
+    /// A node's state changed: rounds stopped waiting for it, it answers
+    /// again, or the delayed-restart rule holds its votes back.
+    fn on_node(&self, event: &NodeEvent<'_>) {
+        let _ = event;
+    }
+}
+
+/// The handler a client was built with, if any.
+#[derive(Clone, Default)]
+pub(crate) struct Events(pub Option<Arc<dyn EventHandler>>);
+
+impl fmt::Debug for Events {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.0.is_some() { "Some(..)" } else { "None" })
+    }
+}
+
+impl Events {
+    /// The handler, when there is one.
+    #[inline]
+    pub(crate) fn get(&self) -> Option<&dyn EventHandler> {
+        self.0.as_deref()
+    }
+}
+
+/// What one node answered in a round, for one lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum NodeOutcome {
+    /// It did what was asked: set the key, extended or deleted it.
+    Agreed,
+    /// The key holds another owner's token.
+    HeldByOther,
+    /// The key was not there (expired, or deleted).
+    Missing,
+    /// No useful answer; the kind says why (a timeout, a skipped node, a
+    /// vote held back by the restart rule, …).
+    Failed(NodeErrorKind),
+}
+
+/// Per-node outcomes of one round, for one lock, in the builder's node order.
+#[derive(Clone, Copy)]
+pub struct Nodes<'a> {
+    names: &'a [String],
+    results: &'a [NodeResult],
+    index: usize,
+}
+
+impl<'a> Nodes<'a> {
+    pub(crate) fn new(names: &'a [String], results: &'a [NodeResult], index: usize) -> Self {
+        Nodes {
+            names,
+            results,
+            index,
+        }
+    }
+
+    /// Each node's address (`host:port`, no credentials) and outcome. Empty
+    /// when no round was sent (the lock had already expired).
+    pub fn iter(&self) -> impl Iterator<Item = (&'a str, NodeOutcome)> + 'a {
+        let index = self.index;
+        self.names
+            .iter()
+            .zip(self.results)
+            .map(move |(name, r)| (name.as_str(), outcome(r, index)))
+    }
+
+    /// How many nodes answered [`NodeOutcome::Agreed`].
+    pub fn agreed(&self) -> usize {
+        self.iter()
+            .filter(|(_, o)| *o == NodeOutcome::Agreed)
+            .count()
+    }
+}
+
+impl fmt::Debug for Nodes<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+fn outcome(r: &NodeResult, index: usize) -> NodeOutcome {
+    match r {
+        Ok(reply) => match reply.answers.get(index) {
+            Some(Answer::Ok) => NodeOutcome::Agreed,
+            Some(Answer::Other) => NodeOutcome::HeldByOther,
+            Some(Answer::Absent) => NodeOutcome::Missing,
+            None => NodeOutcome::Failed(NodeErrorKind::Protocol),
+        },
+        Err(e) => NodeOutcome::Failed(e.kind()),
+    }
+}
+
+/// An acquire attempt ended.
+#[derive(Debug)]
+pub struct AttemptEvent<'a> {
+    pub(crate) resource: &'a str,
+    pub(crate) elapsed: Duration,
+    pub(crate) outcome: Result<Duration, &'a Error>,
+    pub(crate) nodes: Nodes<'a>,
+}
+
+impl<'a> AttemptEvent<'a> {
+    /// The resource asked for.
+    pub fn resource(&self) -> &'a str {
+        self.resource
+    }
+
+    /// From sending the round to the decision (a fenced lock's write-back
+    /// included).
+    pub fn elapsed(&self) -> Duration {
+        self.elapsed
+    }
+
+    /// Whether the lock was acquired.
+    pub fn acquired(&self) -> bool {
+        self.outcome.is_ok()
+    }
+
+    /// The validity the lock was acquired with.
+    pub fn validity(&self) -> Option<Duration> {
+        self.outcome.ok()
+    }
+
+    /// Why the attempt failed.
+    pub fn error(&self) -> Option<&'a Error> {
+        self.outcome.err()
+    }
+
+    /// What each node answered (after the delayed-restart rule).
+    pub fn nodes(&self) -> Nodes<'a> {
+        self.nodes
+    }
+}
+
+/// An extension ended.
+#[derive(Debug)]
+pub struct RenewalEvent<'a> {
+    pub(crate) resource: &'a str,
+    pub(crate) automatic: bool,
+    pub(crate) elapsed: Duration,
+    pub(crate) outcome: Result<Duration, &'a Error>,
+    pub(crate) nodes: Nodes<'a>,
+}
+
+impl<'a> RenewalEvent<'a> {
+    /// The lock's resource.
+    pub fn resource(&self) -> &'a str {
+        self.resource
+    }
+
+    /// True for the renewal thread's extensions, false for
+    /// [`LockGuard::extend`](crate::LockGuard::extend).
+    pub fn is_automatic(&self) -> bool {
+        self.automatic
+    }
+
+    /// The round's duration (shared by the locks renewed together).
+    pub fn elapsed(&self) -> Duration {
+        self.elapsed
+    }
+
+    /// The validity left after it, when it succeeded.
+    pub fn validity(&self) -> Option<Duration> {
+        self.outcome.ok()
+    }
+
+    /// Why it failed.
+    pub fn error(&self) -> Option<&'a Error> {
+        self.outcome.err()
+    }
+
+    /// What each node answered for this lock.
+    pub fn nodes(&self) -> Nodes<'a> {
+        self.nodes
+    }
+}
+
+/// A held lock was lost.
+#[derive(Debug)]
+pub struct LostEvent<'a> {
+    pub(crate) resource: &'a str,
+    pub(crate) error: &'a Error,
+    pub(crate) held: Duration,
+}
+
+impl<'a> LostEvent<'a> {
+    /// The lock's resource.
+    pub fn resource(&self) -> &'a str {
+        self.resource
+    }
+
+    /// How it was found lost ([`Error::Expired`], [`Error::NotOwner`]).
+    pub fn error(&self) -> &'a Error {
+        self.error
+    }
+
+    /// From the start of its acquisition to the loss.
+    pub fn held(&self) -> Duration {
+        self.held
+    }
+}
+
+/// A lock was released.
+#[derive(Debug)]
+pub struct ReleaseEvent<'a> {
+    pub(crate) resource: &'a str,
+    pub(crate) held: Duration,
+    pub(crate) outcome: Result<(), &'a Error>,
+    pub(crate) nodes: Nodes<'a>,
+}
+
+impl<'a> ReleaseEvent<'a> {
+    /// The lock's resource.
+    pub fn resource(&self) -> &'a str {
+        self.resource
+    }
+
+    /// From the start of its acquisition to the release.
+    pub fn held(&self) -> Duration {
+        self.held
+    }
+
+    /// Why the release did not confirm the lock was held to the end
+    /// ([`Error::Expired`], [`Error::NotOwner`], [`Error::NoQuorum`]).
+    pub fn error(&self) -> Option<&'a Error> {
+        self.outcome.err()
+    }
+
+    /// What each node answered.
+    pub fn nodes(&self) -> Nodes<'a> {
+        self.nodes
+    }
+}
+
+/// A node's state changed.
+#[derive(Debug)]
+pub struct NodeEvent<'a> {
+    pub(crate) node: &'a str,
+    pub(crate) change: NodeChange,
+}
+
+impl<'a> NodeEvent<'a> {
+    /// The node's address (`host:port`, no credentials).
+    pub fn node(&self) -> &'a str {
+        self.node
+    }
+
+    /// What changed.
+    pub fn change(&self) -> NodeChange {
+        self.change
+    }
+}
+
+/// How a node's state changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum NodeChange {
+    /// It refused a connection or let a command time out: rounds no longer
+    /// wait for it (its vote counts as failed, and it is sent a trial
+    /// command at most every 100 ms).
+    Skipped {
+        /// True when it refused (connection refused, failed handshake),
+        /// false when it did not answer in time.
+        refused: bool,
+    },
+    /// It answered again: rounds wait for it again.
+    Rejoined,
+    /// Its lock history is younger than the longest TTL in use (it is new,
+    /// or restarted and lost its data): the delayed-restart rule holds its
+    /// acquire votes back.
+    HeldBack {
+        /// When its votes count again, as of this event.
+        votes_in: Duration,
+    },
+    /// The hold is over: its votes count again.
+    HoldOver,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Settings;
+    use crate::fake::{client_over, client_with, Mode};
+    use parking_lot::Mutex;
+
+    const TTL: Duration = Duration::from_secs(10);
+
+    /// Writes every event down as a line.
+    #[derive(Default)]
+    struct Recorder(Mutex<Vec<String>>);
+
+    impl Recorder {
+        fn take(&self) -> Vec<String> {
+            std::mem::take(&mut *self.0.lock())
+        }
+        fn push(&self, s: String) {
+            self.0.lock().push(s);
+        }
+    }
+
+    fn kinds(nodes: Nodes<'_>) -> String {
+        nodes
+            .iter()
+            .map(|(_, o)| match o {
+                NodeOutcome::Agreed => "ok".to_owned(),
+                NodeOutcome::HeldByOther => "other".to_owned(),
+                NodeOutcome::Missing => "missing".to_owned(),
+                NodeOutcome::Failed(k) => format!("{k:?}"),
+            })
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    impl EventHandler for Recorder {
+        fn on_attempt(&self, e: &AttemptEvent<'_>) {
+            assert!(e.elapsed() < TTL);
+            assert_eq!(e.acquired(), e.validity().is_some());
+            assert_eq!(e.acquired(), e.error().is_none());
+            self.push(format!(
+                "attempt {} {} [{}]",
+                e.resource(),
+                if e.validity().is_some_and(|v| v > TTL / 2 && v < TTL) {
+                    "acquired".to_owned()
+                } else {
+                    format!("{:?}", e.error().map(|e| e.to_string()))
+                },
+                kinds(e.nodes())
+            ));
+        }
+        fn on_renewal(&self, e: &RenewalEvent<'_>) {
+            self.push(format!(
+                "renewal {} auto={} ok={} [{}]",
+                e.resource(),
+                e.is_automatic(),
+                e.validity().is_some(),
+                kinds(e.nodes())
+            ));
+        }
+        fn on_lost(&self, e: &LostEvent<'_>) {
+            self.push(format!("lost {} {}", e.resource(), e.error()));
+        }
+        fn on_release(&self, e: &ReleaseEvent<'_>) {
+            self.push(format!(
+                "release {} ok={} [{}]",
+                e.resource(),
+                e.error().is_none(),
+                kinds(e.nodes())
+            ));
+        }
+        fn on_node(&self, e: &NodeEvent<'_>) {
+            let change = match e.change() {
+                NodeChange::HeldBack { votes_in } if votes_in > Duration::ZERO => {
+                    "held back".to_owned()
+                }
+                c => format!("{c:?}"),
+            };
+            self.push(format!("node {} {change}", e.node()));
+        }
+    }
+
+    #[test]
+    fn a_lock_cycle_reports_attempts_renewals_losses_and_releases() {
+        let rec = Arc::new(Recorder::default());
+        let settings = Settings {
+            events: Events(Some(rec.clone())),
+            ..crate::fake::settings()
+        };
+        let (locks, nodes, _clock) = client_with(3, settings);
+        let g = locks.try_lock("r", TTL).unwrap();
+        assert!(locks.try_lock("r", TTL).is_err());
+        g.extend(TTL).unwrap();
+        let other = client_over(&nodes, crate::fake::settings());
+        assert!(other.try_lock("r", TTL).is_err());
+        g.release().unwrap();
+        nodes.set_mode(2, Mode::Down);
+        let g = locks.try_lock("s", TTL).unwrap();
+        nodes.del(0, "s");
+        nodes.del(1, "s");
+        assert!(g.extend(TTL).is_err());
+        drop(g);
+        assert_eq!(
+            rec.take(),
+            [
+                "attempt r acquired [ok,ok,ok]",
+                "attempt r Some(\"lock held by another owner on 3 of 3 nodes\") [other,other,other]",
+                "renewal r auto=false ok=true [ok,ok,ok]",
+                "release r ok=true [ok,ok,ok]",
+                "attempt s acquired [ok,ok,Unavailable]",
+                "renewal s auto=false ok=false [missing,missing,Unavailable]",
+                "lost s lock expired before the call",
+                "release s ok=false [missing,missing,Unavailable]",
+            ]
+        );
+    }
+
+    #[test]
+    fn the_restart_rule_reports_when_it_holds_a_node_back_and_when_it_stops() {
+        let (x, nodes, clock) = client_with(3, crate::fake::settings());
+        drop(x.try_lock("warm", TTL).unwrap());
+        clock.advance(60 * TTL);
+        nodes.wipe(2);
+        let rec = Arc::new(Recorder::default());
+        let y = client_over(
+            &nodes,
+            Settings {
+                events: Events(Some(rec.clone())),
+                ..Settings::default()
+            },
+        );
+        drop(y.try_lock("a", TTL).unwrap());
+        drop(y.try_lock("b", TTL).unwrap());
+        clock.advance(2 * TTL);
+        drop(y.try_lock("c", TTL).unwrap());
+        let nodes_events: Vec<String> = rec
+            .take()
+            .into_iter()
+            .filter(|e| e.starts_with("node") || e.starts_with("attempt"))
+            .collect();
+        assert_eq!(
+            nodes_events,
+            [
+                "attempt a acquired [ok,ok,Restarted]",
+                "node fake2:6379 held back",
+                "attempt b acquired [ok,ok,Restarted]",
+                "attempt c acquired [ok,ok,ok]",
+                "node fake2:6379 HoldOver",
+            ]
+        );
+    }
+
+    #[test]
+    fn renewals_by_the_renewal_thread_are_reported_as_automatic() {
+        let rec = Arc::new(Recorder::default());
+        let (locks, _nodes, _clock) = client_with(
+            3,
+            Settings {
+                events: Events(Some(rec.clone())),
+                ..crate::fake::settings()
+            },
+        );
+        let g = locks.try_lock("r", TTL).unwrap();
+        // The renewal thread's call (crate::watchdog::tick).
+        let out = locks.inner.extend_many(&[g.state()], TTL, true);
+        assert!(out[0].is_ok());
+        g.extend(TTL).unwrap();
+        let seen = rec.take();
+        assert_eq!(
+            seen[1..3],
+            [
+                "renewal r auto=true ok=true [ok,ok,ok]",
+                "renewal r auto=false ok=true [ok,ok,ok]"
+            ]
+        );
+    }
+}

@@ -1,0 +1,414 @@
+//! `rediss://` nodes: TLS-enabled `redis-server` processes with throwaway
+//! certificates made by `openssl` (both backends: the nodes need the
+//! certificate files, so they are always local processes), and an ACL user
+//! with only the commands the lock needs.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use quorumlock::{Error, InvalidInput, NodeErrorKind, Redlock, Tls};
+
+use crate::common::{pick_port, unique_key, THROWAWAY};
+
+const TTL: Duration = Duration::from_secs(5);
+/// TLS handshakes on a loaded 2-core machine: generous.
+const NODE_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// The minimal ACL the README documents (keys restricted to the locks'
+/// prefix, here `test:lock:*`, and the crate's own `quorumlock:meta`).
+const MINIMAL_ACL: &[&str] = &[
+    "locker",
+    "on",
+    ">lock-pass",
+    "resetkeys",
+    "~test:lock:*",
+    "~quorumlock:meta",
+    "resetchannels",
+    "-@all",
+    "+ping",
+    "+eval",
+    "+evalsha",
+    "+script|load",
+    "+set",
+    "+get",
+    "+del",
+    "+pexpire",
+    "+pttl",
+    "+hget",
+    "+hmget",
+    "+hset",
+    "+time",
+];
+
+/// Throwaway CA, server and client certificates in a temporary directory.
+struct Certs {
+    dir: PathBuf,
+}
+
+impl Certs {
+    fn new() -> Certs {
+        let dir = std::env::temp_dir().join(format!(
+            "quorumlock-tls-{}-{}",
+            std::process::id(),
+            unique_key("d")
+        ));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let certs = Certs { dir };
+        certs.ca("ca");
+        certs.ca("other-ca");
+        certs.leaf("server", "ca", "subjectAltName=IP:127.0.0.1,DNS:localhost");
+        certs.leaf("client", "ca", "extendedKeyUsage=clientAuth");
+        certs
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    fn openssl(&self, args: &[&str]) {
+        let out = Command::new("openssl")
+            .args(args)
+            .current_dir(&self.dir)
+            .stdin(Stdio::null())
+            .output()
+            .expect("openssl runs (apt-get install openssl)");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    fn ca(&self, name: &str) {
+        self.openssl(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            &format!("/CN=quorumlock test {name}"),
+            "-keyout",
+            &format!("{name}.key"),
+            "-out",
+            &format!("{name}.crt"),
+        ]);
+    }
+
+    fn leaf(&self, name: &str, ca: &str, ext: &str) {
+        self.openssl(&[
+            "req",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-subj",
+            &format!("/CN=quorumlock test {name}"),
+            "-keyout",
+            &format!("{name}.key"),
+            "-out",
+            &format!("{name}.csr"),
+        ]);
+        std::fs::write(self.path(&format!("{name}.ext")), format!("{ext}\n")).expect("ext");
+        self.openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            &format!("{name}.csr"),
+            "-days",
+            "2",
+            "-CA",
+            &format!("{ca}.crt"),
+            "-CAkey",
+            &format!("{ca}.key"),
+            "-CAcreateserial",
+            "-extfile",
+            &format!("{name}.ext"),
+            "-out",
+            &format!("{name}.crt"),
+        ]);
+    }
+}
+
+impl Drop for Certs {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A `redis-server` serving TLS only, killed on drop.
+struct TlsNode {
+    port: u16,
+    child: Child,
+}
+
+impl TlsNode {
+    fn start(certs: &Certs, client_certs: bool) -> TlsNode {
+        let bin =
+            std::env::var("QUORUMLOCK_REDIS_SERVER").unwrap_or_else(|_| "redis-server".into());
+        let mut last = String::new();
+        for _ in 0..5 {
+            let port = pick_port().expect("a free port");
+            let mut child = Command::new(&bin)
+                .args([
+                    "--port",
+                    "0",
+                    "--bind",
+                    "127.0.0.1",
+                    "--tls-port",
+                    &port.to_string(),
+                ])
+                .args(THROWAWAY)
+                .arg("--tls-cert-file")
+                .arg(certs.path("server.crt"))
+                .arg("--tls-key-file")
+                .arg(certs.path("server.key"))
+                .arg("--tls-ca-cert-file")
+                .arg(certs.path("ca.crt"))
+                .args([
+                    "--tls-auth-clients",
+                    if client_certs { "yes" } else { "no" },
+                ])
+                .arg("--user")
+                .args(MINIMAL_ACL)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("redis-server runs");
+            let start = Instant::now();
+            while start.elapsed() < Duration::from_secs(15) {
+                if let Ok(Some(status)) = child.try_wait() {
+                    last = format!("redis-server exited: {status}");
+                    break;
+                }
+                if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                    return TlsNode { port, child };
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        panic!("no TLS redis-server came up: {last}");
+    }
+
+    fn url(&self, userinfo: &str) -> String {
+        format!("rediss://{userinfo}127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for TlsNode {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn client(urls: Vec<String>, tls: Tls) -> Redlock {
+    Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(urls)
+        .node_timeout(NODE_TIMEOUT)
+        .tls(tls)
+        .build()
+        .expect("valid config")
+}
+
+/// Locks until the nodes answer or `limit`: connects run in the background,
+/// so the first attempts may find no connection yet.
+fn lock_soon(locks: &Redlock, key: &str, limit: Duration) -> Result<quorumlock::LockGuard, Error> {
+    let start = Instant::now();
+    loop {
+        match locks.try_lock(key, TTL) {
+            Err(e) if e.is_retryable() && start.elapsed() < limit => {
+                std::thread::sleep(Duration::from_millis(50))
+            }
+            r => return r,
+        }
+    }
+}
+
+/// The error a refused handshake ends in, once every node has failed one.
+fn refused(locks: &Redlock, key: &str) -> (NodeErrorKind, String) {
+    let start = Instant::now();
+    loop {
+        match locks.try_lock(key, TTL) {
+            Ok(_) => panic!("locked through a handshake that must fail"),
+            Err(e @ Error::NoQuorum { .. }) => {
+                let Error::NoQuorum { failures, .. } = &e else {
+                    unreachable!()
+                };
+                let told = |f: &&quorumlock::NodeError| {
+                    !matches!(
+                        f.kind(),
+                        NodeErrorKind::NoConnection | NodeErrorKind::NotAwaited
+                    )
+                };
+                if let Some(f) = failures.iter().find(told) {
+                    eprintln!("refused as expected: {e}");
+                    return (f.kind(), e.to_string());
+                }
+                if start.elapsed() > Duration::from_secs(10) {
+                    panic!("no handshake error: {e}");
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) if start.elapsed() > Duration::from_secs(10) => {
+                panic!("no handshake error: {e}")
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+}
+
+fn ca(certs: &Certs, name: &str) -> Tls {
+    Tls::new().ca_file(certs.path(&format!("{name}.crt")))
+}
+
+#[test]
+fn a_trusted_certificate_works_end_to_end() {
+    let certs = Certs::new();
+    let nodes: Vec<TlsNode> = (0..3).map(|_| TlsNode::start(&certs, false)).collect();
+    let locks = client(nodes.iter().map(|n| n.url("")).collect(), ca(&certs, "ca"));
+    let key = unique_key("lock:tls");
+    let guard = lock_soon(&locks, &key, Duration::from_secs(10)).expect("locks over TLS");
+    let seen = locks.inspect(&key).expect("inspect");
+    assert_eq!(seen.len(), 3);
+    // On a majority at least (a node still connecting may have missed it).
+    let held: Vec<_> = seen.iter().filter_map(|n| n.key().ok().flatten()).collect();
+    assert!(held.len() >= 2, "{seen:?}");
+    for k in held {
+        assert_eq!(k.token(), guard.token());
+        assert!(k.ttl().is_some_and(|t| t <= TTL), "{k:?}");
+    }
+    guard.extend(TTL).expect("extend over TLS");
+    guard.release().expect("release over TLS");
+    for n in locks.inspect(&key).expect("inspect") {
+        assert_eq!(n.key().expect("answers"), None, "released on {}", n.node());
+    }
+}
+
+#[test]
+fn a_certificate_from_another_ca_is_refused_with_a_clear_error() {
+    let certs = Certs::new();
+    let node = TlsNode::start(&certs, false);
+    for tls in [ca(&certs, "other-ca"), Tls::new()] {
+        let locks = client(vec![node.url("")], tls);
+        let (kind, msg) = refused(&locks, &unique_key("lock:wrong-ca"));
+        assert_eq!(kind, NodeErrorKind::Tls, "{msg}");
+        assert!(msg.contains("certificate"), "{msg}");
+    }
+}
+
+#[test]
+fn a_node_requiring_client_certificates_takes_ours_and_refuses_none() {
+    let certs = Certs::new();
+    let node = TlsNode::start(&certs, true);
+    let key = unique_key("lock:mtls");
+
+    let without = client(vec![node.url("")], ca(&certs, "ca"));
+    let (kind, msg) = refused(&without, &key);
+    assert_eq!(kind, NodeErrorKind::Tls, "{msg}");
+    assert!(msg.to_lowercase().contains("certificate"), "{msg}");
+
+    let with = client(
+        vec![node.url("")],
+        ca(&certs, "ca").client_auth(certs.path("client.crt"), certs.path("client.key")),
+    );
+    let guard = lock_soon(&with, &key, Duration::from_secs(10)).expect("mutual TLS works");
+    guard.release().expect("release");
+}
+
+#[test]
+fn an_acl_user_with_only_the_lock_commands_works_and_its_password_stays_hidden() {
+    let certs = Certs::new();
+    let nodes: Vec<TlsNode> = (0..3).map(|_| TlsNode::start(&certs, false)).collect();
+    let key = unique_key("lock:acl");
+    for fencing in [false, true] {
+        let locks = Redlock::builder()
+            .fresh_cluster(true)
+            .fencing(fencing)
+            .nodes(nodes.iter().map(|n| n.url("locker:lock-pass@")))
+            .node_timeout(NODE_TIMEOUT)
+            .tls(ca(&certs, "ca"))
+            .build()
+            .expect("valid config");
+        assert!(!format!("{locks:?}").contains("lock-pass"));
+        let guard = lock_soon(&locks, &key, Duration::from_secs(10))
+            .unwrap_or_else(|e| panic!("minimal ACL user locks (fencing {fencing}): {e}"));
+        assert_eq!(guard.fencing_token().is_some(), fencing);
+        guard.extend(TTL).expect("extend");
+        let n = locks.inspect(&key).expect("inspect");
+        let on = n
+            .iter()
+            .filter(|n| n.key().is_ok_and(|k| k.is_some()))
+            .count();
+        assert!(on >= 2, "{n:?}");
+        guard.release().expect("release");
+    }
+    // Outside the user's keys: refused by the nodes, said so.
+    let locks = client(
+        nodes.iter().map(|n| n.url("locker:lock-pass@")).collect(),
+        ca(&certs, "ca"),
+    );
+    let (kind, msg) = refused(&locks, &unique_key("other:acl"));
+    assert_eq!(kind, NodeErrorKind::Server, "{msg}");
+    assert!(msg.contains("NoPerm"), "{msg}");
+    // A wrong password: the server's refusal, without the password.
+    let wrong = client(
+        nodes
+            .iter()
+            .map(|n| n.url("locker:not-the-pass@"))
+            .collect(),
+        ca(&certs, "ca"),
+    );
+    let (kind, msg) = refused(&wrong, &key);
+    assert_eq!(kind, NodeErrorKind::Server, "{msg}");
+    assert!(msg.contains("WRONGPASS"), "{msg}");
+    assert!(!msg.contains("not-the-pass"), "{msg}");
+}
+
+#[test]
+fn unusable_tls_files_are_refused_at_build() {
+    let certs = Certs::new();
+    let build = |tls: Tls| {
+        Redlock::builder()
+            .nodes(["rediss://127.0.0.1:1"])
+            .tls(tls)
+            .build()
+    };
+    let missing = certs.path("missing.crt");
+    let cases: Vec<(Tls, &str)> = vec![
+        (Tls::new().ca_file(&missing), "missing.crt"),
+        (Tls::new().ca_file(certs.path("server.ext")), "no PEM"),
+        (
+            Tls::new().client_auth(certs.path("client.crt"), certs.path("server.key")),
+            "client",
+        ),
+        (
+            Tls::new().client_auth(certs.path("client.crt"), &missing),
+            "missing.crt",
+        ),
+    ];
+    for (tls, why) in cases {
+        match build(tls) {
+            Err(Error::InvalidInput(InvalidInput::Tls(msg))) => {
+                assert!(msg.contains(why), "{why}: {msg}")
+            }
+            other => panic!("{why}: {other:?}"),
+        }
+    }
+    // The files are not needed for redis:// nodes only.
+    assert!(Redlock::builder()
+        .nodes(["redis://127.0.0.1:1"])
+        .tls(Tls::new().ca_file(&missing))
+        .build()
+        .is_ok());
+}
