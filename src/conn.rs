@@ -276,7 +276,10 @@ impl Conn {
                 let now = Instant::now();
                 if now >= deadline {
                     self.broken = true;
-                    return Err(ConnectError::Io(io::ErrorKind::TimedOut.into()));
+                    return Err(ConnectError::Io(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "no reply to the TLS handshake (is this a TLS port?)",
+                    )));
                 }
                 let mut fds = [PollFd::new(&t.tcp, {
                     let mut f = PollFlags::IN;

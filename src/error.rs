@@ -90,7 +90,9 @@ impl fmt::Display for Error {
                 f,
                 "validity exhausted: the round took {elapsed:?} of a {ttl:?} ttl"
             ),
-            Error::Expired => f.write_str("lock expired before the call"),
+            Error::Expired => {
+                f.write_str("lock expired (or its keys were deleted) before the call")
+            }
             Error::NotOwner { nodes } => {
                 write!(f, "lock held by another owner on {nodes} nodes")
             }

@@ -458,7 +458,7 @@ mod tests {
                 "release r ok=true [ok,ok,ok]",
                 "attempt s acquired [ok,ok,Unavailable]",
                 "renewal s auto=false ok=false [missing,missing,Unavailable]",
-                "lost s lock expired before the call",
+                "lost s lock expired (or its keys were deleted) before the call",
                 "release s ok=false [missing,missing,Unavailable]",
             ]
         );

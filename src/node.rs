@@ -555,6 +555,27 @@ impl Transport for RedisTransport {
         &self.names
     }
 
+    fn wait_connected(&self, deadline: Instant) -> usize {
+        loop {
+            let mut connected = 0;
+            let mut pending = false;
+            for node in &self.nodes {
+                if node.inner.pool.state().connections > 0 {
+                    connected += 1;
+                } else if node.inner.shared.is_healthy() {
+                    // Connecting (or not started): a failing node has
+                    // answered for itself.
+                    pending = true;
+                }
+            }
+            let now = Instant::now();
+            if !pending || now >= deadline {
+                return connected;
+            }
+            std::thread::sleep(CONN_RECHECK.min(deadline.saturating_duration_since(now)));
+        }
+    }
+
     fn inspect(&self, resource: &str, timeout: Duration) -> Vec<Result<Option<Stored>, NodeError>> {
         // A fresh connection per node, all at once: a status query neither
         // waits for a pooled connection nor changes a node's health.
@@ -935,11 +956,8 @@ impl RedisTransport {
         let shared = &self.nodes[i].inner.shared;
         let h = *shared.health.lock();
         let connect_error = match h {
-            NodeHealth::Failing {
-                last: Outcome::Refused,
-                ..
-            } => shared.connect_error.lock().clone(),
-            _ => None,
+            NodeHealth::Failing { .. } => shared.connect_error.lock().clone(),
+            NodeHealth::Healthy => None,
         };
         let tried = if admit == Admit::Trial {
             "tried, not waited for"

@@ -293,6 +293,32 @@ impl Redlock {
         }
     }
 
+    /// Waits until every node has a pooled connection or has failed to
+    /// connect, for at most `within`; returns how many nodes are connected.
+    ///
+    /// Never needed for correctness. A client connects in the background
+    /// and its first rounds do not wait for a node still connecting (its
+    /// vote cannot change a settled outcome), so a brand-new client's first
+    /// lock may be set on only the nodes connected by then: a bare majority,
+    /// one node failure from loss. A short-lived process that takes one lock
+    /// (a cron job, `quorumlock run`) calls this first; a long-lived service
+    /// need not.
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    ///
+    /// let locks = quorumlock::Redlock::builder()
+    ///     .nodes(["redis://127.0.0.1:7001", "redis://127.0.0.1:7002", "redis://127.0.0.1:7003"])
+    ///     .build()?;
+    /// let connected = locks.wait_connected(Duration::from_millis(200));
+    /// assert!(connected <= locks.node_count());
+    /// # Ok::<(), quorumlock::Error>(())
+    /// ```
+    pub fn wait_connected(&self, within: Duration) -> usize {
+        let deadline = after(self.inner.clock.now(), within);
+        self.inner.transport.wait_connected(deadline)
+    }
+
     /// What every node stores for `resource` right now: whether the key
     /// exists, its token and its remaining time to live. One entry per node,
     /// in the builder's order.

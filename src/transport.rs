@@ -166,6 +166,14 @@ pub(crate) trait Transport: Send + Sync + 'static {
         undo: Option<Undo<'_>>,
     ) -> Vec<NodeResult>;
 
+    /// Waits until every node has a connection or is failing, at most
+    /// until `deadline`; returns how many nodes have a connection. Doubles
+    /// are always connected.
+    fn wait_connected(&self, deadline: Instant) -> usize {
+        let _ = deadline;
+        self.node_names().len()
+    }
+
     /// Reads `resource`'s value and remaining time to live on every node,
     /// each within `timeout`, outside of rounds and pools (an operator's
     /// status query). Doubles that do not model it answer with an error.

@@ -464,3 +464,43 @@ fn a_late_noscript_release_is_resent_even_when_the_client_is_idle() {
         c.get(2, &key)
     );
 }
+
+/// A brand-new client's first lock lands on the nodes connected by then; a
+/// one-shot process waits for its connections first and gets every node.
+#[test]
+fn wait_connected_lets_a_new_clients_first_lock_reach_every_node() {
+    let c = shared();
+    for _ in 0..10 {
+        let locks = client(&c.urls());
+        assert_eq!(locks.wait_connected(Duration::from_secs(5)), 3);
+        let key = unique_key("wait-connected");
+        let g = locks.try_lock(&key, TTL).expect("lock");
+        // Replies from every node: the round may settle on two, but the
+        // third's SET was sent on its connection and lands.
+        assert!(
+            crate::common::wait_until(Duration::from_secs(2), || c.holders(&key, g.token()) == 3),
+            "on {} of 3 nodes",
+            c.holders(&key, g.token())
+        );
+        g.release().unwrap();
+    }
+}
+
+#[test]
+fn wait_connected_does_not_wait_for_a_dead_or_hung_node() {
+    let c = Cluster::start(3);
+    c.stop(1);
+    c.pause(2);
+    let start = Instant::now();
+    let locks = crate::client_with(c.urls(), Duration::from_millis(50));
+    // The stopped node refuses; the paused one's kernel still accepts TCP,
+    // so it counts as connected (its commands will time out).
+    assert_eq!(locks.wait_connected(Duration::from_secs(30)), 2);
+    // Each failed connect is the node's answer: about one node timeout.
+    assert!(
+        start.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        start.elapsed()
+    );
+    c.unpause(2);
+}

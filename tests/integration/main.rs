@@ -4,6 +4,8 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+#[cfg(feature = "cli")]
+mod cli;
 mod degraded;
 mod events;
 mod fence_workers;

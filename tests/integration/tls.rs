@@ -412,3 +412,38 @@ fn unusable_tls_files_are_refused_at_build() {
         .build()
         .is_ok());
 }
+
+#[test]
+fn a_tls_url_to_a_plain_node_and_a_plain_url_to_a_tls_node_fail_clearly() {
+    let certs = Certs::new();
+    // rediss:// to a node that speaks no TLS: its error reply is no record.
+    let plain = crate::common::shared();
+    let urls: Vec<String> = plain
+        .urls()
+        .iter()
+        .map(|u| u.replacen("redis://", "rediss://", 1))
+        .collect();
+    // Redis waits for the end of an inline command that never comes.
+    let (kind, msg) = refused(&client(urls, ca(&certs, "ca")), &unique_key("lock:mixed"));
+    assert_eq!(kind, NodeErrorKind::Skipped, "{msg}");
+    assert!(msg.contains("no reply to the TLS handshake"), "{msg}");
+    // redis:// to a TLS node: it drops the connection at our first command.
+    let node = TlsNode::start(&certs, false);
+    let locks = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes([node.url("").replacen("rediss://", "redis://", 1)])
+        .node_timeout(NODE_TIMEOUT)
+        .build()
+        .expect("valid config");
+    let start = Instant::now();
+    let err = locks
+        .lock_timeout(&unique_key("lock:mixed"), TTL, Duration::from_secs(2))
+        .expect_err("no lock over a plain connection to a TLS port");
+    assert!(err.is_retryable(), "{err}");
+    // Bounded like any failing node: the wait, plus an attempt's bound.
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
+}

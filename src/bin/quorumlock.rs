@@ -1,0 +1,753 @@
+//! `quorumlock`: `flock(1)` for a cluster. Runs a command under a Redlock
+//! lock held on N Redis nodes, so that a job started on several hosts runs
+//! on one of them at a time (`quorumlock run`), and shows a lock's key on
+//! every node (`quorumlock status`).
+//!
+//! Built with the `cli` feature: `cargo install quorumlock --features cli`.
+//! See `quorumlock --help` and the README's "Run a cron job once across
+//! hosts" for the exit codes and the behaviour on a lost lock or a signal.
+#![forbid(unsafe_code)]
+
+use std::ffi::OsString;
+use std::io::{self, Write};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::{Child, Command, ExitCode, ExitStatus};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use quorumlock::{Error, LockGuard, Redlock};
+use rustix::process::{kill_process_group, Pid, Signal};
+
+// ---------------------------------------------------------------------------
+// Exit codes (sysexits.h where one fits; shell conventions for the command)
+// ---------------------------------------------------------------------------
+
+/// Bad arguments: unknown option, bad duration, missing command.
+/// Longest wait for the pools' first connections before taking the lock.
+const CONNECT_WAIT: Duration = Duration::from_secs(1);
+
+const EX_USAGE: u8 = 64;
+/// No quorum: too many nodes unavailable (down, timing out, too slow).
+const EX_UNAVAILABLE: u8 = 69;
+/// The lock was lost while the command ran; the command was terminated.
+const EX_SOFTWARE: u8 = 70;
+/// Spawning the command or waiting for it failed for another OS reason;
+/// or signal handlers could not be installed.
+const EX_OSERR: u8 = 71;
+/// Busy: another owner holds the lock (after `--wait`, if given).
+const EX_TEMPFAIL: u8 = 75;
+/// Bad configuration: no nodes, a bad node URL, input the library refuses.
+const EX_CONFIG: u8 = 78;
+/// The command was found but cannot be executed (as shells and `timeout(1)`).
+const EX_CANNOT_EXECUTE: u8 = 126;
+/// The command was not found (as shells and `timeout(1)`).
+const EX_NOT_FOUND: u8 = 127;
+/// Added to a signal's number when the command (or quorumlock, while it
+/// waits for the lock) is ended by that signal.
+const SIGNAL_BASE: u8 = 128;
+
+/// Environment variable read when `--nodes` is absent.
+const NODES_ENV: &str = "REDLOCK_NODES";
+
+/// How often the supervisor looks at the child and at received signals.
+const TICK: Duration = Duration::from_millis(50);
+/// Longest single `lock_timeout` call of `--wait`, so that a signal received
+/// while waiting is acted on promptly.
+const WAIT_SLICE: Duration = Duration::from_millis(250);
+
+const EXIT_CODES: &str = "\
+Exit codes of `quorumlock run`:
+  N        the command's own exit status
+  128+N    the command was killed by signal N (or quorumlock got signal N
+           while waiting for the lock; the command was then never started)
+  64       bad arguments (EX_USAGE), e.g. --ttl 0 or an unparsable duration
+  69       nodes unavailable: no majority of nodes answered (EX_UNAVAILABLE)
+  70       the lock was lost while the command ran; the command was sent
+           SIGTERM, then SIGKILL after --grace (EX_SOFTWARE)
+  71       other OS error spawning or waiting for the command (EX_OSERR)
+  75       busy: the lock is held by someone else, with --no-wait (the
+           default) or once --wait ran out (EX_TEMPFAIL)
+  78       configuration: no nodes, a bad node URL, a key or TTL the
+           library refuses (EX_CONFIG)
+  126      the command cannot be executed (permission denied, not a program)
+  127      the command was not found
+Exit codes of `quorumlock status`: 0 when a majority of nodes answered,
+69 otherwise; 64 and 78 as above.";
+
+const RUN_ABOUT: &str = "\
+Run a command while holding a lock on a majority of Redis nodes.
+
+Takes KEY with one attempt (or retries for up to --wait), renews it in the
+background while the command runs, then releases it. The command inherits
+stdin, stdout and stderr (quorumlock writes only to stderr, lines starting
+with `quorumlock: `) and gets in its environment:
+  QUORUMLOCK_KEY            the lock's key (KEY)
+  QUORUMLOCK_TOKEN          the lock's random token, as stored on the nodes:
+                            the lock's identity; treat it as a secret (it
+                            lets its holder release or extend the lock)
+  QUORUMLOCK_FENCING_TOKEN  the fencing token, with --fencing only
+  QUORUMLOCK_TTL_MS         the TTL in milliseconds
+
+The command runs in a process group of its own, as under timeout(1), and
+signals go to that whole group (the command and its children). If the lock
+is lost while the command runs (renewal failed, the keys were deleted or
+taken), quorumlock sends the group SIGTERM, then SIGKILL after --grace (and
+SIGKILL to whatever of the group is left), and exits 70. SIGTERM, SIGINT,
+SIGHUP and SIGQUIT received by quorumlock are forwarded to the group; the
+lock is kept (and renewed) until the command exits, then released, and
+quorumlock exits with the command's status. Being outside the terminal's
+foreground group, the command cannot read from the terminal.
+
+Without --nodes, the nodes come from REDLOCK_NODES (comma-separated). A
+brand-new cluster (or nodes restarted without their data) refuses votes for
+one TTL, the Redlock delayed-restart rule: runs then exit 69.";
+
+const STATUS_ABOUT: &str = "\
+Show, for each node, whether KEY exists and its remaining TTL.
+
+One line per node on stdout: `NODE  held  ttl=12.3s`, `NODE  free` or
+`NODE  error: MESSAGE`. A key's token is printed only with --show-token. A
+node's copy alone says nothing about who holds the lock: a lock is held only
+on a majority, within its validity.";
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "quorumlock",
+    version,
+    about = "flock(1) for a cluster: run a command under a Redlock lock held on N Redis nodes",
+    after_help = EXIT_CODES
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum Cmd {
+    /// Run a command while holding KEY on a majority of the nodes.
+    #[command(
+        long_about = RUN_ABOUT,
+        after_help = EXIT_CODES,
+        override_usage = "quorumlock run [OPTIONS] <KEY> -- <CMD> [ARGS]..."
+    )]
+    Run(RunArgs),
+    /// Show KEY's state on every node.
+    #[command(long_about = STATUS_ABOUT, after_help = EXIT_CODES)]
+    Status(StatusArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct NodeArgs {
+    /// Comma-separated node URLs, `redis://[user:password@]host:port[/db]`
+    /// or `rediss://…` (TLS)
+    /// (default: the REDLOCK_NODES environment variable). Use 3 or 5
+    /// independent servers.
+    #[arg(long, value_name = "URL,...", value_delimiter = ',')]
+    nodes: Vec<String>,
+    /// Timeout of each node call (connect, read, write): a slow or dead node
+    /// costs its vote after this long. Default: the library's, 50ms.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    node_timeout: Option<Duration>,
+    /// Trust the nodes' lock history at first sight, so that a brand-new
+    /// cluster's first lock need not wait one TTL (restart protection off
+    /// for this client). For throwaway nodes (tests, demos) only: never on
+    /// nodes that may restart without their data while a lock is held.
+    #[arg(long)]
+    fresh_cluster: bool,
+    /// For rediss:// nodes: trust the CA certificates in this PEM file
+    /// instead of the system's roots.
+    #[arg(long, value_name = "FILE")]
+    tls_ca: Option<std::path::PathBuf>,
+    /// For rediss:// nodes that require client certificates: this
+    /// certificate chain (PEM), with --tls-key.
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    tls_cert: Option<std::path::PathBuf>,
+    /// The private key (PEM) of --tls-cert.
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    tls_key: Option<std::path::PathBuf>,
+}
+
+#[derive(clap::Args, Debug)]
+struct RunArgs {
+    #[command(flatten)]
+    nodes: NodeArgs,
+    /// The lock's time to live; renewed every TTL/3 while the command runs.
+    /// It bounds how long KEY stays blocked if this host dies. Durations:
+    /// 500ms, 30s, 2m, 1h, or whole seconds; at most 1h.
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_ttl)]
+    ttl: Duration,
+    /// If KEY is busy, retry for up to this long before giving up (exit 75).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration, conflicts_with = "no_wait")]
+    wait: Option<Duration>,
+    /// If KEY is busy, give up at once (exit 75): one attempt, like
+    /// `flock -n`. The default.
+    #[arg(long)]
+    no_wait: bool,
+    /// Time between SIGTERM and SIGKILL when the lock is lost.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
+    grace: Duration,
+    /// Take a fencing token with the lock and export it to the command as
+    /// QUORUMLOCK_FENCING_TOKEN (one more round trip).
+    #[arg(long)]
+    fencing: bool,
+    /// The lock's name (the Redis key).
+    #[arg(value_name = "KEY")]
+    key: String,
+    /// The command and its arguments (after `--`).
+    #[arg(
+        value_name = "CMD",
+        required = true,
+        num_args = 1..,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_parser = clap::value_parser!(OsString)
+    )]
+    command: Vec<OsString>,
+}
+
+#[derive(clap::Args, Debug)]
+struct StatusArgs {
+    #[command(flatten)]
+    nodes: NodeArgs,
+    /// Also print each node's stored token (the lock's secret identity).
+    #[arg(long)]
+    show_token: bool,
+    /// The lock's name (the Redis key).
+    #[arg(value_name = "KEY")]
+    key: String,
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            // Help and version go to stdout with status 0; errors to stderr.
+            let code = if e.use_stderr() { EX_USAGE } else { 0 };
+            let _ = e.print();
+            return ExitCode::from(code);
+        }
+    };
+    ExitCode::from(match cli.command {
+        Cmd::Run(args) => run(args),
+        Cmd::Status(args) => status(args),
+    })
+}
+
+/// Prints `quorumlock: MESSAGE` on stderr.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        let _ = writeln!(io::stderr().lock(), "quorumlock: {}", format_args!($($arg)*));
+    }};
+}
+
+// ---------------------------------------------------------------------------
+// Durations
+// ---------------------------------------------------------------------------
+
+/// Longest duration accepted for any option (about 136 years).
+const MAX_DURATION: Duration = Duration::from_secs(u32::MAX as u64);
+
+/// `500ms`, `30s`, `2m`, `1h`, or a bare whole number of seconds; not zero.
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (digits, unit) = t.split_at(split);
+    let bad = || {
+        format!(
+            "invalid duration {s:?}: expected a whole number with a unit, ms, s, m or h \
+             (500ms, 30s, 2m, 1h), or whole seconds"
+        )
+    };
+    if digits.is_empty() {
+        return Err(bad());
+    }
+    let n: u64 = digits.parse().map_err(|_| bad())?;
+    let d = match unit {
+        "ms" => Some(Duration::from_millis(n)),
+        "" | "s" => Some(Duration::from_secs(n)),
+        "m" => n.checked_mul(60).map(Duration::from_secs),
+        "h" => n.checked_mul(3600).map(Duration::from_secs),
+        _ => return Err(bad()),
+    };
+    // The cap keeps `Instant + duration` far from overflowing.
+    match d {
+        None => Err(format!("duration {s:?} is too long")),
+        Some(d) if d > MAX_DURATION => Err(format!("duration {s:?} is too long")),
+        Some(d) if d.is_zero() => Err(format!("duration {s:?} must be greater than zero")),
+        Some(d) => Ok(d),
+    }
+}
+
+/// A duration that is also a valid lock TTL: at most [`quorumlock::MAX_TTL`].
+fn parse_ttl(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d > quorumlock::MAX_TTL {
+        return Err(format!(
+            "ttl {s:?} is too long: at most {}s (renewal keeps a lock as long as needed)",
+            quorumlock::MAX_TTL.as_secs()
+        ));
+    }
+    Ok(d)
+}
+
+/// `12.3s`
+fn seconds(d: Duration) -> String {
+    format!("{:.1}s", d.as_secs_f64())
+}
+
+// ---------------------------------------------------------------------------
+// Client and error mapping
+// ---------------------------------------------------------------------------
+
+/// The client for `--nodes` or `REDLOCK_NODES`; `Err(exit code)` after a
+/// message.
+fn client(args: &NodeArgs, fencing: bool) -> Result<Redlock, u8> {
+    let mut urls: Vec<String> = args
+        .nodes
+        .iter()
+        .map(|u| u.trim().to_owned())
+        .filter(|u| !u.is_empty())
+        .collect();
+    if urls.is_empty() {
+        if let Some(v) = std::env::var_os(NODES_ENV) {
+            let Some(v) = v.to_str() else {
+                say!("{NODES_ENV} is not valid UTF-8");
+                return Err(EX_CONFIG);
+            };
+            urls = v
+                .split(',')
+                .map(str::trim)
+                .filter(|u| !u.is_empty())
+                .map(str::to_owned)
+                .collect();
+        }
+    }
+    if urls.is_empty() {
+        say!("no nodes configured: pass --nodes URL,URL,... or set {NODES_ENV} (comma-separated redis:// URLs)");
+        return Err(EX_CONFIG);
+    }
+    let mut builder = Redlock::builder()
+        .nodes(urls)
+        .fencing(fencing)
+        .fresh_cluster(args.fresh_cluster);
+    if let Some(t) = args.node_timeout {
+        builder = builder.node_timeout(t);
+    }
+    let mut tls = quorumlock::Tls::new();
+    if let Some(ca) = &args.tls_ca {
+        tls = tls.ca_file(ca);
+    }
+    if let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) {
+        tls = tls.client_auth(cert, key);
+    }
+    builder = builder.tls(tls);
+    builder.build().map_err(|e| {
+        say!("{e}");
+        exit_code(&e)
+    })
+}
+
+/// The exit code for a failure to take (or inspect) a lock.
+fn exit_code(e: &Error) -> u8 {
+    match e {
+        Error::InvalidInput(_) => EX_CONFIG,
+        Error::NoQuorum { .. } | Error::ValidityExhausted { .. } => EX_UNAVAILABLE,
+        // Taken, and what a single-threaded caller cannot really meet
+        // (Expired, NotOwner): the resource is someone else's.
+        _ => EX_TEMPFAIL,
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Signals
+// ---------------------------------------------------------------------------
+
+/// The signals `run` catches and forwards to the command.
+const FORWARDED: [Signal; 4] = [Signal::TERM, Signal::INT, Signal::HUP, Signal::QUIT];
+
+/// One flag per caught signal, set by its handler, cleared when taken.
+struct Signals {
+    flags: Vec<(Signal, Arc<AtomicBool>)>,
+}
+
+impl Signals {
+    fn install() -> io::Result<Signals> {
+        let mut flags = Vec::with_capacity(FORWARDED.len());
+        for sig in FORWARDED {
+            let flag = Arc::new(AtomicBool::new(false));
+            signal_hook::flag::register(sig.as_raw(), flag.clone())?;
+            flags.push((sig, flag));
+        }
+        Ok(Signals { flags })
+    }
+
+    /// The signals received since the last call.
+    fn take(&self) -> Vec<Signal> {
+        self.flags
+            .iter()
+            .filter(|(_, f)| f.swap(false, Ordering::SeqCst))
+            .map(|(s, _)| *s)
+            .collect()
+    }
+}
+
+fn signal_exit(sig: Signal) -> u8 {
+    u8::try_from(sig.as_raw())
+        .ok()
+        .and_then(|n| SIGNAL_BASE.checked_add(n))
+        .unwrap_or(u8::MAX)
+}
+
+// ---------------------------------------------------------------------------
+// run
+// ---------------------------------------------------------------------------
+
+fn run(args: RunArgs) -> u8 {
+    // Before anything else, so that a signal while waiting for the lock is
+    // handled (the attempt in flight is cleaned up) rather than fatal.
+    let signals = match Signals::install() {
+        Ok(s) => s,
+        Err(e) => {
+            say!("cannot install signal handlers: {e}");
+            return EX_OSERR;
+        }
+    };
+    let locks = match client(&args.nodes, args.fencing) {
+        Ok(l) => l,
+        Err(code) => return code,
+    };
+    let key = args.key.as_str();
+    let wait = if args.no_wait { None } else { args.wait };
+    // A new client's pools connect in the background, and a round does not
+    // wait for a node still connecting: a lock taken at once may land on a
+    // bare majority (about half the time on local nodes) and keep it through
+    // every renewal, so that one node failing loses it. Each connect is
+    // bounded by the node timeout; a node that fails is not waited for.
+    let _ = locks.wait_connected(CONNECT_WAIT);
+    let guard = match acquire(&locks, key, args.ttl, wait, &signals) {
+        Ok(g) => g,
+        Err(Stop::Signal(sig)) => return signal_exit(sig),
+        Err(Stop::Failed(e)) => {
+            let code = exit_code(&e);
+            match code {
+                EX_TEMPFAIL => say!("{key} is busy: {e}"),
+                EX_UNAVAILABLE => say!("cannot take {key}, nodes unavailable: {e}"),
+                _ => say!("cannot take {key}: {e}"),
+            }
+            return code;
+        }
+    };
+    guard.auto_renew();
+    // A signal that arrived while the lock was being taken: do not start.
+    if let Some(sig) = signals.take().into_iter().next() {
+        release(guard);
+        return signal_exit(sig);
+    }
+
+    let mut cmd = Command::new(&args.command[0]);
+    // A process group of its own, as under timeout(1): signals reach the
+    // command's children too, and a terminal's Ctrl-C reaches it once,
+    // through us.
+    cmd.process_group(0);
+    cmd.args(&args.command[1..])
+        .env("QUORUMLOCK_KEY", guard.resource())
+        .env("QUORUMLOCK_TOKEN", guard.token())
+        .env("QUORUMLOCK_TTL_MS", args.ttl.as_millis().to_string());
+    match guard.fencing_token() {
+        Some(f) => cmd.env("QUORUMLOCK_FENCING_TOKEN", f.to_string()),
+        // Never pass on an enclosing run's token.
+        None => cmd.env_remove("QUORUMLOCK_FENCING_TOKEN"),
+    };
+    let child = match cmd.spawn() {
+        Ok(c) => c,
+        Err(e) => {
+            let name = args.command[0].to_string_lossy();
+            say!("cannot run {name}: {e}");
+            release(guard);
+            return spawn_failure(&e);
+        }
+    };
+    supervise(child, guard, args.grace, &signals)
+}
+
+/// Why `acquire` gave up.
+enum Stop {
+    Failed(Error),
+    Signal(Signal),
+}
+
+/// One attempt, or retries until `wait` has passed, looking at received
+/// signals between slices of the wait.
+fn acquire(
+    locks: &Redlock,
+    key: &str,
+    ttl: Duration,
+    wait: Option<Duration>,
+    signals: &Signals,
+) -> Result<LockGuard, Stop> {
+    let Some(wait) = wait else {
+        return locks.try_lock(key, ttl).map_err(Stop::Failed);
+    };
+    let until = Instant::now() + wait;
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        let e = match locks.lock_timeout(key, ttl, left.min(WAIT_SLICE)) {
+            Ok(g) => return Ok(g),
+            Err(e) => e,
+        };
+        if let Some(sig) = signals.take().into_iter().next() {
+            return Err(Stop::Signal(sig));
+        }
+        if !e.is_retryable() || Instant::now() >= until {
+            return Err(Stop::Failed(e));
+        }
+    }
+}
+
+/// Releases the lock, reporting a failure on stderr.
+fn release(guard: LockGuard) {
+    let key = guard.resource().to_owned();
+    if let Err(e) = guard.release() {
+        say!("releasing {key}: {e}");
+    }
+}
+
+fn spawn_failure(e: &io::Error) -> u8 {
+    use rustix::io::Errno;
+    if e.kind() == io::ErrorKind::NotFound {
+        return EX_NOT_FOUND;
+    }
+    match Errno::from_io_error(e) {
+        Some(Errno::ACCESS | Errno::PERM | Errno::NOEXEC | Errno::ISDIR | Errno::TXTBSY) => {
+            EX_CANNOT_EXECUTE
+        }
+        _ => EX_OSERR,
+    }
+}
+
+/// The command's exit status as ours: its code, or 128+N for signal N.
+fn status_code(status: ExitStatus) -> u8 {
+    if let Some(code) = status.code() {
+        // 0..=255 on Unix.
+        return u8::try_from(code & 0xff).unwrap_or(u8::MAX);
+    }
+    match status.signal() {
+        Some(n) => u8::try_from(n)
+            .ok()
+            .and_then(|n| SIGNAL_BASE.checked_add(n))
+            .unwrap_or(u8::MAX),
+        None => EX_OSERR,
+    }
+}
+
+/// Sends `sig` to the command's process group while the command runs.
+/// This process is the only one that reaps it (`try_wait`), so a pid seen
+/// running is not reused.
+fn signal_child(child: &mut Child, sig: Signal) {
+    if let Ok(None) = child.try_wait() {
+        signal_group(child, sig);
+    }
+}
+
+/// Sends `sig` to the command's process group (its id is the command's
+/// pid, which is not reused while the group has a member).
+fn signal_group(child: &Child, sig: Signal) {
+    if let Err(e) = kill_process_group(Pid::from_child(child), sig) {
+        if e != rustix::io::Errno::SRCH {
+            say!("cannot send signal {} to the command: {e}", sig.as_raw());
+        }
+    }
+}
+
+/// Watches the child, the lock and received signals until the child exits.
+fn supervise(mut child: Child, guard: LockGuard, grace: Duration, signals: &Signals) -> u8 {
+    let lost = guard.lost();
+    loop {
+        for sig in signals.take() {
+            signal_child(&mut child, sig);
+        }
+        match child.try_wait() {
+            Ok(Some(status)) => {
+                release(guard);
+                return status_code(status);
+            }
+            Ok(None) => {}
+            Err(e) => {
+                // Not expected for our own child; stop it rather than run
+                // unsupervised.
+                say!("cannot wait for the command: {e}; killing it");
+                let _ = child.kill();
+                let _ = child.wait();
+                release(guard);
+                return EX_OSERR;
+            }
+        }
+        let why = match lost.recv_timeout(TICK) {
+            Ok(why) => Some(why),
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => None,
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
+                if guard.is_lost() {
+                    Some(Error::Expired)
+                } else {
+                    std::thread::sleep(TICK);
+                    None
+                }
+            }
+        };
+        if let Some(why) = why {
+            say!(
+                "lock {} lost: {why}; terminating the command",
+                guard.resource()
+            );
+            terminate(&mut child, grace, signals);
+            // The watchdog already deletes what is left of the keys; the
+            // release below only confirms it.
+            drop(guard);
+            return EX_SOFTWARE;
+        }
+    }
+}
+
+/// SIGTERM, up to `grace` for the child to exit, then SIGKILL; waits for it.
+/// Signals received meanwhile are still forwarded.
+fn terminate(child: &mut Child, grace: Duration, signals: &Signals) {
+    signal_child(child, Signal::TERM);
+    let until = Instant::now() + grace;
+    while Instant::now() < until {
+        for sig in signals.take() {
+            signal_child(child, sig);
+        }
+        match child.try_wait() {
+            Ok(Some(_)) => return,
+            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+            Err(_) => break,
+        }
+    }
+    if let Ok(None) = child.try_wait() {
+        say!(
+            "the command did not exit within {} of SIGTERM; sending SIGKILL",
+            seconds(grace)
+        );
+        signal_child(child, Signal::KILL);
+    }
+    let _ = child.wait();
+    // Whatever of its group is left (children that ignored SIGTERM, or
+    // that it left behind) must not go on without the lock.
+    signal_group(child, Signal::KILL);
+}
+
+// ---------------------------------------------------------------------------
+// status
+// ---------------------------------------------------------------------------
+
+fn status(args: StatusArgs) -> u8 {
+    let locks = match client(&args.nodes, false) {
+        Ok(l) => l,
+        Err(code) => return code,
+    };
+    let nodes = match locks.inspect(&args.key) {
+        Ok(n) => n,
+        Err(e) => {
+            say!("cannot inspect {}: {e}", args.key);
+            return exit_code(&e);
+        }
+    };
+    let width = nodes.iter().map(|n| n.node().len()).max().unwrap_or(0);
+    let mut out = io::stdout().lock();
+    let mut answered = 0;
+    for n in &nodes {
+        let line = match n.key() {
+            Ok(Some(k)) => {
+                answered += 1;
+                let ttl = k.ttl().map_or_else(|| "none".to_owned(), seconds);
+                if args.show_token {
+                    format!("held  ttl={ttl}  token={}", k.token())
+                } else {
+                    format!("held  ttl={ttl}")
+                }
+            }
+            Ok(None) => {
+                answered += 1;
+                "free".to_owned()
+            }
+            Err(e) => format!("error: {}", error_detail(e)),
+        };
+        if writeln!(out, "{:<width$}  {line}", n.node()).is_err() {
+            return EX_OSERR;
+        }
+    }
+    if answered >= locks.quorum() {
+        0
+    } else {
+        say!(
+            "only {answered} of {} nodes answered; {} needed",
+            nodes.len(),
+            locks.quorum()
+        );
+        EX_UNAVAILABLE
+    }
+}
+
+/// A node error without the node's name (the line starts with it).
+fn error_detail(e: &quorumlock::NodeError) -> String {
+    if e.detail().is_empty() {
+        e.kind().to_string()
+    } else {
+        format!("{} ({})", e.kind(), e.detail())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3600)));
+        assert_eq!(parse_duration("45"), Ok(Duration::from_secs(45)));
+        for bad in [
+            "",
+            "0",
+            "0s",
+            "ms",
+            "1.5s",
+            "-1",
+            "5d",
+            "s5",
+            "99999999999999999999",
+        ] {
+            assert!(parse_duration(bad).is_err(), "{bad:?}");
+        }
+        assert!(parse_ttl("2h").is_err());
+        assert!(parse_ttl("1h").is_ok());
+    }
+
+    #[test]
+    fn exit_statuses() {
+        assert_eq!(status_code(ExitStatus::from_raw(7 << 8)), 7);
+        assert_eq!(status_code(ExitStatus::from_raw(15)), 143);
+        assert_eq!(status_code(ExitStatus::from_raw(9)), 137);
+    }
+
+    #[test]
+    fn cli_parses() {
+        Cli::command().debug_assert();
+        let c =
+            Cli::try_parse_from(["quorumlock", "run", "k", "--", "sh", "-c", "exit 3"]).unwrap();
+        let Cmd::Run(r) = c.command else {
+            panic!("run")
+        };
+        assert_eq!(r.command, ["sh", "-c", "exit 3"]);
+        assert_eq!(r.ttl, Duration::from_secs(30));
+        assert!(
+            Cli::try_parse_from(["quorumlock", "run", "--wait", "1s", "--no-wait", "k", "x"])
+                .is_err()
+        );
+    }
+}

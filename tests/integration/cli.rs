@@ -1,0 +1,713 @@
+//! The `quorumlock` command, run as a user would: the built binary over the
+//! shared nodes, with `sh -c` scripts as the commands it runs.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use rustix::process::{kill_process, Pid, Signal};
+
+use crate::common::{shared, unique_key, wait_until, Cluster};
+
+const BIN: &str = env!("CARGO_BIN_EXE_quorumlock");
+
+/// Node timeout for every run: generous, so that a loaded 2-core machine does
+/// not turn a slow healthy node into a failed vote.
+const NODE_TIMEOUT: &str = "250ms";
+
+/// Bound for anything that should happen "soon" on an idle machine.
+const SOON: Duration = Duration::from_secs(15);
+
+// Exit codes documented by `quorumlock --help`.
+const EX_USAGE: i32 = 64;
+const EX_UNAVAILABLE: i32 = 69;
+const EX_SOFTWARE: i32 = 70;
+const EX_TEMPFAIL: i32 = 75;
+const EX_CONFIG: i32 = 78;
+const EX_NOT_FOUND: i32 = 127;
+const EX_CANNOT_EXECUTE: i32 = 126;
+
+/// A scratch directory, removed on drop.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Scratch {
+        let dir = std::env::temp_dir().join(unique_key(name).replace(':', "-"));
+        std::fs::create_dir_all(&dir).expect("create scratch dir");
+        Scratch(dir)
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+
+    /// The file's content, trimmed; `None` when it does not exist.
+    fn read(&self, name: &str) -> Option<String> {
+        std::fs::read_to_string(self.path(name))
+            .ok()
+            .map(|s| s.trim().to_owned())
+    }
+
+    fn touch(&self, name: &str) {
+        std::fs::write(self.path(name), b"").expect("touch");
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// `quorumlock` with stdout/stderr to files in `dir` (never pipes: a
+/// command's leftover children could hold a pipe open) and the scratch
+/// directory as `$D` for the scripts. `REDLOCK_NODES` is removed.
+fn quorumlock(dir: &Scratch, name: &str) -> Command {
+    let mut cmd = Command::new(BIN);
+    let out = std::fs::File::create(dir.path(&format!("{name}.stdout"))).expect("stdout file");
+    let err = std::fs::File::create(dir.path(&format!("{name}.stderr"))).expect("stderr file");
+    cmd.env_remove("REDLOCK_NODES")
+        .env("D", &dir.0)
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err);
+    cmd
+}
+
+/// `quorumlock run --nodes … [extra] KEY -- sh -c SCRIPT`.
+fn run_cmd(
+    c: &Cluster,
+    dir: &Scratch,
+    name: &str,
+    key: &str,
+    extra: &[&str],
+    script: &str,
+) -> Command {
+    let mut cmd = quorumlock(dir, name);
+    cmd.arg("run")
+        .arg("--nodes")
+        .arg(c.urls().join(","))
+        .args(["--node-timeout", NODE_TIMEOUT, "--fresh-cluster"])
+        .args(extra)
+        .arg(key)
+        .args(["--", "sh", "-c", script]);
+    cmd
+}
+
+/// A running `quorumlock`; on drop (a failed test) it is stopped.
+struct Proc {
+    name: String,
+    child: Child,
+    stderr: PathBuf,
+}
+
+impl Proc {
+    fn spawn(mut cmd: Command, dir: &Scratch, name: &str) -> Proc {
+        let child = cmd.spawn().expect("spawn quorumlock");
+        Proc {
+            name: name.to_owned(),
+            child,
+            stderr: dir.path(&format!("{name}.stderr")),
+        }
+    }
+
+    fn pid(&self) -> Pid {
+        Pid::from_child(&self.child)
+    }
+
+    fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Waits up to `limit` for the exit; its code. Panics (with the
+    /// process's stderr) on timeout or a death by signal.
+    fn exit_code(&mut self, limit: Duration) -> i32 {
+        let status = self.wait(limit);
+        status.code().unwrap_or_else(|| {
+            panic!(
+                "{} ended by a signal: {status:?}; stderr:\n{}",
+                self.name,
+                self.stderr()
+            )
+        })
+    }
+
+    fn wait(&mut self, limit: Duration) -> ExitStatus {
+        let until = Instant::now() + limit;
+        loop {
+            match self.child.try_wait() {
+                Ok(Some(s)) => return s,
+                Ok(None) if Instant::now() < until => std::thread::sleep(Duration::from_millis(20)),
+                Ok(None) => panic!(
+                    "{} still running after {limit:?}; stderr:\n{}",
+                    self.name,
+                    self.stderr()
+                ),
+                Err(e) => panic!("wait for {}: {e}", self.name),
+            }
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if !self.running() {
+            return;
+        }
+        // SIGTERM first: quorumlock forwards it and releases its lock.
+        let _ = kill_process(self.pid(), Signal::TERM);
+        if !wait_until(Duration::from_secs(5), || !self.running()) {
+            let _ = self.child.kill();
+        }
+        let _ = self.child.wait();
+    }
+}
+
+/// Runs `cmd` to completion (within `SOON`); its exit code and stderr.
+fn finish(cmd: Command, dir: &Scratch, name: &str) -> (i32, String) {
+    let mut p = Proc::spawn(cmd, dir, name);
+    let code = p.exit_code(SOON);
+    (code, p.stderr())
+}
+
+/// Whether `key` is stored on a majority of the nodes.
+fn held(c: &Cluster, key: &str) -> bool {
+    (0..c.len()).filter(|&i| c.get(i, key).is_some()).count() > c.len() / 2
+}
+
+/// Waits until the run's command has started (`file` exists) and the key is
+/// on a majority; panics with the run's stderr otherwise.
+fn until_started(c: &Cluster, dir: &Scratch, p: &mut Proc, file: &str, key: &str) {
+    let ok = wait_until(SOON, || {
+        !p.running() || (dir.path(file).exists() && held(c, key))
+    });
+    assert!(
+        ok && p.running(),
+        "{} did not start its command holding {key}; stderr:\n{}",
+        p.name,
+        p.stderr()
+    );
+}
+
+fn assert_gone(c: &Cluster, key: &str, limit: Duration) {
+    assert!(
+        c.gone_everywhere(key, limit),
+        "{key} left on the nodes: {:?}",
+        (0..c.len()).map(|i| c.pttl(i, key)).collect::<Vec<_>>()
+    );
+}
+
+/// A command that signals it started (`$D/<started>`), then waits for
+/// `$D/<started>.go` before exiting with `code`.
+fn hold_until_go(started: &str, code: i32) -> String {
+    format!(
+        r#"touch "$D/{started}"; while [ ! -e "$D/{started}.go" ]; do sleep 0.05; done; exit {code}"#
+    )
+}
+
+#[test]
+fn passes_the_exit_status_through_and_exports_the_lock() {
+    let c = shared();
+    let dir = Scratch::new("cli-env");
+    let key = unique_key("cli-env");
+    let script = r#"printf '%s\n%s\n%s\n%s\n' "$QUORUMLOCK_KEY" "$QUORUMLOCK_TOKEN" \
+            "$QUORUMLOCK_TTL_MS" "${QUORUMLOCK_FENCING_TOKEN-unset}" > "$D/env.tmp"
+        mv "$D/env.tmp" "$D/env"
+        while [ ! -e "$D/go" ]; do sleep 0.05; done
+        exit 7"#;
+    let mut p = Proc::spawn(
+        run_cmd(&c, &dir, "run", &key, &["--ttl", "20s"], script),
+        &dir,
+        "run",
+    );
+    until_started(&c, &dir, &mut p, "env", &key);
+    let env = dir.read("env").unwrap();
+    let lines: Vec<&str> = env.lines().collect();
+    assert_eq!(lines.len(), 4, "{env:?}");
+    assert_eq!(lines[0], key);
+    // The token the command sees is the one the nodes store.
+    let stored = (0..c.len())
+        .find_map(|i| c.get(i, &key))
+        .expect("key stored");
+    assert_eq!(lines[1], stored);
+    assert!(lines[1].len() >= 16, "token {:?}", lines[1]);
+    assert_eq!(lines[2], "20000");
+    assert_eq!(lines[3], "unset", "no fencing token without --fencing");
+    // Renewed: still held, with a TTL near 20 s.
+    assert!((0..c.len()).any(|i| c.pttl(i, &key) > 10_000));
+
+    dir.touch("go");
+    assert_eq!(p.exit_code(SOON), 7, "stderr:\n{}", p.stderr());
+    assert_gone(&c, &key, Duration::from_secs(1));
+    assert_eq!(std::fs::read_to_string(dir.path("run.stdout")).unwrap(), "");
+
+    // With --fencing the command gets a number; exit 0 passes through too.
+    let (code, err) = finish(
+        run_cmd(
+            &c,
+            &dir,
+            "fenced",
+            &key,
+            &["--fencing"],
+            r#"echo "$QUORUMLOCK_FENCING_TOKEN" > "$D/fence""#,
+        ),
+        &dir,
+        "fenced",
+    );
+    assert_eq!(code, 0, "stderr:\n{err}");
+    let fence = dir.read("fence").unwrap();
+    assert!(fence.parse::<u64>().is_ok_and(|f| f > 0), "{fence:?}");
+    assert_gone(&c, &key, Duration::from_secs(1));
+}
+
+#[test]
+fn busy_lock_exits_75_without_running_the_command() {
+    let c = shared();
+    let dir = Scratch::new("cli-busy");
+    let key = unique_key("cli-busy");
+    let mut a = Proc::spawn(
+        run_cmd(&c, &dir, "a", &key, &[], &hold_until_go("a", 0)),
+        &dir,
+        "a",
+    );
+    until_started(&c, &dir, &mut a, "a", &key);
+
+    for (name, extra) in [("b", &[][..]), ("b2", &["--no-wait"][..])] {
+        let t = Instant::now();
+        let (code, err) = finish(
+            run_cmd(&c, &dir, name, &key, extra, r#"touch "$D/b-ran""#),
+            &dir,
+            name,
+        );
+        assert_eq!(code, EX_TEMPFAIL, "{name} stderr:\n{err}");
+        assert!(
+            err.starts_with("quorumlock: ") && err.contains("busy"),
+            "{err}"
+        );
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "took {:?}",
+            t.elapsed()
+        );
+        assert!(!dir.path("b-ran").exists(), "{name}'s command ran");
+    }
+    assert!(a.running());
+    dir.touch("a.go");
+    assert_eq!(a.exit_code(SOON), 0, "stderr:\n{}", a.stderr());
+    assert_gone(&c, &key, Duration::from_secs(1));
+}
+
+#[test]
+fn wait_takes_the_lock_once_the_other_run_ends() {
+    let c = shared();
+    let dir = Scratch::new("cli-wait");
+    let key = unique_key("cli-wait");
+    let a_script =
+        r#"touch "$D/a"; while [ ! -e "$D/go" ]; do sleep 0.05; done; touch "$D/a-done""#;
+    let mut a = Proc::spawn(run_cmd(&c, &dir, "a", &key, &[], a_script), &dir, "a");
+    until_started(&c, &dir, &mut a, "a", &key);
+
+    let b_script =
+        r#"if [ -e "$D/a-done" ]; then echo after > "$D/b"; else echo during > "$D/b"; fi"#;
+    let mut b = Proc::spawn(
+        run_cmd(&c, &dir, "b", &key, &["--wait", "30s"], b_script),
+        &dir,
+        "b",
+    );
+    // B keeps waiting while A holds the lock.
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(b.running(), "b ended early; stderr:\n{}", b.stderr());
+    assert!(dir.read("b").is_none());
+
+    dir.touch("go");
+    assert_eq!(a.exit_code(SOON), 0, "a stderr:\n{}", a.stderr());
+    assert_eq!(b.exit_code(SOON), 0, "b stderr:\n{}", b.stderr());
+    assert_eq!(dir.read("b").as_deref(), Some("after"));
+    assert_gone(&c, &key, Duration::from_secs(1));
+
+    // A wait that runs out is "busy" too.
+    let mut a = Proc::spawn(
+        run_cmd(&c, &dir, "a2", &key, &[], &hold_until_go("a2", 0)),
+        &dir,
+        "a2",
+    );
+    until_started(&c, &dir, &mut a, "a2", &key);
+    let t = Instant::now();
+    let (code, err) = finish(
+        run_cmd(
+            &c,
+            &dir,
+            "b2",
+            &key,
+            &["--wait", "1s"],
+            r#"touch "$D/b2-ran""#,
+        ),
+        &dir,
+        "b2",
+    );
+    assert_eq!(code, EX_TEMPFAIL, "stderr:\n{err}");
+    assert!(t.elapsed() >= Duration::from_secs(1), "{:?}", t.elapsed());
+    assert!(!dir.path("b2-ran").exists());
+    dir.touch("a2.go");
+    assert_eq!(a.exit_code(SOON), 0, "a2 stderr:\n{}", a.stderr());
+    assert_gone(&c, &key, Duration::from_secs(1));
+}
+
+/// A command that records SIGTERM in `$D/term` and exits 143 on it.
+const TRAPS_TERM: &str = r#"trap 'echo term > "$D/term"; kill $! 2>/dev/null; exit 143' TERM
+    touch "$D/started"
+    sleep 60 &
+    wait"#;
+
+/// Deletes the key on every node while the command runs: the next renewal
+/// finds it gone, and the command is terminated.
+fn lose_lock(extra: &[&str], script: &str, name: &str) -> (Scratch, Proc, Duration) {
+    let c = shared();
+    let dir = Scratch::new(name);
+    let key = unique_key(name);
+    let mut args = vec!["--ttl", "2s"];
+    args.extend_from_slice(extra);
+    let mut p = Proc::spawn(run_cmd(&c, &dir, "run", &key, &args, script), &dir, "run");
+    until_started(&c, &dir, &mut p, "started", &key);
+    let t = Instant::now();
+    for i in 0..c.len() {
+        c.del(i, &key);
+    }
+    assert_eq!(p.exit_code(SOON), EX_SOFTWARE, "stderr:\n{}", p.stderr());
+    let took = t.elapsed();
+    let err = p.stderr();
+    assert!(
+        err.contains(&format!("quorumlock: lock {key} lost: ")) && err.contains("terminating"),
+        "{err}"
+    );
+    // Nothing comes back: the watchdog stopped touching the key.
+    std::thread::sleep(Duration::from_millis(200));
+    assert_gone(&c, &key, Duration::from_secs(1));
+    (dir, p, took)
+}
+
+#[test]
+fn lost_lock_terminates_the_command_and_exits_70() {
+    let (dir, _p, took) = lose_lock(&["--grace", "5s"], TRAPS_TERM, "cli-lost");
+    assert_eq!(dir.read("term").as_deref(), Some("term"), "no SIGTERM seen");
+    // Renewal every ttl/3 (~0.7 s) notices; the command exits at once on TERM.
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+}
+
+#[test]
+fn lost_lock_kills_a_command_that_ignores_sigterm_after_the_grace() {
+    let script = r#"trap '' TERM; touch "$D/started"; exec sleep 60"#;
+    let (_dir, p, took) = lose_lock(&["--grace", "1s"], script, "cli-lost-kill");
+    assert!(p.stderr().contains("SIGKILL"), "{}", p.stderr());
+    assert!(
+        took >= Duration::from_secs(1),
+        "killed before the grace: {took:?}"
+    );
+    assert!(took < Duration::from_secs(12), "took {took:?}");
+}
+
+#[test]
+fn sigterm_is_forwarded_and_the_lock_released() {
+    let c = shared();
+    let dir = Scratch::new("cli-sigterm");
+    let key = unique_key("cli-sigterm");
+    let mut p = Proc::spawn(
+        run_cmd(&c, &dir, "run", &key, &["--ttl", "30s"], TRAPS_TERM),
+        &dir,
+        "run",
+    );
+    until_started(&c, &dir, &mut p, "started", &key);
+    kill_process(p.pid(), Signal::TERM).expect("signal quorumlock");
+    assert_eq!(p.exit_code(SOON), 143, "stderr:\n{}", p.stderr());
+    assert_eq!(dir.read("term").as_deref(), Some("term"), "not forwarded");
+    // Released, not left to expire (30 s).
+    assert_gone(&c, &key, Duration::from_secs(1));
+
+    // A command killed by the forwarded signal: 128 + 15.
+    let mut p = Proc::spawn(
+        run_cmd(
+            &c,
+            &dir,
+            "plain",
+            &key,
+            &[],
+            r#"touch "$D/plain"; exec sleep 60"#,
+        ),
+        &dir,
+        "plain",
+    );
+    until_started(&c, &dir, &mut p, "plain", &key);
+    kill_process(p.pid(), Signal::INT).expect("signal quorumlock");
+    assert_eq!(p.exit_code(SOON), 128 + 2, "stderr:\n{}", p.stderr());
+    assert_gone(&c, &key, Duration::from_secs(1));
+}
+
+#[test]
+fn status_shows_each_node_without_the_token_unless_asked() {
+    let c = shared();
+    let dir = Scratch::new("cli-status");
+    let key = unique_key("cli-status");
+    let status = |name: &str, extra: &[&str]| -> (i32, String) {
+        let mut cmd = quorumlock(&dir, name);
+        cmd.arg("status")
+            .arg("--nodes")
+            .arg(c.urls().join(","))
+            .args(["--node-timeout", NODE_TIMEOUT])
+            .args(extra)
+            .arg(&key);
+        let (code, err) = finish(cmd, &dir, name);
+        let out = std::fs::read_to_string(dir.path(&format!("{name}.stdout"))).unwrap();
+        assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
+        (code, out)
+    };
+
+    let mut a = Proc::spawn(
+        run_cmd(&c, &dir, "a", &key, &[], &hold_until_go("a", 0)),
+        &dir,
+        "a",
+    );
+    until_started(&c, &dir, &mut a, "a", &key);
+    let token = (0..c.len()).find_map(|i| c.get(i, &key)).unwrap();
+    // `run` waits for its connections before locking, so the lock is on
+    // every node (the round may settle first; the third SET still lands).
+    assert!(
+        wait_until(SOON, || c.holders(&key, &token) == c.len()),
+        "on {} of {} nodes",
+        c.holders(&key, &token),
+        c.len()
+    );
+
+    let (_, out) = status("s1", &[]);
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), c.len(), "{out}");
+    for (line, url) in lines.iter().zip(c.urls()) {
+        let addr = url.trim_start_matches("redis://");
+        assert!(line.starts_with(addr), "{line:?} for {addr}");
+        assert!(
+            line.contains(" held ") && line.contains(" ttl="),
+            "{line:?}"
+        );
+    }
+    let holding = c.len();
+    assert!(!out.contains(&token), "token printed without --show-token");
+
+    let (_, out) = status("s2", &["--show-token"]);
+    assert_eq!(
+        out.matches(&format!(" token={token}")).count(),
+        holding,
+        "{out}"
+    );
+
+    dir.touch("a.go");
+    assert_eq!(a.exit_code(SOON), 0, "stderr:\n{}", a.stderr());
+    assert_gone(&c, &key, Duration::from_secs(1));
+    let (_, out) = status("s3", &[]);
+    assert_eq!(
+        out.lines().filter(|l| l.ends_with(" free")).count(),
+        c.len(),
+        "{out}"
+    );
+
+    // No node answering: 69.
+    let mut cmd = quorumlock(&dir, "s4");
+    cmd.args(["status", "--nodes", &dead_nodes(), &key]);
+    let (code, err) = finish(cmd, &dir, "s4");
+    assert_eq!(code, EX_UNAVAILABLE, "stderr:\n{err}");
+    let out = std::fs::read_to_string(dir.path("s4.stdout")).unwrap();
+    assert_eq!(
+        out.lines().filter(|l| l.contains("error: ")).count(),
+        3,
+        "{out}"
+    );
+}
+
+/// Three URLs where nothing listens (ports just freed).
+fn dead_nodes() -> String {
+    let ports: Vec<u16> = (0..3)
+        .map(|_| {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        })
+        .collect();
+    ports
+        .iter()
+        .map(|p| format!("redis://127.0.0.1:{p}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+#[test]
+fn bad_input_and_missing_commands_have_their_exit_codes() {
+    let c = shared();
+    let dir = Scratch::new("cli-bad");
+    let key = unique_key("cli-bad");
+    let ok = r#"touch "$D/ran""#;
+
+    // No nodes anywhere: 78.
+    let mut cmd = quorumlock(&dir, "no-nodes");
+    cmd.args(["run", &key, "--", "sh", "-c", ok]);
+    let (code, err) = finish(cmd, &dir, "no-nodes");
+    assert_eq!(code, EX_CONFIG, "stderr:\n{err}");
+    assert!(err.contains("REDLOCK_NODES"), "{err}");
+
+    // REDLOCK_NODES is used when --nodes is absent.
+    let mut cmd = quorumlock(&dir, "env-nodes");
+    cmd.env("REDLOCK_NODES", c.urls().join(","))
+        .args([
+            "run",
+            "--fresh-cluster",
+            "--node-timeout",
+            NODE_TIMEOUT,
+            &key,
+        ])
+        .args(["--", "sh", "-c", ok]);
+    let (code, err) = finish(cmd, &dir, "env-nodes");
+    assert_eq!(code, 0, "stderr:\n{err}");
+    assert!(dir.path("ran").exists());
+    std::fs::remove_file(dir.path("ran")).unwrap();
+
+    // A bad URL: 78.
+    let mut cmd = quorumlock(&dir, "bad-url");
+    cmd.args(["run", "--nodes", "http://x:1", &key, "--", "sh", "-c", ok]);
+    let (code, err) = finish(cmd, &dir, "bad-url");
+    assert_eq!(code, EX_CONFIG, "stderr:\n{err}");
+
+    // Usage errors: 64.
+    for (name, args) in [
+        ("ttl0", &["--ttl", "0"][..]),
+        ("ttl-junk", &["--ttl", "soon"][..]),
+        ("ttl-long", &["--ttl", "2h"][..]),
+        ("both-waits", &["--wait", "1s", "--no-wait"][..]),
+    ] {
+        let (code, err) = finish(run_cmd(&c, &dir, name, &key, args, ok), &dir, name);
+        assert_eq!(code, EX_USAGE, "{name} stderr:\n{err}");
+    }
+    let mut cmd = quorumlock(&dir, "no-cmd");
+    cmd.args(["run", "--nodes", &c.urls().join(","), &key]);
+    let (code, err) = finish(cmd, &dir, "no-cmd");
+    assert_eq!(code, EX_USAGE, "stderr:\n{err}");
+    assert!(!dir.path("ran").exists());
+
+    // Nodes down: 69.
+    let mut cmd = quorumlock(&dir, "down");
+    cmd.args(["run", "--fresh-cluster", "--nodes", &dead_nodes(), &key])
+        .args(["--", "sh", "-c", ok]);
+    let (code, err) = finish(cmd, &dir, "down");
+    assert_eq!(code, EX_UNAVAILABLE, "stderr:\n{err}");
+    assert!(!dir.path("ran").exists());
+
+    // The command cannot be found or executed: 127 / 126, and the lock is
+    // released.
+    let spawn = |name: &str, program: &Path| -> (i32, String) {
+        let mut cmd = quorumlock(&dir, name);
+        cmd.args(["run", "--fresh-cluster", "--node-timeout", NODE_TIMEOUT])
+            .arg("--nodes")
+            .arg(c.urls().join(","))
+            .arg(&key)
+            .arg("--")
+            .arg(program);
+        finish(cmd, &dir, name)
+    };
+    let (code, err) = spawn("missing", &dir.path("no-such-command"));
+    assert_eq!(code, EX_NOT_FOUND, "stderr:\n{err}");
+    assert_gone(&c, &key, Duration::from_secs(1));
+    std::fs::write(dir.path("not-executable"), "#!/bin/sh\n").unwrap();
+    let (code, err) = spawn("noexec", &dir.path("not-executable"));
+    assert_eq!(code, EX_CANNOT_EXECUTE, "stderr:\n{err}");
+    assert_gone(&c, &key, Duration::from_secs(1));
+}
+
+/// A node hung (SIGSTOP) for most of the run: the lock is renewed on the
+/// other two, the command runs to its end, its status passes through, and
+/// nothing is left once the node resumes.
+#[test]
+fn a_node_hung_mid_run_costs_nothing() {
+    let c = Cluster::start(3);
+    let dir = Scratch::new("cli-hung");
+    let key = unique_key("cli-hung");
+    let mut p = Proc::spawn(
+        run_cmd(
+            &c,
+            &dir,
+            "run",
+            &key,
+            &["--ttl", "2s"],
+            &hold_until_go("run", 5),
+        ),
+        &dir,
+        "run",
+    );
+    until_started(&c, &dir, &mut p, "run", &key);
+    c.pause(1);
+    // Several renewals (every ~700 ms) while node 1 is hung.
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(
+        p.running(),
+        "lost with one node of three hung:\n{}",
+        p.stderr()
+    );
+    dir.touch("run.go");
+    assert_eq!(p.exit_code(SOON), 5, "stderr:\n{}", p.stderr());
+    c.unpause(1);
+    // The release reached nodes 0 and 2; node 1's copy is deleted by the
+    // release retried in the background or expires with its TTL (2 s).
+    assert_gone(&c, &key, Duration::from_secs(5));
+}
+
+/// Whether process `pid` still exists (and is not a zombie).
+fn alive(pid: &str) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        !s.rsplit(')')
+            .next()
+            .unwrap_or("")
+            .trim_start()
+            .starts_with('Z')
+    })
+}
+
+/// A script's own children go too: the command runs in a process group of
+/// its own (as under timeout(1)), and a lost lock terminates the group.
+#[test]
+fn a_lost_lock_terminates_the_commands_children_too() {
+    let script = r#"sleep 60 & echo $! > "$D/grandchild"; touch "$D/started"; wait"#;
+    let (dir, _p, _took) = lose_lock(&["--grace", "1s"], script, "cli-lost-group");
+    let pid = dir.read("grandchild").expect("grandchild pid");
+    let pid = pid.trim();
+    assert!(
+        wait_until(Duration::from_secs(5), || !alive(pid)),
+        "the command's child {pid} outlived the lost lock"
+    );
+}
+
+/// Ctrl-C in a terminal signals quorumlock's process group; the command,
+/// in a group of its own, gets it once, through quorumlock.
+#[test]
+fn a_signal_to_quorumlocks_group_reaches_the_command_once() {
+    let c = shared();
+    let dir = Scratch::new("cli-group-int");
+    let key = unique_key("cli-group-int");
+    let script = r#"trap 'echo int >> "$D/ints"' INT
+        touch "$D/started"
+        while [ ! -e "$D/go" ]; do sleep 0.05; done
+        exit 3"#;
+    let mut cmd = run_cmd(&c, &dir, "run", &key, &[], script);
+    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+    let mut p = Proc::spawn(cmd, &dir, "run");
+    until_started(&c, &dir, &mut p, "started", &key);
+    // As a terminal does: the signal to every process of the foreground group.
+    rustix::process::kill_process_group(p.pid(), Signal::INT).expect("signal the group");
+    assert!(wait_until(SOON, || dir.read("ints").is_some()));
+    std::thread::sleep(Duration::from_millis(300));
+    dir.touch("go");
+    assert_eq!(p.exit_code(SOON), 3, "stderr:\n{}", p.stderr());
+    assert_eq!(
+        dir.read("ints").as_deref(),
+        Some("int"),
+        "delivered more than once"
+    );
+    assert_gone(&c, &key, Duration::from_secs(1));
+}
