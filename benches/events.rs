@@ -18,7 +18,7 @@ use quorumlock::{AttemptEvent, EventHandler, Redlock, ReleaseEvent};
 mod common;
 
 const TTL: Duration = Duration::from_secs(10);
-const BLOCKS: usize = 20;
+const BLOCKS: usize = 30;
 const PER_BLOCK: usize = 500;
 
 struct Noop;
@@ -94,23 +94,37 @@ fn main() {
             block(locks, tag, b, &mut times[j]);
         }
     }
-    let mut medians = Vec::new();
+    // Each block's median per variant, and per block the ratio to "none":
+    // the median of those ratios cancels load that drifts between blocks.
+    let per_block = |t: &[Duration]| -> Vec<Duration> {
+        t.chunks(PER_BLOCK)
+            .map(|c| median(&mut c.to_vec()))
+            .collect()
+    };
+    let blocks: Vec<Vec<Duration>> = times.iter().map(|t| per_block(t)).collect();
+    let paired = |j: usize| -> f64 {
+        let mut r: Vec<f64> = blocks[j]
+            .iter()
+            .zip(&blocks[0])
+            .map(|(a, b)| a.as_secs_f64() / b.as_secs_f64() - 1.0)
+            .collect();
+        r.sort_by(f64::total_cmp);
+        r[r.len() / 2] * 100.0
+    };
     for ((tag, _), t) in variants.iter().zip(&mut times) {
+        let mean = mean(t);
         let m = median(t);
         println!(
             "events/{tag:<9} cycles {:>6}  median {:>8.1} µs  mean {:>8.1} µs",
             t.len(),
             m.as_secs_f64() * 1e6,
-            mean(t).as_secs_f64() * 1e6
+            mean.as_secs_f64() * 1e6
         );
-        medians.push(m);
     }
-    let ratio = |a: Duration, b: Duration| (a.as_secs_f64() / b.as_secs_f64() - 1.0) * 100.0;
     println!(
-        "no-op handler vs none: {:+.2} % (median), {:+.2} % (mean); counting vs none: {:+.2} % (median)",
-        ratio(medians[1], medians[0]),
-        ratio(mean(&times[1]), mean(&times[0])),
-        ratio(medians[2], medians[0]),
+        "vs no handler, median of {BLOCKS} paired block medians: no-op {:+.2} %, counting {:+.2} %",
+        paired(1),
+        paired(2),
     );
     println!(
         "counting handler saw {} attempts, {} releases",

@@ -405,9 +405,11 @@ fn a_node_that_missed_many_hand_overs_is_cleaned_by_the_release() {
     let locks = crate::client_with(c.urls(), Duration::from_millis(100));
     let ttl = Duration::from_secs(10);
     let key = unique_key("missed-swaps");
+    // A new client's first lock lands only on the nodes connected by then.
+    assert_eq!(locks.wait_connected(Duration::from_secs(5)), 3);
     let first = locks.lock(&key, ttl).unwrap();
     let t0 = first.token().to_owned();
-    assert_eq!(c.holders(&key, &t0), 3);
+    assert!(wait_until(Duration::from_secs(1), || c.holders(&key, &t0) == 3));
     c.pause(2);
     // A round that needs node 2's reply (node 0 refuses): it times out and
     // is then skipped as failing.

@@ -137,7 +137,14 @@ fn extend_keeps_exclusivity_past_the_original_ttl() {
 fn extend_to_a_shorter_ttl_never_shortens_the_lock() {
     let c = shared();
     let key = unique_key("extend-shorter");
-    let g = client(&c.urls()).try_lock(&key, TTL).unwrap();
+    let locks = client(&c.urls());
+    // A new client's first lock lands only on the nodes connected by then.
+    assert_eq!(locks.wait_connected(Duration::from_secs(5)), 3);
+    let g = locks.try_lock(&key, TTL).unwrap();
+    let token = g.token().to_owned();
+    assert!(crate::common::wait_until(Duration::from_secs(1), || c
+        .holders(&key, &token)
+        == 3));
     let deadline = g.deadline();
     let v = g.extend(Duration::from_millis(500)).expect("extend");
     assert!(
