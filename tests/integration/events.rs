@@ -47,26 +47,20 @@ fn a_hung_node_is_reported_skipped_then_rejoined() {
         .try_lock(&key, Duration::from_secs(5))
         .is_ok()));
     let hung = c.url(2).trim_start_matches("redis://").to_owned();
-    c.pause(2);
+    // Rounds go on (each may change the node's health) until `line` is logged.
+    let until_logged = |line: &str| {
+        let logged = wait_until(Duration::from_secs(10), || {
+            let _ = locks.try_lock(&unique_key("events-hung"), Duration::from_secs(5));
+            log.0.lock().iter().any(|l| l == line)
+        });
+        assert!(logged, "no {line:?} in {:?}", log.0.lock());
+    };
     let skipped = format!("node {hung} {:?}", NodeChange::Skipped { refused: false });
-    assert!(
-        wait_until(Duration::from_secs(10), || {
-            let _ = locks.try_lock(&unique_key("events-hung"), Duration::from_secs(5));
-            log.0.lock().contains(&skipped)
-        }),
-        "{:?}",
-        log.0.lock()
-    );
-    c.unpause(2);
+    c.pause(2);
+    until_logged(&skipped);
     let rejoined = format!("node {hung} {:?}", NodeChange::Rejoined);
-    assert!(
-        wait_until(Duration::from_secs(10), || {
-            let _ = locks.try_lock(&unique_key("events-hung"), Duration::from_secs(5));
-            log.0.lock().contains(&rejoined)
-        }),
-        "{:?}",
-        log.0.lock()
-    );
+    c.unpause(2);
+    until_logged(&rejoined);
     let seen = log.0.lock().clone();
     assert!(
         seen.iter().any(|e| e == "attempt acquired=true"),
