@@ -19,7 +19,9 @@ use crate::transport::{Answer, NodeResult};
 ///
 /// Keep handlers quick (bump a counter, record into a histogram, send on a
 /// channel): they run on the client's threads, and a slow one delays the
-/// caller or the renewal of every lock. A panic in a handler is not caught.
+/// caller or the renewal of every lock. A panic in a handler is caught and
+/// logged at error level; the event is dropped and the client goes on (a
+/// panic on the renewal thread would otherwise stop every lock's renewal).
 ///
 /// ```
 /// use std::sync::atomic::{AtomicU64, Ordering};
@@ -88,8 +90,40 @@ impl fmt::Debug for Events {
 impl Events {
     /// The handler, when there is one.
     #[inline]
-    pub(crate) fn get(&self) -> Option<&dyn EventHandler> {
-        self.0.as_deref()
+    pub(crate) fn get(&self) -> Option<Guarded<'_>> {
+        self.0.as_deref().map(Guarded)
+    }
+}
+
+/// The user's handler, each call guarded against its panics.
+#[derive(Clone, Copy)]
+pub(crate) struct Guarded<'a>(&'a dyn EventHandler);
+
+impl Guarded<'_> {
+    fn call(&self, what: &str, f: impl FnOnce()) {
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err() {
+            log::error!("event handler panicked in {what}; event dropped, the client goes on");
+        }
+    }
+
+    pub(crate) fn on_attempt(&self, e: &AttemptEvent<'_>) {
+        self.call("on_attempt", || self.0.on_attempt(e));
+    }
+
+    pub(crate) fn on_renewal(&self, e: &RenewalEvent<'_>) {
+        self.call("on_renewal", || self.0.on_renewal(e));
+    }
+
+    pub(crate) fn on_lost(&self, e: &LostEvent<'_>) {
+        self.call("on_lost", || self.0.on_lost(e));
+    }
+
+    pub(crate) fn on_release(&self, e: &ReleaseEvent<'_>) {
+        self.call("on_release", || self.0.on_release(e));
+    }
+
+    pub(crate) fn on_node(&self, e: &NodeEvent<'_>) {
+        self.call("on_node", || self.0.on_node(e));
     }
 }
 
@@ -522,5 +556,42 @@ mod tests {
                 "renewal r auto=false ok=true [ok,ok,ok]"
             ]
         );
+    }
+
+    /// Panics everywhere.
+    struct Panicky;
+
+    impl EventHandler for Panicky {
+        fn on_attempt(&self, _: &AttemptEvent<'_>) {
+            panic!("on_attempt");
+        }
+        fn on_renewal(&self, _: &RenewalEvent<'_>) {
+            panic!("on_renewal");
+        }
+        fn on_lost(&self, _: &LostEvent<'_>) {
+            panic!("on_lost");
+        }
+        fn on_release(&self, _: &ReleaseEvent<'_>) {
+            panic!("on_release");
+        }
+    }
+
+    #[test]
+    fn a_panicking_handler_costs_its_events_only() {
+        let (locks, nodes, _clock) = client_with(
+            3,
+            Settings {
+                events: Events(Some(Arc::new(Panicky))),
+                ..crate::fake::settings()
+            },
+        );
+        let g = locks.try_lock("r", TTL).unwrap();
+        // The renewal thread's call: a panic there would end every renewal.
+        assert!(locks.inner.extend_many(&[g.state()], TTL, true)[0].is_ok());
+        g.release().unwrap();
+        let g = locks.try_lock("r", TTL).unwrap();
+        (0..3).for_each(|i| nodes.del(i, "r"));
+        assert!(locks.inner.extend_many(&[g.state()], TTL, true)[0].is_err());
+        assert!(g.is_lost());
     }
 }
