@@ -3,7 +3,9 @@
 //!
 //! Handlers run on the thread that did the work (a caller's thread, the
 //! renewal thread, a node's background thread), after the round, holding
-//! none of the client's locks. Events borrow what the round produced, so a
+//! none of the client's mutexes (`on_release` runs after the releasing
+//! thread left the local queue; a successful `on_attempt` runs in the
+//! thread that now holds the lock). Events borrow what the round produced, so a
 //! client without a handler pays nothing and a no-op handler next to
 //! nothing (`cargo bench --bench cycle` measures both).
 
@@ -593,5 +595,28 @@ mod tests {
         (0..3).for_each(|i| nodes.del(i, "r"));
         assert!(locks.inner.extend_many(&[g.state()], TTL, true)[0].is_err());
         assert!(g.is_lost());
+    }
+
+    #[test]
+    fn a_lock_refused_at_its_write_back_is_neither_acquired_nor_released() {
+        let rec = Arc::new(Recorder::default());
+        let (locks, nodes, _) = client_with(
+            3,
+            Settings {
+                fencing: true,
+                events: Events(Some(rec.clone())),
+                ..crate::fake::settings()
+            },
+        );
+        *nodes.before_round.lock() = Some(crate::fake::Hook(Box::new(|n, op| {
+            if matches!(op, crate::transport::Op::Fence { .. }) {
+                n.del(0, "s");
+                n.del(1, "s");
+            }
+        })));
+        assert!(locks.try_lock("s", TTL).is_err());
+        let seen = rec.take();
+        assert_eq!(seen.len(), 1, "{seen:?}");
+        assert!(seen[0].starts_with("attempt s Some("), "{seen:?}");
     }
 }

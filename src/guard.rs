@@ -451,8 +451,11 @@ impl LockGuard {
         if self.state.is_renewing() {
             self.inner().watchdog().remove(self.state.id);
         }
-        let outcome = self.inner().release(&self.state);
+        // Released holding the turn (the next local waiter must not race the
+        // release on the nodes); the event handler is told after.
+        let (outcome, results) = self.inner().release_round(&self.state);
         self.turn.take();
+        self.inner().release_event(&self.state, &outcome, &results);
         Some(outcome)
     }
 }

@@ -648,7 +648,8 @@ impl Inner {
             }
             Err(e) => {
                 debug!("lock {:?}: fencing token not recorded: {e}", state.resource);
-                let _ = self.release(state);
+                // Never reported acquired: no release event either.
+                let _ = self.release_round(state);
                 // As an acquire would say it: too many nodes failed, another
                 // owner has the key, or the lock ran out of time.
                 Err(match e {
@@ -729,6 +730,11 @@ impl Inner {
         self.learn(&results);
         self.note_failures(&results);
         let outcome = outcome.take().unwrap_or(Err(Error::Expired));
+        if outcome.is_ok() {
+            // The handing-over thread's section ends here (on failure, the
+            // release of the baton reports it).
+            self.release_event(baton, &Ok(()), &results);
+        }
         if let Some(h) = self.settings.events.get() {
             let now = self.clock.now();
             h.on_attempt(&AttemptEvent {
@@ -745,7 +751,9 @@ impl Inner {
         // A node the swap did not reach keeps an earlier token of the
         // lineage, with the lock's expiry; the next swap or the release
         // takes it from there.
-        Ok(LockState::new(&baton.resource, token, fence, timing))
+        let mut state = LockState::new(&baton.resource, token, fence, timing);
+        state.acquired = start;
+        Ok(state)
     }
 
     /// Whether this client chose to trust node `i`'s lock history as seen.
@@ -829,18 +837,34 @@ impl Inner {
 
     /// Deletes the lock on every node where it still holds our token.
     pub(crate) fn release(&self, state: &LockState) -> Result<()> {
+        let (outcome, results) = self.release_round(state);
+        self.release_event(state, &outcome, &results);
+        outcome
+    }
+
+    /// [`release`](Self::release) without telling the event handler (the
+    /// caller does, once it holds nothing of the client's).
+    pub(crate) fn release_round(&self, state: &LockState) -> (Result<()>, Vec<NodeResult>) {
         let keep_until = self.keep_until(state);
         let results = self.round(Op::Release { keep_until }, &[state.key()]);
-        let outcome = quorum::decide_release(Tally::of(&results, 0));
+        (quorum::decide_release(Tally::of(&results, 0)), results)
+    }
+
+    /// Tells the event handler a lock's critical section ended.
+    pub(crate) fn release_event(
+        &self,
+        state: &LockState,
+        outcome: &Result<()>,
+        results: &[NodeResult],
+    ) {
         if let Some(h) = self.settings.events.get() {
             h.on_release(&ReleaseEvent {
                 resource: &state.resource,
                 held: self.clock.now().saturating_duration_since(state.acquired),
                 outcome: outcome.as_ref().map(|_| ()),
-                nodes: Nodes::new(self.transport.node_names(), &results, 0),
+                nodes: Nodes::new(self.transport.node_names(), results, 0),
             });
         }
-        outcome
     }
 
     /// Tells the event handler a lock was lost.
