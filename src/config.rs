@@ -501,21 +501,22 @@ pub(crate) fn parse_nodes_with(
             ));
         }
         if let Some(f) = parsed.fragment() {
-            return Err(bad(&if f == "insecure" {
+            return Err(bad(if f == "insecure" {
                 "certificate verification cannot be turned off (#insecure): \
                  trust the node's CA with Tls::ca_file"
-                    .to_owned()
             } else {
-                format!("unexpected fragment #{f}")
+                "a fragment (#…) is not supported; a password with `#`, `/`, `?` or `@` \
+                 must be percent-encoded (%23, %2F, %3F, %40)"
             }));
         }
         let db = match parsed.path().trim_start_matches('/') {
             "" => 0,
-            p => p
-                .parse::<i64>()
-                .ok()
-                .filter(|db| *db >= 0)
-                .ok_or_else(|| bad("the path must be a database number (/0, /1, …)"))?,
+            p => p.parse::<i64>().ok().filter(|db| *db >= 0).ok_or_else(|| {
+                bad(
+                    "the path must be a database number (/0, /1, …); a password with \
+                         `#`, `/`, `?` or `@` must be percent-encoded (%23, %2F, %3F, %40)",
+                )
+            })?,
         };
         let decode = |s: &str| -> Result<String, InvalidInput> {
             percent_encoding::percent_decode_str(s)
@@ -573,11 +574,20 @@ pub(crate) fn parse_nodes_with(
     Ok(specs)
 }
 
+/// Whether a URL path is empty or a database number.
+fn db_path(path: &str) -> bool {
+    let p = path.trim_start_matches('/');
+    p.is_empty() || p.bytes().all(|b| b.is_ascii_digit())
+}
+
 /// The URL with its password and query masked, for messages. A URL that
 /// does not parse shows only its scheme: its secrets cannot be told apart.
 pub(crate) fn redact(url: &str) -> String {
     match url::Url::parse(url) {
         Ok(u) if u.cannot_be_a_base() || u.host().is_none() => format!("{}:…", u.scheme()),
+        // A fragment, or a path that is no database number, may be the rest
+        // of a password the parser took for a port (`:2024#Summer@…`).
+        Ok(u) if u.fragment().is_some() || !db_path(u.path()) => format!("{}://…", u.scheme()),
         Ok(mut u) => {
             if u.password().is_some() {
                 let _ = u.set_password(Some("***"));
@@ -702,6 +712,11 @@ mod tests {
             ("redis://u:s3cret@[::1:1", "s3cret"),
             ("s3cret", "s3cret"),
             ("redis:s3cret", "s3cret"),
+            // A password of digits then `#` or `/` parses as a port and a
+            // fragment or a path: the secret is there, not in user-info.
+            ("redis://locker:2024#Summer!@redis-1:6379", "Summer"),
+            ("redis://locker:1234/Xy9@redis-1:6379", "Xy9"),
+            ("redis://locker:1234?Xy9@redis-1:6379", "Xy9"),
         ] {
             let shown = redact(url);
             assert!(!shown.contains(secret), "{url} shown as {shown}");
