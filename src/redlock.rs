@@ -324,8 +324,9 @@ impl Redlock {
     /// in the builder's order.
     ///
     /// For operators and status tools (`quorumlock status`): each node is
-    /// asked on a connection of its own, all at once, within the node
-    /// timeout for the connect and again for the replies. It takes no lock
+    /// asked on a connection of its own, all at once, each step within the
+    /// node timeout (TCP connect, TLS handshake, `AUTH`, `SELECT`, then the
+    /// replies; name resolution is not bounded). It takes no lock
     /// and changes no node's health. A node's copy says nothing on its own
     /// about who holds the lock: a lock is held only on a majority, within
     /// its validity.

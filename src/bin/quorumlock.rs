@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use quorumlock::{Error, LockGuard, Redlock};
-use rustix::process::{kill_process_group, Pid, Signal};
+use rustix::process::{kill_process, kill_process_group, Pid, Signal};
 
 // ---------------------------------------------------------------------------
 // Exit codes (sysexits.h where one fits; shell conventions for the command)
@@ -98,7 +98,10 @@ SIGKILL to whatever of the group is left), and exits 70. SIGTERM, SIGINT,
 SIGHUP and SIGQUIT received by quorumlock are forwarded to the group; the
 lock is kept (and renewed) until the command exits, then released, and
 quorumlock exits with the command's status. Being outside the terminal's
-foreground group, the command cannot read from the terminal.
+foreground group, the command cannot read from the terminal (see
+--foreground). SIGTSTP (Ctrl-Z), SIGTTIN and SIGTTOU stop the command, then
+quorumlock; on SIGCONT the command continues only if the lock is still
+valid, else it is terminated as on a lost lock (exit 70).
 
 Without --nodes, the nodes come from REDLOCK_NODES (comma-separated). A
 brand-new cluster (or nodes restarted without their data) refuses votes for
@@ -188,6 +191,12 @@ struct RunArgs {
     /// Time between SIGTERM and SIGKILL when the lock is lost.
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
     grace: Duration,
+    /// Run the command in quorumlock's own process group, not one of its
+    /// own, so that it can read from the terminal (as `timeout
+    /// --foreground`): signals then go to the command alone, not to its
+    /// children, and a terminal's Ctrl-C reaches it twice.
+    #[arg(long)]
+    foreground: bool,
     /// Take a fencing token with the lock and export it to the command as
     /// QUORUMLOCK_FENCING_TOKEN (one more round trip).
     #[arg(long)]
@@ -310,6 +319,10 @@ fn client(args: &NodeArgs, fencing: bool) -> Result<Redlock, u8> {
         .map(|u| u.trim().to_owned())
         .filter(|u| !u.is_empty())
         .collect();
+    if urls.is_empty() && !args.nodes.is_empty() {
+        say!("--nodes names no node");
+        return Err(EX_CONFIG);
+    }
     if urls.is_empty() {
         if let Some(v) = std::env::var_os(NODES_ENV) {
             let Some(v) = v.to_str() else {
@@ -366,6 +379,9 @@ fn exit_code(e: &Error) -> u8 {
 
 /// The signals `run` catches and forwards to the command.
 const FORWARDED: [Signal; 4] = [Signal::TERM, Signal::INT, Signal::HUP, Signal::QUIT];
+/// Job-control stops: forwarded, then `run` stops itself (SIGSTOP) so that
+/// the command never runs while nothing renews its lock.
+const STOPS: [Signal; 3] = [Signal::TSTP, Signal::TTIN, Signal::TTOU];
 
 /// One flag per caught signal, set by its handler, cleared when taken.
 struct Signals {
@@ -374,13 +390,19 @@ struct Signals {
 
 impl Signals {
     fn install() -> io::Result<Signals> {
-        let mut flags = Vec::with_capacity(FORWARDED.len());
-        for sig in FORWARDED {
+        let mut flags = Vec::with_capacity(FORWARDED.len() + STOPS.len() + 1);
+        for sig in FORWARDED.into_iter().chain(STOPS).chain([Signal::CONT]) {
             let flag = Arc::new(AtomicBool::new(false));
             signal_hook::flag::register(sig.as_raw(), flag.clone())?;
             flags.push((sig, flag));
         }
         Ok(Signals { flags })
+    }
+
+    /// The first terminating signal received since the last call (stops
+    /// and continues are dropped: nothing runs yet, or nothing will).
+    fn take_forwarded(&self) -> Option<Signal> {
+        self.take().into_iter().find(|s| FORWARDED.contains(s))
     }
 
     /// The signals received since the last call.
@@ -441,16 +463,18 @@ fn run(args: RunArgs) -> u8 {
     };
     guard.auto_renew();
     // A signal that arrived while the lock was being taken: do not start.
-    if let Some(sig) = signals.take().into_iter().next() {
+    if let Some(sig) = signals.take_forwarded() {
         release(guard);
         return signal_exit(sig);
     }
 
     let mut cmd = Command::new(&args.command[0]);
-    // A process group of its own, as under timeout(1): signals reach the
-    // command's children too, and a terminal's Ctrl-C reaches it once,
-    // through us.
-    cmd.process_group(0);
+    if !args.foreground {
+        // A process group of its own, as under timeout(1): signals reach
+        // the command's children too, and a terminal's Ctrl-C reaches it
+        // once, through us.
+        cmd.process_group(0);
+    }
     cmd.args(&args.command[1..])
         .env("QUORUMLOCK_KEY", guard.resource())
         .env("QUORUMLOCK_TOKEN", guard.token())
@@ -469,7 +493,11 @@ fn run(args: RunArgs) -> u8 {
             return spawn_failure(&e);
         }
     };
-    supervise(child, guard, args.grace, &signals)
+    let job = Job {
+        child,
+        group: !args.foreground,
+    };
+    supervise(job, guard, args.grace, &signals)
 }
 
 /// Why `acquire` gave up.
@@ -497,7 +525,7 @@ fn acquire(
             Ok(g) => return Ok(g),
             Err(e) => e,
         };
-        if let Some(sig) = signals.take().into_iter().next() {
+        if let Some(sig) = signals.take_forwarded() {
             return Err(Stop::Signal(sig));
         }
         if !e.is_retryable() || Instant::now() >= until {
@@ -542,100 +570,155 @@ fn status_code(status: ExitStatus) -> u8 {
     }
 }
 
-/// Sends `sig` to the command's process group while the command runs.
-/// This process is the only one that reaps it (`try_wait`), so a pid seen
-/// running is not reused.
-fn signal_child(child: &mut Child, sig: Signal) {
-    if let Ok(None) = child.try_wait() {
-        signal_group(child, sig);
-    }
+/// The running command: its process, and whether it leads a process group
+/// of its own (then signals go to the whole group).
+struct Job {
+    child: Child,
+    group: bool,
 }
 
-/// Sends `sig` to the command's process group (its id is the command's
-/// pid, which is not reused while the group has a member).
-fn signal_group(child: &Child, sig: Signal) {
-    if let Err(e) = kill_process_group(Pid::from_child(child), sig) {
-        if e != rustix::io::Errno::SRCH {
-            say!("cannot send signal {} to the command: {e}", sig.as_raw());
+impl Job {
+    /// Sends `sig` while the command runs. This process is the only one
+    /// that reaps it (`try_wait`), so a pid seen running is not reused.
+    fn signal(&mut self, sig: Signal) {
+        if let Ok(None) = self.child.try_wait() {
+            self.signal_any(sig);
         }
     }
-}
 
-/// Watches the child, the lock and received signals until the child exits.
-fn supervise(mut child: Child, guard: LockGuard, grace: Duration, signals: &Signals) -> u8 {
-    let lost = guard.lost();
-    loop {
-        for sig in signals.take() {
-            signal_child(&mut child, sig);
-        }
-        match child.try_wait() {
-            Ok(Some(status)) => {
-                release(guard);
-                return status_code(status);
-            }
-            Ok(None) => {}
-            Err(e) => {
-                // Not expected for our own child; stop it rather than run
-                // unsupervised.
-                say!("cannot wait for the command: {e}; killing it");
-                let _ = child.kill();
-                let _ = child.wait();
-                release(guard);
-                return EX_OSERR;
-            }
-        }
-        let why = match lost.recv_timeout(TICK) {
-            Ok(why) => Some(why),
-            Err(crossbeam_channel::RecvTimeoutError::Timeout) => None,
-            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
-                if guard.is_lost() {
-                    Some(Error::Expired)
-                } else {
-                    std::thread::sleep(TICK);
-                    None
-                }
-            }
+    /// Sends `sig` to the command's group (its id is the command's pid,
+    /// not reused while the group has a member), or to the command alone.
+    fn signal_any(&self, sig: Signal) {
+        let pid = Pid::from_child(&self.child);
+        let sent = if self.group {
+            kill_process_group(pid, sig)
+        } else {
+            kill_process(pid, sig)
         };
-        if let Some(why) = why {
+        if let Err(e) = sent {
+            if e != rustix::io::Errno::SRCH {
+                say!("cannot send signal {} to the command: {e}", sig.as_raw());
+            }
+        }
+    }
+}
+
+/// Why supervision ended.
+enum Ended {
+    Exited(ExitStatus),
+    Lost(Error),
+    WaitFailed(io::Error),
+}
+
+/// Watches the command, the lock and received signals until the command
+/// exits or the lock is lost.
+fn supervise(mut job: Job, guard: LockGuard, grace: Duration, signals: &Signals) -> u8 {
+    match watch(&mut job, &guard, signals) {
+        Ended::Exited(status) => {
+            release(guard);
+            status_code(status)
+        }
+        Ended::WaitFailed(e) => {
+            // Not expected for our own child; stop it rather than run
+            // unsupervised.
+            say!("cannot wait for the command: {e}; killing it");
+            job.signal(Signal::KILL);
+            let _ = job.child.wait();
+            release(guard);
+            EX_OSERR
+        }
+        Ended::Lost(why) => {
             say!(
                 "lock {} lost: {why}; terminating the command",
                 guard.resource()
             );
-            terminate(&mut child, grace, signals);
+            terminate(&mut job, grace, signals);
             // The watchdog already deletes what is left of the keys; the
             // release below only confirms it.
             drop(guard);
-            return EX_SOFTWARE;
+            EX_SOFTWARE
         }
     }
 }
 
-/// SIGTERM, up to `grace` for the child to exit, then SIGKILL; waits for it.
-/// Signals received meanwhile are still forwarded.
-fn terminate(child: &mut Child, grace: Duration, signals: &Signals) {
-    signal_child(child, Signal::TERM);
+fn watch(job: &mut Job, guard: &LockGuard, signals: &Signals) -> Ended {
+    let lost = guard.lost();
+    loop {
+        for sig in signals.take() {
+            if STOPS.contains(&sig) {
+                // Stop the command, then ourselves (renewals too: the lock
+                // may lapse meanwhile, and the command must not run on).
+                job.signal(sig);
+                let _ = kill_process(rustix::process::getpid(), Signal::STOP);
+                if let Some(why) = resumed(job, guard) {
+                    return Ended::Lost(why);
+                }
+            } else if sig == Signal::CONT {
+                if let Some(why) = resumed(job, guard) {
+                    return Ended::Lost(why);
+                }
+            } else {
+                job.signal(sig);
+            }
+        }
+        match job.child.try_wait() {
+            Ok(Some(status)) => return Ended::Exited(status),
+            Ok(None) => {}
+            Err(e) => return Ended::WaitFailed(e),
+        }
+        match lost.recv_timeout(TICK) {
+            Ok(why) => return Ended::Lost(why),
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
+                if guard.is_lost() {
+                    return Ended::Lost(Error::Expired);
+                }
+                std::thread::sleep(TICK);
+            }
+        }
+    }
+}
+
+/// After a stop: the command continues only while the lock is still held
+/// (else the reason it is not; the command is then terminated).
+fn resumed(job: &mut Job, guard: &LockGuard) -> Option<Error> {
+    if !guard.is_held() {
+        return Some(Error::Expired);
+    }
+    job.signal(Signal::CONT);
+    None
+}
+
+/// SIGTERM (and SIGCONT, should it be stopped), up to `grace` for the
+/// command to exit, then SIGKILL; waits for it. Terminating signals
+/// received meanwhile are still forwarded.
+fn terminate(job: &mut Job, grace: Duration, signals: &Signals) {
+    job.signal(Signal::TERM);
+    job.signal(Signal::CONT);
     let until = Instant::now() + grace;
     while Instant::now() < until {
-        for sig in signals.take() {
-            signal_child(child, sig);
+        if let Some(sig) = signals.take_forwarded() {
+            job.signal(sig);
         }
-        match child.try_wait() {
-            Ok(Some(_)) => return,
+        match job.child.try_wait() {
+            Ok(Some(_)) => break,
             Ok(None) => std::thread::sleep(Duration::from_millis(20)),
             Err(_) => break,
         }
     }
-    if let Ok(None) = child.try_wait() {
+    if let Ok(None) = job.child.try_wait() {
         say!(
             "the command did not exit within {} of SIGTERM; sending SIGKILL",
             seconds(grace)
         );
-        signal_child(child, Signal::KILL);
+        job.signal(Signal::KILL);
     }
-    let _ = child.wait();
-    // Whatever of its group is left (children that ignored SIGTERM, or
-    // that it left behind) must not go on without the lock.
-    signal_group(child, Signal::KILL);
+    let _ = job.child.wait();
+    if job.group {
+        // Whatever of its group is left (children that ignored SIGTERM, or
+        // that it left behind) must not go on without the lock.
+        job.signal_any(Signal::KILL);
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -663,7 +746,8 @@ fn status(args: StatusArgs) -> u8 {
                 answered += 1;
                 let ttl = k.ttl().map_or_else(|| "none".to_owned(), seconds);
                 if args.show_token {
-                    format!("held  ttl={ttl}  token={}", k.token())
+                    // Printed as stored, control characters escaped.
+                    format!("held  ttl={ttl}  token={}", k.token().escape_debug())
                 } else {
                     format!("held  ttl={ttl}")
                 }
@@ -672,7 +756,13 @@ fn status(args: StatusArgs) -> u8 {
                 answered += 1;
                 "free".to_owned()
             }
-            Err(e) => format!("error: {}", error_detail(e)),
+            Err(e) => {
+                // A server's error reply (WRONGTYPE: not a lock) is an answer.
+                if e.kind() == quorumlock::NodeErrorKind::Server {
+                    answered += 1;
+                }
+                format!("error: {}", error_detail(e))
+            }
         };
         if writeln!(out, "{:<width$}  {line}", n.node()).is_err() {
             return EX_OSERR;

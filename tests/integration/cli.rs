@@ -512,6 +512,26 @@ fn status_shows_each_node_without_the_token_unless_asked() {
         "{out}"
     );
 
+    // Not a lock (a hash): each node's error is still an answer.
+    let other = unique_key("cli-status-hash");
+    for i in 0..c.len() {
+        let _: () = redis::cmd("HSET")
+            .arg(&other)
+            .arg("f")
+            .arg("v")
+            .query(&mut c.conn(i))
+            .unwrap();
+    }
+    let mut cmd = quorumlock(&dir, "s5");
+    cmd.args(["status", "--nodes", &c.urls().join(","), &other]);
+    let (code, err) = finish(cmd, &dir, "s5");
+    let out = std::fs::read_to_string(dir.path("s5.stdout")).unwrap();
+    assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
+    assert_eq!(out.matches("WRONGTYPE").count(), c.len(), "{out}");
+    for i in 0..c.len() {
+        c.del(i, &other);
+    }
+
     // No node answering: 69.
     let mut cmd = quorumlock(&dir, "s4");
     cmd.args(["status", "--nodes", &dead_nodes(), &key]);
@@ -569,6 +589,15 @@ fn bad_input_and_missing_commands_have_their_exit_codes() {
     assert_eq!(code, 0, "stderr:\n{err}");
     assert!(dir.path("ran").exists());
     std::fs::remove_file(dir.path("ran")).unwrap();
+
+    // --nodes naming no node does not fall back to REDLOCK_NODES: 78.
+    let mut cmd = quorumlock(&dir, "empty-nodes");
+    cmd.env("REDLOCK_NODES", c.urls().join(","))
+        .args(["run", "--fresh-cluster", "--nodes", " , ", &key])
+        .args(["--", "sh", "-c", ok]);
+    let (code, err) = finish(cmd, &dir, "empty-nodes");
+    assert_eq!(code, EX_CONFIG, "stderr:\n{err}");
+    assert!(!dir.path("ran").exists());
 
     // A bad URL: 78.
     let mut cmd = quorumlock(&dir, "bad-url");
@@ -709,5 +738,110 @@ fn a_signal_to_quorumlocks_group_reaches_the_command_once() {
         Some("int"),
         "delivered more than once"
     );
+    assert_gone(&c, &key, Duration::from_secs(1));
+}
+
+/// Ctrl-Z: the command is stopped with quorumlock (whose renewals stop
+/// too); on `fg` it continues only if the lock is still held, else it is
+/// terminated and the run exits 70.
+#[test]
+fn a_stopped_run_stops_its_command_and_resumes_it_only_while_held() {
+    let c = shared();
+    let dir = Scratch::new("cli-tstp");
+    let key = unique_key("cli-tstp");
+    // Appends a line every 50 ms until $D/go exists.
+    let ticker = |started: &str| {
+        format!(
+            r#"touch "$D/{started}"; while [ ! -e "$D/go" ]; do echo x >> "$D/{started}.ticks"; sleep 0.05; done; exit 4"#
+        )
+    };
+    let ticks = |name: &str| {
+        dir.read(&format!("{name}.ticks"))
+            .map_or(0, |t| t.lines().count())
+    };
+
+    // Stopped briefly (well inside its validity): resumed, runs to its end.
+    let mut p = Proc::spawn(
+        run_cmd(&c, &dir, "short", &key, &["--ttl", "5s"], &ticker("short")),
+        &dir,
+        "short",
+    );
+    until_started(&c, &dir, &mut p, "short", &key);
+    kill_process(p.pid(), Signal::TSTP).expect("signal quorumlock");
+    std::thread::sleep(Duration::from_millis(300));
+    let before = ticks("short");
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        ticks("short") <= before + 1,
+        "the command ran on while stopped"
+    );
+    kill_process(p.pid(), Signal::CONT).expect("signal quorumlock");
+    let resumed = ticks("short");
+    assert!(
+        wait_until(SOON, || ticks("short") > resumed + 2),
+        "not resumed"
+    );
+    dir.touch("go");
+    assert_eq!(p.exit_code(SOON), 4, "stderr:\n{}", p.stderr());
+    assert_gone(&c, &key, Duration::from_secs(1));
+    std::fs::remove_file(dir.path("go")).unwrap();
+
+    // Stopped past its TTL: another run takes the lock meanwhile, and on
+    // `fg` the command is terminated, not resumed.
+    let mut p = Proc::spawn(
+        run_cmd(
+            &c,
+            &dir,
+            "long",
+            &key,
+            &["--ttl", "1s", "--grace", "2s"],
+            &ticker("long"),
+        ),
+        &dir,
+        "long",
+    );
+    until_started(&c, &dir, &mut p, "long", &key);
+    kill_process(p.pid(), Signal::TSTP).expect("signal quorumlock");
+    assert!(
+        wait_until(SOON, || !held(&c, &key)),
+        "the lock never lapsed"
+    );
+    let (code, err) = finish(
+        run_cmd(&c, &dir, "other", &key, &[], r#"touch "$D/other""#),
+        &dir,
+        "other",
+    );
+    assert_eq!(code, 0, "another host takes the lapsed lock: {err}");
+    let stopped_at = ticks("long");
+    kill_process(p.pid(), Signal::CONT).expect("signal quorumlock");
+    assert_eq!(p.exit_code(SOON), EX_SOFTWARE, "stderr:\n{}", p.stderr());
+    assert!(
+        ticks("long") <= stopped_at + 1,
+        "ran on after the lock lapsed"
+    );
+    assert_gone(&c, &key, Duration::from_secs(2));
+}
+
+/// --foreground: the command shares quorumlock's process group (it can
+/// read the terminal) and still gets forwarded signals.
+#[test]
+fn foreground_runs_in_quorumlocks_group() {
+    let c = shared();
+    let dir = Scratch::new("cli-fg");
+    let key = unique_key("cli-fg");
+    let script = r#"cut -d' ' -f5 /proc/$$/stat > "$D/pgid"; trap 'exit 9' TERM; touch "$D/started"; sleep 60 & wait"#;
+    let mut p = Proc::spawn(
+        run_cmd(&c, &dir, "fg", &key, &["--foreground"], script),
+        &dir,
+        "fg",
+    );
+    until_started(&c, &dir, &mut p, "started", &key);
+    let own = rustix::process::getpgid(Some(p.pid()))
+        .expect("pgid")
+        .as_raw_nonzero()
+        .get();
+    assert_eq!(dir.read("pgid").as_deref(), Some(own.to_string().as_str()));
+    kill_process(p.pid(), Signal::TERM).expect("signal quorumlock");
+    assert_eq!(p.exit_code(SOON), 9, "stderr:\n{}", p.stderr());
     assert_gone(&c, &key, Duration::from_secs(1));
 }
