@@ -410,6 +410,16 @@ impl Conn {
     /// Reads what has arrived, without waiting. End of stream or an error
     /// marks the connection broken.
     pub(crate) fn fill(&mut self) -> io::Result<()> {
+        self.read_available(false)
+    }
+
+    /// [`fill`](Self::fill), reading until the socket would block even
+    /// after a short read: a close right behind the last reply is seen.
+    pub(crate) fn fill_to_end(&mut self) -> io::Result<()> {
+        self.read_available(true)
+    }
+
+    fn read_available(&mut self, to_end: bool) -> io::Result<()> {
         let mut chunk = [0u8; 8192];
         loop {
             match self.stream.read(&mut chunk) {
@@ -422,7 +432,7 @@ impl Conn {
                 }
                 Ok(k) => {
                     self.rbuf.extend_from_slice(&chunk[..k]);
-                    if k < chunk.len() && self.stream.short_read_drains() {
+                    if !to_end && k < chunk.len() && self.stream.short_read_drains() {
                         return Ok(());
                     }
                 }

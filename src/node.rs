@@ -344,26 +344,36 @@ fn prepare(c: &mut PooledConnection<Manager>, node: &NodeShared, now: Instant) -
     if c.broken {
         return false;
     }
-    if !c.pending().is_empty() {
-        if c.fill().is_err() {
-            node.observe(Outcome::Refused);
-            return false;
-        }
-        loop {
-            match c.next_reply() {
-                Ok(Some((p, v))) => {
-                    node.replied();
-                    if late_reply(c, node, p, &v, now).is_err() {
-                        return false;
-                    }
-                }
-                Ok(None) => break,
-                Err(_) => {
-                    node.observe(Outcome::Refused);
+    // One non-blocking read: late replies, and whether the node closed the
+    // connection (CLIENT KILL, a server's or a proxy's idle timeout).
+    let closed = c.fill_to_end().is_err();
+    loop {
+        match c.next_reply() {
+            Ok(Some((p, v))) => {
+                node.replied();
+                if late_reply(c, node, p, &v, now).is_err() {
                     return false;
                 }
             }
+            Ok(None) => break,
+            Err(_) => {
+                node.observe(Outcome::Refused);
+                return false;
+            }
         }
+    }
+    if closed {
+        if c.pending().is_empty() {
+            // Closed with every command answered: no command's answer, so
+            // no change to the node's health; the round takes another.
+            debug!(
+                "node {}: a pooled connection was closed while idle",
+                node.name
+            );
+        } else {
+            node.observe(Outcome::Refused);
+        }
+        return false;
     }
     if let Some(oldest) = c.pending().front() {
         if now.saturating_duration_since(oldest.sent) >= node.timeout {

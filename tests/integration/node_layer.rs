@@ -935,3 +935,33 @@ fn locking_resumes_soon_after_a_majority_outage() {
         "first lock {hung:?} after the hung nodes resumed"
     );
 }
+
+/// Connections the nodes closed while idle (`CLIENT KILL`, a server
+/// `timeout`, a proxy's idle cut) are not the nodes' answers to commands:
+/// a round finds them closed before sending, takes fresh ones, and the
+/// nodes stay healthy.
+#[test]
+fn idle_connections_closed_by_the_nodes_cost_nothing() {
+    let c = Cluster::start(3);
+    let locks = crate::client_with(c.urls(), Duration::from_millis(250));
+    let key = unique_key("client-kill");
+    assert_eq!(locks.wait_connected(Duration::from_secs(5)), 3);
+    let g = locks.lock(&key, Duration::from_secs(10)).expect("lock");
+    for round in 0..20 {
+        for i in 0..2 {
+            let _: redis::Value = redis::cmd("CLIENT")
+                .arg("KILL")
+                .arg("TYPE")
+                .arg("normal")
+                .arg("SKIPME")
+                .arg("yes")
+                .query(&mut c.conn(i))
+                .expect("CLIENT KILL");
+        }
+        // Let the nodes close them (the FINs arrive).
+        std::thread::sleep(Duration::from_millis(20));
+        g.extend(Duration::from_secs(10))
+            .unwrap_or_else(|e| panic!("extend {round} after CLIENT KILL on 2 nodes: {e}"));
+    }
+    g.release().expect("release");
+}
