@@ -349,7 +349,7 @@ impl Redlock {
     /// [`Error::InvalidInput`] for a resource name [`lock`](Self::lock)
     /// would refuse; per-node failures are in the entries.
     pub fn inspect(&self, resource: &str) -> Result<Vec<NodeKey>> {
-        self.inner.validate(resource, Duration::from_secs(1))?;
+        validate_resource(resource)?;
         let names = self.inner.transport.node_names();
         let found = self
             .inner
@@ -464,19 +464,7 @@ impl Inner {
 
     /// Checks a resource and TTL; returns the TTL's drift allowance.
     pub(crate) fn validate(&self, resource: &str, ttl: Duration) -> Result<Duration> {
-        if resource.is_empty() {
-            return Err(InvalidInput::EmptyResource.into());
-        }
-        if resource.len() > crate::MAX_RESOURCE_LEN {
-            return Err(InvalidInput::ResourceTooLong {
-                len: resource.len(),
-                max: crate::MAX_RESOURCE_LEN,
-            }
-            .into());
-        }
-        if resource == crate::scripts::META_KEY {
-            return Err(InvalidInput::ReservedResource(crate::scripts::META_KEY).into());
-        }
+        validate_resource(resource)?;
         if ttl.is_zero() {
             return Err(InvalidInput::ZeroTtl.into());
         }
@@ -1069,6 +1057,24 @@ impl Inner {
             }
         }
     }
+}
+
+/// Checks a resource name: not empty, not too long, not the crate's own key.
+fn validate_resource(resource: &str) -> Result<()> {
+    if resource.is_empty() {
+        return Err(InvalidInput::EmptyResource.into());
+    }
+    if resource.len() > crate::MAX_RESOURCE_LEN {
+        return Err(InvalidInput::ResourceTooLong {
+            len: resource.len(),
+            max: crate::MAX_RESOURCE_LEN,
+        }
+        .into());
+    }
+    if resource == crate::scripts::META_KEY {
+        return Err(InvalidInput::ReservedResource(crate::scripts::META_KEY).into());
+    }
+    Ok(())
 }
 
 #[cfg(test)]
