@@ -126,6 +126,8 @@ pub(crate) struct Conn {
     pending: VecDeque<Pending>,
     /// Must not be reused: an error, a timeout, a half-written command.
     pub broken: bool,
+    /// When the connection was made.
+    pub made: Instant,
 }
 
 /// Why a connect failed: the node refused or did not answer (its health
@@ -226,6 +228,7 @@ impl Conn {
             wpos: 0,
             pending: VecDeque::new(),
             broken: false,
+            made: Instant::now(),
         };
         conn.tls_handshake(timeout)?;
         let mut checked = false;
@@ -245,10 +248,14 @@ impl Conn {
             )?;
             checked = true;
         }
-        if !checked && !conn.stream.short_read_drains() {
-            // Under TLS 1.3 a node refuses a client certificate (or its
-            // absence) only after our side of the handshake is done: one
-            // PING makes that a connect error, not a failed round.
+        if !checked {
+            // A connection is pooled only once the node has answered on it,
+            // so that a close later is never mistaken for a node that
+            // refuses (a proxy in front of a dead node accepts, then
+            // closes). Under TLS 1.3 a node also refuses a client
+            // certificate (or its absence) only after our side of the
+            // handshake is done: the PING makes that a connect error.
+            // Connects run on the node's own thread, never in a round.
             conn.handshake(&redis::cmd("PING").get_packed_command(), timeout)?;
         }
         // Load the scripts so that rounds never meet NOSCRIPT on a node that
@@ -520,6 +527,19 @@ impl Conn {
         }
         PollFd::new(self.stream.tcp(), flags)
     }
+}
+
+/// Whether `e` says the connection was closed or reset under us (not a
+/// timeout, not a reply): no answer from the node, on that connection.
+pub(crate) fn is_close(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::BrokenPipe
+            | io::ErrorKind::UnexpectedEof
+            | io::ErrorKind::NotConnected
+    )
 }
 
 pub(crate) use rustix::event::{PollFd, PollFlags};

@@ -363,16 +363,15 @@ fn prepare(c: &mut PooledConnection<Manager>, node: &NodeShared, now: Instant) -
         }
     }
     if closed {
-        if c.pending().is_empty() {
-            // Closed with every command answered: no command's answer, so
-            // no change to the node's health; the round takes another.
-            debug!(
-                "node {}: a pooled connection was closed while idle",
-                node.name
-            );
-        } else {
-            node.observe(Outcome::Refused);
-        }
+        // Closed while idle (CLIENT KILL, a server's or a proxy's idle
+        // timeout, a restart): the node answered on this connection before,
+        // and a close is no answer, so no change to its health; the round
+        // takes another connection, and a node that is down refuses that.
+        debug!(
+            "node {}: a pooled connection was closed while idle ({} replies owed)",
+            node.name,
+            c.pending().len()
+        );
         return false;
     }
     if let Some(oldest) = c.pending().front() {
@@ -507,11 +506,13 @@ fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPool>) {
                     }
                     Err(e) => {
                         c.broken = true;
-                        shared.observe(if e.kind() == std::io::ErrorKind::TimedOut {
-                            Outcome::TimedOut
-                        } else {
-                            Outcome::Refused
-                        });
+                        if e.kind() == std::io::ErrorKind::TimedOut {
+                            shared.observe(Outcome::TimedOut);
+                        } else if !conn::is_close(&e) {
+                            // A close is no answer (see `failed`): the
+                            // release is simply sent again next time.
+                            shared.observe(Outcome::Refused);
+                        }
                         false
                     }
                 };
@@ -558,6 +559,9 @@ struct Slot {
     sent: Option<Instant>,
     /// The EVAL fallback was sent after NOSCRIPT.
     fell_back: bool,
+    /// When the exchange began: a connection made before then may have been
+    /// closed while idle, and one made since is the node's answer.
+    began: Instant,
 }
 
 impl Transport for RedisTransport {
@@ -640,6 +644,7 @@ impl Transport for RedisTransport {
                 conn: None,
                 sent: None,
                 fell_back: false,
+                began: start,
             })
             .collect();
         let enc = Encoded::new(op, keys);
@@ -716,6 +721,9 @@ impl RedisTransport {
         // connection to a later node (rounds then wait in one global order);
         // a round reusing its connections (an undo) never queues.
         let may_queue = slots.iter().all(|s| s.conn.is_none());
+        for s in slots.iter_mut() {
+            s.began = start;
+        }
         // Nodes not waited for count as failed unless their reply arrives.
         for (i, s) in slots.iter_mut().enumerate() {
             if s.admit != Admit::Wait {
@@ -1055,6 +1063,30 @@ impl RedisTransport {
         results: &mut [Option<NodeResult>],
     ) {
         let shared = &self.nodes[i].inner.shared;
+        let made = s.conn.as_ref().map(|c| c.made);
+        if let Some(c) = s.conn.as_mut() {
+            c.broken = true;
+            c.unwant(None, None);
+        }
+        s.conn = None;
+        if conn::is_close(&e) && s.admit == Admit::Wait && made.is_some_and(|t| t < s.began) {
+            // A connection older than the round, closed before the node
+            // answered our command: most likely by a close already on its
+            // way when the command left (a kill, an idle timeout), so not the
+            // node's answer. The round sends again on another connection; a
+            // node that is down refuses that connect, and a close of a
+            // connection made during the round is the node's answer. (Older
+            // connections are at most the pool's size.) The same token makes
+            // the repeat safe: a SET that did land answers "exists" and is
+            // deleted by the attempt's undo or release like any other.
+            s.sent = None;
+            s.fell_back = false;
+            debug!(
+                "node {}: connection closed before the reply ({e}); sending again",
+                self.names[i]
+            );
+            return;
+        }
         let kind = if e.kind() == std::io::ErrorKind::InvalidData {
             shared.observe(Outcome::Answered);
             NodeErrorKind::Protocol
@@ -1062,11 +1094,6 @@ impl RedisTransport {
             shared.observe(Outcome::Refused);
             NodeErrorKind::Io
         };
-        if let Some(c) = s.conn.as_mut() {
-            c.broken = true;
-            c.unwant(None, None);
-        }
-        s.conn = None;
         results[i] = Some(Err(NodeError::new(&self.names[i], kind, e.to_string())));
     }
 
@@ -1329,7 +1356,19 @@ impl ManageConnection for Manager {
     type Error = ConnectError;
 
     fn connect(&self) -> Result<Conn, ConnectError> {
-        let result = Conn::connect(&self.target, self.shared.timeout);
+        let mut result = Conn::connect(&self.target, self.shared.timeout);
+        if let Err(ConnectError::Io(e)) = &result {
+            if conn::is_close(e) {
+                // Closed before the node answered: a proxy in front of a dead
+                // node, or a kill (`CLIENT KILL`, a restart) that met this
+                // connect. One more try tells them apart.
+                debug!(
+                    "node {}: connection closed while connecting ({e}), trying again",
+                    self.shared.name
+                );
+                result = Conn::connect(&self.target, self.shared.timeout);
+            }
+        }
         *self.shared.connect_error.lock() = result.as_ref().err().map(|e| (e.kind(), e.detail()));
         result.inspect_err(|e| {
             self.shared.observe(match e {

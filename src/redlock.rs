@@ -293,8 +293,10 @@ impl Redlock {
         }
     }
 
-    /// Waits until every node has a pooled connection or has failed to
-    /// connect, for at most `within`; returns how many nodes are connected.
+    /// Waits until every node has a pooled connection (one the node has
+    /// answered on) or has failed to connect, for at most `within`; returns
+    /// how many nodes are connected. A node that accepts TCP but does not
+    /// answer fails to connect after the node timeout.
     ///
     /// Never needed for correctness. A client connects in the background
     /// and its first rounds do not wait for a node still connecting (its

@@ -79,8 +79,8 @@ impl Drop for Blackhole {
     }
 }
 
-/// A proxy in front of a real node that delays every reply by `delay`: a node whose round
-/// trip is about `delay`.
+/// A proxy in front of a real node that delays every reply by `delay`, and the node's
+/// close of a connection as well: a node whose round trip is about `delay`.
 pub struct DelayProxy {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
@@ -152,7 +152,11 @@ fn pipe(
             let mut buf = [0u8; 65536];
             loop {
                 match from.read(&mut buf) {
-                    Ok(0) | Err(_) => break,
+                    Ok(0) | Err(_) => {
+                        // The close is delayed like the data: an empty chunk.
+                        let _ = tx.send((Instant::now(), Vec::new()));
+                        break;
+                    }
                     Ok(k) => {
                         if tx.send((Instant::now(), buf[..k].to_vec())).is_err() {
                             break;
@@ -173,7 +177,7 @@ fn pipe(
                 if due > now {
                     std::thread::sleep(due - now);
                 }
-                if to.write_all(&chunk).is_err() {
+                if chunk.is_empty() || to.write_all(&chunk).is_err() {
                     break;
                 }
             }

@@ -965,3 +965,59 @@ fn idle_connections_closed_by_the_nodes_cost_nothing() {
     }
     g.release().expect("release");
 }
+
+/// Records the nodes' health changes.
+#[derive(Default)]
+struct NodeChanges(parking_lot::Mutex<Vec<String>>);
+
+impl quorumlock::EventHandler for NodeChanges {
+    fn on_node(&self, e: &quorumlock::NodeEvent<'_>) {
+        self.0.lock().push(format!("{} {:?}", e.node(), e.change()));
+    }
+}
+
+/// A pooled connection the node closes just as our command goes out (the
+/// close reaches us only after the command left: here a proxy passes the
+/// close on 30 ms late, as Docker's proxy or a load balancer may) got no
+/// answer from the node: the round takes a fresh connection, the command
+/// succeeds, and no node is reported skipped (rule 2).
+#[test]
+fn a_connection_closed_as_the_command_goes_out_is_replaced_not_counted() {
+    let c = Cluster::start(3);
+    let proxies: Vec<DelayProxy> = (0..3)
+        .map(|i| DelayProxy::start(&c.url(i), Duration::from_millis(30)))
+        .collect();
+    let changes = std::sync::Arc::new(NodeChanges::default());
+    let locks = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(proxies.iter().map(DelayProxy::url))
+        .node_timeout(Duration::from_millis(250))
+        .events(changes.clone())
+        .build()
+        .expect("valid config");
+    assert_eq!(locks.wait_connected(Duration::from_secs(5)), 3);
+    let key = unique_key("kill-in-flight");
+    let g = locks.lock(&key, Duration::from_secs(10)).expect("lock");
+    for round in 0..10 {
+        for i in 0..2 {
+            let _: redis::Value = redis::cmd("CLIENT")
+                .arg("KILL")
+                .arg("TYPE")
+                .arg("normal")
+                .arg("SKIPME")
+                .arg("yes")
+                .query(&mut c.conn(i))
+                .expect("CLIENT KILL");
+        }
+        // No pause: the close is still on its way when the extend goes out.
+        g.extend(Duration::from_secs(10))
+            .unwrap_or_else(|e| panic!("extend {round} right after CLIENT KILL on 2 nodes: {e}"));
+    }
+    let changes = changes.0.lock().clone();
+    assert!(
+        changes.is_empty(),
+        "nodes that closed connections changed health: {changes:?}"
+    );
+    g.release().expect("release");
+    assert!(c.gone_everywhere(&key, Duration::from_secs(2)));
+}
