@@ -181,6 +181,14 @@ impl Store {
     /// counter a fenced acquire set. `micros`: the node's clock, the floor
     /// of a counter.
     fn apply(&mut self, op: Op, k: &Key<'_>, now: Instant, micros: u64) -> (Answer, Option<u64>) {
+        self.keys.retain(|_, (_, exp)| *exp > now);
+        if let (Op::Acquire { fenced, .. }, Some((t, _))) = (op, self.keys.get(k.resource)) {
+            if t == k.token {
+                // This attempt's own SET, sent again: set, with its counter.
+                let fence = fenced.then(|| self.fences.get(k.resource).copied().unwrap_or(0));
+                return (Answer::Ok, fence);
+            }
+        }
         let answer = self.apply_key(op, k, now);
         let fence = match (op, answer) {
             (Op::Acquire { fenced: true, .. }, Answer::Ok) => {
@@ -203,8 +211,10 @@ impl Store {
             }
             (Op::Acquire { .. }, Some(_)) => Answer::Other,
             (_, None) => Answer::Absent,
+            // This swap, sent again: done already.
+            (Op::Swap { .. }, Some((t, _))) if k.next.is_some_and(|n| n == t) => Answer::Ok,
             (Op::Release { .. } | Op::Swap { .. }, Some((t, _)))
-                if !crate::transport::ours(t, k.token) || k.next.is_some_and(|n| n == t) =>
+                if !crate::transport::ours(t, k.token) =>
             {
                 Answer::Other
             }
@@ -553,6 +563,47 @@ mod fencing_checks {
         assert!(locks.inner.take_over(g.state(), TTL).is_err(), "limit + 1");
         std::mem::forget(g);
         assert!((0..3).all(|i| nodes.get(i, "s").is_none()), "released");
+    }
+
+    /// A command sent again after its connection closed (it may have run):
+    /// the store answers as the scripts do, our own SET (with its counter)
+    /// and our own swap count as done, another token's key does not.
+    #[test]
+    fn commands_sent_again_count_what_they_did_the_first_time() {
+        use crate::transport::{Answer, Key};
+        let mut store = super::Store::default();
+        let now = std::time::Instant::now();
+        let acquire = Op::Acquire {
+            ttl: TTL,
+            known_max: TTL,
+            fenced: true,
+        };
+        let first = store
+            .round(acquire, &[Key::new("r", "t1")], now, now, 5)
+            .expect("first");
+        let again = store
+            .round(acquire, &[Key::new("r", "t1")], now, now, 9)
+            .expect("again");
+        assert_eq!(first.answers, vec![Answer::Ok]);
+        assert_eq!(again.answers, vec![Answer::Ok]);
+        assert_eq!(again.fence, first.fence, "the same section's counter");
+        let other = store
+            .round(acquire, &[Key::new("r", "t2")], now, now, 9)
+            .expect("other");
+        assert_eq!(other.answers, vec![Answer::Other]);
+        let swap = Op::Swap {
+            ttl: TTL,
+            known_max: TTL,
+            fence: None,
+        };
+        let key = Key {
+            next: Some("t1.s"),
+            ..Key::new("r", "t1")
+        };
+        for _ in 0..2 {
+            let r = store.round(swap, &[key], now, now, 9).expect("swap");
+            assert_eq!(r.answers, vec![Answer::Ok]);
+        }
     }
 
     // ------------------------------------------------------------------

@@ -562,6 +562,8 @@ struct Slot {
     /// When the exchange began: a connection made before then may have been
     /// closed while idle, and one made since is the node's answer.
     began: Instant,
+    /// A command was lost with its connection (it may have run).
+    lost: bool,
 }
 
 impl Transport for RedisTransport {
@@ -645,6 +647,7 @@ impl Transport for RedisTransport {
                 sent: None,
                 fell_back: false,
                 began: start,
+                lost: false,
             })
             .collect();
         let enc = Encoded::new(op, keys);
@@ -663,6 +666,10 @@ impl Transport for RedisTransport {
                     s.admit = match (s.sent, r) {
                         // A failed swap releases the old lock everywhere.
                         (None, _) if matches!(op, Op::Swap { .. }) => Admit::Trial,
+                        (None, _) if s.lost && self.nodes[i].inner.shared.is_healthy() => {
+                            Admit::Wait
+                        }
+                        (None, _) if s.lost => Admit::Trial,
                         (None, _) => Admit::Skip,
                         (Some(_), Ok(_)) => Admit::Wait,
                         (Some(_), Err(_)) if self.nodes[i].inner.shared.is_healthy() => Admit::Wait,
@@ -670,6 +677,7 @@ impl Transport for RedisTransport {
                     };
                     s.sent = None;
                     s.fell_back = false;
+                    s.lost = false;
                 }
                 // A failed swap gives up the handed-over lock too.
                 let written = crate::transport::written(op, keys);
@@ -890,7 +898,14 @@ impl RedisTransport {
                 }
             }
             if results[i].is_none() {
-                results[i] = Some(Err(if shared.is_healthy() {
+                results[i] = Some(Err(if s.lost {
+                    // Not `NoConnection`: the command may have run.
+                    NodeError::new(
+                        &self.names[i],
+                        NodeErrorKind::Io,
+                        "connection closed before the reply; not sent again before the round ended",
+                    )
+                } else if shared.is_healthy() {
                     let pool = &self.nodes[i].inner.pool;
                     let detail = if pool.state().connections >= pool.max_size() {
                         format!(
@@ -1034,7 +1049,7 @@ impl RedisTransport {
         c.queue(&enc.packed, sent, true);
         s.sent = Some(sent);
         if let Err(e) = c.flush() {
-            self.failed(i, s, e, results);
+            self.failed(i, s, e, enc, results);
         }
     }
 
@@ -1060,15 +1075,37 @@ impl RedisTransport {
         i: usize,
         s: &mut Slot,
         e: std::io::Error,
+        enc: &Encoded,
         results: &mut [Option<NodeResult>],
     ) {
         let shared = &self.nodes[i].inner.shared;
         let made = s.conn.as_ref().map(|c| c.made);
+        // Our command went out and its reply never will come: it may have
+        // run, or (through a proxy) may still run.
+        let lost = s.conn.as_ref().is_some_and(|c| c.awaits_wanted());
         if let Some(c) = s.conn.as_mut() {
             c.broken = true;
             c.unwant(None, None);
         }
         s.conn = None;
+        s.lost |= lost;
+        if let (true, Op::Acquire { ttl, .. } | Op::Swap { ttl, .. }) = (lost, enc.op) {
+            // Its SET counts as reached for the attempt's undo, and its
+            // token stays unsettled until its TTL ends: a release of it is
+            // sent again until then, in case it lands after the delete.
+            let until = after(s.began, ttl);
+            let mut unsettled = shared.unsettled.lock();
+            if unsettled.len() >= MAX_RETRIES {
+                let now = Instant::now();
+                unsettled.retain(|_, u| u.until > now);
+            }
+            for t in &enc.written {
+                unsettled.entry(t.clone()).or_insert(Unsettled {
+                    until,
+                    released: false,
+                });
+            }
+        }
         if conn::is_close(&e) && s.admit == Admit::Wait && made.is_some_and(|t| t < s.began) {
             // A connection older than the round, closed before the node
             // answered our command: most likely by a close already on its
@@ -1077,8 +1114,17 @@ impl RedisTransport {
             // node that is down refuses that connect, and a close of a
             // connection made during the round is the node's answer. (Older
             // connections are at most the pool's size.) The same token makes
-            // the repeat safe: a SET that did land answers "exists" and is
-            // deleted by the attempt's undo or release like any other.
+            // the repeat safe: a SET or swap that did land answers as done,
+            // an extension or fencing write-back is idempotent, and a
+            // release that did delete finds the key absent, which counts
+            // as deleted by us.
+            if let (true, Op::Release { keep_until }) = (lost, enc.op) {
+                let until = keep_until.max(after(Instant::now(), shared.timeout));
+                let mut undone = shared.undone.lock();
+                for t in &enc.tokens {
+                    undone.insert(t.clone(), until);
+                }
+            }
             s.sent = None;
             s.fell_back = false;
             debug!(
@@ -1110,7 +1156,7 @@ impl RedisTransport {
             return;
         };
         if let Err(e) = c.on_ready(flags) {
-            return self.failed(i, s, e, results);
+            return self.failed(i, s, e, enc, results);
         }
         let shared = &self.nodes[i].inner.shared;
         loop {
@@ -1120,13 +1166,13 @@ impl RedisTransport {
             let (p, v) = match c.next_reply() {
                 Ok(Some(r)) => r,
                 Ok(None) => return,
-                Err(e) => return self.failed(i, s, e, results),
+                Err(e) => return self.failed(i, s, e, enc, results),
             };
             let now = Instant::now();
             shared.replied();
             if !p.wanted {
                 if let Err(e) = late_reply(c, shared, p, &v, now) {
-                    return self.failed(i, s, e, results);
+                    return self.failed(i, s, e, enc, results);
                 }
                 continue;
             }
@@ -1136,7 +1182,7 @@ impl RedisTransport {
                     s.fell_back = true;
                     c.queue(&enc.fallback(), now, true);
                     if let Err(e) = c.flush() {
-                        return self.failed(i, s, e, results);
+                        return self.failed(i, s, e, enc, results);
                     }
                     continue;
                 }
@@ -1165,6 +1211,8 @@ struct Encoded {
     n: usize,
     /// A release's tokens, in key order.
     tokens: Vec<String>,
+    /// The tokens an acquire or swap writes.
+    written: Vec<String>,
     packed: Vec<u8>,
     /// The script's source, for a node that answers NOSCRIPT.
     code: &'static str,
@@ -1232,10 +1280,18 @@ impl Encoded {
             Op::Release { .. } => keys.iter().map(|k| k.token.to_owned()).collect(),
             _ => Vec::new(),
         };
+        let written = match op {
+            Op::Acquire { .. } | Op::Swap { .. } => crate::transport::written(op, keys)
+                .iter()
+                .map(|k| k.token.to_owned())
+                .collect(),
+            _ => Vec::new(),
+        };
         Encoded {
             op,
             n: named.len(),
             tokens,
+            written,
             packed: pack("EVALSHA", script.get_hash()),
             code,
         }

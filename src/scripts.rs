@@ -136,6 +136,14 @@ for i = 1, n do
     else
       out[i + 3] = 1
     end
+  elseif redis.call('GET', KEYS[i]) == ARGV[i + 3] then
+    -- This attempt's own SET (tokens are one per attempt), sent again after
+    -- its connection closed before the reply: set, with its counter.
+    if ARGV[3] == '1' then
+      out[i + 3] = tonumber(redis.call('HGET', meta, 'fence:' .. KEYS[i])) or 0
+    else
+      out[i + 3] = 1
+    end
   else
     out[i + 3] = 0
   end
@@ -160,7 +168,10 @@ pub(crate) const SWAP_LUA: &str = concat!(
     r"local v = redis.call('GET', KEYS[1])
 local left = redis.call('PTTL', KEYS[1])
 out[4] = v and -1 or 0
-if left > 0 and v ~= ARGV[4] and ours(v, ARGV[5]) then
+if v == ARGV[4] then
+  -- This swap, sent again after its connection closed before the reply.
+  out[4] = 1
+elseif left > 0 and ours(v, ARGV[5]) then
   redis.call('SET', KEYS[1], ARGV[4], 'PX', left)
   if ARGV[3] ~= '0' then
     local f = 'fence:' .. KEYS[1]

@@ -253,3 +253,158 @@ impl Drop for WritePause<'_> {
         }
     }
 }
+
+/// A proxy in front of a real node that, when a command containing `marker` arrives, cuts
+/// the connection: it forwards the command or not, and closes our side `close_after` later
+/// without passing on the reply (with `forward`: "the command ran, its reply was lost").
+/// At most `budget` cuts (`None`: every time). New connections after the first cut can be
+/// made to wait `slow_accept` (a node slow to take new connections).
+pub struct CutProxy {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    cuts: Arc<std::sync::atomic::AtomicUsize>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// Options of a [`CutProxy`].
+#[derive(Clone, Copy)]
+pub struct Cut {
+    pub marker: &'static [u8],
+    pub forward: bool,
+    pub budget: Option<usize>,
+    pub close_after: Duration,
+    pub slow_accept: Duration,
+}
+
+impl Cut {
+    /// Forwards the command, then drops its reply and closes 2 ms later, at most `budget` times.
+    pub fn after_running(marker: &'static [u8], budget: usize) -> Cut {
+        Cut {
+            marker,
+            forward: true,
+            budget: Some(budget),
+            close_after: Duration::from_millis(2),
+            slow_accept: Duration::ZERO,
+        }
+    }
+}
+
+/// The start of a one-key acquire, as the client sends it (`EVALSHA` with 9 elements).
+pub const ACQUIRE_1: &[u8] = b"*9\r\n$7\r\nEVALSHA";
+/// The start of a one-key hand-over (`EVALSHA` with 10 elements).
+pub const SWAP_1: &[u8] = b"*10\r\n$7\r\nEVALSHA";
+/// The start of a one-key release (`EVALSHA` with 6 elements).
+pub const RELEASE_1: &[u8] = b"*6\r\n$7\r\nEVALSHA";
+
+impl CutProxy {
+    /// Proxies to `upstream` (`redis://host:port`).
+    pub fn start(upstream: &str, cut: Cut) -> CutProxy {
+        use std::sync::atomic::AtomicUsize;
+        let target: SocketAddr = upstream
+            .trim_start_matches("redis://")
+            .trim_end_matches('/')
+            .parse()
+            .expect("upstream host:port");
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind a proxy");
+        let addr = listener.local_addr().expect("local addr");
+        let stop = Arc::new(AtomicBool::new(false));
+        let cuts = Arc::new(AtomicUsize::new(0));
+        let budget = Arc::new(AtomicUsize::new(cut.budget.unwrap_or(usize::MAX)));
+        let (flag, made) = (stop.clone(), cuts.clone());
+        let thread = std::thread::Builder::new()
+            .name("ql-cut".into())
+            .spawn(move || {
+                for client in listener.incoming() {
+                    if flag.load(Ordering::SeqCst) {
+                        break;
+                    }
+                    let Ok(client) = client else { continue };
+                    if made.load(Ordering::SeqCst) > 0 && !cut.slow_accept.is_zero() {
+                        std::thread::sleep(cut.slow_accept);
+                    }
+                    let Ok(server) = TcpStream::connect(target) else {
+                        let _ = client.shutdown(Shutdown::Both);
+                        continue;
+                    };
+                    let _ = client.set_nodelay(true);
+                    let _ = server.set_nodelay(true);
+                    let (Ok(c2), Ok(s2)) = (client.try_clone(), server.try_clone()) else {
+                        continue;
+                    };
+                    let muted = Arc::new(AtomicBool::new(false));
+                    let m = muted.clone();
+                    // Replies, unless muted by a cut.
+                    let _ = std::thread::Builder::new()
+                        .name("ql-cut-rd".into())
+                        .spawn(move || {
+                            let (mut from, mut to) = (s2, c2);
+                            let mut buf = [0u8; 65536];
+                            while let Ok(k @ 1..) = from.read(&mut buf) {
+                                if !m.load(Ordering::SeqCst) && to.write_all(&buf[..k]).is_err() {
+                                    break;
+                                }
+                            }
+                            let _ = to.shutdown(Shutdown::Both);
+                        });
+                    let (budget, made) = (budget.clone(), made.clone());
+                    // Commands, until one carrying the marker is cut.
+                    let _ = std::thread::Builder::new()
+                        .name("ql-cut-wr".into())
+                        .spawn(move || {
+                            let (mut from, mut to) = (client, server);
+                            let mut buf = [0u8; 65536];
+                            while let Ok(k @ 1..) = from.read(&mut buf) {
+                                let chunk = &buf[..k];
+                                let hit = chunk.windows(cut.marker.len()).any(|w| w == cut.marker);
+                                if hit
+                                    && budget
+                                        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |b| {
+                                            b.checked_sub(1)
+                                        })
+                                        .is_ok()
+                                {
+                                    made.fetch_add(1, Ordering::SeqCst);
+                                    muted.store(true, Ordering::SeqCst);
+                                    if cut.forward {
+                                        let _ = to.write_all(chunk);
+                                    }
+                                    std::thread::sleep(cut.close_after);
+                                    let _ = from.shutdown(Shutdown::Both);
+                                    break;
+                                }
+                                if to.write_all(chunk).is_err() {
+                                    break;
+                                }
+                            }
+                            let _ = to.shutdown(Shutdown::Both);
+                        });
+                }
+            })
+            .expect("spawn proxy");
+        CutProxy {
+            addr,
+            stop,
+            cuts,
+            thread: Some(thread),
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://{}", self.addr)
+    }
+
+    /// How many connections were cut.
+    pub fn cuts(&self) -> usize {
+        self.cuts.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for CutProxy {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}

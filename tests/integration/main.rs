@@ -6,6 +6,7 @@ mod common;
 
 #[cfg(feature = "cli")]
 mod cli;
+mod closes;
 mod degraded;
 mod events;
 mod fence_workers;

@@ -1,0 +1,168 @@
+//! Connections closed under a command: the command may have run, its reply is lost. The
+//! round sends it again on another connection (a close is not the node's answer), so the
+//! repeat must mean what the first would have: our own SET, swap or delete that did run is
+//! counted as done, and whatever may have run is undone when the attempt fails.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use quorumlock::{EventHandler, NodeEvent, Redlock};
+
+use crate::common::faults::{Cut, CutProxy, DelayProxy, ACQUIRE_1, RELEASE_1, SWAP_1};
+use crate::common::{summary, unique_key, Cluster};
+
+/// Records the nodes' health changes.
+#[derive(Default)]
+struct Changes(Mutex<Vec<String>>);
+
+impl EventHandler for Changes {
+    fn on_node(&self, e: &NodeEvent<'_>) {
+        self.0.lock().push(format!("{} {:?}", e.node(), e.change()));
+    }
+}
+
+fn client(urls: Vec<String>, changes: &Arc<Changes>) -> Redlock {
+    let locks = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(urls)
+        .node_timeout(Duration::from_millis(250))
+        .events(changes.clone())
+        .build()
+        .expect("valid config");
+    assert_eq!(locks.wait_connected(Duration::from_secs(5)), 3);
+    locks
+}
+
+fn hold_elsewhere(c: &Cluster, i: usize, key: &str) {
+    let _: () = redis::cmd("SET")
+        .arg(key)
+        .arg("someone-else")
+        .arg("PX")
+        .arg(20_000)
+        .query(&mut c.conn(i))
+        .expect("SET");
+}
+
+/// A free resource whose SET ran on 2 of 3 nodes, their replies lost with the connections:
+/// the SET sent again finds our own token and counts it as set.
+#[test]
+fn an_acquire_sent_again_after_a_close_counts_its_own_set() {
+    let c = Cluster::start(3);
+    let p0 = CutProxy::start(&c.url(0), Cut::after_running(ACQUIRE_1, 1));
+    let p1 = CutProxy::start(&c.url(1), Cut::after_running(ACQUIRE_1, 1));
+    let changes = Arc::new(Changes::default());
+    let locks = client(vec![p0.url(), p1.url(), c.url(2)], &changes);
+    let key = unique_key("resent-acquire");
+    let g = locks
+        .try_lock(&key, Duration::from_secs(20))
+        .unwrap_or_else(|e| panic!("a free resource: {}", summary(&e)));
+    assert_eq!((p0.cuts(), p1.cuts()), (1, 1), "the proxies cut the SETs");
+    assert_eq!(c.holders(&key, g.token()), 3);
+    g.release().expect("release");
+    assert!(c.gone_everywhere(&key, Duration::from_secs(2)));
+    let changes = changes.0.lock().clone();
+    assert!(changes.is_empty(), "health changed: {changes:?}");
+}
+
+/// An attempt that fails (the others hold the resource) after its SET ran on a node whose
+/// only connection then closed, and whose repeat found no connection before the round
+/// settled (the node takes 100 ms to take a new one): the attempt's undo still deletes it
+/// there (it was skipped as "never reached", and the key stayed for its TTL).
+#[test]
+fn a_failed_attempt_undoes_a_set_lost_with_its_connection() {
+    let c = Cluster::start(3);
+    let p0 = CutProxy::start(
+        &c.url(0),
+        Cut {
+            slow_accept: Duration::from_millis(100),
+            ..Cut::after_running(ACQUIRE_1, 1)
+        },
+    );
+    let d1 = DelayProxy::start(&c.url(1), Duration::from_millis(30));
+    let d2 = DelayProxy::start(&c.url(2), Duration::from_millis(30));
+    let changes = Arc::new(Changes::default());
+    let locks = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes([p0.url(), d1.url(), d2.url()])
+        .node_timeout(Duration::from_millis(250))
+        .pool_size(1)
+        .events(changes.clone())
+        .build()
+        .expect("valid config");
+    assert_eq!(locks.wait_connected(Duration::from_secs(5)), 3);
+    let key = unique_key("lost-set-undone");
+    hold_elsewhere(&c, 1, &key);
+    hold_elsewhere(&c, 2, &key);
+    let r = locks.try_lock(&key, Duration::from_secs(20));
+    assert!(r.is_err(), "the others hold it");
+    assert_eq!(p0.cuts(), 1, "the proxy cut the SET");
+    assert!(
+        crate::common::wait_until(Duration::from_secs(2), || c.get(0, &key).is_none()),
+        "the failed attempt's key stayed on node 0 (pttl {} ms)",
+        c.pttl(0, &key)
+    );
+}
+
+/// A hand-over whose swap ran on 2 of 3 nodes, their replies lost with the connections:
+/// the swap sent again finds the new token and counts it as swapped, so the waiter gets
+/// the lock handed over (a token of the same lineage), not a fresh one.
+#[test]
+fn a_swap_sent_again_after_a_close_counts_as_swapped() {
+    let c = Cluster::start(3);
+    let p0 = CutProxy::start(&c.url(0), Cut::after_running(SWAP_1, 1));
+    let p1 = CutProxy::start(&c.url(1), Cut::after_running(SWAP_1, 1));
+    let changes = Arc::new(Changes::default());
+    let locks = Arc::new(client(vec![p0.url(), p1.url(), c.url(2)], &changes));
+    let key = unique_key("resent-swap");
+    let g = locks.lock(&key, Duration::from_secs(20)).expect("lock");
+    let first = g.token().to_owned();
+    let waiter = {
+        let (locks, key) = (locks.clone(), key.clone());
+        std::thread::spawn(move || {
+            locks
+                .lock_timeout(&key, Duration::from_secs(20), Duration::from_secs(5))
+                .map(|g| {
+                    let token = g.token().to_owned();
+                    let _ = g.release();
+                    token
+                })
+                .map_err(|e| summary(&e))
+        })
+    };
+    // Let the waiter queue behind the holder.
+    std::thread::sleep(Duration::from_millis(200));
+    g.release().expect("release");
+    let got = waiter.join().expect("waiter").expect("the waiter's lock");
+    assert_eq!((p0.cuts(), p1.cuts()), (1, 1), "the proxies cut the swaps");
+    let lineage = first.split('.').next().unwrap_or(&first);
+    assert!(
+        got.starts_with(&format!("{lineage}.")),
+        "the hand-over fell back to a fresh lock: {first} then {got}"
+    );
+    assert!(c.gone_everywhere(&key, Duration::from_secs(2)));
+}
+
+/// A release whose delete ran on 2 of 3 nodes, their replies lost with the connections:
+/// the delete sent again finds the key absent, deleted by us, and the release succeeds (it
+/// reported the lock expired on a majority).
+#[test]
+fn a_release_sent_again_after_a_close_counts_its_own_delete() {
+    let c = Cluster::start(3);
+    let p0 = CutProxy::start(&c.url(0), Cut::after_running(RELEASE_1, 1));
+    let p1 = CutProxy::start(&c.url(1), Cut::after_running(RELEASE_1, 1));
+    let changes = Arc::new(Changes::default());
+    let locks = client(vec![p0.url(), p1.url(), c.url(2)], &changes);
+    let key = unique_key("resent-release");
+    let g = locks.lock(&key, Duration::from_secs(20)).expect("lock");
+    g.release()
+        .unwrap_or_else(|e| panic!("release: {}", summary(&e)));
+    assert_eq!(
+        (p0.cuts(), p1.cuts()),
+        (1, 1),
+        "the proxies cut the deletes"
+    );
+    assert!(c.gone_everywhere(&key, Duration::from_secs(2)));
+    let changes = changes.0.lock().clone();
+    assert!(changes.is_empty(), "health changed: {changes:?}");
+}
