@@ -1119,8 +1119,12 @@ impl RedisTransport {
             // release that did delete finds the key absent, which counts
             // as deleted by us.
             if let (true, Op::Release { keep_until }) = (lost, enc.op) {
-                let until = keep_until.max(after(Instant::now(), shared.timeout));
+                let now = Instant::now();
+                let until = keep_until.max(after(now, shared.timeout));
                 let mut undone = shared.undone.lock();
+                if undone.len() >= MAX_RETRIES {
+                    undone.retain(|_, u| *u > now);
+                }
                 for t in &enc.tokens {
                     undone.insert(t.clone(), until);
                 }
