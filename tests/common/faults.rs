@@ -4,7 +4,7 @@
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -81,15 +81,40 @@ impl Drop for Blackhole {
 
 /// A proxy in front of a real node that delays every reply by `delay`, and the node's
 /// close of a connection as well: a node whose round trip is about `delay`.
-pub struct DelayProxy {
+pub struct DelayProxy(Proxy);
+
+impl DelayProxy {
+    /// Proxies to `upstream` (`redis://host:port`).
+    pub fn start(upstream: &str, delay: Duration) -> DelayProxy {
+        DelayProxy(Proxy::start(
+            "ql-delay",
+            upstream,
+            move |client, server, stop| {
+                pipe(client.try_clone(), server.try_clone(), Duration::ZERO, stop);
+                pipe(server.try_clone(), client.try_clone(), delay, stop);
+            },
+        ))
+    }
+
+    pub fn url(&self) -> String {
+        self.0.url()
+    }
+}
+
+/// A proxy's listener: each connection accepted is paired with one to the node and handed
+/// to `serve`. Stops when dropped.
+struct Proxy {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
 
-impl DelayProxy {
-    /// Proxies to `upstream` (`redis://host:port`).
-    pub fn start(upstream: &str, delay: Duration) -> DelayProxy {
+impl Proxy {
+    fn start(
+        name: &str,
+        upstream: &str,
+        mut serve: impl FnMut(TcpStream, TcpStream, &Arc<AtomicBool>) + Send + 'static,
+    ) -> Proxy {
         let target: SocketAddr = upstream
             .trim_start_matches("redis://")
             .trim_end_matches('/')
@@ -100,7 +125,7 @@ impl DelayProxy {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
         let thread = std::thread::Builder::new()
-            .name("ql-delay".into())
+            .name(name.into())
             .spawn(move || {
                 for client in listener.incoming() {
                     if flag.load(Ordering::SeqCst) {
@@ -108,29 +133,34 @@ impl DelayProxy {
                     }
                     let Ok(client) = client else { continue };
                     let Ok(server) = TcpStream::connect(target) else {
+                        let _ = client.shutdown(Shutdown::Both);
                         continue;
                     };
                     let _ = client.set_nodelay(true);
                     let _ = server.set_nodelay(true);
-                    pipe(
-                        client.try_clone(),
-                        server.try_clone(),
-                        Duration::ZERO,
-                        &flag,
-                    );
-                    pipe(server.try_clone(), client.try_clone(), delay, &flag);
+                    serve(client, server, &flag);
                 }
             })
             .expect("spawn proxy");
-        DelayProxy {
+        Proxy {
             addr,
             stop,
             thread: Some(thread),
         }
     }
 
-    pub fn url(&self) -> String {
+    fn url(&self) -> String {
         format!("redis://{}", self.addr)
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
     }
 }
 
@@ -183,16 +213,6 @@ fn pipe(
             }
             let _ = to.shutdown(Shutdown::Both);
         });
-}
-
-impl Drop for DelayProxy {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
 }
 
 /// `CLIENT PAUSE ms WRITE` on node `i`: it keeps answering reads (PING, INFO) and accepting
@@ -257,13 +277,11 @@ impl Drop for WritePause<'_> {
 /// A proxy in front of a real node that, when a command containing `marker` arrives, cuts
 /// the connection: it forwards the command or not, and closes our side `close_after` later
 /// without passing on the reply (with `forward`: "the command ran, its reply was lost").
-/// At most `budget` cuts (`None`: every time). New connections after the first cut can be
-/// made to wait `slow_accept` (a node slow to take new connections).
+/// At most `budget` cuts (`None`: every time). Each new connection after the first cut
+/// waits `slow_accept` (a node slow to take new connections).
 pub struct CutProxy {
-    addr: SocketAddr,
-    stop: Arc<AtomicBool>,
-    cuts: Arc<std::sync::atomic::AtomicUsize>,
-    thread: Option<JoinHandle<()>>,
+    proxy: Proxy,
+    cuts: Arc<AtomicUsize>,
 }
 
 /// Options of a [`CutProxy`].
@@ -299,112 +317,73 @@ pub const RELEASE_1: &[u8] = b"*6\r\n$7\r\nEVALSHA";
 impl CutProxy {
     /// Proxies to `upstream` (`redis://host:port`).
     pub fn start(upstream: &str, cut: Cut) -> CutProxy {
-        use std::sync::atomic::AtomicUsize;
-        let target: SocketAddr = upstream
-            .trim_start_matches("redis://")
-            .trim_end_matches('/')
-            .parse()
-            .expect("upstream host:port");
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind a proxy");
-        let addr = listener.local_addr().expect("local addr");
-        let stop = Arc::new(AtomicBool::new(false));
         let cuts = Arc::new(AtomicUsize::new(0));
         let budget = Arc::new(AtomicUsize::new(cut.budget.unwrap_or(usize::MAX)));
-        let (flag, made) = (stop.clone(), cuts.clone());
-        let thread = std::thread::Builder::new()
-            .name("ql-cut".into())
-            .spawn(move || {
-                for client in listener.incoming() {
-                    if flag.load(Ordering::SeqCst) {
-                        break;
+        let made = cuts.clone();
+        let proxy = Proxy::start("ql-cut", upstream, move |client, server, _| {
+            if made.load(Ordering::SeqCst) > 0 && !cut.slow_accept.is_zero() {
+                std::thread::sleep(cut.slow_accept);
+            }
+            let (Ok(c2), Ok(s2)) = (client.try_clone(), server.try_clone()) else {
+                return;
+            };
+            let muted = Arc::new(AtomicBool::new(false));
+            let m = muted.clone();
+            // Replies, unless muted by a cut.
+            let _ = std::thread::Builder::new()
+                .name("ql-cut-rd".into())
+                .spawn(move || {
+                    let (mut from, mut to) = (s2, c2);
+                    let mut buf = [0u8; 65536];
+                    while let Ok(k @ 1..) = from.read(&mut buf) {
+                        if !m.load(Ordering::SeqCst) && to.write_all(&buf[..k]).is_err() {
+                            break;
+                        }
                     }
-                    let Ok(client) = client else { continue };
-                    if made.load(Ordering::SeqCst) > 0 && !cut.slow_accept.is_zero() {
-                        std::thread::sleep(cut.slow_accept);
+                    let _ = to.shutdown(Shutdown::Both);
+                });
+            let (budget, made) = (budget.clone(), made.clone());
+            // Commands, until one carrying the marker is cut.
+            let _ = std::thread::Builder::new()
+                .name("ql-cut-wr".into())
+                .spawn(move || {
+                    let (mut from, mut to) = (client, server);
+                    let mut buf = [0u8; 65536];
+                    while let Ok(k @ 1..) = from.read(&mut buf) {
+                        let chunk = &buf[..k];
+                        let hit = chunk.windows(cut.marker.len()).any(|w| w == cut.marker);
+                        if hit
+                            && budget
+                                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |b| {
+                                    b.checked_sub(1)
+                                })
+                                .is_ok()
+                        {
+                            made.fetch_add(1, Ordering::SeqCst);
+                            muted.store(true, Ordering::SeqCst);
+                            if cut.forward {
+                                let _ = to.write_all(chunk);
+                            }
+                            std::thread::sleep(cut.close_after);
+                            let _ = from.shutdown(Shutdown::Both);
+                            break;
+                        }
+                        if to.write_all(chunk).is_err() {
+                            break;
+                        }
                     }
-                    let Ok(server) = TcpStream::connect(target) else {
-                        let _ = client.shutdown(Shutdown::Both);
-                        continue;
-                    };
-                    let _ = client.set_nodelay(true);
-                    let _ = server.set_nodelay(true);
-                    let (Ok(c2), Ok(s2)) = (client.try_clone(), server.try_clone()) else {
-                        continue;
-                    };
-                    let muted = Arc::new(AtomicBool::new(false));
-                    let m = muted.clone();
-                    // Replies, unless muted by a cut.
-                    let _ = std::thread::Builder::new()
-                        .name("ql-cut-rd".into())
-                        .spawn(move || {
-                            let (mut from, mut to) = (s2, c2);
-                            let mut buf = [0u8; 65536];
-                            while let Ok(k @ 1..) = from.read(&mut buf) {
-                                if !m.load(Ordering::SeqCst) && to.write_all(&buf[..k]).is_err() {
-                                    break;
-                                }
-                            }
-                            let _ = to.shutdown(Shutdown::Both);
-                        });
-                    let (budget, made) = (budget.clone(), made.clone());
-                    // Commands, until one carrying the marker is cut.
-                    let _ = std::thread::Builder::new()
-                        .name("ql-cut-wr".into())
-                        .spawn(move || {
-                            let (mut from, mut to) = (client, server);
-                            let mut buf = [0u8; 65536];
-                            while let Ok(k @ 1..) = from.read(&mut buf) {
-                                let chunk = &buf[..k];
-                                let hit = chunk.windows(cut.marker.len()).any(|w| w == cut.marker);
-                                if hit
-                                    && budget
-                                        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |b| {
-                                            b.checked_sub(1)
-                                        })
-                                        .is_ok()
-                                {
-                                    made.fetch_add(1, Ordering::SeqCst);
-                                    muted.store(true, Ordering::SeqCst);
-                                    if cut.forward {
-                                        let _ = to.write_all(chunk);
-                                    }
-                                    std::thread::sleep(cut.close_after);
-                                    let _ = from.shutdown(Shutdown::Both);
-                                    break;
-                                }
-                                if to.write_all(chunk).is_err() {
-                                    break;
-                                }
-                            }
-                            let _ = to.shutdown(Shutdown::Both);
-                        });
-                }
-            })
-            .expect("spawn proxy");
-        CutProxy {
-            addr,
-            stop,
-            cuts,
-            thread: Some(thread),
-        }
+                    let _ = to.shutdown(Shutdown::Both);
+                });
+        });
+        CutProxy { proxy, cuts }
     }
 
     pub fn url(&self) -> String {
-        format!("redis://{}", self.addr)
+        self.proxy.url()
     }
 
     /// How many connections were cut.
     pub fn cuts(&self) -> usize {
         self.cuts.load(Ordering::SeqCst)
-    }
-}
-
-impl Drop for CutProxy {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
     }
 }

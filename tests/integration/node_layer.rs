@@ -936,6 +936,18 @@ fn locking_resumes_soon_after_a_majority_outage() {
     );
 }
 
+/// `CLIENT KILL` of every client of node `i` but this one.
+fn kill_clients(c: &Cluster, i: usize) {
+    let _: redis::Value = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("normal")
+        .arg("SKIPME")
+        .arg("yes")
+        .query(&mut c.conn(i))
+        .expect("CLIENT KILL");
+}
+
 /// Connections the nodes closed while idle (`CLIENT KILL`, a server
 /// `timeout`, a proxy's idle cut) are not the nodes' answers to commands:
 /// a round finds them closed before sending, takes fresh ones, and the
@@ -949,14 +961,7 @@ fn idle_connections_closed_by_the_nodes_cost_nothing() {
     let g = locks.lock(&key, Duration::from_secs(10)).expect("lock");
     for round in 0..20 {
         for i in 0..2 {
-            let _: redis::Value = redis::cmd("CLIENT")
-                .arg("KILL")
-                .arg("TYPE")
-                .arg("normal")
-                .arg("SKIPME")
-                .arg("yes")
-                .query(&mut c.conn(i))
-                .expect("CLIENT KILL");
+            kill_clients(&c, i);
         }
         // Let the nodes close them (the FINs arrive).
         std::thread::sleep(Duration::from_millis(20));
@@ -1000,14 +1005,7 @@ fn a_connection_closed_as_the_command_goes_out_is_replaced_not_counted() {
     let g = locks.lock(&key, Duration::from_secs(10)).expect("lock");
     for round in 0..10 {
         for i in 0..2 {
-            let _: redis::Value = redis::cmd("CLIENT")
-                .arg("KILL")
-                .arg("TYPE")
-                .arg("normal")
-                .arg("SKIPME")
-                .arg("yes")
-                .query(&mut c.conn(i))
-                .expect("CLIENT KILL");
+            kill_clients(&c, i);
         }
         // No pause: the close is still on its way when the extend goes out.
         g.extend(Duration::from_secs(10))
