@@ -363,6 +363,7 @@ fn prepare(c: &mut PooledConnection<Manager>, node: &NodeShared, now: Instant) -
         }
     }
     if closed {
+        settle_soon(c, node, now);
         // Closed while idle (CLIENT KILL, a server's or a proxy's idle
         // timeout, a restart): the node answered on this connection before,
         // and a close is no answer, so no change to its health; the round
@@ -386,6 +387,25 @@ fn prepare(c: &mut PooledConnection<Manager>, node: &NodeShared, now: Instant) -
         }
     }
     true
+}
+
+/// A connection closed with acquires of ended rounds still owed their
+/// replies: the node never runs a command it had not read when it closed the
+/// connection, so their tokens stop being unsettled (and their releases
+/// retried) two node timeouts from now, time for a proxy to pass on what it
+/// had read, instead of at the end of their TTL.
+fn settle_soon(c: &Conn, node: &NodeShared, now: Instant) {
+    let owed: Vec<&String> = c.pending().iter().flat_map(|p| &p.tokens).collect();
+    if owed.is_empty() {
+        return;
+    }
+    let soon = after(now, node.timeout.saturating_mul(2));
+    let mut unsettled = node.unsettled.lock();
+    for t in owed {
+        if let Some(u) = unsettled.get_mut(t.as_str()) {
+            u.until = u.until.min(soon);
+        }
+    }
 }
 
 /// A reply no round waits for any more: if it says a SET of an ended round
@@ -470,76 +490,92 @@ fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPool>) {
     drop(idle);
     shared.unsettled.lock().retain(|_, u| u.until > now);
     shared.undone.lock().retain(|_, until| *until > now);
-    let batch: Vec<(String, String)> = {
+    // The batch leaves the queue and what is still owed goes back behind
+    // the rest: a batch that cannot be settled yet (a SET of its tokens may
+    // still land) never holds back the releases queued after it.
+    let batch: Vec<Retry> = {
         let mut q = shared.retries.lock();
         q.retain(|r| r.until > now);
-        q.iter()
-            .take(RETRY_BATCH)
-            .map(|r| (r.resource.clone(), r.token.clone()))
-            .collect()
+        let k = q.len().min(RETRY_BATCH);
+        q.drain(..k).collect()
     };
     if !batch.is_empty() {
-        let keys: Vec<Key<'_>> = batch
-            .iter()
-            .map(|(resource, token)| Key::new(resource, token))
-            .collect();
-        let enc = Encoded::new(
-            Op::Release {
-                keep_until: Instant::now(),
-            },
-            &keys,
-        );
-        // Never wait for a connection here: connects run on this thread.
-        if let Some(mut c) = node.pool.try_get() {
-            if prepare(&mut c, shared, Instant::now()) && c.pending().is_empty() {
-                let sent = Instant::now();
-                c.queue(&enc.packed, sent, true);
-                let answered = match c
-                    .flush()
-                    .and_then(|()| c.wait_reply(after(sent, shared.timeout)))
-                {
-                    Ok(v) => {
-                        shared.observe(Outcome::Answered);
-                        // NOSCRIPT or not, the node answered; a release the
-                        // script did not run is sent again as EVAL next time.
-                        !matches!(&v, Value::ServerError(e) if e.kind() == Some(redis::ServerErrorKind::NoScript))
-                    }
-                    Err(e) => {
-                        c.broken = true;
-                        if e.kind() == std::io::ErrorKind::TimedOut {
-                            shared.observe(Outcome::TimedOut);
-                        } else if !conn::is_close(&e) {
-                            // A close is no answer (see `failed`): the
-                            // release is simply sent again next time.
-                            shared.observe(Outcome::Refused);
+        let mut answered = false;
+        {
+            let keys: Vec<Key<'_>> = batch
+                .iter()
+                .map(|r| Key::new(&r.resource, &r.token))
+                .collect();
+            let enc = Encoded::new(
+                Op::Release {
+                    keep_until: Instant::now(),
+                    held: false,
+                },
+                &keys,
+            );
+            // Never wait for a connection here: connects run on this thread.
+            if let Some(mut c) = node.pool.try_get() {
+                if prepare(&mut c, shared, Instant::now()) && c.pending().is_empty() {
+                    let sent = Instant::now();
+                    c.queue(&enc.packed, sent, true);
+                    answered = match c
+                        .flush()
+                        .and_then(|()| c.wait_reply(after(sent, shared.timeout)))
+                    {
+                        Ok(v) => {
+                            shared.observe(Outcome::Answered);
+                            // NOSCRIPT or not, the node answered; a release the
+                            // script did not run is sent again as EVAL next time.
+                            !matches!(&v, Value::ServerError(e) if e.kind() == Some(redis::ServerErrorKind::NoScript))
                         }
-                        false
+                        Err(e) => {
+                            c.broken = true;
+                            if e.kind() == std::io::ErrorKind::TimedOut {
+                                shared.observe(Outcome::TimedOut);
+                            } else if !conn::is_close(&e) {
+                                // A close is no answer (see `failed`): the
+                                // release is simply sent again next time.
+                                shared.observe(Outcome::Refused);
+                            }
+                            false
+                        }
+                    };
+                    if !answered && !c.broken {
+                        // Load the script for the next try.
+                        c.queue(&enc.fallback(), Instant::now(), false);
+                        let _ = c.flush();
                     }
-                };
-                if answered {
-                    let unsettled = shared.unsettled.lock();
-                    // Done, unless a SET of that token may still land (tokens
-                    // are one per attempt: they name the entries).
-                    let done: HashSet<&str> = batch
-                        .iter()
-                        .map(|(_, token)| token.as_str())
-                        .filter(|token| !unsettled.contains_key(*token))
-                        .collect();
-                    shared
-                        .retries
-                        .lock()
-                        .retain(|r| !done.contains(r.token.as_str()));
-                    debug!(
-                        "node {}: {} retried release(s) answered",
-                        shared.name,
-                        batch.len()
-                    );
-                } else if !c.broken {
-                    // Load the script for the next try.
-                    c.queue(&enc.fallback(), Instant::now(), false);
-                    let _ = c.flush();
                 }
             }
+        }
+        let owed: Vec<Retry> = if answered {
+            let unsettled = shared.unsettled.lock();
+            // Done, unless a SET of that token may still land (tokens are
+            // one per attempt: they name the entries).
+            let (owed, done): (Vec<Retry>, Vec<Retry>) = batch
+                .into_iter()
+                .partition(|r| unsettled.contains_key(&r.token));
+            drop(unsettled);
+            debug!(
+                "node {}: {} retried release(s) answered",
+                shared.name,
+                done.len() + owed.len()
+            );
+            let done: HashSet<&str> = done.iter().map(|r| r.token.as_str()).collect();
+            shared
+                .retries
+                .lock()
+                .retain(|r| !done.contains(r.token.as_str()));
+            owed
+        } else {
+            batch
+        };
+        let mut q = shared.retries.lock();
+        for r in owed {
+            if q.len() >= MAX_RETRIES {
+                q.pop_front();
+            }
+            q.push_back(r);
         }
     }
     shared.retry_scheduled.store(false, Ordering::Release);
@@ -658,6 +694,7 @@ impl Transport for RedisTransport {
                 let now = Instant::now();
                 let rel = Op::Release {
                     keep_until: after(start, ttl),
+                    held: false,
                 };
                 for (i, (s, r)) in slots.iter_mut().zip(&results).enumerate() {
                     // Only where our SET left this client, on the same
@@ -839,14 +876,14 @@ impl RedisTransport {
         let (undo, unsettled_until) = match enc.op {
             Op::Acquire { ttl, .. } | Op::Swap { ttl, .. } if owed => {
                 let until = after(start, ttl);
-                let rel = Op::Release { keep_until: until };
+                let rel = Op::Release {
+                    keep_until: until,
+                    held: false,
+                };
                 (Some(Encoded::new(rel, &written).packed), Some(until))
             }
             _ => (None, None),
         };
-        // Per node: whether our command is still in flight on an open
-        // connection (it will be executed; a release need not be retried).
-        let mut in_flight = vec![false; n];
         for (i, s) in slots.iter_mut().enumerate() {
             let shared = &self.nodes[i].inner.shared;
             if let Some(c) = s.conn.as_mut() {
@@ -878,7 +915,6 @@ impl RedisTransport {
                         c.abandon();
                         shared.observe(Outcome::TimedOut);
                     }
-                    in_flight[i] = !c.broken;
                     if results[i].is_none() {
                         let waited = now.saturating_duration_since(s.sent.unwrap_or(start));
                         results[i] = Some(Err(if settle.is_some() {
@@ -923,11 +959,13 @@ impl RedisTransport {
         }
 
         // Releases a node did not answer are kept and sent again later.
-        if let Op::Release { keep_until } = enc.op {
+        if let Op::Release { keep_until, .. } = enc.op {
             for (i, r) in results.iter().enumerate() {
                 // Skip here means "our SET never reached it": nothing to undo.
-                let unanswered =
-                    matches!(r, Some(Err(_))) && !in_flight[i] && slots[i].admit != Admit::Skip;
+                // A delete still in flight is kept too: its connection may be
+                // closed before the node reads it (a kill discards the
+                // unread commands), and deleting twice is harmless.
+                let unanswered = matches!(r, Some(Err(_))) && slots[i].admit != Admit::Skip;
                 // A SET of ours still unsettled there may land after this
                 // delete: keep deleting until its reply has been read.
                 let unsettled = {
@@ -936,11 +974,6 @@ impl RedisTransport {
                 };
                 if unanswered || unsettled {
                     self.enqueue_retries(i, keys, keep_until);
-                } else if in_flight[i] {
-                    // Its reply is read by the connection's next user, or by
-                    // the node's thread if the connection sits idle.
-                    let node = &self.nodes[i];
-                    schedule_retry(&node.inner, &node.threads);
                 }
             }
         }
@@ -1083,6 +1116,9 @@ impl RedisTransport {
         // Our command went out and its reply never will come: it may have
         // run, or (through a proxy) may still run.
         let lost = s.conn.as_ref().is_some_and(|c| c.awaits_wanted());
+        if let Some(c) = s.conn.as_ref().filter(|_| conn::is_close(&e)) {
+            settle_soon(c, shared, Instant::now());
+        }
         if let Some(c) = s.conn.as_mut() {
             c.broken = true;
             c.unwant(None, None);
@@ -1091,12 +1127,14 @@ impl RedisTransport {
         s.lost |= lost;
         if let (true, Op::Acquire { ttl, .. } | Op::Swap { ttl, .. }) = (lost, enc.op) {
             // Its SET counts as reached for the attempt's undo, and its
-            // token stays unsettled until its TTL ends: a release of it is
-            // sent again until then, in case it lands after the delete.
-            let until = after(s.began, ttl);
+            // token stays unsettled for two node timeouts (within its TTL):
+            // a release of it is sent again meanwhile, in case a proxy passes
+            // the lost SET on after the delete. (A node that closed the
+            // connection itself never runs it later.)
+            let now = Instant::now();
+            let until = after(s.began, ttl).min(after(now, shared.timeout.saturating_mul(2)));
             let mut unsettled = shared.unsettled.lock();
             if unsettled.len() >= MAX_RETRIES {
-                let now = Instant::now();
                 unsettled.retain(|_, u| u.until > now);
             }
             for t in &enc.written {
@@ -1115,20 +1153,9 @@ impl RedisTransport {
             // connection made during the round is the node's answer. (Older
             // connections are at most the pool's size.) The same token makes
             // the repeat safe: a SET or swap that did land answers as done,
-            // an extension or fencing write-back is idempotent, and a
-            // release that did delete finds the key absent, which counts
-            // as deleted by us.
-            if let (true, Op::Release { keep_until }) = (lost, enc.op) {
-                let now = Instant::now();
-                let until = keep_until.max(after(now, shared.timeout));
-                let mut undone = shared.undone.lock();
-                if undone.len() >= MAX_RETRIES {
-                    undone.retain(|_, u| *u > now);
-                }
-                for t in &enc.tokens {
-                    undone.insert(t.clone(), until);
-                }
-            }
+            // and an extension or fencing write-back is idempotent. A
+            // release's repeat that does not find the key ours cannot tell
+            // whether the first delete ran (see `on_ready`).
             s.sent = None;
             s.fell_back = false;
             debug!(
@@ -1201,6 +1228,25 @@ impl RedisTransport {
                             *a = Answer::Ok;
                         }
                     }
+                }
+            }
+            if let (true, Op::Release { held, .. }, Ok(reply)) = (s.lost, enc.op, &mut r) {
+                // The first delete, lost with its connection, may have run.
+                // While the lock was valid its key could not have expired,
+                // so "absent" means it did; otherwise "absent" or another
+                // owner now says nothing.
+                if held {
+                    for a in &mut reply.answers {
+                        if *a == Answer::Absent {
+                            *a = Answer::Ok;
+                        }
+                    }
+                }
+                if reply.answers.iter().any(|a| *a != Answer::Ok) {
+                    r = Err((
+                        NodeErrorKind::Io,
+                        "connection closed before the reply; sent again, the key was no longer ours: the first delete may have run".to_owned(),
+                    ));
                 }
             }
             results[i] =
@@ -1496,6 +1542,7 @@ mod tests {
             },
             Op::Release {
                 keep_until: Instant::now(),
+                held: false,
             },
         ];
         for op in ops {

@@ -837,7 +837,8 @@ impl Inner {
     /// caller does, once it holds nothing of the client's).
     pub(crate) fn release_round(&self, state: &LockState) -> (Result<()>, Vec<NodeResult>) {
         let keep_until = self.keep_until(state);
-        let results = self.round(Op::Release { keep_until }, &[state.key()]);
+        let held = self.clock.now() < state.deadline();
+        let results = self.round(Op::Release { keep_until, held }, &[state.key()]);
         (quorum::decide_release(Tally::of(&results, 0)), results)
     }
 
@@ -1024,9 +1025,16 @@ impl Inner {
             .map(|s| self.keep_until(s))
             .max()
             .unwrap_or(deadline);
-        let results = self
-            .transport
-            .run(Op::Release { keep_until }, &keys, deadline, None, None);
+        let results = self.transport.run(
+            Op::Release {
+                keep_until,
+                held: false,
+            },
+            &keys,
+            deadline,
+            None,
+            None,
+        );
         self.note_failures(&results);
     }
 

@@ -166,3 +166,117 @@ fn a_release_sent_again_after_a_close_counts_its_own_delete() {
     let changes = changes.0.lock().clone();
     assert!(changes.is_empty(), "health changed: {changes:?}");
 }
+
+/// An expired lock's release whose first delete never reached 2 of 3 nodes (cut before it
+/// was passed on): the repeat finds the keys absent, expired, which says nothing about our
+/// delete. The release must not report success (a lost lock would pass for a protected
+/// section).
+#[test]
+fn a_release_sent_again_does_not_hide_an_expired_lock() {
+    let c = Cluster::start(3);
+    let cut = Cut {
+        forward: false,
+        ..Cut::after_running(RELEASE_1, 1)
+    };
+    let p0 = CutProxy::start(&c.url(0), cut);
+    let p1 = CutProxy::start(&c.url(1), cut);
+    let changes = Arc::new(Changes::default());
+    let locks = client(vec![p0.url(), p1.url(), c.url(2)], &changes);
+    let key = unique_key("resent-expired");
+    let g = locks
+        .try_lock(&key, Duration::from_millis(300))
+        .expect("lock");
+    std::thread::sleep(Duration::from_millis(600));
+    assert!(
+        (0..3).all(|i| c.get(i, &key).is_none()),
+        "expired everywhere"
+    );
+    let r = g.release();
+    assert_eq!(
+        (p0.cuts(), p1.cuts()),
+        (1, 1),
+        "the proxies cut the deletes"
+    );
+    assert!(r.is_err(), "the lock had expired, yet release() said Ok");
+}
+
+/// A release whose delete ran on every node (on 2 of them the connection then closed, and
+/// the node is slow to take a new one) while another client takes the freed resource: the
+/// repeat finds the other's token, which does not make our release `NotOwner`; and the other
+/// client's lock is left alone.
+#[test]
+fn a_release_sent_again_that_finds_a_new_owner_is_not_not_owner() {
+    let c = Cluster::start(3);
+    let cut = Cut {
+        slow_accept: Duration::from_millis(150),
+        ..Cut::after_running(RELEASE_1, 1)
+    };
+    let p0 = CutProxy::start(&c.url(0), cut);
+    let p1 = CutProxy::start(&c.url(1), cut);
+    let locks = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes([p0.url(), p1.url(), c.url(2)])
+        .node_timeout(Duration::from_millis(250))
+        .pool_size(1)
+        .build()
+        .expect("valid config");
+    assert_eq!(locks.wait_connected(Duration::from_secs(5)), 3);
+    let other = crate::client_with(c.urls(), Duration::from_millis(250));
+    assert_eq!(other.wait_connected(Duration::from_secs(5)), 3);
+    let key = unique_key("resent-new-owner");
+    let g = locks.try_lock(&key, Duration::from_secs(20)).expect("lock");
+    let theirs = std::thread::scope(|s| {
+        let contender = s.spawn(|| {
+            let start = std::time::Instant::now();
+            while start.elapsed() < Duration::from_secs(2) {
+                if let Ok(g) = other.try_lock(&key, Duration::from_secs(20)) {
+                    return Some(g);
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            None
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        let r = g.release();
+        assert!(
+            !matches!(r, Err(quorumlock::Error::NotOwner { .. })),
+            "our delete ran everywhere, yet: {:?}",
+            r.err()
+        );
+        contender.join().expect("contender")
+    });
+    assert_eq!(
+        (p0.cuts(), p1.cuts()),
+        (1, 1),
+        "the proxies cut the deletes"
+    );
+    let theirs = theirs.expect("the other client took the freed resource");
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(c.holders(&key, theirs.token()), 3, "their lock was touched");
+    theirs.release().expect("their release");
+}
+
+/// A release still in flight on one node when its round ended (the others answered), then
+/// lost with its connection (a kill discards what the node had not read): it is sent again
+/// in the background, and the key does not stay on that node for its TTL.
+#[test]
+fn a_release_in_flight_lost_with_its_connection_is_sent_again() {
+    let c = Cluster::start(3);
+    let cut = Cut {
+        forward: false,
+        close_after: Duration::from_millis(150),
+        ..Cut::after_running(RELEASE_1, 1)
+    };
+    let p0 = CutProxy::start(&c.url(0), cut);
+    let changes = Arc::new(Changes::default());
+    let locks = client(vec![p0.url(), c.url(1), c.url(2)], &changes);
+    let key = unique_key("in-flight-lost");
+    let g = locks.lock(&key, Duration::from_secs(20)).expect("lock");
+    g.release().expect("released on 2 of 3");
+    assert_eq!(p0.cuts(), 1, "the delete was cut");
+    assert!(
+        crate::common::wait_until(Duration::from_secs(2), || c.get(0, &key).is_none()),
+        "the key stayed on node 0 (pttl {} ms)",
+        c.pttl(0, &key)
+    );
+}
