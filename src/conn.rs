@@ -248,14 +248,13 @@ impl Conn {
             )?;
             checked = true;
         }
-        if !checked {
-            // A connection is pooled only once the node has answered on it,
-            // so that a close later is never mistaken for a node that
-            // refuses (a proxy in front of a dead node accepts, then
-            // closes). Under TLS 1.3 a node also refuses a client
-            // certificate (or its absence) only after our side of the
-            // handshake is done: the PING makes that a connect error.
-            // Connects run on the node's own thread, never in a round.
+        if !checked && !conn.stream.short_read_drains() {
+            // Under TLS 1.3 a node refuses a client certificate (or its
+            // absence) only after our side of the handshake is done: one
+            // PING makes that a connect error, not a failed round. (A plain
+            // connection is not made to wait for an answer: connects run
+            // one at a time on the node's thread, and a round that needs a
+            // new connection would wait for the extra round trip.)
             conn.handshake(&redis::cmd("PING").get_packed_command(), timeout)?;
         }
         // Load the scripts so that rounds never meet NOSCRIPT on a node that

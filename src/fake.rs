@@ -405,7 +405,6 @@ impl Transport for Shared {
             if undo(&results) {
                 let release = Op::Release {
                     keep_until: after(now, ttl),
-                    held: false,
                 };
                 let written = crate::transport::written(op, keys);
                 f.apply_all(&modes, release, &written, f.clock.now());

@@ -363,7 +363,6 @@ fn prepare(c: &mut PooledConnection<Manager>, node: &NodeShared, now: Instant) -
         }
     }
     if closed {
-        settle_soon(c, node, now);
         // Closed while idle (CLIENT KILL, a server's or a proxy's idle
         // timeout, a restart): the node answered on this connection before,
         // and a close is no answer, so no change to its health; the round
@@ -387,25 +386,6 @@ fn prepare(c: &mut PooledConnection<Manager>, node: &NodeShared, now: Instant) -
         }
     }
     true
-}
-
-/// A connection closed with acquires of ended rounds still owed their
-/// replies: the node never runs a command it had not read when it closed the
-/// connection, so their tokens stop being unsettled (and their releases
-/// retried) two node timeouts from now, time for a proxy to pass on what it
-/// had read, instead of at the end of their TTL.
-fn settle_soon(c: &Conn, node: &NodeShared, now: Instant) {
-    let owed: Vec<&String> = c.pending().iter().flat_map(|p| &p.tokens).collect();
-    if owed.is_empty() {
-        return;
-    }
-    let soon = after(now, node.timeout.saturating_mul(2));
-    let mut unsettled = node.unsettled.lock();
-    for t in owed {
-        if let Some(u) = unsettled.get_mut(t.as_str()) {
-            u.until = u.until.min(soon);
-        }
-    }
 }
 
 /// A reply no round waits for any more: if it says a SET of an ended round
@@ -509,7 +489,6 @@ fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPool>) {
             let enc = Encoded::new(
                 Op::Release {
                     keep_until: Instant::now(),
-                    held: false,
                 },
                 &keys,
             );
@@ -694,7 +673,6 @@ impl Transport for RedisTransport {
                 let now = Instant::now();
                 let rel = Op::Release {
                     keep_until: after(start, ttl),
-                    held: false,
                 };
                 for (i, (s, r)) in slots.iter_mut().zip(&results).enumerate() {
                     // Only where our SET left this client, on the same
@@ -876,10 +854,7 @@ impl RedisTransport {
         let (undo, unsettled_until) = match enc.op {
             Op::Acquire { ttl, .. } | Op::Swap { ttl, .. } if owed => {
                 let until = after(start, ttl);
-                let rel = Op::Release {
-                    keep_until: until,
-                    held: false,
-                };
+                let rel = Op::Release { keep_until: until };
                 (Some(Encoded::new(rel, &written).packed), Some(until))
             }
             _ => (None, None),
@@ -1116,9 +1091,6 @@ impl RedisTransport {
         // Our command went out and its reply never will come: it may have
         // run, or (through a proxy) may still run.
         let lost = s.conn.as_ref().is_some_and(|c| c.awaits_wanted());
-        if let Some(c) = s.conn.as_ref().filter(|_| conn::is_close(&e)) {
-            settle_soon(c, shared, Instant::now());
-        }
         if let Some(c) = s.conn.as_mut() {
             c.broken = true;
             c.unwant(None, None);
@@ -1127,14 +1099,13 @@ impl RedisTransport {
         s.lost |= lost;
         if let (true, Op::Acquire { ttl, .. } | Op::Swap { ttl, .. }) = (lost, enc.op) {
             // Its SET counts as reached for the attempt's undo, and its
-            // token stays unsettled for two node timeouts (within its TTL):
-            // a release of it is sent again meanwhile, in case a proxy passes
-            // the lost SET on after the delete. (A node that closed the
-            // connection itself never runs it later.)
-            let now = Instant::now();
-            let until = after(s.began, ttl).min(after(now, shared.timeout.saturating_mul(2)));
+            // token stays unsettled until its TTL ends: a release of it is
+            // sent again until then, in case a proxy passes the lost SET on
+            // after the delete.
+            let until = after(s.began, ttl);
             let mut unsettled = shared.unsettled.lock();
             if unsettled.len() >= MAX_RETRIES {
+                let now = Instant::now();
                 unsettled.retain(|_, u| u.until > now);
             }
             for t in &enc.written {
@@ -1230,18 +1201,10 @@ impl RedisTransport {
                     }
                 }
             }
-            if let (true, Op::Release { held, .. }, Ok(reply)) = (s.lost, enc.op, &mut r) {
-                // The first delete, lost with its connection, may have run.
-                // While the lock was valid its key could not have expired,
-                // so "absent" means it did; otherwise "absent" or another
-                // owner now says nothing.
-                if held {
-                    for a in &mut reply.answers {
-                        if *a == Answer::Absent {
-                            *a = Answer::Ok;
-                        }
-                    }
-                }
+            if let (true, Op::Release { .. }, Ok(reply)) = (s.lost, enc.op, &r) {
+                // The first delete, lost with its connection, may have run:
+                // "absent" or another owner now says nothing (the key may
+                // also have expired, or never reached this node).
                 if reply.answers.iter().any(|a| *a != Answer::Ok) {
                     r = Err((
                         NodeErrorKind::Io,
@@ -1542,7 +1505,6 @@ mod tests {
             },
             Op::Release {
                 keep_until: Instant::now(),
-                held: false,
             },
         ];
         for op in ops {

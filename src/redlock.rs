@@ -293,10 +293,8 @@ impl Redlock {
         }
     }
 
-    /// Waits until every node has a pooled connection (one the node has
-    /// answered on) or has failed to connect, for at most `within`; returns
-    /// how many nodes are connected. A node that accepts TCP but does not
-    /// answer fails to connect after the node timeout.
+    /// Waits until every node has a pooled connection or has failed to
+    /// connect, for at most `within`; returns how many nodes are connected.
     ///
     /// Never needed for correctness. A client connects in the background
     /// and its first rounds do not wait for a node still connecting (its
@@ -837,8 +835,7 @@ impl Inner {
     /// caller does, once it holds nothing of the client's).
     pub(crate) fn release_round(&self, state: &LockState) -> (Result<()>, Vec<NodeResult>) {
         let keep_until = self.keep_until(state);
-        let held = self.clock.now() < state.deadline();
-        let results = self.round(Op::Release { keep_until, held }, &[state.key()]);
+        let results = self.round(Op::Release { keep_until }, &[state.key()]);
         (quorum::decide_release(Tally::of(&results, 0)), results)
     }
 
@@ -1025,16 +1022,9 @@ impl Inner {
             .map(|s| self.keep_until(s))
             .max()
             .unwrap_or(deadline);
-        let results = self.transport.run(
-            Op::Release {
-                keep_until,
-                held: false,
-            },
-            &keys,
-            deadline,
-            None,
-            None,
-        );
+        let results = self
+            .transport
+            .run(Op::Release { keep_until }, &keys, deadline, None, None);
         self.note_failures(&results);
     }
 

@@ -68,11 +68,8 @@ pub(crate) enum Op {
     },
     /// Delete the key if it holds our token. A node that does not answer is
     /// asked again in the background until `keep_until` (when every key of
-    /// the round has expired anyway). `held`: the lock was still valid when
-    /// the release began, so its keys had not expired: a delete sent again
-    /// after its connection closed that finds the key absent was run by the
-    /// first send.
-    Release { keep_until: Instant, held: bool },
+    /// the round has expired anyway).
+    Release { keep_until: Instant },
     /// Make the key live at least `ttl` more if it holds our token (its
     /// expiry never moves back).
     Extend { ttl: Duration },

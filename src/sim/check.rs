@@ -481,14 +481,7 @@ mod tests {
 
         let mut c = Checker::new(base, 0);
         c.landed("b", 0);
-        c.sent(
-            Op::Release {
-                keep_until: base,
-                held: false,
-            },
-            &[b.key()],
-            MS,
-        );
+        c.sent(Op::Release { keep_until: base }, &[b.key()], MS);
         c.landed("b.1", 2 * MS); // a later write of the lineage
         c.finish(3 * MS);
         assert_eq!(kinds(&c), [Kind::Leaked]);

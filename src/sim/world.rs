@@ -646,7 +646,6 @@ impl Transport for SimTransport {
                 let written = crate::transport::written(op, keys);
                 let rel = Op::Release {
                     keep_until: after(start, ttl),
-                    held: false,
                 };
                 let health = self.health.lock().clone();
                 let admits: Vec<Admit> = (0..n)

@@ -292,6 +292,9 @@ pub struct Cut {
     pub budget: Option<usize>,
     pub close_after: Duration,
     pub slow_accept: Duration,
+    /// Instead of `forward`: pass the command on this long after it arrived, after the close
+    /// (a proxy that had read it, cut by an idle timeout).
+    pub forward_late: Option<Duration>,
 }
 
 impl Cut {
@@ -303,6 +306,7 @@ impl Cut {
             budget: Some(budget),
             close_after: Duration::from_millis(2),
             slow_accept: Duration::ZERO,
+            forward_late: None,
         }
     }
 }
@@ -361,11 +365,17 @@ impl CutProxy {
                         {
                             made.fetch_add(1, Ordering::SeqCst);
                             muted.store(true, Ordering::SeqCst);
-                            if cut.forward {
+                            if cut.forward && cut.forward_late.is_none() {
                                 let _ = to.write_all(chunk);
                             }
                             std::thread::sleep(cut.close_after);
                             let _ = from.shutdown(Shutdown::Both);
+                            if let Some(late) = cut.forward_late {
+                                std::thread::sleep(late.saturating_sub(cut.close_after));
+                                let _ = to.write_all(chunk);
+                                // Let the node read it before the close.
+                                std::thread::sleep(Duration::from_millis(50));
+                            }
                             break;
                         }
                         if to.write_all(chunk).is_err() {
