@@ -76,8 +76,8 @@ struct NodeShared {
     name: String,
     timeout: Duration,
     health: Mutex<NodeHealth>,
-    /// Releases this node has not answered yet.
-    retries: Mutex<VecDeque<Retry>>,
+    /// Releases to send this node again.
+    retries: Mutex<Retries>,
     /// Tokens of acquires sent to this node whose reply has not been read:
     /// their SET may still land, after a delete sent on another connection.
     /// Kept until the reply is read (or the key would have expired), with
@@ -108,6 +108,47 @@ struct Retry {
     resource: String,
     token: String,
     until: Instant,
+}
+
+/// A node's releases to send again: those it has not answered (`owed`),
+/// sent first, and those it answered while a SET of their token may still
+/// land (`watched`: deleted again until that SET's reply is read or its TTL
+/// ends). At most [`MAX_RETRIES`] in all; a full queue drops watched ones
+/// first, the oldest first.
+#[derive(Default)]
+struct Retries {
+    owed: VecDeque<Retry>,
+    watched: VecDeque<Retry>,
+}
+
+impl Retries {
+    fn push(&mut self, r: Retry, watched: bool, node: &str) {
+        if self.owed.len() + self.watched.len() >= MAX_RETRIES && self.watched.pop_front().is_none()
+        {
+            self.owed.pop_front();
+            debug!("node {node}: release retry queue full; oldest dropped");
+        }
+        if watched {
+            self.watched.push_back(r);
+        } else {
+            self.owed.push_back(r);
+        }
+    }
+
+    /// Up to `n` live releases, owed ones first, taken off the queue.
+    fn take(&mut self, n: usize, now: Instant) -> Vec<Retry> {
+        self.owed.retain(|r| r.until > now);
+        self.watched.retain(|r| r.until > now);
+        let k = self.owed.len().min(n);
+        let mut batch: Vec<Retry> = self.owed.drain(..k).collect();
+        let k = self.watched.len().min(n - batch.len());
+        batch.extend(self.watched.drain(..k));
+        batch
+    }
+
+    fn is_empty(&self) -> bool {
+        self.owed.is_empty() && self.watched.is_empty()
+    }
 }
 
 impl NodeShared {
@@ -196,7 +237,7 @@ impl RedisTransport {
                 name: spec.name.clone(),
                 timeout,
                 health: Mutex::new(NodeHealth::default()),
-                retries: Mutex::new(VecDeque::new()),
+                retries: Mutex::new(Retries::default()),
                 unsettled: Mutex::new(HashMap::new()),
                 undone: Mutex::new(HashMap::new()),
                 retry_scheduled: AtomicBool::new(false),
@@ -263,18 +304,15 @@ impl RedisTransport {
         {
             let mut q = node.inner.shared.retries.lock();
             for k in keys {
-                if q.len() >= MAX_RETRIES {
-                    q.pop_front();
-                    debug!(
-                        "node {}: release retry queue full; oldest dropped",
-                        node.inner.shared.name
-                    );
-                }
-                q.push_back(Retry {
-                    resource: k.resource.to_owned(),
-                    token: k.token.to_owned(),
-                    until,
-                });
+                q.push(
+                    Retry {
+                        resource: k.resource.to_owned(),
+                        token: k.token.to_owned(),
+                        until,
+                    },
+                    false,
+                    &node.inner.shared.name,
+                );
             }
         }
         schedule_retry(&node.inner, &node.threads);
@@ -473,12 +511,7 @@ fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPool>) {
     // The batch leaves the queue and what is still owed goes back behind
     // the rest: a batch that cannot be settled yet (a SET of its tokens may
     // still land) never holds back the releases queued after it.
-    let batch: Vec<Retry> = {
-        let mut q = shared.retries.lock();
-        q.retain(|r| r.until > now);
-        let k = q.len().min(RETRY_BATCH);
-        q.drain(..k).collect()
-    };
+    let batch: Vec<Retry> = shared.retries.lock().take(RETRY_BATCH, now);
     if !batch.is_empty() {
         let mut answered = false;
         {
@@ -527,34 +560,32 @@ fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPool>) {
                 }
             }
         }
-        let owed: Vec<Retry> = if answered {
-            let unsettled = shared.unsettled.lock();
+        if answered {
             // Done, unless a SET of that token may still land (tokens are
-            // one per attempt: they name the entries).
-            let (owed, done): (Vec<Retry>, Vec<Retry>) = batch
-                .into_iter()
-                .partition(|r| unsettled.contains_key(&r.token));
-            drop(unsettled);
+            // one per attempt: they name the entries); then it is watched.
+            let (watched, done): (Vec<Retry>, Vec<Retry>) = {
+                let unsettled = shared.unsettled.lock();
+                batch
+                    .into_iter()
+                    .partition(|r| unsettled.contains_key(&r.token))
+            };
             debug!(
                 "node {}: {} retried release(s) answered",
                 shared.name,
-                done.len() + owed.len()
+                done.len() + watched.len()
             );
             let done: HashSet<&str> = done.iter().map(|r| r.token.as_str()).collect();
-            shared
-                .retries
-                .lock()
-                .retain(|r| !done.contains(r.token.as_str()));
-            owed
-        } else {
-            batch
-        };
-        let mut q = shared.retries.lock();
-        for r in owed {
-            if q.len() >= MAX_RETRIES {
-                q.pop_front();
+            let mut q = shared.retries.lock();
+            q.owed.retain(|r| !done.contains(r.token.as_str()));
+            q.watched.retain(|r| !done.contains(r.token.as_str()));
+            for r in watched {
+                q.push(r, true, &shared.name);
             }
-            q.push_back(r);
+        } else {
+            let mut q = shared.retries.lock();
+            for r in batch {
+                q.push(r, false, &shared.name);
+            }
         }
     }
     shared.retry_scheduled.store(false, Ordering::Release);
@@ -1484,6 +1515,50 @@ impl r2d2::HandleError<ConnectError> for ConnectErrors {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn retry(token: &str, until: Instant) -> Retry {
+        Retry {
+            resource: "r".into(),
+            token: token.into(),
+            until,
+        }
+    }
+
+    /// Releases the node never answered go first, and are the last to be
+    /// dropped from a full queue: a storm of watched releases (answered,
+    /// their SET still unsettled) left thousands of keys for their TTL.
+    #[test]
+    fn owed_releases_go_first_and_outlive_watched_ones() {
+        let now = Instant::now();
+        let later = now + Duration::from_secs(30);
+        let mut q = Retries::default();
+        for i in 0..MAX_RETRIES {
+            q.push(retry(&format!("w{i}"), later), true, "n");
+        }
+        q.push(retry("gone", now), false, "n");
+        for i in 0..10 {
+            q.push(retry(&format!("o{i}"), later), false, "n");
+        }
+        assert_eq!(q.owed.len() + q.watched.len(), MAX_RETRIES);
+        assert_eq!(q.owed.len(), 11, "a full queue dropped watched ones");
+        assert_eq!(q.watched.front().map(|r| r.token.as_str()), Some("w11"));
+        let batch = q.take(5, now);
+        let tokens: Vec<&str> = batch.iter().map(|r| r.token.as_str()).collect();
+        assert_eq!(
+            tokens,
+            ["o0", "o1", "o2", "o3", "o4"],
+            "expired dropped, owed first"
+        );
+        let batch = q.take(8, now);
+        assert_eq!(batch.len(), 8);
+        assert_eq!(batch[4].token, "o9");
+        assert_eq!(batch[5].token, "w11", "then the oldest watched");
+        for i in 0..(MAX_RETRIES + 5) {
+            q.push(retry(&format!("x{i}"), later), false, "n");
+        }
+        assert!(q.watched.is_empty(), "watched ones go before owed ones");
+        assert_eq!(q.owed.len(), MAX_RETRIES);
+    }
 
     #[test]
     fn fallback_is_the_same_command_as_eval() {
