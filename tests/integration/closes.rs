@@ -166,7 +166,7 @@ fn a_release_sent_again_after_a_close_says_what_it_cannot_tell() {
     let p1 = CutProxy::start(&c.url(1), Cut::after_running(RELEASE_1, 1));
     // Nodes 0 and 1 answer first, so the lock round reads their SETs' replies (a reply
     // read later, during the release, queues an undo whose delete counts as ours).
-    let d2 = DelayProxy::start(&c.url(2), Duration::from_millis(5));
+    let d2 = DelayProxy::start(&c.url(2), Duration::from_millis(30));
     let changes = Arc::new(Changes::default());
     let locks = client(vec![p0.url(), p1.url(), d2.url()], &changes);
     let key = unique_key("resent-release");
@@ -216,8 +216,8 @@ fn a_release_sent_again_does_not_count_a_node_that_lost_the_key() {
     let p0 = CutProxy::start(&c.url(0), cut);
     // Node 0 answers first, so the lock round reads its SET's reply (a reply read later,
     // during the release, queues an undo whose delete counts as ours).
-    let d1 = DelayProxy::start(&c.url(1), Duration::from_millis(5));
-    let d2 = DelayProxy::start(&c.url(2), Duration::from_millis(5));
+    let d1 = DelayProxy::start(&c.url(1), Duration::from_millis(30));
+    let d2 = DelayProxy::start(&c.url(2), Duration::from_millis(30));
     let changes = Arc::new(Changes::default());
     let locks = client(vec![p0.url(), d1.url(), d2.url()], &changes);
     let key = unique_key("resent-lost-key");
@@ -375,7 +375,12 @@ fn a_release_in_flight_lost_with_its_connection_is_sent_again() {
     let g = locks.lock(&key, Duration::from_secs(20)).expect("lock");
     landed_everywhere(&c, &key, g.token());
     g.release().expect("released on 2 of 3");
-    assert_eq!(p0.cuts(), 1, "the delete was cut");
+    // (Sent by the round, or by the background retry if node 0 was skipped.)
+    assert!(
+        crate::common::wait_until(Duration::from_secs(2), || p0.cuts() == 1),
+        "the delete was cut {} times",
+        p0.cuts()
+    );
     assert!(
         crate::common::wait_until(Duration::from_secs(2), || c.get(0, &key).is_none()),
         "the key stayed on node 0 (pttl {} ms)",
