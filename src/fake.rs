@@ -181,9 +181,8 @@ impl Store {
     /// counter a fenced acquire set. `micros`: the node's clock, the floor
     /// of a counter.
     fn apply(&mut self, op: Op, k: &Key<'_>, now: Instant, micros: u64) -> (Answer, Option<u64>) {
-        self.keys.retain(|_, (_, exp)| *exp > now);
-        if let (Op::Acquire { fenced, .. }, Some((t, _))) = (op, self.keys.get(k.resource)) {
-            if t == k.token {
+        if let (Op::Acquire { fenced, .. }, Some((t, exp))) = (op, self.keys.get(k.resource)) {
+            if t == k.token && *exp > now {
                 // This attempt's own SET, sent again: set, with its counter.
                 let fence = fenced.then(|| self.fences.get(k.resource).copied().unwrap_or(0));
                 return (Answer::Ok, fence);
