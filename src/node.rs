@@ -709,17 +709,15 @@ impl Transport for RedisTransport {
                     // Only where our SET left this client, on the same
                     // connection so that the delete lands after it; waiting
                     // only for the nodes that answered the SET.
-                    s.admit = match (s.sent, r) {
+                    // Reached: our SET is out (or was lost with its connection).
+                    let reached = s.sent.is_some() || s.lost;
+                    s.admit = match (reached, r) {
                         // A failed swap releases the old lock everywhere.
-                        (None, _) if matches!(op, Op::Swap { .. }) => Admit::Trial,
-                        (None, _) if s.lost && self.nodes[i].inner.shared.is_healthy() => {
-                            Admit::Wait
-                        }
-                        (None, _) if s.lost => Admit::Trial,
-                        (None, _) => Admit::Skip,
-                        (Some(_), Ok(_)) => Admit::Wait,
-                        (Some(_), Err(_)) if self.nodes[i].inner.shared.is_healthy() => Admit::Wait,
-                        (Some(_), Err(_)) => Admit::Trial,
+                        (false, _) if matches!(op, Op::Swap { .. }) => Admit::Trial,
+                        (false, _) => Admit::Skip,
+                        (true, Ok(_)) => Admit::Wait,
+                        (true, Err(_)) if self.nodes[i].inner.shared.is_healthy() => Admit::Wait,
+                        (true, Err(_)) => Admit::Trial,
                     };
                     s.sent = None;
                     s.fell_back = false;
@@ -965,7 +963,7 @@ impl RedisTransport {
         }
 
         // Releases a node did not answer are kept and sent again later.
-        if let Op::Release { keep_until, .. } = enc.op {
+        if let Op::Release { keep_until } = enc.op {
             for (i, r) in results.iter().enumerate() {
                 // Skip here means "our SET never reached it": nothing to undo.
                 // A delete still in flight is kept too: its connection may be

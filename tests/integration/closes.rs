@@ -23,15 +23,30 @@ impl EventHandler for Changes {
 }
 
 fn client(urls: Vec<String>, changes: &Arc<Changes>) -> Redlock {
+    client_pooled(urls, changes, 32)
+}
+
+/// A client with `pool_size` connections per node, connected.
+fn client_pooled(urls: Vec<String>, changes: &Arc<Changes>, pool_size: u32) -> Redlock {
     let locks = Redlock::builder()
         .fresh_cluster(true)
         .nodes(urls)
         .node_timeout(Duration::from_millis(250))
+        .pool_size(pool_size)
         .events(changes.clone())
         .build()
         .expect("valid config");
     assert_eq!(locks.wait_connected(Duration::from_secs(5)), 3);
     locks
+}
+
+/// Asserts `key` leaves node `i` within `limit`.
+fn leaves_node(c: &Cluster, i: usize, key: &str, limit: Duration, what: &str) {
+    assert!(
+        crate::common::wait_until(limit, || c.get(i, key).is_none()),
+        "{what} stayed on node {i} (pttl {} ms)",
+        c.pttl(i, key)
+    );
 }
 
 /// Waits until every node holds `token` (a round ends at a majority; the last SET may
@@ -92,25 +107,19 @@ fn a_failed_attempt_undoes_a_set_lost_with_its_connection() {
     let d1 = DelayProxy::start(&c.url(1), Duration::from_millis(30));
     let d2 = DelayProxy::start(&c.url(2), Duration::from_millis(30));
     let changes = Arc::new(Changes::default());
-    let locks = Redlock::builder()
-        .fresh_cluster(true)
-        .nodes([p0.url(), d1.url(), d2.url()])
-        .node_timeout(Duration::from_millis(250))
-        .pool_size(1)
-        .events(changes.clone())
-        .build()
-        .expect("valid config");
-    assert_eq!(locks.wait_connected(Duration::from_secs(5)), 3);
+    let locks = client_pooled(vec![p0.url(), d1.url(), d2.url()], &changes, 1);
     let key = unique_key("lost-set-undone");
     hold_elsewhere(&c, 1, &key);
     hold_elsewhere(&c, 2, &key);
     let r = locks.try_lock(&key, Duration::from_secs(20));
     assert!(r.is_err(), "the others hold it");
     assert_eq!(p0.cuts(), 1, "the proxy cut the SET");
-    assert!(
-        crate::common::wait_until(Duration::from_secs(2), || c.get(0, &key).is_none()),
-        "the failed attempt's key stayed on node 0 (pttl {} ms)",
-        c.pttl(0, &key)
+    leaves_node(
+        &c,
+        0,
+        &key,
+        Duration::from_secs(2),
+        "the failed attempt's key",
     );
 }
 
@@ -256,11 +265,7 @@ fn a_set_passed_on_late_after_a_close_is_deleted_after_the_release() {
     assert_eq!(p0.cuts(), 1, "the proxy held the SET");
     // The SET lands on node 0 about 1.5 s after it was sent.
     std::thread::sleep(Duration::from_millis(2200).saturating_sub(start.elapsed()));
-    assert!(
-        crate::common::wait_until(Duration::from_secs(1), || c.get(0, &key).is_none()),
-        "the late SET stayed on node 0 (pttl {} ms)",
-        c.pttl(0, &key)
-    );
+    leaves_node(&c, 0, &key, Duration::from_secs(1), "the late SET");
 }
 
 /// An expired lock's release whose first delete never reached 2 of 3 nodes (cut before it
@@ -309,14 +314,7 @@ fn a_release_sent_again_that_finds_a_new_owner_is_not_not_owner() {
     };
     let p0 = CutProxy::start(&c.url(0), cut);
     let p1 = CutProxy::start(&c.url(1), cut);
-    let locks = Redlock::builder()
-        .fresh_cluster(true)
-        .nodes([p0.url(), p1.url(), c.url(2)])
-        .node_timeout(Duration::from_millis(250))
-        .pool_size(1)
-        .build()
-        .expect("valid config");
-    assert_eq!(locks.wait_connected(Duration::from_secs(5)), 3);
+    let locks = client_pooled(vec![p0.url(), p1.url(), c.url(2)], &Arc::default(), 1);
     let other = crate::client_with(c.urls(), Duration::from_millis(250));
     assert_eq!(other.wait_connected(Duration::from_secs(5)), 3);
     let key = unique_key("resent-new-owner");
@@ -381,9 +379,5 @@ fn a_release_in_flight_lost_with_its_connection_is_sent_again() {
         "the delete was cut {} times",
         p0.cuts()
     );
-    assert!(
-        crate::common::wait_until(Duration::from_secs(2), || c.get(0, &key).is_none()),
-        "the key stayed on node 0 (pttl {} ms)",
-        c.pttl(0, &key)
-    );
+    leaves_node(&c, 0, &key, Duration::from_secs(2), "the key");
 }
