@@ -34,6 +34,11 @@ pub(crate) struct Settings {
     pub fencing: bool,
     /// The user's event handler.
     pub events: crate::events::Events,
+    /// Refuse the votes of nodes whose memory policy can evict lock keys.
+    pub refuse_evicting: bool,
+    /// Count one vote per server (off only in the simulation, to show what
+    /// the rule prevents).
+    pub one_vote_per_server: bool,
 }
 
 /// Largest pool size accepted (connections per node): far above any useful
@@ -62,11 +67,21 @@ impl Default for Settings {
             max_ttl: None,
             fencing: false,
             events: crate::events::Events::default(),
+            refuse_evicting: false,
+            one_vote_per_server: true,
         }
     }
 }
 
 impl Settings {
+    /// Which answers count as votes.
+    pub(crate) fn rules(&self) -> crate::quorum::VoteRules {
+        crate::quorum::VoteRules {
+            one_per_server: self.one_vote_per_server,
+            refuse_evicting: self.refuse_evicting,
+        }
+    }
+
     pub(crate) fn validate(&self) -> Result<(), InvalidInput> {
         if self.node_timeout.is_zero() {
             return Err(InvalidInput::ZeroDuration("node_timeout"));
@@ -390,6 +405,23 @@ impl Builder {
         self
     }
 
+    /// Refuses the votes of a node whose memory policy can evict lock keys:
+    /// `maxmemory` set with any `maxmemory-policy` but `noeviction`
+    /// (`volatile-*` policies evict exactly the keys that have a TTL, and
+    /// every lock key has one). Under memory pressure such a node drops a
+    /// held lock's key, and a second client can then be granted the lock.
+    /// The client learns each node's policy from `INFO` when it connects;
+    /// such a node is always named in the log (one warning per node), and
+    /// with this setting its answers fail with
+    /// [`NodeErrorKind::Unsuitable`](crate::NodeErrorKind::Unsuitable). An
+    /// ACL that refuses `INFO` hides the policy: nothing is refused then.
+    ///
+    /// Defaults to false (warned of, still counted).
+    pub fn refuse_evicting_nodes(mut self, on: bool) -> Self {
+        self.settings.refuse_evicting = on;
+        self
+    }
+
     /// Sends what the client does to `handler`: attempts, renewals,
     /// losses, releases and node state changes, for metrics and traces
     /// (see [`EventHandler`](crate::EventHandler)). Replaces any earlier
@@ -438,6 +470,7 @@ impl Builder {
                 timeout: self.settings.node_timeout,
                 pool_size: self.pool_size,
                 events: self.settings.events.clone(),
+                rules: self.settings.rules(),
             },
         );
         Ok(Redlock::from_parts(

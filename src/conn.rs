@@ -98,6 +98,29 @@ impl Stream {
     }
 }
 
+/// What a command sent at connect asks, for its reply to be understood.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Setup {
+    /// Not a setup command.
+    None,
+    /// `SCRIPT LOAD`: the reply is dropped (an error means rounds send EVAL).
+    Load,
+    /// `INFO`: who the server is and whether it can keep locks.
+    Info,
+    /// The metadata's id (see [`crate::scripts::HISTORY_ID_LUA`]).
+    History,
+}
+
+/// Which answers of a late reply say that a command wrote a key of ours.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Wrote {
+    /// An acquire or a swap: after the four-element head, `1` or a fencing
+    /// counter.
+    Set,
+    /// A restore: `2`, a copy set where the key was absent.
+    Restored,
+}
+
 /// One reply the connection still owes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Pending {
@@ -105,12 +128,16 @@ pub(crate) struct Pending {
     pub sent: Instant,
     /// Whether the current round waits for it (else it is read and dropped).
     pub wanted: bool,
-    /// For an acquire whose round ended without its reply: the release that
-    /// undoes it, sent on this connection (after the SET) if the late reply
-    /// says it was set, or before the connection is given up.
-    pub undo: Option<Vec<u8>>,
-    /// For such an acquire: its tokens, whose SET may still land.
+    /// For a command that may write a key of ours (an acquire, a swap, a
+    /// restore) whose round ended without its reply: the
+    /// release that undoes it, sent on this connection (after it) if the
+    /// late reply says it wrote and the lock was released meanwhile, or
+    /// before the connection is given up; and how to read that reply.
+    pub undo: Option<(Vec<u8>, Wrote)>,
+    /// For such a command: its tokens, whose write may still land.
     pub tokens: Vec<String>,
+    /// For a command sent at connect: what it asks.
+    pub setup: Setup,
     /// For a release whose round ended without its reply: the same release
     /// as `EVAL`, sent if the late reply is NOSCRIPT (a delete is never lost).
     pub resend: Option<Vec<u8>>,
@@ -128,6 +155,9 @@ pub(crate) struct Conn {
     pub broken: bool,
     /// When the connection was made.
     pub made: Instant,
+    /// Who is at the other end, as its `INFO` and lock history said (read
+    /// ahead of the first round's reply).
+    pub server: crate::transport::ServerTag,
 }
 
 /// Why a connect failed: the node refused or did not answer (its health
@@ -229,6 +259,7 @@ impl Conn {
             pending: VecDeque::new(),
             broken: false,
             made: Instant::now(),
+            server: crate::transport::ServerTag::default(),
         };
         conn.tls_handshake(timeout)?;
         let mut checked = false;
@@ -258,13 +289,17 @@ impl Conn {
             conn.handshake(&redis::cmd("PING").get_packed_command(), timeout)?;
         }
         // Load the scripts so that rounds never meet NOSCRIPT on a node that
-        // answers late. Not waited for: the replies are read (and dropped)
-        // ahead of the first round's, so a connect costs one handshake; an
-        // error reply (an ACL without SCRIPT) is fine: rounds fall back to EVAL.
+        // answers late, and ask who the server is. Not waited for: the replies
+        // are read ahead of the first round's (in order), so a connect costs
+        // one handshake and a round never counts an answer whose server it
+        // does not know; an error reply (an ACL without SCRIPT or INFO) is
+        // fine: rounds fall back to EVAL, and the checks to what is known.
         let now = Instant::now();
         for load in &crate::scripts::load_commands() {
-            conn.queue(load, now, false);
+            conn.queue_setup(load, now, Setup::Load);
         }
+        conn.queue_setup(&redis::cmd("INFO").get_packed_command(), now, Setup::Info);
+        conn.queue_setup(&crate::scripts::history_id_command(), now, Setup::History);
         conn.flush()?;
         Ok(conn)
     }
@@ -349,6 +384,31 @@ impl Conn {
 
     /// Appends a command; its reply is expected in order after the others.
     pub(crate) fn queue(&mut self, cmd: &[u8], now: Instant, wanted: bool) {
+        self.push(cmd, now, wanted, Setup::None);
+    }
+
+    /// Appends a command no round waits for that may write a key of ours
+    /// (see [`Pending::undo`]).
+    pub(crate) fn queue_late(
+        &mut self,
+        cmd: &[u8],
+        now: Instant,
+        undo: (Vec<u8>, Wrote),
+        tokens: Vec<String>,
+    ) {
+        self.push(cmd, now, false, Setup::None);
+        if let Some(p) = self.pending.back_mut() {
+            p.undo = Some(undo);
+            p.tokens = tokens;
+        }
+    }
+
+    /// Appends a command sent at connect, whose reply is read and dropped.
+    pub(crate) fn queue_setup(&mut self, cmd: &[u8], now: Instant, setup: Setup) {
+        self.push(cmd, now, false, setup);
+    }
+
+    fn push(&mut self, cmd: &[u8], now: Instant, wanted: bool, setup: Setup) {
         if self.wpos == self.wbuf.len() {
             self.wbuf.clear();
             self.wpos = 0;
@@ -359,6 +419,7 @@ impl Conn {
             wanted,
             undo: None,
             tokens: Vec::new(),
+            setup,
             resend: None,
         });
     }
@@ -372,7 +433,7 @@ impl Conn {
         let undos: Vec<Vec<u8>> = self
             .pending
             .iter_mut()
-            .filter_map(|p| p.undo.take().or_else(|| p.resend.take()))
+            .filter_map(|p| p.undo.take().map(|(u, _)| u).or_else(|| p.resend.take()))
             .collect();
         if !undos.is_empty() && !self.broken {
             let now = Instant::now();
@@ -504,13 +565,18 @@ impl Conn {
     }
 
     /// The round is over: replies still owed are read and dropped later;
-    /// `undo` (for an acquire) is sent if such a late reply says it was set.
-    pub(crate) fn unwant(&mut self, undo: Option<(&[u8], &[String])>, resend: Option<&[u8]>) {
+    /// `undo` (for a command that may write) is sent if such a late reply
+    /// says it wrote, read as `Wrote` says.
+    pub(crate) fn unwant(
+        &mut self,
+        undo: Option<(&[u8], Wrote, &[String])>,
+        resend: Option<&[u8]>,
+    ) {
         for p in &mut self.pending {
             if p.wanted {
                 p.wanted = false;
-                if let Some((undo, tokens)) = undo {
-                    p.undo = Some(undo.to_vec());
+                if let Some((undo, wrote, tokens)) = undo {
+                    p.undo = Some((undo.to_vec(), wrote));
                     p.tokens = tokens.to_vec();
                 }
                 p.resend = resend.map(<[u8]>::to_vec);

@@ -131,6 +131,15 @@ pub enum InvalidInput {
     },
     /// The same server (host and port) was listed twice.
     DuplicateNode(String),
+    /// Two entries of the node list reach one server (found once connected:
+    /// the same `run_id`, or the same lock history), so that it would get
+    /// two votes. Reported by [`Redlock::wait_connected`](crate::Redlock::wait_connected).
+    SameServer {
+        /// The first entry (`host:port`, no credentials).
+        first: String,
+        /// The entry that reaches the same server.
+        second: String,
+    },
     /// A duration setting was zero.
     ZeroDuration(&'static str),
     /// A count setting was zero.
@@ -193,6 +202,11 @@ impl fmt::Display for InvalidInput {
                 write!(f, "bad node url {url:?}: {reason}")
             }
             InvalidInput::DuplicateNode(n) => write!(f, "node {n} listed twice"),
+            InvalidInput::SameServer { first, second } => write!(
+                f,
+                "nodes {first} and {second} are one server: Redlock needs independent servers, \
+                 and this one would get two votes"
+            ),
             InvalidInput::ZeroDuration(what) => write!(f, "{what} must be greater than zero"),
             InvalidInput::ZeroCount(what) => write!(f, "{what} must be at least 1"),
             InvalidInput::DriftFactor(x) => {
@@ -265,6 +279,16 @@ pub enum NodeErrorKind {
     /// connecting), not the node's: raise
     /// [`pool_size`](crate::Builder::pool_size) if it persists.
     NoConnection,
+    /// Not counted: this entry reached the same server as another entry of
+    /// the node list (the same `run_id`, or the same lock history), which
+    /// already answered. Redlock needs independent servers: one server
+    /// listed twice (two names, two databases) must not get two votes.
+    SameServer,
+    /// Not counted: the node cannot keep locks as an independent Redlock
+    /// node: a replica, a Redis Cluster node, or (with
+    /// [`refuse_evicting_nodes`](crate::Builder::refuse_evicting_nodes)) a
+    /// node whose memory policy can evict lock keys. The detail says which.
+    Unsuitable,
 }
 
 impl fmt::Display for NodeErrorKind {
@@ -280,6 +304,8 @@ impl fmt::Display for NodeErrorKind {
             NodeErrorKind::NoConnection => "no free connection",
             NodeErrorKind::Tls => "TLS handshake failed",
             NodeErrorKind::NotAwaited => "not awaited",
+            NodeErrorKind::SameServer => "same server as another entry",
+            NodeErrorKind::Unsuitable => "cannot keep locks",
         })
     }
 }

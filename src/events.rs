@@ -139,6 +139,10 @@ pub enum NodeOutcome {
     HeldByOther,
     /// The key was not there (expired, or deleted).
     Missing,
+    /// The key was not there, and the extension set it again with our
+    /// token: a copy restored (on a node that restarted empty, evicted it,
+    /// or never got the acquisition's `SET`), not a vote.
+    Restored,
     /// No useful answer; the kind says why (a timeout, a skipped node, a
     /// vote held back by the restart rule, …).
     Failed(NodeErrorKind),
@@ -177,6 +181,16 @@ impl<'a> Nodes<'a> {
             .filter(|(_, o)| *o == NodeOutcome::Agreed)
             .count()
     }
+
+    /// How many nodes hold the key with our token after the round: those
+    /// that agreed and those where it was restored (for an acquisition,
+    /// votes held back by the restart rule are failures here, though their
+    /// copy was set; see [`LockGuard::nodes_held`](crate::LockGuard::nodes_held)).
+    pub fn held(&self) -> usize {
+        self.iter()
+            .filter(|(_, o)| matches!(o, NodeOutcome::Agreed | NodeOutcome::Restored))
+            .count()
+    }
 }
 
 impl fmt::Debug for Nodes<'_> {
@@ -191,6 +205,7 @@ fn outcome(r: &NodeResult, index: usize) -> NodeOutcome {
             Some(Answer::Ok) => NodeOutcome::Agreed,
             Some(Answer::Other) => NodeOutcome::HeldByOther,
             Some(Answer::Absent) => NodeOutcome::Missing,
+            Some(Answer::Restored) => NodeOutcome::Restored,
             None => NodeOutcome::Failed(NodeErrorKind::Protocol),
         },
         Err(e) => NodeOutcome::Failed(e.kind()),
@@ -412,6 +427,7 @@ mod tests {
                 NodeOutcome::Agreed => "ok".to_owned(),
                 NodeOutcome::HeldByOther => "other".to_owned(),
                 NodeOutcome::Missing => "missing".to_owned(),
+                NodeOutcome::Restored => "restored".to_owned(),
                 NodeOutcome::Failed(k) => format!("{k:?}"),
             })
             .collect::<Vec<_>>()

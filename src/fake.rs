@@ -12,8 +12,11 @@ use parking_lot::Mutex;
 use crate::clock::{after, Clock, Rng};
 use crate::config::Settings;
 use crate::error::{NodeError, NodeErrorKind};
+use crate::quorum::VoteRules;
 use crate::redlock::Redlock;
-use crate::transport::{Answer, Key, NodeFacts, NodeResult, Op, Reply, Transport};
+use crate::transport::{
+    AfterRound, Answer, Key, NodeFacts, NodeResult, Op, Reply, ServerKind, ServerTag, Transport,
+};
 
 /// Virtual time: starts at a fixed instant, moves only when told (or slept).
 #[derive(Debug)]
@@ -74,13 +77,28 @@ pub(crate) enum Mode {
 }
 
 /// One node's data, as the scripts keep it (shared with the simulation).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Store {
     pub(crate) keys: HashMap<String, (String, Instant)>,
     /// Lock history: when it began, the longest TTL recorded.
     meta: Option<(Instant, Duration)>,
     /// Fencing counters, per resource (they go with the lock history).
     fences: HashMap<String, u64>,
+    /// The metadata's id: unique per store, new when its data is lost
+    /// (what the connect-time script writes on a real node).
+    id: u64,
+}
+
+impl Default for Store {
+    fn default() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        Store {
+            keys: HashMap::new(),
+            meta: None,
+            fences: HashMap::new(),
+            id: NEXT.fetch_add(1, Ordering::Relaxed),
+        }
+    }
 }
 
 impl Store {
@@ -98,6 +116,7 @@ impl Store {
             epoch: u64::try_from(epoch.saturating_duration_since(base).as_nanos()).unwrap_or(0) + 1,
             age: now.saturating_duration_since(epoch),
             max_ttl: max,
+            history: self.id,
         }
     }
 
@@ -150,7 +169,7 @@ impl Store {
                 }
                 None
             }
-            Op::Release { .. } | Op::Fence { .. } => None,
+            Op::Release { .. } | Op::Fence { .. } | Op::Restore { .. } => None,
         };
         let mut fence = None;
         let answers: Vec<Answer> = keys
@@ -165,6 +184,7 @@ impl Store {
             answers,
             facts,
             fence,
+            server: None,
         })
     }
 
@@ -209,6 +229,13 @@ impl Store {
                 Answer::Ok
             }
             (Op::Acquire { .. }, Some(_)) => Answer::Other,
+            (Op::Restore { ttl }, None) => {
+                self.keys
+                    .insert(k.resource.into(), (k.token.into(), after(now, ttl)));
+                Answer::Restored
+            }
+            (Op::Restore { .. }, Some((t, _))) if t == k.token => Answer::Ok,
+            (Op::Restore { .. }, Some(_)) => Answer::Other,
             (_, None) => Answer::Absent,
             // This swap, sent again: done already.
             (Op::Swap { .. }, Some((t, _))) if k.next.is_some_and(|n| n == t) => Answer::Ok,
@@ -261,6 +288,10 @@ pub(crate) struct FakeNodes {
     pub panic_next: AtomicBool,
     /// Runs at the start of every round, before the nodes' modes are read.
     pub before_round: Mutex<Option<Hook>>,
+    /// Per entry, the store (server) it reaches: itself unless aliased.
+    servers: Mutex<Vec<usize>>,
+    /// Per store, what kind of node it is.
+    kinds: Mutex<Vec<ServerKind>>,
 }
 
 /// A test's hook into every round: the nodes and the round's operation.
@@ -286,7 +317,25 @@ impl FakeNodes {
             rounds: AtomicUsize::new(0),
             panic_next: AtomicBool::new(false),
             before_round: Mutex::new(None),
+            servers: Mutex::new((0..n).collect()),
+            kinds: Mutex::new(vec![ServerKind::Fit; n]),
         })
+    }
+
+    /// Entry `entry` reaches the server (store) of entry `server`: one
+    /// server listed twice.
+    pub(crate) fn alias(&self, entry: usize, server: usize) {
+        self.servers.lock()[entry] = server;
+    }
+
+    /// Entry `entry`'s server is of this kind (a replica, an evicting node).
+    pub(crate) fn set_kind(&self, entry: usize, kind: ServerKind) {
+        let server = self.servers.lock()[entry];
+        self.kinds.lock()[server] = kind;
+    }
+
+    fn store(&self, entry: usize) -> &Mutex<Store> {
+        &self.stores[self.servers.lock()[entry]]
     }
 
     pub(crate) fn set_mode(&self, node: usize, mode: Mode) {
@@ -296,7 +345,7 @@ impl FakeNodes {
     /// The token stored under `key` on `node`, if live.
     pub(crate) fn get(&self, node: usize, key: &str) -> Option<String> {
         let now = self.clock.now();
-        let store = self.stores[node].lock();
+        let store = self.store(node).lock();
         store
             .keys
             .get(key)
@@ -305,12 +354,12 @@ impl FakeNodes {
     }
 
     pub(crate) fn del(&self, node: usize, key: &str) {
-        self.stores[node].lock().keys.remove(key);
+        self.store(node).lock().keys.remove(key);
     }
 
     /// The node restarts without its data: keys and lock history are gone.
     pub(crate) fn wipe(&self, node: usize) {
-        *self.stores[node].lock() = Store::default();
+        *self.store(node).lock() = Store::default();
     }
 
     /// Node `i`'s wall clock in µs (its `TIME`) at `now`: virtual time from
@@ -330,42 +379,60 @@ impl FakeNodes {
 
     /// The fencing counter of `resource` on `node`.
     pub(crate) fn fence(&self, node: usize, resource: &str) -> Option<u64> {
-        self.stores[node].lock().fences.get(resource).copied()
+        self.store(node).lock().fences.get(resource).copied()
     }
 
-    /// Runs `op` on every node in `modes`, as one round at `now`.
-    fn apply_all(&self, modes: &[Mode], op: Op, keys: &[Key<'_>], now: Instant) -> Vec<NodeResult> {
-        modes
-            .iter()
-            .enumerate()
-            .map(|(i, mode)| {
-                let name = &self.names[i];
-                match mode {
-                    Mode::Down => Err(NodeError::new(name, NodeErrorKind::Unavailable, "refused")),
-                    Mode::Hung => Err(NodeError::new(name, NodeErrorKind::Timeout, "")),
-                    Mode::Up | Mode::Lossy => {
-                        let micros = self.micros(i, now);
-                        let reply =
-                            self.stores[i]
-                                .lock()
-                                .round(op, keys, now, self.clock.base, micros);
-                        match reply {
-                            Err(why) => Err(NodeError::new(name, NodeErrorKind::Server, why)),
-                            Ok(_) if *mode == Mode::Lossy => {
-                                Err(NodeError::new(name, NodeErrorKind::Timeout, ""))
-                            }
-                            Ok(reply) => Ok(reply),
+    /// Runs `op` on every node in `modes`, as one round at `now`, each
+    /// answer counted as `rules` say, in node order.
+    fn apply_all(
+        &self,
+        modes: &[Mode],
+        op: Op,
+        keys: &[Key<'_>],
+        now: Instant,
+        rules: VoteRules,
+    ) -> Vec<NodeResult> {
+        let servers = self.servers.lock().clone();
+        let kinds = self.kinds.lock().clone();
+        let mut results: Vec<Option<NodeResult>> = vec![None; modes.len()];
+        for (i, mode) in modes.iter().enumerate() {
+            let name = &self.names[i];
+            let r = match mode {
+                Mode::Down => Err(NodeError::new(name, NodeErrorKind::Unavailable, "refused")),
+                Mode::Hung => Err(NodeError::new(name, NodeErrorKind::Timeout, "")),
+                Mode::Up | Mode::Lossy => {
+                    let micros = self.micros(i, now);
+                    let server = servers[i];
+                    let reply =
+                        self.stores[server]
+                            .lock()
+                            .round(op, keys, now, self.clock.base, micros);
+                    match reply {
+                        Err(why) => Err(NodeError::new(name, NodeErrorKind::Server, why)),
+                        Ok(_) if *mode == Mode::Lossy => {
+                            Err(NodeError::new(name, NodeErrorKind::Timeout, ""))
+                        }
+                        Ok(mut reply) => {
+                            reply.server = Some(ServerTag {
+                                run: Some(server as u64 + 1),
+                                history: reply.facts.map(|f| f.history),
+                                kind: kinds[server],
+                            });
+                            Ok(reply)
                         }
                     }
                 }
-            })
-            .collect()
+            };
+            crate::quorum::insert_vote(&mut results, &self.names, i, r, rules);
+        }
+        results.into_iter().flatten().collect()
     }
 }
 
-/// Lets tests keep an `Arc<FakeNodes>` while the client owns a box.
+/// Lets tests keep an `Arc<FakeNodes>` while the client owns a box; counts
+/// answers as the client's `rules` say.
 #[derive(Debug)]
-pub(crate) struct Shared(pub Arc<FakeNodes>);
+pub(crate) struct Shared(pub Arc<FakeNodes>, pub VoteRules);
 
 impl Transport for Shared {
     fn node_names(&self) -> &[String] {
@@ -380,7 +447,7 @@ impl Transport for Shared {
         _decided: Option<crate::transport::Decided<'_>>,
         undo: Option<crate::transport::Undo<'_>>,
     ) -> Vec<NodeResult> {
-        let f = &self.0;
+        let (f, rules) = (&self.0, self.1);
         assert!(
             !f.panic_next.swap(false, Ordering::SeqCst),
             "injected panic"
@@ -391,7 +458,7 @@ impl Transport for Shared {
         }
         let modes = f.modes.lock().clone();
         let now = f.clock.now();
-        let results = f.apply_all(&modes, op, keys, now);
+        let results = f.apply_all(&modes, op, keys, now, rules);
         // The round lasts one latency, or until the deadline if anyone hung.
         let waits = modes.iter().any(|m| matches!(m, Mode::Hung | Mode::Lossy));
         let end = if waits {
@@ -401,12 +468,12 @@ impl Transport for Shared {
         };
         f.clock.advance(end.saturating_duration_since(now));
         if let (Some(undo), Op::Acquire { ttl, .. } | Op::Swap { ttl, .. }) = (undo, op) {
-            if undo(&results) {
+            if undo(&results) == AfterRound::Undo {
                 let release = Op::Release {
                     keep_until: after(now, ttl),
                 };
                 let written = crate::transport::written(op, keys);
-                f.apply_all(&modes, release, &written, f.clock.now());
+                f.apply_all(&modes, release, &written, f.clock.now(), rules);
             }
         }
         results
@@ -416,6 +483,16 @@ impl Transport for Shared {
 /// A client over `n` fake nodes with default settings and a seeded RNG.
 pub(crate) fn client(n: usize) -> (Redlock, Arc<FakeNodes>, Arc<ManualClock>) {
     client_with(n, settings())
+}
+
+/// Another client's lock on `resource`, on entry `node` only, for `ttl`.
+pub(crate) fn plant(nodes: &FakeNodes, node: usize, resource: &str, token: &str, ttl: Duration) {
+    let exp = after(nodes.clock.now(), ttl);
+    nodes
+        .store(node)
+        .lock()
+        .keys
+        .insert(resource.into(), (token.into(), exp));
 }
 
 /// Default settings for a throwaway fake cluster (its first locks need not
@@ -438,9 +515,10 @@ pub(crate) fn client_with(
 
 /// Another client (another process) over the same fake nodes.
 pub(crate) fn client_over(nodes: &Arc<FakeNodes>, settings: Settings) -> Redlock {
+    let rules = settings.rules();
     Redlock::from_parts(
         settings,
-        Box::new(Shared(nodes.clone())),
+        Box::new(Shared(nodes.clone(), rules)),
         nodes.clock.clone(),
         Rng::new(42),
         None,
@@ -457,7 +535,7 @@ pub(crate) fn client_with_on_lost(
     let nodes = FakeNodes::new(n, clock.clone());
     let client = Redlock::from_parts(
         settings(),
-        Box::new(Shared(nodes.clone())),
+        Box::new(Shared(nodes.clone(), VoteRules::default())),
         clock.clone(),
         Rng::new(42),
         Some(Arc::new(f)),

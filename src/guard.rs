@@ -68,6 +68,11 @@ pub(crate) struct LockState {
     /// node (`start + ttl` of the longest sent), whether or not it
     /// succeeded: extensions never shorten a key.
     reach: Mutex<Option<Instant>>,
+    /// Nodes that confirmed our key in the last round that touched it.
+    holding: std::sync::atomic::AtomicUsize,
+    /// A renewal round that may restore copies of the key is in flight:
+    /// a release waits for it to end (see [`LockState::begin_renewal`]).
+    in_renewal: AtomicBool,
     lost: AtomicBool,
     released: AtomicBool,
     renewing: AtomicBool,
@@ -108,6 +113,8 @@ impl LockState {
             acquired: timing.since,
             timing: Mutex::new(timing),
             reach: Mutex::new(None),
+            holding: std::sync::atomic::AtomicUsize::new(0),
+            in_renewal: AtomicBool::new(false),
             lost: AtomicBool::new(false),
             released: AtomicBool::new(false),
             renewing: AtomicBool::new(false),
@@ -153,8 +160,44 @@ impl LockState {
         self.lost.load(Ordering::Acquire)
     }
 
+    /// Records how many nodes confirmed our key in a round.
+    pub(crate) fn set_holding(&self, nodes: usize) {
+        self.holding.store(nodes, Ordering::Relaxed);
+    }
+
+    pub(crate) fn holding(&self) -> usize {
+        self.holding.load(Ordering::Relaxed)
+    }
+
     pub(crate) fn is_released(&self) -> bool {
         self.released.load(Ordering::Acquire)
+    }
+
+    /// The renewal thread is about to send a renewal of this lock, which
+    /// restores its key where it is missing: false (and nothing sent) when
+    /// the lock was released already. With [`take_release`](Self::take_release)
+    /// and [`renewal_in_flight`](Self::renewal_in_flight), each side writes
+    /// its flag then reads the other's (sequentially consistent), so that a
+    /// release either stops the renewal or waits for it to end: a restored
+    /// copy never lands after the release's delete.
+    pub(crate) fn begin_renewal(&self) -> bool {
+        self.in_renewal.store(true, Ordering::SeqCst);
+        if self.released.load(Ordering::SeqCst) {
+            self.in_renewal.store(false, Ordering::SeqCst);
+            return false;
+        }
+        true
+    }
+
+    /// The renewal round of [`begin_renewal`](Self::begin_renewal) is over.
+    pub(crate) fn end_renewal(&self) {
+        self.in_renewal.store(false, Ordering::SeqCst);
+    }
+
+    /// Whether a renewal round of this lock is in flight (read after the
+    /// release flag was set).
+    pub(crate) fn renewal_in_flight(&self) -> bool {
+        self.in_renewal.load(Ordering::SeqCst)
     }
 
     /// Declares the lock lost (once): flips the flag, fires the loss channel
@@ -183,7 +226,7 @@ impl LockState {
     /// Marks the lock released; true the first time only. Disconnects the
     /// loss channel so that nobody waits on it forever.
     pub(crate) fn take_release(&self) -> bool {
-        let first = !self.released.swap(true, Ordering::AcqRel);
+        let first = !self.released.swap(true, Ordering::SeqCst);
         if first {
             self.loss_tx.lock().take();
         }
@@ -316,6 +359,31 @@ impl LockGuard {
     /// Whether the lock may still be assumed held: not lost, validity left.
     pub fn is_held(&self) -> bool {
         !self.validity().is_zero()
+    }
+
+    /// How many nodes confirmed holding the lock's key in the last round
+    /// that touched it: the acquisition, then each extension or renewal
+    /// (which also restores the key where it went missing: a node that
+    /// restarted empty, evicted it, or never got the acquisition's `SET`).
+    ///
+    /// A lock on every node survives the loss of any minority; one on a
+    /// bare majority is one node failure from being lost. A node whose reply
+    /// the round did not wait for (the outcome was settled before it
+    /// arrived) is not counted, though its copy is most likely there: a
+    /// later round confirms it.
+    ///
+    /// ```no_run
+    /// # use std::time::Duration;
+    /// # let locks = quorumlock::Redlock::builder().node("redis://127.0.0.1:6379").build()?;
+    /// let guard = locks.lock("lock:sku:42", Duration::from_secs(10))?;
+    /// assert!(guard.nodes_held() >= locks.quorum());
+    /// # Ok::<(), quorumlock::Error>(())
+    /// ```
+    pub fn nodes_held(&self) -> usize {
+        if self.state.is_lost() {
+            return 0;
+        }
+        self.state.holding()
     }
 
     /// Whether the lock is known to be lost: a renewal or extension found it

@@ -108,8 +108,10 @@ impl NodeHealth {
 /// A round's admissions, from each node's own: a delete is always safe to
 /// send, so it skips nobody (failing nodes get a trial); any other round
 /// skips failing nodes only while the ones it waits for can still make a
-/// quorum ([`upgrade_if_short`]).
-pub(crate) fn admit_round(admits: &mut [Admit], release: bool, quorum: usize) {
+/// quorum ([`upgrade_if_short`]). `twins[i]`: entry `i` is known to reach
+/// the same server as an earlier entry (empty: none), so its vote cannot
+/// add to a quorum.
+pub(crate) fn admit_round(admits: &mut [Admit], release: bool, quorum: usize, twins: &[bool]) {
     if release {
         admits.iter_mut().for_each(|a| {
             if *a == Admit::Skip {
@@ -117,14 +119,19 @@ pub(crate) fn admit_round(admits: &mut [Admit], release: bool, quorum: usize) {
             }
         });
     } else {
-        upgrade_if_short(admits, quorum);
+        upgrade_if_short(admits, quorum, twins);
     }
 }
 
-/// Rule 4 of the node layer: nodes are skipped only while the nodes a round
-/// waits for can still make a quorum; otherwise every node is waited for.
-pub(crate) fn upgrade_if_short(admits: &mut [Admit], quorum: usize) {
-    let waited = admits.iter().filter(|a| **a == Admit::Wait).count();
+/// Rule 4 of the node layer: nodes are skipped only while the servers a
+/// round waits for can still make a quorum; otherwise every node is waited
+/// for. A twin (see [`admit_round`]) is no server of its own.
+pub(crate) fn upgrade_if_short(admits: &mut [Admit], quorum: usize, twins: &[bool]) {
+    let waited = admits
+        .iter()
+        .enumerate()
+        .filter(|&(i, a)| *a == Admit::Wait && !twins.get(i).copied().unwrap_or(false))
+        .count();
     if waited < quorum {
         admits.iter_mut().for_each(|a| *a = Admit::Wait);
     }
@@ -176,10 +183,14 @@ mod tests {
     fn skipping_never_costs_the_quorum() {
         use Admit::*;
         let mut a = [Wait, Wait, Skip, Trial, Wait];
-        upgrade_if_short(&mut a, 3);
+        upgrade_if_short(&mut a, 3, &[]);
         assert_eq!(a, [Wait, Wait, Skip, Trial, Wait], "3 waited: enough");
         let mut a = [Wait, Skip, Trial, Skip, Wait];
-        upgrade_if_short(&mut a, 3);
+        upgrade_if_short(&mut a, 3, &[]);
         assert_eq!(a, [Wait; 5], "2 waited of 3 needed: ask everyone");
+        // Entries 0 and 1 are one server: two waited entries, one server.
+        let mut a = [Wait, Wait, Skip];
+        upgrade_if_short(&mut a, 2, &[false, true, false]);
+        assert_eq!(a, [Wait; 3], "one server cannot make a quorum alone");
     }
 }

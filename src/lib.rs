@@ -42,6 +42,7 @@ mod node;
 mod quorum;
 mod redlock;
 mod scripts;
+mod server;
 #[cfg(feature = "tls-rustls")]
 mod tls;
 mod transport;

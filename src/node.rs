@@ -26,14 +26,18 @@ use redis::Value;
 use scheduled_thread_pool::{OnPoolDropBehavior, ScheduledThreadPool};
 
 use crate::clock::{after, Throttle, WARN_EVERY};
-use crate::conn::{self, Conn, ConnectError, PollFlags, Target, MAX_PENDING, MIN_TIMEOUT};
-use crate::error::{NodeError, NodeErrorKind};
+use crate::conn::{
+    self, Conn, ConnectError, PollFlags, Setup, Target, Wrote, MAX_PENDING, MIN_TIMEOUT,
+};
+use crate::error::{InvalidInput, NodeError, NodeErrorKind};
 use crate::events::{Events, NodeChange, NodeEvent};
 use crate::health::{self, Admit, NodeHealth, Outcome};
-use crate::quorum;
+use crate::quorum::{self, VoteRules};
 use crate::scripts;
+use crate::server::{id_hash, ServerInfo};
 use crate::transport::{
-    Answer, Decided, Key, NodeFacts, NodeResult, Op, Reply, Stored, Transport, Undo,
+    AfterRound, Answer, Decided, Key, NodeFacts, NodeResult, Op, Reply, ServerKind, ServerTag,
+    Stored, Transport, Undo,
 };
 
 /// A parsed node address.
@@ -58,6 +62,8 @@ pub(crate) struct DriverConfig {
     pub timeout: Duration,
     pub pool_size: u32,
     pub events: Events,
+    /// Which answers count as votes (see [`quorum::insert_vote`]).
+    pub rules: VoteRules,
 }
 
 /// Idle connections kept open per node.
@@ -71,8 +77,152 @@ const RETRY_BATCH: usize = 1_000;
 /// How often a round looks again for a connection it is still missing.
 const CONN_RECHECK: Duration = Duration::from_micros(200);
 
+/// What the connections learnt about the nodes' servers, one entry per
+/// node, for telling the entries apart (one server listed twice) and for
+/// naming the nodes that cannot keep locks, each once.
+struct Servers {
+    names: Vec<String>,
+    known: Mutex<Vec<Known>>,
+    /// Some entry has a twin (read without the lock on every round).
+    any_twin: AtomicBool,
+}
+
+/// What is known of one node's server.
+#[derive(Default, Clone)]
+struct Known {
+    /// The hash of its `run_id` (`INFO` at connect).
+    run: Option<u64>,
+    /// The hash of its lock history's id.
+    history: Option<u64>,
+    /// An `INFO` reply (or its refusal) has been read.
+    info_read: bool,
+    /// Its kind was logged (a replica, a cluster node, an evicting node;
+    /// or `INFO` refused): once per node.
+    told: bool,
+    /// The entry found to reach the same server, with a lower index.
+    twin: Option<usize>,
+}
+
+impl Servers {
+    fn new(names: Vec<String>) -> Self {
+        let known = Mutex::new(vec![Known::default(); names.len()]);
+        Servers {
+            names,
+            known,
+            any_twin: AtomicBool::new(false),
+        }
+    }
+
+    /// Node `i`'s `INFO` was read: `Ok` with what it says, or `Err` with
+    /// why it was refused.
+    fn learn_info(&self, i: usize, info: &Result<ServerInfo, String>) {
+        let name = &self.names[i];
+        let mut known = self.known.lock();
+        let k = &mut known[i];
+        k.info_read = true;
+        let first = !std::mem::replace(&mut k.told, true);
+        match info {
+            Ok(info) => {
+                k.run = info.run_id.as_deref().map(|r| id_hash(r.as_bytes()));
+                if first {
+                    match info.kind() {
+                        ServerKind::Fit => {}
+                        ServerKind::Replica => warn!(
+                            "node {name} is a replica (role:{}): it cannot keep locks of its own; its answers are not counted",
+                            info.role.as_deref().unwrap_or("?")
+                        ),
+                        ServerKind::Cluster => warn!(
+                            "node {name} is a Redis Cluster node (cluster_enabled:1), not an independent server: its answers are not counted"
+                        ),
+                        ServerKind::Evicting(policy) => warn!(
+                            "node {name} has maxmemory {} with maxmemory-policy {policy}: under memory pressure it can evict lock keys, and a second client then takes a held lock; set maxmemory-policy noeviction (or Builder::refuse_evicting_nodes(true) to refuse its votes)",
+                            info.maxmemory.unwrap_or(0)
+                        ),
+                    }
+                }
+            }
+            Err(why) => {
+                if first {
+                    info!(
+                        "node {name}: INFO refused ({why}): this client cannot tell by run_id whether two entries are one server, nor see a replica, a cluster node or an evicting policy; grant the lock user +info"
+                    );
+                }
+            }
+        }
+        self.pair(&mut known, i);
+    }
+
+    /// Node `i`'s lock history has the id whose hash is `history`.
+    fn learn_history(&self, i: usize, history: u64) {
+        let mut known = self.known.lock();
+        if known[i].history != Some(history) {
+            known[i].history = Some(history);
+            self.pair(&mut known, i);
+        }
+    }
+
+    /// Looks for another entry with one of node `i`'s ids; logs a pair once.
+    fn pair(&self, known: &mut [Known], i: usize) {
+        let me = ServerTag {
+            run: known[i].run,
+            history: known[i].history,
+            kind: ServerKind::Fit,
+        };
+        for j in 0..known.len() {
+            let other = ServerTag {
+                run: known[j].run,
+                history: known[j].history,
+                kind: ServerKind::Fit,
+            };
+            if j == i || !me.same_server(&other) {
+                continue;
+            }
+            let (a, b) = (i.min(j), i.max(j));
+            if known[b].twin != Some(a) {
+                known[b].twin = Some(a);
+                self.any_twin.store(true, Ordering::Relaxed);
+                warn!(
+                    "nodes {} and {} are one server (listed twice: two names, or two databases of it): Redlock needs independent servers; its answers are counted once",
+                    self.names[a], self.names[b]
+                );
+            }
+        }
+    }
+
+    /// The node's history id, if known (for answers without one).
+    fn history(&self, i: usize) -> Option<u64> {
+        self.known.lock()[i].history
+    }
+
+    /// Whether node `i`'s `INFO` (or its refusal) has been read.
+    fn info_read(&self, i: usize) -> bool {
+        self.known.lock()[i].info_read
+    }
+
+    /// Per entry, whether it is known to reach the same server as an
+    /// earlier one (empty when no entry is: the usual case, no allocation).
+    fn twin_mask(&self) -> Vec<bool> {
+        if !self.any_twin.load(Ordering::Relaxed) {
+            return Vec::new();
+        }
+        self.known.lock().iter().map(|k| k.twin.is_some()).collect()
+    }
+
+    /// The first pair of entries found to reach one server.
+    fn twins(&self) -> Option<(usize, usize)> {
+        let known = self.known.lock();
+        known
+            .iter()
+            .enumerate()
+            .find_map(|(b, k)| k.twin.map(|a| (a, b)))
+    }
+}
+
 /// What one node's connections, rounds and background jobs share.
 struct NodeShared {
+    /// The node's place in the node list.
+    index: usize,
+    servers: Arc<Servers>,
     name: String,
     timeout: Duration,
     health: Mutex<NodeHealth>,
@@ -90,7 +240,8 @@ struct NodeShared {
     /// gone: deleted by us, and counted so.
     undone: Mutex<HashMap<String, Instant>>,
     retry_scheduled: AtomicBool,
-    /// Why the last connect failed (cleared by a successful one), for the
+    /// Why the node last refused a connection (a failed connect, or a
+    /// server that turned it away), cleared when it answers again: for the
     /// errors of rounds that could not use the node.
     connect_error: Mutex<Option<(NodeErrorKind, String)>>,
     events: Events,
@@ -158,6 +309,7 @@ impl NodeShared {
         if flipped {
             let change = match outcome {
                 Outcome::Answered => {
+                    self.connect_error.lock().take();
                     info!("node {}: answering again, back in use", self.name);
                     NodeChange::Rejoined
                 }
@@ -209,6 +361,8 @@ pub(crate) struct RedisTransport {
     names: Vec<String>,
     nodes: Vec<Node>,
     timeout: Duration,
+    rules: VoteRules,
+    servers: Arc<Servers>,
 }
 
 impl fmt::Debug for RedisTransport {
@@ -223,6 +377,7 @@ impl RedisTransport {
     /// Creates the pools without waiting for any node.
     pub(crate) fn new(specs: Vec<NodeSpec>, config: DriverConfig) -> Self {
         let timeout = config.timeout.max(MIN_TIMEOUT);
+        let servers = Arc::new(Servers::new(specs.iter().map(|s| s.name.clone()).collect()));
         let mut names = Vec::with_capacity(specs.len());
         let mut nodes = Vec::with_capacity(specs.len());
         for (i, spec) in specs.into_iter().enumerate() {
@@ -234,6 +389,8 @@ impl RedisTransport {
                     .build(),
             );
             let shared = Arc::new(NodeShared {
+                index: i,
+                servers: servers.clone(),
                 name: spec.name.clone(),
                 timeout,
                 health: Mutex::new(NodeHealth::default()),
@@ -272,6 +429,8 @@ impl RedisTransport {
             names,
             nodes,
             timeout,
+            rules: config.rules,
+            servers,
         }
     }
 
@@ -296,6 +455,48 @@ impl RedisTransport {
         None
     }
 
+    /// Sends a granted lock's `SET` to node `i` after its round (which found
+    /// no free connection to it in time), from the node's thread, as soon
+    /// as a connection is free (within the node timeout), with the TTL that
+    /// is left: the key then lives as long as the others. Its reply is read
+    /// as a late reply: if the lock was released meanwhile, the key is
+    /// deleted again behind it (and a release before it leaves cancels it).
+    fn write_later(
+        &self,
+        i: usize,
+        k: &Key<'_>,
+        ttl: Duration,
+        known_max: Duration,
+        start: Instant,
+    ) {
+        let node = &self.nodes[i];
+        let shared = &node.inner.shared;
+        let until = after(start, ttl);
+        {
+            // Unsettled from now on: a release marks it, and keeps deleting.
+            let mut unsettled = shared.unsettled.lock();
+            if unsettled.len() >= MAX_RETRIES {
+                let now = Instant::now();
+                unsettled.retain(|_, u| u.until > now);
+            }
+            unsettled.entry(k.token.to_owned()).or_insert(Unsettled {
+                until,
+                released: false,
+            });
+        }
+        let job = LateWrite {
+            resource: k.resource.to_owned(),
+            token: k.token.to_owned(),
+            ttl,
+            known_max,
+            start,
+            give_up: after(Instant::now(), self.timeout),
+        };
+        let weak = Arc::downgrade(&node.inner);
+        let pool = Arc::downgrade(&node.threads);
+        node.threads.execute(move || late_write(&weak, &pool, job));
+    }
+
     fn enqueue_retries(&self, i: usize, keys: &[Key<'_>], until: Instant) {
         if until <= Instant::now() || keys.is_empty() {
             return;
@@ -316,6 +517,76 @@ impl RedisTransport {
             }
         }
         schedule_retry(&node.inner, &node.threads);
+    }
+}
+
+impl Drop for RedisTransport {
+    /// Sends each node the releases it still owes (it did not answer them,
+    /// or a `SET` of theirs may still land) once more, all nodes at once,
+    /// each on a connection of its own (a node that was failing may have no
+    /// pooled one): at most one node timeout to connect and one for the
+    /// reply. What is still unanswered then expires with its TTL.
+    fn drop(&mut self) {
+        let now = Instant::now();
+        let owed: Vec<(usize, Vec<Retry>)> = self
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(i, node)| (i, node.inner.shared.retries.lock().take(usize::MAX, now)))
+            .filter(|(_, batch)| !batch.is_empty())
+            .collect();
+        if owed.is_empty() {
+            return;
+        }
+        let timeout = self.timeout;
+        std::thread::scope(|scope| {
+            for (i, batch) in &owed {
+                let (node, name) = (&self.nodes[*i], &self.names[*i]);
+                let spawned = std::thread::Builder::new()
+                    .name("quorumlock-flush".into())
+                    .spawn_scoped(scope, move || {
+                        let keys: Vec<Key<'_>> = batch
+                            .iter()
+                            .map(|r| Key::new(&r.resource, &r.token))
+                            .collect();
+                        let enc = Encoded::new(Op::Release { keep_until: now }, &keys);
+                        match release_once(&node.target, &enc.fallback(), timeout) {
+                            Ok(()) => debug!(
+                                "node {name}: client dropped; {} owed release(s) sent",
+                                keys.len()
+                            ),
+                            Err(e) => debug!(
+                                "node {name}: client dropped; {} owed release(s) lost: {e}",
+                                keys.len()
+                            ),
+                        }
+                    });
+                if let Err(e) = spawned {
+                    debug!("node {name}: cannot send owed releases: {e}");
+                }
+            }
+        });
+    }
+}
+
+/// Sends one release command (`EVAL`, so that no script cache is needed)
+/// on a new connection, and waits for its reply: within `timeout` to
+/// connect and `timeout` for the reply.
+fn release_once(target: &Target, cmd: &[u8], timeout: Duration) -> Result<(), String> {
+    let mut c = Conn::connect(target, timeout).map_err(|e| e.to_string())?;
+    let now = Instant::now();
+    c.queue(cmd, now, true);
+    c.flush().map_err(|e| e.to_string())?;
+    let deadline = after(now, timeout);
+    loop {
+        let wanted = c.pending().front().is_some_and(|p| p.wanted);
+        let v = c.wait_reply(deadline).map_err(|e| e.to_string())?;
+        if wanted {
+            return match v {
+                Value::ServerError(e) => Err(server_text(&e)),
+                _ => Ok(()),
+            };
+        }
     }
 }
 
@@ -388,7 +659,9 @@ fn prepare(c: &mut PooledConnection<Manager>, node: &NodeShared, now: Instant) -
     loop {
         match c.next_reply() {
             Ok(Some((p, v))) => {
-                node.replied();
+                if !turned_away(&p, &v) {
+                    node.replied();
+                }
                 if late_reply(c, node, p, &v, now).is_err() {
                     return false;
                 }
@@ -426,8 +699,11 @@ fn prepare(c: &mut PooledConnection<Manager>, node: &NodeShared, now: Instant) -
     true
 }
 
-/// A reply no round waits for any more: if it says a SET of an ended round
-/// landed, deletes that key again (on the same connection).
+/// A reply no round waits for any more: a command sent at connect (who the
+/// server is), or a late reply; if it says a write of an ended round landed
+/// on a lock released meanwhile, deletes that key again (on the same
+/// connection). `Err` when the connection cannot be used: its node refused
+/// it (`ConnectionRefused`, with the server's words), or a write failed.
 fn late_reply(
     c: &mut Conn,
     node: &NodeShared,
@@ -435,6 +711,9 @@ fn late_reply(
     v: &Value,
     now: Instant,
 ) -> std::io::Result<()> {
+    if p.setup != Setup::None {
+        return setup_reply(c, node, p.setup, v);
+    }
     let mut released = None;
     if !p.tokens.is_empty() {
         let mut unsettled = node.unsettled.lock();
@@ -446,13 +725,15 @@ fn late_reply(
     }
     // A granted lock's late copy stays (it is part of the lock) unless the
     // lock was released meanwhile; a failed attempt's was undone already.
-    if let (Some(undo), Some(until)) = (p.undo.as_ref(), released.filter(|_| acquired_any(v))) {
-        debug!("node {}: a late SET landed; deleting it", node.name);
-        c.queue(undo, now, false);
-        c.flush()?;
-        let mut undone = node.undone.lock();
-        for t in &p.tokens {
-            undone.insert(t.clone(), until);
+    if let (Some((undo, wrote)), Some(until)) = (p.undo.as_ref(), released) {
+        if wrote_any(v, *wrote) {
+            debug!("node {}: a late write landed; deleting it", node.name);
+            c.queue(undo, now, false);
+            c.flush()?;
+            let mut undone = node.undone.lock();
+            for t in &p.tokens {
+                undone.insert(t.clone(), until);
+            }
         }
     }
     if matches!(v, Value::ServerError(e) if e.kind() == Some(redis::ServerErrorKind::NoScript)) {
@@ -464,17 +745,175 @@ fn late_reply(
             c.queue(resend, now, false);
         }
         for load in scripts::load_commands() {
-            c.queue(&load, now, false);
+            c.queue_setup(&load, now, Setup::Load);
         }
         c.flush()?;
     }
     Ok(())
 }
 
-/// Whether an acquire or swap reply says some key was set: `1`, or a
-/// fenced acquire's counter.
-fn acquired_any(v: &Value) -> bool {
-    matches!(v, Value::Array(items) if items.iter().skip(3).any(|x| matches!(x, Value::Int(c) if *c > 0)))
+/// The reply to a command sent at connect. `INFO` says who the server is
+/// and what kind of node (kept on the connection, for the answers read after
+/// it, and for the node); the history id names its database. An error that
+/// says the server turned the connection away (`max number of clients
+/// reached`, still loading its data) is the node's answer: it refused.
+fn setup_reply(c: &mut Conn, node: &NodeShared, setup: Setup, v: &Value) -> std::io::Result<()> {
+    if let Value::ServerError(e) = v {
+        let text = server_text(e);
+        if refuses_connection(e) {
+            c.broken = true;
+            let detail = format!("it turned the connection away: {text}");
+            *node.connect_error.lock() = Some((NodeErrorKind::Unavailable, detail.clone()));
+            node.observe(Outcome::Refused);
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::ConnectionRefused,
+                detail,
+            ));
+        }
+        if setup == Setup::Info {
+            node.servers.learn_info(node.index, &Err(text));
+        }
+        return Ok(());
+    }
+    let text = |v: &Value| match v {
+        Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+        Value::VerbatimString { text, .. } => Some(text.clone()),
+        Value::SimpleString(s) => Some(s.clone()),
+        _ => None,
+    };
+    match setup {
+        Setup::Info => {
+            let info = ServerInfo::parse(&text(v).unwrap_or_default());
+            c.server.run = info.run_id.as_deref().map(|r| id_hash(r.as_bytes()));
+            c.server.kind = info.kind();
+            node.servers.learn_info(node.index, &Ok(info));
+        }
+        Setup::History => {
+            if let Some(id) = text(v) {
+                let h = id_hash(id.as_bytes());
+                c.server.history = Some(h);
+                node.servers.learn_history(node.index, h);
+            }
+        }
+        Setup::Load | Setup::None => {}
+    }
+    Ok(())
+}
+
+/// Whether this reply is a server turning the connection away (see
+/// [`refuses_connection`]): not an answer that makes the node healthy.
+fn turned_away(p: &crate::conn::Pending, v: &Value) -> bool {
+    p.setup != Setup::None && matches!(v, Value::ServerError(e) if refuses_connection(e))
+}
+
+/// Whether a server's error reply to a command sent at connect says it
+/// turned this connection away (it closes it next).
+fn refuses_connection(e: &redis::ServerError) -> bool {
+    e.kind() == Some(redis::ServerErrorKind::BusyLoading)
+        || e.details()
+            .is_some_and(|d| d.contains("max number of clients reached"))
+}
+
+/// A server's error as it wrote it: `ERR max number of clients reached`.
+fn server_text(e: &redis::ServerError) -> String {
+    match e.details() {
+        Some(d) => format!("{} {d}", e.code()),
+        None => e.code().to_owned(),
+    }
+}
+
+/// Whether a late reply says its command wrote a key of ours (see [`Wrote`]).
+fn wrote_any(v: &Value, wrote: Wrote) -> bool {
+    let Value::Array(items) = v else { return false };
+    match wrote {
+        Wrote::Set => items
+            .iter()
+            .skip(FACTS)
+            .any(|x| matches!(x, Value::Int(c) if *c > 0)),
+        Wrote::Restored => items.iter().any(|x| matches!(x, Value::Int(2))),
+    }
+}
+
+/// Elements of an acquire or swap reply before its answers: the lock
+/// history's epoch, age, longest TTL and id.
+const FACTS: usize = 4;
+
+/// A granted lock's `SET` to send a node after the round (see
+/// [`RedisTransport::write_later`]).
+struct LateWrite {
+    resource: String,
+    token: String,
+    ttl: Duration,
+    known_max: Duration,
+    /// When the lock's round started: the key's TTL counts from there.
+    start: Instant,
+    /// When to stop looking for a free connection.
+    give_up: Instant,
+}
+
+/// Runs on the node's thread: sends `w` on a free connection, or looks
+/// again shortly (connects run on this thread too), until `w.give_up`.
+fn late_write(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPool>, w: LateWrite) {
+    let Some(node) = weak.upgrade() else {
+        return;
+    };
+    let shared = &node.shared;
+    let now = Instant::now();
+    let left = after(w.start, w.ttl).saturating_duration_since(now);
+    let released = shared
+        .unsettled
+        .lock()
+        .get(&w.token)
+        .is_none_or(|u| u.released);
+    if released || left <= shared.timeout || now >= w.give_up {
+        // Released meanwhile, about to expire, or no connection in time:
+        // not sent (the renewal, if any, restores the copy).
+        shared.unsettled.lock().remove(&w.token);
+        return;
+    }
+    let mut free = node.pool.try_get();
+    if let Some(c) = free.as_mut() {
+        if !prepare(c, shared, now) {
+            free = None;
+        }
+    }
+    match free {
+        Some(mut c) => {
+            let key = Key::new(&w.resource, &w.token);
+            let op = Op::Acquire {
+                ttl: left,
+                known_max: w.known_max,
+                fenced: false,
+            };
+            let undo = Encoded::new(
+                Op::Release {
+                    keep_until: after(w.start, w.ttl),
+                },
+                &[key],
+            )
+            .packed;
+            c.queue_late(
+                &Encoded::new(op, &[key]).packed,
+                now,
+                (undo, Wrote::Set),
+                vec![w.token.clone()],
+            );
+            if c.flush().is_err() {
+                shared.unsettled.lock().remove(&w.token);
+            } else {
+                debug!(
+                    "node {}: a granted lock's SET sent after its round",
+                    shared.name
+                );
+            }
+        }
+        _ => {
+            if let Some(threads) = threads.upgrade() {
+                let (weak, pool) = (weak.clone(), Arc::downgrade(&threads));
+                threads.execute_after(CONN_RECHECK, move || late_write(&weak, &pool, w));
+            }
+        }
+    }
 }
 
 /// Starts the node's release-retry job unless it is already scheduled.
@@ -617,22 +1056,38 @@ impl Transport for RedisTransport {
         &self.names
     }
 
-    fn wait_connected(&self, deadline: Instant) -> usize {
+    fn wait_connected(&self, deadline: Instant) -> Result<usize, InvalidInput> {
         loop {
             let mut connected = 0;
             let mut pending = false;
-            for node in &self.nodes {
+            for (i, node) in self.nodes.iter().enumerate() {
+                let shared = &node.inner.shared;
                 if node.inner.pool.state().connections > 0 {
                     connected += 1;
-                } else if node.inner.shared.is_healthy() {
+                    if !self.servers.info_read(i) && shared.is_healthy() {
+                        // Read what its connections have been told (who the
+                        // server is), without waiting.
+                        let now = Instant::now();
+                        if let Some(mut c) = node.inner.pool.try_get() {
+                            prepare(&mut c, shared, now);
+                        }
+                        pending |= !self.servers.info_read(i);
+                    }
+                } else if shared.is_healthy() {
                     // Connecting (or not started): a failing node has
                     // answered for itself.
                     pending = true;
                 }
             }
+            if let Some((a, b)) = self.servers.twins() {
+                return Err(InvalidInput::SameServer {
+                    first: self.names[a].clone(),
+                    second: self.names[b].clone(),
+                });
+            }
             let now = Instant::now();
             if !pending || now >= deadline {
-                return connected;
+                return Ok(connected);
             }
             std::thread::sleep(CONN_RECHECK.min(deadline.saturating_duration_since(now)));
         }
@@ -684,7 +1139,8 @@ impl Transport for RedisTransport {
             .iter()
             .map(|node| node.inner.shared.health.lock().admit(start))
             .collect();
-        health::admit_round(&mut admits, release, quorum::quorum(n));
+        let twins = self.servers.twin_mask();
+        health::admit_round(&mut admits, release, quorum::quorum(n), &twins);
         let mut slots: Vec<Slot> = admits
             .into_iter()
             .map(|admit| Slot {
@@ -699,8 +1155,30 @@ impl Transport for RedisTransport {
         let enc = Encoded::new(op, keys);
         let results = self.exchange(&enc, keys, &mut slots, start, deadline, decided);
 
-        if let (Some(undo), Op::Acquire { ttl, .. } | Op::Swap { ttl, .. }) = (undo, op) {
-            if undo(&results) {
+        let after_round = match (undo, op) {
+            (Some(undo), Op::Acquire { .. } | Op::Swap { .. }) => undo(&results),
+            _ => AfterRound::Done,
+        };
+        if let (AfterRound::Complete, Op::Acquire { ttl, known_max, .. }) = (after_round, op) {
+            for (i, (s, r)) in slots.iter().zip(&results).enumerate() {
+                // A healthy node the round waited for but never reached: no
+                // connection was free in time (the pool was growing, or all
+                // its connections were in use).
+                let unreached = s.admit == Admit::Wait
+                    && s.sent.is_none()
+                    && !s.lost
+                    && matches!(r, Err(e) if e.kind() == NodeErrorKind::NoConnection);
+                if unreached && self.nodes[i].inner.shared.is_healthy() {
+                    for k in keys {
+                        self.write_later(i, k, ttl, known_max, start);
+                    }
+                }
+            }
+        }
+        if let (AfterRound::Undo, Op::Acquire { ttl, .. } | Op::Swap { ttl, .. }) =
+            (after_round, op)
+        {
+            {
                 let now = Instant::now();
                 let rel = Op::Release {
                     keep_until: after(start, ttl),
@@ -880,11 +1358,14 @@ impl RedisTransport {
             Op::Release { .. } if owed => Some(enc.fallback()),
             _ => None,
         };
-        let (undo, unsettled_until) = match enc.op {
-            Op::Acquire { ttl, .. } | Op::Swap { ttl, .. } if owed => {
+        let (undo, unsettled_until) = match (enc.writes(), owed) {
+            (Some((ttl, wrote)), true) => {
                 let until = after(start, ttl);
                 let rel = Op::Release { keep_until: until };
-                (Some(Encoded::new(rel, &written).packed), Some(until))
+                (
+                    Some((Encoded::new(rel, &written).packed, wrote)),
+                    Some(until),
+                )
             }
             _ => (None, None),
         };
@@ -897,7 +1378,8 @@ impl RedisTransport {
                 }
                 if c.awaits_wanted() {
                     c.unwant(
-                        undo.as_deref().map(|u| (u, tokens.as_slice())),
+                        undo.as_ref()
+                            .map(|(u, wrote)| (u.as_slice(), *wrote, tokens.as_slice())),
                         resend.as_deref(),
                     );
                     if let Some(until) = unsettled_until {
@@ -969,7 +1451,14 @@ impl RedisTransport {
                 // A delete still in flight is kept too: its connection may be
                 // closed before the node reads it (a kill discards the
                 // unread commands), and deleting twice is harmless.
-                let unanswered = matches!(r, Some(Err(_))) && slots[i].admit != Admit::Skip;
+                // An entry that answered for a server another entry holds,
+                // or a node that cannot keep locks, answered: not retried.
+                let answered_anyway = matches!(r, Some(Err(e)) if matches!(
+                    e.kind(),
+                    NodeErrorKind::SameServer | NodeErrorKind::Unsuitable
+                ));
+                let unanswered =
+                    matches!(r, Some(Err(_))) && slots[i].admit != Admit::Skip && !answered_anyway;
                 // A SET of ours still unsettled there may land after this
                 // delete: keep deleting until its reply has been read.
                 let unsettled = {
@@ -1126,7 +1615,7 @@ impl RedisTransport {
         }
         s.conn = None;
         s.lost |= lost;
-        if let (true, Op::Acquire { ttl, .. } | Op::Swap { ttl, .. }) = (lost, enc.op) {
+        if let (true, Some((ttl, _))) = (lost, enc.writes()) {
             // Its SET counts as reached for the attempt's undo, and its
             // token stays unsettled until its TTL ends: a release of it is
             // sent again until then, in case a proxy passes the lost SET on
@@ -1164,12 +1653,18 @@ impl RedisTransport {
             );
             return;
         }
-        let kind = if e.kind() == std::io::ErrorKind::InvalidData {
-            shared.observe(Outcome::Answered);
-            NodeErrorKind::Protocol
-        } else {
-            shared.observe(Outcome::Refused);
-            NodeErrorKind::Io
+        let kind = match e.kind() {
+            std::io::ErrorKind::InvalidData => {
+                shared.observe(Outcome::Answered);
+                NodeErrorKind::Protocol
+            }
+            // The server turned the connection away (its answer, already
+            // observed): say so, in its words.
+            std::io::ErrorKind::ConnectionRefused => NodeErrorKind::Unavailable,
+            _ => {
+                shared.observe(Outcome::Refused);
+                NodeErrorKind::Io
+            }
         };
         results[i] = Some(Err(NodeError::new(&self.names[i], kind, e.to_string())));
     }
@@ -1186,9 +1681,9 @@ impl RedisTransport {
         let Some(c) = s.conn.as_mut() else {
             return;
         };
-        if let Err(e) = c.on_ready(flags) {
-            return self.failed(i, s, e, enc, results);
-        }
+        // What arrived before a close is read first: a reply, or the
+        // server's reason for closing (`max number of clients reached`).
+        let mut io = c.on_ready(flags).err();
         let shared = &self.nodes[i].inner.shared;
         loop {
             let Some(c) = s.conn.as_mut() else {
@@ -1196,11 +1691,16 @@ impl RedisTransport {
             };
             let (p, v) = match c.next_reply() {
                 Ok(Some(r)) => r,
-                Ok(None) => return,
+                Ok(None) => match io.take() {
+                    Some(e) => return self.failed(i, s, e, enc, results),
+                    None => return,
+                },
                 Err(e) => return self.failed(i, s, e, enc, results),
             };
             let now = Instant::now();
-            shared.replied();
+            if !turned_away(&p, &v) {
+                shared.replied();
+            }
             if !p.wanted {
                 if let Err(e) = late_reply(c, shared, p, &v, now) {
                     return self.failed(i, s, e, enc, results);
@@ -1218,7 +1718,20 @@ impl RedisTransport {
                     continue;
                 }
             }
+            let server = c.server;
             let mut r = enc.decode(v);
+            if let Ok(reply) = &mut r {
+                // Who answered: the connection's server, and its history's id
+                // (from this reply, or as the node last reported it).
+                let history = reply
+                    .facts
+                    .map(|f| f.history)
+                    .filter(|h| *h != 0)
+                    .inspect(|h| shared.servers.learn_history(i, *h))
+                    .or(server.history)
+                    .or_else(|| shared.servers.history(i));
+                reply.server = Some(ServerTag { history, ..server });
+            }
             if let (Ok(reply), Op::Release { .. }) = (&mut r, enc.op) {
                 // "Absent" behind our own undo of a late SET: deleted by us.
                 let mut undone = shared.undone.lock();
@@ -1241,8 +1754,8 @@ impl RedisTransport {
                     ));
                 }
             }
-            results[i] =
-                Some(r.map_err(|(kind, detail)| NodeError::new(&self.names[i], kind, detail)));
+            let r = r.map_err(|(kind, detail)| NodeError::new(&self.names[i], kind, detail));
+            quorum::insert_vote(results, &self.names, i, r, self.rules);
         }
     }
 }
@@ -1287,10 +1800,15 @@ impl Encoded {
                 scripts::EXTEND_LUA,
                 vec![millis_ceil(ttl)],
             ),
+            Op::Restore { ttl } => (
+                &scripts::RESTORE,
+                scripts::RESTORE_LUA,
+                vec![millis_ceil(ttl)],
+            ),
             Op::Fence { value } => (&scripts::FENCE, scripts::FENCE_LUA, vec![value]),
         };
-        // All but release also take the node's lock-history key.
-        let meta = !matches!(op, Op::Release { .. });
+        // All but release and restore also take the node's lock-history key.
+        let meta = !matches!(op, Op::Release { .. } | Op::Restore { .. });
         let swap = matches!(op, Op::Swap { .. });
         // A swap names one key, its new token, then the tokens it may hold.
         let named = if swap {
@@ -1323,11 +1841,13 @@ impl Encoded {
             _ => Vec::new(),
         };
         let written = match op {
-            Op::Acquire { .. } | Op::Swap { .. } => crate::transport::written(op, keys)
-                .iter()
-                .map(|k| k.token.to_owned())
-                .collect(),
-            _ => Vec::new(),
+            Op::Acquire { .. } | Op::Swap { .. } | Op::Restore { .. } => {
+                crate::transport::written(op, keys)
+                    .iter()
+                    .map(|k| k.token.to_owned())
+                    .collect()
+            }
+            Op::Release { .. } | Op::Fence { .. } | Op::Extend { .. } => Vec::new(),
         };
         Encoded {
             op,
@@ -1336,6 +1856,17 @@ impl Encoded {
             written,
             packed: pack("EVALSHA", script.get_hash()),
             code,
+        }
+    }
+
+    /// For a command that may write a key of ours (an acquire, a swap, a
+    /// restore): until how long after it was sent the key may live, and how
+    /// a late reply says it wrote.
+    fn writes(&self) -> Option<(Duration, Wrote)> {
+        match self.op {
+            Op::Acquire { ttl, .. } | Op::Swap { ttl, .. } => Some((ttl, Wrote::Set)),
+            Op::Restore { ttl } => Some((ttl, Wrote::Restored)),
+            Op::Release { .. } | Op::Fence { .. } | Op::Extend { .. } => None,
         }
     }
 
@@ -1371,19 +1902,22 @@ impl Encoded {
         };
         let (facts, rest) = match self.op {
             Op::Acquire { .. } | Op::Swap { .. } => {
-                if items.len() != self.n + 3 {
+                if items.len() != self.n + FACTS {
                     return Err(unexpected(Value::Array(items)));
                 }
                 let f: Vec<i64> = items[..3].iter().filter_map(int).collect();
-                let [epoch, age, max] = f[..] else {
+                let ([epoch, age, max], Value::BulkString(id)) = (&f[..], &items[3]) else {
                     return Err(unexpected(Value::Array(items)));
                 };
+                // Empty: the metadata has no id (written at connect).
+                let history = if id.is_empty() { 0 } else { id_hash(id) };
                 let facts = NodeFacts {
-                    epoch: u64::try_from(epoch).unwrap_or(0),
-                    age: Duration::from_millis(u64::try_from(age).unwrap_or(0)),
-                    max_ttl: Duration::from_millis(u64::try_from(max).unwrap_or(0)),
+                    epoch: u64::try_from(*epoch).unwrap_or(0),
+                    age: Duration::from_millis(u64::try_from(*age).unwrap_or(0)),
+                    max_ttl: Duration::from_millis(u64::try_from(*max).unwrap_or(0)),
+                    history,
                 };
-                (Some(facts), &items[3..])
+                (Some(facts), &items[FACTS..])
             }
             _ => {
                 if items.len() != self.n {
@@ -1396,10 +1930,12 @@ impl Encoded {
         // acquire answers a set key with its counter.
         let acquire = matches!(self.op, Op::Acquire { .. });
         let fenced = matches!(self.op, Op::Acquire { fenced: true, .. });
+        let restore = matches!(self.op, Op::Restore { .. });
         let mut fence = None;
         let answers = rest
             .iter()
             .map(|v| match (int(v), acquire) {
+                (Some(2), false) if restore => Ok(Answer::Restored),
                 (Some(1), _) if !fenced => Ok(Answer::Ok),
                 (Some(c), true) if fenced && c > 0 && c.unsigned_abs() <= scripts::FENCE_LIMIT => {
                     fence = fence.max(u64::try_from(c).ok());
@@ -1415,6 +1951,7 @@ impl Encoded {
             answers,
             facts,
             fence,
+            server: None,
         })
     }
 }
@@ -1467,7 +2004,11 @@ impl ManageConnection for Manager {
                 result = Conn::connect(&self.target, self.shared.timeout);
             }
         }
-        *self.shared.connect_error.lock() = result.as_ref().err().map(|e| (e.kind(), e.detail()));
+        // Kept until the node answers again (a connect that succeeds may
+        // still be turned away by the server, see `setup_reply`).
+        if let Err(e) = &result {
+            *self.shared.connect_error.lock() = Some((e.kind(), e.detail()));
+        }
         result.inspect_err(|e| {
             self.shared.observe(match e {
                 ConnectError::Io(e) if e.kind() == std::io::ErrorKind::TimedOut => {
@@ -1596,16 +2137,25 @@ mod tests {
         packed.split("\r\n").nth(4).unwrap_or_default().to_owned()
     }
 
-    /// Review of issue 9: a fenced acquire answers a set key with its
-    /// counter, not 1; a late reply must still be seen as "set" (so that a
-    /// lock released meanwhile is deleted again behind it).
+    /// A fenced acquire answers a set key with its counter, not 1: a late
+    /// reply must still be seen as "set" (so that a lock released
+    /// meanwhile is deleted again behind it); a restore's late reply wrote
+    /// only where it restored a copy.
     #[test]
-    fn a_late_fenced_set_is_seen_as_set() {
-        let reply = |r: i64| Value::Array([1, 2, 3, r].map(Value::Int).to_vec());
-        assert!(acquired_any(&reply(1)));
-        assert!(acquired_any(&reply(1_796_000_000_000_000)));
-        assert!(!acquired_any(&reply(0)), "exists");
-        assert!(!acquired_any(&reply(-1)), "another owner (swap)");
+    fn late_replies_say_whether_they_wrote() {
+        let reply = |r: i64| {
+            let mut v = vec![Value::Int(1), Value::Int(2), Value::Int(3)];
+            v.push(Value::BulkString(b"id".to_vec()));
+            v.push(Value::Int(r));
+            Value::Array(v)
+        };
+        assert!(wrote_any(&reply(1), Wrote::Set));
+        assert!(wrote_any(&reply(1_796_000_000_000_000), Wrote::Set));
+        assert!(!wrote_any(&reply(0), Wrote::Set), "exists");
+        assert!(!wrote_any(&reply(-1), Wrote::Set), "another owner (swap)");
+        let restored = |r: &[i64]| Value::Array(r.iter().map(|x| Value::Int(*x)).collect());
+        assert!(wrote_any(&restored(&[1, 2, -1]), Wrote::Restored));
+        assert!(!wrote_any(&restored(&[1, 1, -1]), Wrote::Restored));
     }
 
     #[test]

@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use crate::error::{Error, NodeError, NodeErrorKind};
-use crate::transport::{Answer, NodeFacts, NodeResult};
+use crate::transport::{Answer, NodeFacts, NodeResult, ServerKind};
 
 /// Extra drift allowance on top of `ttl × factor`, as in the Redlock spec.
 pub(crate) const DRIFT_FLOOR: Duration = Duration::from_millis(2);
@@ -15,6 +15,107 @@ pub(crate) const DRIFT_FLOOR: Duration = Duration::from_millis(2);
 /// Votes needed among `nodes`: a strict majority.
 pub(crate) fn quorum(nodes: usize) -> usize {
     nodes / 2 + 1
+}
+
+/// Which answers count as votes, beyond the restart rule: Redlock's nodes
+/// must be independent servers that keep what they are told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct VoteRules {
+    /// One vote per server: an entry that reaches a server another entry
+    /// of the round already answered for is not counted (off only in the
+    /// simulation, to show what it prevents).
+    pub one_per_server: bool,
+    /// A node whose memory policy can evict lock keys does not vote
+    /// (`Builder::refuse_evicting_nodes`); by default it is only warned of.
+    pub refuse_evicting: bool,
+}
+
+impl Default for VoteRules {
+    fn default() -> Self {
+        VoteRules {
+            one_per_server: true,
+            refuse_evicting: false,
+        }
+    }
+}
+
+/// Stores node `i`'s result `r` in `results` (node order; `names` for
+/// messages) as the round counts it. Every transport stores each answer
+/// through this, as it arrives, so that early decisions see it too:
+/// - a replica or a cluster-mode node never votes, and an evicting node
+///   votes unless `rules` refuse it;
+/// - two entries that reach one server count once. Both commands ran on
+///   it, one after the other, and the second saw the first's effect (a
+///   release's second delete finds the key gone): of the two answers the
+///   one that did more of what was asked counts, the other becomes a
+///   failure naming its twin.
+pub(crate) fn insert_vote(
+    results: &mut [Option<NodeResult>],
+    names: &[String],
+    i: usize,
+    r: NodeResult,
+    rules: VoteRules,
+) {
+    results[i] = Some(vote(results, names, i, r, rules));
+}
+
+fn vote(
+    results: &mut [Option<NodeResult>],
+    names: &[String],
+    i: usize,
+    r: NodeResult,
+    rules: VoteRules,
+) -> NodeResult {
+    let Ok(reply) = &r else { return r };
+    let Some(tag) = reply.server else { return r };
+    let name = |j: usize| names.get(j).map_or("?", String::as_str).to_owned();
+    let unfit = match tag.kind {
+        ServerKind::Fit => None,
+        ServerKind::Replica => {
+            Some("a replica: its writes are not its own (role:slave)".to_owned())
+        }
+        ServerKind::Cluster => {
+            Some("a Redis Cluster node, not an independent server (cluster_enabled:1)".to_owned())
+        }
+        ServerKind::Evicting(policy) if rules.refuse_evicting => Some(format!(
+            "its maxmemory-policy {policy} can evict lock keys (refuse_evicting_nodes)"
+        )),
+        ServerKind::Evicting(_) => None,
+    };
+    if let Some(why) = unfit {
+        return Err(NodeError::new(name(i), NodeErrorKind::Unsuitable, why));
+    }
+    if !rules.one_per_server {
+        return r;
+    }
+    let twin = results.iter().enumerate().position(|(j, o)| {
+        j != i && matches!(o, Some(Ok(rep)) if rep.server.is_some_and(|t| t.same_server(&tag)))
+    });
+    let Some(j) = twin else { return r };
+    let twice = |of: usize| {
+        NodeError::new(
+            name(of),
+            NodeErrorKind::SameServer,
+            format!(
+                "the same server as {}: its answer counts once",
+                name(if of == i { j } else { i })
+            ),
+        )
+    };
+    let done = |r: &NodeResult| {
+        r.as_ref().map_or(0, |rep| {
+            rep.answers
+                .iter()
+                .filter(|a| matches!(a, Answer::Ok | Answer::Restored))
+                .count()
+        })
+    };
+    if results[j].as_ref().is_some_and(|o| done(&r) > done(o)) {
+        results[j] = Some(Err(twice(j)));
+        r
+    } else {
+        Err(twice(i))
+    }
 }
 
 /// Whether a one-key round is settled by the replies so far (`None`: not
@@ -123,9 +224,14 @@ pub(crate) fn hold_back(
 pub(crate) fn heard_all(results: &[NodeResult]) -> bool {
     results.iter().all(|r| match r {
         Ok(_) => true,
+        // Answered, though not as a vote: its report was heard.
         Err(e) => matches!(
             e.kind(),
-            NodeErrorKind::Skipped | NodeErrorKind::Unavailable | NodeErrorKind::Restarted
+            NodeErrorKind::Skipped
+                | NodeErrorKind::Unavailable
+                | NodeErrorKind::Restarted
+                | NodeErrorKind::SameServer
+                | NodeErrorKind::Unsuitable
         ),
     })
 }
@@ -155,6 +261,8 @@ pub(crate) struct Tally {
     pub other: usize,
     /// The key does not exist.
     pub absent: usize,
+    /// The key was absent and an extension set it again (not a vote).
+    pub restored: usize,
     /// Nodes that gave no usable answer.
     pub failures: Vec<NodeError>,
 }
@@ -169,6 +277,7 @@ impl Tally {
                     Some(Answer::Ok) => t.ok += 1,
                     Some(Answer::Other) => t.other += 1,
                     Some(Answer::Absent) => t.absent += 1,
+                    Some(Answer::Restored) => t.restored += 1,
                     None => {}
                 },
                 Err(e) => t.failures.push(e.clone()),
@@ -178,7 +287,12 @@ impl Tally {
     }
 
     fn nodes(&self) -> usize {
-        self.ok + self.other + self.absent + self.failures.len()
+        self.ok + self.other + self.absent + self.restored + self.failures.len()
+    }
+
+    /// Nodes that hold the key with our token after the round.
+    pub(crate) fn holding(&self) -> usize {
+        self.ok + self.restored
     }
 
     /// The error to report when fewer than a majority said OK. Failures take

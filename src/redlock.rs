@@ -19,7 +19,7 @@ use crate::events::{
 use crate::guard::{Callbacks, LockGuard, LockState, LostCallback, Timing};
 use crate::local::{Gates, Permit};
 use crate::quorum::{self, RestartRule, Tally};
-use crate::transport::{Key, NodeFacts, NodeResult, Op, Transport};
+use crate::transport::{AfterRound, Key, NodeFacts, NodeResult, Op, Transport};
 use crate::watchdog::Watchdog;
 use crate::Result;
 
@@ -62,6 +62,8 @@ pub(crate) struct Inner {
     held_back: Vec<AtomicBool>,
     me: Weak<Inner>,
     watchdog: OnceLock<Watchdog>,
+    /// Notified when a renewal round ends (a release may wait for one).
+    pub(crate) renewal_done: Arc<crate::clock::Signal>,
 }
 
 impl fmt::Debug for Redlock {
@@ -180,6 +182,7 @@ impl Redlock {
                 held_back: names_len_flags,
                 me: me.clone(),
                 watchdog: OnceLock::new(),
+                renewal_done: Arc::default(),
             }),
         }
     }
@@ -293,10 +296,20 @@ impl Redlock {
         }
     }
 
-    /// Waits until every node has a pooled connection or has failed to
-    /// connect, for at most `within`; returns how many nodes are connected.
+    /// Waits until every node has a pooled connection (and the client has
+    /// read who its server is) or has failed to connect, for at most
+    /// `within`; returns how many nodes are connected.
     ///
-    /// Never needed for correctness. A client connects in the background
+    /// Also checks the node list: every connection asks its server for its
+    /// `run_id` (and reads its lock history's id), and two entries that
+    /// reach one server (two names of one host, a load balancer, two
+    /// databases of one server) are an error. Rounds already count such a
+    /// server's answers once ([`NodeErrorKind::SameServer`](crate::NodeErrorKind::SameServer)),
+    /// but a cluster listed that way has fewer independent nodes than it
+    /// seems: fix the list. Under an ACL that refuses `INFO`, only entries
+    /// of one database are told apart, once its lock history exists.
+    ///
+    /// Never needed for correctness otherwise. A client connects in the background
     /// and its first rounds do not wait for a node still connecting (its
     /// vote cannot change a settled outcome), so a brand-new client's first
     /// lock may be set on only the nodes connected by then: a bare majority,
@@ -310,13 +323,17 @@ impl Redlock {
     /// let locks = quorumlock::Redlock::builder()
     ///     .nodes(["redis://127.0.0.1:7001", "redis://127.0.0.1:7002", "redis://127.0.0.1:7003"])
     ///     .build()?;
-    /// let connected = locks.wait_connected(Duration::from_millis(200));
+    /// let connected = locks.wait_connected(Duration::from_millis(200))?;
     /// assert!(connected <= locks.node_count());
     /// # Ok::<(), quorumlock::Error>(())
     /// ```
-    pub fn wait_connected(&self, within: Duration) -> usize {
+    ///
+    /// # Errors
+    /// [`InvalidInput::SameServer`](crate::InvalidInput::SameServer) naming
+    /// two entries that reach one server.
+    pub fn wait_connected(&self, within: Duration) -> Result<usize> {
         let deadline = after(self.inner.clock.now(), within);
-        self.inner.transport.wait_connected(deadline)
+        Ok(self.inner.transport.wait_connected(deadline)?)
     }
 
     /// What every node stores for `resource` right now: whether the key
@@ -524,9 +541,13 @@ impl Inner {
                         && !matches!(r, Err(e) if e.kind() == crate::NodeErrorKind::NoConnection)
                 });
             let outcome = quorum::decide_acquire(tally, ttl, elapsed, drift);
-            let undo = outcome.is_err() && maybe_set;
+            let next = match (&outcome, maybe_set) {
+                (Ok(_), _) => AfterRound::Complete,
+                (Err(_), true) => AfterRound::Undo,
+                (Err(_), false) => AfterRound::Done,
+            };
             decision.set(Some((end, outcome, judged)));
-            undo
+            next
         };
         let results = self.transport.run(
             Op::Acquire {
@@ -552,6 +573,8 @@ impl Inner {
         self.learn(&results);
         self.note_failures(&judged);
         let elapsed = end.saturating_duration_since(start);
+        // Where our key is now (held-back votes included: the key is set).
+        let holding = Tally::of(&results, 0).holding();
         let result = (|| match outcome {
             Ok(validity) => {
                 debug!("lock {resource:?}: acquired in {elapsed:?}, valid for {validity:?}");
@@ -562,7 +585,9 @@ impl Inner {
                     ttl,
                 };
                 if !self.settings.fencing {
-                    return Ok(LockState::new(resource, token, None, timing));
+                    let state = LockState::new(resource, token, None, timing);
+                    state.set_holding(holding);
+                    return Ok(state);
                 }
                 // The token: the largest counter among the granting nodes.
                 let fence = judged
@@ -571,6 +596,7 @@ impl Inner {
                     .max()
                     .unwrap_or(0);
                 let state = LockState::new(resource, token, Some(fence), timing);
+                state.set_holding(holding);
                 self.write_back(&state, fence)?;
                 Ok(state)
             }
@@ -695,9 +721,13 @@ impl Inner {
                 Duration::ZERO,
                 time_left,
             );
-            let undo = o.is_err();
+            let next = if o.is_err() {
+                AfterRound::Undo
+            } else {
+                AfterRound::Done
+            };
             outcome.set(Some(o));
-            undo
+            next
         };
         // The next section's fencing token: the swap writes it wherever it
         // swaps, so it is its own write-back.
@@ -742,6 +772,7 @@ impl Inner {
         // takes it from there.
         let mut state = LockState::new(&baton.resource, token, fence, timing);
         state.acquired = start;
+        state.set_holding(Tally::of(&results, 0).holding());
         Ok(state)
     }
 
@@ -834,9 +865,27 @@ impl Inner {
     /// [`release`](Self::release) without telling the event handler (the
     /// caller does, once it holds nothing of the client's).
     pub(crate) fn release_round(&self, state: &LockState) -> (Result<()>, Vec<NodeResult>) {
+        self.await_renewal(state);
         let keep_until = self.keep_until(state);
         let results = self.round(Op::Release { keep_until }, &[state.key()]);
         (quorum::decide_release(Tally::of(&results, 0)), results)
+    }
+
+    /// Waits (for at most one renewal round's bound) while the renewal
+    /// thread's round for `state` is in flight: it may restore a copy of the
+    /// key, which must land before the release's delete, not after it.
+    fn await_renewal(&self, state: &LockState) {
+        if !state.renewal_in_flight() {
+            return;
+        }
+        let until = self.batch_deadline(self.clock.now(), crate::watchdog::MAX_BATCH);
+        loop {
+            let seen = self.renewal_done.seen();
+            if !state.renewal_in_flight() || self.clock.now() >= until {
+                return;
+            }
+            self.clock.wait(&self.renewal_done, seen, Some(until));
+        }
     }
 
     /// Tells the event handler a lock's critical section ended.
@@ -959,11 +1008,13 @@ impl Inner {
         let end = self.clock.now();
         self.note_failures(&results);
         let elapsed = end.saturating_duration_since(start);
-        states
+        // Each lock's outcome, decided on its own.
+        let decided: Vec<(Tally, Result<Duration>, bool)> = states
             .iter()
             .enumerate()
             .map(|(i, state)| {
                 let time_left = time_left[i];
+                let tally = Tally::of(&results, i);
                 let mut outcome = if time_left.is_zero() || results.is_empty() {
                     Err(Error::Expired)
                 } else {
@@ -976,6 +1027,8 @@ impl Inner {
                     // already lasts that long: nothing to do, and done.
                     outcome = Ok(Duration::ZERO);
                 }
+                // The lock's new deadline (or its loss) at once, before
+                // any copy is restored.
                 let mut lost_now = false;
                 match &outcome {
                     // The script never shortens a key: a TTL shorter than
@@ -993,6 +1046,43 @@ impl Inner {
                     }
                     Err(_) => {}
                 }
+                (tally, outcome, lost_now)
+            })
+            .collect();
+        // A lock held on a majority whose key is missing elsewhere (a node
+        // restarted empty or evicted it, or the acquisition never reached
+        // it): its copies are restored, one round for them all.
+        let missing: Vec<usize> = (0..states.len())
+            .filter(|&i| {
+                let (t, o, _) = &decided[i];
+                o.is_ok() && t.absent > 0 && !states[i].is_released()
+            })
+            .collect();
+        let restored = if missing.is_empty() {
+            Vec::new()
+        } else {
+            let keys: Vec<Key<'_>> = missing.iter().map(|&i| states[i].key()).collect();
+            self.restore(&keys, ttl, loud)
+        };
+        states
+            .iter()
+            .zip(decided)
+            .enumerate()
+            .map(|(i, (state, (_, outcome, lost_now)))| {
+                // What each node holds now: this round's answers, with the
+                // copies restored after it.
+                let merged = missing
+                    .iter()
+                    .position(|&m| m == i)
+                    .filter(|_| !restored.is_empty())
+                    .map(|p| merge_restored(&results, i, &restored, p));
+                let (view, index) = match &merged {
+                    Some(m) => (&m[..], 0),
+                    None => (&results[..], i),
+                };
+                if !view.is_empty() {
+                    state.set_holding(Tally::of(view, index).holding());
+                }
                 if let Some(h) = self.settings.events.get() {
                     h.on_renewal(&RenewalEvent {
                         resource: &state.resource,
@@ -1001,7 +1091,7 @@ impl Inner {
                         outcome: outcome
                             .as_ref()
                             .map(|_| state.deadline().saturating_duration_since(end)),
-                        nodes: Nodes::new(self.transport.node_names(), &results, i),
+                        nodes: Nodes::new(self.transport.node_names(), view, index),
                     });
                 }
                 if let (true, Err(e)) = (lost_now, &outcome) {
@@ -1011,6 +1101,36 @@ impl Inner {
                 outcome.map(|_| state.deadline().saturating_duration_since(end))
             })
             .collect()
+    }
+
+    /// Sets held locks' keys again where they are missing (`SET NX PX ttl`
+    /// with our tokens). The renewal thread (`wait`) waits for every node's
+    /// answer within the node timeout (per 1,000 keys): a release of one of
+    /// them waits for this round (see [`LockState::begin_renewal`]), so a
+    /// copy restored late cannot land after its delete. An extension called
+    /// by the holder does not wait (its guard cannot be released meanwhile,
+    /// and it returns without the extra round trip). Either way, a node that
+    /// has not answered has its write undone if the lock is released before
+    /// its reply is read (a late reply).
+    fn restore(&self, keys: &[Key<'_>], ttl: Duration, wait: bool) -> Vec<NodeResult> {
+        let now = self.clock.now();
+        let deadline = if wait {
+            self.batch_deadline(now, keys.len())
+        } else {
+            now
+        };
+        let results = self
+            .transport
+            .run(Op::Restore { ttl }, keys, deadline, None, None);
+        self.note_failures(&results);
+        debug!(
+            "restored {} missing cop(ies) of {} lock(s)",
+            (0..keys.len())
+                .map(|k| Tally::of(&results, k).restored)
+                .sum::<usize>(),
+            keys.len()
+        );
+        results
     }
 
     /// Best-effort release of many locks in one round trip per node.
@@ -1057,6 +1177,49 @@ impl Inner {
             }
         }
     }
+}
+
+/// One lock's answers per node (a one-answer reply each): the extension's
+/// (`results`, key `i`), with its missing copies restored where the restore
+/// round (`restored`, key `p`) set or found our key.
+fn merge_restored(
+    results: &[NodeResult],
+    i: usize,
+    restored: &[NodeResult],
+    p: usize,
+) -> Vec<NodeResult> {
+    use crate::transport::{Answer, Reply};
+    results
+        .iter()
+        .zip(restored)
+        .map(|(ext, rest)| {
+            let answer =
+                |r: &NodeResult, k: usize| r.as_ref().ok().and_then(|r| r.answers.get(k).copied());
+            match (answer(ext, i), answer(rest, p)) {
+                (Some(Answer::Absent), Some(Answer::Restored | Answer::Ok)) => Ok(Reply {
+                    answers: vec![Answer::Restored],
+                    facts: None,
+                    fence: None,
+                    server: None,
+                }),
+                (Some(a), _) => Ok(Reply {
+                    answers: vec![a],
+                    facts: None,
+                    fence: None,
+                    server: None,
+                }),
+                (None, _) => match ext {
+                    Err(e) => Err(e.clone()),
+                    Ok(_) => Ok(Reply {
+                        answers: Vec::new(),
+                        facts: None,
+                        fence: None,
+                        server: None,
+                    }),
+                },
+            }
+        })
+        .collect()
 }
 
 /// Checks a resource name: not empty, not too long, not the crate's own key.
@@ -1710,5 +1873,140 @@ mod tests {
             "release window {:?}",
             keep - start
         );
+    }
+}
+
+/// The node list's rules: one vote per server, nodes that cannot keep
+/// locks, and copies restored on every node the lock can be on.
+#[cfg(test)]
+mod node_rules {
+    use super::*;
+    use crate::fake::{client, client_over, client_with, Mode};
+    use crate::transport::ServerKind;
+
+    const TTL: Duration = Duration::from_secs(10);
+
+    /// One server listed under two names gets one vote: with the third node
+    /// down it cannot grant a lock alone, and a key it loses cannot let a
+    /// second client in while the first holds.
+    #[test]
+    fn one_server_listed_twice_votes_once() {
+        let (x, nodes, _) = client(3);
+        nodes.alias(1, 0); // entries 0 and 1: one server
+        nodes.set_mode(2, Mode::Down);
+        match x.try_lock("r", TTL) {
+            Err(Error::NoQuorum { failures, .. }) => {
+                let kinds: Vec<_> = failures.iter().map(|f| f.kind()).collect();
+                assert!(
+                    kinds.contains(&crate::NodeErrorKind::SameServer),
+                    "{failures:?}"
+                );
+            }
+            other => panic!("one server granted a lock alone: {other:?}"),
+        }
+        assert!(nodes.get(0, "r").is_none(), "the failed attempt was undone");
+        nodes.set_mode(2, Mode::Up);
+        let g = x.try_lock("r", TTL).expect("servers 0 and 2");
+        // The doubled server loses the key (eviction, a failover).
+        nodes.del(0, "r");
+        let y = client_over(&nodes, crate::fake::settings());
+        assert!(
+            y.try_lock("r", TTL).is_err(),
+            "a second holder from one server's two names"
+        );
+        assert!(g.is_held());
+    }
+
+    /// Without the rule (what the library did before), the same schedule
+    /// gives two holders: the rule is what prevents it.
+    #[test]
+    fn counted_twice_one_server_lets_two_hold() {
+        let settings = Settings {
+            one_vote_per_server: false,
+            ..crate::fake::settings()
+        };
+        let (x, nodes, _) = client_with(3, settings.clone());
+        nodes.alias(1, 0);
+        nodes.set_mode(2, Mode::Down);
+        let g = x.try_lock("r", TTL).expect("granted by one server");
+        nodes.set_mode(2, Mode::Up);
+        nodes.del(0, "r");
+        let y = client_over(&nodes, settings);
+        let h = y.try_lock("r", TTL).expect("a second holder");
+        assert!(g.is_held() && h.is_held());
+        std::mem::forget((g, h));
+    }
+
+    /// A replica or a cluster node never votes; an evicting node votes,
+    /// unless the client refuses it.
+    #[test]
+    fn nodes_that_cannot_keep_locks_do_not_vote() {
+        for kind in [ServerKind::Replica, ServerKind::Cluster] {
+            let (x, nodes, _) = client(3);
+            nodes.set_kind(0, kind);
+            nodes.set_mode(2, Mode::Down);
+            match x.try_lock("r", TTL) {
+                Err(Error::NoQuorum { failures, .. }) => assert!(
+                    failures
+                        .iter()
+                        .any(|f| f.kind() == crate::NodeErrorKind::Unsuitable),
+                    "{kind:?}: {failures:?}"
+                ),
+                other => panic!("{kind:?} voted: {other:?}"),
+            }
+        }
+        let evicting = ServerKind::Evicting("volatile-lru");
+        let (x, nodes, _) = client(3);
+        nodes.set_kind(0, evicting);
+        nodes.set_mode(2, Mode::Down);
+        drop(x.try_lock("r", TTL).expect("warned of, still counted"));
+        let strict = Settings {
+            refuse_evicting: true,
+            ..crate::fake::settings()
+        };
+        let x = client_over(&nodes, strict);
+        assert!(x.try_lock("s", TTL).is_err(), "refused when asked to");
+    }
+
+    /// A lock lives on every node it can: an extension restores the key
+    /// where it went missing (a node restarted empty, an eviction), and the
+    /// guard says on how many nodes the lock is.
+    #[test]
+    fn extensions_restore_missing_copies() {
+        let (x, nodes, _) = client(3);
+        let g = x.try_lock("r", TTL).unwrap();
+        assert_eq!(g.nodes_held(), 3);
+        nodes.wipe(2); // restarted empty
+        g.extend(TTL).expect("nodes 0 and 1 still hold it");
+        assert_eq!(g.nodes_held(), 3, "restored on node 2");
+        assert_eq!(nodes.get(2, "r").as_deref(), Some(g.token()));
+        // One node failing now does not lose the lock.
+        nodes.set_mode(0, Mode::Down);
+        g.extend(TTL).expect("nodes 1 and 2 hold it");
+        nodes.set_mode(0, Mode::Up);
+        // A lock whose copies are gone from a majority is lost: nothing is
+        // restored, and its release deletes what is left.
+        nodes.del(1, "r");
+        nodes.del(2, "r");
+        assert!(matches!(g.extend(TTL), Err(Error::Expired)));
+        assert!(g.is_lost());
+        assert!(nodes.get(1, "r").is_none() && nodes.get(2, "r").is_none());
+        drop(g);
+        assert!(nodes.get(0, "r").is_none(), "cleaned up");
+        // A key someone else holds is never overwritten.
+        let g = x.try_lock("s", TTL).unwrap();
+        nodes.del(0, "s");
+        nodes.set_mode(1, Mode::Down);
+        nodes.set_mode(2, Mode::Down);
+        let other = client_over(&nodes, crate::fake::settings());
+        let theirs = other.try_lock("s", TTL);
+        assert!(theirs.is_err(), "one node of three");
+        nodes.set_mode(1, Mode::Up);
+        nodes.set_mode(2, Mode::Up);
+        crate::fake::plant(&nodes, 0, "s", "someone-else", TTL);
+        g.extend(TTL).expect("nodes 1 and 2");
+        assert_eq!(nodes.get(0, "s").as_deref(), Some("someone-else"));
+        assert_eq!(g.nodes_held(), 2);
+        std::mem::forget(g);
     }
 }

@@ -29,18 +29,20 @@ pub(crate) static ACQUIRE: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(ACQUIRE_LUA));
 
 /// The head shared by [`ACQUIRE_LUA`] and [`SWAP_LUA`]: the node's lock
-/// history, read and updated, and the reply's first three elements.
+/// history, read and updated, and the reply's first four elements, the
+/// last the history's `id` (see [`HISTORY_ID_LUA`]; empty when missing).
 macro_rules! history_lua {
     () => {
         r"local meta = KEYS[#KEYS]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local m = redis.call('HMGET', meta, 'epoch', 'max_ttl')
+local m = redis.call('HMGET', meta, 'epoch', 'max_ttl', 'id')
 local epoch = tonumber(m[1])
 if not epoch or epoch > now + 1 then
   epoch = now + 1
   redis.call('HSET', meta, 'epoch', epoch)
 end
+local id = m[3] or ''
 local age = math.max(now - epoch, 0)
 local info = redis.pcall('INFO', 'server')
 if type(info) == 'string' then
@@ -54,7 +56,7 @@ local want = math.max(tonumber(ARGV[1]), tonumber(ARGV[2]))
 if want > known then
   redis.call('HSET', meta, 'max_ttl', want)
 end
-local out = {epoch, age, known}
+local out = {epoch, age, known, id}
 local n = #KEYS - 1
 "
     };
@@ -78,9 +80,10 @@ end
 /// The loop shared by the scripts that act on keys holding exactly our
 /// token (`KEYS[i]`, token `ARGV[i + 1]`, [`META_KEY`] last): runs `$own`
 /// where the key is ours (it sets `out[i]`), answers `-1` (another owner)
-/// or `0` (absent) elsewhere, and returns `out`.
+/// elsewhere, and runs `$absent` where the key does not exist (it sets
+/// `out[i]`); returns `out`.
 macro_rules! each_own_key_lua {
-    ($own:expr) => {
+    ($own:expr, $absent:expr) => {
         concat!(
             r"for i = 1, #KEYS - 1 do
   local key = KEYS[i]
@@ -91,8 +94,9 @@ macro_rules! each_own_key_lua {
             r"  elseif v then
     out[i] = -1
   else
-    out[i] = 0
-  end
+",
+            $absent,
+            r"  end
 end
 return out"
         )
@@ -132,24 +136,46 @@ for i = 1, n do
       local f = 'fence:' .. KEYS[i]
       local c = math.max((tonumber(redis.call('HGET', meta, f)) or 0) + 1, micros)
       redis.call('HSET', meta, f, string.format('%.0f', c))
-      out[i + 3] = c
+      out[i + 4] = c
     else
-      out[i + 3] = 1
+      out[i + 4] = 1
     end
   elseif redis.call('GET', KEYS[i]) == ARGV[i + 3] then
     -- This attempt's own SET (tokens are one per attempt), sent again after
     -- its connection closed before the reply: set, with its counter.
     if ARGV[3] == '1' then
-      out[i + 3] = tonumber(redis.call('HGET', meta, 'fence:' .. KEYS[i])) or 0
+      out[i + 4] = tonumber(redis.call('HGET', meta, 'fence:' .. KEYS[i])) or 0
     else
-      out[i + 3] = 1
+      out[i + 4] = 1
     end
   else
-    out[i + 3] = 0
+    out[i + 4] = 0
   end
 end
 return out"
 );
+
+/// Sent once per connection, at connect: gives the node's metadata an `id`
+/// unless it has one (`ARGV[1]`, random per connection) and answers it.
+/// The id names the database (it disappears exactly when the node loses
+/// its data): two entries of the node list that answer one id reach one
+/// server. Needs only the `HGET` and `HSET` on [`META_KEY`] the lock uses.
+pub(crate) const HISTORY_ID_LUA: &str = r"local id = redis.call('HGET', KEYS[1], 'id')
+if not id then
+  id = ARGV[1]
+  redis.call('HSET', KEYS[1], 'id', id)
+end
+return id";
+
+/// The packed `EVAL` of [`HISTORY_ID_LUA`] with a fresh random id.
+pub(crate) fn history_id_command() -> Vec<u8> {
+    redis::cmd("EVAL")
+        .arg(HISTORY_ID_LUA)
+        .arg(1)
+        .arg(META_KEY)
+        .arg(uuid::Uuid::new_v4().simple().to_string())
+        .get_packed_command()
+}
 
 /// Hands a held lock to a new critical section: where `KEYS[1]` holds token
 /// `ARGV[5]` or an earlier one of its lineage (a node that missed earlier
@@ -167,10 +193,10 @@ pub(crate) const SWAP_LUA: &str = concat!(
     history_lua!(),
     r"local v = redis.call('GET', KEYS[1])
 local left = redis.call('PTTL', KEYS[1])
-out[4] = v and -1 or 0
+out[5] = v and -1 or 0
 if v == ARGV[4] then
   -- This swap, sent again after its connection closed before the reply.
-  out[4] = 1
+  out[5] = 1
 elseif left > 0 and ours(v, ARGV[5]) then
   redis.call('SET', KEYS[1], ARGV[4], 'PX', left)
   if ARGV[3] ~= '0' then
@@ -179,7 +205,7 @@ elseif left > 0 and ours(v, ARGV[5]) then
       redis.call('HSET', meta, f, ARGV[3])
     end
   end
-  out[4] = 1
+  out[5] = 1
 end
 return out"
 );
@@ -202,6 +228,8 @@ local meta = KEYS[#KEYS]
       redis.call('HSET', meta, f, ARGV[1])
     end
     out[i] = 1
+",
+        r"    out[i] = 0
 "
     )
 );
@@ -249,13 +277,46 @@ end
       redis.call('PEXPIRE', key, ARGV[1])
     end
     out[i] = 1
+",
+        r"    out[i] = 0
 "
     )
 );
 
+/// Sets a held lock's key again where it is missing (its node restarted
+/// empty or evicted it, or the acquisition never reached it): `SET NX PX`
+/// with our token for `ARGV[1]` ms, so that a held lock lives on every node
+/// it can. Sent only after an extension confirmed the lock on a majority
+/// (a restored copy is not a vote: the key was not ours when it ran).
+/// `KEYS[i]` with token `ARGV[i + 1]`; answers `2` (restored), `1` (ours
+/// already) or `-1` (another owner: never overwritten).
+pub(crate) static RESTORE: LazyLock<redis::Script> =
+    LazyLock::new(|| redis::Script::new(RESTORE_LUA));
+
+/// Source of [`RESTORE`].
+pub(crate) const RESTORE_LUA: &str = r"local out = {}
+for i, key in ipairs(KEYS) do
+  if redis.call('SET', key, ARGV[i + 1], 'NX', 'PX', ARGV[1]) then
+    out[i] = 2
+  elseif redis.call('GET', key) == ARGV[i + 1] then
+    out[i] = 1
+  else
+    out[i] = -1
+  end
+end
+return out";
+
 /// `SCRIPT LOAD` for every script, packed.
-pub(crate) fn load_commands() -> [Vec<u8>; 5] {
-    [ACQUIRE_LUA, RELEASE_LUA, EXTEND_LUA, SWAP_LUA, FENCE_LUA].map(|code| {
+pub(crate) fn load_commands() -> [Vec<u8>; 6] {
+    [
+        ACQUIRE_LUA,
+        RELEASE_LUA,
+        EXTEND_LUA,
+        SWAP_LUA,
+        FENCE_LUA,
+        RESTORE_LUA,
+    ]
+    .map(|code| {
         redis::cmd("SCRIPT")
             .arg("LOAD")
             .arg(code)

@@ -87,6 +87,9 @@ pub(crate) enum Op {
     /// A fenced lock's write-back: where the key holds exactly our token,
     /// its fencing counter becomes at least `value`.
     Fence { value: u64 },
+    /// A held lock's missing copies: where the key is absent, set it with
+    /// our token for `ttl` (`SET NX PX`); never where another owner has it.
+    Restore { ttl: Duration },
 }
 
 /// One node's answer for one key.
@@ -98,6 +101,9 @@ pub(crate) enum Answer {
     Other,
     /// The key does not exist.
     Absent,
+    /// A restore found the key absent and set it with our token: a copy
+    /// restored, not a vote (the key was not ours when the command ran).
+    Restored,
 }
 
 /// What an acquire reply says about the node itself.
@@ -110,6 +116,46 @@ pub(crate) struct NodeFacts {
     pub age: Duration,
     /// The longest TTL recorded on the node before this command.
     pub max_ttl: Duration,
+    /// The id its lock history keeps (a hash of it; 0: none reported): the
+    /// same in every entry that reaches this database.
+    pub history: u64,
+}
+
+/// Who answered a command: the server's identity, and whether it can keep
+/// locks at all, as the connection learnt them (`INFO` at connect, the lock
+/// history's id). Compared between the entries of one round (see
+/// [`crate::quorum::insert_vote`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct ServerTag {
+    /// A hash of the server's `run_id` (same process, whatever the
+    /// database), when `INFO` was allowed.
+    pub run: Option<u64>,
+    /// A hash of the id in its lock history (same database).
+    pub history: Option<u64>,
+    /// What kind of node it is.
+    pub kind: ServerKind,
+}
+
+impl ServerTag {
+    /// Whether both tags name one server (one id in common).
+    pub(crate) fn same_server(&self, other: &ServerTag) -> bool {
+        let same = |a: Option<u64>, b: Option<u64>| a.is_some() && a == b;
+        same(self.run, other.run) || same(self.history, other.history)
+    }
+}
+
+/// What kind of node answered, for whether it can hold a vote.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) enum ServerKind {
+    /// A primary without an evicting memory policy, or not known.
+    #[default]
+    Fit,
+    /// A replica (`role:slave`): its writes are not its own.
+    Replica,
+    /// A Redis Cluster node: not an independent server.
+    Cluster,
+    /// `maxmemory` with this evicting policy: lock keys can be evicted.
+    Evicting(&'static str),
 }
 
 /// One node's reply to a round.
@@ -122,6 +168,8 @@ pub(crate) struct Reply {
     /// A fenced acquire's counter, where the key was set (fenced acquire
     /// rounds have one key; with several, the largest).
     pub fence: Option<u64>,
+    /// Who answered, when known.
+    pub server: Option<ServerTag>,
 }
 
 impl Reply {
@@ -131,6 +179,7 @@ impl Reply {
             answers,
             facts: None,
             fence: None,
+            server: None,
         }
     }
 }
@@ -142,10 +191,24 @@ pub(crate) type NodeResult = Result<Reply, NodeError>;
 /// outcome is known and the remaining replies need not be waited for.
 pub(crate) type Decided<'a> = &'a dyn Fn(&[Option<NodeResult>]) -> bool;
 
-/// Called with an acquire round's results; true when the attempt failed and
-/// every key must be deleted again, on the same connections (so that the
-/// delete reaches a node after the SET it undoes).
-pub(crate) type Undo<'a> = &'a dyn Fn(&[NodeResult]) -> bool;
+/// What an acquire round's caller decided, for what the transport does after
+/// the round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum AfterRound {
+    /// The attempt failed: every key must be deleted again wherever the
+    /// write may have landed, on the same connections (so that the delete
+    /// reaches a node after the SET it undoes).
+    Undo,
+    /// The lock was granted: a healthy node the round did not reach (no
+    /// connection was free in time) is sent the write after the round, as a
+    /// late reply would land, so that the lock lives on every node it can.
+    Complete,
+    /// Nothing more to do.
+    Done,
+}
+
+/// Called with an acquire round's results: what to do next.
+pub(crate) type Undo<'a> = &'a dyn Fn(&[NodeResult]) -> AfterRound;
 
 /// Access to the N nodes.
 pub(crate) trait Transport: Send + Sync + 'static {
@@ -166,12 +229,13 @@ pub(crate) trait Transport: Send + Sync + 'static {
         undo: Option<Undo<'_>>,
     ) -> Vec<NodeResult>;
 
-    /// Waits until every node has a connection or is failing, at most
-    /// until `deadline`; returns how many nodes have a connection. Doubles
-    /// are always connected.
-    fn wait_connected(&self, deadline: Instant) -> usize {
+    /// Waits until every node has a connection whose server is known, or is
+    /// failing, at most until `deadline`; returns how many nodes have a
+    /// connection, or the first two entries found to reach one server.
+    /// Doubles are always connected.
+    fn wait_connected(&self, deadline: Instant) -> Result<usize, crate::error::InvalidInput> {
         let _ = deadline;
-        self.node_names().len()
+        Ok(self.node_names().len())
     }
 
     /// Reads `resource`'s value and remaining time to live on every node,

@@ -447,7 +447,11 @@ fn run(args: RunArgs) -> u8 {
     // bare majority (about half the time on local nodes) and keep it through
     // every renewal, so that one node failing loses it. Each connect is
     // bounded by the node timeout; a node that fails is not waited for.
-    let _ = locks.wait_connected(CONNECT_WAIT);
+    if let Err(e) = locks.wait_connected(CONNECT_WAIT) {
+        // Two entries of the list reach one server.
+        say!("{e}");
+        return exit_code(&e);
+    }
     let guard = match acquire(&locks, key, args.ttl, wait, &signals) {
         Ok(g) => g,
         Err(Stop::Signal(sig)) => return signal_exit(sig),

@@ -259,7 +259,11 @@ impl Checker {
 
     /// A round of `op` leaves the client.
     pub(crate) fn sent(&mut self, op: Op, keys: &[Key<'_>], now: u64) {
-        if let Op::Acquire { ttl, .. } | Op::Swap { ttl, .. } | Op::Extend { ttl } = op {
+        if let Op::Acquire { ttl, .. }
+        | Op::Swap { ttl, .. }
+        | Op::Extend { ttl }
+        | Op::Restore { ttl } = op
+        {
             let until = now.saturating_add(u64::try_from(ttl.as_nanos()).unwrap_or(u64::MAX));
             for k in written(op, keys) {
                 let w = self.last_write.entry(k.token.to_owned()).or_default();
@@ -493,6 +497,7 @@ mod tests {
         let mut w = World::new(
             base,
             &[1.0],
+            &[0],
             Net::calm(),
             SimRng::new(1),
             Checker::new(base, 0),
@@ -522,6 +527,7 @@ mod tests {
         let mut w = World::new(
             base,
             &[1.0; 3],
+            &[0, 1, 2],
             Net::calm(),
             SimRng::new(1),
             Checker::new(base, 0),

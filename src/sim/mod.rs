@@ -54,6 +54,18 @@ pub(crate) enum Mix {
     DriftBeyondFactor,
     /// Broken: holders stall past their TTL and the store has no fencing.
     StallWithoutFencing,
+    /// One server listed twice (4 entries, 3 servers), and that server
+    /// loses lock keys (eviction, a failover) while keeping its history:
+    /// it votes once.
+    ListedTwice,
+    /// Broken: as [`Mix::ListedTwice`], with its answers counted twice.
+    ListedTwiceCountedTwice,
+    /// One node of three evicts lock keys, and its votes are refused
+    /// (`refuse_evicting_nodes`).
+    Evicting,
+    /// Broken: as [`Mix::Evicting`], with its votes counted (the default
+    /// only warns).
+    EvictingCounted,
 }
 
 impl Mix {
@@ -64,6 +76,10 @@ impl Mix {
             Mix::NoRestartProtection => "no-restart-protection",
             Mix::DriftBeyondFactor => "drift-beyond-factor",
             Mix::StallWithoutFencing => "stall-without-fencing",
+            Mix::ListedTwice => "listed-twice",
+            Mix::ListedTwiceCountedTwice => "listed-twice-counted-twice",
+            Mix::Evicting => "evicting",
+            Mix::EvictingCounted => "evicting-counted",
         }
     }
 
@@ -74,6 +90,10 @@ impl Mix {
             Mix::NoRestartProtection,
             Mix::DriftBeyondFactor,
             Mix::StallWithoutFencing,
+            Mix::ListedTwice,
+            Mix::ListedTwiceCountedTwice,
+            Mix::Evicting,
+            Mix::EvictingCounted,
         ]
         .into_iter()
         .find(|m| m.name() == s)
@@ -86,6 +106,10 @@ pub(crate) struct Plan {
     pub(crate) seed: u64,
     pub(crate) mix: Mix,
     pub(crate) nodes: usize,
+    /// The clients' node list: per entry, the node it reaches.
+    pub(crate) entries: Vec<usize>,
+    /// Per node, whether its memory policy evicts lock keys.
+    pub(crate) evicting: Vec<bool>,
     pub(crate) clients: usize,
     pub(crate) threads: usize,
     pub(crate) resources: usize,
@@ -105,7 +129,13 @@ pub(crate) struct Plan {
 impl Plan {
     pub(crate) fn new(seed: u64, mix: Mix) -> Plan {
         let mut r = SimRng::new(seed);
-        let nodes = [3, 3, 5, 4, 1][r.below(5) as usize];
+        let two_names = matches!(mix, Mix::ListedTwice | Mix::ListedTwiceCountedTwice);
+        let evicts = matches!(mix, Mix::Evicting | Mix::EvictingCounted);
+        let nodes = if two_names || evicts {
+            3
+        } else {
+            [3, 3, 5, 4, 1][r.below(5) as usize]
+        };
         let mut settings = Settings {
             node_timeout: r.millis(20, 80),
             retry_count: 1 + r.below(4) as u32,
@@ -171,7 +201,16 @@ impl Plan {
                 settings.fencing = false;
                 stall = 0.3;
             }
+            Mix::ListedTwice | Mix::Evicting => {}
+            Mix::ListedTwiceCountedTwice => settings.one_vote_per_server = false,
+            Mix::EvictingCounted => settings.refuse_evicting = false,
         }
+        if mix == Mix::Evicting {
+            settings.refuse_evicting = true;
+        }
+        // Node 0 is listed twice, or evicts: it loses its lock keys often.
+        let entries: Vec<usize> = (0..nodes).chain(two_names.then_some(0)).collect();
+        let evicting: Vec<bool> = (0..nodes).map(|i| evicts && i == 0).collect();
         let mut faults = Vec::new();
         for _ in 0..r.below(7) {
             let at = r.below(run_for);
@@ -204,11 +243,18 @@ impl Plan {
             faults.push((at, start));
             faults.push((at + d, stop));
         }
+        if two_names || evicts {
+            for _ in 0..2 + r.below(6) {
+                faults.push((r.below(run_for), Fault::LoseKeys(0)));
+            }
+        }
         faults.push((run_for, Fault::HealAll));
         Plan {
             seed,
             mix,
             nodes,
+            entries,
+            evicting,
             clients: 1 + r.below(3) as usize,
             threads: 1 + r.below(3) as usize,
             resources: 1 + r.below(2) as usize,
@@ -232,6 +278,8 @@ impl Plan {
             seed,
             mix: Mix::Standard,
             nodes,
+            entries: (0..nodes).collect(),
+            evicting: vec![false; nodes],
             clients: 0,
             threads: 0,
             resources: 1,
@@ -408,7 +456,17 @@ pub(crate) fn simulate(plan: Plan, main: Script) -> Report {
     let base = Instant::now();
     let mut rng = SimRng::new(plan.seed ^ 0xa076_1d64_78bd_642f);
     let check = Checker::new(base, plan.net.max_delay());
-    let world = World::new(base, &plan.rates, plan.net, rng.fork(), check);
+    let mut world = World::new(
+        base,
+        &plan.rates,
+        &plan.entries,
+        plan.net,
+        rng.fork(),
+        check,
+    );
+    for (node, &evicting) in world.nodes.iter_mut().zip(&plan.evicting) {
+        node.evicting = evicting;
+    }
     let sched = Sched::new(plan.seed, world, base);
     {
         let mut core = sched.lock();
@@ -447,7 +505,12 @@ pub(crate) fn simulate(plan: Plan, main: Script) -> Report {
 
 fn client(ctx: &Ctx, settings: Settings, seed: u64) -> Redlock {
     let clock: Arc<dyn Clock> = Arc::new(SimClock(ctx.sched.clone()));
-    let transport = SimTransport::new(&ctx.sched, settings.node_timeout, ctx.plan.preempt);
+    let transport = SimTransport::new(
+        &ctx.sched,
+        settings.node_timeout,
+        ctx.plan.preempt,
+        settings.rules(),
+    );
     Redlock::from_parts(settings, Box::new(transport), clock, Rng::new(seed), None)
 }
 

@@ -13,9 +13,12 @@ use crate::clock::{after, Signal};
 use crate::error::{NodeError, NodeErrorKind};
 use crate::fake::Store;
 use crate::health::{self, Admit, NodeHealth, Outcome};
+use crate::quorum::VoteRules;
 use crate::sim::check::Checker;
 use crate::sim::sched::{Sched, SimRng};
-use crate::transport::{Decided, Key, NodeResult, Op, Transport, Undo};
+use crate::transport::{
+    AfterRound, Decided, Key, NodeResult, Op, ServerKind, ServerTag, Transport, Undo,
+};
 
 /// Where every node's clock starts (ns): an hour in, so that clocks can
 /// jump back.
@@ -95,6 +98,9 @@ pub(crate) struct SimNode {
     /// held meanwhile may land that much later.
     pub(crate) unreachable: u64,
     since: Option<u64>,
+    /// Its memory policy can evict lock keys (`maxmemory` with
+    /// `volatile-lru`), which its `INFO` says.
+    pub(crate) evicting: bool,
 }
 
 /// The network's behaviour for one run.
@@ -145,19 +151,25 @@ pub(crate) enum Fault {
     Unmute(usize),
     /// The node's wall clock steps by this many ns.
     Jump(usize, i64),
+    /// The node loses its lock keys but keeps its lock history: eviction
+    /// under memory pressure, or a failover to a replica that lagged.
+    LoseKeys(usize),
     /// The network turns calm and every node comes back up.
     HealAll,
 }
 
 /// One round in flight: the replies so far, and who to wake.
 pub(crate) struct Round {
-    /// Per node: the reply, or the error it counts as until one arrives.
+    /// Per entry of the node list: the reply, or the error it counts as
+    /// until one arrives.
     results: Mutex<Vec<Option<NodeResult>>>,
-    /// Per node: a reply arrived (it replaces a not-waited-for error).
+    /// Per entry: a reply arrived (it replaces a not-waited-for error).
     replied: Mutex<Vec<bool>>,
     signal: Arc<Signal>,
     open: AtomicBool,
     health: Arc<Mutex<Vec<NodeHealth>>>,
+    /// How the client counts answers.
+    rules: VoteRules,
 }
 
 #[derive(Clone)]
@@ -169,7 +181,10 @@ struct OwnedKey {
 
 #[derive(Clone)]
 struct Msg {
+    /// The server it goes to.
     node: usize,
+    /// The entry of the client's node list it was sent to.
+    entry: usize,
     /// When the client sent it (virtual ns).
     sent: u64,
     op: Op,
@@ -181,7 +196,7 @@ enum Event {
     Arrive(Msg),
     Reply {
         round: Arc<Round>,
-        node: usize,
+        entry: usize,
         result: NodeResult,
     },
     Fault(Fault),
@@ -190,7 +205,10 @@ enum Event {
 /// Nodes, network and checkers, guarded by the scheduler's lock.
 pub(crate) struct World {
     pub(crate) base: Instant,
+    /// The clients' node list: per entry, its name and the node (server)
+    /// it reaches (one server may be listed twice).
     pub(crate) names: Vec<String>,
+    pub(crate) entries: Vec<usize>,
     pub(crate) nodes: Vec<SimNode>,
     pub(crate) net: Net,
     pub(crate) check: Checker,
@@ -203,7 +221,14 @@ pub(crate) struct World {
 }
 
 impl World {
-    pub(crate) fn new(base: Instant, rates: &[f64], net: Net, rng: SimRng, check: Checker) -> Self {
+    pub(crate) fn new(
+        base: Instant,
+        rates: &[f64],
+        entries: &[usize],
+        net: Net,
+        rng: SimRng,
+        check: Checker,
+    ) -> Self {
         let nodes = rates
             .iter()
             .map(|&rate| SimNode {
@@ -217,11 +242,15 @@ impl World {
                 wiped_at: None,
                 unreachable: 0,
                 since: None,
+                evicting: false,
             })
             .collect();
         World {
             base,
-            names: (0..rates.len()).map(|i| format!("sim{i}:6379")).collect(),
+            names: (0..entries.len())
+                .map(|e| format!("sim{}:{}", entries[e], 6379 + e))
+                .collect(),
+            entries: entries.to_vec(),
             nodes,
             net,
             check,
@@ -277,16 +306,23 @@ impl World {
                 Event::Arrive(msg) => self.arrive(msg, at),
                 Event::Reply {
                     round,
-                    node,
+                    entry,
                     result,
                 } => {
                     let t = after(self.base, Duration::from_nanos(at));
-                    round.health.lock()[node].observe(t, Outcome::Answered);
+                    round.health.lock()[entry].observe(t, Outcome::Answered);
                     if round.open.load(Ordering::Acquire) {
                         let mut replied = round.replied.lock();
-                        if !replied[node] {
-                            replied[node] = true;
-                            round.results.lock()[node] = Some(result);
+                        if !replied[entry] {
+                            replied[entry] = true;
+                            // The production rule for what counts as a vote.
+                            crate::quorum::insert_vote(
+                                &mut round.results.lock(),
+                                &self.names,
+                                entry,
+                                result,
+                                round.rules,
+                            );
                         }
                         drop(replied);
                         round.signal.notify();
@@ -353,6 +389,11 @@ impl World {
             Fault::Mute(i) => self.nodes[i].muted = true,
             Fault::Unmute(i) => self.nodes[i].muted = false,
             Fault::Jump(i, delta) => self.nodes[i].clock.jump(now, delta),
+            Fault::LoseKeys(i) => {
+                if self.nodes[i].state != NodeState::Down {
+                    self.nodes[i].store.keys.clear();
+                }
+            }
             Fault::HealAll => {
                 self.net = Net::calm();
                 for i in 0..self.nodes.len() {
@@ -375,6 +416,7 @@ impl World {
         let node = match f {
             Fault::Pause(i) | Fault::Resume(i) | Fault::Crash(i) | Fault::Isolate(i) => Some(i),
             Fault::Heal(i) | Fault::Jump(i, _) | Fault::Mute(i) | Fault::Unmute(i) => Some(i),
+            Fault::LoseKeys(i) => Some(i),
             Fault::Restart { node, .. } => Some(node),
             Fault::HealAll => None,
         };
@@ -385,13 +427,13 @@ impl World {
 
     /// Sends `msg` on connection `lane` at `now`.
     fn send(&mut self, msg: Msg, lane: u64, now: u64) {
-        let i = msg.node;
+        let (i, e) = (msg.node, msg.entry);
         if self.nodes[i].state == NodeState::Down {
             if let Some(round) = &msg.round {
-                round.health.lock()[i].observe(self.instant(now), Outcome::Refused);
-                round.replied.lock()[i] = true;
-                round.results.lock()[i] = Some(Err(NodeError::new(
-                    &self.names[i],
+                round.health.lock()[e].observe(self.instant(now), Outcome::Refused);
+                round.replied.lock()[e] = true;
+                round.results.lock()[e] = Some(Err(NodeError::new(
+                    &self.names[e],
                     NodeErrorKind::Unavailable,
                     "connection refused",
                 )));
@@ -449,26 +491,56 @@ impl World {
         let reply = self.nodes[i]
             .store
             .round(msg.op, &keys, node_now, self.base, micros);
-        if let (Ok(r), Op::Acquire { .. } | Op::Extend { .. } | Op::Swap { .. }) = (&reply, msg.op)
+        if let (
+            Ok(r),
+            Op::Acquire { .. } | Op::Extend { .. } | Op::Swap { .. } | Op::Restore { .. },
+        ) = (&reply, msg.op)
         {
             for (k, a) in keys.iter().zip(&r.answers) {
-                if *a == crate::transport::Answer::Ok {
+                if matches!(
+                    a,
+                    crate::transport::Answer::Ok | crate::transport::Answer::Restored
+                ) {
                     self.check.landed(k.token, msg.sent);
                 }
             }
+        }
+        if std::env::var_os("QUORUMLOCK_SIM_TRACE").is_some() {
+            println!(
+                "{:10.3} ms node {i} ran {:?} sent {:.3} ms: {:?}",
+                now as f64 / 1e6,
+                msg.op,
+                msg.sent as f64 / 1e6,
+                reply.as_ref().map(|r| &r.answers)
+            );
         }
         let Some(round) = msg.round else { return };
         if self.nodes[i].isolated || self.nodes[i].muted || self.rng.chance(self.net.loss) {
             return;
         }
-        let result =
-            reply.map_err(|why| NodeError::new(&self.names[i], NodeErrorKind::Server, why));
+        let e = msg.entry;
+        let kind = if self.nodes[i].evicting {
+            ServerKind::Evicting("volatile-lru")
+        } else {
+            ServerKind::Fit
+        };
+        let result = reply
+            .map(|mut r| {
+                // Who answered, as its INFO and lock history say.
+                r.server = Some(ServerTag {
+                    run: Some(i as u64 + 1),
+                    history: r.facts.map(|f| f.history),
+                    kind,
+                });
+                r
+            })
+            .map_err(|why| NodeError::new(&self.names[e], NodeErrorKind::Server, why));
         let at = now + self.delay();
         self.push(
             at,
             Event::Reply {
                 round,
-                node: i,
+                entry: e,
                 result,
             },
         );
@@ -479,21 +551,34 @@ impl World {
 pub(crate) struct SimTransport {
     sched: Arc<Sched>,
     names: Vec<String>,
+    /// Per entry, the node it reaches.
+    entries: Vec<usize>,
     health: Arc<Mutex<Vec<NodeHealth>>>,
     timeout: Duration,
     /// Yield to the scheduler before every round.
     preempt: bool,
+    rules: VoteRules,
 }
 
 impl SimTransport {
-    pub(crate) fn new(sched: &Arc<Sched>, timeout: Duration, preempt: bool) -> Self {
-        let names = sched.lock().world.names.clone();
+    pub(crate) fn new(
+        sched: &Arc<Sched>,
+        timeout: Duration,
+        preempt: bool,
+        rules: VoteRules,
+    ) -> Self {
+        let (names, entries) = {
+            let core = sched.lock();
+            (core.world.names.clone(), core.world.entries.clone())
+        };
         SimTransport {
             sched: sched.clone(),
             health: Arc::new(Mutex::new(vec![NodeHealth::default(); names.len()])),
             names,
+            entries,
             timeout,
             preempt,
+            rules,
         }
     }
 
@@ -512,6 +597,7 @@ impl SimTransport {
             signal: Arc::new(Signal::default()),
             open: AtomicBool::new(true),
             health: self.health.clone(),
+            rules: self.rules,
         });
         let owned: Vec<OwnedKey> = keys
             .iter()
@@ -534,7 +620,8 @@ impl SimTransport {
         for (i, &lane) in lanes.iter().enumerate() {
             if admits[i] != Admit::Skip {
                 let msg = Msg {
-                    node: i,
+                    node: self.entries[i],
+                    entry: i,
                     sent: now,
                     op,
                     keys: owned.clone(),
@@ -611,7 +698,12 @@ impl Transport for SimTransport {
             .map(|h| h.admit(start))
             .collect();
         let release = matches!(op, Op::Release { .. });
-        health::admit_round(&mut admits, release, crate::quorum::quorum(n));
+        // An entry that reaches the server of an earlier one, as the
+        // driver learns at connect.
+        let twins: Vec<bool> = (0..n)
+            .map(|i| self.rules.one_per_server && self.entries[..i].contains(&self.entries[i]))
+            .collect();
+        health::admit_round(&mut admits, release, crate::quorum::quorum(n), &twins);
         let sent: Vec<bool> = admits.iter().map(|a| *a != Admit::Skip).collect();
         let wait: Vec<bool> = admits.iter().map(|a| *a == Admit::Wait).collect();
         let mut lanes = Vec::new();
@@ -639,8 +731,10 @@ impl Transport for SimTransport {
                 })
             })
             .collect();
+        // `AfterRound::Complete` has nothing to do here: a round reaches
+        // every node it waits for (no pool to run dry).
         if let (Some(undo), Op::Acquire { ttl, .. } | Op::Swap { ttl, .. }) = (undo, op) {
-            if undo(&results) {
+            if undo(&results) == AfterRound::Undo {
                 // Where our write may have landed, on the same connections,
                 // waiting (but for a swap's) for the nodes that answered.
                 let written = crate::transport::written(op, keys);

@@ -36,7 +36,7 @@ fn client_pooled(urls: Vec<String>, changes: &Arc<Changes>, pool_size: u32) -> R
         .events(changes.clone())
         .build()
         .expect("valid config");
-    assert_eq!(locks.wait_connected(Duration::from_secs(5)), 3);
+    assert_eq!(locks.wait_connected(Duration::from_secs(5)).ok(), Some(3));
     locks
 }
 
@@ -316,7 +316,7 @@ fn a_release_sent_again_that_finds_a_new_owner_is_not_not_owner() {
     let p1 = CutProxy::start(&c.url(1), cut);
     let locks = client_pooled(vec![p0.url(), p1.url(), c.url(2)], &Arc::default(), 1);
     let other = crate::client_with(c.urls(), Duration::from_millis(250));
-    assert_eq!(other.wait_connected(Duration::from_secs(5)), 3);
+    assert_eq!(other.wait_connected(Duration::from_secs(5)).ok(), Some(3));
     let key = unique_key("resent-new-owner");
     let g = locks.try_lock(&key, Duration::from_secs(20)).expect("lock");
     landed_everywhere(&c, &key, g.token());

@@ -16,6 +16,7 @@ mod harness;
 mod hostile;
 mod lock;
 mod node_layer;
+mod nodes;
 #[cfg(feature = "tls-rustls")]
 mod tls;
 mod watchdog;

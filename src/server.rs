@@ -1,0 +1,157 @@
+//! What a node says about itself in `INFO`, and what that means for
+//! Redlock: whether it is an independent server that keeps its keys.
+//!
+//! Read once per connection, at connect (see [`crate::conn::Conn::connect`]):
+//! a restart breaks every connection, so a connection's facts stay true for
+//! its life. The same reading and the same verdicts serve the rounds (a
+//! replica's answers are not votes, see [`crate::quorum::insert_vote`]) and
+//! [`Redlock::check`](crate::Redlock::check).
+
+use crate::transport::ServerKind;
+
+/// The fields of `INFO` (default sections) that matter to a lock.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct ServerInfo {
+    /// `run_id`: random per server process (all its databases share it).
+    pub run_id: Option<String>,
+    pub version: Option<String>,
+    /// `role`: `master` or `slave`.
+    pub role: Option<String>,
+    /// `cluster_enabled:1`.
+    pub cluster: Option<bool>,
+    /// `maxmemory` in bytes (0: no limit).
+    pub maxmemory: Option<u64>,
+    pub policy: Option<String>,
+    /// `aof_enabled:1`.
+    pub aof: Option<bool>,
+    /// `uptime_in_seconds`.
+    pub uptime: Option<u64>,
+}
+
+impl ServerInfo {
+    /// Parses `INFO`'s text (`key:value` lines; sections and unknown keys
+    /// are skipped).
+    pub(crate) fn parse(text: &str) -> ServerInfo {
+        let mut s = ServerInfo::default();
+        for line in text.lines() {
+            let Some((k, v)) = line.trim_end().split_once(':') else {
+                continue;
+            };
+            let flag = || match v {
+                "1" => Some(true),
+                "0" => Some(false),
+                _ => None,
+            };
+            match k {
+                "run_id" if !v.is_empty() => s.run_id = Some(v.to_owned()),
+                "redis_version" => s.version = Some(v.to_owned()),
+                "role" => s.role = Some(v.to_owned()),
+                "cluster_enabled" => s.cluster = flag(),
+                "maxmemory" => s.maxmemory = v.parse().ok(),
+                "maxmemory_policy" => s.policy = Some(v.to_owned()),
+                "aof_enabled" => s.aof = flag(),
+                "uptime_in_seconds" => s.uptime = v.parse().ok(),
+                _ => {}
+            }
+        }
+        s
+    }
+
+    /// What kind of Redlock node this is: a replica or a cluster node can
+    /// never keep a lock of its own; a node with a memory limit and a
+    /// policy other than `noeviction` can drop lock keys (`volatile-*`
+    /// evicts exactly the keys with a TTL, and every lock key has one).
+    pub(crate) fn kind(&self) -> ServerKind {
+        if self.role.as_deref().is_some_and(|r| r != "master") {
+            return ServerKind::Replica;
+        }
+        if self.cluster == Some(true) {
+            return ServerKind::Cluster;
+        }
+        match (self.maxmemory, self.policy.as_deref()) {
+            (Some(m), Some(p)) if m > 0 && p != "noeviction" => {
+                ServerKind::Evicting(policy_name(p))
+            }
+            _ => ServerKind::Fit,
+        }
+    }
+}
+
+/// A policy's name as a `'static` string (for [`ServerKind::Evicting`]).
+fn policy_name(p: &str) -> &'static str {
+    const KNOWN: [&str; 7] = [
+        "allkeys-lru",
+        "allkeys-lfu",
+        "allkeys-random",
+        "volatile-lru",
+        "volatile-lfu",
+        "volatile-random",
+        "volatile-ttl",
+    ];
+    KNOWN
+        .into_iter()
+        .find(|k| *k == p)
+        .unwrap_or("an evicting policy")
+}
+
+/// A stable 64-bit hash of an identity string (FNV-1a): equal ids give equal
+/// hashes; two different 160-bit run ids collide with odds of 2^-64.
+pub(crate) fn id_hash(id: &[u8]) -> u64 {
+    id.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PRIMARY: &str = "# Server\r\nredis_version:7.0.15\r\nrun_id:8a3f\r\nuptime_in_seconds:42\r\n\r\n# Memory\r\nmaxmemory:0\r\nmaxmemory_policy:noeviction\r\n# Persistence\r\naof_enabled:0\r\n# Replication\r\nrole:master\r\n# Cluster\r\ncluster_enabled:0\r\n";
+
+    #[test]
+    fn reads_the_fields_that_matter() {
+        let s = ServerInfo::parse(PRIMARY);
+        assert_eq!(s.run_id.as_deref(), Some("8a3f"));
+        assert_eq!(s.version.as_deref(), Some("7.0.15"));
+        assert_eq!(s.uptime, Some(42));
+        assert_eq!(s.aof, Some(false));
+        assert_eq!(s.kind(), ServerKind::Fit);
+    }
+
+    #[test]
+    fn replicas_cluster_nodes_and_evicting_policies_are_told_apart() {
+        let with = |from: &str, to: &str| ServerInfo::parse(&PRIMARY.replace(from, to)).kind();
+        assert_eq!(with("role:master", "role:slave"), ServerKind::Replica);
+        assert_eq!(
+            with("cluster_enabled:0", "cluster_enabled:1"),
+            ServerKind::Cluster
+        );
+        let evicting = |policy: &str| {
+            ServerInfo::parse(
+                &PRIMARY
+                    .replace("maxmemory:0", "maxmemory:2097152")
+                    .replace("noeviction", policy),
+            )
+            .kind()
+        };
+        for p in [
+            "volatile-lru",
+            "volatile-ttl",
+            "allkeys-lru",
+            "allkeys-random",
+        ] {
+            assert_eq!(evicting(p), ServerKind::Evicting(policy_name(p)), "{p}");
+        }
+        assert_eq!(evicting("noeviction"), ServerKind::Fit);
+        // No limit: nothing is ever evicted, whatever the policy.
+        assert_eq!(with("noeviction", "allkeys-lru"), ServerKind::Fit);
+        // Nothing known (INFO refused): nothing to refuse.
+        assert_eq!(ServerInfo::parse("").kind(), ServerKind::Fit);
+    }
+
+    #[test]
+    fn ids_hash_apart() {
+        assert_eq!(id_hash(b"abc"), id_hash(b"abc"));
+        assert_ne!(id_hash(b"abc"), id_hash(b"abd"));
+    }
+}

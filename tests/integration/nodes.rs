@@ -1,0 +1,460 @@
+//! The node list against real servers: one vote per server, nodes that cannot keep locks,
+//! copies on every node a lock can be on, a node that turns connections away, and what a
+//! dropped client still owes.
+
+use std::time::{Duration, Instant};
+
+use quorumlock::{Error, InvalidInput, NodeErrorKind, Redlock};
+
+use crate::common::faults::DelayProxy;
+use crate::common::{unique_key, wait_until, Cluster};
+
+const TTL: Duration = Duration::from_secs(5);
+const SLACK: Duration = Duration::from_millis(250);
+
+fn client(urls: Vec<String>) -> Redlock {
+    crate::client_with(urls, SLACK)
+}
+
+/// `url` under another name for the same address: `localhost` for `127.0.0.1` and back.
+fn other_name(url: &str) -> String {
+    if url.contains("127.0.0.1") {
+        url.replace("127.0.0.1", "localhost")
+    } else {
+        url.replace("localhost", "127.0.0.1")
+    }
+}
+
+/// `redis-cli`-style command on node `i`.
+fn cmd(c: &Cluster, i: usize, args: &[&str]) -> redis::Value {
+    let mut k = redis::cmd(args[0]);
+    for a in &args[1..] {
+        k.arg(*a);
+    }
+    k.query(&mut c.conn(i))
+        .unwrap_or_else(|e| panic!("{args:?} on node {i}: {e}"))
+}
+
+/// The kinds of a `NoQuorum`'s failures.
+fn failure_kinds(e: &Error) -> Vec<NodeErrorKind> {
+    match e {
+        Error::NoQuorum { failures, .. } => failures.iter().map(|f| f.kind()).collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// Found by the hostile review: `127.0.0.1:P`, `localhost:P` and a third server built
+/// without a word, and with the third paused the one server granted a lock alone; after
+/// it lost the key (a `DEL`, as an eviction or a failover would) a second client was
+/// granted while the first held. A load balancer in front of one server is the same.
+#[test]
+fn one_server_under_two_names_gets_one_vote() {
+    let c = Cluster::start(2);
+    let proxy = DelayProxy::start(&c.url(0), Duration::ZERO);
+    for twin in [other_name(&c.url(0)), proxy.url()] {
+        let urls = vec![c.url(0), twin.clone(), c.url(1)];
+        let x = client(urls.clone());
+        match x.wait_connected(Duration::from_secs(5)) {
+            Err(Error::InvalidInput(InvalidInput::SameServer { first, second })) => {
+                assert!(urls[0].ends_with(&first), "{first}");
+                assert!(twin.ends_with(&second), "{second} for {twin}");
+            }
+            other => panic!("{twin}: one server listed twice went unnoticed: {other:?}"),
+        }
+        let key = unique_key("two-names");
+        {
+            let _pause = crate::common::faults::WritePause::start(&c, 1, Duration::from_secs(10));
+            match x.try_lock(&key, TTL) {
+                Err(e) => assert!(
+                    failure_kinds(&e).contains(&NodeErrorKind::SameServer),
+                    "{twin}: {e}"
+                ),
+                Ok(_) => panic!("{twin}: one server granted the lock alone"),
+            }
+        }
+        let held = x.try_lock(&key, TTL).expect("both servers");
+        c.del(0, &key);
+        let y = client(urls);
+        assert!(
+            y.try_lock(&key, TTL).is_err(),
+            "{twin}: a second holder while the first holds"
+        );
+        assert!(held.is_held());
+    }
+}
+
+/// Two databases of one server share its `run_id`: the rule sees them as one server,
+/// though their lock histories (one per database) differ.
+#[test]
+fn two_databases_of_one_server_get_one_vote() {
+    let c = Cluster::start(2);
+    let urls = vec![
+        format!("{}/0", c.url(0)),
+        format!("{}/1", other_name(&c.url(0))),
+        c.url(1),
+    ];
+    let x = client(urls);
+    assert!(
+        matches!(
+            x.wait_connected(Duration::from_secs(5)),
+            Err(Error::InvalidInput(InvalidInput::SameServer { .. }))
+        ),
+        "two databases of one server counted as two servers"
+    );
+    let _pause = crate::common::faults::WritePause::start(&c, 1, Duration::from_secs(10));
+    let r = x.try_lock(&unique_key("two-dbs"), TTL);
+    assert!(r.is_err(), "one server granted a lock alone: {r:?}");
+}
+
+/// Under an ACL that refuses `INFO` the run id cannot be read; the metadata's id (written
+/// at connect with the commands the lock needs anyway) still tells two names of one
+/// database apart.
+#[test]
+fn without_info_two_names_of_one_database_are_found_by_their_history() {
+    let c = Cluster::start(2);
+    for i in 0..2 {
+        cmd(
+            &c,
+            i,
+            &[
+                "ACL", "SETUSER", "locker", "on", ">s3cret", "~*", "&*", "+@all", "-info",
+            ],
+        );
+    }
+    let with_user = |url: &str| url.replacen("redis://", "redis://locker:s3cret@", 1);
+    let urls = vec![
+        with_user(&c.url(0)),
+        with_user(&other_name(&c.url(0))),
+        with_user(&c.url(1)),
+    ];
+    let x = client(urls);
+    assert!(
+        matches!(
+            x.wait_connected(Duration::from_secs(5)),
+            Err(Error::InvalidInput(InvalidInput::SameServer { .. }))
+        ),
+        "two names of one database went unnoticed without INFO"
+    );
+    let _pause = crate::common::faults::WritePause::start(&c, 1, Duration::from_secs(10));
+    assert!(x.try_lock(&unique_key("no-info"), TTL).is_err());
+}
+
+/// A replica's answers are not votes, even one that takes writes (`replica-read-only no`):
+/// its keys are not its own (a resync replaces them).
+#[test]
+fn a_replica_never_votes() {
+    let c = Cluster::start(3);
+    let port0 = c.url(0).rsplit(':').next().expect("port").to_owned();
+    cmd(&c, 1, &["CONFIG", "SET", "replica-read-only", "no"]);
+    // The harness's nodes listen inside their container (port 6379) or on 127.0.0.1.
+    let (host, port) = match c.backend() {
+        crate::common::Backend::Process => ("127.0.0.1".to_owned(), port0),
+        crate::common::Backend::Docker => {
+            let ip = docker_ip(&c, 0);
+            (ip, "6379".to_owned())
+        }
+    };
+    cmd(&c, 1, &["REPLICAOF", &host, &port]);
+    let x = client(c.urls());
+    x.wait_connected(Duration::from_secs(5))
+        .expect("three servers");
+    let _pause = crate::common::faults::WritePause::start(&c, 2, Duration::from_secs(10));
+    match x.try_lock(&unique_key("replica"), TTL) {
+        Err(e) => assert!(
+            failure_kinds(&e).contains(&NodeErrorKind::Unsuitable),
+            "the replica's answer: {e}"
+        ),
+        Ok(_) => panic!("a primary and its replica granted a lock"),
+    }
+    cmd(&c, 1, &["REPLICAOF", "NO", "ONE"]);
+}
+
+/// A container's address on its Docker network, for `REPLICAOF` between containers.
+fn docker_ip(c: &Cluster, i: usize) -> String {
+    let info = cmd(c, i, &["INFO", "server"]);
+    let _ = info;
+    // Ask the node itself which address it sees its own clients connect to: the
+    // container's, from `CLIENT INFO`'s laddr.
+    let me = cmd(c, i, &["CLIENT", "INFO"]);
+    let text = match me {
+        redis::Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
+        redis::Value::VerbatimString { text, .. } => text,
+        v => panic!("CLIENT INFO: {v:?}"),
+    };
+    text.split_whitespace()
+        .find_map(|f| f.strip_prefix("laddr="))
+        .and_then(|a| a.rsplit_once(':'))
+        .map(|(ip, _)| ip.to_owned())
+        .expect("laddr in CLIENT INFO")
+}
+
+/// `maxmemory` with an evicting policy lets a node drop lock keys: `volatile-*` evicts
+/// exactly the keys with a TTL, lock keys first under `volatile-ttl`. Found by the hostile
+/// review: under memory pressure on 2 of 3 nodes the held, renewed lock's key was evicted
+/// on both and a second client was granted while the first held. With
+/// `refuse_evicting_nodes` such nodes never vote.
+#[test]
+fn evicting_nodes_are_refused_when_asked_for_every_policy() {
+    for policy in ["volatile-lru", "volatile-ttl", "allkeys-lru"] {
+        let c = Cluster::start(3);
+        for i in 0..2 {
+            cmd(&c, i, &["CONFIG", "SET", "maxmemory", "4mb"]);
+            cmd(&c, i, &["CONFIG", "SET", "maxmemory-policy", policy]);
+        }
+        let key = unique_key("evicted");
+        // The default client warns and counts: its lock rests on evicting nodes.
+        let x = client(c.urls());
+        x.wait_connected(Duration::from_secs(5)).expect("connected");
+        let held = x.lock(&key, TTL).expect("counted by default");
+        held.auto_renew();
+        // Memory pressure: cache entries with long TTLs (and without, for allkeys),
+        // until the lock's key is evicted on both (at most 64 MB each).
+        let filler = "x".repeat(16 * 1024);
+        for i in 0..2 {
+            let mut conn = c.conn(i);
+            for n in 0..4096 {
+                let k = format!("{key}:cache:{n}");
+                let mut set = redis::cmd("SET");
+                set.arg(&k).arg(&filler);
+                if policy.starts_with("volatile") {
+                    set.arg("PX").arg(3_600_000);
+                }
+                let _: redis::RedisResult<redis::Value> = set.query(&mut conn);
+                if n % 64 == 63 && c.get(i, &key).is_none() {
+                    break;
+                }
+            }
+        }
+        let evicted = (0..2).filter(|&i| c.get(i, &key).is_none()).count();
+        assert_eq!(
+            evicted, 2,
+            "{policy}: the pressure evicted the lock key on {evicted} of 2"
+        );
+        // A strict client refuses the evicting nodes' votes: nobody is granted on them.
+        let strict = Redlock::builder()
+            .fresh_cluster(true)
+            .nodes(c.urls())
+            .node_timeout(SLACK)
+            .refuse_evicting_nodes(true)
+            .build()
+            .expect("valid config");
+        match strict.try_lock(&key, TTL) {
+            Err(e) => assert!(
+                failure_kinds(&e).contains(&NodeErrorKind::Unsuitable),
+                "{policy}: {e}"
+            ),
+            Ok(_) => panic!("{policy}: granted by nodes that evict lock keys"),
+        }
+        drop(held);
+    }
+}
+
+/// Found by the hostile review: with all nodes healthy, locks still landed on a bare
+/// majority (a node skipped as slow, or with no free connection at that moment), renewal
+/// extended only the copies that existed, and one node restarted empty lost those locks.
+/// Renewal now restores a missing copy wherever the lock still holds a majority.
+#[test]
+fn renewed_locks_survive_a_node_restarted_empty() {
+    let c = Cluster::start(3);
+    let ttl = Duration::from_secs(3);
+    let locks = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(c.urls())
+        .node_timeout(SLACK)
+        .auto_renew(true)
+        .build()
+        .expect("valid config");
+    locks
+        .wait_connected(Duration::from_secs(5))
+        .expect("connected");
+    let prefix = unique_key("copies");
+    // A quarter of the locks on a bare majority: node 2 does not answer writes then.
+    let mut guards = Vec::new();
+    {
+        let _pause = crate::common::faults::WritePause::start(&c, 2, Duration::from_secs(10));
+        for n in 0..100 {
+            guards.push(
+                locks
+                    .try_lock(&format!("{prefix}:bare:{n}"), ttl)
+                    .expect("nodes 0, 1"),
+            );
+        }
+    }
+    let more: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..8)
+            .map(|t| {
+                let (locks, prefix) = (&locks, &prefix);
+                s.spawn(move || {
+                    (0..40)
+                        .filter_map(|n| locks.try_lock(&format!("{prefix}:{t}:{n}"), ttl).ok())
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .flat_map(|h| h.join().expect("worker"))
+            .collect()
+    });
+    guards.extend(more);
+    let taken = guards.len();
+    assert!(taken >= 400, "only {taken} locks");
+    let keys_on = |i: usize| -> usize {
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{prefix}:*"))
+            .query(&mut c.conn(i))
+            .expect("KEYS");
+        keys.len()
+    };
+    // One renewal restores the missing copies.
+    assert!(
+        wait_until(ttl, || keys_on(2) == taken),
+        "node 2 holds {} of {taken} after a renewal",
+        keys_on(2)
+    );
+    c.restart(1);
+    std::thread::sleep(ttl + ttl / 2);
+    let lost = guards.iter().filter(|g| !g.is_held()).count();
+    assert_eq!(
+        lost, 0,
+        "{lost} of {taken} locks lost to one node's restart"
+    );
+    assert!(guards.iter().all(|g| g.nodes_held() >= 2));
+    assert!(
+        wait_until(ttl, || keys_on(1) == taken),
+        "node 1 holds {} of {taken} after its restart",
+        keys_on(1)
+    );
+    drop(guards);
+}
+
+/// A brand-new client's first rounds meet nodes still connecting, and settle without
+/// them: the `SET` is sent to them after the round, so the lock lives on every node
+/// (before, such locks stayed on a bare majority).
+#[test]
+fn a_lock_reaches_nodes_that_were_still_connecting() {
+    let c = Cluster::start(5);
+    let key = unique_key("late-set");
+    let mut short = 0;
+    for n in 0..20 {
+        let locks = client(c.urls());
+        let k = format!("{key}:{n}");
+        let g = locks.try_lock(&k, TTL).expect("healthy nodes");
+        let everywhere = wait_until(Duration::from_secs(2), || c.holders(&k, g.token()) == 5);
+        short += usize::from(!everywhere);
+        g.release().expect("release");
+        assert!(
+            c.gone_everywhere(&k, Duration::from_secs(2)),
+            "left after release"
+        );
+    }
+    assert_eq!(short, 0, "{short} of 20 first locks stayed off a node");
+}
+
+/// Found by the hostile review: a node at `maxclients` had its votes fail as
+/// `NoConnection` ("this client's own condition … raise pool_size") instead of the
+/// server's "max number of clients reached".
+#[test]
+fn a_node_at_maxclients_is_reported_as_refusing() {
+    let c = Cluster::start(3);
+    let mut admin = c.conn(2);
+    let clients: i64 = {
+        let list: String = redis::cmd("CLIENT")
+            .arg("LIST")
+            .query(&mut admin)
+            .expect("CLIENT LIST");
+        list.lines().count() as i64
+    };
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxclients")
+        .arg(clients.max(1))
+        .query(&mut admin)
+        .expect("maxclients");
+    let x = client(c.urls());
+    let _ = x.wait_connected(Duration::from_secs(2));
+    let mut seen = Vec::new();
+    for n in 0..5 {
+        let g = x.try_lock(&unique_key(&format!("maxclients{n}")), TTL);
+        // Nodes 0 and 1 grant; node 2's failure is in the events. Take it from a round
+        // that needs it: with node 1 paused.
+        drop(g);
+    }
+    {
+        let _pause = crate::common::faults::WritePause::start(&c, 1, Duration::from_secs(10));
+        match x.try_lock(&unique_key("maxclients"), TTL) {
+            Err(Error::NoQuorum { failures, .. }) => seen.extend(failures),
+            other => panic!("{other:?}"),
+        }
+    }
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxclients")
+        .arg(10_000)
+        .query(&mut admin)
+        .expect("maxclients back");
+    let node2 = seen
+        .iter()
+        .find(|f| c.url(2).ends_with(f.node()))
+        .unwrap_or_else(|| panic!("node 2 not among {seen:?}"));
+    assert_ne!(node2.kind(), NodeErrorKind::NoConnection, "{node2}");
+    assert!(
+        node2.detail().contains("max number of clients reached"),
+        "{node2}"
+    );
+}
+
+/// Found by the hostile review: releases still owed when a client was dropped were
+/// discarded, and their keys stayed for their TTL. Dropping the client now sends them once
+/// more (waiting at most the node timeout). Node 2 sits behind a proxy that cuts every
+/// one-key release without passing it on, so each of them is owed when the client drops.
+#[test]
+fn a_dropped_client_sends_the_releases_it_owes() {
+    use crate::common::faults::{Cut, CutProxy, RELEASE_1};
+    let c = Cluster::start(3);
+    let cut = CutProxy::start(
+        &c.url(2),
+        Cut {
+            marker: RELEASE_1,
+            forward: false,
+            budget: None,
+            close_after: Duration::from_millis(1),
+            slow_accept: Duration::ZERO,
+            forward_late: None,
+        },
+    );
+    let x = crate::client_with(vec![c.url(0), c.url(1), cut.url()], SLACK);
+    x.wait_connected(Duration::from_secs(5)).expect("connected");
+    let key = unique_key("owed");
+    let guards: Vec<_> = (0..10)
+        .map(|n| {
+            x.try_lock(&format!("{key}:{n}"), Duration::from_secs(30))
+                .expect("lock")
+        })
+        .collect();
+    assert!(
+        wait_until(Duration::from_secs(2), || (0..10)
+            .all(|n| c.get(2, &format!("{key}:{n}")).is_some())),
+        "the locks are on node 2"
+    );
+    for g in guards {
+        let _ = g.release();
+    }
+    assert!(cut.cuts() > 0, "no release was cut");
+    let t = Instant::now();
+    drop(x);
+    assert!(
+        t.elapsed() < Duration::from_millis(600),
+        "{:?}",
+        t.elapsed()
+    );
+    let left = || {
+        (0..10)
+            .filter(|n| c.get(2, &format!("{key}:{n}")).is_some())
+            .count()
+    };
+    assert!(
+        wait_until(Duration::from_secs(1), || left() == 0),
+        "{} keys stayed on node 2 after the client was dropped",
+        left()
+    );
+}
