@@ -116,7 +116,6 @@ impl Store {
             epoch: u64::try_from(epoch.saturating_duration_since(base).as_nanos()).unwrap_or(0) + 1,
             age: now.saturating_duration_since(epoch),
             max_ttl: max,
-            history: self.id,
         }
     }
 
@@ -186,6 +185,11 @@ impl Store {
             fence,
             server: None,
         })
+    }
+
+    /// The metadata's id.
+    pub(crate) fn id(&self) -> u64 {
+        self.id
     }
 
     /// A lock history that began at `epoch` (a node that has run for a
@@ -415,7 +419,7 @@ impl FakeNodes {
                         Ok(mut reply) => {
                             reply.server = Some(ServerTag {
                                 run: Some(server as u64 + 1),
-                                history: reply.facts.map(|f| f.history),
+                                history: Some(self.stores[server].lock().id),
                                 kind: kinds[server],
                             });
                             Ok(reply)

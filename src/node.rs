@@ -15,7 +15,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -85,6 +85,8 @@ struct Servers {
     known: Mutex<Vec<Known>>,
     /// Some entry has a twin (read without the lock on every round).
     any_twin: AtomicBool,
+    /// Per entry, the last history id learnt (0: none), without the lock.
+    histories: Vec<AtomicU64>,
 }
 
 /// What is known of one node's server.
@@ -107,6 +109,7 @@ impl Servers {
     fn new(names: Vec<String>) -> Self {
         let known = Mutex::new(vec![Known::default(); names.len()]);
         Servers {
+            histories: names.iter().map(|_| AtomicU64::new(0)).collect(),
             names,
             known,
             any_twin: AtomicBool::new(false),
@@ -152,8 +155,12 @@ impl Servers {
         self.pair(&mut known, i);
     }
 
-    /// Node `i`'s lock history has the id whose hash is `history`.
+    /// Node `i`'s lock history has the id whose hash is `history` (read on
+    /// every acquire reply: the lock is taken only when it changed).
     fn learn_history(&self, i: usize, history: u64) {
+        if self.histories[i].swap(history, Ordering::Relaxed) == history {
+            return;
+        }
         let mut known = self.known.lock();
         if known[i].history != Some(history) {
             known[i].history = Some(history);
@@ -191,7 +198,7 @@ impl Servers {
 
     /// The node's history id, if known (for answers without one).
     fn history(&self, i: usize) -> Option<u64> {
-        self.known.lock()[i].history
+        Some(self.histories[i].load(Ordering::Relaxed)).filter(|h| *h != 0)
     }
 
     /// Whether node `i`'s `INFO` (or its refusal) has been read.
@@ -835,8 +842,8 @@ fn wrote_any(v: &Value, wrote: Wrote) -> bool {
 }
 
 /// Elements of an acquire or swap reply before its answers: the lock
-/// history's epoch, age, longest TTL and id.
-const FACTS: usize = 4;
+/// history's epoch, age and longest TTL.
+const FACTS: usize = 3;
 
 /// A granted lock's `SET` to send a node after the round (see
 /// [`RedisTransport::write_later`]).
@@ -1721,15 +1728,9 @@ impl RedisTransport {
             let server = c.server;
             let mut r = enc.decode(v);
             if let Ok(reply) = &mut r {
-                // Who answered: the connection's server, and its history's id
-                // (from this reply, or as the node last reported it).
-                let history = reply
-                    .facts
-                    .map(|f| f.history)
-                    .filter(|h| *h != 0)
-                    .inspect(|h| shared.servers.learn_history(i, *h))
-                    .or(server.history)
-                    .or_else(|| shared.servers.history(i));
+                // Who answered: the connection's server (its history's id as
+                // the node last reported it, if this connection has none).
+                let history = server.history.or_else(|| shared.servers.history(i));
                 reply.server = Some(ServerTag { history, ..server });
             }
             if let (Ok(reply), Op::Release { .. }) = (&mut r, enc.op) {
@@ -1905,17 +1906,14 @@ impl Encoded {
                 if items.len() != self.n + FACTS {
                     return Err(unexpected(Value::Array(items)));
                 }
-                let f: Vec<i64> = items[..3].iter().filter_map(int).collect();
-                let ([epoch, age, max], Value::BulkString(id)) = (&f[..], &items[3]) else {
+                let f: Vec<i64> = items[..FACTS].iter().filter_map(int).collect();
+                let [epoch, age, max] = f[..] else {
                     return Err(unexpected(Value::Array(items)));
                 };
-                // Empty: the metadata has no id (written at connect).
-                let history = if id.is_empty() { 0 } else { id_hash(id) };
                 let facts = NodeFacts {
-                    epoch: u64::try_from(*epoch).unwrap_or(0),
-                    age: Duration::from_millis(u64::try_from(*age).unwrap_or(0)),
-                    max_ttl: Duration::from_millis(u64::try_from(*max).unwrap_or(0)),
-                    history,
+                    epoch: u64::try_from(epoch).unwrap_or(0),
+                    age: Duration::from_millis(u64::try_from(age).unwrap_or(0)),
+                    max_ttl: Duration::from_millis(u64::try_from(max).unwrap_or(0)),
                 };
                 (Some(facts), &items[FACTS..])
             }
@@ -2143,12 +2141,7 @@ mod tests {
     /// only where it restored a copy.
     #[test]
     fn late_replies_say_whether_they_wrote() {
-        let reply = |r: i64| {
-            let mut v = vec![Value::Int(1), Value::Int(2), Value::Int(3)];
-            v.push(Value::BulkString(b"id".to_vec()));
-            v.push(Value::Int(r));
-            Value::Array(v)
-        };
+        let reply = |r: i64| Value::Array([1, 2, 3, r].map(Value::Int).to_vec());
         assert!(wrote_any(&reply(1), Wrote::Set));
         assert!(wrote_any(&reply(1_796_000_000_000_000), Wrote::Set));
         assert!(!wrote_any(&reply(0), Wrote::Set), "exists");

@@ -56,20 +56,48 @@ pub(crate) fn insert_vote(
     r: NodeResult,
     rules: VoteRules,
 ) {
-    results[i] = Some(vote(results, names, i, r, rules));
+    results[i] = Some(r);
+    let Some(Ok(reply)) = &results[i] else {
+        return;
+    };
+    let Some(tag) = reply.server else { return };
+    let name = |j: usize| names.get(j).map_or("?", String::as_str).to_owned();
+    if let Some(why) = unfit(tag.kind, rules) {
+        results[i] = Some(Err(NodeError::new(name(i), NodeErrorKind::Unsuitable, why)));
+        return;
+    }
+    if !rules.one_per_server {
+        return;
+    }
+    let twin = (0..results.len()).find(|&j| {
+        j != i
+            && matches!(&results[j], Some(Ok(rep)) if rep.server.is_some_and(|t| t.same_server(&tag)))
+    });
+    let Some(j) = twin else { return };
+    let done = |r: &Option<NodeResult>| match r {
+        Some(Ok(rep)) => rep
+            .answers
+            .iter()
+            .filter(|a| matches!(a, Answer::Ok | Answer::Restored))
+            .count(),
+        _ => 0,
+    };
+    // The answer that did more counts; the other names its twin.
+    let (keep, drop) = if done(&results[i]) > done(&results[j]) {
+        (i, j)
+    } else {
+        (j, i)
+    };
+    results[drop] = Some(Err(NodeError::new(
+        name(drop),
+        NodeErrorKind::SameServer,
+        format!("the same server as {}: its answer counts once", name(keep)),
+    )));
 }
 
-fn vote(
-    results: &mut [Option<NodeResult>],
-    names: &[String],
-    i: usize,
-    r: NodeResult,
-    rules: VoteRules,
-) -> NodeResult {
-    let Ok(reply) = &r else { return r };
-    let Some(tag) = reply.server else { return r };
-    let name = |j: usize| names.get(j).map_or("?", String::as_str).to_owned();
-    let unfit = match tag.kind {
+/// Why a node of this kind cannot vote under `rules`, if it cannot.
+fn unfit(kind: ServerKind, rules: VoteRules) -> Option<String> {
+    match kind {
         ServerKind::Fit => None,
         ServerKind::Replica => {
             Some("a replica: its writes are not its own (role:slave)".to_owned())
@@ -81,40 +109,6 @@ fn vote(
             "its maxmemory-policy {policy} can evict lock keys (refuse_evicting_nodes)"
         )),
         ServerKind::Evicting(_) => None,
-    };
-    if let Some(why) = unfit {
-        return Err(NodeError::new(name(i), NodeErrorKind::Unsuitable, why));
-    }
-    if !rules.one_per_server {
-        return r;
-    }
-    let twin = results.iter().enumerate().position(|(j, o)| {
-        j != i && matches!(o, Some(Ok(rep)) if rep.server.is_some_and(|t| t.same_server(&tag)))
-    });
-    let Some(j) = twin else { return r };
-    let twice = |of: usize| {
-        NodeError::new(
-            name(of),
-            NodeErrorKind::SameServer,
-            format!(
-                "the same server as {}: its answer counts once",
-                name(if of == i { j } else { i })
-            ),
-        )
-    };
-    let done = |r: &NodeResult| {
-        r.as_ref().map_or(0, |rep| {
-            rep.answers
-                .iter()
-                .filter(|a| matches!(a, Answer::Ok | Answer::Restored))
-                .count()
-        })
-    };
-    if results[j].as_ref().is_some_and(|o| done(&r) > done(o)) {
-        results[j] = Some(Err(twice(j)));
-        r
-    } else {
-        Err(twice(i))
     }
 }
 
@@ -289,12 +283,20 @@ impl Tally {
     fn nodes(&self) -> usize {
         self.ok + self.other + self.absent + self.restored + self.failures.len()
     }
+}
 
-    /// Nodes that hold the key with our token after the round.
-    pub(crate) fn holding(&self) -> usize {
-        self.ok + self.restored
-    }
+/// Nodes whose answer for the `index`-th key says it holds our token now
+/// (without copying failures, as [`Tally::of`] does).
+pub(crate) fn holding(results: &[NodeResult], index: usize) -> usize {
+    results
+        .iter()
+        .filter(|r| {
+            matches!(r, Ok(rep) if matches!(rep.answers.get(index), Some(Answer::Ok | Answer::Restored)))
+        })
+        .count()
+}
 
+impl Tally {
     /// The error to report when fewer than a majority said OK. Failures take
     /// precedence only when they could have changed the outcome.
     fn shortfall(self, q: usize, owner_lost: impl FnOnce(usize) -> Error, gone: Error) -> Error {

@@ -574,7 +574,7 @@ impl Inner {
         self.note_failures(&judged);
         let elapsed = end.saturating_duration_since(start);
         // Where our key is now (held-back votes included: the key is set).
-        let holding = Tally::of(&results, 0).holding();
+        let holding = quorum::holding(&results, 0);
         let result = (|| match outcome {
             Ok(validity) => {
                 debug!("lock {resource:?}: acquired in {elapsed:?}, valid for {validity:?}");
@@ -772,7 +772,7 @@ impl Inner {
         // takes it from there.
         let mut state = LockState::new(&baton.resource, token, fence, timing);
         state.acquired = start;
-        state.set_holding(Tally::of(&results, 0).holding());
+        state.set_holding(quorum::holding(&results, 0));
         Ok(state)
     }
 
@@ -1009,16 +1009,17 @@ impl Inner {
         self.note_failures(&results);
         let elapsed = end.saturating_duration_since(start);
         // Each lock's outcome, decided on its own.
-        let decided: Vec<(Tally, Result<Duration>, bool)> = states
+        let decided: Vec<(usize, Result<Duration>, bool)> = states
             .iter()
             .enumerate()
             .map(|(i, state)| {
                 let time_left = time_left[i];
                 let tally = Tally::of(&results, i);
+                let absent = tally.absent;
                 let mut outcome = if time_left.is_zero() || results.is_empty() {
                     Err(Error::Expired)
                 } else {
-                    quorum::decide_extend(Tally::of(&results, i), ttl, elapsed, drift, time_left)
+                    quorum::decide_extend(tally, ttl, elapsed, drift, time_left)
                 };
                 if matches!(outcome, Err(Error::ValidityExhausted { .. }))
                     && state.deadline() >= after(end, ttl.saturating_sub(drift))
@@ -1046,7 +1047,7 @@ impl Inner {
                     }
                     Err(_) => {}
                 }
-                (tally, outcome, lost_now)
+                (absent, outcome, lost_now)
             })
             .collect();
         // A lock held on a majority whose key is missing elsewhere (a node
@@ -1054,8 +1055,8 @@ impl Inner {
         // it): its copies are restored, one round for them all.
         let missing: Vec<usize> = (0..states.len())
             .filter(|&i| {
-                let (t, o, _) = &decided[i];
-                o.is_ok() && t.absent > 0 && !states[i].is_released()
+                let (absent, o, _) = &decided[i];
+                o.is_ok() && *absent > 0 && !states[i].is_released()
             })
             .collect();
         let restored = if missing.is_empty() {
@@ -1081,7 +1082,7 @@ impl Inner {
                     None => (&results[..], i),
                 };
                 if !view.is_empty() {
-                    state.set_holding(Tally::of(view, index).holding());
+                    state.set_holding(quorum::holding(view, index));
                 }
                 if let Some(h) = self.settings.events.get() {
                     h.on_renewal(&RenewalEvent {

@@ -29,20 +29,18 @@ pub(crate) static ACQUIRE: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(ACQUIRE_LUA));
 
 /// The head shared by [`ACQUIRE_LUA`] and [`SWAP_LUA`]: the node's lock
-/// history, read and updated, and the reply's first four elements, the
-/// last the history's `id` (see [`HISTORY_ID_LUA`]; empty when missing).
+/// history, read and updated, and the reply's first three elements.
 macro_rules! history_lua {
     () => {
         r"local meta = KEYS[#KEYS]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local m = redis.call('HMGET', meta, 'epoch', 'max_ttl', 'id')
+local m = redis.call('HMGET', meta, 'epoch', 'max_ttl')
 local epoch = tonumber(m[1])
 if not epoch or epoch > now + 1 then
   epoch = now + 1
   redis.call('HSET', meta, 'epoch', epoch)
 end
-local id = m[3] or ''
 local age = math.max(now - epoch, 0)
 local info = redis.pcall('INFO', 'server')
 if type(info) == 'string' then
@@ -56,7 +54,7 @@ local want = math.max(tonumber(ARGV[1]), tonumber(ARGV[2]))
 if want > known then
   redis.call('HSET', meta, 'max_ttl', want)
 end
-local out = {epoch, age, known, id}
+local out = {epoch, age, known}
 local n = #KEYS - 1
 "
     };
@@ -136,20 +134,20 @@ for i = 1, n do
       local f = 'fence:' .. KEYS[i]
       local c = math.max((tonumber(redis.call('HGET', meta, f)) or 0) + 1, micros)
       redis.call('HSET', meta, f, string.format('%.0f', c))
-      out[i + 4] = c
+      out[i + 3] = c
     else
-      out[i + 4] = 1
+      out[i + 3] = 1
     end
   elseif redis.call('GET', KEYS[i]) == ARGV[i + 3] then
     -- This attempt's own SET (tokens are one per attempt), sent again after
     -- its connection closed before the reply: set, with its counter.
     if ARGV[3] == '1' then
-      out[i + 4] = tonumber(redis.call('HGET', meta, 'fence:' .. KEYS[i])) or 0
+      out[i + 3] = tonumber(redis.call('HGET', meta, 'fence:' .. KEYS[i])) or 0
     else
-      out[i + 4] = 1
+      out[i + 3] = 1
     end
   else
-    out[i + 4] = 0
+    out[i + 3] = 0
   end
 end
 return out"
@@ -193,10 +191,10 @@ pub(crate) const SWAP_LUA: &str = concat!(
     history_lua!(),
     r"local v = redis.call('GET', KEYS[1])
 local left = redis.call('PTTL', KEYS[1])
-out[5] = v and -1 or 0
+out[4] = v and -1 or 0
 if v == ARGV[4] then
   -- This swap, sent again after its connection closed before the reply.
-  out[5] = 1
+  out[4] = 1
 elseif left > 0 and ours(v, ARGV[5]) then
   redis.call('SET', KEYS[1], ARGV[4], 'PX', left)
   if ARGV[3] ~= '0' then
@@ -205,7 +203,7 @@ elseif left > 0 and ours(v, ARGV[5]) then
       redis.call('HSET', meta, f, ARGV[3])
     end
   end
-  out[5] = 1
+  out[4] = 1
 end
 return out"
 );

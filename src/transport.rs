@@ -116,9 +116,6 @@ pub(crate) struct NodeFacts {
     pub age: Duration,
     /// The longest TTL recorded on the node before this command.
     pub max_ttl: Duration,
-    /// The id its lock history keeps (a hash of it; 0: none reported): the
-    /// same in every entry that reaches this database.
-    pub history: u64,
 }
 
 /// Who answered a command: the server's identity, and whether it can keep

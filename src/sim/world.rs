@@ -524,12 +524,13 @@ impl World {
         } else {
             ServerKind::Fit
         };
+        let history = self.nodes[i].store.id();
         let result = reply
             .map(|mut r| {
                 // Who answered, as its INFO and lock history say.
                 r.server = Some(ServerTag {
                     run: Some(i as u64 + 1),
-                    history: r.facts.map(|f| f.history),
+                    history: Some(history),
                     kind,
                 });
                 r

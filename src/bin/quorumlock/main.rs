@@ -20,6 +20,10 @@ use clap::Parser;
 use quorumlock::{Error, LockGuard, Redlock};
 use rustix::process::{kill_process, kill_process_group, Pid, Signal};
 
+mod watcher;
+
+use watcher::Watcher;
+
 // ---------------------------------------------------------------------------
 // Exit codes (sysexits.h where one fits; shell conventions for the command)
 // ---------------------------------------------------------------------------
@@ -139,6 +143,12 @@ enum Cmd {
     /// Show KEY's state on every node.
     #[command(long_about = STATUS_ABOUT, after_help = EXIT_CODES)]
     Status(StatusArgs),
+    /// The watcher `run` starts (internal).
+    #[command(name = "__watch", hide = true)]
+    Watch {
+        /// SIGTERM to SIGKILL, in ms.
+        grace_ms: String,
+    },
 }
 
 #[derive(clap::Args, Debug)]
@@ -241,6 +251,7 @@ fn main() -> ExitCode {
     ExitCode::from(match cli.command {
         Cmd::Run(args) => run(args),
         Cmd::Status(args) => status(args),
+        Cmd::Watch { grace_ms } => watcher::watch(&grace_ms),
     })
 }
 
@@ -472,12 +483,24 @@ fn run(args: RunArgs) -> u8 {
         return signal_exit(sig);
     }
 
+    // The watcher stops the command if we die without doing so (SIGKILL,
+    // the OOM killer): without it, nothing could.
+    let mut watcher = match Watcher::start(args.grace) {
+        Ok(w) => w,
+        Err(e) => {
+            say!("cannot start the watcher that stops the command if quorumlock dies: {e}");
+            release(guard);
+            return EX_OSERR;
+        }
+    };
+    watcher.valid_until(guard.deadline());
     let mut cmd = Command::new(&args.command[0]);
     if !args.foreground {
-        // A process group of its own, as under timeout(1): signals reach
-        // the command's children too, and a terminal's Ctrl-C reaches it
-        // once, through us.
-        cmd.process_group(0);
+        // A process group of its own, as under timeout(1) (the watcher's,
+        // which lives as long as the command may): signals reach the
+        // command's children too, and a terminal's Ctrl-C reaches it once,
+        // through us.
+        cmd.process_group(watcher.group());
     }
     cmd.args(&args.command[1..])
         .env("QUORUMLOCK_KEY", guard.resource())
@@ -493,15 +516,23 @@ fn run(args: RunArgs) -> u8 {
         Err(e) => {
             let name = args.command[0].to_string_lossy();
             say!("cannot run {name}: {e}");
+            watcher.done();
             release(guard);
             return spawn_failure(&e);
         }
     };
+    if args.foreground {
+        watcher.command(child.id());
+    }
     let job = Job {
         child,
-        group: !args.foreground,
+        group: (!args.foreground)
+            .then(|| Pid::from_raw(watcher.group()))
+            .flatten(),
     };
-    supervise(job, guard, args.grace, &signals)
+    let code = supervise(job, guard, args.grace, &signals, &mut watcher);
+    watcher.done();
+    code
 }
 
 /// Why `acquire` gave up.
@@ -574,11 +605,11 @@ fn status_code(status: ExitStatus) -> u8 {
     }
 }
 
-/// The running command: its process, and whether it leads a process group
-/// of its own (then signals go to the whole group).
+/// The running command: its process, and the process group it runs in when
+/// not in ours (then signals go to the whole group).
 struct Job {
     child: Child,
-    group: bool,
+    group: Option<Pid>,
 }
 
 impl Job {
@@ -590,14 +621,12 @@ impl Job {
         }
     }
 
-    /// Sends `sig` to the command's group (its id is the command's pid,
-    /// not reused while the group has a member), or to the command alone.
+    /// Sends `sig` to the command's group (its id is the watcher's pid,
+    /// not reused while the watcher lives), or to the command alone.
     fn signal_any(&self, sig: Signal) {
-        let pid = Pid::from_child(&self.child);
-        let sent = if self.group {
-            kill_process_group(pid, sig)
-        } else {
-            kill_process(pid, sig)
+        let sent = match self.group {
+            Some(group) => kill_process_group(group, sig),
+            None => kill_process(Pid::from_child(&self.child), sig),
         };
         if let Err(e) = sent {
             if e != rustix::io::Errno::SRCH {
@@ -616,8 +645,14 @@ enum Ended {
 
 /// Watches the command, the lock and received signals until the command
 /// exits or the lock is lost.
-fn supervise(mut job: Job, guard: LockGuard, grace: Duration, signals: &Signals) -> u8 {
-    match watch(&mut job, &guard, signals) {
+fn supervise(
+    mut job: Job,
+    guard: LockGuard,
+    grace: Duration,
+    signals: &Signals,
+    watcher: &mut Watcher,
+) -> u8 {
+    match watch(&mut job, &guard, signals, watcher) {
         Ended::Exited(status) => {
             release(guard);
             status_code(status)
@@ -645,9 +680,11 @@ fn supervise(mut job: Job, guard: LockGuard, grace: Duration, signals: &Signals)
     }
 }
 
-fn watch(job: &mut Job, guard: &LockGuard, signals: &Signals) -> Ended {
+fn watch(job: &mut Job, guard: &LockGuard, signals: &Signals, watcher: &mut Watcher) -> Ended {
     let lost = guard.lost();
     loop {
+        // The watcher kills the command before this, should we die.
+        watcher.valid_until(guard.deadline());
         for sig in signals.take() {
             if STOPS.contains(&sig) {
                 // Stop the command, then ourselves (renewals too: the lock
@@ -718,9 +755,10 @@ fn terminate(job: &mut Job, grace: Duration, signals: &Signals) {
         job.signal(Signal::KILL);
     }
     let _ = job.child.wait();
-    if job.group {
+    if job.group.is_some() {
         // Whatever of its group is left (children that ignored SIGTERM, or
-        // that it left behind) must not go on without the lock.
+        // that it left behind) must not go on without the lock (the watcher
+        // goes with them: its work is done).
         job.signal_any(Signal::KILL);
     }
 }
