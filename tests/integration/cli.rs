@@ -845,3 +845,109 @@ fn foreground_runs_in_quorumlocks_group() {
     assert_eq!(p.exit_code(SOON), 9, "stderr:\n{}", p.stderr());
     assert_gone(&c, &key, Duration::from_secs(1));
 }
+
+/// Found by the hostile review: `quorumlock run` killed by SIGKILL (the OOM killer) left its
+/// command running without the lock; the key expired after its TTL, another host's run
+/// started, and the orphan's writes landed inside that run's section. A watcher process
+/// now stops the command's whole group (its children too) before the lock's validity ends.
+#[test]
+fn a_sigkilled_run_takes_its_command_and_its_children_with_it() {
+    let c = shared();
+    let dir = Scratch::new("cli-kill9");
+    let key = unique_key("cli-kill9");
+    // The command and a child of it each append a line every 20 ms.
+    let script = r#"(while :; do echo c >> "$D/child.ticks"; sleep 0.02; done) &
+        echo $! > "$D/child"
+        touch "$D/started"
+        while :; do echo p >> "$D/parent.ticks"; sleep 0.02; done"#;
+    let mut p = Proc::spawn(
+        run_cmd(
+            &c,
+            &dir,
+            "run",
+            &key,
+            &["--ttl", "2s", "--grace", "300ms"],
+            script,
+        ),
+        &dir,
+        "run",
+    );
+    until_started(&c, &dir, &mut p, "started", &key);
+    std::thread::sleep(Duration::from_millis(200));
+    let killed = Instant::now();
+    kill_process(p.pid(), Signal::KILL).expect("SIGKILL quorumlock");
+    let _ = p.wait(SOON);
+    let child = dir.read("child").expect("child pid");
+    let lines = |f: &str| dir.read(f).map_or(0, |t| t.lines().count());
+    // Both stop well within the lock's validity (a TTL of 2 s from the last renewal).
+    assert!(
+        wait_until(Duration::from_secs(3), || !alive(&child)),
+        "the command's child outlived quorumlock"
+    );
+    let stopped = killed.elapsed();
+    let (parent_ticks, child_ticks) = (lines("parent.ticks"), lines("child.ticks"));
+    assert!(
+        stopped < Duration::from_millis(1500),
+        "stopped {stopped:?} after the SIGKILL"
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        (lines("parent.ticks"), lines("child.ticks")),
+        (parent_ticks, child_ticks),
+        "the command went on writing"
+    );
+    // Nobody released the lock: it expires with its TTL.
+    assert_gone(&c, &key, Duration::from_secs(5));
+}
+
+/// With --foreground the command is in quorumlock's own group: the watcher stops the
+/// command itself (its children are not in a group of their own to find).
+#[test]
+fn a_sigkilled_foreground_run_takes_its_command_with_it() {
+    let c = shared();
+    let dir = Scratch::new("cli-kill9-fg");
+    let key = unique_key("cli-kill9-fg");
+    let script = r#"echo $$ > "$D/cmd"; touch "$D/started"; while :; do sleep 0.02; done"#;
+    let mut p = Proc::spawn(
+        run_cmd(
+            &c,
+            &dir,
+            "run",
+            &key,
+            &["--ttl", "2s", "--grace", "300ms", "--foreground"],
+            script,
+        ),
+        &dir,
+        "run",
+    );
+    until_started(&c, &dir, &mut p, "started", &key);
+    let cmd = dir.read("cmd").expect("command pid");
+    kill_process(p.pid(), Signal::KILL).expect("SIGKILL quorumlock");
+    let _ = p.wait(SOON);
+    assert!(
+        wait_until(Duration::from_millis(1500), || !alive(&cmd)),
+        "the command outlived quorumlock"
+    );
+}
+
+/// One server listed twice is a configuration error: `run` exits 78 naming both entries,
+/// before taking the lock.
+#[test]
+fn one_server_listed_twice_exits_78() {
+    let c = shared();
+    let dir = Scratch::new("cli-twice");
+    let key = unique_key("cli-twice");
+    let alias = c.url(0).replace("127.0.0.1", "localhost");
+    let mut cmd = quorumlock(&dir, "run");
+    cmd.arg("run")
+        .arg("--nodes")
+        .arg(format!("{},{alias},{}", c.url(0), c.url(1)))
+        .args(["--node-timeout", NODE_TIMEOUT, "--fresh-cluster"])
+        .arg(&key)
+        .args(["--", "sh", "-c", "touch \"$D/ran\""]);
+    let (code, stderr) = finish(cmd, &dir, "run");
+    assert_eq!(code, EX_CONFIG, "stderr:\n{stderr}");
+    assert!(stderr.contains("one server"), "{stderr}");
+    assert!(dir.read("ran").is_none(), "the command ran");
+    assert_gone(&c, &key, Duration::from_secs(1));
+}
