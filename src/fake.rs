@@ -555,6 +555,7 @@ mod fencing_checks {
     use std::sync::Arc;
     use std::time::Duration;
 
+    use super::logs::capture_logs;
     use super::{client_over, client_with, settings, FakeNodes, Hook, Mode};
     use crate::clock::Clock;
     use crate::config::Settings;
@@ -878,6 +879,12 @@ mod fencing_checks {
             }
         }
     }
+}
+
+/// Log records of the calling thread, for tests of what is logged.
+#[cfg(test)]
+pub(crate) mod logs {
+    use std::sync::Arc;
 
     /// A logger that keeps the records of the calling thread only.
     struct Capture {
@@ -885,10 +892,10 @@ mod fencing_checks {
         records: Arc<parking_lot::Mutex<Vec<(log::Level, String)>>>,
     }
 
-    struct Records(Arc<parking_lot::Mutex<Vec<(log::Level, String)>>>);
+    pub(crate) struct Records(Arc<parking_lot::Mutex<Vec<(log::Level, String)>>>);
 
     impl Records {
-        fn take(&self) -> Vec<(log::Level, String)> {
+        pub(crate) fn take(&self) -> Vec<(log::Level, String)> {
             std::mem::take(&mut *self.0.lock())
         }
     }
@@ -914,7 +921,7 @@ mod fencing_checks {
         fn flush(&self) {}
     }
 
-    fn capture_logs() -> Records {
+    pub(crate) fn capture_logs() -> Records {
         static LOGGER: Logger = Logger;
         let sink = SINK.get_or_init(Default::default);
         if log::set_logger(&LOGGER).is_ok() {

@@ -30,6 +30,7 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+mod check;
 mod clock;
 mod config;
 mod conn;
@@ -53,6 +54,7 @@ mod fake;
 #[cfg(test)]
 mod sim;
 
+pub use check::{Check, Finding, NodeCheck, Verdict};
 pub use config::Builder;
 pub use error::{Error, InvalidInput, NodeError, NodeErrorKind};
 pub use events::{

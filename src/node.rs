@@ -597,6 +597,124 @@ fn release_once(target: &Target, cmd: &[u8], timeout: Duration) -> Result<(), St
     }
 }
 
+/// What [`Redlock::check`](crate::Redlock::check) reads from one node, on a
+/// connection of its own: the connect's own setup replies (`SCRIPT LOAD`,
+/// `INFO`, the metadata's id), five `PING`s one after another, `TIME`
+/// against this machine's clock, `CONFIG GET` of the persistence settings,
+/// and the acquire and release scripts on `key` (on this node alone, for
+/// one second at most: no lock is granted by one node).
+fn probe_one(target: &Target, key: &str, timeout: Duration) -> crate::check::Probe {
+    use crate::check::Probe;
+    let mut p = Probe::default();
+    let mut c = match Conn::connect(target, timeout) {
+        Ok(c) => c,
+        Err(e) => {
+            p.connect = Some(e.to_string());
+            return p;
+        }
+    };
+    let text = |v: &Value| match v {
+        Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+        Value::VerbatimString { text, .. } => Some(text.clone()),
+        Value::SimpleString(s) => Some(s.clone()),
+        _ => None,
+    };
+    let io = |e: std::io::Error| e.to_string();
+    // The connect's setup replies, in order.
+    let deadline = after(Instant::now(), timeout);
+    while let Some(setup) = c.pending().front().map(|q| q.setup) {
+        let v = match c.wait_reply(deadline) {
+            Ok(v) => v,
+            Err(e) => {
+                p.connect = Some(format!("no answer to the connect's commands: {e}"));
+                return p;
+            }
+        };
+        match (setup, &v) {
+            (_, Value::ServerError(e)) if refuses_connection(e) => {
+                p.connect = Some(format!("it turned the connection away: {}", server_text(e)));
+                return p;
+            }
+            (Setup::Load, Value::ServerError(e)) => p.load = Some(server_text(e)),
+            (Setup::Info, Value::ServerError(e)) => p.info = Some(Err(server_text(e))),
+            (Setup::Info, v) => p.info = Some(Ok(ServerInfo::parse(&text(v).unwrap_or_default()))),
+            (Setup::History, v) => p.history = text(v),
+            _ => {}
+        }
+    }
+    // One command and its reply, timed.
+    let ask = |c: &mut Conn, cmd: &redis::Cmd| -> Result<(Value, Duration), String> {
+        let t0 = Instant::now();
+        c.queue(&cmd.get_packed_command(), t0, true);
+        c.flush().map_err(io)?;
+        let v = c.wait_reply(after(t0, timeout)).map_err(io)?;
+        Ok((v, t0.elapsed()))
+    };
+    for _ in 0..5 {
+        match ask(&mut c, &redis::cmd("PING")) {
+            Ok((_, rtt)) => p.rtts.push(rtt),
+            Err(_) => break,
+        }
+    }
+    let before = std::time::SystemTime::now();
+    if let Ok((Value::Array(t), rtt)) = ask(&mut c, &redis::cmd("TIME")) {
+        let num = |v: Option<&Value>| v.and_then(text).and_then(|s| s.parse::<i64>().ok());
+        if let (Some(secs), Some(us)) = (num(t.first()), num(t.get(1))) {
+            let mid = before + rtt / 2;
+            let local = mid
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX));
+            let node = secs.saturating_mul(1_000_000).saturating_add(us);
+            p.clock = Some((node.saturating_sub(local), rtt));
+        }
+    }
+    let mut config = |name: &str| match ask(&mut c, redis::cmd("CONFIG").arg("GET").arg(name)) {
+        Ok((Value::Array(kv), _)) => Ok(kv.get(1).and_then(text).unwrap_or_default()),
+        Ok((Value::ServerError(e), _)) => Err(server_text(&e)),
+        Ok((v, _)) => Err(format!("{v:?}")),
+        Err(e) => Err(e),
+    };
+    let persistence = (|| {
+        Ok((
+            config("save")?,
+            config("appendonly")?,
+            config("appendfsync")?,
+        ))
+    })();
+    p.persistence = Some(persistence);
+    // The lock's own scripts on `key`, on this node: a SET NX of a random
+    // token for a second at most, and its compare-and-delete.
+    let token = crate::clock::new_token();
+    let k = Key::new(key, &token);
+    let ttl = Duration::from_secs(1);
+    let acquire = Encoded::new(
+        Op::Acquire {
+            ttl,
+            known_max: ttl,
+            fenced: false,
+        },
+        &[k],
+    );
+    let release = Encoded::new(
+        Op::Release {
+            keep_until: Instant::now(),
+        },
+        &[k],
+    );
+    let run = |c: &mut Conn, enc: &Encoded| -> Result<Reply, String> {
+        let t0 = Instant::now();
+        c.queue(&enc.fallback(), t0, true);
+        c.flush().map_err(io)?;
+        let v = c.wait_reply(after(t0, timeout)).map_err(io)?;
+        enc.decode(v).map_err(|(_, why)| why)
+    };
+    p.scripts = Some(run(&mut c, &acquire).and_then(|r| {
+        let other = r.answers.first() == Some(&Answer::Other);
+        run(&mut c, &release).map(|_| other)
+    }));
+    p
+}
+
 /// `GET` and `PTTL` of one key on a new connection, within `timeout` each
 /// for the connect and for the replies.
 fn inspect_one(
@@ -1098,6 +1216,25 @@ impl Transport for RedisTransport {
             }
             std::thread::sleep(CONN_RECHECK.min(deadline.saturating_duration_since(now)));
         }
+    }
+
+    fn probe(&self, key: &str, timeout: Duration) -> Vec<crate::check::Probe> {
+        // A fresh connection per node, all at once, as for `inspect`.
+        std::thread::scope(|scope| {
+            let jobs: Vec<_> = self
+                .nodes
+                .iter()
+                .map(|node| scope.spawn(move || probe_one(&node.target, key, timeout)))
+                .collect();
+            jobs.into_iter()
+                .map(|job| {
+                    job.join().unwrap_or_else(|_| crate::check::Probe {
+                        connect: Some("the check panicked".into()),
+                        ..Default::default()
+                    })
+                })
+                .collect()
+        })
     }
 
     fn inspect(&self, resource: &str, timeout: Duration) -> Vec<Result<Option<Stored>, NodeError>> {
@@ -2095,6 +2232,54 @@ mod tests {
         }
         assert!(q.watched.is_empty(), "watched ones go before owed ones");
         assert_eq!(q.owed.len(), MAX_RETRIES);
+    }
+
+    /// What the connections learn of the servers is logged once per node (a
+    /// node reconnects often: one warning, not one per connection), and two
+    /// entries with one id are a pair, found by either id.
+    #[test]
+    fn servers_are_named_once_and_twins_found_by_either_id() {
+        let logs = crate::fake::logs::capture_logs();
+        let names: Vec<String> = ["a:1", "b:1", "c:1"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let servers = Servers::new(names);
+        let evicting = ServerInfo::parse(
+            "run_id:r0\nrole:master\nmaxmemory:1048576\nmaxmemory_policy:allkeys-lru\n",
+        );
+        for _ in 0..3 {
+            servers.learn_info(0, &Ok(evicting.clone()));
+        }
+        servers.learn_info(1, &Err("NOPERM".into()));
+        let warned: Vec<String> = logs
+            .take()
+            .into_iter()
+            .filter(|(l, _)| *l <= log::Level::Info)
+            .map(|(_, m)| m)
+            .collect();
+        assert_eq!(warned.len(), 2, "{warned:?}");
+        assert!(warned[0].contains("allkeys-lru"), "{warned:?}");
+        assert!(warned[1].contains("+info"), "{warned:?}");
+        assert!(servers.twins().is_none());
+        assert!(
+            servers.twin_mask().is_empty(),
+            "no allocation without twins"
+        );
+        // Entry 1 (no INFO) shares entry 2's lock history; entry 2 has a run id.
+        servers.learn_history(1, 7);
+        servers.learn_info(2, &Ok(ServerInfo::parse("run_id:r2\nrole:master\n")));
+        servers.learn_history(2, 7);
+        assert_eq!(servers.twins(), Some((1, 2)));
+        assert_eq!(servers.twin_mask(), [false, false, true]);
+        let pair = logs.take();
+        assert_eq!(
+            pair.iter()
+                .filter(|(l, m)| *l == log::Level::Warn && m.contains("one server"))
+                .count(),
+            1,
+            "{pair:?}"
+        );
     }
 
     #[test]

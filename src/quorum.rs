@@ -423,6 +423,96 @@ mod tests {
         assert!(settled(&[other(), other(), other(), None, None]));
     }
 
+    /// One vote per server: of two entries' answers for one server, the
+    /// one that did more counts (a release's second delete finds the key
+    /// gone), whatever order they arrive in; replicas never vote, evicting
+    /// nodes only when not refused.
+    #[test]
+    fn each_server_votes_once_and_unfit_nodes_not_at_all() {
+        use crate::transport::{Reply, ServerTag};
+        let names: Vec<String> = ["a", "a2", "b"].iter().map(|s| s.to_string()).collect();
+        let tagged = |answer: Answer, run: u64, kind: ServerKind| -> NodeResult {
+            let mut r = Reply::new(vec![answer]);
+            r.server = Some(ServerTag {
+                run: Some(run),
+                history: None,
+                kind,
+            });
+            Ok(r)
+        };
+        let rules = VoteRules::default();
+        for order in [[0, 1], [1, 0]] {
+            let mut results: Vec<Option<NodeResult>> = vec![None; 3];
+            let answers = [Answer::Ok, Answer::Absent];
+            for &i in &order {
+                insert_vote(
+                    &mut results,
+                    &names,
+                    i,
+                    tagged(answers[i], 1, ServerKind::Fit),
+                    rules,
+                );
+            }
+            insert_vote(
+                &mut results,
+                &names,
+                2,
+                tagged(Answer::Ok, 2, ServerKind::Fit),
+                rules,
+            );
+            let t = Tally::of(&results.iter().flatten().cloned().collect::<Vec<_>>(), 0);
+            assert_eq!((t.ok, t.absent), (2, 0), "{order:?}: {results:?}");
+            assert_eq!(t.failures[0].kind(), NodeErrorKind::SameServer);
+            assert_eq!(t.failures[0].node(), "a2");
+        }
+        let mut results: Vec<Option<NodeResult>> = vec![None; 3];
+        insert_vote(
+            &mut results,
+            &names,
+            0,
+            tagged(Answer::Ok, 1, ServerKind::Replica),
+            rules,
+        );
+        insert_vote(
+            &mut results,
+            &names,
+            1,
+            tagged(Answer::Ok, 2, ServerKind::Evicting("volatile-lru")),
+            rules,
+        );
+        assert!(matches!(&results[0], Some(Err(e)) if e.kind() == NodeErrorKind::Unsuitable));
+        assert!(matches!(&results[1], Some(Ok(_))), "warned of, counted");
+        let strict = VoteRules {
+            refuse_evicting: true,
+            ..rules
+        };
+        insert_vote(
+            &mut results,
+            &names,
+            1,
+            tagged(Answer::Ok, 2, ServerKind::Evicting("volatile-lru")),
+            strict,
+        );
+        assert!(matches!(&results[1], Some(Err(e)) if e.kind() == NodeErrorKind::Unsuitable));
+        // Without tags (fake or old transports), nothing changes.
+        let mut results: Vec<Option<NodeResult>> = vec![None; 2];
+        insert_vote(
+            &mut results,
+            &names,
+            0,
+            Ok(Reply::new(vec![Answer::Ok])),
+            rules,
+        );
+        insert_vote(
+            &mut results,
+            &names,
+            1,
+            Ok(Reply::new(vec![Answer::Ok])),
+            rules,
+        );
+        assert!(results.iter().all(|r| matches!(r, Some(Ok(_)))));
+    }
+
     #[test]
     fn quorum_is_a_strict_majority() {
         let table = [(1, 1), (2, 2), (3, 2), (4, 3), (5, 3), (6, 4), (7, 4)];

@@ -387,6 +387,47 @@ impl Redlock {
             .collect())
     }
 
+    /// Audits the node list as the client judges nodes at connect, and
+    /// more, with a verdict per node and for the set (`quorumlock check`
+    /// prints it): whether the entries are distinct servers (`run_id`, lock
+    /// history id), each node's role and cluster mode, its memory policy
+    /// (an evicting one drops lock keys), its persistence settings and what
+    /// they mean for the restart rule, its clock against this machine's
+    /// (measured in one round trip), its round trip against the node
+    /// timeout, and whether the lock's scripts run on `key` under its ACL.
+    ///
+    /// Each node is asked on a connection of its own, all at once, each
+    /// step within the node timeout. The script test runs the acquire and
+    /// release scripts on `key` on each node alone, with a random token for
+    /// at most a second: one node's key never grants a lock, but a client
+    /// locking `key` at that moment may count that node's vote as taken.
+    /// Use a key your locks' ACL allows (`lock:check` under `~lock:*`).
+    ///
+    /// ```no_run
+    /// let locks = quorumlock::Redlock::builder()
+    ///     .nodes(["redis://127.0.0.1:7001", "redis://127.0.0.1:7002", "redis://127.0.0.1:7003"])
+    ///     .build()?;
+    /// let check = locks.check("lock:check")?;
+    /// println!("{check}");
+    /// assert!(check.is_safe(), "fix the findings marked UNSAFE or FAIL");
+    /// # Ok::<(), quorumlock::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a key [`lock`](Self::lock) would refuse.
+    pub fn check(&self, key: &str) -> Result<crate::Check> {
+        validate_resource(key)?;
+        let timeout = self.inner.settings.node_timeout;
+        let probes = self.inner.transport.probe(key, timeout);
+        Ok(crate::check::assess(
+            self.inner.transport.node_names(),
+            probes,
+            timeout,
+            self.quorum(),
+            key,
+        ))
+    }
+
     /// A guard for a held lock, renewed when the client renews every lock.
     fn guard(&self, state: Arc<LockState>, turn: Option<Permit>) -> LockGuard {
         if let Some(turn) = &turn {

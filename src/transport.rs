@@ -238,6 +238,20 @@ pub(crate) trait Transport: Send + Sync + 'static {
     /// Reads `resource`'s value and remaining time to live on every node,
     /// each within `timeout`, outside of rounds and pools (an operator's
     /// status query). Doubles that do not model it answer with an error.
+    /// Gathers the facts of [`Redlock::check`](crate::Redlock::check) from
+    /// every node. Doubles that do not model it report every node
+    /// unreachable.
+    fn probe(&self, key: &str, timeout: Duration) -> Vec<crate::check::Probe> {
+        let _ = (key, timeout);
+        self.node_names()
+            .iter()
+            .map(|_| crate::check::Probe {
+                connect: Some("not supported by this transport".into()),
+                ..Default::default()
+            })
+            .collect()
+    }
+
     fn inspect(&self, resource: &str, timeout: Duration) -> Vec<Result<Option<Stored>, NodeError>> {
         let _ = (resource, timeout);
         self.node_names()

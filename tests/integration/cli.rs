@@ -483,7 +483,13 @@ fn status_shows_each_node_without_the_token_unless_asked() {
 
     let (_, out) = status("s1", &[]);
     let lines: Vec<&str> = out.lines().collect();
-    assert_eq!(lines.len(), c.len(), "{out}");
+    // One line per node, then where one token holds the key.
+    assert_eq!(lines.len(), c.len() + 1, "{out}");
+    assert_eq!(
+        lines[c.len()],
+        format!("{key}: held on {} of {} nodes", c.len(), c.len()),
+        "{out}"
+    );
     for (line, url) in lines.iter().zip(c.urls()) {
         let addr = url.trim_start_matches("redis://");
         assert!(line.starts_with(addr), "{line:?} for {addr}");
@@ -950,4 +956,61 @@ fn one_server_listed_twice_exits_78() {
     assert!(stderr.contains("one server"), "{stderr}");
     assert!(dir.read("ran").is_none(), "the command ran");
     assert_gone(&c, &key, Duration::from_secs(1));
+}
+
+/// `quorumlock check`: a healthy set is safe (exit 0); one server listed twice and an
+/// evicting node are named and make it unsafe (exit 2); a majority unreachable is 69.
+#[test]
+fn check_audits_the_node_list() {
+    let c = Cluster::start(3);
+    let dir = Scratch::new("cli-check");
+    let check = |name: &str, nodes: &str| {
+        let mut cmd = quorumlock(&dir, name);
+        cmd.arg("check")
+            .arg("--nodes")
+            .arg(nodes)
+            .args(["--node-timeout", NODE_TIMEOUT]);
+        let (code, _) = finish(cmd, &dir, name);
+        (
+            code,
+            dir.read(&format!("{name}.stdout")).unwrap_or_default(),
+        )
+    };
+    let urls = c.urls();
+    let (code, out) = check("healthy", &urls.join(","));
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("verdict: safe for Redlock"), "{out}");
+    assert!(
+        out.contains("run_id") && out.contains("round trip"),
+        "{out}"
+    );
+
+    let alias = urls[0].replace("127.0.0.1", "localhost");
+    let (code, out) = check("twice", &format!("{},{alias},{}", urls[0], urls[1]));
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("are one server"), "{out}");
+
+    let mut admin = c.conn(2);
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg("64mb")
+        .query(&mut admin)
+        .expect("maxmemory");
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("volatile-lru")
+        .query(&mut admin)
+        .expect("policy");
+    let (code, out) = check("evicting", &urls.join(","));
+    assert_eq!(code, 2, "{out}");
+    assert!(
+        out.contains("volatile-lru") && out.contains("UNSAFE"),
+        "{out}"
+    );
+
+    let (code, out) = check("down", &format!("{},{}", urls[0], dead_nodes()));
+    assert_eq!(code, EX_UNAVAILABLE, "{out}");
+    assert!(out.contains("unreachable"), "{out}");
 }

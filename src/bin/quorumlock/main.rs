@@ -78,7 +78,9 @@ Exit codes of `quorumlock run`:
   126      the command cannot be executed (permission denied, not a program)
   127      the command was not found
 Exit codes of `quorumlock status`: 0 when a majority of nodes answered,
-69 otherwise; 64 and 78 as above.";
+69 otherwise; 64 and 78 as above.
+Exit codes of `quorumlock check`: 0 when the set is safe for Redlock, 2 when
+it is not, 69 when fewer than a majority of the nodes could be reached.";
 
 const RUN_ABOUT: &str = "\
 Run a command while holding a lock on a majority of Redis nodes.
@@ -111,13 +113,36 @@ Without --nodes, the nodes come from REDLOCK_NODES (comma-separated). A
 brand-new cluster (or nodes restarted without their data) refuses votes for
 one TTL, the Redlock delayed-restart rule: runs then exit 69.";
 
+const CHECK_ABOUT: &str = "\
+Audit the node list the way the client judges nodes at connect, and more,
+and print a verdict per node and for the set:
+  identity     each entry's run_id and lock history id: one server listed
+               twice (two names, a load balancer, two databases) is UNSAFE
+  role         a replica is UNSAFE: its keys are not its own
+  cluster      a Redis Cluster node is UNSAFE: not an independent server
+  memory       maxmemory with an evicting policy is UNSAFE: it evicts lock
+               keys under pressure (volatile-* evicts exactly the keys with
+               a TTL); only noeviction, or no maxmemory, keeps them
+  persistence  what a restart keeps, and how the restart rule covers it
+  clock        each node's clock against this machine's (one round trip),
+               and how far apart the nodes' clocks are
+  latency      round trips against the node timeout
+  scripts      whether the lock's scripts run on --key under the ACL (FAIL
+               if not), tried once per node with a random token
+Each node is asked on a connection of its own. The verdict line says
+whether the set is safe: no UNSAFE finding, and a majority of usable nodes.
+Exit status: 0 safe (warnings aside), 2 not safe, 69 fewer than a majority of
+the nodes reachable, 64 and 78 as for run.";
+
 const STATUS_ABOUT: &str = "\
 Show, for each node, whether KEY exists and its remaining TTL.
 
 One line per node on stdout: `NODE  held  ttl=12.3s`, `NODE  free` or
-`NODE  error: MESSAGE`. A key's token is printed only with --show-token. A
-node's copy alone says nothing about who holds the lock: a lock is held only
-on a majority, within its validity.";
+`NODE  error: MESSAGE`, then `KEY: held on N of M nodes` (N: the nodes
+holding the most common token; a lock on a bare majority is one node failure
+from loss) or `KEY: free on every node that answered`. A key's token is
+printed only with --show-token. A node's copy alone says nothing about who
+holds the lock: a lock is held only on a majority, within its validity.";
 
 #[derive(Parser, Debug)]
 #[command(
@@ -143,6 +168,9 @@ enum Cmd {
     /// Show KEY's state on every node.
     #[command(long_about = STATUS_ABOUT, after_help = EXIT_CODES)]
     Status(StatusArgs),
+    /// Audit the node list: is it safe for Redlock?
+    #[command(long_about = CHECK_ABOUT, after_help = EXIT_CODES)]
+    Check(CheckArgs),
     /// The watcher `run` starts (internal).
     #[command(name = "__watch", hide = true)]
     Watch {
@@ -227,6 +255,16 @@ struct RunArgs {
 }
 
 #[derive(clap::Args, Debug)]
+struct CheckArgs {
+    #[command(flatten)]
+    nodes: NodeArgs,
+    /// The key the lock's scripts are tried on, once per node, with a random
+    /// token for at most a second (use a name your locks' ACL allows).
+    #[arg(long, value_name = "KEY", default_value = "quorumlock:check")]
+    key: String,
+}
+
+#[derive(clap::Args, Debug)]
 struct StatusArgs {
     #[command(flatten)]
     nodes: NodeArgs,
@@ -251,6 +289,7 @@ fn main() -> ExitCode {
     ExitCode::from(match cli.command {
         Cmd::Run(args) => run(args),
         Cmd::Status(args) => status(args),
+        Cmd::Check(args) => check(args),
         Cmd::Watch { grace_ms } => watcher::watch(&grace_ms),
     })
 }
@@ -810,6 +849,24 @@ fn status(args: StatusArgs) -> u8 {
             return EX_OSERR;
         }
     }
+    // On how many nodes one token holds the key: a lock lives on every node
+    // it can, and one on a bare majority is a node failure from loss.
+    let mut tokens: Vec<(&str, usize)> = Vec::new();
+    for n in &nodes {
+        if let Ok(Some(k)) = n.key() {
+            match tokens.iter_mut().find(|(t, _)| *t == k.token()) {
+                Some((_, count)) => *count += 1,
+                None => tokens.push((k.token(), 1)),
+            }
+        }
+    }
+    let summary = match tokens.iter().max_by_key(|(_, c)| *c) {
+        Some((_, held)) => format!("{}: held on {held} of {} nodes", args.key, nodes.len()),
+        None => format!("{}: free on every node that answered", args.key),
+    };
+    if writeln!(out, "{summary}").is_err() {
+        return EX_OSERR;
+    }
     if answered >= locks.quorum() {
         0
     } else {
@@ -819,6 +876,33 @@ fn status(args: StatusArgs) -> u8 {
             locks.quorum()
         );
         EX_UNAVAILABLE
+    }
+}
+
+/// Exit status of `check` when the set is not safe for Redlock.
+const EX_NOT_SAFE: u8 = 2;
+
+fn check(args: CheckArgs) -> u8 {
+    let locks = match client(&args.nodes, false) {
+        Ok(l) => l,
+        Err(code) => return code,
+    };
+    let report = match locks.check(&args.key) {
+        Ok(r) => r,
+        Err(e) => {
+            say!("cannot check the nodes: {e}");
+            return exit_code(&e);
+        }
+    };
+    if writeln!(io::stdout().lock(), "{report}").is_err() {
+        return EX_OSERR;
+    }
+    if report.reachable() < locks.quorum() {
+        EX_UNAVAILABLE
+    } else if report.is_safe() {
+        0
+    } else {
+        EX_NOT_SAFE
     }
 }
 

@@ -1,0 +1,647 @@
+//! [`Redlock::check`](crate::Redlock::check): an audit of the node list, the
+//! way the client judges nodes at connect and more, with a verdict per node
+//! and for the set.
+//!
+//! The driver gathers the facts ([`Probe`], one per node, each on a
+//! connection of its own); [`assess`] turns them into findings, a pure
+//! function of the facts, so that every rule here is the one the rounds
+//! apply ([`ServerInfo::kind`]) and can be tested without a server.
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::server::ServerInfo;
+use crate::transport::ServerKind;
+
+/// How a finding bears on using the node (or the set) for Redlock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[non_exhaustive]
+pub enum Verdict {
+    /// Fine, or a fact worth knowing.
+    Ok,
+    /// Works, with a risk or a cost worth fixing (a slow node, clocks far
+    /// apart, a check the ACL did not allow).
+    Warn,
+    /// The node cannot take part in a lock (unreachable, the ACL refuses
+    /// the scripts): a failure the quorum must absorb.
+    Fail,
+    /// The node (or the set) can give two holders of one lock: a replica,
+    /// a cluster node, an evicting memory policy, one server listed twice.
+    Unsafe,
+}
+
+impl fmt::Display for Verdict {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Verdict::Ok => "ok",
+            Verdict::Warn => "warn",
+            Verdict::Fail => "FAIL",
+            Verdict::Unsafe => "UNSAFE",
+        })
+    }
+}
+
+/// One thing [`Redlock::check`](crate::Redlock::check) found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Finding {
+    verdict: Verdict,
+    topic: &'static str,
+    text: String,
+}
+
+impl Finding {
+    fn new(verdict: Verdict, topic: &'static str, text: impl Into<String>) -> Self {
+        Finding {
+            verdict,
+            topic,
+            text: text.into(),
+        }
+    }
+
+    /// What it means for Redlock.
+    pub fn verdict(&self) -> Verdict {
+        self.verdict
+    }
+
+    /// What it is about: `connect`, `identity`, `role`, `cluster`,
+    /// `memory`, `persistence`, `clock`, `latency`, `scripts`, `nodes`.
+    pub fn topic(&self) -> &'static str {
+        self.topic
+    }
+
+    /// What was found, and what it means.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+}
+
+/// What [`Redlock::check`](crate::Redlock::check) found on one node.
+#[derive(Debug, Clone)]
+pub struct NodeCheck {
+    node: String,
+    findings: Vec<Finding>,
+    round_trip: Option<Duration>,
+    clock_offset_us: Option<i64>,
+}
+
+impl NodeCheck {
+    /// The node's address (`host:port`, with `/db` when not 0).
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// Every finding, in the order checked.
+    pub fn findings(&self) -> &[Finding] {
+        &self.findings
+    }
+
+    /// The worst verdict among the findings.
+    pub fn verdict(&self) -> Verdict {
+        worst(&self.findings)
+    }
+
+    /// The median of a few `PING` round trips, when the node answered.
+    pub fn round_trip(&self) -> Option<Duration> {
+        self.round_trip
+    }
+
+    /// The node's clock (`TIME`) minus this machine's, in microseconds,
+    /// measured in one round trip (off by at most half of it).
+    pub fn clock_offset_micros(&self) -> Option<i64> {
+        self.clock_offset_us
+    }
+
+    fn usable(&self) -> bool {
+        self.verdict() <= Verdict::Warn
+    }
+}
+
+/// The result of [`Redlock::check`](crate::Redlock::check): each node's
+/// findings and the set's. Its `Display` is the report `quorumlock check`
+/// prints.
+#[derive(Debug, Clone)]
+pub struct Check {
+    nodes: Vec<NodeCheck>,
+    findings: Vec<Finding>,
+    quorum: usize,
+}
+
+impl Check {
+    /// One entry per node, in the builder's order.
+    pub fn nodes(&self) -> &[NodeCheck] {
+        &self.nodes
+    }
+
+    /// What was found about the set as a whole (independence, how many
+    /// nodes are usable, clocks against each other).
+    pub fn findings(&self) -> &[Finding] {
+        &self.findings
+    }
+
+    /// Whether the set is safe for Redlock: no finding anywhere can give two
+    /// holders, and at least a majority of the nodes is usable.
+    pub fn is_safe(&self) -> bool {
+        let usable = self.nodes.iter().filter(|n| n.usable()).count();
+        usable >= self.quorum
+            && worst(&self.findings) < Verdict::Unsafe
+            && self.nodes.iter().all(|n| n.verdict() < Verdict::Unsafe)
+    }
+
+    /// How many nodes could be reached at all.
+    pub fn reachable(&self) -> usize {
+        self.nodes
+            .iter()
+            .filter(|n| n.findings.iter().all(|f| f.topic != "connect"))
+            .count()
+    }
+}
+
+impl fmt::Display for Check {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for n in &self.nodes {
+            writeln!(f, "{}  {}", n.node, n.verdict())?;
+            for x in &n.findings {
+                writeln!(
+                    f,
+                    "  {:<6} {:<12} {}",
+                    x.verdict.to_string(),
+                    x.topic,
+                    x.text
+                )?;
+            }
+        }
+        writeln!(f, "set")?;
+        for x in &self.findings {
+            writeln!(
+                f,
+                "  {:<6} {:<12} {}",
+                x.verdict.to_string(),
+                x.topic,
+                x.text
+            )?;
+        }
+        write!(
+            f,
+            "verdict: {}",
+            if self.is_safe() {
+                "safe for Redlock"
+            } else {
+                "NOT safe for Redlock"
+            }
+        )
+    }
+}
+
+fn worst(findings: &[Finding]) -> Verdict {
+    findings
+        .iter()
+        .map(|f| f.verdict)
+        .max()
+        .unwrap_or(Verdict::Ok)
+}
+
+/// What the driver read from one node, on a connection of its own.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Probe {
+    /// Why no connection could be made.
+    pub connect: Option<String>,
+    /// `INFO`, or the server's refusal.
+    pub info: Option<Result<ServerInfo, String>>,
+    /// The metadata's id (written at connect when missing).
+    pub history: Option<String>,
+    /// `SCRIPT LOAD` refused, with the server's words.
+    pub load: Option<String>,
+    /// `PING` round trips.
+    pub rtts: Vec<Duration>,
+    /// Node clock minus local clock (µs), and the round trip it took.
+    pub clock: Option<(i64, Duration)>,
+    /// `CONFIG GET save`, `appendonly`, `appendfsync`, or the refusal.
+    pub persistence: Option<Result<(String, String, String), String>>,
+    /// A lock and its release on the checked key, on this node alone:
+    /// `Ok(held by another)` or the server's refusal.
+    pub scripts: Option<Result<bool, String>>,
+}
+
+/// Clocks further apart than this are worth a warning: fencing tokens
+/// after a data loss assume clocks that agree within the longest TTL.
+const CLOCK_WARN: Duration = Duration::from_secs(1);
+
+/// The findings for `probes` (one per node, named `names`), for a client
+/// whose node timeout is `timeout` and whose rounds need `quorum` votes.
+pub(crate) fn assess(
+    names: &[String],
+    probes: Vec<Probe>,
+    timeout: Duration,
+    quorum: usize,
+    key: &str,
+) -> Check {
+    let nodes: Vec<NodeCheck> = names
+        .iter()
+        .zip(&probes)
+        .map(|(name, p)| assess_node(name, p, timeout, key))
+        .collect();
+    let mut findings = Vec::new();
+    // One server under two names.
+    for (b, pb) in probes.iter().enumerate() {
+        for (a, pa) in probes.iter().enumerate().take(b) {
+            let run = |p: &Probe| {
+                p.info
+                    .as_ref()
+                    .and_then(|i| i.as_ref().ok())
+                    .and_then(|i| i.run_id.clone())
+            };
+            let same_run = run(pa).is_some() && run(pa) == run(pb);
+            let same_history = pa.history.is_some() && pa.history == pb.history;
+            if same_run || same_history {
+                findings.push(Finding::new(
+                    Verdict::Unsafe,
+                    "identity",
+                    format!(
+                        "{} and {} are one server ({}): Redlock needs independent servers; list it once",
+                        names[a],
+                        names[b],
+                        if same_run { "the same run_id" } else { "the same lock history" }
+                    ),
+                ));
+            }
+        }
+    }
+    let n = names.len();
+    let usable = nodes.iter().filter(|c| c.usable()).count();
+    findings.push(if usable >= quorum {
+        Finding::new(
+            Verdict::Ok,
+            "nodes",
+            format!("{usable} of {n} nodes usable; {quorum} needed for a lock"),
+        )
+    } else {
+        Finding::new(
+            Verdict::Unsafe,
+            "nodes",
+            format!("only {usable} of {n} nodes usable; {quorum} needed: no lock can be taken"),
+        )
+    });
+    if n == 1 {
+        findings.push(Finding::new(
+            Verdict::Warn,
+            "nodes",
+            "one node: no fault tolerance (use 3 or 5)",
+        ));
+    } else if n % 2 == 0 {
+        findings.push(Finding::new(
+            Verdict::Warn,
+            "nodes",
+            format!(
+                "{n} nodes tolerate {} failure(s), as {} do: use an odd number",
+                (n - 1) / 2,
+                n - 1
+            ),
+        ));
+    }
+    let offsets: Vec<i64> = nodes.iter().filter_map(|c| c.clock_offset_us).collect();
+    if let (Some(lo), Some(hi)) = (offsets.iter().min(), offsets.iter().max()) {
+        let spread = Duration::from_micros(hi.saturating_sub(*lo).unsigned_abs());
+        findings.push(Finding::new(
+            if spread > CLOCK_WARN {
+                Verdict::Warn
+            } else {
+                Verdict::Ok
+            },
+            "clock",
+            format!(
+                "node clocks {} apart (Redlock needs clocks that run at the same rate; fencing tokens after a data loss need them to agree within the longest TTL)",
+                human(spread)
+            ),
+        ));
+    }
+    Check {
+        nodes,
+        findings,
+        quorum,
+    }
+}
+
+fn assess_node(name: &str, p: &Probe, timeout: Duration, key: &str) -> NodeCheck {
+    let mut f = Vec::new();
+    let mut out = NodeCheck {
+        node: name.to_owned(),
+        findings: Vec::new(),
+        round_trip: None,
+        clock_offset_us: None,
+    };
+    if let Some(why) = &p.connect {
+        f.push(Finding::new(
+            Verdict::Fail,
+            "connect",
+            format!("unreachable: {why}"),
+        ));
+        out.findings = f;
+        return out;
+    }
+    match &p.info {
+        Some(Ok(info)) => {
+            let ids = format!(
+                "run_id {}, lock history id {}",
+                info.run_id.as_deref().unwrap_or("?"),
+                p.history.as_deref().unwrap_or("none (not allowed?)")
+            );
+            f.push(Finding::new(Verdict::Ok, "identity", ids));
+            let version = info.version.as_deref().unwrap_or("?");
+            f.push(match info.kind() {
+                ServerKind::Replica => Finding::new(
+                    Verdict::Unsafe,
+                    "role",
+                    format!("a replica (role:{}): it cannot keep locks of its own", info.role.as_deref().unwrap_or("?")),
+                ),
+                _ => Finding::new(Verdict::Ok, "role", format!("primary, Redis {version}")),
+            });
+            if info.cluster == Some(true) {
+                f.push(Finding::new(
+                    Verdict::Unsafe,
+                    "cluster",
+                    "Redis Cluster mode: not an independent server (use standalone nodes)",
+                ));
+            }
+            f.push(memory(info));
+            f.push(persistence(p.persistence.as_ref(), info));
+        }
+        Some(Err(why)) => f.push(Finding::new(
+            Verdict::Warn,
+            "identity",
+            format!(
+                "INFO refused ({why}): role, cluster mode, memory policy and run_id unknown; grant +info (lock history id {})",
+                p.history.as_deref().unwrap_or("unknown")
+            ),
+        )),
+        None => f.push(Finding::new(Verdict::Warn, "identity", "INFO not answered")),
+    }
+    let mut rtts = p.rtts.clone();
+    rtts.sort_unstable();
+    if let (Some(median), Some(max)) = (rtts.get(rtts.len() / 2), rtts.last()) {
+        out.round_trip = Some(*median);
+        let text = format!(
+            "round trip {} (max {}) against a node timeout of {}",
+            human(*median),
+            human(*max),
+            human(timeout)
+        );
+        f.push(if *max >= timeout {
+            Finding::new(
+                Verdict::Warn,
+                "latency",
+                format!("{text}: rounds will often miss it"),
+            )
+        } else if *median > timeout / 2 {
+            Finding::new(
+                Verdict::Warn,
+                "latency",
+                format!("{text}: raise the node timeout"),
+            )
+        } else {
+            Finding::new(Verdict::Ok, "latency", text)
+        });
+    }
+    if let Some((offset, rtt)) = p.clock {
+        out.clock_offset_us = Some(offset);
+        let off = Duration::from_micros(offset.unsigned_abs());
+        f.push(Finding::new(
+            if off > CLOCK_WARN {
+                Verdict::Warn
+            } else {
+                Verdict::Ok
+            },
+            "clock",
+            format!(
+                "{}{} from this machine's clock (± {})",
+                if offset < 0 { "-" } else { "+" },
+                human(off),
+                human(rtt / 2)
+            ),
+        ));
+    }
+    if let Some(why) = &p.load {
+        f.push(Finding::new(
+            Verdict::Warn,
+            "scripts",
+            format!("SCRIPT LOAD refused ({why}): rounds send whole scripts (EVAL), larger"),
+        ));
+    }
+    match &p.scripts {
+        Some(Ok(other)) => f.push(Finding::new(
+            Verdict::Ok,
+            "scripts",
+            format!(
+                "the lock's scripts run on {key:?}{}",
+                if *other { " (held by someone now)" } else { "" }
+            ),
+        )),
+        Some(Err(why)) => f.push(Finding::new(
+            Verdict::Fail,
+            "scripts",
+            format!("the lock's scripts fail on {key:?}: {why} (see the README's minimal ACL)"),
+        )),
+        None => {}
+    }
+    out.findings = f;
+    out
+}
+
+fn memory(info: &ServerInfo) -> Finding {
+    let policy = info.policy.as_deref().unwrap_or("?");
+    match (info.kind(), info.maxmemory) {
+        (ServerKind::Evicting(_), Some(max)) => Finding::new(
+            Verdict::Unsafe,
+            "memory",
+            format!(
+                "maxmemory {} with maxmemory-policy {policy}: under memory pressure it evicts lock keys, and a second client takes a held lock; set noeviction",
+                bytes(max)
+            ),
+        ),
+        (_, Some(0)) | (_, None) => Finding::new(Verdict::Ok, "memory", "no maxmemory: nothing is evicted"),
+        (_, Some(max)) => Finding::new(
+            Verdict::Ok,
+            "memory",
+            format!(
+                "maxmemory {} with {policy}: nothing is evicted; when full, writes (and locks) fail, safely",
+                bytes(max)
+            ),
+        ),
+    }
+}
+
+fn persistence(p: Option<&Result<(String, String, String), String>>, info: &ServerInfo) -> Finding {
+    let held = "the restart rule holds it back for the longest TTL in use after a restart";
+    match p {
+        Some(Ok((save, aof, fsync))) => {
+            let text = match (save.trim().is_empty(), aof.as_str(), fsync.as_str()) {
+                (_, "yes", "always") => "AOF with fsync always: a restart keeps every lock (its uptime still holds it back once)".to_owned(),
+                (_, "yes", f) => format!("AOF with fsync {f}: a crash may lose the latest locks; {held} (its uptime)"),
+                (true, _, _) => format!("no persistence: a restart loses every lock and its lock history; {held}"),
+                (false, _, _) => format!("RDB snapshots (save {}): a restart reloads a snapshot that may lack the latest locks; {held} (its uptime)", save.trim()),
+            };
+            Finding::new(Verdict::Ok, "persistence", text)
+        }
+        Some(Err(why)) => Finding::new(
+            Verdict::Ok,
+            "persistence",
+            format!(
+                "CONFIG refused ({why}); aof_enabled:{}: {held}, as long as INFO is allowed",
+                match info.aof {
+                    Some(true) => "1",
+                    Some(false) => "0",
+                    None => "?",
+                }
+            ),
+        ),
+        None => Finding::new(Verdict::Ok, "persistence", "not answered"),
+    }
+}
+
+fn human(d: Duration) -> String {
+    if d >= Duration::from_secs(1) {
+        format!("{:.1}s", d.as_secs_f64())
+    } else if d >= Duration::from_millis(1) {
+        format!("{:.1}ms", d.as_secs_f64() * 1e3)
+    } else {
+        format!("{}µs", d.as_micros())
+    }
+}
+
+fn bytes(b: u64) -> String {
+    match b {
+        b if b >= 1 << 30 => format!("{:.1}gb", b as f64 / (1u64 << 30) as f64),
+        b if b >= 1 << 20 => format!("{:.1}mb", b as f64 / (1u64 << 20) as f64),
+        b => format!("{b}b"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(run: &str, extra: &str) -> ServerInfo {
+        ServerInfo::parse(&format!(
+            "redis_version:7.0.15\nrun_id:{run}\nrole:master\ncluster_enabled:0\nmaxmemory:0\nmaxmemory_policy:noeviction\naof_enabled:0\n{extra}"
+        ))
+    }
+
+    fn probe(run: &str, extra: &str) -> Probe {
+        Probe {
+            info: Some(Ok(info(run, extra))),
+            history: Some(format!("h-{run}")),
+            rtts: vec![Duration::from_micros(200); 5],
+            clock: Some((1_000, Duration::from_micros(200))),
+            persistence: Some(Ok((String::new(), "no".into(), "everysec".into()))),
+            scripts: Some(Ok(false)),
+            ..Probe::default()
+        }
+    }
+
+    fn names(n: usize) -> Vec<String> {
+        (0..n).map(|i| format!("n{i}:6379")).collect()
+    }
+
+    const T: Duration = Duration::from_millis(50);
+
+    #[test]
+    fn a_healthy_set_is_safe() {
+        let c = assess(
+            &names(3),
+            vec![probe("a", ""), probe("b", ""), probe("c", "")],
+            T,
+            2,
+            "k",
+        );
+        assert!(c.is_safe(), "{c}");
+        assert!(c.nodes().iter().all(|n| n.verdict() == Verdict::Ok), "{c}");
+    }
+
+    #[test]
+    fn one_server_twice_a_replica_or_an_evicting_node_is_unsafe() {
+        let twice = assess(
+            &names(3),
+            vec![probe("a", ""), probe("a", ""), probe("c", "")],
+            T,
+            2,
+            "k",
+        );
+        assert!(!twice.is_safe(), "{twice}");
+        assert!(twice
+            .findings()
+            .iter()
+            .any(|f| f.topic() == "identity" && f.verdict() == Verdict::Unsafe));
+        for extra in [
+            "role:slave",
+            "cluster_enabled:1",
+            "maxmemory:1048576\nmaxmemory_policy:volatile-lru",
+        ] {
+            // Later lines override the defaults above.
+            let c = assess(
+                &names(3),
+                vec![probe("a", extra), probe("b", ""), probe("c", "")],
+                T,
+                2,
+                "k",
+            );
+            assert!(!c.is_safe(), "{extra}: {c}");
+            assert_eq!(c.nodes()[0].verdict(), Verdict::Unsafe, "{extra}");
+        }
+    }
+
+    #[test]
+    fn unreachable_and_refused_nodes_count_against_the_quorum() {
+        let down = Probe {
+            connect: Some("connection refused".into()),
+            ..Probe::default()
+        };
+        let acl = Probe {
+            scripts: Some(Err("NOPERM".into())),
+            ..probe("b", "")
+        };
+        let c = assess(
+            &names(3),
+            vec![down.clone(), acl, probe("c", "")],
+            T,
+            2,
+            "k",
+        );
+        assert!(!c.is_safe(), "{c}");
+        let c = assess(
+            &names(3),
+            vec![down, probe("b", ""), probe("c", "")],
+            T,
+            2,
+            "k",
+        );
+        assert!(c.is_safe(), "one node down of three: {c}");
+        assert_eq!(c.reachable(), 2);
+    }
+
+    #[test]
+    fn slow_nodes_and_far_clocks_are_warned_of() {
+        let slow = Probe {
+            rtts: vec![Duration::from_millis(60); 5],
+            clock: Some((5_000_000, Duration::from_millis(60))),
+            ..probe("a", "")
+        };
+        let c = assess(
+            &names(3),
+            vec![slow, probe("b", ""), probe("c", "")],
+            T,
+            2,
+            "k",
+        );
+        assert!(c.is_safe(), "{c}");
+        let warned: Vec<&str> = c.nodes()[0]
+            .findings()
+            .iter()
+            .filter(|f| f.verdict() == Verdict::Warn)
+            .map(|f| f.topic())
+            .collect();
+        assert_eq!(warned, ["latency", "clock"], "{c}");
+        assert!(c
+            .findings()
+            .iter()
+            .any(|f| f.topic() == "clock" && f.verdict() == Verdict::Warn));
+    }
+}
