@@ -110,6 +110,13 @@ fn a_key_deleted_behind_the_holders_back_is_lost_at_the_next_renewal() {
     let key = unique_key("deleted");
     let locks = client(c.urls(), true);
     let g = locks.lock(&key, TTL).unwrap();
+    // A new client's first lock may reach a node still connecting only after
+    // its round (the SET is sent once a connection is free): let every copy
+    // land before deleting two of them.
+    assert!(
+        wait_until(Duration::from_secs(2), || c.holders(&key, g.token()) == 3),
+        "the lock never reached every node"
+    );
     c.del(0, &key);
     c.del(1, &key);
     let why = g
@@ -205,6 +212,9 @@ fn with_lock_reports_a_loss_during_the_closure() {
     let key = unique_key("with-lock-lost");
     let locks = client(c.urls(), false);
     let r = locks.with_lock(&key, TTL, |g| {
+        // Every copy first (a new client's SET may reach a node after its
+        // round), then two of them deleted.
+        wait_until(Duration::from_secs(2), || c.holders(&key, g.token()) == 3);
         c.del(0, &key);
         c.del(1, &key);
         let _ = g.lost().recv_timeout(TTL * 2);
