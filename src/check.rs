@@ -250,8 +250,12 @@ pub(crate) fn assess(
                     .and_then(|i| i.as_ref().ok())
                     .and_then(|i| i.run_id.clone())
             };
-            let same_run = run(pa).is_some() && run(pa) == run(pb);
-            let same_history = pa.history.is_some() && pa.history == pb.history;
+            // As the rounds decide (see `ServerTag::same_server`): run ids
+            // when both are known, else lock history ids.
+            let (ra, rb) = (run(pa), run(pb));
+            let same_run = ra.is_some() && ra == rb;
+            let same_history =
+                (ra.is_none() || rb.is_none()) && pa.history.is_some() && pa.history == pb.history;
             if same_run || same_history {
                 findings.push(Finding::new(
                     Verdict::Unsafe,

@@ -111,16 +111,6 @@ pub(crate) enum Setup {
     History,
 }
 
-/// Which answers of a late reply say that a command wrote a key of ours.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Wrote {
-    /// An acquire or a swap: after the four-element head, `1` or a fencing
-    /// counter.
-    Set,
-    /// A restore: `2`, a copy set where the key was absent.
-    Restored,
-}
-
 /// One reply the connection still owes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Pending {
@@ -128,13 +118,14 @@ pub(crate) struct Pending {
     pub sent: Instant,
     /// Whether the current round waits for it (else it is read and dropped).
     pub wanted: bool,
+    /// For an acquire or a swap whose round ended without its reply: the
+    /// release that undoes it, sent on this connection (after the SET) if
+    /// the late reply says it was set and the lock was released meanwhile,
+    /// or before the connection is given up.
+    pub undo: Option<Vec<u8>>,
     /// For a command that may write a key of ours (an acquire, a swap, a
-    /// restore) whose round ended without its reply: the
-    /// release that undoes it, sent on this connection (after it) if the
-    /// late reply says it wrote and the lock was released meanwhile, or
-    /// before the connection is given up; and how to read that reply.
-    pub undo: Option<(Vec<u8>, Wrote)>,
-    /// For such a command: its tokens, whose write may still land.
+    /// restore) whose round ended without its reply: its tokens, whose write
+    /// may still land (until this reply is read).
     pub tokens: Vec<String>,
     /// For a command sent at connect: what it asks.
     pub setup: Setup,
@@ -158,6 +149,21 @@ pub(crate) struct Conn {
     /// Who is at the other end, as its `INFO` and lock history said (read
     /// ahead of the first round's reply).
     pub server: crate::transport::ServerTag,
+    /// When `INFO` was last asked on this connection.
+    pub info_at: Instant,
+}
+
+/// What a connection is for, and so which commands it sends at connect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum For {
+    /// A pooled connection for rounds: the scripts loaded, `INFO`, and the
+    /// metadata's id (written where missing).
+    Rounds,
+    /// `Redlock::check`: as for rounds, but the id only read.
+    Check,
+    /// A status query or a last release: nothing (no write, nothing a
+    /// write-paused node would hold back).
+    Query,
 }
 
 /// Why a connect failed: the node refused or did not answer (its health
@@ -220,8 +226,18 @@ impl From<io::Error> for ConnectError {
 impl Conn {
     /// Connects within `timeout` per resolved address (name resolution itself
     /// is not bounded), runs the TLS handshake (within `timeout` again),
-    /// authenticates and selects the database, each within `timeout`.
+    /// authenticates and selects the database, each within `timeout`; then
+    /// queues, for a connection of the pools, what [`For::Rounds`] says.
     pub(crate) fn connect(t: &Target, timeout: Duration) -> Result<Conn, ConnectError> {
+        Conn::connect_for(t, timeout, For::Rounds)
+    }
+
+    /// [`connect`](Self::connect), with the setup commands `purpose` needs.
+    pub(crate) fn connect_for(
+        t: &Target,
+        timeout: Duration,
+        purpose: For,
+    ) -> Result<Conn, ConnectError> {
         let timeout = timeout.max(MIN_TIMEOUT);
         let mut last = None;
         let mut stream = None;
@@ -260,6 +276,7 @@ impl Conn {
             broken: false,
             made: Instant::now(),
             server: crate::transport::ServerTag::default(),
+            info_at: Instant::now(),
         };
         conn.tls_handshake(timeout)?;
         let mut checked = false;
@@ -295,11 +312,28 @@ impl Conn {
         // does not know; an error reply (an ACL without SCRIPT or INFO) is
         // fine: rounds fall back to EVAL, and the checks to what is known.
         let now = Instant::now();
-        for load in &crate::scripts::load_commands() {
-            conn.queue_setup(load, now, Setup::Load);
+        if purpose != For::Query {
+            for load in &crate::scripts::load_commands() {
+                conn.queue_setup(load, now, Setup::Load);
+            }
+            conn.queue_setup(&redis::cmd("INFO").get_packed_command(), now, Setup::Info);
         }
-        conn.queue_setup(&redis::cmd("INFO").get_packed_command(), now, Setup::Info);
-        conn.queue_setup(&crate::scripts::history_id_command(), now, Setup::History);
+        match purpose {
+            For::Rounds => {
+                conn.queue_setup(&crate::scripts::history_id_command(), now, Setup::History)
+            }
+            // Read only (the script writes the id where it is missing, and a
+            // node under `CLIENT PAUSE … WRITE` holds every write).
+            For::Check => conn.queue_setup(
+                &redis::cmd("HGET")
+                    .arg(crate::scripts::META_KEY)
+                    .arg("id")
+                    .get_packed_command(),
+                now,
+                Setup::History,
+            ),
+            For::Query => {}
+        }
         conn.flush()?;
         Ok(conn)
     }
@@ -393,7 +427,7 @@ impl Conn {
         &mut self,
         cmd: &[u8],
         now: Instant,
-        undo: (Vec<u8>, Wrote),
+        undo: Vec<u8>,
         tokens: Vec<String>,
     ) {
         self.push(cmd, now, false, Setup::None);
@@ -433,7 +467,7 @@ impl Conn {
         let undos: Vec<Vec<u8>> = self
             .pending
             .iter_mut()
-            .filter_map(|p| p.undo.take().map(|(u, _)| u).or_else(|| p.resend.take()))
+            .filter_map(|p| p.undo.take().or_else(|| p.resend.take()))
             .collect();
         if !undos.is_empty() && !self.broken {
             let now = Instant::now();
@@ -565,20 +599,14 @@ impl Conn {
     }
 
     /// The round is over: replies still owed are read and dropped later;
-    /// `undo` (for a command that may write) is sent if such a late reply
-    /// says it wrote, read as `Wrote` says.
-    pub(crate) fn unwant(
-        &mut self,
-        undo: Option<(&[u8], Wrote, &[String])>,
-        resend: Option<&[u8]>,
-    ) {
+    /// `tokens` are those whose write may still land until such a reply is
+    /// read, and `undo` (for an acquire or a swap) is sent if it says set.
+    pub(crate) fn unwant(&mut self, undo: Option<&[u8]>, tokens: &[String], resend: Option<&[u8]>) {
         for p in &mut self.pending {
             if p.wanted {
                 p.wanted = false;
-                if let Some((undo, wrote, tokens)) = undo {
-                    p.undo = Some((undo.to_vec(), wrote));
-                    p.tokens = tokens.to_vec();
-                }
+                p.undo = undo.map(<[u8]>::to_vec);
+                p.tokens = tokens.to_vec();
                 p.resend = resend.map(<[u8]>::to_vec);
             }
         }

@@ -26,9 +26,7 @@ use redis::Value;
 use scheduled_thread_pool::{OnPoolDropBehavior, ScheduledThreadPool};
 
 use crate::clock::{after, Throttle, WARN_EVERY};
-use crate::conn::{
-    self, Conn, ConnectError, PollFlags, Setup, Target, Wrote, MAX_PENDING, MIN_TIMEOUT,
-};
+use crate::conn::{self, Conn, ConnectError, PollFlags, Setup, Target, MAX_PENDING, MIN_TIMEOUT};
 use crate::error::{InvalidInput, NodeError, NodeErrorKind};
 use crate::events::{Events, NodeChange, NodeEvent};
 use crate::health::{self, Admit, NodeHealth, Outcome};
@@ -98,11 +96,13 @@ struct Known {
     history: Option<u64>,
     /// An `INFO` reply (or its refusal) has been read.
     info_read: bool,
-    /// Its kind was logged (a replica, a cluster node, an evicting node;
-    /// or `INFO` refused): once per node.
-    told: bool,
+    /// What was logged of it last: its kind (a replica, a cluster node, an
+    /// evicting node), or `None` for `INFO` refused; once per change.
+    told: Option<Option<ServerKind>>,
     /// The entry found to reach the same server, with a lower index.
     twin: Option<usize>,
+    /// A pair with this entry was logged.
+    warned_twin: bool,
 }
 
 impl Servers {
@@ -123,13 +123,18 @@ impl Servers {
         let mut known = self.known.lock();
         let k = &mut known[i];
         k.info_read = true;
-        let first = !std::mem::replace(&mut k.told, true);
+        let now = info.as_ref().ok().map(ServerInfo::kind);
+        // Logged when it changes (INFO is read again now and then: a replica
+        // promoted, a policy changed at runtime), a fit node only after an
+        // unfit one.
+        let first = k.told != Some(now) && !(k.told.is_none() && now == Some(ServerKind::Fit));
+        k.told = Some(now);
         match info {
             Ok(info) => {
                 k.run = info.run_id.as_deref().map(|r| id_hash(r.as_bytes()));
                 if first {
                     match info.kind() {
-                        ServerKind::Fit => {}
+                        ServerKind::Fit => info!("node {name}: now a primary that keeps its keys; its answers count"),
                         ServerKind::Replica => warn!(
                             "node {name} is a replica (role:{}): it cannot keep locks of its own; its answers are not counted",
                             info.role.as_deref().unwrap_or("?")
@@ -168,32 +173,31 @@ impl Servers {
         }
     }
 
-    /// Looks for another entry with one of node `i`'s ids; logs a pair once.
-    fn pair(&self, known: &mut [Known], i: usize) {
-        let me = ServerTag {
-            run: known[i].run,
-            history: known[i].history,
+    /// Finds, again, every entry's twin (the first earlier entry that is
+    /// the same server, as [`ServerTag::same_server`] decides: what one
+    /// node learnt may make or unmake a pair); logs a new pair once.
+    fn pair(&self, known: &mut [Known], _i: usize) {
+        let tag = |k: &Known| ServerTag {
+            run: k.run,
+            history: k.history,
             kind: ServerKind::Fit,
         };
-        for j in 0..known.len() {
-            let other = ServerTag {
-                run: known[j].run,
-                history: known[j].history,
-                kind: ServerKind::Fit,
-            };
-            if j == i || !me.same_server(&other) {
-                continue;
+        let mut any = false;
+        for b in 0..known.len() {
+            let twin = (0..b).find(|&a| tag(&known[a]).same_server(&tag(&known[b])));
+            if twin.is_some() && known[b].twin != twin && !known[b].warned_twin {
+                known[b].warned_twin = true;
+                if let Some(a) = twin {
+                    warn!(
+                        "nodes {} and {} are one server (listed twice: two names, or two databases of it): Redlock needs independent servers; its answers are counted once",
+                        self.names[a], self.names[b]
+                    );
+                }
             }
-            let (a, b) = (i.min(j), i.max(j));
-            if known[b].twin != Some(a) {
-                known[b].twin = Some(a);
-                self.any_twin.store(true, Ordering::Relaxed);
-                warn!(
-                    "nodes {} and {} are one server (listed twice: two names, or two databases of it): Redlock needs independent servers; its answers are counted once",
-                    self.names[a], self.names[b]
-                );
-            }
+            known[b].twin = twin;
+            any |= twin.is_some();
         }
+        self.any_twin.store(any, Ordering::Relaxed);
     }
 
     /// The node's history id, if known (for answers without one).
@@ -580,7 +584,7 @@ impl Drop for RedisTransport {
 /// on a new connection, and waits for its reply: within `timeout` to
 /// connect and `timeout` for the reply.
 fn release_once(target: &Target, cmd: &[u8], timeout: Duration) -> Result<(), String> {
-    let mut c = Conn::connect(target, timeout).map_err(|e| e.to_string())?;
+    let mut c = Conn::connect_for(target, timeout, conn::For::Query).map_err(|e| e.to_string())?;
     let now = Instant::now();
     c.queue(cmd, now, true);
     c.flush().map_err(|e| e.to_string())?;
@@ -606,7 +610,7 @@ fn release_once(target: &Target, cmd: &[u8], timeout: Duration) -> Result<(), St
 fn probe_one(target: &Target, key: &str, timeout: Duration) -> crate::check::Probe {
     use crate::check::Probe;
     let mut p = Probe::default();
-    let mut c = match Conn::connect(target, timeout) {
+    let mut c = match Conn::connect_for(target, timeout, conn::For::Check) {
         Ok(c) => c,
         Err(e) => {
             p.connect = Some(e.to_string());
@@ -722,7 +726,8 @@ fn inspect_one(
     resource: &str,
     timeout: Duration,
 ) -> Result<Option<Stored>, (NodeErrorKind, String)> {
-    let mut c = Conn::connect(target, timeout).map_err(|e| (e.kind(), e.detail()))?;
+    let mut c =
+        Conn::connect_for(target, timeout, conn::For::Query).map_err(|e| (e.kind(), e.detail()))?;
     let now = Instant::now();
     c.queue(
         &redis::cmd("GET").arg(resource).get_packed_command(),
@@ -821,8 +826,18 @@ fn prepare(c: &mut PooledConnection<Manager>, node: &NodeShared, now: Instant) -
             return false;
         }
     }
+    if now.saturating_duration_since(c.info_at) >= INFO_EVERY {
+        // What the server is can change without a new connection (a replica
+        // promoted, a memory policy set at runtime): asked again, ahead of
+        // this connection's next command, not waited for.
+        c.info_at = now;
+        c.queue_setup(&redis::cmd("INFO").get_packed_command(), now, Setup::Info);
+    }
     true
 }
+
+/// How often a pooled connection asks its server's `INFO` again.
+const INFO_EVERY: Duration = Duration::from_secs(10);
 
 /// A reply no round waits for any more: a command sent at connect (who the
 /// server is), or a late reply; if it says a write of an ended round landed
@@ -850,8 +865,11 @@ fn late_reply(
     }
     // A granted lock's late copy stays (it is part of the lock) unless the
     // lock was released meanwhile; a failed attempt's was undone already.
-    if let (Some((undo, wrote)), Some(until)) = (p.undo.as_ref(), released) {
-        if wrote_any(v, *wrote) {
+    // (A restore has no undo: its command also went to nodes whose copy the
+    // lock held already, which a delete by token cannot tell apart; the
+    // release's retries, kept up while its token is unsettled, delete it.)
+    if let (Some(undo), Some(until)) = (p.undo.as_ref(), released) {
+        if acquired_any(v) {
             debug!("node {}: a late write landed; deleting it", node.name);
             c.queue(undo, now, false);
             c.flush()?;
@@ -947,16 +965,10 @@ fn server_text(e: &redis::ServerError) -> String {
     }
 }
 
-/// Whether a late reply says its command wrote a key of ours (see [`Wrote`]).
-fn wrote_any(v: &Value, wrote: Wrote) -> bool {
-    let Value::Array(items) = v else { return false };
-    match wrote {
-        Wrote::Set => items
-            .iter()
-            .skip(FACTS)
-            .any(|x| matches!(x, Value::Int(c) if *c > 0)),
-        Wrote::Restored => items.iter().any(|x| matches!(x, Value::Int(2))),
-    }
+/// Whether an acquire or swap reply says some key was set: `1`, or a
+/// fenced acquire's counter.
+fn acquired_any(v: &Value) -> bool {
+    matches!(v, Value::Array(items) if items.iter().skip(FACTS).any(|x| matches!(x, Value::Int(c) if *c > 0)))
 }
 
 /// Elements of an acquire or swap reply before its answers: the lock
@@ -1020,7 +1032,7 @@ fn late_write(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPool>, w: La
             c.queue_late(
                 &Encoded::new(op, &[key]).packed,
                 now,
-                (undo, Wrote::Set),
+                undo,
                 vec![w.token.clone()],
             );
             if c.flush().is_err() {
@@ -1493,7 +1505,9 @@ impl RedisTransport {
             .any(|s| s.conn.as_ref().is_some_and(|c| c.awaits_wanted()));
         // The tokens a late acquire or swap may still write, and their keys.
         let written = crate::transport::written(enc.op, keys);
-        let tokens: Vec<String> = if owed {
+        // Only a command that may write: a release's late reply says nothing
+        // of where a SET landed.
+        let tokens: Vec<String> = if owed && enc.writes().is_some() {
             written.iter().map(|k| k.token.to_owned()).collect()
         } else {
             Vec::new()
@@ -1502,16 +1516,13 @@ impl RedisTransport {
             Op::Release { .. } if owed => Some(enc.fallback()),
             _ => None,
         };
-        let (undo, unsettled_until) = match (enc.writes(), owed) {
-            (Some((ttl, wrote)), true) => {
-                let until = after(start, ttl);
+        let unsettled_until = enc.writes().filter(|_| owed).map(|ttl| after(start, ttl));
+        let undo = match (enc.op, unsettled_until) {
+            (Op::Acquire { .. } | Op::Swap { .. }, Some(until)) => {
                 let rel = Op::Release { keep_until: until };
-                (
-                    Some((Encoded::new(rel, &written).packed, wrote)),
-                    Some(until),
-                )
+                Some(Encoded::new(rel, &written).packed)
             }
-            _ => (None, None),
+            _ => None,
         };
         for (i, s) in slots.iter_mut().enumerate() {
             let shared = &self.nodes[i].inner.shared;
@@ -1521,11 +1532,7 @@ impl RedisTransport {
                     c.broken = true;
                 }
                 if c.awaits_wanted() {
-                    c.unwant(
-                        undo.as_ref()
-                            .map(|(u, wrote)| (u.as_slice(), *wrote, tokens.as_slice())),
-                        resend.as_deref(),
-                    );
+                    c.unwant(undo.as_deref(), &tokens, resend.as_deref());
                     if let Some(until) = unsettled_until {
                         let mut unsettled = shared.unsettled.lock();
                         if unsettled.len() >= MAX_RETRIES {
@@ -1755,11 +1762,11 @@ impl RedisTransport {
         let lost = s.conn.as_ref().is_some_and(|c| c.awaits_wanted());
         if let Some(c) = s.conn.as_mut() {
             c.broken = true;
-            c.unwant(None, None);
+            c.unwant(None, &[], None);
         }
         s.conn = None;
         s.lost |= lost;
-        if let (true, Some((ttl, _))) = (lost, enc.writes()) {
+        if let (true, Some(ttl)) = (lost, enc.writes()) {
             // Its SET counts as reached for the attempt's undo, and its
             // token stays unsettled until its TTL ends: a release of it is
             // sent again until then, in case a proxy passes the lost SET on
@@ -1998,12 +2005,10 @@ impl Encoded {
     }
 
     /// For a command that may write a key of ours (an acquire, a swap, a
-    /// restore): until how long after it was sent the key may live, and how
-    /// a late reply says it wrote.
-    fn writes(&self) -> Option<(Duration, Wrote)> {
+    /// restore): how long after it was sent the key may live.
+    fn writes(&self) -> Option<Duration> {
         match self.op {
-            Op::Acquire { ttl, .. } | Op::Swap { ttl, .. } => Some((ttl, Wrote::Set)),
-            Op::Restore { ttl } => Some((ttl, Wrote::Restored)),
+            Op::Acquire { ttl, .. } | Op::Swap { ttl, .. } | Op::Restore { ttl } => Some(ttl),
             Op::Release { .. } | Op::Fence { .. } | Op::Extend { .. } => None,
         }
     }
@@ -2322,18 +2327,14 @@ mod tests {
 
     /// A fenced acquire answers a set key with its counter, not 1: a late
     /// reply must still be seen as "set" (so that a lock released
-    /// meanwhile is deleted again behind it); a restore's late reply wrote
-    /// only where it restored a copy.
+    /// meanwhile is deleted again behind it).
     #[test]
-    fn late_replies_say_whether_they_wrote() {
+    fn a_late_fenced_set_is_seen_as_set() {
         let reply = |r: i64| Value::Array([1, 2, 3, r].map(Value::Int).to_vec());
-        assert!(wrote_any(&reply(1), Wrote::Set));
-        assert!(wrote_any(&reply(1_796_000_000_000_000), Wrote::Set));
-        assert!(!wrote_any(&reply(0), Wrote::Set), "exists");
-        assert!(!wrote_any(&reply(-1), Wrote::Set), "another owner (swap)");
-        let restored = |r: &[i64]| Value::Array(r.iter().map(|x| Value::Int(*x)).collect());
-        assert!(wrote_any(&restored(&[1, 2, -1]), Wrote::Restored));
-        assert!(!wrote_any(&restored(&[1, 1, -1]), Wrote::Restored));
+        assert!(acquired_any(&reply(1)));
+        assert!(acquired_any(&reply(1_796_000_000_000_000)));
+        assert!(!acquired_any(&reply(0)), "exists");
+        assert!(!acquired_any(&reply(-1)), "another owner (swap)");
     }
 
     #[test]

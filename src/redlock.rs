@@ -912,14 +912,19 @@ impl Inner {
         (quorum::decide_release(Tally::of(&results, 0)), results)
     }
 
-    /// Waits (for at most one renewal round's bound) while the renewal
-    /// thread's round for `state` is in flight: it may restore a copy of the
-    /// key, which must land before the release's delete, not after it.
+    /// Waits (for at most the bound of a renewal's two rounds, the
+    /// extension and the restore) while the renewal thread's round for
+    /// `state` is in flight: it may restore a copy of the key, which must
+    /// land before the release's delete, not after it.
     fn await_renewal(&self, state: &LockState) {
         if !state.renewal_in_flight() {
             return;
         }
-        let until = self.batch_deadline(self.clock.now(), crate::watchdog::MAX_BATCH);
+        let now = self.clock.now();
+        let round = self
+            .batch_deadline(now, crate::watchdog::MAX_BATCH)
+            .saturating_duration_since(now);
+        let until = after(now, round.saturating_mul(2));
         loop {
             let seen = self.renewal_done.seen();
             if !state.renewal_in_flight() || self.clock.now() >= until {
@@ -1038,9 +1043,12 @@ impl Inner {
             state.reach_until(after(start, ttl));
         }
         let results = if deadline > start {
-            // One key: stop at a settled majority. Many: read every reply.
+            // A caller's one key: stop at a settled majority. The renewal
+            // thread (`loud`) and batches read every healthy node's reply: a
+            // node that lost the key says so, and its copy is restored (the
+            // renewal thread's time, not a caller's).
             let settled: Option<crate::transport::Decided<'_>> =
-                (keys.len() == 1).then_some(&quorum::settled);
+                (keys.len() == 1 && !loud).then_some(&quorum::settled);
             self.transport
                 .run(Op::Extend { ttl }, &keys, deadline, settled, None)
         } else {
@@ -1104,7 +1112,18 @@ impl Inner {
             Vec::new()
         } else {
             let keys: Vec<Key<'_>> = missing.iter().map(|&i| states[i].key()).collect();
-            self.restore(&keys, ttl, loud)
+            // A caller's extension waits for its restore no longer than the
+            // lock's old validity (it returns within it, as it would have
+            // without the restore); the renewal thread waits the whole bound.
+            let by = (!loud).then(|| {
+                let old = missing
+                    .iter()
+                    .map(|&i| after(start, time_left[i]))
+                    .min()
+                    .unwrap_or(start);
+                old.checked_sub(Duration::from_millis(1)).unwrap_or(old)
+            });
+            self.restore(&keys, ttl, by)
         };
         states
             .iter()
@@ -1146,25 +1165,26 @@ impl Inner {
     }
 
     /// Sets held locks' keys again where they are missing (`SET NX PX ttl`
-    /// with our tokens). The renewal thread (`wait`) waits for every node's
-    /// answer within the node timeout (per 1,000 keys): a release of one of
-    /// them waits for this round (see [`LockState::begin_renewal`]), so a
-    /// copy restored late cannot land after its delete. An extension called
-    /// by the holder does not wait (its guard cannot be released meanwhile,
-    /// and it returns without the extra round trip). Either way, a node that
-    /// has not answered has its write undone if the lock is released before
-    /// its reply is read (a late reply).
-    fn restore(&self, keys: &[Key<'_>], ttl: Duration, wait: bool) -> Vec<NodeResult> {
+    /// with our tokens), waiting for every node's answer within the node
+    /// timeout (per 1,000 keys), and no later than `by` when given. A
+    /// release of one of these locks comes after this round: the holder's
+    /// own extension returns only then, and a release waits for the renewal
+    /// thread's round (see [`LockState::begin_renewal`]), so a restored copy
+    /// does not land after the release's delete. A node that has not
+    /// answered by the end may still restore a copy after a release: its
+    /// token stays unsettled, and the release's retries delete it.
+    fn restore(&self, keys: &[Key<'_>], ttl: Duration, by: Option<Instant>) -> Vec<NodeResult> {
         let now = self.clock.now();
-        let deadline = if wait {
-            self.batch_deadline(now, keys.len())
-        } else {
-            now
-        };
+        let bound = self.batch_deadline(now, keys.len());
+        let deadline = by.map_or(bound, |by| by.min(bound));
         let results = self
             .transport
             .run(Op::Restore { ttl }, keys, deadline, None, None);
-        self.note_failures(&results);
+        if by.is_none() {
+            // (A caller's restore may be cut short by its lock's validity:
+            // a reply not waited for then is no node's failure.)
+            self.note_failures(&results);
+        }
         debug!(
             "restored {} missing cop(ies) of {} lock(s)",
             (0..keys.len())

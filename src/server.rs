@@ -1,9 +1,10 @@
 //! What a node says about itself in `INFO`, and what that means for
 //! Redlock: whether it is an independent server that keeps its keys.
 //!
-//! Read once per connection, at connect (see [`crate::conn::Conn::connect`]):
-//! a restart breaks every connection, so a connection's facts stay true for
-//! its life. The same reading and the same verdicts serve the rounds (a
+//! Read by every connection at connect (see [`crate::conn::Conn::connect`]),
+//! and again every few seconds on a pooled one (a replica promoted or a
+//! memory policy changed at runtime keeps its connections), ahead of its next
+//! command. The same reading and the same verdicts serve the rounds (a
 //! replica's answers are not votes, see [`crate::quorum::insert_vote`]) and
 //! [`Redlock::check`](crate::Redlock::check).
 

@@ -134,10 +134,15 @@ pub(crate) struct ServerTag {
 }
 
 impl ServerTag {
-    /// Whether both tags name one server (one id in common).
+    /// Whether both tags name one server. Two run ids decide when both are
+    /// known (a lock history's id travels with its data: a replica promoted
+    /// since, or a node restored from another's dump, carries the id of the
+    /// server it copied); the history id only when one run id is not.
     pub(crate) fn same_server(&self, other: &ServerTag) -> bool {
-        let same = |a: Option<u64>, b: Option<u64>| a.is_some() && a == b;
-        same(self.run, other.run) || same(self.history, other.history)
+        match (self.run, other.run) {
+            (Some(a), Some(b)) => a == b,
+            _ => self.history.is_some() && self.history == other.history,
+        }
     }
 }
 

@@ -101,6 +101,54 @@ impl DelayProxy {
     }
 }
 
+/// A proxy in front of a real node that holds back, for `delay`, every chunk of commands
+/// that contains `marker` (what follows on that connection waits behind it): a node that
+/// answers one kind of command late.
+pub struct HoldProxy(Proxy);
+
+impl HoldProxy {
+    /// Proxies to `upstream` (`redis://host:port`).
+    pub fn start(upstream: &str, marker: Vec<u8>, delay: Duration) -> HoldProxy {
+        HoldProxy(Proxy::start(
+            "ql-hold",
+            upstream,
+            move |client, server, stop| {
+                let (Ok(c2), Ok(s2)) = (client.try_clone(), server.try_clone()) else {
+                    return;
+                };
+                pipe(Ok(s2), Ok(c2), Duration::ZERO, stop);
+                let marker = marker.clone();
+                let stop = stop.clone();
+                let _ = std::thread::Builder::new()
+                    .name("ql-hold-wr".into())
+                    .spawn(move || {
+                        let (mut from, mut to) = (client, server);
+                        let mut buf = [0u8; 65536];
+                        while !stop.load(Ordering::SeqCst) {
+                            let Ok(k @ 1..) = from.read(&mut buf) else {
+                                break;
+                            };
+                            if buf[..k]
+                                .windows(marker.len())
+                                .any(|w| w == marker.as_slice())
+                            {
+                                std::thread::sleep(delay);
+                            }
+                            if to.write_all(&buf[..k]).is_err() {
+                                break;
+                            }
+                        }
+                        let _ = to.shutdown(Shutdown::Both);
+                    });
+            },
+        ))
+    }
+
+    pub fn url(&self) -> String {
+        self.0.url()
+    }
+}
+
 /// A proxy's listener: each connection accepted is paired with one to the node and handed
 /// to `serve`. Stops when dropped.
 struct Proxy {

@@ -1014,3 +1014,74 @@ fn check_audits_the_node_list() {
     assert_eq!(code, EX_UNAVAILABLE, "{out}");
     assert!(out.contains("unreachable"), "{out}");
 }
+
+/// Found by the hostile review: the watcher panicked while scanning /proc (pid 1 and kernel
+/// threads have process group 0) and never sent SIGKILL, so a command that ignores SIGTERM
+/// outlived a SIGKILLed `quorumlock run`, beside the next holder.
+#[test]
+fn a_command_that_ignores_sigterm_is_killed_when_quorumlock_dies() {
+    let c = shared();
+    let dir = Scratch::new("cli-kill9-term");
+    let key = unique_key("cli-kill9-term");
+    let script =
+        r#"trap '' TERM; echo $$ > "$D/cmd"; touch "$D/started"; while :; do sleep 0.02; done"#;
+    let mut p = Proc::spawn(
+        run_cmd(
+            &c,
+            &dir,
+            "run",
+            &key,
+            &["--ttl", "2s", "--grace", "300ms"],
+            script,
+        ),
+        &dir,
+        "run",
+    );
+    until_started(&c, &dir, &mut p, "started", &key);
+    let cmd = dir.read("cmd").expect("command pid");
+    kill_process(p.pid(), Signal::KILL).expect("SIGKILL quorumlock");
+    let _ = p.wait(SOON);
+    assert!(
+        wait_until(Duration::from_millis(1500), || !alive(&cmd)),
+        "a command ignoring SIGTERM outlived quorumlock"
+    );
+}
+
+/// A `quorumlock run` that is stopped (SIGSTOP: nothing renews the lock) must not leave its
+/// command running past the lock's validity; and a watcher that is killed is replaced.
+#[test]
+fn the_watcher_stops_the_command_of_a_stopped_run_and_is_replaced_if_killed() {
+    let c = shared();
+    let dir = Scratch::new("cli-stop-watch");
+    let key = unique_key("cli-stop-watch");
+    let script = r#"echo $$ > "$D/cmd"; touch "$D/started"; while :; do echo x >> "$D/ticks"; sleep 0.02; done"#;
+    let mut p = Proc::spawn(
+        run_cmd(
+            &c,
+            &dir,
+            "run",
+            &key,
+            &["--ttl", "2s", "--grace", "300ms"],
+            script,
+        ),
+        &dir,
+        "run",
+    );
+    until_started(&c, &dir, &mut p, "started", &key);
+    let cmd = dir.read("cmd").expect("command pid");
+    // The watcher leads the command's process group.
+    let group = rustix::process::getpgid(Pid::from_raw(cmd.parse().expect("pid"))).expect("pgid");
+    kill_process(group, Signal::KILL).expect("SIGKILL the watcher");
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(alive(&cmd), "the command died with its watcher");
+    // Stopped: no renewal; the (new) watcher stops the command before the lock lapses.
+    let stopped = Instant::now();
+    kill_process(p.pid(), Signal::STOP).expect("SIGSTOP quorumlock");
+    let gone = wait_until(Duration::from_secs(4), || !alive(&cmd));
+    let took = stopped.elapsed();
+    kill_process(p.pid(), Signal::CONT).expect("SIGCONT quorumlock");
+    assert!(gone, "the command of a stopped run ran on past its lock");
+    assert!(took < Duration::from_millis(2100), "stopped after {took:?}");
+    let code = p.exit_code(SOON);
+    assert_eq!(code, EX_SOFTWARE, "stderr:\n{}", p.stderr());
+}

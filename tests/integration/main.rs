@@ -32,3 +32,55 @@ fn client_with(urls: Vec<String>, node_timeout: Duration) -> quorumlock::Redlock
         .build()
         .expect("valid config")
 }
+
+/// Warnings and errors the library logs in this test binary (a logger is set once), so
+/// that a test can check that a scenario logged none about its own nodes.
+pub(crate) mod logs {
+    use std::sync::{Mutex, OnceLock};
+
+    struct Loud(Mutex<Vec<String>>);
+
+    impl log::Log for Loud {
+        fn enabled(&self, m: &log::Metadata<'_>) -> bool {
+            m.level() <= log::Level::Warn
+        }
+        fn log(&self, r: &log::Record<'_>) {
+            if self.enabled(r.metadata()) && r.target().starts_with("quorumlock") {
+                if let Ok(mut v) = self.0.lock() {
+                    v.push(format!("{} {}", r.level(), r.args()));
+                }
+            }
+        }
+        fn flush(&self) {}
+    }
+
+    fn sink() -> &'static Loud {
+        static SINK: OnceLock<&'static Loud> = OnceLock::new();
+        SINK.get_or_init(|| {
+            let loud: &'static Loud = Box::leak(Box::new(Loud(Mutex::new(Vec::new()))));
+            if log::set_logger(loud).is_ok() {
+                log::set_max_level(log::LevelFilter::Warn);
+            }
+            loud
+        })
+    }
+
+    /// Starts capturing (idempotent).
+    pub(crate) fn capture() {
+        let _ = sink();
+    }
+
+    /// The warnings and errors so far that mention any of `names`.
+    pub(crate) fn about(names: &[String]) -> Vec<String> {
+        sink()
+            .0
+            .lock()
+            .map(|v| {
+                v.iter()
+                    .filter(|m| names.iter().any(|n| m.contains(n.as_str())))
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+}

@@ -176,6 +176,8 @@ enum Cmd {
     Watch {
         /// SIGTERM to SIGKILL, in ms.
         grace_ms: String,
+        /// The process group to stop (default: the watcher's own).
+        group: Option<String>,
     },
 }
 
@@ -290,7 +292,7 @@ fn main() -> ExitCode {
         Cmd::Run(args) => run(args),
         Cmd::Status(args) => status(args),
         Cmd::Check(args) => check(args),
-        Cmd::Watch { grace_ms } => watcher::watch(&grace_ms),
+        Cmd::Watch { grace_ms, group } => watcher::watch(&grace_ms, group.as_deref()),
     })
 }
 
@@ -724,6 +726,12 @@ fn watch(job: &mut Job, guard: &LockGuard, signals: &Signals, watcher: &mut Watc
     loop {
         // The watcher kills the command before this, should we die.
         watcher.valid_until(guard.deadline());
+        if watcher.lapsed() {
+            // We were stopped past the lock's validity, and the watcher
+            // stopped the command meanwhile.
+            let _ = job.child.wait();
+            return Ended::Lost(Error::Expired);
+        }
         for sig in signals.take() {
             if STOPS.contains(&sig) {
                 // Stop the command, then ourselves (renewals too: the lock

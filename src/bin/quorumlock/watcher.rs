@@ -1,17 +1,21 @@
 //! The watcher: a small process that outlives `quorumlock run` only to stop
-//! its command when `run` dies without doing so itself (SIGKILL, the OOM
-//! killer), before the lock's validity ends.
+//! its command when `run` cannot do so itself (SIGKILL, the OOM killer, a
+//! SIGSTOP), before the lock's validity ends.
 //!
 //! `run` starts it (this same binary, `quorumlock __watch`) before the
 //! command, in a process group of its own, and starts the command in that
-//! group: the group's id is the watcher's pid, alive as long as the watcher
-//! is. `run` keeps the write end of a pipe to the watcher's stdin and tells
-//! it, one line at a time, how long the lock is still valid (`v <ms>`) and,
-//! with `--foreground`, the command's pid (`pid <n>`); `done` says `run`
-//! finished on its own. End of file without `done` means `run` died: the
-//! watcher sends SIGTERM to the command's group (or, with `--foreground`, to
-//! the command alone), and SIGKILL after the grace period or shortly before
-//! the lock's validity ends, whichever comes first.
+//! group: the group's id is the watcher's pid, and stays the command's group
+//! for as long as one of its members lives. `run` keeps the write end of a
+//! pipe to the watcher's stdin and tells it, one line at a time, how long
+//! the lock is still valid (`v <ms>`) and, with `--foreground`, the
+//! command's pid (`pid <n>`); `done` says `run` finished on its own.
+//!
+//! The watcher stops the command (SIGTERM, then SIGKILL after the grace
+//! period or shortly before the lock's validity ends, whichever comes
+//! first) when the pipe closes without `done` (`run` died), or when the
+//! validity it was last told is about to end without a word from `run`
+//! (`run` is stopped or stuck: nothing renews the lock). A watcher that dies
+//! is replaced by `run`, aimed at the same group.
 //!
 //! A parent-death signal (`PR_SET_PDEATHSIG`) would reach the command only,
 //! not the children it started, and only on Linux; a pipe's end of file
@@ -20,7 +24,7 @@
 use std::io::{self, BufRead, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use rustix::process::{kill_process, kill_process_group, Pid, Signal};
@@ -30,7 +34,7 @@ use rustix::process::{kill_process, kill_process_group, Pid, Signal};
 const MARGIN: Duration = Duration::from_millis(100);
 
 /// The signals a terminal, `run` or the group's kill would send the
-/// watcher: it ignores them all (it acts on its pipe only).
+/// watcher: it ignores them all (it acts on its pipe and the clock only).
 const IGNORED: [Signal; 7] = [
     Signal::TERM,
     Signal::INT,
@@ -45,45 +49,43 @@ const IGNORED: [Signal; 7] = [
 pub(crate) struct Watcher {
     child: Child,
     pipe: Option<ChildStdin>,
+    grace: Duration,
+    /// The command's process group (the first watcher's pid).
+    group: i32,
+    /// With `--foreground`: the command's pid.
+    command: Option<u32>,
     /// The last validity told (to write only when it moves).
     told: Option<Instant>,
+    /// A watcher stopped the command because the lock was lapsing.
+    lapsed: bool,
 }
 
 impl Watcher {
-    /// Starts the watcher in a process group of its own; `grace` is the
-    /// time between SIGTERM and SIGKILL.
+    /// Starts the watcher in a process group of its own, which the command
+    /// is to join; `grace` is the time between SIGTERM and SIGKILL.
     pub(crate) fn start(grace: Duration) -> io::Result<Watcher> {
-        use std::os::unix::process::CommandExt;
-        // The running binary, even if its file was replaced since (Linux).
-        let exe = if std::path::Path::new("/proc/self/exe").exists() {
-            std::path::PathBuf::from("/proc/self/exe")
-        } else {
-            std::env::current_exe()?
-        };
-        let mut child = Command::new(exe)
-            .arg("__watch")
-            .arg(grace.as_millis().to_string())
-            .process_group(0)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .env_remove("QUORUMLOCK_TOKEN")
-            .spawn()?;
-        let pipe = child.stdin.take();
+        let (child, pipe) = spawn(grace, None)?;
+        let group = i32::try_from(child.id()).unwrap_or(0);
         Ok(Watcher {
             child,
             pipe,
+            grace,
+            group,
+            command: None,
             told: None,
+            lapsed: false,
         })
     }
 
     /// The process group the command joins: the watcher's.
     pub(crate) fn group(&self) -> i32 {
-        i32::try_from(self.child.id()).unwrap_or(0)
+        self.group
     }
 
     /// Tells the watcher the command's pid (with `--foreground`: it is then
     /// in `run`'s group, and the watcher stops it alone).
     pub(crate) fn command(&mut self, pid: u32) {
+        self.command = Some(pid);
         self.say(&format!("pid {pid}"));
     }
 
@@ -93,10 +95,14 @@ impl Watcher {
             return;
         }
         self.told = Some(deadline);
+        self.say(&Self::validity(deadline));
+    }
+
+    fn validity(deadline: Instant) -> String {
         let ms = deadline
             .saturating_duration_since(Instant::now())
             .as_millis();
-        self.say(&format!("v {ms}"));
+        format!("v {ms}")
     }
 
     /// `run` ends on its own: the watcher exits without touching the group
@@ -108,90 +114,252 @@ impl Watcher {
         let _ = self.child.wait();
     }
 
+    /// Whether the watcher stopped the command because the lock's validity
+    /// was ending and `run` said nothing (it was stopped); a watcher that
+    /// died otherwise is replaced.
+    pub(crate) fn lapsed(&mut self) -> bool {
+        if !self.lapsed && matches!(self.child.try_wait(), Ok(Some(_))) {
+            self.replace();
+        }
+        self.lapsed
+    }
+
+    /// Writes a line; if the watcher is gone, starts another, aimed at the
+    /// same group (or command), and tells it everything again.
     fn say(&mut self, line: &str) {
-        if let Some(pipe) = self.pipe.as_mut() {
-            if writeln!(pipe, "{line}").is_err() {
-                // The watcher is gone: nothing would stop the command if we
-                // died now. Say so once.
-                eprintln!("quorumlock: the watcher process is gone; if quorumlock dies now, the command is not stopped");
+        if self.lapsed {
+            return;
+        }
+        let sent = self
+            .pipe
+            .as_mut()
+            .is_some_and(|pipe| writeln!(pipe, "{line}").is_ok());
+        if !sent {
+            self.replace();
+        }
+    }
+
+    /// Starts a watcher in place of one that is gone, aimed at the same
+    /// group (or command), and tells it everything again.
+    fn replace(&mut self) {
+        if let Ok(status) = self.child.wait() {
+            if status.code() == Some(i32::from(LAPSED)) {
+                // It did its work: the command is gone.
+                self.lapsed = true;
+                self.pipe = None;
+                return;
+            }
+        }
+        match spawn(self.grace, Some(self.group)) {
+            Ok((child, pipe)) => {
+                self.child = child;
+                self.pipe = pipe;
+                let mut lines = Vec::new();
+                if let Some(pid) = self.command {
+                    lines.push(format!("pid {pid}"));
+                }
+                if let Some(d) = self.told {
+                    lines.push(Self::validity(d));
+                }
+                if let Some(pipe) = self.pipe.as_mut() {
+                    for l in lines {
+                        let _ = writeln!(pipe, "{l}");
+                    }
+                }
+            }
+            Err(e) => {
+                eprintln!("quorumlock: the watcher process is gone and cannot be replaced ({e}); if quorumlock dies now, the command is not stopped");
                 self.pipe = None;
             }
         }
     }
 }
 
-/// The watcher's own `main`: `quorumlock __watch GRACE_MS`, stdin a pipe
-/// from `run`.
-pub(crate) fn watch(grace_ms: &str) -> u8 {
+/// Starts a watcher: `quorumlock __watch GRACE_MS [GROUP]`.
+fn spawn(grace: Duration, group: Option<i32>) -> io::Result<(Child, Option<ChildStdin>)> {
+    use std::os::unix::process::CommandExt;
+    // The running binary, even if its file was replaced since (Linux).
+    let exe = if std::path::Path::new("/proc/self/exe").exists() {
+        std::path::PathBuf::from("/proc/self/exe")
+    } else {
+        std::env::current_exe()?
+    };
+    let mut cmd = Command::new(exe);
+    cmd.arg0("quorumlock")
+        .arg("__watch")
+        .arg(grace.as_millis().to_string());
+    if let Some(g) = group {
+        cmd.arg(g.to_string());
+    }
+    let mut child = cmd
+        .process_group(0)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .env_remove("QUORUMLOCK_TOKEN")
+        .spawn()?;
+    let pipe = child.stdin.take();
+    Ok((child, pipe))
+}
+
+/// What the watcher is told.
+enum Told {
+    Line(String),
+    Closed,
+}
+
+/// The watcher's own `main`: `quorumlock __watch GRACE_MS [GROUP]`, stdin a
+/// pipe from `run`. Without `GROUP` it watches its own process group.
+pub(crate) fn watch(grace_ms: &str, group: Option<&str>) -> u8 {
     // Signals meant for the command's group are not for us.
     let flag = Arc::new(AtomicBool::new(false));
     for sig in IGNORED {
         let _ = signal_hook::flag::register(sig.as_raw(), flag.clone());
     }
     let grace = Duration::from_millis(grace_ms.parse().unwrap_or(10_000));
+    let me = rustix::process::getpid();
+    let group = group
+        .and_then(|g| g.parse::<i32>().ok())
+        .and_then(Pid::from_raw)
+        .unwrap_or(me);
+    let (tx, rx) = mpsc::channel();
+    let reader = std::thread::Builder::new()
+        .name("quorumlock-watch".into())
+        .spawn(move || {
+            for line in io::stdin().lock().lines() {
+                let Ok(line) = line else { break };
+                if tx.send(Told::Line(line)).is_err() {
+                    return;
+                }
+            }
+            let _ = tx.send(Told::Closed);
+        });
+    if reader.is_err() {
+        // Without the reader we cannot tell `run` is alive: act as if it died.
+        return stop(Target::Group(group), me, grace, None);
+    }
     let mut deadline: Option<Instant> = None;
-    let mut command: Option<Pid> = None;
-    let stdin = io::stdin();
-    for line in stdin.lock().lines() {
-        let Ok(line) = line else { break };
-        let line = line.trim();
-        if line == "done" {
-            return 0;
-        }
-        if let Some(ms) = line.strip_prefix("v ").and_then(|v| v.parse::<u64>().ok()) {
-            deadline = Some(Instant::now() + Duration::from_millis(ms));
-        } else if let Some(pid) = line
-            .strip_prefix("pid ")
-            .and_then(|p| p.parse::<i32>().ok())
-        {
-            command = Pid::from_raw(pid);
+    let mut target = Target::Group(group);
+    loop {
+        // Wake shortly before the validity ends, should `run` say nothing.
+        let told = match deadline.map(|d| d.checked_sub(MARGIN).unwrap_or(d)) {
+            Some(at) => match rx.recv_timeout(at.saturating_duration_since(Instant::now())) {
+                Ok(t) => t,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    // `run` is stopped or stuck and nothing renews the lock:
+                    // the command must not run past its validity.
+                    stop(target, me, Duration::ZERO, deadline);
+                    return LAPSED;
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => Told::Closed,
+            },
+            None => rx.recv().unwrap_or(Told::Closed),
+        };
+        match told {
+            Told::Line(line) => {
+                let line = line.trim();
+                if line == "done" {
+                    return 0;
+                }
+                if let Some(ms) = line.strip_prefix("v ").and_then(|v| v.parse::<u64>().ok()) {
+                    deadline = Some(Instant::now() + Duration::from_millis(ms));
+                } else if let Some(pid) = line
+                    .strip_prefix("pid ")
+                    .and_then(|p| p.parse::<i32>().ok())
+                    .and_then(Pid::from_raw)
+                {
+                    target = Target::Process(pid);
+                }
+            }
+            // `run` is gone without saying done.
+            Told::Closed => return stop(target, me, grace, deadline),
         }
     }
-    // `run` is gone without saying done: stop the command while the lock
-    // still holds.
+}
+
+/// The watcher's exit status when it stopped the command because the
+/// lock's validity was ending without a word from `run` (`run` reports the
+/// lock lost).
+pub(crate) const LAPSED: u8 = 70;
+
+/// What the watcher stops.
+#[derive(Clone, Copy)]
+enum Target {
+    /// A process group: the command and its children.
+    Group(Pid),
+    /// The command alone (`--foreground`).
+    Process(Pid),
+}
+
+/// SIGTERM (and SIGCONT, should it be stopped) to `target`, up to `grace`
+/// (but no later than shortly before `deadline`) for it to be gone, then
+/// SIGKILL.
+fn stop(target: Target, me: Pid, grace: Duration, deadline: Option<Instant>) -> u8 {
     let now = Instant::now();
-    let last = deadline.map_or(now, |d| d.checked_sub(MARGIN).unwrap_or(now));
+    let last = deadline.map_or(now + grace, |d| d.checked_sub(MARGIN).unwrap_or(now));
     let kill_at = (now + grace).min(last);
-    let send = |sig: Signal| match command {
-        Some(pid) => {
+    let send = |sig: Signal| match target {
+        Target::Process(pid) => {
             let _ = kill_process(pid, sig);
         }
-        None => {
-            // Our own group: the command and its children (and us, for
-            // SIGTERM ignored).
-            let _ = kill_process_group(rustix::process::getpid(), sig);
+        Target::Group(g) => {
+            let _ = kill_process_group(g, sig);
         }
     };
     send(Signal::TERM);
     send(Signal::CONT);
-    while Instant::now() < kill_at && others_left(command) {
+    while Instant::now() < kill_at && left(target, me) {
         std::thread::sleep(Duration::from_millis(10));
     }
     send(Signal::KILL);
     0
 }
 
-/// Whether a process to stop is still there: the command, or another member
-/// of our group (a zombie, reaped by its new parent later, still counts).
-fn others_left(command: Option<Pid>) -> bool {
-    match command {
-        Some(pid) => rustix::process::test_kill_process(pid).is_ok(),
-        None => {
-            // Signal 0 to the group reaches us too: look for another member.
-            let me = rustix::process::getpid();
-            std::fs::read_dir("/proc").map_or(true, |dir| {
-                dir.flatten().any(|e| {
-                    let Some(pid) = e
-                        .file_name()
-                        .to_str()
-                        .and_then(|n| n.parse::<i32>().ok())
-                        .and_then(Pid::from_raw)
-                    else {
-                        return false;
-                    };
-                    pid != me && rustix::process::getpgid(Some(pid)).is_ok_and(|g| g == me)
-                })
+/// Whether a process to stop is still there: the command, or a member of
+/// the group other than this watcher.
+fn left(target: Target, me: Pid) -> bool {
+    match target {
+        Target::Process(pid) => rustix::process::test_kill_process(pid).is_ok(),
+        Target::Group(group) => {
+            // Signal 0 to the group would reach us too (when it is ours):
+            // look for another member, in /proc (elsewhere: wait it out).
+            let Ok(dir) = std::fs::read_dir("/proc") else {
+                return true;
+            };
+            dir.flatten().any(|e| {
+                let name = e.file_name();
+                let Some(pid) = name.to_str().and_then(|n| n.parse::<i32>().ok()) else {
+                    return false;
+                };
+                pid != me.as_raw_nonzero().get() && pgrp(pid) == Some(group.as_raw_nonzero().get())
             })
+        }
+    }
+}
+
+/// A process's group, from `/proc/<pid>/stat` (field 5, after the command
+/// name in parentheses); `None` when it is gone.
+fn pgrp(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.get(stat.rfind(')')? + 1..)?
+        .split_whitespace()
+        .nth(2)?
+        .parse()
+        .ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_process_group_is_read_from_proc() {
+        let me = i32::try_from(std::process::id()).unwrap_or(0);
+        let own = rustix::process::getpgrp().as_raw_nonzero().get();
+        assert_eq!(pgrp(me), Some(own));
+        assert_eq!(pgrp(i32::MAX), None);
+        // Kernel threads and pid 1 (pgid 0 in a container) do not trip it.
+        for pid in 1..64 {
+            let _ = pgrp(pid);
         }
     }
 }
