@@ -162,7 +162,7 @@ impl Store {
             Op::Acquire { ttl, known_max, .. } | Op::Swap { ttl, known_max, .. } => {
                 Some(self.history(ttl, known_max, now, base))
             }
-            Op::Extend { ttl } => {
+            Op::Extend { ttl, .. } => {
                 if let Some((_, max)) = &mut self.meta {
                     *max = (*max).max(ttl);
                 }
@@ -257,7 +257,7 @@ impl Store {
                 self.keys.remove(k.resource);
                 Answer::Ok
             }
-            (Op::Extend { ttl }, Some(&(_, expiry))) => {
+            (Op::Extend { ttl, .. }, Some(&(_, expiry))) => {
                 // Never shortens (the script's PTTL check).
                 let expiry = expiry.max(after(now, ttl));
                 self.keys

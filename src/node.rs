@@ -832,6 +832,11 @@ fn prepare(c: &mut PooledConnection<Manager>, node: &NodeShared, now: Instant) -
         // this connection's next command, not waited for.
         c.info_at = now;
         c.queue_setup(&redis::cmd("INFO").get_packed_command(), now, Setup::Info);
+        // Sent now (a caller of `prepare` may send nothing after it, and a
+        // reply owed for a command never sent would look like a timeout).
+        if c.flush().is_err() {
+            return false;
+        }
     }
     true
 }
@@ -1053,6 +1058,19 @@ fn late_write(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPool>, w: La
     }
 }
 
+/// Waits (on this connection alone) for the reply to the command this
+/// caller queued last, taking the setup replies ahead of it as they come.
+fn own_reply(c: &mut Conn, node: &NodeShared, deadline: Instant) -> std::io::Result<Value> {
+    loop {
+        let setup = c.pending().front().map(|p| (p.setup, p.clone()));
+        let v = c.wait_reply(deadline)?;
+        match setup {
+            Some((Setup::None, _)) | None => return Ok(v),
+            Some((_, p)) => late_reply(c, node, p, &v, Instant::now())?,
+        }
+    }
+}
+
 /// Starts the node's release-retry job unless it is already scheduled.
 fn schedule_retry(node: &Arc<NodeInner>, threads: &Arc<ScheduledThreadPool>) {
     if node.shared.retry_scheduled.swap(true, Ordering::AcqRel) {
@@ -1103,12 +1121,16 @@ fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPool>) {
             );
             // Never wait for a connection here: connects run on this thread.
             if let Some(mut c) = node.pool.try_get() {
-                if prepare(&mut c, shared, Instant::now()) && c.pending().is_empty() {
+                // Behind nothing but setup replies (a re-read INFO), which
+                // are read on the way.
+                if prepare(&mut c, shared, Instant::now())
+                    && c.pending().iter().all(|p| p.setup != Setup::None)
+                {
                     let sent = Instant::now();
                     c.queue(&enc.packed, sent, true);
                     answered = match c
                         .flush()
-                        .and_then(|()| c.wait_reply(after(sent, shared.timeout)))
+                        .and_then(|()| own_reply(&mut c, shared, after(sent, shared.timeout)))
                     {
                         Ok(v) => {
                             shared.observe(Outcome::Answered);
@@ -1431,13 +1453,20 @@ impl RedisTransport {
         }
 
         let mut settle: Option<Instant> = None;
+        // A lingering round keeps reading after it settled, as long again.
+        let linger = matches!(enc.op, Op::Extend { linger: true, .. });
         let mut ready: Vec<(usize, PollFlags)> = Vec::with_capacity(n);
         loop {
             let now = Instant::now();
             if settle.is_none() && decided.is_some_and(|f| f(&results)) {
                 // Settled: what has already arrived is taken below; nothing
-                // more is waited for.
-                settle = Some(now);
+                // more is waited for (but for a lingering round's stragglers).
+                settle = Some(if linger {
+                    now.checked_add(now.saturating_duration_since(start))
+                        .map_or(deadline, |l| l.min(deadline))
+                } else {
+                    now
+                });
             }
             // Waited-for nodes still without a connection: look again.
             let mut missing = false;
@@ -1940,7 +1969,7 @@ impl Encoded {
                 vec![millis_ceil(ttl), millis_ceil(known_max), fence.unwrap_or(0)],
             ),
             Op::Release { .. } => (&scripts::RELEASE, scripts::RELEASE_LUA, vec![0]),
-            Op::Extend { ttl } => (
+            Op::Extend { ttl, .. } => (
                 &scripts::EXTEND,
                 scripts::EXTEND_LUA,
                 vec![millis_ceil(ttl)],
@@ -2304,6 +2333,7 @@ mod tests {
             Op::Fence { value: 1 << 52 },
             Op::Extend {
                 ttl: Duration::from_millis(1500),
+                linger: false,
             },
             Op::Release {
                 keep_until: Instant::now(),

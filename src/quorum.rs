@@ -118,6 +118,24 @@ pub(crate) fn settled(results: &[Option<NodeResult>]) -> bool {
     settled_by(results, |_, _| true)
 }
 
+/// Whether a round of many keys is settled for every key (see [`settled`]).
+pub(crate) fn settled_all(results: &[Option<NodeResult>]) -> bool {
+    let keys = results
+        .iter()
+        .filter_map(|r| r.as_ref()?.as_ref().ok().map(|rep| rep.answers.len()))
+        .max()
+        .unwrap_or(0);
+    let q = quorum(results.len());
+    let pending = results.iter().filter(|r| r.is_none()).count();
+    (0..keys).all(|k| {
+        let ok = results
+            .iter()
+            .filter(|r| matches!(r, Some(Ok(rep)) if rep.answers.get(k) == Some(&Answer::Ok)))
+            .count();
+        ok >= q || ok + pending < q
+    })
+}
+
 /// [`settled`], counting an OK from node `i` only when `counts(i, facts)`.
 pub(crate) fn settled_by(
     results: &[Option<NodeResult>],

@@ -1043,14 +1043,19 @@ impl Inner {
             state.reach_until(after(start, ttl));
         }
         let results = if deadline > start {
-            // A caller's one key: stop at a settled majority. The renewal
-            // thread (`loud`) and batches read every healthy node's reply: a
-            // node that lost the key says so, and its copy is restored (the
-            // renewal thread's time, not a caller's).
-            let settled: Option<crate::transport::Decided<'_>> =
-                (keys.len() == 1 && !loud).then_some(&quorum::settled);
-            self.transport
-                .run(Op::Extend { ttl }, &keys, deadline, settled, None)
+            // Stop at a settled majority (every lock's, for a batch); the
+            // renewal thread's rounds linger after that, as long again, for
+            // the stragglers: a node that lost the key says so, and its copy
+            // is restored (the renewal thread's time, not a caller's; a slow
+            // node that answers within the node timeout but after the lock's
+            // validity no longer costs the lock).
+            let settled: crate::transport::Decided<'_> = if keys.len() == 1 {
+                &quorum::settled
+            } else {
+                &quorum::settled_all
+            };
+            let op = Op::Extend { ttl, linger: loud };
+            self.transport.run(op, &keys, deadline, Some(settled), None)
         } else {
             Vec::new()
         };

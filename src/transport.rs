@@ -71,8 +71,11 @@ pub(crate) enum Op {
     /// the round has expired anyway).
     Release { keep_until: Instant },
     /// Make the key live at least `ttl` more if it holds our token (its
-    /// expiry never moves back).
-    Extend { ttl: Duration },
+    /// expiry never moves back). `linger`: once the outcome is settled, the
+    /// round keeps reading the replies of the nodes it waits for, for as
+    /// long again as it took to settle (the renewal thread's rounds: a node
+    /// that lost the key says so, and its copy is restored).
+    Extend { ttl: Duration, linger: bool },
     /// A held lock handed to a new critical section: where the key holds
     /// our token (or an earlier one of its lineage, see [`ours`]), it gets
     /// the key's `next` token, atomically, keeping its expiry. One key.

@@ -261,7 +261,7 @@ impl Checker {
     pub(crate) fn sent(&mut self, op: Op, keys: &[Key<'_>], now: u64) {
         if let Op::Acquire { ttl, .. }
         | Op::Swap { ttl, .. }
-        | Op::Extend { ttl }
+        | Op::Extend { ttl, .. }
         | Op::Restore { ttl } = op
         {
             let until = now.saturating_add(u64::try_from(ttl.as_nanos()).unwrap_or(u64::MAX));

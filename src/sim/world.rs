@@ -654,19 +654,29 @@ impl SimTransport {
         wait: &[bool],
         deadline: Instant,
         decided: Option<Decided<'_>>,
+        linger: bool,
     ) -> (Vec<Option<NodeResult>>, bool) {
+        let start = self.sched.instant(self.sched.nanos());
+        // As `node.rs`: a lingering round reads on after it settled, for as
+        // long again as it took.
+        let mut settled: Option<Instant> = None;
         loop {
             let seen = round.signal.seen();
             let results = round.results.lock().clone();
-            if decided.is_some_and(|f| f(&results)) {
-                return (results, true);
+            let now = self.sched.instant(self.sched.nanos());
+            if settled.is_none() && decided.is_some_and(|f| f(&results)) {
+                if !linger {
+                    return (results, true);
+                }
+                let again = now.saturating_duration_since(start);
+                settled = Some(now.checked_add(again).map_or(deadline, |l| l.min(deadline)));
             }
             let missing = (0..results.len()).any(|i| wait[i] && results[i].is_none());
-            let now = self.sched.instant(self.sched.nanos());
-            if !missing || now >= deadline {
-                return (results, false);
+            let until = settled.unwrap_or(deadline);
+            if !missing || now >= until {
+                return (results, settled.is_some());
             }
-            self.sched.wait_signal(&round.signal, seen, Some(deadline));
+            self.sched.wait_signal(&round.signal, seen, Some(until));
         }
     }
 }
@@ -709,7 +719,8 @@ impl Transport for SimTransport {
         let wait: Vec<bool> = admits.iter().map(|a| *a == Admit::Wait).collect();
         let mut lanes = Vec::new();
         let round = self.send(op, keys, &admits, &mut lanes);
-        let (results, settled) = self.gather(&round, &wait, deadline, decided);
+        let linger = matches!(op, Op::Extend { linger: true, .. });
+        let (results, settled) = self.gather(&round, &wait, deadline, decided, linger);
         round.open.store(false, Ordering::Release);
         let end = self.sched.instant(self.sched.nanos());
         let results: Vec<NodeResult> = results
@@ -759,7 +770,7 @@ impl Transport for SimTransport {
                     _ => self.timeout,
                 };
                 let now = self.sched.instant(self.sched.nanos());
-                self.gather(&undo_round, &wait, after(now, wait_for), None);
+                self.gather(&undo_round, &wait, after(now, wait_for), None, false);
                 undo_round.open.store(false, Ordering::Release);
             }
         }

@@ -1085,3 +1085,18 @@ fn the_watcher_stops_the_command_of_a_stopped_run_and_is_replaced_if_killed() {
     let code = p.exit_code(SOON);
     assert_eq!(code, EX_SOFTWARE, "stderr:\n{}", p.stderr());
 }
+
+/// Found by the second review: with a short TTL (200 ms or less) the watcher took a healthy
+/// run for a stopped one (the new validity reached it after its margin) and killed the
+/// command; the run exited with the command's signal. It acts only on a run that is stopped.
+#[test]
+fn a_short_ttl_run_keeps_its_command() {
+    let c = shared();
+    let dir = Scratch::new("cli-short-ttl");
+    for ttl in ["100ms", "200ms"] {
+        let key = unique_key("cli-short-ttl");
+        let cmd = run_cmd(&c, &dir, ttl, &key, &["--ttl", ttl], "sleep 1; exit 5");
+        let (code, stderr) = finish(cmd, &dir, ttl);
+        assert_eq!(code, 5, "--ttl {ttl}: stderr:\n{stderr}");
+    }
+}

@@ -662,3 +662,82 @@ fn a_manual_extend_that_restores_a_copy_warns_of_nothing() {
     let loud = crate::logs::about(&names);
     assert!(loud.is_empty(), "warned on the happy path: {loud:?}");
 }
+
+/// Found by the second review: a renewal read every healthy node's reply, and a node that
+/// answered within the node timeout but after the lock's validity made the renewal fail,
+/// and the lock was lost although two nodes confirmed it in milliseconds. A renewal settles
+/// at its majority and lingers after that only as long again.
+#[test]
+fn a_slow_healthy_node_costs_no_renewal() {
+    let c = Cluster::start(3);
+    let slow = DelayProxy::start(&c.url(2), Duration::from_millis(600));
+    let locks = crate::client_with(
+        vec![c.url(0), c.url(1), slow.url()],
+        Duration::from_millis(900),
+    );
+    locks
+        .wait_connected(Duration::from_secs(5))
+        .expect("connected");
+    let g = locks
+        .try_lock(&unique_key("slow-renewal"), Duration::from_secs(1))
+        .expect("nodes 0 and 1");
+    g.auto_renew();
+    std::thread::sleep(Duration::from_millis(2500));
+    assert!(
+        g.is_held() && !g.is_lost(),
+        "lost: {:?}",
+        g.lost().try_recv()
+    );
+}
+
+/// Found by the second review (by reading): a pooled connection asked `INFO` again without
+/// sending it when its caller sent nothing after (`wait_connected`, the retry thread); the
+/// reply owed for a command never sent then looked like a timeout, and a healthy node was
+/// marked failing. Takes the 10 s after which a connection asks again.
+#[test]
+fn asking_info_again_never_makes_a_healthy_node_fail() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    #[derive(Default)]
+    struct Skips(AtomicUsize);
+    impl quorumlock::EventHandler for Skips {
+        fn on_node(&self, e: &quorumlock::NodeEvent<'_>) {
+            if matches!(e.change(), quorumlock::NodeChange::Skipped { .. }) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+    }
+    let c = Cluster::start(3);
+    let skips = Arc::new(Skips::default());
+    let locks = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(c.urls())
+        .node_timeout(Duration::from_millis(50))
+        .events(skips.clone())
+        .build()
+        .expect("valid config");
+    locks
+        .wait_connected(Duration::from_secs(5))
+        .expect("connected");
+    drop(
+        locks
+            .try_lock(&unique_key("info-again"), TTL)
+            .expect("lock"),
+    );
+    std::thread::sleep(Duration::from_millis(10_500));
+    // Looks at idle connections without sending on them.
+    let _ = locks.wait_connected(Duration::from_millis(100));
+    std::thread::sleep(Duration::from_millis(200));
+    for n in 0..5 {
+        drop(
+            locks
+                .try_lock(&unique_key(&format!("info-again{n}")), TTL)
+                .expect("healthy nodes"),
+        );
+    }
+    assert_eq!(
+        skips.0.load(Ordering::SeqCst),
+        0,
+        "a healthy node was marked failing"
+    );
+}

@@ -55,8 +55,15 @@ const SIGNAL_BASE: u8 = 128;
 /// Environment variable read when `--nodes` is absent.
 const NODES_ENV: &str = "REDLOCK_NODES";
 
-/// How often the supervisor looks at the child and at received signals.
+/// How often the supervisor looks at the child and at received signals,
+/// and tells the watcher it is alive: at most this, and a tenth of the TTL.
 const TICK: Duration = Duration::from_millis(50);
+
+/// The supervisor's tick for a lock of `ttl`: short enough that the watcher
+/// tells a stopped supervisor from a running one well inside the validity.
+fn watch_tick(ttl: Duration) -> Duration {
+    (ttl / 10).clamp(Duration::from_millis(1), TICK)
+}
 /// Longest single `lock_timeout` call of `--wait`, so that a signal received
 /// while waiting is acted on promptly.
 const WAIT_SLICE: Duration = Duration::from_millis(250);
@@ -176,6 +183,8 @@ enum Cmd {
     Watch {
         /// SIGTERM to SIGKILL, in ms.
         grace_ms: String,
+        /// How often `run` beats, in µs.
+        tick_us: String,
         /// The process group to stop (default: the watcher's own).
         group: Option<String>,
     },
@@ -292,7 +301,11 @@ fn main() -> ExitCode {
         Cmd::Run(args) => run(args),
         Cmd::Status(args) => status(args),
         Cmd::Check(args) => check(args),
-        Cmd::Watch { grace_ms, group } => watcher::watch(&grace_ms, group.as_deref()),
+        Cmd::Watch {
+            grace_ms,
+            tick_us,
+            group,
+        } => watcher::watch(&grace_ms, &tick_us, group.as_deref()),
     })
 }
 
@@ -526,7 +539,7 @@ fn run(args: RunArgs) -> u8 {
 
     // The watcher stops the command if we die without doing so (SIGKILL,
     // the OOM killer): without it, nothing could.
-    let mut watcher = match Watcher::start(args.grace) {
+    let mut watcher = match Watcher::start(args.grace, watch_tick(args.ttl)) {
         Ok(w) => w,
         Err(e) => {
             say!("cannot start the watcher that stops the command if quorumlock dies: {e}");
@@ -723,8 +736,9 @@ fn supervise(
 
 fn watch(job: &mut Job, guard: &LockGuard, signals: &Signals, watcher: &mut Watcher) -> Ended {
     let lost = guard.lost();
+    let tick = watcher.tick();
     loop {
-        // The watcher kills the command before this, should we die.
+        // The watcher kills the command before this, should we die or stop.
         watcher.valid_until(guard.deadline());
         if watcher.lapsed() {
             // We were stopped past the lock's validity, and the watcher
@@ -750,18 +764,23 @@ fn watch(job: &mut Job, guard: &LockGuard, signals: &Signals, watcher: &mut Watc
             }
         }
         match job.child.try_wait() {
+            // Killed by a signal: the watcher's, if the lock was lapsing
+            // while we were stopped (it exits just after).
+            Ok(Some(status)) if status.signal().is_some() && watcher.lapsed_within(tick * 2) => {
+                return Ended::Lost(Error::Expired)
+            }
             Ok(Some(status)) => return Ended::Exited(status),
             Ok(None) => {}
             Err(e) => return Ended::WaitFailed(e),
         }
-        match lost.recv_timeout(TICK) {
+        match lost.recv_timeout(tick) {
             Ok(why) => return Ended::Lost(why),
             Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
             Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
                 if guard.is_lost() {
                     return Ended::Lost(Error::Expired);
                 }
-                std::thread::sleep(TICK);
+                std::thread::sleep(tick);
             }
         }
     }

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use rustix::process::{kill_process, kill_process_group, Pid, Signal};
 
 /// How long before the lock's validity ends the watcher sends SIGKILL at the
-/// latest: the command must be gone while the lock is still ours.
+/// latest, at most: the command must be gone while the lock is still ours.
 const MARGIN: Duration = Duration::from_millis(100);
 
 /// The signals a terminal, `run` or the group's kill would send the
@@ -50,6 +50,8 @@ pub(crate) struct Watcher {
     child: Child,
     pipe: Option<ChildStdin>,
     grace: Duration,
+    /// How often `run` beats (and the watcher's measure of silence).
+    tick: Duration,
     /// The command's process group (the first watcher's pid).
     group: i32,
     /// With `--foreground`: the command's pid.
@@ -63,13 +65,14 @@ pub(crate) struct Watcher {
 impl Watcher {
     /// Starts the watcher in a process group of its own, which the command
     /// is to join; `grace` is the time between SIGTERM and SIGKILL.
-    pub(crate) fn start(grace: Duration) -> io::Result<Watcher> {
-        let (child, pipe) = spawn(grace, None)?;
+    pub(crate) fn start(grace: Duration, tick: Duration) -> io::Result<Watcher> {
+        let (child, pipe) = spawn(grace, tick, None)?;
         let group = i32::try_from(child.id()).unwrap_or(0);
         Ok(Watcher {
             child,
             pipe,
             grace,
+            tick,
             group,
             command: None,
             told: None,
@@ -87,6 +90,11 @@ impl Watcher {
     pub(crate) fn command(&mut self, pid: u32) {
         self.command = Some(pid);
         self.say(&format!("pid {pid}"));
+    }
+
+    /// `run`'s tick: how often it beats.
+    pub(crate) fn tick(&self) -> Duration {
+        self.tick
     }
 
     /// Tells the watcher the lock is valid until `deadline`, if that moved.
@@ -124,6 +132,21 @@ impl Watcher {
         self.lapsed
     }
 
+    /// [`lapsed`](Self::lapsed), waiting up to `wait` for the watcher to
+    /// exit (the command it killed may be seen dead first).
+    pub(crate) fn lapsed_within(&mut self, wait: Duration) -> bool {
+        let until = Instant::now() + wait;
+        loop {
+            if self.lapsed() {
+                return true;
+            }
+            if Instant::now() >= until {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
     /// Writes a line; if the watcher is gone, starts another, aimed at the
     /// same group (or command), and tells it everything again.
     fn say(&mut self, line: &str) {
@@ -150,7 +173,7 @@ impl Watcher {
                 return;
             }
         }
-        match spawn(self.grace, Some(self.group)) {
+        match spawn(self.grace, self.tick, Some(self.group)) {
             Ok((child, pipe)) => {
                 self.child = child;
                 self.pipe = pipe;
@@ -175,8 +198,12 @@ impl Watcher {
     }
 }
 
-/// Starts a watcher: `quorumlock __watch GRACE_MS [GROUP]`.
-fn spawn(grace: Duration, group: Option<i32>) -> io::Result<(Child, Option<ChildStdin>)> {
+/// Starts a watcher: `quorumlock __watch GRACE_MS TICK_US [GROUP]`.
+fn spawn(
+    grace: Duration,
+    tick: Duration,
+    group: Option<i32>,
+) -> io::Result<(Child, Option<ChildStdin>)> {
     use std::os::unix::process::CommandExt;
     // The running binary, even if its file was replaced since (Linux).
     let exe = if std::path::Path::new("/proc/self/exe").exists() {
@@ -187,7 +214,8 @@ fn spawn(grace: Duration, group: Option<i32>) -> io::Result<(Child, Option<Child
     let mut cmd = Command::new(exe);
     cmd.arg0("quorumlock")
         .arg("__watch")
-        .arg(grace.as_millis().to_string());
+        .arg(grace.as_millis().to_string())
+        .arg(tick.as_micros().to_string());
     if let Some(g) = group {
         cmd.arg(g.to_string());
     }
@@ -207,15 +235,18 @@ enum Told {
     Closed,
 }
 
-/// The watcher's own `main`: `quorumlock __watch GRACE_MS [GROUP]`, stdin a
-/// pipe from `run`. Without `GROUP` it watches its own process group.
-pub(crate) fn watch(grace_ms: &str, group: Option<&str>) -> u8 {
+/// The watcher's own `main`: `quorumlock __watch GRACE_MS TICK_US [GROUP]`,
+/// stdin a pipe from `run`. Without `GROUP` it watches its own process group.
+pub(crate) fn watch(grace_ms: &str, tick_us: &str, group: Option<&str>) -> u8 {
     // Signals meant for the command's group are not for us.
     let flag = Arc::new(AtomicBool::new(false));
     for sig in IGNORED {
         let _ = signal_hook::flag::register(sig.as_raw(), flag.clone());
     }
     let grace = Duration::from_millis(grace_ms.parse().unwrap_or(10_000));
+    let tick =
+        Duration::from_micros(tick_us.parse().unwrap_or(50_000)).max(Duration::from_millis(1));
+    let parent = rustix::process::getppid();
     let me = rustix::process::getpid();
     let group = group
         .and_then(|g| g.parse::<i32>().ok())
@@ -237,21 +268,29 @@ pub(crate) fn watch(grace_ms: &str, group: Option<&str>) -> u8 {
         // Without the reader we cannot tell `run` is alive: act as if it died.
         return stop(Target::Group(group), me, grace, None);
     }
-    let mut deadline: Option<Instant> = None;
+    // (deadline, the latest moment to act before it): from `v` lines.
+    let mut deadline: Option<(Instant, Instant)> = None;
     let mut target = Target::Group(group);
     loop {
-        // Wake shortly before the validity ends, should `run` say nothing.
-        let told = match deadline.map(|d| d.checked_sub(MARGIN).unwrap_or(d)) {
-            Some(at) => match rx.recv_timeout(at.saturating_duration_since(Instant::now())) {
-                Ok(t) => t,
-                Err(mpsc::RecvTimeoutError::Timeout) => {
-                    // `run` is stopped or stuck and nothing renews the lock:
-                    // the command must not run past its validity.
-                    stop(target, me, Duration::ZERO, deadline);
-                    return LAPSED;
+        // Look again shortly before the validity ends (and every tick after
+        // that): a `run` that is stopped renews nothing.
+        let told = match deadline {
+            Some((_, at)) => {
+                let now = Instant::now();
+                let wait = if now < at { at - now } else { tick };
+                match rx.recv_timeout(wait) {
+                    Ok(t) => t,
+                    Err(mpsc::RecvTimeoutError::Timeout) => {
+                        if Instant::now() >= at && parent.is_some_and(stopped) {
+                            // The command must not outlive the lock.
+                            stop(target, me, Duration::ZERO, deadline.map(|d| d.0));
+                            return LAPSED;
+                        }
+                        continue;
+                    }
+                    Err(mpsc::RecvTimeoutError::Disconnected) => Told::Closed,
                 }
-                Err(mpsc::RecvTimeoutError::Disconnected) => Told::Closed,
-            },
+            }
             None => rx.recv().unwrap_or(Told::Closed),
         };
         match told {
@@ -261,7 +300,12 @@ pub(crate) fn watch(grace_ms: &str, group: Option<&str>) -> u8 {
                     return 0;
                 }
                 if let Some(ms) = line.strip_prefix("v ").and_then(|v| v.parse::<u64>().ok()) {
-                    deadline = Some(Instant::now() + Duration::from_millis(ms));
+                    let valid = Duration::from_millis(ms);
+                    let now = Instant::now();
+                    // Act at the latest a quarter of the validity (at most
+                    // 100 ms) before it ends: time for SIGKILL to land.
+                    let margin = (valid / 4).min(MARGIN);
+                    deadline = Some((now + valid, now + valid.saturating_sub(margin)));
                 } else if let Some(pid) = line
                     .strip_prefix("pid ")
                     .and_then(|p| p.parse::<i32>().ok())
@@ -271,7 +315,7 @@ pub(crate) fn watch(grace_ms: &str, group: Option<&str>) -> u8 {
                 }
             }
             // `run` is gone without saying done.
-            Told::Closed => return stop(target, me, grace, deadline),
+            Told::Closed => return stop(target, me, grace, deadline.map(|d| d.0)),
         }
     }
 }
@@ -334,6 +378,18 @@ fn left(target: Target, me: Pid) -> bool {
             })
         }
     }
+}
+
+/// Whether `run` (our parent) is stopped (SIGSTOP, or a job-control stop):
+/// its state in `/proc/<pid>/stat` is `T` or `t`. Where there is no /proc,
+/// never (the watcher then acts only when `run` dies).
+fn stopped(pid: Pid) -> bool {
+    let stat =
+        std::fs::read_to_string(format!("/proc/{}/stat", pid.as_raw_nonzero())).unwrap_or_default();
+    stat.rfind(')')
+        .and_then(|i| stat.get(i + 1..))
+        .and_then(|rest| rest.split_whitespace().next())
+        .is_some_and(|state| state == "T" || state == "t")
 }
 
 /// A process's group, from `/proc/<pid>/stat` (field 5, after the command
