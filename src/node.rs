@@ -641,7 +641,7 @@ fn probe_one(target: &Target, key: &str, timeout: Duration) -> crate::check::Pro
             }
             (Setup::Load, Value::ServerError(e)) => p.load = Some(server_text(e)),
             (Setup::Info, Value::ServerError(e)) => p.info = Some(Err(server_text(e))),
-            (Setup::Info, v) => p.info = Some(Ok(ServerInfo::parse(&text(v).unwrap_or_default()))),
+            (Setup::Info, v) => p.info = Some(Ok(info_of(v))),
             (Setup::History, v) => p.history = text(v),
             _ => {}
         }
@@ -841,6 +841,15 @@ fn prepare(c: &mut PooledConnection<Manager>, node: &NodeShared, now: Instant) -
     true
 }
 
+/// What an `INFO` reply says (an unexpected reply says nothing).
+fn info_of(v: &Value) -> ServerInfo {
+    match v {
+        Value::BulkString(b) => ServerInfo::parse_bytes(b),
+        Value::VerbatimString { text, .. } | Value::SimpleString(text) => ServerInfo::parse(text),
+        _ => ServerInfo::default(),
+    }
+}
+
 /// How often a pooled connection asks its server's `INFO` again.
 const INFO_EVERY: Duration = Duration::from_secs(10);
 
@@ -931,7 +940,7 @@ fn setup_reply(c: &mut Conn, node: &NodeShared, setup: Setup, v: &Value) -> std:
     };
     match setup {
         Setup::Info => {
-            let info = ServerInfo::parse(&text(v).unwrap_or_default());
+            let info = info_of(v);
             c.server.run = info.run_id.as_deref().map(|r| id_hash(r.as_bytes()));
             c.server.kind = info.kind();
             node.servers.learn_info(node.index, &Ok(info));

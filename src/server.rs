@@ -33,25 +33,34 @@ impl ServerInfo {
     /// Parses `INFO`'s text (`key:value` lines; sections and unknown keys
     /// are skipped).
     pub(crate) fn parse(text: &str) -> ServerInfo {
+        Self::parse_bytes(text.as_bytes())
+    }
+
+    /// [`parse`](Self::parse) on the reply's bytes as they came (no copy;
+    /// only the values kept are converted).
+    pub(crate) fn parse_bytes(text: &[u8]) -> ServerInfo {
         let mut s = ServerInfo::default();
-        for line in text.lines() {
-            let Some((k, v)) = line.trim_end().split_once(':') else {
+        let string = |v: &[u8]| Some(String::from_utf8_lossy(v).into_owned());
+        let number = |v: &[u8]| std::str::from_utf8(v).ok()?.parse().ok();
+        for line in text.split(|b| *b == b'\n') {
+            let Some(colon) = line.iter().position(|b| *b == b':') else {
                 continue;
             };
+            let (k, v) = (&line[..colon], line[colon + 1..].trim_ascii_end());
             let flag = || match v {
-                "1" => Some(true),
-                "0" => Some(false),
+                b"1" => Some(true),
+                b"0" => Some(false),
                 _ => None,
             };
             match k {
-                "run_id" if !v.is_empty() => s.run_id = Some(v.to_owned()),
-                "redis_version" => s.version = Some(v.to_owned()),
-                "role" => s.role = Some(v.to_owned()),
-                "cluster_enabled" => s.cluster = flag(),
-                "maxmemory" => s.maxmemory = v.parse().ok(),
-                "maxmemory_policy" => s.policy = Some(v.to_owned()),
-                "aof_enabled" => s.aof = flag(),
-                "uptime_in_seconds" => s.uptime = v.parse().ok(),
+                b"run_id" if !v.is_empty() => s.run_id = string(v),
+                b"redis_version" => s.version = string(v),
+                b"role" => s.role = string(v),
+                b"cluster_enabled" => s.cluster = flag(),
+                b"maxmemory" => s.maxmemory = number(v),
+                b"maxmemory_policy" => s.policy = string(v),
+                b"aof_enabled" => s.aof = flag(),
+                b"uptime_in_seconds" => s.uptime = number(v),
                 _ => {}
             }
         }
