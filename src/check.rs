@@ -75,6 +75,19 @@ impl Finding {
     }
 }
 
+/// One line: the verdict, the topic and the text, in columns.
+impl fmt::Display for Finding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:<6} {:<12} {}",
+            self.verdict.to_string(),
+            self.topic,
+            self.text
+        )
+    }
+}
+
 /// What [`Redlock::check`](crate::Redlock::check) found on one node.
 #[derive(Debug, Clone)]
 pub struct NodeCheck {
@@ -161,24 +174,12 @@ impl fmt::Display for Check {
         for n in &self.nodes {
             writeln!(f, "{}  {}", n.node, n.verdict())?;
             for x in &n.findings {
-                writeln!(
-                    f,
-                    "  {:<6} {:<12} {}",
-                    x.verdict.to_string(),
-                    x.topic,
-                    x.text
-                )?;
+                writeln!(f, "  {x}")?;
             }
         }
         writeln!(f, "set")?;
         for x in &self.findings {
-            writeln!(
-                f,
-                "  {:<6} {:<12} {}",
-                x.verdict.to_string(),
-                x.topic,
-                x.text
-            )?;
+            writeln!(f, "  {x}")?;
         }
         write!(
             f,
