@@ -292,7 +292,7 @@ pub(crate) fn assess(
             "nodes",
             "one node: no fault tolerance (use 3 or 5)",
         ));
-    } else if n % 2 == 0 {
+    } else if n.is_multiple_of(2) {
         findings.push(Finding::new(
             Verdict::Warn,
             "nodes",

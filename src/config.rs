@@ -437,6 +437,7 @@ impl Builder {
     /// roots when this is not called; certificate verification cannot be
     /// turned off. The files are read by [`build`](Self::build).
     #[cfg(feature = "tls-rustls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "tls-rustls")))]
     pub fn tls(mut self, tls: crate::Tls) -> Self {
         self.tls.tls = Some(tls);
         self

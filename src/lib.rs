@@ -28,6 +28,8 @@
 //! *correctness* locks, a lock service alone cannot protect storage from a
 //! paused client whose lock expired; see the README on fencing.
 #![forbid(unsafe_code)]
+// docs.rs (nightly) shows which feature a gated item needs.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(missing_docs)]
 
 mod check;

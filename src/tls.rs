@@ -46,6 +46,7 @@ use crate::error::InvalidInput;
 /// # Ok::<(), quorumlock::Error>(())
 /// ```
 #[derive(Clone, Default, PartialEq, Eq)]
+#[cfg_attr(docsrs, doc(cfg(feature = "tls-rustls")))]
 pub struct Tls {
     ca_files: Vec<PathBuf>,
     client: Option<(PathBuf, PathBuf)>,
