@@ -362,9 +362,12 @@ impl LockGuard {
     }
 
     /// How many nodes confirmed holding the lock's key in the last round
-    /// that touched it: the acquisition, then each extension or renewal
-    /// (which also restores the key where it went missing: a node that
-    /// restarted empty, evicted it, or never got the acquisition's `SET`).
+    /// that confirmed the lock: the acquisition, then each successful
+    /// extension or renewal (which also restores the key where it went
+    /// missing: a node that restarted empty, evicted it, or never got the
+    /// acquisition's `SET`). A round that failed without losing the lock
+    /// (too few answers in time) leaves the count as it was; a lost lock
+    /// reads 0.
     ///
     /// A lock on every node survives the loss of any minority; one on a
     /// bare majority is one node failure from being lost. A node whose reply

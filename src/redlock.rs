@@ -1146,7 +1146,9 @@ impl Inner {
                     Some(m) => (&m[..], 0),
                     None => (&results[..], i),
                 };
-                if !view.is_empty() {
+                // Only a round that confirmed the lock says where it is: one
+                // that failed (too few answers in time) found nothing missing.
+                if outcome.is_ok() && !view.is_empty() {
                     state.set_holding(quorum::holding(view, index));
                 }
                 if let Some(h) = self.settings.events.get() {
@@ -2075,5 +2077,21 @@ mod node_rules {
         assert_eq!(nodes.get(0, "s").as_deref(), Some("someone-else"));
         assert_eq!(g.nodes_held(), 2);
         std::mem::forget(g);
+    }
+
+    /// An extension that fails without losing the lock (too few answers in
+    /// time) says nothing about the copies: a held lock still reports the
+    /// nodes of its last confirmed round, never fewer than a majority.
+    #[test]
+    fn a_failed_extension_leaves_nodes_held_as_last_confirmed() {
+        let (x, nodes, _) = client(3);
+        let g = x.try_lock("r", TTL).unwrap();
+        nodes.set_mode(1, Mode::Down);
+        nodes.set_mode(2, Mode::Down);
+        assert!(matches!(g.extend(TTL), Err(Error::NoQuorum { .. })));
+        assert!(g.is_held() && !g.is_lost());
+        assert_eq!(g.nodes_held(), 3, "the copies were not found missing");
+        nodes.set_mode(1, Mode::Up);
+        nodes.set_mode(2, Mode::Up);
     }
 }
