@@ -12,7 +12,7 @@
 
 use std::time::{Duration, Instant};
 
-use quorumlock::{Error, Redlock};
+use quorumlock::{Error, NodeErrorKind, Redlock};
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -44,7 +44,24 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let resource = format!("quickstart:{}", std::process::id());
     let ttl = Duration::from_secs(10);
     let t = Instant::now();
-    let guard = locks.lock(&resource, ttl)?;
+    let guard = match locks.try_lock(&resource, ttl) {
+        // Nodes whose lock history is newer than the TTL (a brand-new
+        // cluster, or one that lost its data) hold their votes back for
+        // that long: wait it out, once.
+        Err(Error::NoQuorum { failures, .. })
+            if failures
+                .iter()
+                .any(|f| f.kind() == NodeErrorKind::Restarted) =>
+        {
+            let detail = failures
+                .iter()
+                .find(|f| f.kind() == NodeErrorKind::Restarted)
+                .map_or("", |f| f.detail());
+            println!("these nodes' lock history is new ({detail}): waiting out the hold, once");
+            locks.lock_timeout(&resource, ttl, ttl + Duration::from_secs(5))?
+        }
+        other => other?,
+    };
     println!(
         "locked {resource:?} in {:?}; valid for {:?} of the {ttl:?} ttl",
         t.elapsed(),

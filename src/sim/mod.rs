@@ -50,6 +50,9 @@ pub(crate) enum Mix {
     ClockJumps,
     /// Broken: restart protection off, restarts wipe data.
     NoRestartProtection,
+    /// Broken: the restart rule counts every raise of the longest TTL as
+    /// after a young node's history began; restarts wipe data.
+    LooseRestartRule,
     /// Broken: node clocks run up to 2× fast against a 1 % factor.
     DriftBeyondFactor,
     /// Broken: holders stall past their TTL and the store has no fencing.
@@ -74,6 +77,7 @@ impl Mix {
             Mix::Standard => "standard",
             Mix::ClockJumps => "clock-jumps",
             Mix::NoRestartProtection => "no-restart-protection",
+            Mix::LooseRestartRule => "loose-restart-rule",
             Mix::DriftBeyondFactor => "drift-beyond-factor",
             Mix::StallWithoutFencing => "stall-without-fencing",
             Mix::ListedTwice => "listed-twice",
@@ -88,6 +92,7 @@ impl Mix {
             Mix::Standard,
             Mix::ClockJumps,
             Mix::NoRestartProtection,
+            Mix::LooseRestartRule,
             Mix::DriftBeyondFactor,
             Mix::StallWithoutFencing,
             Mix::ListedTwice,
@@ -187,6 +192,11 @@ impl Plan {
             }
             Mix::NoRestartProtection => {
                 settings.restart_protection = false;
+                settings.fencing = false;
+                wipe = 1.0;
+            }
+            Mix::LooseRestartRule => {
+                settings.loose_restart_rule = true;
                 settings.fencing = false;
                 wipe = 1.0;
             }
