@@ -39,10 +39,6 @@ pub(crate) struct Settings {
     /// Count one vote per server (off only in the simulation, to show what
     /// the rule prevents).
     pub one_vote_per_server: bool,
-    /// Count every raise of the longest TTL as after a young node's history
-    /// began (on only in the simulation, to show what the restart rule's
-    /// comparison of ages prevents).
-    pub loose_restart_rule: bool,
 }
 
 /// Largest pool size accepted (connections per node): far above any useful
@@ -73,7 +69,6 @@ impl Default for Settings {
             events: crate::events::Events::default(),
             refuse_evicting: false,
             one_vote_per_server: true,
-            loose_restart_rule: false,
         }
     }
 }

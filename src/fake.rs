@@ -80,10 +80,8 @@ pub(crate) enum Mode {
 #[derive(Debug)]
 pub(crate) struct Store {
     pub(crate) keys: HashMap<String, (String, Instant)>,
-    /// Lock history: when it began, the longest TTL recorded, and its last
-    /// raise (when, and the longest TTL before it).
+    /// Lock history: when it began, the longest TTL recorded.
     meta: Option<(Instant, Duration)>,
-    raise: Option<(Instant, Duration)>,
     /// Fencing counters, per resource (they go with the lock history).
     fences: HashMap<String, u64>,
     /// The metadata's id: unique per store, new when its data is lost
@@ -97,7 +95,6 @@ impl Default for Store {
         Store {
             keys: HashMap::new(),
             meta: None,
-            raise: None,
             fences: HashMap::new(),
             id: NEXT.fetch_add(1, Ordering::Relaxed),
         }
@@ -114,25 +111,11 @@ impl Store {
         base: Instant,
     ) -> NodeFacts {
         let (epoch, max) = *self.meta.get_or_insert((now, Duration::ZERO));
-        let raise = self.raise;
-        self.raise_max(ttl.max(known), now);
+        self.meta = Some((epoch, max.max(ttl).max(known)));
         NodeFacts {
             epoch: u64::try_from(epoch.saturating_duration_since(base).as_nanos()).unwrap_or(0) + 1,
             age: now.saturating_duration_since(epoch),
             max_ttl: max,
-            raised_age: raise.map(|(at, _)| now.saturating_duration_since(at)),
-            prev_max: raise.map_or(Duration::ZERO, |(_, prev)| prev),
-        }
-    }
-
-    /// Records `ttl` as in use at `now` if it is longer than any recorded
-    /// (the scripts' `max_ttl`, `raised` and `prev_max`).
-    fn raise_max(&mut self, ttl: Duration, now: Instant) {
-        if let Some((_, max)) = &mut self.meta {
-            if ttl > *max {
-                self.raise = Some((now, *max));
-                *max = ttl;
-            }
         }
     }
 
@@ -180,7 +163,9 @@ impl Store {
                 Some(self.history(ttl, known_max, now, base))
             }
             Op::Extend { ttl, .. } => {
-                self.raise_max(ttl, now);
+                if let Some((_, max)) = &mut self.meta {
+                    *max = (*max).max(ttl);
+                }
                 None
             }
             Op::Release { .. } | Op::Fence { .. } | Op::Restore { .. } => None,

@@ -986,9 +986,8 @@ fn acquired_any(v: &Value) -> bool {
 }
 
 /// Elements of an acquire or swap reply before its answers: the lock
-/// history's epoch, age, longest TTL, the age of its last raise and the
-/// longest TTL before it.
-const FACTS: usize = 5;
+/// history's epoch, age and longest TTL.
+const FACTS: usize = 3;
 
 /// A granted lock's `SET` to send a node after the round (see
 /// [`RedisTransport::write_later`]).
@@ -2088,17 +2087,13 @@ impl Encoded {
                     return Err(unexpected(Value::Array(items)));
                 }
                 let f: Vec<i64> = items[..FACTS].iter().filter_map(int).collect();
-                let [epoch, age, max, raised_age, prev] = f[..] else {
+                let [epoch, age, max] = f[..] else {
                     return Err(unexpected(Value::Array(items)));
                 };
-                let ms = |x: i64| Duration::from_millis(u64::try_from(x).unwrap_or(0));
                 let facts = NodeFacts {
                     epoch: u64::try_from(epoch).unwrap_or(0),
-                    age: ms(age),
-                    max_ttl: ms(max),
-                    // Negative: the node does not know when (see the script).
-                    raised_age: u64::try_from(raised_age).ok().map(Duration::from_millis),
-                    prev_max: ms(prev),
+                    age: Duration::from_millis(u64::try_from(age).unwrap_or(0)),
+                    max_ttl: Duration::from_millis(u64::try_from(max).unwrap_or(0)),
                 };
                 (Some(facts), &items[FACTS..])
             }
@@ -2374,7 +2369,7 @@ mod tests {
     /// meanwhile is deleted again behind it).
     #[test]
     fn a_late_fenced_set_is_seen_as_set() {
-        let reply = |r: i64| Value::Array([1, 2, 3, 4, 5, r].map(Value::Int).to_vec());
+        let reply = |r: i64| Value::Array([1, 2, 3, r].map(Value::Int).to_vec());
         assert!(acquired_any(&reply(1)));
         assert!(acquired_any(&reply(1_796_000_000_000_000)));
         assert!(!acquired_any(&reply(0)), "exists");

@@ -4,7 +4,7 @@
 //! Everything here is a pure function of its arguments so it can be tested
 //! exhaustively and reused by a simulated cluster.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::error::{Error, NodeError, NodeErrorKind};
 use crate::transport::{Answer, NodeFacts, NodeResult, ServerKind};
@@ -170,31 +170,15 @@ pub(crate) fn settled_acquire(
 /// The delayed-restart rule for one acquire round, decided from what the
 /// nodes report about themselves (see the README's safety argument).
 ///
-/// A node whose lock history is younger than a TTL that was in use before
-/// that history began may have lost locks that are still held elsewhere, so
-/// its OK does not count. TTLs first used after its history began cannot
-/// have been lost by it: their locks landed on its current data, or never
-/// reached it. Each node reports its longest TTL, how long ago that was
-/// raised, and what it was before; compared with the young node's age in
-/// the same round (ages, never one node's timestamps against another's),
-/// they bound the longest TTL in use before its history began.
+/// A node whose lock history is younger than the longest TTL in use may
+/// have lost locks that are still held elsewhere, so its OK does not count.
+/// The longest TTL in use is the largest of `floor` (the TTL asked for, the
+/// configured `max_ttl`, the longest the client has seen) and every
+/// `max_ttl` the nodes reported in this round.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct RestartRule {
     pub enabled: bool,
-    /// TTLs that may have been in use at any time: the one asked for, the
-    /// configured `max_ttl`, the longest this client knows of.
     pub floor: Duration,
-    /// The part of `floor` that does not come from the client's memory of
-    /// other rounds: the TTL asked for and the configured `max_ttl`.
-    pub fixed: Duration,
-    /// How far apart two replies of this round can have been produced (the
-    /// round's budget).
-    pub spread: Duration,
-    /// The clocks' drift factor: two nodes' ages drift apart by this much.
-    pub drift_factor: f64,
-    /// Broken on purpose (the simulation only): every raise counts as after
-    /// a young node's history began, so the TTLs used before it are missed.
-    pub loose: bool,
 }
 
 impl RestartRule {
@@ -204,115 +188,19 @@ impl RestartRule {
     }
 
     /// How much longer a node with these facts is held back (zero: its vote
-    /// counts), given every report of the round (`all`, its own included)
-    /// and `memory(age)`, the longest TTL the client knows to have been in
-    /// use before a history `age` old began. `trusted`: the client chose to
-    /// trust this node's history.
-    pub(crate) fn hold<'a>(
-        &self,
-        facts: &NodeFacts,
-        all: impl Iterator<Item = &'a NodeFacts> + Clone,
-        trusted: bool,
-        memory: impl FnOnce(Duration) -> Duration,
-    ) -> Duration {
+    /// counts). `trusted`: the client chose to trust this node's history.
+    pub(crate) fn hold(&self, facts: &NodeFacts, longest: Duration, trusted: bool) -> Duration {
         if !self.enabled || trusted {
             return Duration::ZERO;
         }
-        if facts.age >= self.longest(all.clone()) {
-            return Duration::ZERO;
-        }
-        // A raise certainly after this history began is one whose age is
-        // below this history's, less what two replies of one round and two
-        // clocks can disagree by.
-        let slack = drift_allowance(facts.age, self.drift_factor).saturating_add(self.spread);
-        let began = facts.age.saturating_sub(slack);
-        let before = all
-            .map(|o| o.longest_before(began, self.loose))
-            .fold(self.fixed.max(memory(facts.age)), Duration::max);
-        before.saturating_sub(facts.age)
-    }
-}
-
-impl NodeFacts {
-    /// An upper bound of the longest TTL this node had recorded `ago` ago:
-    /// what it had before its last raise if that raise is younger, else its
-    /// longest.
-    pub(crate) fn longest_before(&self, ago: Duration, loose: bool) -> Duration {
-        match self.raised_age {
-            Some(r) if r < ago || loose => self.prev_max,
-            _ => self.max_ttl,
-        }
-    }
-}
-
-/// A client's memory of the longest TTL in use: `max` since `raised` (on
-/// this client's clock; `None`: since always), at most `prev` before. An
-/// upper bound: merging keeps it one, and it only grows.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(crate) struct TtlHistory {
-    pub max: Duration,
-    pub raised: Option<Instant>,
-    pub prev: Duration,
-}
-
-impl TtlHistory {
-    /// The longest TTL that may have been in use before `at`.
-    pub(crate) fn before(&self, at: Instant, loose: bool) -> Duration {
-        match self.raised {
-            Some(r) if r > at || loose => self.prev,
-            _ => self.max,
-        }
-    }
-
-    /// Folds in another history: the result bounds both from above.
-    pub(crate) fn merge(&mut self, o: TtlHistory) {
-        if o.max == self.max {
-            // One value: in use since the earlier raise.
-            self.raised = self.raised.min(o.raised);
-            self.prev = self.prev.max(o.prev);
-            return;
-        }
-        let (hi, lo) = if o.max > self.max {
-            (o, *self)
-        } else {
-            (*self, o)
-        };
-        // Before the larger one's raise: its own earlier value, and the
-        // smaller one's value at that time (`None` sorts first: always).
-        let lo_then = if lo.raised < hi.raised {
-            lo.max
-        } else {
-            lo.prev
-        };
-        *self = TtlHistory {
-            max: hi.max,
-            raised: hi.raised,
-            prev: hi.prev.max(lo_then),
-        };
-    }
-
-    /// What a node reported, received by `at` in a round that took up to
-    /// `spread`, on this client's clock: its raise placed as early as the
-    /// clocks allow (earlier is safer).
-    pub(crate) fn reported(f: &NodeFacts, at: Instant, spread: Duration, factor: f64) -> Self {
-        let raised = f.raised_age.and_then(|r| {
-            at.checked_sub(
-                r.saturating_add(drift_allowance(r, factor))
-                    .saturating_add(spread),
-            )
-        });
-        TtlHistory {
-            max: f.max_ttl,
-            raised,
-            prev: f.prev_max,
-        }
+        longest.saturating_sub(facts.age)
     }
 }
 
 /// Facts of every reply so far, for [`RestartRule::longest`].
 pub(crate) fn facts_of<'a>(
-    results: impl Iterator<Item = &'a NodeResult> + Clone,
-) -> impl Iterator<Item = &'a NodeFacts> + Clone {
+    results: impl Iterator<Item = &'a NodeResult>,
+) -> impl Iterator<Item = &'a NodeFacts> {
     results.filter_map(|r| r.as_ref().ok()?.facts.as_ref())
 }
 
@@ -776,84 +664,5 @@ mod tests {
         assert_eq!(retry_delay(base, Duration::ZERO, 12345), base);
         // No overflow for absurd settings.
         let _ = retry_delay(Duration::MAX, Duration::MAX, u64::MAX);
-    }
-
-    #[test]
-    fn a_ttl_history_bounds_what_it_merged_from_above() {
-        let t0 = Instant::now();
-        let at = |ms: u64| t0 + Duration::from_millis(ms);
-        let d = Duration::from_millis;
-        let h = |max: u64, raised: Option<u64>, prev: u64| TtlHistory {
-            max: d(max),
-            raised: raised.map(at),
-            prev: d(prev),
-        };
-        let mut m = TtlHistory::default();
-        m.merge(h(10, Some(100), 0));
-        assert_eq!(m, h(10, Some(100), 0), "into an empty memory");
-        m.merge(h(0, None, 0));
-        assert_eq!(m, h(10, Some(100), 0), "nothing recorded changes nothing");
-        m.merge(h(30, Some(500), 10));
-        assert_eq!(m, h(30, Some(500), 10));
-        assert_eq!(m.before(at(400), false), d(10), "30 ms came after 400");
-        assert_eq!(m.before(at(600), false), d(30));
-        // The same value raised earlier elsewhere: in use since then.
-        m.merge(h(30, Some(300), 10));
-        assert_eq!(m.before(at(400), false), d(30));
-        // A smaller value in use since always: the bound before the raise.
-        m.merge(h(20, None, 0));
-        assert_eq!(m.before(at(200), false), d(20));
-        // Unknown raise: the longest, always.
-        m.merge(h(40, None, 0));
-        assert_eq!(m.before(at(0), false), d(40));
-        assert_eq!(h(30, Some(500), 10).before(at(600), true), d(10), "loose");
-    }
-
-    #[test]
-    fn a_young_node_is_held_for_the_ttls_in_use_before_its_history_began() {
-        let d = Duration::from_millis;
-        let facts = |age: u64, max: u64, raised: Option<u64>, prev: u64| NodeFacts {
-            epoch: 1,
-            age: d(age),
-            max_ttl: d(max),
-            raised_age: raised.map(d),
-            prev_max: d(prev),
-        };
-        let rule = RestartRule {
-            enabled: true,
-            floor: d(100),
-            fixed: d(100),
-            spread: d(50),
-            drift_factor: 0.01,
-            loose: false,
-        };
-        let young = facts(1_000, 0, None, 0);
-        let hold = |other: NodeFacts| {
-            let all = [young, other];
-            rule.hold(&young, all.iter(), false, |_| Duration::ZERO)
-        };
-        // 30 s raised 10 s ago, before the 1 s old history: held for it.
-        assert_eq!(hold(facts(60_000, 30_000, Some(10_000), 100)), d(29_000));
-        // Raised 100 ms ago, after it began: only the TTL before counts.
-        assert_eq!(hold(facts(60_000, 30_000, Some(100), 100)), Duration::ZERO);
-        // Raised about when it began (within the round's spread): held.
-        assert_eq!(hold(facts(60_000, 30_000, Some(960), 100)), d(29_000));
-        // Unknown when: held.
-        assert_eq!(hold(facts(60_000, 30_000, None, 100)), d(29_000));
-        // 5 s before the raise, after it began: 5 s counts.
-        assert_eq!(hold(facts(60_000, 30_000, Some(100), 5_000)), d(4_000));
-        // The client's memory counts too (its longest is in the floor), and
-        // a trusted node is never held.
-        let rule = RestartRule {
-            floor: d(3_000),
-            ..rule
-        };
-        let all = [young];
-        assert_eq!(rule.hold(&young, all.iter(), false, |_| d(3_000)), d(2_000));
-        assert_eq!(
-            rule.hold(&young, all.iter(), false, |_| d(500)),
-            Duration::ZERO
-        );
-        assert!(rule.hold(&young, all.iter(), true, |_| d(3_000)).is_zero());
     }
 }

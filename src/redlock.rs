@@ -56,11 +56,6 @@ pub(crate) struct Inner {
     gates: Arc<Gates>,
     /// Longest TTL (ms) this client has used or seen reported by a node.
     known_max_ms: AtomicU64,
-    /// The same, with since when it is in use, for nodes younger than it.
-    ttl_history: parking_lot::Mutex<quorum::TtlHistory>,
-    /// Per node, which raise of its longest TTL was last folded into
-    /// `ttl_history` (a hash of its epoch, longest and previous TTL).
-    raises_seen: Vec<AtomicU64>,
     /// Per node, the lock-history epoch this client saw first (0: none yet).
     epochs: Vec<AtomicU64>,
     /// Per node, whether the last event said its votes are held back.
@@ -168,7 +163,6 @@ impl Redlock {
             .map(|_| AtomicU64::new(0))
             .collect();
         let known = settings.max_ttl.map_or(0, crate::node::millis_ceil);
-        let transport_nodes = transport.node_names().to_vec();
         let names_len_flags = transport
             .node_names()
             .iter()
@@ -184,8 +178,6 @@ impl Redlock {
                 warned,
                 gates: Arc::new(Gates::new(clock.clone())),
                 known_max_ms: AtomicU64::new(known),
-                ttl_history: parking_lot::Mutex::default(),
-                raises_seen: transport_nodes.iter().map(|_| AtomicU64::new(0)).collect(),
                 epochs,
                 held_back: names_len_flags,
                 me: me.clone(),
@@ -550,18 +542,19 @@ impl Inner {
     fn attempt(&self, resource: &str, ttl: Duration, drift: Duration) -> Result<LockState> {
         let token = new_token();
         let key = Key::new(resource, &token);
-        let start = self.clock.now();
-        self.used(ttl, start);
         let known = Duration::from_millis(self.known_max_ms.load(Ordering::Relaxed));
+        let rule = RestartRule {
+            enabled: self.settings.restart_protection,
+            floor: known.max(ttl),
+        };
+        let start = self.clock.now();
         // No point waiting for replies past the moment validity would be gone.
         let budget = self.settings.node_timeout.min(ttl.saturating_sub(drift));
-        let rule = self.restart_rule(known.max(ttl), ttl, budget);
         let horizon = self.horizon();
         let settled = |results: &[Option<NodeResult>]| {
-            let all = quorum::facts_of(results.iter().flatten());
-            let longest = rule.longest(all.clone());
+            let longest = rule.longest(quorum::facts_of(results.iter().flatten()));
             let counts = |i: usize, facts: Option<&NodeFacts>| {
-                facts.is_none_or(|f| self.hold(&rule, i, f, all.clone()).is_zero())
+                facts.is_none_or(|f| rule.hold(f, longest, self.trusted(i, f)).is_zero())
             };
             // A young vote counts only once every waited-for node answered:
             // a straggler may report a longer TTL in use.
@@ -618,7 +611,7 @@ impl Inner {
                     .unwrap_or_else(|| (self.clock.now(), Err(Error::Expired), Vec::new()))
             }
         };
-        self.learn(&results, budget);
+        self.learn(&results);
         self.note_failures(&judged);
         let elapsed = end.saturating_duration_since(start);
         // Where our key is now (held-back votes included: the key is set).
@@ -654,7 +647,19 @@ impl Inner {
             }
         })();
         if self.settings.events.get().is_some() {
-            let holds = self.holds(&rule, &results);
+            let longest = rule.longest(quorum::facts_of(results.iter()));
+            let holds: Vec<Duration> = results
+                .iter()
+                .enumerate()
+                .map(|(i, r)| {
+                    r.as_ref()
+                        .ok()
+                        .and_then(|r| r.facts)
+                        .map_or(Duration::ZERO, |f| {
+                            rule.hold(&f, longest, self.trusted(i, &f))
+                        })
+                })
+                .collect();
             self.attempt_event(resource, start, result.as_ref(), &judged, &holds);
         }
         result
@@ -782,7 +787,7 @@ impl Inner {
             Some(&quorum::settled),
             Some(&decide),
         );
-        self.learn(&results, self.settings.node_timeout);
+        self.learn(&results);
         self.note_failures(&results);
         let outcome = outcome.take().unwrap_or(Err(Error::Expired));
         if outcome.is_ok() {
@@ -826,10 +831,9 @@ impl Inner {
         let longest = rule.longest(quorum::facts_of(results.iter()));
         let horizon = self.horizon().max(longest);
         let heard_all = quorum::heard_all(&results);
-        let holds = self.holds(rule, &results);
         quorum::hold_back(results, self.transport.node_names(), |i, f| {
             let trusted = self.trusted(i, f);
-            let left = holds.get(i).copied().unwrap_or(Duration::ZERO);
+            let left = rule.hold(f, longest, trusted);
             if !left.is_zero() {
                 Some(format!(
                     "lock history {:?} old; its votes count in {left:?}",
@@ -847,99 +851,19 @@ impl Inner {
         })
     }
 
-    /// The restart rule of an acquire round asking `ttl`, whose replies all
-    /// come within `spread`; `floor`: every TTL this client knows of.
-    fn restart_rule(&self, floor: Duration, ttl: Duration, spread: Duration) -> RestartRule {
-        RestartRule {
-            enabled: self.settings.restart_protection,
-            floor,
-            fixed: self.settings.max_ttl.map_or(ttl, |m| m.max(ttl)),
-            spread,
-            drift_factor: self.settings.drift_factor,
-            loose: self.settings.loose_restart_rule,
-        }
-    }
-
-    /// How much longer node `i`'s vote is held back, among a round's
-    /// reports `all` (see [`RestartRule::hold`]).
-    fn hold<'a>(
-        &self,
-        rule: &RestartRule,
-        i: usize,
-        f: &NodeFacts,
-        all: impl Iterator<Item = &'a NodeFacts> + Clone,
-    ) -> Duration {
-        rule.hold(f, all, self.trusted(i, f), |age| {
-            // Its history began at most this long ago (its clock may run
-            // slow by the drift factor).
-            let shrunk = age.saturating_sub(quorum::drift_allowance(age, rule.drift_factor));
-            let memory = *self.ttl_history.lock();
-            match self.clock.now().checked_sub(shrunk) {
-                Some(began) => memory.before(began, rule.loose),
-                None => memory.max,
-            }
-        })
-    }
-
-    /// Every node's hold in a round's results (zero where it voted or
-    /// said nothing about itself).
-    fn holds(&self, rule: &RestartRule, results: &[NodeResult]) -> Vec<Duration> {
-        results
-            .iter()
-            .enumerate()
-            .map(|(i, r)| {
-                r.as_ref()
-                    .ok()
-                    .and_then(|r| r.facts.as_ref())
-                    .map_or(Duration::ZERO, |f| {
-                        self.hold(rule, i, f, quorum::facts_of(results.iter()))
-                    })
-            })
-            .collect()
-    }
-
-    /// Records this client's own use of `ttl` at `at`, for the restart rule.
-    fn used(&self, ttl: Duration, at: Instant) {
-        let ms = crate::node::millis_ceil(ttl);
-        if ms > self.known_max_ms.load(Ordering::Relaxed) {
-            self.ttl_history.lock().merge(quorum::TtlHistory {
-                max: ttl,
-                raised: Some(at),
-                prev: Duration::ZERO,
-            });
-            self.known_max_ms.fetch_max(ms, Ordering::Relaxed);
-        }
-    }
-
     /// Beyond this age a node's vote cannot be disqualified by what another
     /// node reports: no TTL in use is longer.
     fn horizon(&self) -> Duration {
         self.settings.max_ttl.unwrap_or(MAX_TTL)
     }
 
-    /// Remembers what the nodes reported: the longest TTL in use (and
-    /// since when, from a round whose replies came within `spread`) and,
-    /// per node, the first lock-history epoch seen.
-    fn learn(&self, results: &[NodeResult], spread: Duration) {
-        let mut now = None;
+    /// Remembers what the nodes reported: the longest TTL in use and, per
+    /// node, the first lock-history epoch seen.
+    fn learn(&self, results: &[NodeResult]) {
         for (i, r) in results.iter().enumerate() {
             let Some(f) = r.as_ref().ok().and_then(|r| r.facts) else {
                 continue;
             };
-            // A raise already folded in is not folded again (its first
-            // report placed it as early as the clocks allow).
-            let raise = raise_id(&f);
-            if let Some(seen) = self.raises_seen.get(i) {
-                if seen.swap(raise, Ordering::Relaxed) != raise {
-                    let at = *now.get_or_insert_with(|| self.clock.now());
-                    self.ttl_history.lock().merge(quorum::TtlHistory::reported(
-                        &f,
-                        at,
-                        spread,
-                        self.settings.drift_factor,
-                    ));
-                }
-            }
             self.known_max_ms.fetch_max(
                 crate::node::millis_ceil(f.max_ttl).min(MAX_TTL.as_millis() as u64),
                 Ordering::Relaxed,
@@ -1101,8 +1025,9 @@ impl Inner {
         let drift = quorum::drift_allowance(ttl, self.settings.drift_factor);
         // A TTL grown by extension is a TTL in use, for the restart rule (the
         // extend script records it on the nodes too).
+        self.known_max_ms
+            .fetch_max(crate::node::millis_ceil(ttl), Ordering::Relaxed);
         let start = self.clock.now();
-        self.used(ttl, start);
         let keys: Vec<Key<'_>> = states.iter().map(|s| s.key()).collect();
         let mut deadline = self.batch_deadline(start, keys.len());
         if let [only] = states {
@@ -1384,17 +1309,6 @@ fn validate_resource(resource: &str) -> Result<()> {
     Ok(())
 }
 
-/// Which raise of its longest TTL a node reports: its history, its longest
-/// and previous TTL, and whether it knows when (a hash; never 0, the
-/// "none yet" of `raises_seen`).
-fn raise_id(f: &NodeFacts) -> u64 {
-    let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
-    (f.epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        ^ ms(f.max_ttl).wrapping_mul(0xC2B2_AE3D_27D4_EB4F)
-        ^ ms(f.prev_max).wrapping_mul(0x1656_67B1_9E37_79F9)
-        ^ u64::from(f.raised_age.is_some()) << 1)
-        | 1
-}
 #[cfg(test)]
 mod tests {
     use super::*;

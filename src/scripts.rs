@@ -8,10 +8,7 @@
 use std::sync::LazyLock;
 
 /// The node's own lock metadata (a hash, no TTL): `epoch`, the node time in
-/// ms when it first carried a lock, `max_ttl`, the longest TTL in use, and
-/// its last raise: `raised` (node time in ms), `raised_to` (the value then
-/// set, so that a raise by a client that does not record it is seen) and
-/// `prev_max` (the longest TTL before it).
+/// ms when it first carried a lock, and `max_ttl`, the longest TTL in use.
 /// It disappears exactly when the node loses its data, which is what the
 /// delayed-restart rule needs to know. Not usable as a resource name.
 pub(crate) const META_KEY: &str = "quorumlock:meta";
@@ -20,7 +17,7 @@ pub(crate) const META_KEY: &str = "quorumlock:meta";
 /// the lock keys then [`META_KEY`]; `ARGV[1]` the TTL in ms, `ARGV[2]` the
 /// longest TTL the client knows of, `ARGV[3]` `1` for a fenced lock (else
 /// `0`), `ARGV[4..]` the tokens. Answers `{epoch, age_ms, max_ttl_before,
-/// raised_age_ms (-1: unknown), prev_max, r1, …}` with `ri` 0 (exists) or, where set, 1 or (fenced) the key's new
+/// r1, …}` with `ri` 0 (exists) or, where set, 1 or (fenced) the key's new
 /// fencing counter (see [`ACQUIRE_LUA`]).
 /// The epoch is rounded up and the current time down, so that the age is
 /// never more than the time the node has really kept its data; an epoch in
@@ -32,13 +29,13 @@ pub(crate) static ACQUIRE: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(ACQUIRE_LUA));
 
 /// The head shared by [`ACQUIRE_LUA`] and [`SWAP_LUA`]: the node's lock
-/// history, read and updated, and the reply's first five elements.
+/// history, read and updated, and the reply's first three elements.
 macro_rules! history_lua {
     () => {
         r"local meta = KEYS[#KEYS]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local m = redis.call('HMGET', meta, 'epoch', 'max_ttl', 'raised', 'raised_to', 'prev_max')
+local m = redis.call('HMGET', meta, 'epoch', 'max_ttl')
 local epoch = tonumber(m[1])
 if not epoch or epoch > now + 1 then
   epoch = now + 1
@@ -53,19 +50,11 @@ if type(info) == 'string' then
   end
 end
 local known = tonumber(m[2]) or 0
--- How long ago the longest TTL was raised to its value, and what it was
--- before: -1 when unknown (never recorded, raised by a client that does not
--- record it, or in this clock's future).
-local raised = tonumber(m[3])
-local raised_age = -1
-if raised and tonumber(m[4]) == known and raised <= now + 1 then
-  raised_age = math.max(now - raised, 0)
-end
 local want = math.max(tonumber(ARGV[1]), tonumber(ARGV[2]))
 if want > known then
-  redis.call('HSET', meta, 'max_ttl', want, 'raised', now, 'raised_to', want, 'prev_max', known)
+  redis.call('HSET', meta, 'max_ttl', want)
 end
-local out = {epoch, age, known, raised_age, tonumber(m[5]) or 0}
+local out = {epoch, age, known}
 local n = #KEYS - 1
 "
     };
@@ -145,20 +134,20 @@ for i = 1, n do
       local f = 'fence:' .. KEYS[i]
       local c = math.max((tonumber(redis.call('HGET', meta, f)) or 0) + 1, micros)
       redis.call('HSET', meta, f, string.format('%.0f', c))
-      out[i + 5] = c
+      out[i + 3] = c
     else
-      out[i + 5] = 1
+      out[i + 3] = 1
     end
   elseif redis.call('GET', KEYS[i]) == ARGV[i + 3] then
     -- This attempt's own SET (tokens are one per attempt), sent again after
     -- its connection closed before the reply: set, with its counter.
     if ARGV[3] == '1' then
-      out[i + 5] = tonumber(redis.call('HGET', meta, 'fence:' .. KEYS[i])) or 0
+      out[i + 3] = tonumber(redis.call('HGET', meta, 'fence:' .. KEYS[i])) or 0
     else
-      out[i + 5] = 1
+      out[i + 3] = 1
     end
   else
-    out[i + 5] = 0
+    out[i + 3] = 0
   end
 end
 return out"
@@ -202,10 +191,10 @@ pub(crate) const SWAP_LUA: &str = concat!(
     history_lua!(),
     r"local v = redis.call('GET', KEYS[1])
 local left = redis.call('PTTL', KEYS[1])
-out[6] = v and -1 or 0
+out[4] = v and -1 or 0
 if v == ARGV[4] then
   -- This swap, sent again after its connection closed before the reply.
-  out[6] = 1
+  out[4] = 1
 elseif left > 0 and ours(v, ARGV[5]) then
   redis.call('SET', KEYS[1], ARGV[4], 'PX', left)
   if ARGV[3] ~= '0' then
@@ -214,7 +203,7 @@ elseif left > 0 and ours(v, ARGV[5]) then
       redis.call('HSET', meta, f, ARGV[3])
     end
   end
-  out[6] = 1
+  out[4] = 1
 end
 return out"
 );
@@ -278,9 +267,7 @@ pub(crate) const EXTEND_LUA: &str = concat!(
 local meta = KEYS[#KEYS]
 local known = tonumber(redis.call('HGET', meta, 'max_ttl')) or 0
 if tonumber(ARGV[1]) > known then
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  redis.call('HSET', meta, 'max_ttl', ARGV[1], 'raised', now, 'raised_to', ARGV[1], 'prev_max', known)
+  redis.call('HSET', meta, 'max_ttl', ARGV[1])
 end
 ",
     each_own_key_lua!(

@@ -119,11 +119,6 @@ pub(crate) struct NodeFacts {
     pub age: Duration,
     /// The longest TTL recorded on the node before this command.
     pub max_ttl: Duration,
-    /// How long ago (by the node's clock) `max_ttl` was raised to its
-    /// value; `None` when the node does not know.
-    pub raised_age: Option<Duration>,
-    /// The longest TTL recorded before that raise.
-    pub prev_max: Duration,
 }
 
 /// Who answered a command: the server's identity, and whether it can keep

@@ -50,9 +50,6 @@ pub(crate) enum Mix {
     ClockJumps,
     /// Broken: restart protection off, restarts wipe data.
     NoRestartProtection,
-    /// Broken: the restart rule counts every raise of the longest TTL as
-    /// after a young node's history began; restarts wipe data.
-    LooseRestartRule,
     /// Broken: node clocks run up to 2× fast against a 1 % factor.
     DriftBeyondFactor,
     /// Broken: holders stall past their TTL and the store has no fencing.
@@ -77,7 +74,6 @@ impl Mix {
             Mix::Standard => "standard",
             Mix::ClockJumps => "clock-jumps",
             Mix::NoRestartProtection => "no-restart-protection",
-            Mix::LooseRestartRule => "loose-restart-rule",
             Mix::DriftBeyondFactor => "drift-beyond-factor",
             Mix::StallWithoutFencing => "stall-without-fencing",
             Mix::ListedTwice => "listed-twice",
@@ -92,7 +88,6 @@ impl Mix {
             Mix::Standard,
             Mix::ClockJumps,
             Mix::NoRestartProtection,
-            Mix::LooseRestartRule,
             Mix::DriftBeyondFactor,
             Mix::StallWithoutFencing,
             Mix::ListedTwice,
@@ -192,11 +187,6 @@ impl Plan {
             }
             Mix::NoRestartProtection => {
                 settings.restart_protection = false;
-                settings.fencing = false;
-                wipe = 1.0;
-            }
-            Mix::LooseRestartRule => {
-                settings.loose_restart_rule = true;
                 settings.fencing = false;
                 wipe = 1.0;
             }
