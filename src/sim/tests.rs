@@ -291,137 +291,97 @@ mod regressions {
         }
     }
 
-    /// A lock with a long TTL held on nodes 0 and 1 (node 2 cut off),
-    /// node 0 restarted empty, and a contender asking a short TTL on nodes
-    /// 0 and 2: node 0's history is younger than the long TTL, which node 1
-    /// recorded before node 0's history began, so node 0 is held back.
+    /// Every node's longest TTL is 30 ms; then a 500 ms lock is taken on
+    /// nodes 0 and 1 (node 2 cut off) and node 0 restarts empty at 50 ms.
+    /// Returns the holder's guard and its grant.
+    fn long_lock_then_wipe(ctx: &Arc<Ctx>) -> (crate::LockGuard, usize) {
+        let settings = ctx.plan.settings.clone();
+        let warm = ctx.client(settings.clone());
+        warm.try_lock("w", T(30)).expect("warm-up").release().ok();
+        ctx.fault(Fault::Isolate(2));
+        ctx.sleep_until(2);
+        let holder = ctx.client(settings);
+        let g = holder.try_lock("r", T(500)).expect("holder");
+        let id = ctx.grant(&g, "holder");
+        ctx.fault(Fault::Heal(2));
+        ctx.fault(Fault::Crash(0));
+        ctx.sleep_until(50);
+        ctx.fault(Fault::Restart {
+            node: 0,
+            wipe: true,
+        });
+        (g, id)
+    }
+
+    /// A fresh client tries for `r` with `ttl` every 10 ms until `until_ms`;
+    /// then the holder's grant ends.
+    fn contend(ctx: &Arc<Ctx>, ttl: Duration, until_ms: u64, (g, id): (crate::LockGuard, usize)) {
+        let other = ctx.client(ctx.plan.settings.clone());
+        while ctx.now() < until_ms * MS {
+            if let Ok(c) = other.try_lock("r", ttl) {
+                let cid = ctx.grant(&c, "contender");
+                let _ = c.release();
+                ctx.end(cid, true);
+            }
+            ctx.clock().sleep(T(10));
+        }
+        ctx.end(id, g.is_held());
+        drop(g);
+    }
+
+    /// A contender asking a short TTL on nodes 0 and 2 meets node 0 with a
+    /// history younger than the long TTL, which node 1 recorded before
+    /// node 0's history began: node 0 is held back.
     #[test]
     fn a_ttl_recorded_before_a_nodes_history_began_holds_it_back() {
         for seed in 0..10 {
             clean(&script(Plan::calm(seed, 3), |ctx| {
-                let settings = ctx.plan.settings.clone();
-                // Short locks first: every node's longest TTL is 30 ms.
-                let warm = ctx.client(settings.clone());
-                warm.try_lock("w", T(30)).expect("warm-up").release().ok();
-                ctx.fault(Fault::Isolate(2));
-                ctx.sleep_until(2);
-                let holder = ctx.client(settings.clone());
-                let g = holder.try_lock("r", T(500)).expect("holder");
-                let id = ctx.grant(&g, "holder");
-                ctx.fault(Fault::Heal(2));
-                ctx.fault(Fault::Crash(0));
-                ctx.sleep_until(50);
-                ctx.fault(Fault::Restart {
-                    node: 0,
-                    wipe: true,
-                });
-                let other = ctx.client(settings);
-                while ctx.now() < 450 * MS {
-                    if let Ok(c) = other.try_lock("r", T(30)) {
-                        let cid = ctx.grant(&c, "contender");
-                        let _ = c.release();
-                        ctx.end(cid, true);
-                    }
-                    ctx.clock().sleep(T(10));
-                }
-                ctx.end(id, g.is_held());
-                drop(g);
+                let held = long_lock_then_wipe(ctx);
+                contend(ctx, T(30), 450, held);
             }));
         }
     }
 
-    /// A long TTL recorded on nodes 0 and 1 before node 0's restart reaches
-    /// node 2 only after it (another client's known longest TTL); a
-    /// contender that cannot reach node 1 still finds node 0 held back by
-    /// what node 2 reports. (Found by a review of a refinement of the rule
-    /// that read a node's raise time as the TTL's first use.)
+    /// The long TTL reaches node 2 only after node 0's restart (another
+    /// client's known longest TTL); a contender that cannot reach node 1
+    /// still finds node 0 held back by what node 2 reports. (Found by a
+    /// review of a refinement of the rule that read a node's raise time as
+    /// the TTL's first use.)
     #[test]
     fn a_ttl_spread_after_the_restart_still_holds_the_young_node() {
         for seed in 0..5 {
             clean(&script(Plan::calm(seed, 3), |ctx| {
-                let settings = ctx.plan.settings.clone();
-                let warm = ctx.client(settings.clone());
-                warm.try_lock("w", T(30)).expect("warm-up").release().ok();
-                ctx.fault(Fault::Isolate(2));
-                ctx.sleep_until(2);
-                let holder = ctx.client(settings.clone());
-                let g = holder.try_lock("r", T(500)).expect("holder");
-                let id = ctx.grant(&g, "holder");
-                ctx.fault(Fault::Heal(2));
-                ctx.fault(Fault::Crash(0));
-                ctx.sleep_until(50);
-                ctx.fault(Fault::Restart {
-                    node: 0,
-                    wipe: true,
-                });
+                let held = long_lock_then_wipe(ctx);
                 ctx.sleep_until(55);
                 // Starts node 0's history; learns 500 ms from node 1.
-                let starter = ctx.client(settings.clone());
+                let starter = ctx.client(ctx.plan.settings.clone());
                 let _ = starter.try_lock("w2", T(30)).map(|g| g.release());
                 ctx.sleep_until(200);
                 let _ = starter.try_lock("s", T(30)).map(|g| g.release());
                 ctx.fault(Fault::Isolate(1));
                 ctx.sleep_until(300);
-                let other = ctx.client(settings);
-                while ctx.now() < 450 * MS {
-                    if let Ok(c) = other.try_lock("r", T(200)) {
-                        let cid = ctx.grant(&c, "contender");
-                        let _ = c.release();
-                        ctx.end(cid, true);
-                    }
-                    ctx.clock().sleep(T(10));
-                }
-                ctx.end(id, g.is_held());
-                drop(g);
+                contend(ctx, T(200), 450, held);
             }));
         }
     }
 
-    /// After node 0's restart (with a 500 ms lock on nodes 0 and 1), a
-    /// clock step on `node` by `delta` ns at `jump_at` ms, then a contender.
-    fn restart_then_step(seed: u64, jump_at: u64, node: usize, delta: i64) -> Report {
-        script(Plan::calm(seed, 3), move |ctx| {
-            let settings = ctx.plan.settings.clone();
-            let warm = ctx.client(settings.clone());
-            warm.try_lock("w", T(30)).expect("warm-up").release().ok();
-            ctx.fault(Fault::Isolate(2));
-            ctx.sleep_until(2);
-            let holder = ctx.client(settings.clone());
-            let g = holder.try_lock("r", T(500)).expect("holder");
-            let id = ctx.grant(&g, "holder");
-            ctx.fault(Fault::Heal(2));
-            ctx.fault(Fault::Crash(0));
-            ctx.sleep_until(50);
-            ctx.fault(Fault::Restart {
-                node: 0,
-                wipe: true,
-            });
-            ctx.sleep_until(55);
-            let starter = ctx.client(settings.clone());
-            let _ = starter.try_lock("w2", T(30)).map(|g| g.release());
-            ctx.sleep_until(jump_at);
-            ctx.fault(Fault::Jump(node, delta));
-            let other = ctx.client(settings);
-            while ctx.now() < 400 * MS {
-                if let Ok(c) = other.try_lock("r", T(30)) {
-                    let cid = ctx.grant(&c, "contender");
-                    let _ = c.release();
-                    ctx.end(cid, true);
-                }
-                ctx.clock().sleep(T(10));
-            }
-            ctx.end(id, g.is_held());
-            drop(g);
-        })
-    }
-
-    /// Small clock steps (forward on the young node, back on a node that
-    /// recorded the long TTL) cost at most the step, never the whole hold.
+    /// Small clock steps after the restart (forward on the young node, back
+    /// on a node that recorded the long TTL) cost at most the step, never
+    /// the whole hold.
     #[test]
     fn small_clock_steps_never_drop_the_young_nodes_hold() {
         for seed in 0..5 {
-            clean(&restart_then_step(seed, 60, 0, 100 * MS as i64));
-            clean(&restart_then_step(seed, 140, 1, -90 * (MS as i64)));
+            for (at, node, delta) in [(60, 0, 100 * MS as i64), (140, 1, -90 * (MS as i64))] {
+                clean(&script(Plan::calm(seed, 3), move |ctx| {
+                    let held = long_lock_then_wipe(ctx);
+                    ctx.sleep_until(55);
+                    let starter = ctx.client(ctx.plan.settings.clone());
+                    let _ = starter.try_lock("w2", T(30)).map(|g| g.release());
+                    ctx.sleep_until(at);
+                    ctx.fault(Fault::Jump(node, delta));
+                    contend(ctx, T(30), 400, held);
+                }));
+            }
         }
     }
 

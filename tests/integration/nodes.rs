@@ -565,6 +565,16 @@ fn status_answers_from_a_write_paused_node() {
     let x = client(c.urls());
     let key = unique_key("status-paused");
     let g = x.try_lock(&key, TTL).expect("lock");
+    // The round may settle on nodes 1 and 2 before node 0's SET lands: let it land.
+    assert!(
+        wait_until(Duration::from_secs(2), || {
+            redis::cmd("EXISTS")
+                .arg(&key)
+                .query::<bool>(&mut c.conn(0))
+                .unwrap_or(false)
+        }),
+        "the lock never reached node 0"
+    );
     let _pause = crate::common::faults::WritePause::start(&c, 0, Duration::from_secs(10));
     let nodes = x.inspect(&key).expect("inspect");
     assert!(
