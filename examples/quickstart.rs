@@ -57,8 +57,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 .iter()
                 .find(|f| f.kind() == NodeErrorKind::Restarted)
                 .map_or("", |f| f.detail());
-            println!("these nodes' lock history is new ({detail}): waiting out the hold, once");
-            locks.lock_timeout(&resource, ttl, ttl + Duration::from_secs(5))?
+            println!("these nodes' lock history is new ({detail}): waiting out the hold");
+            // The hold lasts as long as the longest TTL in use (here at most
+            // the 30 s this example extends to).
+            locks.lock_timeout(&resource, ttl, Duration::from_secs(60))?
         }
         other => other?,
     };

@@ -293,10 +293,12 @@ fn a_release_sent_again_does_not_hide_an_expired_lock() {
         "expired everywhere"
     );
     let r = g.release();
-    assert_eq!(
-        (p0.cuts(), p1.cuts()),
-        (1, 1),
-        "the proxies cut the deletes"
+    // A round that is decided without node 0 (node 2 absent, node 1 cut) leaves its delete
+    // to the retry thread, which sends it soon after.
+    assert!(
+        crate::common::wait_until(Duration::from_secs(2), || (p0.cuts(), p1.cuts()) == (1, 1)),
+        "the proxies cut the deletes: {:?}",
+        (p0.cuts(), p1.cuts())
     );
     assert!(r.is_err(), "the lock had expired, yet release() said Ok");
 }
