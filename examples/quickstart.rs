@@ -24,6 +24,33 @@ fn main() {
     }
 }
 
+/// `try_lock`, or, on nodes whose lock history is newer than a TTL in use (a
+/// brand-new cluster, or one that lost its data), which hold their votes back
+/// for that long, says so and waits it out.
+fn lock_or_wait_out_the_hold(
+    locks: &Redlock,
+    resource: &str,
+    ttl: Duration,
+) -> Result<quorumlock::LockGuard, Error> {
+    match locks.try_lock(resource, ttl) {
+        Err(Error::NoQuorum { failures, .. })
+            if failures
+                .iter()
+                .any(|f| f.kind() == NodeErrorKind::Restarted) =>
+        {
+            let detail = failures
+                .iter()
+                .find(|f| f.kind() == NodeErrorKind::Restarted)
+                .map_or("", |f| f.detail());
+            println!("these nodes' lock history is new ({detail}): waiting out the hold");
+            // The hold lasts as long as the longest TTL in use (here at most
+            // the 30 s this example extends to).
+            locks.lock_timeout(resource, ttl, Duration::from_secs(60))
+        }
+        other => other,
+    }
+}
+
 fn run() -> Result<(), Box<dyn std::error::Error>> {
     let (urls, cluster) = common::example_nodes(3)?;
 
@@ -44,26 +71,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let resource = format!("quickstart:{}", std::process::id());
     let ttl = Duration::from_secs(10);
     let t = Instant::now();
-    let guard = match locks.try_lock(&resource, ttl) {
-        // Nodes whose lock history is newer than the TTL (a brand-new
-        // cluster, or one that lost its data) hold their votes back for
-        // that long: wait it out, once.
-        Err(Error::NoQuorum { failures, .. })
-            if failures
-                .iter()
-                .any(|f| f.kind() == NodeErrorKind::Restarted) =>
-        {
-            let detail = failures
-                .iter()
-                .find(|f| f.kind() == NodeErrorKind::Restarted)
-                .map_or("", |f| f.detail());
-            println!("these nodes' lock history is new ({detail}): waiting out the hold");
-            // The hold lasts as long as the longest TTL in use (here at most
-            // the 30 s this example extends to).
-            locks.lock_timeout(&resource, ttl, Duration::from_secs(60))?
-        }
-        other => other?,
-    };
+    let guard = lock_or_wait_out_the_hold(&locks, &resource, ttl)?;
     println!(
         "locked {resource:?} in {:?}; valid for {:?} of the {ttl:?} ttl",
         t.elapsed(),
@@ -88,8 +96,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let t = Instant::now();
     guard.release()?;
     println!("released in {:?}", t.elapsed());
-    let again = other.try_lock(&resource, ttl)?;
-    println!("the second client takes it right after the release");
+    let again = lock_or_wait_out_the_hold(&other, &resource, ttl)?;
+    println!("the second client takes it after the release");
     drop(again); // dropping a guard releases it too
 
     if let Some(cluster) = &cluster {
