@@ -866,19 +866,7 @@ fn a_sigkilled_run_takes_its_command_and_its_children_with_it() {
         echo $! > "$D/child"
         touch "$D/started"
         while :; do echo p >> "$D/parent.ticks"; sleep 0.02; done"#;
-    let mut p = Proc::spawn(
-        run_cmd(
-            &c,
-            &dir,
-            "run",
-            &key,
-            &["--ttl", "2s", "--grace", "300ms"],
-            script,
-        ),
-        &dir,
-        "run",
-    );
-    until_started(&c, &dir, &mut p, "started", &key);
+    let mut p = start_run(&c, &dir, &key, &[], script);
     std::thread::sleep(Duration::from_millis(200));
     let killed = Instant::now();
     kill_process(p.pid(), Signal::KILL).expect("SIGKILL quorumlock");
@@ -917,6 +905,16 @@ fn a_sigkilled_foreground_run_takes_its_command_with_it() {
     kill9_and_expect_the_command_gone(&c, &dir, &key, &["--foreground"], script);
 }
 
+/// Starts `quorumlock run KEY` (TTL 2 s, grace 300 ms, then `extra`) with `script`, and
+/// waits until the script has touched `$D/started`.
+fn start_run(c: &Cluster, dir: &Scratch, key: &str, extra: &[&str], script: &str) -> Proc {
+    let mut args = vec!["--ttl", "2s", "--grace", "300ms"];
+    args.extend_from_slice(extra);
+    let mut p = Proc::spawn(run_cmd(c, dir, "run", key, &args, script), dir, "run");
+    until_started(c, dir, &mut p, "started", key);
+    p
+}
+
 /// Starts `quorumlock run` (TTL 2 s) with `script`, which writes its pid to `$D/cmd` and
 /// touches `$D/started`; SIGKILLs quorumlock and asserts that the command is gone soon
 /// after (well within the lock's validity).
@@ -927,10 +925,7 @@ fn kill9_and_expect_the_command_gone(
     extra: &[&str],
     script: &str,
 ) {
-    let mut args = vec!["--ttl", "2s", "--grace", "300ms"];
-    args.extend_from_slice(extra);
-    let mut p = Proc::spawn(run_cmd(c, dir, "run", key, &args, script), dir, "run");
-    until_started(c, dir, &mut p, "started", key);
+    let mut p = start_run(c, dir, key, extra, script);
     let cmd = dir.read("cmd").expect("command pid");
     kill_process(p.pid(), Signal::KILL).expect("SIGKILL quorumlock");
     let _ = p.wait(SOON);
@@ -1040,19 +1035,7 @@ fn the_watcher_stops_the_command_of_a_stopped_run_and_is_replaced_if_killed() {
     let dir = Scratch::new("cli-stop-watch");
     let key = unique_key("cli-stop-watch");
     let script = r#"echo $$ > "$D/cmd"; touch "$D/started"; while :; do echo x >> "$D/ticks"; sleep 0.02; done"#;
-    let mut p = Proc::spawn(
-        run_cmd(
-            &c,
-            &dir,
-            "run",
-            &key,
-            &["--ttl", "2s", "--grace", "300ms"],
-            script,
-        ),
-        &dir,
-        "run",
-    );
-    until_started(&c, &dir, &mut p, "started", &key);
+    let mut p = start_run(&c, &dir, &key, &[], script);
     let cmd = dir.read("cmd").expect("command pid");
     // The watcher leads the command's process group.
     let group = rustix::process::getpgid(Pid::from_raw(cmd.parse().expect("pid"))).expect("pgid");
