@@ -132,6 +132,9 @@ pub(crate) struct Pending {
     /// For a release whose round ended without its reply: the same release
     /// as `EVAL`, sent if the late reply is NOSCRIPT (a delete is never lost).
     pub resend: Option<Vec<u8>>,
+    /// For a retried release: the tokens of its batch, which leave the
+    /// node's retry queue once the node answers it.
+    pub retried: Vec<String>,
 }
 
 /// A connection to one node.
@@ -151,6 +154,18 @@ pub(crate) struct Conn {
     pub server: crate::transport::ServerTag,
     /// When `INFO` was last asked on this connection.
     pub info_at: Instant,
+    /// Returned to the pool owing replies: counted in this counter (the
+    /// node's idle connections that owe replies) until a checkout reads
+    /// them or the connection is dropped.
+    pub owing: Option<std::sync::Arc<std::sync::atomic::AtomicUsize>>,
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        if let Some(n) = self.owing.take() {
+            n.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        }
+    }
 }
 
 /// What a connection is for, and so which commands it sends at connect.
@@ -277,6 +292,7 @@ impl Conn {
             made: Instant::now(),
             server: crate::transport::ServerTag::default(),
             info_at: Instant::now(),
+            owing: None,
         };
         conn.tls_handshake(timeout)?;
         let mut checked = false;
@@ -455,7 +471,24 @@ impl Conn {
             tokens: Vec::new(),
             setup,
             resend: None,
+            retried: Vec::new(),
         });
+    }
+
+    /// Appends a retried release no round waits for (see
+    /// [`Pending::retried`]); `resend` is the same release as `EVAL`.
+    pub(crate) fn queue_retry(
+        &mut self,
+        cmd: &[u8],
+        now: Instant,
+        resend: Vec<u8>,
+        retried: Vec<String>,
+    ) {
+        self.push(cmd, now, false, Setup::None);
+        if let Some(p) = self.pending.back_mut() {
+            p.resend = Some(resend);
+            p.retried = retried;
+        }
     }
 
     /// Gives up the connection: first queues (without waiting) the undo of

@@ -15,7 +15,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -251,6 +251,14 @@ struct NodeShared {
     /// gone: deleted by us, and counted so.
     undone: Mutex<HashMap<String, Instant>>,
     retry_scheduled: AtomicBool,
+    /// Idle connections that were returned to the pool owing replies (a
+    /// round that settled before this node answered): the retry job reads
+    /// those, and pops no more of the pool than it takes to find them.
+    owing: Arc<AtomicUsize>,
+    /// The retry job holds idle connections (for microseconds: it only
+    /// reads what has arrived): a round that finds none waits for them
+    /// instead of failing or growing the pool.
+    draining: AtomicBool,
     /// Why the node last refused a connection (a failed connect, or a
     /// server that turned it away), cleared when it answers again: for the
     /// errors of rounds that could not use the node.
@@ -409,6 +417,8 @@ impl RedisTransport {
                 unsettled: Mutex::new(HashMap::new()),
                 undone: Mutex::new(HashMap::new()),
                 retry_scheduled: AtomicBool::new(false),
+                owing: Arc::new(AtomicUsize::new(0)),
+                draining: AtomicBool::new(false),
                 connect_error: Mutex::new(None),
                 events: config.events.clone(),
             });
@@ -452,7 +462,8 @@ impl RedisTransport {
         let node = &self.nodes[i].inner;
         // Only a healthy node gets new connections started on demand; a
         // failing one is reconnected by the pool's background retries.
-        let grow = node.shared.is_healthy();
+        // Nor while the retry job holds the idle ones: they are back at once.
+        let grow = node.shared.is_healthy() && !node.shared.draining.load(Ordering::Acquire);
         for _ in 0..3 {
             let mut c = if grow {
                 node.pool.get_timeout(Duration::ZERO).ok()?
@@ -780,6 +791,9 @@ fn inspect_one(
 /// Reads late replies off a checked-out connection. False (and the
 /// connection marked broken) when it cannot take a new command.
 fn prepare(c: &mut PooledConnection<Manager>, node: &NodeShared, now: Instant) -> bool {
+    if let Some(n) = c.owing.take() {
+        n.fetch_sub(1, Ordering::AcqRel);
+    }
     if c.broken {
         return false;
     }
@@ -893,7 +907,14 @@ fn late_reply(
             }
         }
     }
-    if matches!(v, Value::ServerError(e) if e.kind() == Some(redis::ServerErrorKind::NoScript)) {
+    let noscript =
+        matches!(v, Value::ServerError(e) if e.kind() == Some(redis::ServerErrorKind::NoScript));
+    if !p.retried.is_empty() && !noscript {
+        // The node answered a retried release (a release the script did
+        // not run is sent again, as EVAL below and by the next retry).
+        retries_answered(node, &p.retried);
+    }
+    if noscript {
         // The round that sent it ended before it could fall back to EVAL:
         // a release is sent again as EVAL (a delete is never lost), and the
         // scripts are loaded so that the next round's EVALSHA runs.
@@ -1067,17 +1088,31 @@ fn late_write(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPool>, w: La
     }
 }
 
-/// Waits (on this connection alone) for the reply to the command this
-/// caller queued last, taking the setup replies ahead of it as they come.
-fn own_reply(c: &mut Conn, node: &NodeShared, deadline: Instant) -> std::io::Result<Value> {
-    loop {
-        let setup = c.pending().front().map(|p| (p.setup, p.clone()));
-        let v = c.wait_reply(deadline)?;
-        match setup {
-            Some((Setup::None, _)) | None => return Ok(v),
-            Some((_, p)) => late_reply(c, node, p, &v, Instant::now())?,
-        }
-    }
+/// A retried release was answered: its entries leave the queue, but for
+/// those whose SET may still land here (tokens are one per attempt: they
+/// name the entries), which are watched until it is read.
+fn retries_answered(node: &NodeShared, tokens: &[String]) {
+    let (watched, done): (HashSet<&str>, HashSet<&str>) = {
+        let unsettled = node.unsettled.lock();
+        tokens
+            .iter()
+            .map(String::as_str)
+            .partition(|t| unsettled.contains_key(*t))
+    };
+    debug!(
+        "node {}: {} retried release(s) answered",
+        node.name,
+        tokens.len()
+    );
+    let mut q = node.retries.lock();
+    q.watched.retain(|r| !done.contains(r.token.as_str()));
+    let mut owed = std::mem::take(&mut q.owed);
+    owed.retain(|r| !done.contains(r.token.as_str()));
+    let (now_watched, still_owed): (VecDeque<Retry>, VecDeque<Retry>) = owed
+        .into_iter()
+        .partition(|r| watched.contains(r.token.as_str()));
+    q.owed = still_owed;
+    q.watched.extend(now_watched);
 }
 
 /// Starts the node's release-retry job unless it is already scheduled.
@@ -1099,16 +1134,40 @@ fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPool>) {
     };
     let shared = &node.shared;
     let now = Instant::now();
-    // Read late replies off every idle connection (they may say a SET landed).
-    let mut idle: Vec<_> = std::iter::from_fn(|| node.pool.try_get())
-        .take(node.pool.max_size() as usize)
-        .collect();
-    for c in &mut idle {
-        prepare(c, shared, now);
+    // Read late replies off the idle connections that owe some (they may
+    // say a SET landed, or answer a retried release). The pool is a stack
+    // (the last connection given back is the first taken), so those are on
+    // top unless rounds took them (which read them). Every pop that leaves
+    // fewer than the pool's idle minimum starts a new connection (however
+    // many are being made), so no more is popped than leaves that minimum
+    // idle, and no more than owe; a round that finds none meanwhile waits (see `wait_busy_pool`).
+    let mut owed = false;
+    let want = shared.owing.load(Ordering::Acquire);
+    if want > 0 {
+        shared.draining.store(true, Ordering::Release);
+        let mut idle = Vec::new();
+        let max = node.pool.max_size();
+        let spare = |st: r2d2::State| {
+            // At the pool's size no pop starts a connection; one more is
+            // left idle for a round of a busy client that comes meanwhile.
+            let busy = u32::from(st.connections > st.idle_connections);
+            st.connections >= max || st.idle_connections > MIN_IDLE.min(max) + busy
+        };
+        while idle.len() < want
+            && shared.owing.load(Ordering::Acquire) > 0
+            && spare(node.pool.state())
+        {
+            let Some(mut c) = node.pool.try_get() else {
+                break;
+            };
+            prepare(&mut c, shared, now);
+            idle.push(c);
+        }
+        // A release still owed its reply (it may come back NOSCRIPT): look again.
+        owed = idle.iter().any(|c| !c.broken && c.owes_release());
+        drop(idle);
+        shared.draining.store(false, Ordering::Release);
     }
-    // A release still owed its reply (it may come back NOSCRIPT): look again.
-    let owed = idle.iter().any(|c| !c.broken && c.owes_release());
-    drop(idle);
     shared.unsettled.lock().retain(|_, u| u.until > now);
     shared.undone.lock().retain(|_, until| *until > now);
     // The batch leaves the queue and what is still owed goes back behind
@@ -1116,83 +1175,35 @@ fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPool>) {
     // still land) never holds back the releases queued after it.
     let batch: Vec<Retry> = shared.retries.lock().take(RETRY_BATCH, now);
     if !batch.is_empty() {
-        let mut answered = false;
-        {
-            let keys: Vec<Key<'_>> = batch
-                .iter()
-                .map(|r| Key::new(&r.resource, &r.token))
-                .collect();
-            let enc = Encoded::new(
-                Op::Release {
-                    keep_until: Instant::now(),
-                },
-                &keys,
-            );
-            // Never wait for a connection here: connects run on this thread.
-            if let Some(mut c) = node.pool.try_get() {
-                // Behind nothing but setup replies (a re-read INFO), which
-                // are read on the way.
-                if prepare(&mut c, shared, Instant::now())
-                    && c.pending().iter().all(|p| p.setup != Setup::None)
-                {
-                    let sent = Instant::now();
-                    c.queue(&enc.packed, sent, true);
-                    answered = match c
-                        .flush()
-                        .and_then(|()| own_reply(&mut c, shared, after(sent, shared.timeout)))
-                    {
-                        Ok(v) => {
-                            shared.observe(Outcome::Answered);
-                            // NOSCRIPT or not, the node answered; a release the
-                            // script did not run is sent again as EVAL next time.
-                            !matches!(&v, Value::ServerError(e) if e.kind() == Some(redis::ServerErrorKind::NoScript))
-                        }
-                        Err(e) => {
-                            c.broken = true;
-                            if e.kind() == std::io::ErrorKind::TimedOut {
-                                shared.observe(Outcome::TimedOut);
-                            } else if !conn::is_close(&e) {
-                                // A close is no answer (see `failed`): the
-                                // release is simply sent again next time.
-                                shared.observe(Outcome::Refused);
-                            }
-                            false
-                        }
-                    };
-                    if !answered && !c.broken {
-                        // Load the script for the next try.
-                        c.queue(&enc.fallback(), Instant::now(), false);
-                        let _ = c.flush();
-                    }
+        let keys: Vec<Key<'_>> = batch
+            .iter()
+            .map(|r| Key::new(&r.resource, &r.token))
+            .collect();
+        let enc = Encoded::new(
+            Op::Release {
+                keep_until: Instant::now(),
+            },
+            &keys,
+        );
+        // Sent, not waited for: its reply is read as a late reply (by the
+        // next run, or a round), which takes the batch off the queue. Until
+        // then it stays queued, and is sent again if no reply comes. Never
+        // waiting keeps this thread free for the pool's connects and the
+        // connection in the pool: a connection held for a round trip left
+        // the pool below its idle minimum, and every round meanwhile
+        // started one more connection.
+        if let Some(mut c) = node.pool.try_get() {
+            if prepare(&mut c, shared, Instant::now()) {
+                let tokens = batch.iter().map(|r| r.token.clone()).collect();
+                c.queue_retry(&enc.packed, Instant::now(), enc.fallback(), tokens);
+                if c.flush().is_err() {
+                    c.broken = true;
                 }
             }
         }
-        if answered {
-            // Done, unless a SET of that token may still land (tokens are
-            // one per attempt: they name the entries); then it is watched.
-            let (watched, done): (Vec<Retry>, Vec<Retry>) = {
-                let unsettled = shared.unsettled.lock();
-                batch
-                    .into_iter()
-                    .partition(|r| unsettled.contains_key(&r.token))
-            };
-            debug!(
-                "node {}: {} retried release(s) answered",
-                shared.name,
-                done.len() + watched.len()
-            );
-            let done: HashSet<&str> = done.iter().map(|r| r.token.as_str()).collect();
-            let mut q = shared.retries.lock();
-            q.owed.retain(|r| !done.contains(r.token.as_str()));
-            q.watched.retain(|r| !done.contains(r.token.as_str()));
-            for r in watched {
-                q.push(r, true, &shared.name);
-            }
-        } else {
-            let mut q = shared.retries.lock();
-            for r in batch {
-                q.push(r, false, &shared.name);
-            }
+        let mut q = shared.retries.lock();
+        for r in batch {
+            q.push(r, false, &shared.name);
         }
     }
     shared.retry_scheduled.store(false, Ordering::Release);
@@ -1225,6 +1236,11 @@ impl Transport for RedisTransport {
     }
 
     fn wait_connected(&self, deadline: Instant) -> Result<usize, InvalidInput> {
+        // One connection per node, kept while its setup replies are awaited:
+        // popping one again every recheck left the pool below its idle
+        // minimum each time, and each such pop started another connection.
+        let mut held: Vec<Option<PooledConnection<Manager>>> =
+            self.nodes.iter().map(|_| None).collect();
         loop {
             let mut connected = 0;
             let mut pending = false;
@@ -1236,8 +1252,14 @@ impl Transport for RedisTransport {
                         // Read what its connections have been told (who the
                         // server is), without waiting.
                         let now = Instant::now();
-                        if let Some(mut c) = node.inner.pool.try_get() {
-                            prepare(&mut c, shared, now);
+                        let c = &mut held[i];
+                        if c.is_none() {
+                            *c = node.inner.pool.try_get();
+                        }
+                        if let Some(conn) = c.as_mut() {
+                            if !prepare(conn, shared, now) {
+                                *c = None;
+                            }
                         }
                         pending |= !self.servers.info_read(i);
                     }
@@ -1769,15 +1791,20 @@ impl RedisTransport {
     }
 
     /// A connection to a healthy node whose every connection is checked
-    /// out: waits (until `deadline`) for one to come back. None when the node
-    /// is not in that state (it is connecting, or failing).
+    /// out, or whose idle ones the retry job holds for a moment: waits
+    /// (until `deadline`) for one to come back. None when the node is not in
+    /// that state (it is connecting, or failing).
     fn wait_busy_pool(&self, i: usize, deadline: Instant) -> Option<PooledConnection<Manager>> {
         let node = &self.nodes[i].inner;
-        let st = node.pool.state();
-        if !node.shared.is_healthy()
-            || st.idle_connections > 0
-            || st.connections < node.pool.max_size()
-        {
+        if !node.shared.is_healthy() {
+            return None;
+        }
+        if node.shared.draining.load(Ordering::Acquire) {
+            // The retry job gives them back as soon as it has read them.
+        } else if let Some(mut c) = node.pool.try_get() {
+            // Given back (by the retry job) since this round looked.
+            return prepare(&mut c, &node.shared, Instant::now()).then_some(c);
+        } else if node.pool.state().connections < node.pool.max_size() {
             return None;
         }
         let wait = deadline.saturating_duration_since(Instant::now());
@@ -2204,6 +2231,14 @@ impl ManageConnection for Manager {
     }
 
     fn has_broken(&self, conn: &mut Conn) -> bool {
+        // Called by the pool as the connection comes back (the last word on
+        // it before it idles): one owing replies is counted for the retry
+        // job, once.
+        // (A broken one is dropped, which uncounts it.)
+        if !conn.broken && conn.owing.is_none() && !conn.pending().is_empty() {
+            self.shared.owing.fetch_add(1, Ordering::AcqRel);
+            conn.owing = Some(self.shared.owing.clone());
+        }
         conn.broken
     }
 }

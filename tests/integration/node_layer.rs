@@ -1019,3 +1019,53 @@ fn a_connection_closed_as_the_command_goes_out_is_replaced_not_counted() {
     g.release().expect("release");
     assert!(c.gone_everywhere(&key, Duration::from_secs(2)));
 }
+
+/// Clients connected to node `i` (less this query's own connection).
+fn clients_on(c: &Cluster, i: usize) -> usize {
+    let info: String = redis::cmd("INFO")
+        .arg("clients")
+        .query(&mut c.conn(i))
+        .expect("INFO clients");
+    info.lines()
+        .find_map(|l| l.strip_prefix("connected_clients:"))
+        .and_then(|n| n.trim().parse::<usize>().ok())
+        .map_or(0, |n| n.saturating_sub(1))
+}
+
+/// Issue 19: the retry job read late replies by popping every idle connection of a node
+/// at once. Each pop below the pool's idle minimum started a new connection, so one
+/// thread's lock/release loop grew a slow node's pool towards its 32, and a round that
+/// came meanwhile found no idle connection below the pool's size and failed the node with
+/// `NoConnection`. The retry job now pops only as many as owe replies.
+#[test]
+fn one_thread_with_a_slow_node_keeps_a_small_pool_and_never_misses_a_connection() {
+    let c = Cluster::start(3);
+    // Slower than the others, inside the node timeout: rounds settle without its replies.
+    let slow = DelayProxy::start(&c.url(2), Duration::from_millis(15));
+    let locks = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes([c.url(0), c.url(1), slow.url()])
+        .node_timeout(SLACK)
+        .build()
+        .expect("valid config");
+    assert_eq!(locks.wait_connected(Duration::from_secs(5)).ok(), Some(3));
+    let key = unique_key("small-pool");
+    let mut missed = Vec::new();
+    let until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < until {
+        match locks.try_lock(&key, Duration::from_secs(5)) {
+            Ok(g) => {
+                let _ = g.release();
+            }
+            Err(e) => missed.push(summary(&e)),
+        }
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let pools: Vec<usize> = (0..3).map(|i| clients_on(&c, i)).collect();
+    eprintln!("pools {pools:?} missed {}", missed.len());
+    assert!(missed.is_empty(), "{missed:?}");
+    assert!(
+        pools.iter().all(|&n| n <= 6),
+        "connections per node: {pools:?}"
+    );
+}
