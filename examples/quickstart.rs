@@ -43,8 +43,10 @@ fn lock_or_wait_out_the_hold(
                 .find(|f| f.kind() == NodeErrorKind::Restarted)
                 .map_or("", |f| f.detail());
             println!("these nodes' lock history is new ({detail}): waiting out the hold");
-            // The hold lasts as long as the longest TTL in use (here at most
-            // the 30 s this example extends to).
+            // The hold lasts as long as the longest TTL in use before the
+            // nodes' history began: on brand-new nodes, the first TTL used
+            // on them (here 10 s), once; the 30 s this example extends to
+            // is first used later and holds no one back.
             locks.lock_timeout(resource, ttl, Duration::from_secs(60))
         }
         other => other,

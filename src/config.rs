@@ -26,6 +26,9 @@ pub(crate) struct Settings {
     pub local_queue: bool,
     /// Apply the delayed-restart rule to acquire votes.
     pub restart_protection: bool,
+    /// The simulation's broken variant of the rule (see
+    /// [`crate::quorum::RestartRule::loose`]); never set otherwise.
+    pub loose_restart_rule: bool,
     /// Trust a node's lock history the first time this client sees it.
     pub fresh_cluster: bool,
     /// The operator's longest TTL, if configured.
@@ -63,6 +66,7 @@ impl Default for Settings {
             renew_fraction: 1.0 / 3.0,
             local_queue: true,
             restart_protection: true,
+            loose_restart_rule: false,
             fresh_cluster: false,
             max_ttl: None,
             fencing: false,

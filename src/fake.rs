@@ -80,13 +80,50 @@ pub(crate) enum Mode {
 #[derive(Debug)]
 pub(crate) struct Store {
     pub(crate) keys: HashMap<String, (String, Instant)>,
-    /// Lock history: when it began, the longest TTL recorded.
-    meta: Option<(Instant, Duration)>,
+    /// Lock history: when it began, and the TTLs recorded.
+    meta: Option<Meta>,
     /// Fencing counters, per resource (they go with the lock history).
     fences: HashMap<String, u64>,
     /// The metadata's id: unique per store, new when its data is lost
     /// (what the connect-time script writes on a real node).
     id: u64,
+}
+
+/// A node's lock history, as the scripts keep it in `quorumlock:meta`.
+#[derive(Debug, Clone, Copy)]
+struct Meta {
+    epoch: Instant,
+    /// The longest TTL recorded.
+    max: Duration,
+    /// When `max` was first used (`None`: since always).
+    raised: Option<Instant>,
+    /// The longest before that.
+    prev: Duration,
+}
+
+impl Meta {
+    fn new(epoch: Instant) -> Meta {
+        Meta {
+            epoch,
+            max: Duration::ZERO,
+            raised: None,
+            prev: Duration::ZERO,
+        }
+    }
+
+    /// The scripts' record of a command's `ttl`, with `known`, the longest
+    /// its client knew of before (see `raise_lua!`).
+    fn raise(&mut self, ttl: Duration, known: Duration, now: Instant) {
+        if self.raised.is_some_and(|r| r > now) {
+            self.raised = None;
+        }
+        let base = self.max.max(known);
+        if ttl > base {
+            (self.max, self.raised, self.prev) = (ttl, Some(now), base);
+        } else if known > self.max {
+            (self.max, self.raised, self.prev) = (known, None, known);
+        }
+    }
 }
 
 impl Default for Store {
@@ -110,12 +147,26 @@ impl Store {
         now: Instant,
         base: Instant,
     ) -> NodeFacts {
-        let (epoch, max) = *self.meta.get_or_insert((now, Duration::ZERO));
-        self.meta = Some((epoch, max.max(ttl).max(known)));
+        let meta = self.meta.get_or_insert(Meta::new(now));
+        let before = *meta;
+        meta.raise(ttl, known, now);
+        // A stamp in the node's future (its clock stepped back) is unknown.
+        let ago = before
+            .raised
+            .filter(|r| *r <= now)
+            .map(|r| now.saturating_duration_since(r));
         NodeFacts {
-            epoch: u64::try_from(epoch.saturating_duration_since(base).as_nanos()).unwrap_or(0) + 1,
-            age: now.saturating_duration_since(epoch),
-            max_ttl: max,
+            epoch: u64::try_from(before.epoch.saturating_duration_since(base).as_nanos())
+                .unwrap_or(0)
+                + 1,
+            age: now.saturating_duration_since(before.epoch),
+            max_ttl: before.max,
+            raised_ago: ago,
+            prev_max: if ago.is_some() {
+                before.prev.min(before.max)
+            } else {
+                before.max
+            },
         }
     }
 
@@ -162,9 +213,9 @@ impl Store {
             Op::Acquire { ttl, known_max, .. } | Op::Swap { ttl, known_max, .. } => {
                 Some(self.history(ttl, known_max, now, base))
             }
-            Op::Extend { ttl, .. } => {
-                if let Some((_, max)) = &mut self.meta {
-                    *max = (*max).max(ttl);
+            Op::Extend { ttl, known_max, .. } => {
+                if let Some(meta) = &mut self.meta {
+                    meta.raise(ttl, known_max, now);
                 }
                 None
             }
@@ -196,7 +247,7 @@ impl Store {
     /// while), so that its votes count from the start.
     pub(crate) fn with_history(epoch: Instant) -> Self {
         Store {
-            meta: Some((epoch, Duration::ZERO)),
+            meta: Some(Meta::new(epoch)),
             ..Store::default()
         }
     }

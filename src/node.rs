@@ -1007,8 +1007,9 @@ fn acquired_any(v: &Value) -> bool {
 }
 
 /// Elements of an acquire or swap reply before its answers: the lock
-/// history's epoch, age and longest TTL.
-const FACTS: usize = 3;
+/// history's epoch, age, longest TTL, how long ago that was first used and
+/// the longest before it.
+const FACTS: usize = 5;
 
 /// A granted lock's `SET` to send a node after the round (see
 /// [`RedisTransport::write_later`]).
@@ -2005,10 +2006,10 @@ impl Encoded {
                 vec![millis_ceil(ttl), millis_ceil(known_max), fence.unwrap_or(0)],
             ),
             Op::Release { .. } => (&scripts::RELEASE, scripts::RELEASE_LUA, vec![0]),
-            Op::Extend { ttl, .. } => (
+            Op::Extend { ttl, known_max, .. } => (
                 &scripts::EXTEND,
                 scripts::EXTEND_LUA,
-                vec![millis_ceil(ttl)],
+                vec![millis_ceil(ttl), millis_ceil(known_max)],
             ),
             Op::Restore { ttl } => (
                 &scripts::RESTORE,
@@ -2114,13 +2115,17 @@ impl Encoded {
                     return Err(unexpected(Value::Array(items)));
                 }
                 let f: Vec<i64> = items[..FACTS].iter().filter_map(int).collect();
-                let [epoch, age, max] = f[..] else {
+                let [epoch, age, max, ago, prev] = f[..] else {
                     return Err(unexpected(Value::Array(items)));
                 };
+                let ms = |v: i64| Duration::from_millis(u64::try_from(v).unwrap_or(0));
                 let facts = NodeFacts {
                     epoch: u64::try_from(epoch).unwrap_or(0),
-                    age: Duration::from_millis(u64::try_from(age).unwrap_or(0)),
-                    max_ttl: Duration::from_millis(u64::try_from(max).unwrap_or(0)),
+                    age: ms(age),
+                    max_ttl: ms(max),
+                    // Negative: since always (or unknown).
+                    raised_ago: u64::try_from(ago).ok().map(Duration::from_millis),
+                    prev_max: ms(prev).min(ms(max)),
                 };
                 (Some(facts), &items[FACTS..])
             }
@@ -2378,6 +2383,7 @@ mod tests {
             Op::Extend {
                 ttl: Duration::from_millis(1500),
                 linger: false,
+                known_max: Duration::from_secs(3),
             },
             Op::Release {
                 keep_until: Instant::now(),
@@ -2404,7 +2410,8 @@ mod tests {
     /// meanwhile is deleted again behind it).
     #[test]
     fn a_late_fenced_set_is_seen_as_set() {
-        let reply = |r: i64| Value::Array([1, 2, 3, r].map(Value::Int).to_vec());
+        // The history's five facts (a raise 3 ms ago: a positive head), then the answer.
+        let reply = |r: i64| Value::Array([1, 2, 3, 3, 1, r].map(Value::Int).to_vec());
         assert!(acquired_any(&reply(1)));
         assert!(acquired_any(&reply(1_796_000_000_000_000)));
         assert!(!acquired_any(&reply(0)), "exists");

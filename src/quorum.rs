@@ -167,37 +167,182 @@ pub(crate) fn settled_acquire(
     sure >= q || maybe + pending < q
 }
 
+/// A clock step (NTP, a VM resumed) that the delayed-restart rule absorbs
+/// when it compares how long ago a node first used a TTL with how old
+/// another node's history is: a raise within this much of a history's
+/// start counts as before it.
+pub(crate) const CLOCK_STEP_MARGIN: Duration = Duration::from_secs(1);
+
+/// What is known of the TTLs in use: the longest, `max`, in use since
+/// `raised` (`None`: since always), and at most `prev` before that. Kept by
+/// each client (from its own use and the nodes' reports) and, per node, by
+/// the acquire script; one step is all it keeps (a longer TTL first used
+/// later replaces it: `prev` becomes the old `max`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TtlHistory {
+    pub max: Duration,
+    pub raised: Option<std::time::Instant>,
+    pub prev: Duration,
+}
+
+impl TtlHistory {
+    /// Nothing known.
+    pub(crate) const NONE: TtlHistory = TtlHistory::since_always(Duration::ZERO);
+
+    /// `max` in use since always (or since when, nobody can tell).
+    pub(crate) const fn since_always(max: Duration) -> TtlHistory {
+        TtlHistory {
+            max,
+            raised: None,
+            prev: max,
+        }
+    }
+
+    /// After this client's own use of `ttl` at `at`: a TTL longer than any
+    /// known is first used then.
+    pub(crate) fn used(self, ttl: Duration, at: std::time::Instant) -> TtlHistory {
+        let ttl = ttl.min(crate::MAX_TTL);
+        if ttl > self.max {
+            TtlHistory {
+                max: ttl,
+                raised: Some(at),
+                prev: self.max,
+            }
+        } else {
+            self
+        }
+    }
+
+    /// A node's report, heard in a round that began at `start` (the raise
+    /// is placed as early as the report allows).
+    pub(crate) fn reported(f: &NodeFacts, start: std::time::Instant) -> TtlHistory {
+        let max = f.max_ttl.min(crate::MAX_TTL);
+        match f.raised_ago.and_then(|ago| start.checked_sub(ago)) {
+            Some(raised) => TtlHistory {
+                max,
+                raised: Some(raised),
+                prev: f.prev_max.min(max),
+            },
+            None => TtlHistory::since_always(max),
+        }
+    }
+
+    /// A history that bounds both (at every instant, the longest TTL in
+    /// use before it is at most what this says).
+    pub(crate) fn merge(self, other: TtlHistory) -> TtlHistory {
+        if self.max == other.max {
+            let raised = match (self.raised, other.raised) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                _ => None,
+            };
+            TtlHistory {
+                max: self.max,
+                raised,
+                prev: if raised.is_some() {
+                    self.prev.max(other.prev)
+                } else {
+                    self.max
+                },
+            }
+        } else {
+            // The longer one's step, with the shorter one's longest before it.
+            let (hi, lo) = if self.max > other.max {
+                (self, other)
+            } else {
+                (other, self)
+            };
+            TtlHistory {
+                max: hi.max,
+                raised: hi.raised,
+                prev: if hi.raised.is_some() {
+                    hi.prev.max(lo.max)
+                } else {
+                    hi.max
+                },
+            }
+        }
+    }
+}
+
 /// The delayed-restart rule for one acquire round, decided from what the
 /// nodes report about themselves (see the README's safety argument).
 ///
-/// A node whose lock history is younger than the longest TTL in use may
-/// have lost locks that are still held elsewhere, so its OK does not count.
-/// The longest TTL in use is the largest of `floor` (the TTL asked for, the
-/// configured `max_ttl`, the longest the client has seen) and every
-/// `max_ttl` the nodes reported in this round.
+/// A node that lost its data may have lost locks granted before its lock
+/// history began, and still held elsewhere, so its OK does not count until
+/// its history is older than the longest TTL in use before it began: the
+/// TTL asked for, and every TTL this client or a node that answered knew
+/// of, unless it was first used after that node's history began. Whether
+/// a first use came before is decided by comparing ages measured in the
+/// same round (how long ago another node or this client first used it,
+/// how old the young node's history is), never one clock's timestamps with
+/// another's, with a slack for the round's length, both clocks' drift and
+/// a clock step of up to [`CLOCK_STEP_MARGIN`].
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct RestartRule {
     pub enabled: bool,
+    /// The TTL asked for (counted as in use since always: a cluster whose
+    /// nodes all lost their data at once holds its first locks for it).
     pub floor: Duration,
+    /// What this client knew of the TTLs in use when the round began.
+    pub known: TtlHistory,
+    /// When the round began.
+    pub start: std::time::Instant,
+    /// The clocks' drift factor (each clock may run this much fast or slow).
+    pub drift_factor: f64,
+    /// The simulation's broken variant: every first use counts as after
+    /// the young node's history began (ignores raises from before it).
+    pub loose: bool,
 }
 
 impl RestartRule {
-    /// The longest TTL in use, as far as this round can tell.
+    /// The longest TTL in use at all, as far as this round can tell.
     pub(crate) fn longest<'a>(&self, facts: impl Iterator<Item = &'a NodeFacts>) -> Duration {
-        facts.map(|f| f.max_ttl).fold(self.floor, Duration::max)
+        facts
+            .map(|f| f.max_ttl)
+            .fold(self.floor.max(self.known.max), Duration::max)
     }
 
-    /// How much longer a node with these facts is held back (zero: its vote
-    /// counts). `trusted`: the client chose to trust this node's history.
-    pub(crate) fn hold(&self, facts: &NodeFacts, longest: Duration, trusted: bool) -> Duration {
+    /// How much longer a node with facts `f` is held back (zero: its vote
+    /// counts), given every report of the round so far (`all`) and the
+    /// time now. `trusted`: the client chose to trust this node's history.
+    pub(crate) fn hold<'a>(
+        &self,
+        f: &NodeFacts,
+        all: impl Iterator<Item = &'a NodeFacts>,
+        trusted: bool,
+        now: std::time::Instant,
+    ) -> Duration {
         if !self.enabled || trusted {
             return Duration::ZERO;
         }
-        longest.saturating_sub(facts.age)
+        let age = f.age;
+        let slack = now
+            .saturating_duration_since(self.start)
+            .saturating_add(CLOCK_STEP_MARGIN)
+            .saturating_add(drift_allowance(age, 2.0 * self.drift_factor));
+        // Whether a first use `ago` before now came before the young node's
+        // history began (unknown: it did).
+        let before = |ago: Option<Duration>| {
+            !self.loose && ago.is_none_or(|ago| ago.saturating_add(slack) > age)
+        };
+        let in_use = |max: Duration, prev: Duration, ago: Option<Duration>| {
+            if ago.is_none() || before(ago) {
+                max
+            } else {
+                prev
+            }
+        };
+        let own = self.known.raised.map(|r| now.saturating_duration_since(r));
+        let mut longest = self.floor.max(in_use(self.known.max, self.known.prev, own));
+        for o in all {
+            longest = longest.max(in_use(o.max_ttl, o.prev_max, o.raised_ago));
+        }
+        longest.saturating_sub(age)
     }
 }
 
-/// Facts of every reply so far, for [`RestartRule::longest`].
+/// Facts of every reply so far, for [`RestartRule::longest`] and
+/// [`RestartRule::hold`].
 pub(crate) fn facts_of<'a>(
     results: impl Iterator<Item = &'a NodeResult>,
 ) -> impl Iterator<Item = &'a NodeFacts> {
@@ -664,5 +809,131 @@ mod tests {
         assert_eq!(retry_delay(base, Duration::ZERO, 12345), base);
         // No overflow for absurd settings.
         let _ = retry_delay(Duration::MAX, Duration::MAX, u64::MAX);
+    }
+
+    /// The longest TTL in use before instant `t`, as `h` says.
+    fn before_at(h: TtlHistory, t: std::time::Instant) -> Duration {
+        match h.raised {
+            Some(r) if t <= r => h.prev,
+            _ => h.max,
+        }
+    }
+
+    /// A merged history bounds both at every instant (including the ones
+    /// where their steps fall), for histories with and without a stamp.
+    #[test]
+    fn a_merged_ttl_history_bounds_both() {
+        let t0 = std::time::Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let rng = crate::clock::Rng::new(19);
+        let pick = |n: u64| rng.next_u64() % n;
+        for _ in 0..20_000 {
+            let h = || {
+                let max = Duration::from_millis(pick(6) * 100);
+                if pick(3) == 0 {
+                    TtlHistory::since_always(max)
+                } else {
+                    TtlHistory {
+                        max,
+                        raised: Some(at(pick(5) * 10)),
+                        prev: max.min(Duration::from_millis(pick(6) * 100)),
+                    }
+                }
+            };
+            let (a, b) = (h(), h());
+            let m = a.merge(b);
+            for ms in 0..=60 {
+                let t = at(ms);
+                assert!(
+                    before_at(m, t) >= before_at(a, t).max(before_at(b, t)),
+                    "{a:?} + {b:?} = {m:?} at {ms} ms"
+                );
+            }
+            // A new use keeps the bound and starts a step.
+            let u = m.used(m.max + Duration::from_millis(1), at(70));
+            assert_eq!((u.prev, u.raised), (m.max, Some(at(70))));
+            assert!(before_at(u, at(70)) >= before_at(m, at(70)));
+        }
+    }
+
+    fn facts(age_ms: u64, max_ms: u64, ago_ms: Option<u64>, prev_ms: u64) -> NodeFacts {
+        let ms = Duration::from_millis;
+        NodeFacts {
+            epoch: 1,
+            age: ms(age_ms),
+            max_ttl: ms(max_ms),
+            raised_ago: ago_ms.map(ms),
+            prev_max: ms(prev_ms),
+        }
+    }
+
+    /// A young node is held for the longest TTL first used before its
+    /// history began, as another node's report in the same round says: a
+    /// raise longer ago than the young node's age counts (within the
+    /// clock-step margin too), one since then does not, one since always
+    /// always does; a loose rule ignores the stamps.
+    #[test]
+    fn a_young_node_is_held_for_the_ttls_first_used_before_its_history() {
+        let now = std::time::Instant::now();
+        let rule = RestartRule {
+            enabled: true,
+            floor: Duration::from_millis(100),
+            known: TtlHistory::NONE,
+            start: now,
+            drift_factor: 0.01,
+            loose: false,
+        };
+        let young = facts(5_000, 0, None, 0);
+        let hold = |other: NodeFacts, rule: &RestartRule| {
+            rule.hold(&young, [young, other].iter(), false, now)
+        };
+        let s = Duration::from_secs;
+        // 30 s first used 8 s ago, before the young history (5 s) began.
+        assert_eq!(hold(facts(9_000, 30_000, Some(8_000), 100), &rule), s(25));
+        // ... 5.5 s ago: within the margin, counted as before.
+        assert_eq!(hold(facts(9_000, 30_000, Some(5_500), 100), &rule), s(25));
+        // ... 3 s ago: after it began; the TTL before (10 s) holds it.
+        assert_eq!(hold(facts(9_000, 30_000, Some(3_000), 10_000), &rule), s(5));
+        // Since always.
+        assert_eq!(hold(facts(9_000, 30_000, None, 30_000), &rule), s(25));
+        // Old enough for all of it.
+        assert_eq!(
+            hold(facts(9_000, 4_000, Some(8_000), 100), &rule),
+            Duration::ZERO
+        );
+        let loose = RestartRule {
+            loose: true,
+            ..rule
+        };
+        assert_eq!(
+            hold(facts(9_000, 30_000, Some(8_000), 100), &loose),
+            Duration::ZERO
+        );
+        // The client's own knowledge counts the same way.
+        let known = RestartRule {
+            known: TtlHistory {
+                max: s(30),
+                raised: now.checked_sub(s(8)),
+                prev: Duration::from_millis(100),
+            },
+            ..rule
+        };
+        assert_eq!(hold(facts(9_000, 0, None, 0), &known), s(25));
+        // Off, or trusted: no hold.
+        let off = RestartRule {
+            enabled: false,
+            ..rule
+        };
+        assert_eq!(
+            hold(facts(9_000, 30_000, None, 30_000), &off),
+            Duration::ZERO
+        );
+        assert_eq!(
+            rule.hold(&young, [facts(1, 30_000, None, 30_000)].iter(), true, now),
+            Duration::ZERO
+        );
+        // Duration::MAX anywhere saturates.
+        let huge = facts(u64::MAX, u64::MAX, Some(u64::MAX), u64::MAX);
+        let _ = rule.hold(&huge, [huge].iter(), false, now);
     }
 }

@@ -9,6 +9,7 @@ use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use log::{debug, trace, warn};
+use parking_lot::Mutex;
 
 use crate::clock::{after, new_token, Clock, Rng, Throttle, WARN_EVERY};
 use crate::config::{Builder, Settings};
@@ -18,7 +19,7 @@ use crate::events::{
 };
 use crate::guard::{Callbacks, LockGuard, LockState, LostCallback, Timing};
 use crate::local::{Gates, Permit};
-use crate::quorum::{self, RestartRule, Tally};
+use crate::quorum::{self, RestartRule, Tally, TtlHistory};
 use crate::transport::{AfterRound, Key, NodeFacts, NodeResult, Op, Transport};
 use crate::watchdog::Watchdog;
 use crate::Result;
@@ -55,7 +56,8 @@ pub(crate) struct Inner {
     warned: Vec<Throttle>,
     gates: Arc<Gates>,
     /// Longest TTL (ms) this client has used or seen reported by a node.
-    known_max_ms: AtomicU64,
+    /// The TTLs in use, as this client knows them (the restart rule).
+    ttls: Mutex<TtlHistory>,
     /// Per node, the lock-history epoch this client saw first (0: none yet).
     epochs: Vec<AtomicU64>,
     /// Per node, whether the last event said its votes are held back.
@@ -162,7 +164,8 @@ impl Redlock {
             .iter()
             .map(|_| AtomicU64::new(0))
             .collect();
-        let known = settings.max_ttl.map_or(0, crate::node::millis_ceil);
+        // A configured longest TTL is in use since always.
+        let known = TtlHistory::since_always(settings.max_ttl.unwrap_or_default().min(MAX_TTL));
         let names_len_flags = transport
             .node_names()
             .iter()
@@ -177,7 +180,7 @@ impl Redlock {
                 rng,
                 warned,
                 gates: Arc::new(Gates::new(clock.clone())),
-                known_max_ms: AtomicU64::new(known),
+                ttls: Mutex::new(known),
                 epochs,
                 held_back: names_len_flags,
                 me: me.clone(),
@@ -542,19 +545,27 @@ impl Inner {
     fn attempt(&self, resource: &str, ttl: Duration, drift: Duration) -> Result<LockState> {
         let token = new_token();
         let key = Key::new(resource, &token);
-        let known = Duration::from_millis(self.known_max_ms.load(Ordering::Relaxed));
+        let start = self.clock.now();
+        let known = *self.ttls.lock();
         let rule = RestartRule {
             enabled: self.settings.restart_protection,
-            floor: known.max(ttl),
+            floor: ttl,
+            known,
+            start,
+            drift_factor: self.settings.drift_factor,
+            loose: self.settings.loose_restart_rule,
         };
-        let start = self.clock.now();
         // No point waiting for replies past the moment validity would be gone.
         let budget = self.settings.node_timeout.min(ttl.saturating_sub(drift));
         let horizon = self.horizon();
         let settled = |results: &[Option<NodeResult>]| {
             let longest = rule.longest(quorum::facts_of(results.iter().flatten()));
+            let now = self.clock.now();
             let counts = |i: usize, facts: Option<&NodeFacts>| {
-                facts.is_none_or(|f| rule.hold(f, longest, self.trusted(i, f)).is_zero())
+                facts.is_none_or(|f| {
+                    let all = quorum::facts_of(results.iter().flatten());
+                    rule.hold(f, all, self.trusted(i, f), now).is_zero()
+                })
             };
             // A young vote counts only once every waited-for node answered:
             // a straggler may report a longer TTL in use.
@@ -593,7 +604,7 @@ impl Inner {
         let results = self.transport.run(
             Op::Acquire {
                 ttl,
-                known_max: rule.floor,
+                known_max: known.max,
                 fenced: self.settings.fencing,
             },
             &[key],
@@ -611,7 +622,7 @@ impl Inner {
                     .unwrap_or_else(|| (self.clock.now(), Err(Error::Expired), Vec::new()))
             }
         };
-        self.learn(&results);
+        self.learn(&results, start, Some(ttl));
         self.note_failures(&judged);
         let elapsed = end.saturating_duration_since(start);
         // Where our key is now (held-back votes included: the key is set).
@@ -647,7 +658,6 @@ impl Inner {
             }
         })();
         if self.settings.events.get().is_some() {
-            let longest = rule.longest(quorum::facts_of(results.iter()));
             let holds: Vec<Duration> = results
                 .iter()
                 .enumerate()
@@ -656,7 +666,8 @@ impl Inner {
                         .ok()
                         .and_then(|r| r.facts)
                         .map_or(Duration::ZERO, |f| {
-                            rule.hold(&f, longest, self.trusted(i, &f))
+                            let all = quorum::facts_of(results.iter());
+                            rule.hold(&f, all, self.trusted(i, &f), end)
                         })
                 })
                 .collect();
@@ -750,7 +761,7 @@ impl Inner {
             next: Some(&token),
             ..baton.key()
         };
-        let known = Duration::from_millis(self.known_max_ms.load(Ordering::Relaxed));
+        let known = self.ttls.lock().max;
         let outcome: Cell<Option<Result<Duration>>> = Cell::new(None);
         let decide = |results: &[NodeResult]| {
             let elapsed = self.clock.now().saturating_duration_since(start);
@@ -787,7 +798,7 @@ impl Inner {
             Some(&quorum::settled),
             Some(&decide),
         );
-        self.learn(&results);
+        self.learn(&results, start, None);
         self.note_failures(&results);
         let outcome = outcome.take().unwrap_or(Err(Error::Expired));
         if outcome.is_ok() {
@@ -831,9 +842,11 @@ impl Inner {
         let longest = rule.longest(quorum::facts_of(results.iter()));
         let horizon = self.horizon().max(longest);
         let heard_all = quorum::heard_all(&results);
+        let all: Vec<NodeFacts> = quorum::facts_of(results.iter()).copied().collect();
+        let now = self.clock.now();
         quorum::hold_back(results, self.transport.node_names(), |i, f| {
             let trusted = self.trusted(i, f);
-            let left = rule.hold(f, longest, trusted);
+            let left = rule.hold(f, all.iter(), trusted, now);
             if !left.is_zero() {
                 Some(format!(
                     "lock history {:?} old; its votes count in {left:?}",
@@ -857,21 +870,26 @@ impl Inner {
         self.settings.max_ttl.unwrap_or(MAX_TTL)
     }
 
-    /// Remembers what the nodes reported: the longest TTL in use and, per
-    /// node, the first lock-history epoch seen.
-    fn learn(&self, results: &[NodeResult]) {
+    /// Remembers what the nodes reported in a round that began at `start`
+    /// (the TTLs in use and, per node, the first lock-history epoch seen),
+    /// and the TTL the round itself used, if it was a new one.
+    fn learn(&self, results: &[NodeResult], start: Instant, used: Option<Duration>) {
+        let mut heard = TtlHistory::NONE;
         for (i, r) in results.iter().enumerate() {
             let Some(f) = r.as_ref().ok().and_then(|r| r.facts) else {
                 continue;
             };
-            self.known_max_ms.fetch_max(
-                crate::node::millis_ceil(f.max_ttl).min(MAX_TTL.as_millis() as u64),
-                Ordering::Relaxed,
-            );
+            heard = heard.merge(TtlHistory::reported(&f, start));
             if let Some(e) = self.epochs.get(i) {
                 let _ = e.compare_exchange(0, f.epoch, Ordering::Relaxed, Ordering::Relaxed);
             }
         }
+        let mut ttls = self.ttls.lock();
+        let mut next = ttls.merge(heard);
+        if let Some(ttl) = used {
+            next = next.used(ttl, start);
+        }
+        *ttls = next;
     }
 
     /// Runs a release of one lock on every node, bounded by the node timeout.
@@ -1024,10 +1042,15 @@ impl Inner {
     ) -> Vec<Result<Duration>> {
         let drift = quorum::drift_allowance(ttl, self.settings.drift_factor);
         // A TTL grown by extension is a TTL in use, for the restart rule (the
-        // extend script records it on the nodes too).
-        self.known_max_ms
-            .fetch_max(crate::node::millis_ceil(ttl), Ordering::Relaxed);
+        // extend script records it on the nodes too, as first used now if
+        // it is longer than any this client knew of).
         let start = self.clock.now();
+        let known = {
+            let mut ttls = self.ttls.lock();
+            let known = ttls.max;
+            *ttls = ttls.used(ttl, start);
+            known
+        };
         let keys: Vec<Key<'_>> = states.iter().map(|s| s.key()).collect();
         let mut deadline = self.batch_deadline(start, keys.len());
         if let [only] = states {
@@ -1054,7 +1077,11 @@ impl Inner {
             } else {
                 &quorum::settled_all
             };
-            let op = Op::Extend { ttl, linger: loud };
+            let op = Op::Extend {
+                ttl,
+                linger: loud,
+                known_max: known,
+            };
             self.transport.run(op, &keys, deadline, Some(settled), None)
         } else {
             Vec::new()

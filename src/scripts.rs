@@ -15,9 +15,12 @@ pub(crate) const META_KEY: &str = "quorumlock:meta";
 
 /// `SET NX PX` for every lock key, plus the node's lock history. `KEYS` are
 /// the lock keys then [`META_KEY`]; `ARGV[1]` the TTL in ms, `ARGV[2]` the
-/// longest TTL the client knows of, `ARGV[3]` `1` for a fenced lock (else
+/// longest TTL the client knew of before this command, `ARGV[3]` `1` for a fenced lock (else
 /// `0`), `ARGV[4..]` the tokens. Answers `{epoch, age_ms, max_ttl_before,
-/// r1, …}` with `ri` 0 (exists) or, where set, 1 or (fenced) the key's new
+/// raised_ago_ms, prev_max, r1, …}`: the node's history before this
+/// command, where `raised_ago_ms` says how long ago the longest TTL was
+/// first used (`-1`: since always, or unknown) and `prev_max` the longest
+/// before that; then `ri`, 0 (exists) or, where set, 1 or (fenced) the key's new
 /// fencing counter (see [`ACQUIRE_LUA`]).
 /// The epoch is rounded up and the current time down, so that the age is
 /// never more than the time the node has really kept its data; an epoch in
@@ -29,13 +32,14 @@ pub(crate) static ACQUIRE: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(ACQUIRE_LUA));
 
 /// The head shared by [`ACQUIRE_LUA`] and [`SWAP_LUA`]: the node's lock
-/// history, read and updated, and the reply's first three elements.
+/// history, read and updated, and the reply's first five elements.
 macro_rules! history_lua {
     () => {
-        r"local meta = KEYS[#KEYS]
+        concat!(
+            r"local meta = KEYS[#KEYS]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local m = redis.call('HMGET', meta, 'epoch', 'max_ttl')
+local m = redis.call('HMGET', meta, 'epoch', 'max_ttl', 'raised', 'prev_max')
 local epoch = tonumber(m[1])
 if not epoch or epoch > now + 1 then
   epoch = now + 1
@@ -50,12 +54,46 @@ if type(info) == 'string' then
   end
 end
 local known = tonumber(m[2]) or 0
-local want = math.max(tonumber(ARGV[1]), tonumber(ARGV[2]))
-if want > known then
-  redis.call('HSET', meta, 'max_ttl', want)
+local raised = tonumber(m[3])
+local ago = -1
+local prev = known
+if raised and raised <= now then
+  ago = now - raised
+  prev = math.min(tonumber(m[4]) or known, known)
 end
-local out = {epoch, age, known}
+",
+            raise_lua!(),
+            r"local out = {epoch, age, known, ago, prev}
 local n = #KEYS - 1
+"
+        )
+    };
+}
+
+/// Records the TTL a command uses, `ARGV[1]`, in the node's history
+/// (`meta`, its time `now`, its longest TTL so far `known`), with
+/// `ARGV[2]`, the longest the client knew of before this command. A TTL
+/// longer than both is first used now: the raise is stamped (`raised`,
+/// and `prev_max`, the longest before it). A longer TTL the client knew of
+/// was in use elsewhere since a time nobody here can tell: recorded as in
+/// use since always (no stamp). A stamp in the node's future (its clock
+/// was stepped back) is dropped, so it counts as since always too.
+macro_rules! raise_lua {
+    () => {
+        r"if raised and raised > now then
+  redis.call('HDEL', meta, 'raised')
+  ago = -1
+  prev = known
+end
+local ttl = tonumber(ARGV[1])
+local gossip = tonumber(ARGV[2])
+local base = math.max(known, gossip)
+if ttl > base then
+  redis.call('HSET', meta, 'max_ttl', ttl, 'raised', now, 'prev_max', base)
+elseif gossip > known then
+  redis.call('HSET', meta, 'max_ttl', gossip, 'prev_max', gossip)
+  redis.call('HDEL', meta, 'raised')
+end
 "
     };
 }
@@ -76,17 +114,19 @@ end
 }
 
 /// The loop shared by the scripts that act on keys holding exactly our
-/// token (`KEYS[i]`, token `ARGV[i + 1]`, [`META_KEY`] last): runs `$own`
+/// token (`KEYS[i]`, token `ARGV[i + $tok]`, [`META_KEY`] last): runs `$own`
 /// where the key is ours (it sets `out[i]`), answers `-1` (another owner)
 /// elsewhere, and runs `$absent` where the key does not exist (it sets
 /// `out[i]`); returns `out`.
 macro_rules! each_own_key_lua {
-    ($own:expr, $absent:expr) => {
+    ($tok:literal, $own:expr, $absent:expr) => {
         concat!(
             r"for i = 1, #KEYS - 1 do
   local key = KEYS[i]
   local v = redis.call('GET', key)
-  if v == ARGV[i + 1] then
+  if v == ARGV[i + ",
+            $tok,
+            r"] then
 ",
             $own,
             r"  elseif v then
@@ -134,20 +174,20 @@ for i = 1, n do
       local f = 'fence:' .. KEYS[i]
       local c = math.max((tonumber(redis.call('HGET', meta, f)) or 0) + 1, micros)
       redis.call('HSET', meta, f, string.format('%.0f', c))
-      out[i + 3] = c
+      out[i + 5] = c
     else
-      out[i + 3] = 1
+      out[i + 5] = 1
     end
   elseif redis.call('GET', KEYS[i]) == ARGV[i + 3] then
     -- This attempt's own SET (tokens are one per attempt), sent again after
     -- its connection closed before the reply: set, with its counter.
     if ARGV[3] == '1' then
-      out[i + 3] = tonumber(redis.call('HGET', meta, 'fence:' .. KEYS[i])) or 0
+      out[i + 5] = tonumber(redis.call('HGET', meta, 'fence:' .. KEYS[i])) or 0
     else
-      out[i + 3] = 1
+      out[i + 5] = 1
     end
   else
-    out[i + 3] = 0
+    out[i + 5] = 0
   end
 end
 return out"
@@ -191,10 +231,10 @@ pub(crate) const SWAP_LUA: &str = concat!(
     history_lua!(),
     r"local v = redis.call('GET', KEYS[1])
 local left = redis.call('PTTL', KEYS[1])
-out[4] = v and -1 or 0
+out[6] = v and -1 or 0
 if v == ARGV[4] then
   -- This swap, sent again after its connection closed before the reply.
-  out[4] = 1
+  out[6] = 1
 elseif left > 0 and ours(v, ARGV[5]) then
   redis.call('SET', KEYS[1], ARGV[4], 'PX', left)
   if ARGV[3] ~= '0' then
@@ -203,7 +243,7 @@ elseif left > 0 and ours(v, ARGV[5]) then
       redis.call('HSET', meta, f, ARGV[3])
     end
   end
-  out[4] = 1
+  out[6] = 1
 end
 return out"
 );
@@ -221,6 +261,7 @@ pub(crate) const FENCE_LUA: &str = concat!(
 local meta = KEYS[#KEYS]
 ",
     each_own_key_lua!(
+        1,
         r"    local f = 'fence:' .. key
     if (tonumber(redis.call('HGET', meta, f)) or 0) < tonumber(ARGV[1]) then
       redis.call('HSET', meta, f, ARGV[1])
@@ -255,9 +296,11 @@ end
 return out"
 );
 
-/// Compare-and-pexpire to `ARGV[1]` milliseconds. Its last key is
-/// [`META_KEY`], where a longer TTL than any recorded is written, so that
-/// the delayed-restart rule also knows TTLs that grew by extension.
+/// Compare-and-pexpire to `ARGV[1]` milliseconds; `ARGV[2]` is the longest
+/// TTL the client knew of before, and the tokens follow (`ARGV[i + 2]`).
+/// Its last key is [`META_KEY`], where the TTL is recorded as an acquire
+/// records it, so that the delayed-restart rule also knows TTLs that grew
+/// by extension, and since when.
 pub(crate) static EXTEND: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(EXTEND_LUA));
 
@@ -265,12 +308,16 @@ pub(crate) static EXTEND: LazyLock<redis::Script> =
 pub(crate) const EXTEND_LUA: &str = concat!(
     r"local out = {}
 local meta = KEYS[#KEYS]
-local known = tonumber(redis.call('HGET', meta, 'max_ttl')) or 0
-if tonumber(ARGV[1]) > known then
-  redis.call('HSET', meta, 'max_ttl', ARGV[1])
-end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local m = redis.call('HMGET', meta, 'max_ttl', 'raised')
+local known = tonumber(m[1]) or 0
+local raised = tonumber(m[2])
+local ago, prev
 ",
+    raise_lua!(),
     each_own_key_lua!(
+        2,
         r"    if redis.call('PTTL', key) < tonumber(ARGV[1]) then
       redis.call('PEXPIRE', key, ARGV[1])
     end

@@ -74,8 +74,14 @@ pub(crate) enum Op {
     /// expiry never moves back). `linger`: once the outcome is settled, the
     /// round keeps reading the replies of the nodes it waits for, for as
     /// long again as it took to settle (the renewal thread's rounds: a node
-    /// that lost the key says so, and its copy is restored).
-    Extend { ttl: Duration, linger: bool },
+    /// that lost the key says so, and its copy is restored). `known_max`:
+    /// the longest TTL the client knew of before, recorded with `ttl` as
+    /// `Acquire` records them.
+    Extend {
+        ttl: Duration,
+        linger: bool,
+        known_max: Duration,
+    },
     /// A held lock handed to a new critical section: where the key holds
     /// our token (or an earlier one of its lineage, see [`ours`]), it gets
     /// the key's `next` token, atomically, keeping its expiry. One key.
@@ -119,6 +125,12 @@ pub(crate) struct NodeFacts {
     pub age: Duration,
     /// The longest TTL recorded on the node before this command.
     pub max_ttl: Duration,
+    /// How long ago (by the node's clock) `max_ttl` was first used; `None`:
+    /// since always, as far as the node can tell.
+    pub raised_ago: Option<Duration>,
+    /// The longest TTL recorded before that (`max_ttl` when `raised_ago`
+    /// is `None`).
+    pub prev_max: Duration,
 }
 
 /// Who answered a command: the server's identity, and whether it can keep

@@ -342,6 +342,116 @@ mod regressions {
         }
     }
 
+    /// The same with the long TTL first used well before node 0's history
+    /// began (beyond the clock-step margin): the hold rests on comparing how
+    /// long ago node 1 first used it with how old node 0's history is.
+    #[test]
+    fn a_ttl_first_used_long_before_a_nodes_history_began_holds_it_back() {
+        for seed in 0..5 {
+            clean(&script(Plan::calm(seed, 3), |ctx| {
+                let settings = ctx.plan.settings.clone();
+                ctx.fault(Fault::Isolate(2));
+                ctx.sleep_until(2);
+                let holder = ctx.client(settings);
+                let g = holder.try_lock("r", T(4_000)).expect("holder");
+                let id = ctx.grant(&g, "holder");
+                ctx.fault(Fault::Heal(2));
+                ctx.fault(Fault::Crash(0));
+                ctx.sleep_until(1_500);
+                ctx.fault(Fault::Restart {
+                    node: 0,
+                    wipe: true,
+                });
+                contend(ctx, T(100), 3_900, (g, id));
+            }));
+        }
+    }
+
+    /// Issue 19: a brand-new cluster holds its votes for the first TTL used
+    /// on it, once. A longer TTL first used later (here an extension to
+    /// 3 s, 1.5 s after the nodes' histories began) was used after every
+    /// history began: no lock with it can have been lost by a node, so a
+    /// new client's lock is granted at once (the old rule held every node
+    /// for the 3 s it had seen in use).
+    #[test]
+    fn a_new_cluster_waits_once_for_its_first_ttl() {
+        for seed in 0..5 {
+            clean(&script(Plan::calm(seed, 3), |ctx| {
+                for node in 0..3 {
+                    ctx.fault(Fault::Crash(node));
+                }
+                ctx.sleep_until(1);
+                for node in 0..3 {
+                    ctx.fault(Fault::Restart { node, wipe: true });
+                }
+                let first = ctx.client(ctx.plan.settings.clone());
+                // Its votes count once the nodes' histories are 100 ms old.
+                let g = first.try_lock("a", T(100));
+                assert!(g.is_err(), "a brand-new cluster granted a lock at once");
+                let g = first
+                    .lock_timeout("a", T(100), T(1_000))
+                    .expect("after the hold");
+                let id = ctx.grant(&g, "first");
+                let _ = g.release();
+                ctx.end(id, true);
+                ctx.sleep_until(1_500);
+                let g = first.try_lock("b", T(100)).expect("b");
+                let id = ctx.grant(&g, "extended");
+                g.extend(T(3_000)).expect("extend to 3 s");
+                let _ = g.release();
+                ctx.end(id, true);
+                let second = ctx.client(ctx.plan.settings.clone());
+                match second.try_lock("c", T(100)) {
+                    Ok(g) => {
+                        let id = ctx.grant(&g, "second");
+                        let _ = g.release();
+                        ctx.end(id, true);
+                    }
+                    Err(e) => ctx.fail(Kind::Liveness, format!("held back again: {e}")),
+                }
+            }));
+        }
+    }
+
+    /// Node 0's history is begun after its restart by a client that cannot
+    /// reach node 1 and so never hears of the long TTL; then a fresh
+    /// contender hears all three: node 1's report (the long TTL first used
+    /// before node 0's history began) must hold node 0 back.
+    fn young_history_begun_unaware(ctx: &Arc<Ctx>) -> (crate::LockGuard, usize) {
+        let held = long_lock_then_wipe(ctx);
+        ctx.fault(Fault::Isolate(1));
+        ctx.sleep_until(55);
+        let starter = ctx.client(ctx.plan.settings.clone());
+        let _ = starter.try_lock("s", T(30)).map(|g| g.release());
+        ctx.fault(Fault::Heal(1));
+        ctx.sleep_until(100);
+        held
+    }
+
+    #[test]
+    fn a_young_history_begun_by_an_unaware_client_is_still_held_back() {
+        for seed in 0..10 {
+            clean(&script(Plan::calm(seed, 3), |ctx| {
+                let held = young_history_begun_unaware(ctx);
+                contend(ctx, T(30), 450, held);
+            }));
+        }
+    }
+
+    /// The counterexample: the same rule made too loose (every first use
+    /// counted as after the young node's history began) lets the contender
+    /// in beside the holder; the checker catches it.
+    #[test]
+    fn a_restart_rule_that_ignores_raises_before_the_epoch_lets_two_hold() {
+        let mut plan = Plan::calm(0, 3);
+        plan.settings.loose_restart_rule = true;
+        let r = script(plan, |ctx| {
+            let held = young_history_begun_unaware(ctx);
+            contend(ctx, T(30), 450, held);
+        });
+        assert!(r.has(Kind::TwoHolders), "{}", describe(&r));
+    }
+
     /// The long TTL reaches node 2 only after node 0's restart (another
     /// client's known longest TTL); a contender that cannot reach node 1
     /// still finds node 0 held back by what node 2 reports. (Found by a
