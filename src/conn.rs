@@ -446,11 +446,10 @@ impl Conn {
         undo: Vec<u8>,
         tokens: Vec<String>,
     ) {
-        self.push(cmd, now, false, Setup::None);
-        if let Some(p) = self.pending.back_mut() {
+        self.push_unwanted(cmd, now, |p| {
             p.undo = Some(undo);
             p.tokens = tokens;
-        }
+        });
     }
 
     /// Appends a command sent at connect, whose reply is read and dropped.
@@ -484,10 +483,18 @@ impl Conn {
         resend: Vec<u8>,
         retried: Vec<String>,
     ) {
-        self.push(cmd, now, false, Setup::None);
-        if let Some(p) = self.pending.back_mut() {
+        self.push_unwanted(cmd, now, |p| {
             p.resend = Some(resend);
             p.retried = retried;
+        });
+    }
+
+    /// Appends a command no round waits for, its pending entry completed
+    /// by `complete`.
+    fn push_unwanted(&mut self, cmd: &[u8], now: Instant, complete: impl FnOnce(&mut Pending)) {
+        self.push(cmd, now, false, Setup::None);
+        if let Some(p) = self.pending.back_mut() {
+            complete(p);
         }
     }
 

@@ -295,17 +295,22 @@ mod regressions {
     /// nodes 0 and 1 (node 2 cut off) and node 0 restarts empty at 50 ms.
     /// Returns the holder's guard and its grant.
     fn long_lock_then_wipe(ctx: &Arc<Ctx>) -> (crate::LockGuard, usize) {
-        let settings = ctx.plan.settings.clone();
-        let warm = ctx.client(settings.clone());
+        let warm = ctx.client(ctx.plan.settings.clone());
         warm.try_lock("w", T(30)).expect("warm-up").release().ok();
+        lock_then_wipe(ctx, T(500), 50)
+    }
+
+    /// A lock with `ttl` on nodes 0 and 1 (node 2 cut off) at 2 ms; node 0
+    /// restarts empty at `wipe_ms`. Returns the holder's guard and grant.
+    fn lock_then_wipe(ctx: &Arc<Ctx>, ttl: Duration, wipe_ms: u64) -> (crate::LockGuard, usize) {
         ctx.fault(Fault::Isolate(2));
         ctx.sleep_until(2);
-        let holder = ctx.client(settings);
-        let g = holder.try_lock("r", T(500)).expect("holder");
+        let holder = ctx.client(ctx.plan.settings.clone());
+        let g = holder.try_lock("r", ttl).expect("holder");
         let id = ctx.grant(&g, "holder");
         ctx.fault(Fault::Heal(2));
         ctx.fault(Fault::Crash(0));
-        ctx.sleep_until(50);
+        ctx.sleep_until(wipe_ms);
         ctx.fault(Fault::Restart {
             node: 0,
             wipe: true,
@@ -329,17 +334,28 @@ mod regressions {
         drop(g);
     }
 
+    /// For `seeds` seeds: `setup` takes the holder's lock and wipes node 0,
+    /// then [`contend`] with `ttl` until `until_ms`; nothing may be found.
+    fn contended(
+        seeds: u64,
+        setup: fn(&Arc<Ctx>) -> (crate::LockGuard, usize),
+        ttl: Duration,
+        until_ms: u64,
+    ) {
+        for seed in 0..seeds {
+            clean(&script(Plan::calm(seed, 3), move |ctx| {
+                let held = setup(ctx);
+                contend(ctx, ttl, until_ms, held);
+            }));
+        }
+    }
+
     /// A contender asking a short TTL on nodes 0 and 2 meets node 0 with a
     /// history younger than the long TTL, which node 1 recorded before
     /// node 0's history began: node 0 is held back.
     #[test]
     fn a_ttl_recorded_before_a_nodes_history_began_holds_it_back() {
-        for seed in 0..10 {
-            clean(&script(Plan::calm(seed, 3), |ctx| {
-                let held = long_lock_then_wipe(ctx);
-                contend(ctx, T(30), 450, held);
-            }));
-        }
+        contended(10, long_lock_then_wipe, T(30), 450);
     }
 
     /// The same with the long TTL first used well before node 0's history
@@ -347,24 +363,12 @@ mod regressions {
     /// long ago node 1 first used it with how old node 0's history is.
     #[test]
     fn a_ttl_first_used_long_before_a_nodes_history_began_holds_it_back() {
-        for seed in 0..5 {
-            clean(&script(Plan::calm(seed, 3), |ctx| {
-                let settings = ctx.plan.settings.clone();
-                ctx.fault(Fault::Isolate(2));
-                ctx.sleep_until(2);
-                let holder = ctx.client(settings);
-                let g = holder.try_lock("r", T(4_000)).expect("holder");
-                let id = ctx.grant(&g, "holder");
-                ctx.fault(Fault::Heal(2));
-                ctx.fault(Fault::Crash(0));
-                ctx.sleep_until(1_500);
-                ctx.fault(Fault::Restart {
-                    node: 0,
-                    wipe: true,
-                });
-                contend(ctx, T(100), 3_900, (g, id));
-            }));
-        }
+        contended(5, four_second_lock_then_wipe_at_1500, T(100), 3_900);
+    }
+
+    /// A 4 s lock, node 0 wiped at 1.5 s.
+    fn four_second_lock_then_wipe_at_1500(ctx: &Arc<Ctx>) -> (crate::LockGuard, usize) {
+        lock_then_wipe(ctx, T(4_000), 1_500)
     }
 
     /// Issue 19: a brand-new cluster holds its votes for the first TTL used
@@ -430,12 +434,7 @@ mod regressions {
 
     #[test]
     fn a_young_history_begun_by_an_unaware_client_is_still_held_back() {
-        for seed in 0..10 {
-            clean(&script(Plan::calm(seed, 3), |ctx| {
-                let held = young_history_begun_unaware(ctx);
-                contend(ctx, T(30), 450, held);
-            }));
-        }
+        contended(10, young_history_begun_unaware, T(30), 450);
     }
 
     /// The counterexample: the same rule made too loose (every first use
