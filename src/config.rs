@@ -363,7 +363,9 @@ impl Builder {
     /// delayed-restart rule. The nodes already carry the longest TTL used on
     /// them; set this when a client with a longer TTL may not have reached
     /// the nodes a restarted node is judged against (for instance when TTLs
-    /// differ widely between clients and nodes are often down).
+    /// differ widely between clients and nodes are often down). It counts
+    /// as in use since always: a node whose history is younger than it
+    /// waits, whatever the nodes recorded.
     ///
     /// Defaults to unset (learnt from the nodes and from use).
     pub fn max_ttl(mut self, ttl: Duration) -> Self {

@@ -15,7 +15,8 @@ use crate::error::{NodeError, NodeErrorKind};
 use crate::quorum::VoteRules;
 use crate::redlock::Redlock;
 use crate::transport::{
-    AfterRound, Answer, Key, NodeFacts, NodeResult, Op, Reply, ServerKind, ServerTag, Transport,
+    After, AfterRound, Answer, Key, NodeFacts, NodeResult, Op, Reply, ServerKind, ServerTag,
+    Transport,
 };
 
 /// Virtual time: starts at a fixed instant, moves only when told (or slept).
@@ -92,36 +93,36 @@ pub(crate) struct Store {
 /// A node's lock history, as the scripts keep it in `quorumlock:meta`.
 #[derive(Debug, Clone, Copy)]
 struct Meta {
-    epoch: Instant,
+    /// When the history began (`None`: a record an extension wrote on a
+    /// node without history; the next acquire begins it).
+    epoch: Option<Instant>,
     /// The longest TTL recorded.
     max: Duration,
-    /// When `max` was first used (`None`: since always).
-    raised: Option<Instant>,
-    /// The longest before that.
+    /// The longest before `max` was first used.
     prev: Duration,
+    /// The histories `max` was first used after (empty: since always).
+    after: After,
 }
 
 impl Meta {
-    fn new(epoch: Instant) -> Meta {
+    fn new(epoch: Option<Instant>) -> Meta {
         Meta {
             epoch,
             max: Duration::ZERO,
-            raised: None,
             prev: Duration::ZERO,
+            after: After::NONE,
         }
     }
 
     /// The scripts' record of a command's `ttl`, with `known`, the longest
-    /// its client knew of before (see `raise_lua!`).
-    fn raise(&mut self, ttl: Duration, known: Duration, now: Instant) {
-        if self.raised.is_some_and(|r| r > now) {
-            self.raised = None;
-        }
+    /// its client knew of before, and `after`, the histories it knew to
+    /// have begun (see `raise_lua!`).
+    fn raise(&mut self, ttl: Duration, known: Duration, after: After) {
         let base = self.max.max(known);
         if ttl > base {
-            (self.max, self.raised, self.prev) = (ttl, Some(now), base);
+            (self.max, self.prev, self.after) = (ttl, base, after);
         } else if known > self.max {
-            (self.max, self.raised, self.prev) = (known, None, known);
+            (self.max, self.prev, self.after) = (known, known, After::NONE);
         }
     }
 }
@@ -142,31 +143,22 @@ impl Store {
     /// The acquire script's bookkeeping: facts before this command.
     fn history(
         &mut self,
-        ttl: Duration,
-        known: Duration,
+        (ttl, known, after): (Duration, Duration, After),
         now: Instant,
         base: Instant,
     ) -> NodeFacts {
-        let meta = self.meta.get_or_insert(Meta::new(now));
+        let meta = self.meta.get_or_insert(Meta::new(Some(now)));
+        let epoch = *meta.epoch.get_or_insert(now);
         let before = *meta;
-        meta.raise(ttl, known, now);
-        // A stamp in the node's future (its clock stepped back) is unknown.
-        let ago = before
-            .raised
-            .filter(|r| *r <= now)
-            .map(|r| now.saturating_duration_since(r));
+        meta.raise(ttl, known, after);
         NodeFacts {
-            epoch: u64::try_from(before.epoch.saturating_duration_since(base).as_nanos())
-                .unwrap_or(0)
-                + 1,
-            age: now.saturating_duration_since(before.epoch),
+            epoch: u64::try_from(epoch.saturating_duration_since(base).as_nanos()).unwrap_or(0) + 1,
+            age: now.saturating_duration_since(epoch),
             max_ttl: before.max,
-            raised_ago: ago,
-            prev_max: if ago.is_some() {
-                before.prev.min(before.max)
-            } else {
-                before.max
-            },
+            // One key per history: a store that loses its data is a new one.
+            history: self.id,
+            after: before.after,
+            prev_max: before.prev,
         }
     }
 
@@ -210,13 +202,26 @@ impl Store {
             return Err(why);
         }
         let facts = match op {
-            Op::Acquire { ttl, known_max, .. } | Op::Swap { ttl, known_max, .. } => {
-                Some(self.history(ttl, known_max, now, base))
+            Op::Acquire {
+                ttl,
+                known_max,
+                after,
+                ..
+            } => Some(self.history((ttl, known_max, after), now, base)),
+            Op::Swap { ttl, known_max, .. } => {
+                Some(self.history((ttl, known_max, After::NONE), now, base))
             }
-            Op::Extend { ttl, known_max, .. } => {
-                if let Some(meta) = &mut self.meta {
-                    meta.raise(ttl, known_max, now);
-                }
+            Op::Extend {
+                ttl,
+                known_max,
+                after,
+                ..
+            } => {
+                // The script writes the record even where the history is
+                // gone (a hash without an epoch, which the next acquire
+                // starts).
+                let meta = self.meta.get_or_insert(Meta::new(None));
+                meta.raise(ttl, known_max, after);
                 None
             }
             Op::Release { .. } | Op::Fence { .. } | Op::Restore { .. } => None,
@@ -247,7 +252,7 @@ impl Store {
     /// while), so that its votes count from the start.
     pub(crate) fn with_history(epoch: Instant) -> Self {
         Store {
-            meta: Some(Meta::new(epoch)),
+            meta: Some(Meta::new(Some(epoch))),
             ..Store::default()
         }
     }
@@ -710,6 +715,7 @@ mod fencing_checks {
             ttl: TTL,
             known_max: TTL,
             fenced: true,
+            after: crate::transport::After::NONE,
         };
         let first = store
             .round(acquire, &[Key::new("r", "t1")], now, now, 5)
@@ -817,9 +823,11 @@ mod fencing_checks {
         // Everyone old enough.
         clock.advance(TTL);
         for i in 0..3 {
-            let _ = nodes.stores[i]
-                .lock()
-                .history(TTL, TTL, clock.base, clock.base);
+            let _ = nodes.stores[i].lock().history(
+                (TTL, TTL, crate::transport::After::NONE),
+                clock.base,
+                clock.base,
+            );
         }
         nodes.wipe(2);
         nodes.set_clock_offset(2, 5_000_000);

@@ -34,8 +34,8 @@ use crate::quorum::{self, VoteRules};
 use crate::scripts;
 use crate::server::{id_hash, ServerInfo};
 use crate::transport::{
-    AfterRound, Answer, Decided, Key, NodeFacts, NodeResult, Op, Reply, ServerKind, ServerTag,
-    Stored, Transport, Undo,
+    After, AfterRound, Answer, Decided, Key, NodeFacts, NodeResult, Op, Reply, ServerKind,
+    ServerTag, Stored, Transport, Undo,
 };
 
 /// A parsed node address.
@@ -239,6 +239,9 @@ struct NodeShared {
     health: Mutex<NodeHealth>,
     /// Releases to send this node again.
     retries: Mutex<Retries>,
+    /// Batches of retried releases the node answered (their tokens), for
+    /// the retry job to take off `retries`.
+    answered: Mutex<Vec<Vec<String>>>,
     /// Tokens of acquires sent to this node whose reply has not been read:
     /// their SET may still land, after a delete sent on another connection.
     /// Kept until the reply is read (or the key would have expired), with
@@ -414,6 +417,7 @@ impl RedisTransport {
                 timeout,
                 health: Mutex::new(NodeHealth::default()),
                 retries: Mutex::new(Retries::default()),
+                answered: Mutex::new(Vec::new()),
                 unsettled: Mutex::new(HashMap::new()),
                 undone: Mutex::new(HashMap::new()),
                 retry_scheduled: AtomicBool::new(false),
@@ -707,6 +711,7 @@ fn probe_one(target: &Target, key: &str, timeout: Duration) -> crate::check::Pro
             ttl,
             known_max: ttl,
             fenced: false,
+            after: After::NONE,
         },
         &[k],
     );
@@ -911,8 +916,9 @@ fn late_reply(
         matches!(v, Value::ServerError(e) if e.kind() == Some(redis::ServerErrorKind::NoScript));
     if !p.retried.is_empty() && !noscript {
         // The node answered a retried release (a release the script did
-        // not run is sent again, as EVAL below and by the next retry).
-        retries_answered(node, &p.retried);
+        // not run is sent again, as EVAL below and by the next retry). The
+        // queue is updated by the retry job, off the round's path.
+        node.answered.lock().push(p.retried);
     }
     if noscript {
         // The round that sent it ended before it could fall back to EVAL:
@@ -1007,9 +1013,9 @@ fn acquired_any(v: &Value) -> bool {
 }
 
 /// Elements of an acquire or swap reply before its answers: the lock
-/// history's epoch, age, longest TTL, how long ago that was first used and
-/// the longest before it.
-const FACTS: usize = 5;
+/// history's epoch, age, longest TTL, key, the longest TTL before that was
+/// first used, and the histories it was first used after (a string, last).
+const FACTS: usize = 6;
 
 /// A granted lock's `SET` to send a node after the round (see
 /// [`RedisTransport::write_later`]).
@@ -1057,6 +1063,7 @@ fn late_write(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPool>, w: La
                 ttl: left,
                 known_max: w.known_max,
                 fenced: false,
+                after: After::NONE,
             };
             let undo = Encoded::new(
                 Op::Release {
@@ -1168,6 +1175,10 @@ fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPool>) {
         owed = idle.iter().any(|c| !c.broken && c.owes_release());
         drop(idle);
         shared.draining.store(false, Ordering::Release);
+    }
+    let answered = std::mem::take(&mut *shared.answered.lock());
+    for tokens in &answered {
+        retries_answered(shared, tokens);
     }
     shared.unsettled.lock().retain(|_, u| u.until > now);
     shared.undone.lock().retain(|_, until| *until > now);
@@ -1380,7 +1391,8 @@ impl Transport for RedisTransport {
                     && matches!(r, Err(e) if e.kind() == NodeErrorKind::NoConnection);
                 if unreached && self.nodes[i].inner.shared.is_healthy() {
                     for k in keys {
-                        self.write_later(i, k, ttl, known_max, start);
+                        // Not a first use (the round recorded it).
+                        self.write_later(i, k, ttl, known_max.max(ttl), start);
                     }
                 }
             }
@@ -1991,6 +2003,7 @@ impl Encoded {
                 ttl,
                 known_max,
                 fenced,
+                ..
             } => (
                 &scripts::ACQUIRE,
                 scripts::ACQUIRE_LUA,
@@ -2018,6 +2031,12 @@ impl Encoded {
             ),
             Op::Fence { value } => (&scripts::FENCE, scripts::FENCE_LUA, vec![value]),
         };
+        let begun = match op {
+            Op::Acquire { after, .. } | Op::Extend { after, .. } if !after.is_empty() => {
+                Some(after)
+            }
+            _ => None,
+        };
         // All but release and restore also take the node's lock-history key.
         let meta = !matches!(op, Op::Release { .. } | Op::Restore { .. });
         let swap = matches!(op, Op::Swap { .. });
@@ -2036,8 +2055,13 @@ impl Encoded {
             if meta {
                 cmd.arg(scripts::META_KEY);
             }
-            for a in &args {
-                cmd.arg(*a);
+            for (j, a) in args.iter().enumerate() {
+                match begun {
+                    // A first use: the longest TTL known, and the histories
+                    // it comes after (see `raise_lua!`).
+                    Some(b) if j == 1 => cmd.arg(format!("{a};{}", b.to_text())),
+                    _ => cmd.arg(*a),
+                };
             }
             if swap {
                 cmd.arg(keys.first().and_then(|k| k.next).unwrap_or_default());
@@ -2114,18 +2138,23 @@ impl Encoded {
                 if items.len() != self.n + FACTS {
                     return Err(unexpected(Value::Array(items)));
                 }
-                let f: Vec<i64> = items[..FACTS].iter().filter_map(int).collect();
-                let [epoch, age, max, ago, prev] = f[..] else {
+                let f: Vec<i64> = items[..FACTS - 1].iter().filter_map(int).collect();
+                let [epoch, age, max, key, prev] = f[..] else {
                     return Err(unexpected(Value::Array(items)));
+                };
+                let after = match &items[FACTS - 1] {
+                    Value::BulkString(b) => After::parse(b),
+                    Value::SimpleString(t) => After::parse(t.as_bytes()),
+                    _ => return Err(unexpected(Value::Array(items))),
                 };
                 let ms = |v: i64| Duration::from_millis(u64::try_from(v).unwrap_or(0));
                 let facts = NodeFacts {
                     epoch: u64::try_from(epoch).unwrap_or(0),
                     age: ms(age),
                     max_ttl: ms(max),
-                    // Negative: since always (or unknown).
-                    raised_ago: u64::try_from(ago).ok().map(Duration::from_millis),
-                    prev_max: ms(prev).min(ms(max)),
+                    history: u64::try_from(key).unwrap_or(0),
+                    after,
+                    prev_max: ms(prev),
                 };
                 (Some(facts), &items[FACTS..])
             }
@@ -2373,6 +2402,12 @@ mod tests {
                 ttl: Duration::from_millis(1500),
                 known_max: Duration::from_secs(3),
                 fenced: true,
+                after: {
+                    let mut a = After::NONE;
+                    a.insert(123_456_789);
+                    a.insert(42);
+                    a
+                },
             },
             Op::Swap {
                 ttl: Duration::from_millis(1500),
@@ -2384,6 +2419,7 @@ mod tests {
                 ttl: Duration::from_millis(1500),
                 linger: false,
                 known_max: Duration::from_secs(3),
+                after: After::NONE,
             },
             Op::Release {
                 keep_until: Instant::now(),
@@ -2410,8 +2446,8 @@ mod tests {
     /// meanwhile is deleted again behind it).
     #[test]
     fn a_late_fenced_set_is_seen_as_set() {
-        // The history's five facts (a raise 3 ms ago: a positive head), then the answer.
-        let reply = |r: i64| Value::Array([1, 2, 3, 3, 1, r].map(Value::Int).to_vec());
+        // The history's six facts (positive ones), then the answer.
+        let reply = |r: i64| Value::Array([1, 2, 3, 3, 1, 9, r].map(Value::Int).to_vec());
         assert!(acquired_any(&reply(1)));
         assert!(acquired_any(&reply(1_796_000_000_000_000)));
         assert!(!acquired_any(&reply(0)), "exists");

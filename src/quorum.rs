@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use crate::error::{Error, NodeError, NodeErrorKind};
-use crate::transport::{Answer, NodeFacts, NodeResult, ServerKind};
+use crate::transport::{After, Answer, NodeFacts, NodeResult, ServerKind};
 
 /// Extra drift allowance on top of `ttl × factor`, as in the Redlock spec.
 pub(crate) const DRIFT_FLOOR: Duration = Duration::from_millis(2);
@@ -167,83 +167,78 @@ pub(crate) fn settled_acquire(
     sure >= q || maybe + pending < q
 }
 
-/// A clock step (NTP, a VM resumed) that the delayed-restart rule absorbs
-/// when it compares how long ago a node first used a TTL with how old
-/// another node's history is: a raise within this much of a history's
-/// start counts as before it.
-pub(crate) const CLOCK_STEP_MARGIN: Duration = Duration::from_secs(1);
-
-/// What is known of the TTLs in use: the longest, `max`, in use since
-/// `raised` (`None`: since always), and at most `prev` before that. Kept by
-/// each client (from its own use and the nodes' reports) and, per node, by
-/// the acquire script; one step is all it keeps (a longer TTL first used
-/// later replaces it: `prev` becomes the old `max`).
+/// What is known of the TTLs in use: the longest, `max`, first used after
+/// the lock histories in `after` had begun (empty: in use since always),
+/// and at most `prev` before that. Kept by each client (from its own uses
+/// and the nodes' reports) and, per node, by the scripts; one step is all
+/// it keeps (a longer TTL first used later replaces it: `prev` becomes the
+/// old `max`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct TtlHistory {
     pub max: Duration,
-    pub raised: Option<std::time::Instant>,
+    pub after: After,
     pub prev: Duration,
 }
 
 impl TtlHistory {
-    /// Nothing known.
-    pub(crate) const NONE: TtlHistory = TtlHistory::since_always(Duration::ZERO);
-
     /// `max` in use since always (or since when, nobody can tell).
     pub(crate) const fn since_always(max: Duration) -> TtlHistory {
         TtlHistory {
             max,
-            raised: None,
+            after: After::NONE,
             prev: max,
         }
     }
 
-    /// After this client's own use of `ttl` at `at`: a TTL longer than any
-    /// known is first used then.
-    pub(crate) fn used(self, ttl: Duration, at: std::time::Instant) -> TtlHistory {
+    /// The longest TTL in use before the lock history `key` began.
+    pub(crate) fn before(&self, key: u64) -> Duration {
+        if self.after.contains(key) {
+            self.prev
+        } else {
+            self.max
+        }
+    }
+
+    /// After this client's own use of `ttl`, knowing that the histories
+    /// `begun` had begun: a TTL longer than any known is first used now.
+    pub(crate) fn used(self, ttl: Duration, begun: After) -> TtlHistory {
         let ttl = ttl.min(crate::MAX_TTL);
-        if ttl > self.max {
+        if ttl <= self.max {
+            self
+        } else if begun.is_empty() {
+            TtlHistory::since_always(ttl)
+        } else {
             TtlHistory {
                 max: ttl,
-                raised: Some(at),
+                after: begun,
                 prev: self.max,
             }
-        } else {
-            self
         }
     }
 
-    /// A node's report, heard in a round that began at `start` (the raise
-    /// is placed as early as the report allows).
-    pub(crate) fn reported(f: &NodeFacts, start: std::time::Instant) -> TtlHistory {
+    /// A node's report.
+    pub(crate) fn reported(f: &NodeFacts) -> TtlHistory {
         let max = f.max_ttl.min(crate::MAX_TTL);
-        match f.raised_ago.and_then(|ago| start.checked_sub(ago)) {
-            Some(raised) => TtlHistory {
+        if f.after.is_empty() {
+            TtlHistory::since_always(max)
+        } else {
+            TtlHistory {
                 max,
-                raised: Some(raised),
+                after: f.after,
                 prev: f.prev_max.min(max),
-            },
-            None => TtlHistory::since_always(max),
+            }
         }
     }
 
-    /// A history that bounds both (at every instant, the longest TTL in
-    /// use before it is at most what this says).
+    /// A history that bounds both: for every lock history, the longest TTL
+    /// in use before it began is at most what this says.
     pub(crate) fn merge(self, other: TtlHistory) -> TtlHistory {
-        if self.max == other.max {
-            let raised = match (self.raised, other.raised) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                _ => None,
-            };
-            TtlHistory {
-                max: self.max,
-                raised,
-                prev: if raised.is_some() {
-                    self.prev.max(other.prev)
-                } else {
-                    self.max
-                },
-            }
+        let (max, after, prev) = if self.max == other.max {
+            (
+                self.max,
+                self.after.intersect(&other.after),
+                self.prev.max(other.prev),
+            )
         } else {
             // The longer one's step, with the shorter one's longest before it.
             let (hi, lo) = if self.max > other.max {
@@ -251,15 +246,12 @@ impl TtlHistory {
             } else {
                 (other, self)
             };
-            TtlHistory {
-                max: hi.max,
-                raised: hi.raised,
-                prev: if hi.raised.is_some() {
-                    hi.prev.max(lo.max)
-                } else {
-                    hi.max
-                },
-            }
+            (hi.max, hi.after, hi.prev.max(lo.max))
+        };
+        if after.is_empty() {
+            TtlHistory::since_always(max)
+        } else {
+            TtlHistory { max, after, prev }
         }
     }
 }
@@ -271,12 +263,9 @@ impl TtlHistory {
 /// history began, and still held elsewhere, so its OK does not count until
 /// its history is older than the longest TTL in use before it began: the
 /// TTL asked for, and every TTL this client or a node that answered knew
-/// of, unless it was first used after that node's history began. Whether
-/// a first use came before is decided by comparing ages measured in the
-/// same round (how long ago another node or this client first used it,
-/// how old the young node's history is), never one clock's timestamps with
-/// another's, with a slack for the round's length, both clocks' drift and
-/// a clock step of up to [`CLOCK_STEP_MARGIN`].
+/// of, unless it was first used by a client that had already seen that
+/// history (its key is in the record's `after`). No clocks are compared:
+/// "first used after" is what the first user saw.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct RestartRule {
     pub enabled: bool,
@@ -285,12 +274,9 @@ pub(crate) struct RestartRule {
     pub floor: Duration,
     /// What this client knew of the TTLs in use when the round began.
     pub known: TtlHistory,
-    /// When the round began.
-    pub start: std::time::Instant,
-    /// The clocks' drift factor (each clock may run this much fast or slow).
-    pub drift_factor: f64,
-    /// The simulation's broken variant: every first use counts as after
-    /// the young node's history began (ignores raises from before it).
+    /// The simulation's broken variant: every TTL counts only as the
+    /// longest before its first use, for every history (ignores first uses
+    /// from before a history began).
     pub loose: bool,
 }
 
@@ -303,41 +289,32 @@ impl RestartRule {
     }
 
     /// How much longer a node with facts `f` is held back (zero: its vote
-    /// counts), given every report of the round so far (`all`) and the
-    /// time now. `trusted`: the client chose to trust this node's history.
+    /// counts), given every report of the round so far (`all`). `trusted`:
+    /// the client chose to trust this node's history.
     pub(crate) fn hold<'a>(
         &self,
         f: &NodeFacts,
         all: impl Iterator<Item = &'a NodeFacts>,
         trusted: bool,
-        now: std::time::Instant,
     ) -> Duration {
         if !self.enabled || trusted {
             return Duration::ZERO;
         }
-        let age = f.age;
-        let slack = now
-            .saturating_duration_since(self.start)
-            .saturating_add(CLOCK_STEP_MARGIN)
-            .saturating_add(drift_allowance(age, 2.0 * self.drift_factor));
-        // Whether a first use `ago` before now came before the young node's
-        // history began (unknown: it did).
-        let before = |ago: Option<Duration>| {
-            !self.loose && ago.is_none_or(|ago| ago.saturating_add(slack) > age)
+        let key = f.history;
+        let own = if self.loose {
+            self.known.prev
+        } else {
+            self.known.before(key)
         };
-        let in_use = |max: Duration, prev: Duration, ago: Option<Duration>| {
-            if ago.is_none() || before(ago) {
-                max
-            } else {
-                prev
-            }
-        };
-        let own = self.known.raised.map(|r| now.saturating_duration_since(r));
-        let mut longest = self.floor.max(in_use(self.known.max, self.known.prev, own));
+        let mut longest = self.floor.max(own);
         for o in all {
-            longest = longest.max(in_use(o.max_ttl, o.prev_max, o.raised_ago));
+            longest = longest.max(if self.loose {
+                o.prev_max
+            } else {
+                TtlHistory::reported(o).before(key)
+            });
         }
-        longest.saturating_sub(age)
+        longest.saturating_sub(f.age)
     }
 }
 
@@ -811,129 +788,155 @@ mod tests {
         let _ = retry_delay(Duration::MAX, Duration::MAX, u64::MAX);
     }
 
-    /// The longest TTL in use before instant `t`, as `h` says.
-    fn before_at(h: TtlHistory, t: std::time::Instant) -> Duration {
-        match h.raised {
-            Some(r) if t <= r => h.prev,
-            _ => h.max,
+    fn after(keys: &[u64]) -> After {
+        let mut a = After::NONE;
+        for &k in keys {
+            a.insert(k);
         }
+        a
     }
 
-    /// A merged history bounds both at every instant (including the ones
-    /// where their steps fall), for histories with and without a stamp.
+    /// A merged history bounds both, for every lock history (in and out of
+    /// either's `after`), with and without a record of first use; a new
+    /// use keeps the bound.
     #[test]
     fn a_merged_ttl_history_bounds_both() {
-        let t0 = std::time::Instant::now();
-        let at = |ms: u64| t0 + Duration::from_millis(ms);
         let rng = crate::clock::Rng::new(19);
         let pick = |n: u64| rng.next_u64() % n;
+        let h = || {
+            let max = Duration::from_millis(pick(6) * 100);
+            let keys: Vec<u64> = (1..=4).filter(|_| pick(2) == 0).collect();
+            TtlHistory::reported(&NodeFacts {
+                epoch: 1,
+                age: Duration::ZERO,
+                max_ttl: max,
+                history: 1,
+                after: after(&keys),
+                prev_max: Duration::from_millis(pick(6) * 100),
+            })
+        };
         for _ in 0..20_000 {
-            let h = || {
-                let max = Duration::from_millis(pick(6) * 100);
-                if pick(3) == 0 {
-                    TtlHistory::since_always(max)
-                } else {
-                    TtlHistory {
-                        max,
-                        raised: Some(at(pick(5) * 10)),
-                        prev: max.min(Duration::from_millis(pick(6) * 100)),
-                    }
-                }
-            };
             let (a, b) = (h(), h());
             let m = a.merge(b);
-            for ms in 0..=60 {
-                let t = at(ms);
+            for key in 0..=5 {
                 assert!(
-                    before_at(m, t) >= before_at(a, t).max(before_at(b, t)),
-                    "{a:?} + {b:?} = {m:?} at {ms} ms"
+                    m.before(key) >= a.before(key).max(b.before(key)),
+                    "{a:?} + {b:?} = {m:?} for history {key}"
                 );
             }
-            // A new use keeps the bound and starts a step.
-            let u = m.used(m.max + Duration::from_millis(1), at(70));
-            assert_eq!((u.prev, u.raised), (m.max, Some(at(70))));
-            assert!(before_at(u, at(70)) >= before_at(m, at(70)));
+            let u = m.used(m.max + Duration::from_millis(1), after(&[2, 3]));
+            for key in 0..=5 {
+                assert!(u.before(key) >= m.before(key));
+            }
+            assert_eq!(u.before(2), m.max, "first used after history 2");
+            assert_eq!(u.before(5), u.max, "not known to have begun");
         }
+        // A report without a record of first use is since always.
+        let always = TtlHistory::reported(&NodeFacts {
+            epoch: 1,
+            age: Duration::ZERO,
+            max_ttl: Duration::from_secs(30),
+            history: 1,
+            after: After::NONE,
+            prev_max: Duration::ZERO,
+        });
+        assert_eq!(always.before(1), Duration::from_secs(30));
     }
 
-    fn facts(age_ms: u64, max_ms: u64, ago_ms: Option<u64>, prev_ms: u64) -> NodeFacts {
+    fn facts(key: u64, age_ms: u64, max_ms: u64, after_keys: &[u64], prev_ms: u64) -> NodeFacts {
         let ms = Duration::from_millis;
         NodeFacts {
             epoch: 1,
             age: ms(age_ms),
             max_ttl: ms(max_ms),
-            raised_ago: ago_ms.map(ms),
+            history: key,
+            after: after(after_keys),
             prev_max: ms(prev_ms),
         }
     }
 
-    /// A young node is held for the longest TTL first used before its
-    /// history began, as another node's report in the same round says: a
-    /// raise longer ago than the young node's age counts (within the
-    /// clock-step margin too), one since then does not, one since always
-    /// always does; a loose rule ignores the stamps.
+    /// A young node is held for the longest TTL in use before its history
+    /// began: a TTL first used by a client that had seen that history does
+    /// not count (the one before it does), any other does; a loose rule
+    /// counts only the ones before.
     #[test]
-    fn a_young_node_is_held_for_the_ttls_first_used_before_its_history() {
-        let now = std::time::Instant::now();
+    fn a_young_node_is_held_for_the_ttls_in_use_before_its_history() {
         let rule = RestartRule {
             enabled: true,
             floor: Duration::from_millis(100),
-            known: TtlHistory::NONE,
-            start: now,
-            drift_factor: 0.01,
+            known: TtlHistory::since_always(Duration::ZERO),
             loose: false,
         };
-        let young = facts(5_000, 0, None, 0);
-        let hold = |other: NodeFacts, rule: &RestartRule| {
-            rule.hold(&young, [young, other].iter(), false, now)
-        };
+        let young = facts(7, 5_000, 0, &[], 0);
+        let hold =
+            |other: NodeFacts, rule: &RestartRule| rule.hold(&young, [young, other].iter(), false);
         let s = Duration::from_secs;
-        // 30 s first used 8 s ago, before the young history (5 s) began.
-        assert_eq!(hold(facts(9_000, 30_000, Some(8_000), 100), &rule), s(25));
-        // ... 5.5 s ago: within the margin, counted as before.
-        assert_eq!(hold(facts(9_000, 30_000, Some(5_500), 100), &rule), s(25));
-        // ... 3 s ago: after it began; the TTL before (10 s) holds it.
-        assert_eq!(hold(facts(9_000, 30_000, Some(3_000), 10_000), &rule), s(5));
+        // 30 s first used after histories 1 and 2 began: not 7's.
+        assert_eq!(hold(facts(1, 9_000, 30_000, &[1, 2], 100), &rule), s(25));
+        // ... after 7's: the 10 s before it counts.
+        assert_eq!(hold(facts(1, 9_000, 30_000, &[1, 7], 10_000), &rule), s(5));
         // Since always.
-        assert_eq!(hold(facts(9_000, 30_000, None, 30_000), &rule), s(25));
+        assert_eq!(hold(facts(1, 9_000, 30_000, &[], 0), &rule), s(25));
         // Old enough for all of it.
-        assert_eq!(
-            hold(facts(9_000, 4_000, Some(8_000), 100), &rule),
-            Duration::ZERO
-        );
+        assert_eq!(hold(facts(1, 9_000, 4_000, &[], 0), &rule), Duration::ZERO);
+        // The loose rule takes the one before, whatever the histories.
         let loose = RestartRule {
             loose: true,
             ..rule
         };
         assert_eq!(
-            hold(facts(9_000, 30_000, Some(8_000), 100), &loose),
+            hold(facts(1, 9_000, 30_000, &[1, 2], 100), &loose),
             Duration::ZERO
         );
-        // The client's own knowledge counts the same way.
-        let known = RestartRule {
+        // What the client knows counts the same way.
+        let knows = |a: &[u64]| RestartRule {
             known: TtlHistory {
                 max: s(30),
-                raised: now.checked_sub(s(8)),
+                after: after(a),
                 prev: Duration::from_millis(100),
             },
             ..rule
         };
-        assert_eq!(hold(facts(9_000, 0, None, 0), &known), s(25));
+        assert_eq!(hold(facts(1, 0, 0, &[], 0), &knows(&[1])), s(25));
+        assert_eq!(hold(facts(1, 0, 0, &[], 0), &knows(&[7])), Duration::ZERO);
+        // An unknown history (key 0) is never "begun".
+        let unknown = facts(0, 5_000, 0, &[], 0);
+        let r = rule.hold(
+            &unknown,
+            [facts(1, 9_000, 30_000, &[0, 1], 100)].iter(),
+            false,
+        );
+        assert_eq!(r, s(25));
         // Off, or trusted: no hold.
         let off = RestartRule {
             enabled: false,
             ..rule
         };
+        assert_eq!(hold(facts(1, 9_000, 30_000, &[], 0), &off), Duration::ZERO);
         assert_eq!(
-            hold(facts(9_000, 30_000, None, 30_000), &off),
-            Duration::ZERO
-        );
-        assert_eq!(
-            rule.hold(&young, [facts(1, 30_000, None, 30_000)].iter(), true, now),
+            rule.hold(&young, [facts(1, 1, 30_000, &[], 0)].iter(), true),
             Duration::ZERO
         );
         // Duration::MAX anywhere saturates.
-        let huge = facts(u64::MAX, u64::MAX, Some(u64::MAX), u64::MAX);
-        let _ = rule.hold(&huge, [huge].iter(), false, now);
+        let huge = NodeFacts {
+            age: Duration::MAX,
+            max_ttl: Duration::MAX,
+            prev_max: Duration::MAX,
+            ..young
+        };
+        let _ = rule.hold(&huge, [huge].iter(), false);
+    }
+
+    /// The script's form of a set of histories: parsed back as written,
+    /// at most `CAP` keys, unknown and odd parts ignored.
+    #[test]
+    fn history_sets_round_trip_and_stay_bounded() {
+        let a = after(&[3, 1_234_567_890_123, 42]);
+        assert_eq!(After::parse(a.to_text().as_bytes()), a);
+        assert_eq!(After::parse(b""), After::NONE);
+        assert_eq!(After::parse(b"0,x,,-5,7").keys(), &[7]);
+        let many: Vec<u64> = (1..=20).collect();
+        assert_eq!(after(&many).keys().len(), After::CAP);
+        assert!(!After::NONE.contains(0));
     }
 }

@@ -20,7 +20,7 @@ use crate::events::{
 use crate::guard::{Callbacks, LockGuard, LockState, LostCallback, Timing};
 use crate::local::{Gates, Permit};
 use crate::quorum::{self, RestartRule, Tally, TtlHistory};
-use crate::transport::{AfterRound, Key, NodeFacts, NodeResult, Op, Transport};
+use crate::transport::{After, AfterRound, Key, NodeFacts, NodeResult, Op, Transport};
 use crate::watchdog::Watchdog;
 use crate::Result;
 
@@ -60,6 +60,9 @@ pub(crate) struct Inner {
     ttls: Mutex<TtlHistory>,
     /// Per node, the lock-history epoch this client saw first (0: none yet).
     epochs: Vec<AtomicU64>,
+    /// Per node, the key of the last lock history it reported (0: none
+    /// yet): the histories a TTL this client uses first comes after.
+    histories: Vec<AtomicU64>,
     /// Per node, whether the last event said its votes are held back.
     held_back: Vec<AtomicBool>,
     me: Weak<Inner>,
@@ -164,6 +167,11 @@ impl Redlock {
             .iter()
             .map(|_| AtomicU64::new(0))
             .collect();
+        let histories = transport
+            .node_names()
+            .iter()
+            .map(|_| AtomicU64::new(0))
+            .collect();
         // A configured longest TTL is in use since always.
         let known = TtlHistory::since_always(settings.max_ttl.unwrap_or_default().min(MAX_TTL));
         let names_len_flags = transport
@@ -182,6 +190,7 @@ impl Redlock {
                 gates: Arc::new(Gates::new(clock.clone())),
                 ttls: Mutex::new(known),
                 epochs,
+                histories,
                 held_back: names_len_flags,
                 me: me.clone(),
                 watchdog: OnceLock::new(),
@@ -547,12 +556,11 @@ impl Inner {
         let key = Key::new(resource, &token);
         let start = self.clock.now();
         let known = *self.ttls.lock();
+        let first = self.first_use(ttl, &known);
         let rule = RestartRule {
             enabled: self.settings.restart_protection,
             floor: ttl,
             known,
-            start,
-            drift_factor: self.settings.drift_factor,
             loose: self.settings.loose_restart_rule,
         };
         // No point waiting for replies past the moment validity would be gone.
@@ -560,11 +568,10 @@ impl Inner {
         let horizon = self.horizon();
         let settled = |results: &[Option<NodeResult>]| {
             let longest = rule.longest(quorum::facts_of(results.iter().flatten()));
-            let now = self.clock.now();
             let counts = |i: usize, facts: Option<&NodeFacts>| {
                 facts.is_none_or(|f| {
                     let all = quorum::facts_of(results.iter().flatten());
-                    rule.hold(f, all, self.trusted(i, f), now).is_zero()
+                    rule.hold(f, all, self.trusted(i, f)).is_zero()
                 })
             };
             // A young vote counts only once every waited-for node answered:
@@ -606,6 +613,7 @@ impl Inner {
                 ttl,
                 known_max: known.max,
                 fenced: self.settings.fencing,
+                after: first,
             },
             &[key],
             after(start, budget),
@@ -622,7 +630,7 @@ impl Inner {
                     .unwrap_or_else(|| (self.clock.now(), Err(Error::Expired), Vec::new()))
             }
         };
-        self.learn(&results, start, Some(ttl));
+        self.learn(&results, Some((ttl, first)));
         self.note_failures(&judged);
         let elapsed = end.saturating_duration_since(start);
         // Where our key is now (held-back votes included: the key is set).
@@ -667,7 +675,7 @@ impl Inner {
                         .and_then(|r| r.facts)
                         .map_or(Duration::ZERO, |f| {
                             let all = quorum::facts_of(results.iter());
-                            rule.hold(&f, all, self.trusted(i, &f), end)
+                            rule.hold(&f, all, self.trusted(i, &f))
                         })
                 })
                 .collect();
@@ -798,7 +806,7 @@ impl Inner {
             Some(&quorum::settled),
             Some(&decide),
         );
-        self.learn(&results, start, None);
+        self.learn(&results, None);
         self.note_failures(&results);
         let outcome = outcome.take().unwrap_or(Err(Error::Expired));
         if outcome.is_ok() {
@@ -843,10 +851,9 @@ impl Inner {
         let horizon = self.horizon().max(longest);
         let heard_all = quorum::heard_all(&results);
         let all: Vec<NodeFacts> = quorum::facts_of(results.iter()).copied().collect();
-        let now = self.clock.now();
         quorum::hold_back(results, self.transport.node_names(), |i, f| {
             let trusted = self.trusted(i, f);
-            let left = rule.hold(f, all.iter(), trusted, now);
+            let left = rule.hold(f, all.iter(), trusted);
             if !left.is_zero() {
                 Some(format!(
                     "lock history {:?} old; its votes count in {left:?}",
@@ -870,26 +877,54 @@ impl Inner {
         self.settings.max_ttl.unwrap_or(MAX_TTL)
     }
 
-    /// Remembers what the nodes reported in a round that began at `start`
-    /// (the TTLs in use and, per node, the first lock-history epoch seen),
-    /// and the TTL the round itself used, if it was a new one.
-    fn learn(&self, results: &[NodeResult], start: Instant, used: Option<Duration>) {
-        let mut heard = TtlHistory::NONE;
+    /// Remembers what the nodes reported (the TTLs in use and, per node,
+    /// the first and the last lock-history seen), and the TTL the round
+    /// itself used, with the histories it sent as begun before it.
+    fn learn(&self, results: &[NodeResult], used: Option<(Duration, After)>) {
+        let mut heard: Option<TtlHistory> = None;
         for (i, r) in results.iter().enumerate() {
             let Some(f) = r.as_ref().ok().and_then(|r| r.facts) else {
                 continue;
             };
-            heard = heard.merge(TtlHistory::reported(&f, start));
+            let h = TtlHistory::reported(&f);
+            heard = Some(heard.map_or(h, |k| k.merge(h)));
             if let Some(e) = self.epochs.get(i) {
                 let _ = e.compare_exchange(0, f.epoch, Ordering::Relaxed, Ordering::Relaxed);
             }
+            if let Some(k) = self.histories.get(i) {
+                k.store(f.history, Ordering::Relaxed);
+            }
+        }
+        if heard.is_none() && used.is_none() {
+            return;
         }
         let mut ttls = self.ttls.lock();
-        let mut next = ttls.merge(heard);
-        if let Some(ttl) = used {
-            next = next.used(ttl, start);
+        let mut next = heard.map_or(*ttls, |h| ttls.merge(h));
+        if let Some((ttl, begun)) = used {
+            next = next.used(ttl, begun);
         }
         *ttls = next;
+    }
+
+    /// The lock histories this client has seen begin (the last one each
+    /// node reported).
+    fn begun(&self) -> After {
+        let mut out = After::NONE;
+        for k in &self.histories {
+            out.insert(k.load(Ordering::Relaxed));
+        }
+        out
+    }
+
+    /// What a round using `ttl` sends as the histories it comes after: the
+    /// ones this client has seen begin if `ttl` is longer than any it knows
+    /// of (a first use), else none (nothing is recorded).
+    fn first_use(&self, ttl: Duration, known: &TtlHistory) -> After {
+        if ttl > known.max {
+            self.begun()
+        } else {
+            After::NONE
+        }
     }
 
     /// Runs a release of one lock on every node, bounded by the node timeout.
@@ -1045,11 +1080,12 @@ impl Inner {
         // extend script records it on the nodes too, as first used now if
         // it is longer than any this client knew of).
         let start = self.clock.now();
-        let known = {
+        let (known, begun) = {
             let mut ttls = self.ttls.lock();
-            let known = ttls.max;
-            *ttls = ttls.used(ttl, start);
-            known
+            let known = *ttls;
+            let begun = self.first_use(ttl, &known);
+            *ttls = ttls.used(ttl, begun);
+            (known.max, begun)
         };
         let keys: Vec<Key<'_>> = states.iter().map(|s| s.key()).collect();
         let mut deadline = self.batch_deadline(start, keys.len());
@@ -1081,6 +1117,7 @@ impl Inner {
                 ttl,
                 linger: loud,
                 known_max: known,
+                after: begun,
             };
             self.transport.run(op, &keys, deadline, Some(settled), None)
         } else {

@@ -8,20 +8,22 @@
 use std::sync::LazyLock;
 
 /// The node's own lock metadata (a hash, no TTL): `epoch`, the node time in
-/// ms when it first carried a lock, and `max_ttl`, the longest TTL in use.
+/// ms when it first carried a lock; `max_ttl`, the longest TTL in use, with
+/// `after` and `prev_max` (the histories it was first used after, and the
+/// longest before it: see `raise_lua!`); `id` (see [`HISTORY_ID_LUA`]).
 /// It disappears exactly when the node loses its data, which is what the
 /// delayed-restart rule needs to know. Not usable as a resource name.
 pub(crate) const META_KEY: &str = "quorumlock:meta";
 
 /// `SET NX PX` for every lock key, plus the node's lock history. `KEYS` are
 /// the lock keys then [`META_KEY`]; `ARGV[1]` the TTL in ms, `ARGV[2]` the
-/// longest TTL the client knew of before this command, `ARGV[3]` `1` for a fenced lock (else
-/// `0`), `ARGV[4..]` the tokens. Answers `{epoch, age_ms, max_ttl_before,
-/// raised_ago_ms, prev_max, r1, …}`: the node's history before this
-/// command, where `raised_ago_ms` says how long ago the longest TTL was
-/// first used (`-1`: since always, or unknown) and `prev_max` the longest
-/// before that; then `ri`, 0 (exists) or, where set, 1 or (fenced) the key's new
-/// fencing counter (see [`ACQUIRE_LUA`]).
+/// longest TTL the client knew of before this command (and, for a first
+/// use, the lock histories it knows: see `raise_lua!`), `ARGV[3]` `1` for a
+/// fenced lock (else `0`), `ARGV[4..]` the tokens. Answers `{epoch, age_ms,
+/// max_ttl, history_key, prev_max, after, r1, …}`: the node's history
+/// before this command (see `history_lua!`), then `ri`, 0 (exists) or,
+/// where set, 1 or (fenced) the key's new fencing counter (see
+/// [`ACQUIRE_LUA`]).
 /// The epoch is rounded up and the current time down, so that the age is
 /// never more than the time the node has really kept its data; an epoch in
 /// the node's future (its clock was stepped back) starts again now. The age
@@ -32,38 +34,39 @@ pub(crate) static ACQUIRE: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(ACQUIRE_LUA));
 
 /// The head shared by [`ACQUIRE_LUA`] and [`SWAP_LUA`]: the node's lock
-/// history, read and updated, and the reply's first five elements.
+/// history, read and updated, and the reply's first six elements: `epoch`,
+/// `age`, `max_ttl`, the history's key (the first 48 bits of the SHA1 of
+/// the server's `run_id` and the epoch: new when the node loses its data
+/// or restarts), `prev_max` and `after` (see `raise_lua!`).
 macro_rules! history_lua {
     () => {
         concat!(
             r"local meta = KEYS[#KEYS]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local m = redis.call('HMGET', meta, 'epoch', 'max_ttl', 'raised', 'prev_max')
+local m = redis.call('HMGET', meta, 'epoch', 'max_ttl', 'prev_max', 'after')
 local epoch = tonumber(m[1])
 if not epoch or epoch > now + 1 then
   epoch = now + 1
   redis.call('HSET', meta, 'epoch', epoch)
 end
 local age = math.max(now - epoch, 0)
+local run = '?'
 local info = redis.pcall('INFO', 'server')
 if type(info) == 'string' then
   local up = tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
   if up then
     age = math.min(age, math.max(up - 1, 0) * 1000)
   end
+  run = string.match(info, 'run_id:(%w+)') or '?'
 end
+local hkey = tonumber(string.sub(redis.sha1hex(run .. ':' .. epoch), 1, 12), 16)
 local known = tonumber(m[2]) or 0
-local raised = tonumber(m[3])
-local ago = -1
-local prev = known
-if raised and raised <= now then
-  ago = now - raised
-  prev = math.min(tonumber(m[4]) or known, known)
-end
+local prev = tonumber(m[3]) or known
+local after = m[4] or ''
 ",
             raise_lua!(),
-            r"local out = {epoch, age, known, ago, prev}
+            r"local out = {epoch, age, known, hkey, prev, after}
 local n = #KEYS - 1
 "
         )
@@ -71,28 +74,25 @@ local n = #KEYS - 1
 }
 
 /// Records the TTL a command uses, `ARGV[1]`, in the node's history
-/// (`meta`, its time `now`, its longest TTL so far `known`), with
-/// `ARGV[2]`, the longest the client knew of before this command. A TTL
-/// longer than both is first used now: the raise is stamped (`raised`,
-/// and `prev_max`, the longest before it). A longer TTL the client knew of
-/// was in use elsewhere since a time nobody here can tell: recorded as in
-/// use since always (no stamp). A stamp in the node's future (its clock
-/// was stepped back) is dropped, so it counts as since always too.
+/// (`meta`, its longest TTL so far `known`), with `ARGV[2]`, the longest
+/// TTL the client knew of before this command, followed, where the client
+/// uses a TTL longer than any it knows of, by `;` and the lock histories
+/// (their keys, comma-separated) it knew to have begun. A TTL longer than
+/// both is first used now: recorded with `prev_max`, the longest before it,
+/// and `after`, those histories. Only histories in `after` can count that
+/// TTL as first used after they began; none (empty): in use since always.
+/// A longer TTL only the client knew of was in use elsewhere, since a time
+/// nobody here can tell: recorded as in use since always.
 macro_rules! raise_lua {
     () => {
-        r"if raised and raised > now then
-  redis.call('HDEL', meta, 'raised')
-  ago = -1
-  prev = known
-end
-local ttl = tonumber(ARGV[1])
-local gossip = tonumber(ARGV[2])
+        r"local ttl = tonumber(ARGV[1])
+local gossip = tonumber(string.match(ARGV[2], '^%d+')) or 0
+local begun = string.match(ARGV[2], ';([%d,]*)$') or ''
 local base = math.max(known, gossip)
 if ttl > base then
-  redis.call('HSET', meta, 'max_ttl', ttl, 'raised', now, 'prev_max', base)
+  redis.call('HSET', meta, 'max_ttl', ttl, 'prev_max', base, 'after', begun)
 elseif gossip > known then
-  redis.call('HSET', meta, 'max_ttl', gossip, 'prev_max', gossip)
-  redis.call('HDEL', meta, 'raised')
+  redis.call('HSET', meta, 'max_ttl', gossip, 'prev_max', gossip, 'after', '')
 end
 "
     };
@@ -174,20 +174,20 @@ for i = 1, n do
       local f = 'fence:' .. KEYS[i]
       local c = math.max((tonumber(redis.call('HGET', meta, f)) or 0) + 1, micros)
       redis.call('HSET', meta, f, string.format('%.0f', c))
-      out[i + 5] = c
+      out[i + 6] = c
     else
-      out[i + 5] = 1
+      out[i + 6] = 1
     end
   elseif redis.call('GET', KEYS[i]) == ARGV[i + 3] then
     -- This attempt's own SET (tokens are one per attempt), sent again after
     -- its connection closed before the reply: set, with its counter.
     if ARGV[3] == '1' then
-      out[i + 5] = tonumber(redis.call('HGET', meta, 'fence:' .. KEYS[i])) or 0
+      out[i + 6] = tonumber(redis.call('HGET', meta, 'fence:' .. KEYS[i])) or 0
     else
-      out[i + 5] = 1
+      out[i + 6] = 1
     end
   else
-    out[i + 5] = 0
+    out[i + 6] = 0
   end
 end
 return out"
@@ -231,10 +231,10 @@ pub(crate) const SWAP_LUA: &str = concat!(
     history_lua!(),
     r"local v = redis.call('GET', KEYS[1])
 local left = redis.call('PTTL', KEYS[1])
-out[6] = v and -1 or 0
+out[7] = v and -1 or 0
 if v == ARGV[4] then
   -- This swap, sent again after its connection closed before the reply.
-  out[6] = 1
+  out[7] = 1
 elseif left > 0 and ours(v, ARGV[5]) then
   redis.call('SET', KEYS[1], ARGV[4], 'PX', left)
   if ARGV[3] ~= '0' then
@@ -243,7 +243,7 @@ elseif left > 0 and ours(v, ARGV[5]) then
       redis.call('HSET', meta, f, ARGV[3])
     end
   end
-  out[6] = 1
+  out[7] = 1
 end
 return out"
 );
@@ -297,10 +297,11 @@ return out"
 );
 
 /// Compare-and-pexpire to `ARGV[1]` milliseconds; `ARGV[2]` is the longest
-/// TTL the client knew of before, and the tokens follow (`ARGV[i + 2]`).
-/// Its last key is [`META_KEY`], where the TTL is recorded as an acquire
-/// records it, so that the delayed-restart rule also knows TTLs that grew
-/// by extension, and since when.
+/// TTL the client knew of before (and the histories it knows, as for
+/// [`ACQUIRE`]), and the tokens follow (`ARGV[i + 2]`). Its last
+/// key is [`META_KEY`], where the TTL is recorded as an acquire records
+/// it, so that the delayed-restart rule also knows TTLs that grew by
+/// extension.
 pub(crate) static EXTEND: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(EXTEND_LUA));
 
@@ -308,12 +309,7 @@ pub(crate) static EXTEND: LazyLock<redis::Script> =
 pub(crate) const EXTEND_LUA: &str = concat!(
     r"local out = {}
 local meta = KEYS[#KEYS]
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local m = redis.call('HMGET', meta, 'max_ttl', 'raised')
-local known = tonumber(m[1]) or 0
-local raised = tonumber(m[2])
-local ago, prev
+local known = tonumber(redis.call('HGET', meta, 'max_ttl')) or 0
 ",
     raise_lua!(),
     each_own_key_lua!(

@@ -65,6 +65,9 @@ pub(crate) enum Op {
         ttl: Duration,
         known_max: Duration,
         fenced: bool,
+        /// The lock histories the client knows to have begun, recorded with
+        /// `ttl` where it is first used (empty otherwise).
+        after: After,
     },
     /// Delete the key if it holds our token. A node that does not answer is
     /// asked again in the background until `keep_until` (when every key of
@@ -74,13 +77,13 @@ pub(crate) enum Op {
     /// expiry never moves back). `linger`: once the outcome is settled, the
     /// round keeps reading the replies of the nodes it waits for, for as
     /// long again as it took to settle (the renewal thread's rounds: a node
-    /// that lost the key says so, and its copy is restored). `known_max`:
-    /// the longest TTL the client knew of before, recorded with `ttl` as
-    /// `Acquire` records them.
+    /// that lost the key says so, and its copy is restored). `known_max`
+    /// and `after`: recorded with `ttl` as `Acquire` records them.
     Extend {
         ttl: Duration,
         linger: bool,
         known_max: Duration,
+        after: After,
     },
     /// A held lock handed to a new critical section: where the key holds
     /// our token (or an earlier one of its lineage, see [`ours`]), it gets
@@ -125,12 +128,86 @@ pub(crate) struct NodeFacts {
     pub age: Duration,
     /// The longest TTL recorded on the node before this command.
     pub max_ttl: Duration,
-    /// How long ago (by the node's clock) `max_ttl` was first used; `None`:
-    /// since always, as far as the node can tell.
-    pub raised_ago: Option<Duration>,
-    /// The longest TTL recorded before that (`max_ttl` when `raised_ago`
-    /// is `None`).
+    /// The key of this lock history (a hash of the server's `run_id` and
+    /// the epoch, made by the script): new when the node loses its data or
+    /// restarts. `0`: unknown.
+    pub history: u64,
+    /// The lock histories that had begun before `max_ttl` was first used
+    /// (as the client that first used it knew them); empty: in use since
+    /// always, as far as anyone can tell.
+    pub after: After,
+    /// The longest TTL recorded before that first use (as recorded: equal
+    /// to `max_ttl` or not, it counts only for the histories in `after`).
     pub prev_max: Duration,
+}
+
+/// A set of lock-history keys (see [`NodeFacts::history`]), at most
+/// [`After::CAP`]: the histories a TTL was first used after. Keys beyond
+/// the capacity are left out, which only makes the rule hold more back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct After {
+    keys: [u64; After::CAP],
+    len: u8,
+}
+
+impl After {
+    /// How many keys one set holds.
+    pub(crate) const CAP: usize = 8;
+
+    /// No history: since always.
+    pub(crate) const NONE: After = After {
+        keys: [0; After::CAP],
+        len: 0,
+    };
+
+    /// The keys in the set.
+    pub(crate) fn keys(&self) -> &[u64] {
+        &self.keys[..usize::from(self.len)]
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub(crate) fn contains(&self, key: u64) -> bool {
+        key != 0 && self.keys().contains(&key)
+    }
+
+    /// Adds `key` (unknown, repeated or beyond the capacity: ignored).
+    pub(crate) fn insert(&mut self, key: u64) {
+        if key != 0 && !self.contains(key) && usize::from(self.len) < After::CAP {
+            self.keys[usize::from(self.len)] = key;
+            self.len += 1;
+        }
+    }
+
+    /// The keys in both.
+    pub(crate) fn intersect(&self, other: &After) -> After {
+        let mut out = After::NONE;
+        for &k in self.keys() {
+            if other.contains(k) {
+                out.insert(k);
+            }
+        }
+        out
+    }
+
+    /// Parses the script's form: decimal keys separated by commas.
+    pub(crate) fn parse(text: &[u8]) -> After {
+        let mut out = After::NONE;
+        for part in text.split(|&b| b == b',') {
+            if let Some(k) = std::str::from_utf8(part).ok().and_then(|p| p.parse().ok()) {
+                out.insert(k);
+            }
+        }
+        out
+    }
+
+    /// The script's form (empty for none).
+    pub(crate) fn to_text(self) -> String {
+        let keys: Vec<String> = self.keys().iter().map(u64::to_string).collect();
+        keys.join(",")
+    }
 }
 
 /// Who answered a command: the server's identity, and whether it can keep

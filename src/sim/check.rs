@@ -508,6 +508,7 @@ mod tests {
             ttl,
             known_max: ttl,
             fenced: false,
+            after: crate::transport::After::NONE,
         };
         w.check.sent(op, &[key], 0);
         let expiry = base + Duration::from_nanos(CLOCK_START) + Duration::from_secs(10);

@@ -303,9 +303,19 @@ mod regressions {
     /// A lock with `ttl` on nodes 0 and 1 (node 2 cut off) at 2 ms; node 0
     /// restarts empty at `wipe_ms`. Returns the holder's guard and grant.
     fn lock_then_wipe(ctx: &Arc<Ctx>, ttl: Duration, wipe_ms: u64) -> (crate::LockGuard, usize) {
+        let holder = ctx.client(ctx.plan.settings.clone());
+        lock_then_wipe_by(ctx, &holder, ttl, wipe_ms)
+    }
+
+    /// [`lock_then_wipe`], the lock taken by `holder`.
+    fn lock_then_wipe_by(
+        ctx: &Arc<Ctx>,
+        holder: &crate::Redlock,
+        ttl: Duration,
+        wipe_ms: u64,
+    ) -> (crate::LockGuard, usize) {
         ctx.fault(Fault::Isolate(2));
         ctx.sleep_until(2);
-        let holder = ctx.client(ctx.plan.settings.clone());
         let g = holder.try_lock("r", ttl).expect("holder");
         let id = ctx.grant(&g, "holder");
         ctx.fault(Fault::Heal(2));
@@ -371,6 +381,53 @@ mod regressions {
         lock_then_wipe(ctx, T(4_000), 1_500)
     }
 
+    /// Found by the review of an earlier refinement that compared how long
+    /// ago a TTL was first used on one node with how old another node's
+    /// history is: two clock steps back on the node that recorded the long
+    /// TTL (each under the 1 s it allowed for) made its first use look
+    /// later than the young history's start, and the young node voted at
+    /// once. The rule compares no clocks now.
+    #[test]
+    fn clock_steps_back_on_the_reporting_node_never_drop_the_hold() {
+        for seed in 0..5 {
+            clean(&script(Plan::calm(seed, 3), |ctx| {
+                let held = lock_then_wipe(ctx, T(5_000), 100);
+                // Node 0's history begins (a fresh client).
+                ctx.sleep_until(150);
+                let starter = ctx.client(ctx.plan.settings.clone());
+                let _ = starter.try_lock("s", T(30)).map(|g| g.release());
+                // Node 1 is set back twice by 600 ms.
+                ctx.sleep_until(1_000);
+                ctx.fault(Fault::Jump(1, -600 * MS as i64));
+                ctx.sleep_until(1_500);
+                ctx.fault(Fault::Jump(1, -600 * MS as i64));
+                ctx.sleep_until(1_600);
+                contend(ctx, T(30), 2_000, held);
+            }));
+        }
+    }
+
+    /// The holder's client had seen every node's history before it first
+    /// used the long TTL, so the nodes record it as first used after those
+    /// histories began; node 0's new history (begun by a client that never
+    /// hears of the TTL) is not among them, and node 1's report still holds
+    /// it back.
+    #[test]
+    fn a_ttl_first_used_after_a_lost_history_still_holds_the_new_one() {
+        contended(
+            10,
+            |ctx| {
+                let holder = ctx.client(ctx.plan.settings.clone());
+                holder.try_lock("w", T(30)).expect("warm-up").release().ok();
+                let held = lock_then_wipe_by(ctx, &holder, T(500), 50);
+                begin_unaware(ctx);
+                held
+            },
+            T(30),
+            450,
+        );
+    }
+
     /// Issue 19: a brand-new cluster holds its votes for the first TTL used
     /// on it, once. A longer TTL first used later (here an extension to
     /// 3 s, 1.5 s after the nodes' histories began) was used after every
@@ -423,13 +480,19 @@ mod regressions {
     /// before node 0's history began) must hold node 0 back.
     fn young_history_begun_unaware(ctx: &Arc<Ctx>) -> (crate::LockGuard, usize) {
         let held = long_lock_then_wipe(ctx);
+        begin_unaware(ctx);
+        held
+    }
+
+    /// At 55 ms, a client that cannot reach node 1 (so never hears of the
+    /// long TTL) begins node 0's history; node 1 is back at 100 ms.
+    fn begin_unaware(ctx: &Arc<Ctx>) {
         ctx.fault(Fault::Isolate(1));
         ctx.sleep_until(55);
         let starter = ctx.client(ctx.plan.settings.clone());
         let _ = starter.try_lock("s", T(30)).map(|g| g.release());
         ctx.fault(Fault::Heal(1));
         ctx.sleep_until(100);
-        held
     }
 
     #[test]
