@@ -365,7 +365,8 @@ impl Builder {
     /// the nodes a restarted node is judged against (for instance when TTLs
     /// differ widely between clients and nodes are often down). It counts
     /// as in use since always: a node whose history is younger than it
-    /// waits, whatever the nodes recorded.
+    /// waits, whatever the nodes recorded. A lock or an extension longer
+    /// than it is refused ([`InvalidInput::TtlTooLong`]).
     ///
     /// Defaults to unset (learnt from the nodes and from use).
     pub fn max_ttl(mut self, ttl: Duration) -> Self {

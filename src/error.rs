@@ -187,7 +187,8 @@ pub enum InvalidInput {
         /// The drift allowance it must exceed.
         allowance: Duration,
     },
-    /// The TTL is longer than [`MAX_TTL`](crate::MAX_TTL) (one hour).
+    /// The TTL is longer than [`MAX_TTL`](crate::MAX_TTL) (one hour), or
+    /// than the client's [`Builder::max_ttl`](crate::Builder::max_ttl).
     TtlTooLong(Duration),
     /// The TLS settings cannot be used: a file that cannot be read or holds
     /// no certificate or key, a key that does not match its certificate.

@@ -274,6 +274,11 @@ pub(crate) struct RestartRule {
     pub floor: Duration,
     /// What this client knew of the TTLs in use when the round began.
     pub known: TtlHistory,
+    /// Every node answered this round (see [`answered_all`]). Only then
+    /// have all the records that may say a TTL was in use before a young
+    /// history began been heard; otherwise every TTL known counts, as if
+    /// it had always been in use.
+    pub complete: bool,
     /// The simulation's broken variant: every TTL counts only as the
     /// longest before its first use, for every history (ignores first uses
     /// from before a history began).
@@ -300,7 +305,9 @@ impl RestartRule {
         if !self.enabled || trusted {
             return Duration::ZERO;
         }
-        let key = f.history;
+        // Without every node's record, a first use after the young history
+        // proves nothing: an unheard node may hold an earlier one.
+        let key = if self.complete { f.history } else { 0 };
         let own = if self.loose {
             self.known.prev
         } else {
@@ -350,6 +357,20 @@ pub(crate) fn hold_back(
             r => r,
         })
         .collect()
+}
+
+/// Whether every node answered the round (its reply was read, as a vote or
+/// not): a node skipped as failing, not reached or timed out was not heard,
+/// whatever this client thinks of its health.
+pub(crate) fn answered_all<'a>(results: impl IntoIterator<Item = Option<&'a NodeResult>>) -> bool {
+    results.into_iter().all(|r| match r {
+        Some(Ok(_)) => true,
+        Some(Err(e)) => matches!(
+            e.kind(),
+            NodeErrorKind::Restarted | NodeErrorKind::SameServer | NodeErrorKind::Unsuitable
+        ),
+        None => false,
+    })
 }
 
 /// Whether every node a round waited for answered it: only then have all
@@ -865,6 +886,7 @@ mod tests {
             enabled: true,
             floor: Duration::from_millis(100),
             known: TtlHistory::since_always(Duration::ZERO),
+            complete: true,
             loose: false,
         };
         let young = facts(7, 5_000, 0, &[], 0);
@@ -907,6 +929,15 @@ mod tests {
             false,
         );
         assert_eq!(r, s(25));
+        // A round not every node answered: no first use proves anything.
+        let partial = RestartRule {
+            complete: false,
+            ..rule
+        };
+        assert_eq!(
+            hold(facts(1, 9_000, 30_000, &[1, 7], 10_000), &partial),
+            s(25)
+        );
         // Off, or trusted: no hold.
         let off = RestartRule {
             enabled: false,

@@ -58,7 +58,8 @@ pub(crate) struct Inner {
     /// Longest TTL (ms) this client has used or seen reported by a node.
     /// The TTLs in use, as this client knows them (the restart rule).
     ttls: Mutex<TtlHistory>,
-    /// Per node, the lock-history epoch this client saw first (0: none yet).
+    /// Per node, the key of the lock history this client saw first (0:
+    /// none yet), for `fresh_cluster`.
     epochs: Vec<AtomicU64>,
     /// Per node, the key of the last lock history it reported (0: none
     /// yet): the histories a TTL this client uses first comes after.
@@ -538,7 +539,9 @@ impl Inner {
         if ttl.is_zero() {
             return Err(InvalidInput::ZeroTtl.into());
         }
-        if ttl > MAX_TTL {
+        // `max_ttl` is what every client promised not to exceed (the
+        // restart rule's horizon rests on it).
+        if ttl > self.horizon() {
             return Err(InvalidInput::TtlTooLong(ttl).into());
         }
         let allowance = quorum::drift_allowance(ttl, self.settings.drift_factor);
@@ -561,6 +564,7 @@ impl Inner {
             enabled: self.settings.restart_protection,
             floor: ttl,
             known,
+            complete: false,
             loose: self.settings.loose_restart_rule,
         };
         // No point waiting for replies past the moment validity would be gone.
@@ -568,6 +572,10 @@ impl Inner {
         let horizon = self.horizon();
         let settled = |results: &[Option<NodeResult>]| {
             let longest = rule.longest(quorum::facts_of(results.iter().flatten()));
+            let rule = RestartRule {
+                complete: quorum::answered_all(results.iter().map(Option::as_ref)),
+                ..rule
+            };
             let counts = |i: usize, facts: Option<&NodeFacts>| {
                 facts.is_none_or(|f| {
                     let all = quorum::facts_of(results.iter().flatten());
@@ -666,6 +674,10 @@ impl Inner {
             }
         })();
         if self.settings.events.get().is_some() {
+            let rule = RestartRule {
+                complete: quorum::answered_all(results.iter().map(Some)),
+                ..rule
+            };
             let holds: Vec<Duration> = results
                 .iter()
                 .enumerate()
@@ -841,12 +853,18 @@ impl Inner {
         if !self.settings.fresh_cluster {
             return false;
         }
+        // By key, not epoch: a node restarted from a snapshot keeps its
+        // epoch but may have lost its latest locks (its key is new).
         let seen = self.epochs.get(i).map_or(0, |e| e.load(Ordering::Relaxed));
-        seen == 0 || seen == facts.epoch
+        seen == 0 || seen == facts.history
     }
 
     /// Applies the delayed-restart rule to an acquire round's results.
     fn judge(&self, results: Vec<NodeResult>, rule: &RestartRule) -> Vec<NodeResult> {
+        let rule = &RestartRule {
+            complete: quorum::answered_all(results.iter().map(Some)),
+            ..*rule
+        };
         let longest = rule.longest(quorum::facts_of(results.iter()));
         let horizon = self.horizon().max(longest);
         let heard_all = quorum::heard_all(&results);
@@ -889,7 +907,7 @@ impl Inner {
             let h = TtlHistory::reported(&f);
             heard = Some(heard.map_or(h, |k| k.merge(h)));
             if let Some(e) = self.epochs.get(i) {
-                let _ = e.compare_exchange(0, f.epoch, Ordering::Relaxed, Ordering::Relaxed);
+                let _ = e.compare_exchange(0, f.history, Ordering::Relaxed, Ordering::Relaxed);
             }
             if let Some(k) = self.histories.get(i) {
                 k.store(f.history, Ordering::Relaxed);
@@ -1620,6 +1638,31 @@ mod tests {
         clock.advance(200 * MS);
         let _other = locks.try_lock("r", TTL).unwrap();
         assert!(matches!(g.release(), Err(Error::NotOwner { nodes: 3 })));
+    }
+
+    /// `max_ttl` is the longest TTL any client uses: the restart rule stops
+    /// waiting for stragglers beyond it, so a lock or an extension above it
+    /// is refused (found by the review of issue 19's rule).
+    #[test]
+    fn a_ttl_above_the_configured_max_ttl_is_refused() {
+        let settings = Settings {
+            max_ttl: Some(Duration::from_secs(2)),
+            ..crate::fake::settings()
+        };
+        let (locks, _, _) = crate::fake::client_with(3, settings);
+        let long = Duration::from_secs(3);
+        assert!(matches!(
+            locks.try_lock("r", long),
+            Err(Error::InvalidInput(InvalidInput::TtlTooLong(t))) if t == long
+        ));
+        let g = locks
+            .try_lock("r", Duration::from_secs(2))
+            .expect("at max_ttl");
+        assert!(matches!(
+            g.extend(long),
+            Err(Error::InvalidInput(InvalidInput::TtlTooLong(_)))
+        ));
+        g.release().expect("release");
     }
 
     #[test]

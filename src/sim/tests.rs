@@ -428,6 +428,46 @@ mod regressions {
         );
     }
 
+    /// Found by the review: the contender itself first used the long TTL
+    /// after it saw node 0's new history (node 1 cut off then, so that
+    /// round timed out on it and this client marked node 1 failing), so
+    /// every record it could hear said "first used after" — but for node
+    /// 1's, the holder's, which it skipped as failing although node 1 was
+    /// back. A young vote counted beside the holder. A first use after a
+    /// history now proves nothing unless every node answered the round.
+    #[test]
+    fn a_node_skipped_as_failing_is_not_heard_for_the_restart_rule() {
+        for seed in 0..6 {
+            for raise in [500, 600] {
+                clean(&script(Plan::calm(seed, 3), move |ctx| {
+                    let x = ctx.client(ctx.plan.settings.clone());
+                    x.try_lock("w", T(30)).expect("warm").release().ok();
+                    let (g, id) = lock_then_wipe_by(ctx, &x, T(500), 50);
+                    let c = ctx.client(ctx.plan.settings.clone());
+                    ctx.fault(Fault::Isolate(1));
+                    ctx.sleep_until(55);
+                    // Sees node 0's new history.
+                    let _ = c.try_lock("s", T(30)).map(|g| g.release());
+                    ctx.sleep_until(60);
+                    // First use of the long TTL, after it.
+                    let _ = c.try_lock("s2", T(raise)).map(|g| g.release());
+                    ctx.fault(Fault::Heal(1));
+                    ctx.sleep_until(150);
+                    while ctx.now() < 480 * MS {
+                        if let Ok(k) = c.try_lock("r", T(30)) {
+                            let cid = ctx.grant(&k, "contender");
+                            let _ = k.release();
+                            ctx.end(cid, true);
+                        }
+                        ctx.clock().sleep(T(10));
+                    }
+                    ctx.end(id, g.is_held());
+                    drop(g);
+                }));
+            }
+        }
+    }
+
     /// Issue 19: a brand-new cluster holds its votes for the first TTL used
     /// on it, once. A longer TTL first used later (here an extension to
     /// 3 s, 1.5 s after the nodes' histories began) was used after every
