@@ -70,6 +70,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         locks.quorum()
     );
 
+    // Optional: the first lock then hears every node (a round some node does
+    // not answer cannot tell which nodes' lock histories are safe to count).
+    locks.wait_connected(Duration::from_secs(2))?;
+
     let resource = format!("quickstart:{}", std::process::id());
     let ttl = Duration::from_secs(10);
     let t = Instant::now();
@@ -84,6 +88,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         .nodes(urls.iter().cloned())
         .fresh_cluster(fresh)
         .build()?;
+    other.wait_connected(Duration::from_secs(2))?;
     match other.try_lock(&resource, ttl) {
         Err(Error::Taken { held, nodes }) => {
             println!("a second client is refused: held on {held} of {nodes} nodes")

@@ -363,14 +363,18 @@ pub(crate) fn hold_back(
 /// not): a node skipped as failing, not reached or timed out was not heard,
 /// whatever this client thinks of its health.
 pub(crate) fn answered_all<'a>(results: impl IntoIterator<Item = Option<&'a NodeResult>>) -> bool {
-    results.into_iter().all(|r| match r {
-        Some(Ok(_)) => true,
-        Some(Err(e)) => matches!(
+    results.into_iter().all(|r| r.is_some_and(answered))
+}
+
+/// Whether a node's result is its answer (see [`answered_all`]).
+pub(crate) fn answered(r: &NodeResult) -> bool {
+    match r {
+        Ok(_) => true,
+        Err(e) => matches!(
             e.kind(),
             NodeErrorKind::Restarted | NodeErrorKind::SameServer | NodeErrorKind::Unsuitable
         ),
-        None => false,
-    })
+    }
 }
 
 /// Whether every node a round waited for answered it: only then have all

@@ -572,8 +572,12 @@ impl Inner {
         let horizon = self.horizon();
         let settled = |results: &[Option<NodeResult>]| {
             let longest = rule.longest(quorum::facts_of(results.iter().flatten()));
+            // Whether the round can still be one every node answered: a vote
+            // that would count then may count (`certain` waits for them all).
             let rule = RestartRule {
-                complete: quorum::answered_all(results.iter().map(Option::as_ref)),
+                complete: results
+                    .iter()
+                    .all(|r| r.as_ref().is_none_or(quorum::answered)),
                 ..rule
             };
             let counts = |i: usize, facts: Option<&NodeFacts>| {
