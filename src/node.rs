@@ -1114,13 +1114,14 @@ fn retries_answered(node: &NodeShared, tokens: &[String]) {
     );
     let mut q = node.retries.lock();
     q.watched.retain(|r| !done.contains(r.token.as_str()));
-    let mut owed = std::mem::take(&mut q.owed);
-    owed.retain(|r| !done.contains(r.token.as_str()));
-    let (now_watched, still_owed): (VecDeque<Retry>, VecDeque<Retry>) = owed
-        .into_iter()
-        .partition(|r| watched.contains(r.token.as_str()));
-    q.owed = still_owed;
-    q.watched.extend(now_watched);
+    for r in std::mem::take(&mut q.owed) {
+        let t = r.token.as_str();
+        if watched.contains(t) {
+            q.watched.push_back(r);
+        } else if !done.contains(t) {
+            q.owed.push_back(r);
+        }
+    }
 }
 
 /// Starts the node's release-retry job unless it is already scheduled.

@@ -286,6 +286,15 @@ pub(crate) struct RestartRule {
 }
 
 impl RestartRule {
+    /// This rule for a round whose results are in: complete if every node
+    /// answered.
+    pub(crate) fn heard(self, results: &[NodeResult]) -> RestartRule {
+        RestartRule {
+            complete: answered_all(results.iter().map(Some)),
+            ..self
+        }
+    }
+
     /// The longest TTL in use at all, as far as this round can tell.
     pub(crate) fn longest<'a>(&self, facts: impl Iterator<Item = &'a NodeFacts>) -> Duration {
         facts

@@ -60,7 +60,7 @@ pub(crate) struct Inner {
     ttls: Mutex<TtlHistory>,
     /// Per node, the key of the lock history this client saw first (0:
     /// none yet), for `fresh_cluster`.
-    epochs: Vec<AtomicU64>,
+    first_histories: Vec<AtomicU64>,
     /// Per node, the key of the last lock history it reported (0: none
     /// yet): the histories a TTL this client uses first comes after.
     histories: Vec<AtomicU64>,
@@ -163,16 +163,14 @@ impl Redlock {
             .iter()
             .map(|_| Throttle::default())
             .collect();
-        let epochs = transport
-            .node_names()
-            .iter()
-            .map(|_| AtomicU64::new(0))
-            .collect();
-        let histories = transport
-            .node_names()
-            .iter()
-            .map(|_| AtomicU64::new(0))
-            .collect();
+        let per_node = || {
+            transport
+                .node_names()
+                .iter()
+                .map(|_| AtomicU64::new(0))
+                .collect()
+        };
+        let (first_histories, histories) = (per_node(), per_node());
         // A configured longest TTL is in use since always.
         let known = TtlHistory::since_always(settings.max_ttl.unwrap_or_default().min(MAX_TTL));
         let names_len_flags = transport
@@ -190,7 +188,7 @@ impl Redlock {
                 warned,
                 gates: Arc::new(Gates::new(clock.clone())),
                 ttls: Mutex::new(known),
-                epochs,
+                first_histories,
                 histories,
                 held_back: names_len_flags,
                 me: me.clone(),
@@ -678,10 +676,7 @@ impl Inner {
             }
         })();
         if self.settings.events.get().is_some() {
-            let rule = RestartRule {
-                complete: quorum::answered_all(results.iter().map(Some)),
-                ..rule
-            };
+            let rule = rule.heard(&results);
             let holds: Vec<Duration> = results
                 .iter()
                 .enumerate()
@@ -859,16 +854,16 @@ impl Inner {
         }
         // By key, not epoch: a node restarted from a snapshot keeps its
         // epoch but may have lost its latest locks (its key is new).
-        let seen = self.epochs.get(i).map_or(0, |e| e.load(Ordering::Relaxed));
+        let seen = self
+            .first_histories
+            .get(i)
+            .map_or(0, |e| e.load(Ordering::Relaxed));
         seen == 0 || seen == facts.history
     }
 
     /// Applies the delayed-restart rule to an acquire round's results.
     fn judge(&self, results: Vec<NodeResult>, rule: &RestartRule) -> Vec<NodeResult> {
-        let rule = &RestartRule {
-            complete: quorum::answered_all(results.iter().map(Some)),
-            ..*rule
-        };
+        let rule = &rule.heard(&results);
         let longest = rule.longest(quorum::facts_of(results.iter()));
         let horizon = self.horizon().max(longest);
         let heard_all = quorum::heard_all(&results);
@@ -910,7 +905,7 @@ impl Inner {
             };
             let h = TtlHistory::reported(&f);
             heard = Some(heard.map_or(h, |k| k.merge(h)));
-            if let Some(e) = self.epochs.get(i) {
+            if let Some(e) = self.first_histories.get(i) {
                 let _ = e.compare_exchange(0, f.history, Ordering::Relaxed, Ordering::Relaxed);
             }
             if let Some(k) = self.histories.get(i) {
