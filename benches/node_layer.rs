@@ -67,22 +67,22 @@ const SLOW_DELAY: Duration = Duration::from_millis(45);
 const PAUSE: Duration = Duration::from_secs(60);
 const TOKEN: &str = "0123456789abcdef0123456789abcdef";
 
-/// quorumlock's own scripts, taken from `src/scripts.rs` at build time so
+/// quorumlock's own scripts, taken from `src/driver/scripts.rs` at build time so
 /// that the floor sends exactly what the crate sends (also checked at run
 /// time: their SHA1s must be in the nodes' script cache after quorumlock has
 /// used them).
-const SCRIPTS_RS: &str = include_str!("../src/scripts.rs");
+const SCRIPTS_RS: &str = include_str!("../src/driver/scripts.rs");
 
-/// The raw string constant `name` of `src/scripts.rs`.
+/// The raw string constant `name` of `src/driver/scripts.rs`.
 fn crate_script(name: &str) -> &'static str {
     let head = format!("const {name}: &str = r\"");
     let from = SCRIPTS_RS
         .find(&head)
         .map(|i| i + head.len())
-        .unwrap_or_else(|| panic!("{name} not found in src/scripts.rs"));
+        .unwrap_or_else(|| panic!("{name} not found in src/driver/scripts.rs"));
     let len = SCRIPTS_RS[from..]
         .find("\";")
-        .unwrap_or_else(|| panic!("{name}: no end in src/scripts.rs"));
+        .unwrap_or_else(|| panic!("{name}: no end in src/driver/scripts.rs"));
     &SCRIPTS_RS[from..from + len]
 }
 

@@ -10,8 +10,8 @@
 use std::fmt;
 use std::time::Duration;
 
-use crate::server::ServerInfo;
-use crate::transport::ServerKind;
+use crate::algorithm::server::ServerInfo;
+use crate::lock::transport::ServerKind;
 
 /// How a finding bears on using the node (or the set) for Redlock.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]

@@ -2,7 +2,7 @@
 //! threads and draws randomness.
 //!
 //! Production code uses [`SystemClock`]; tests substitute a virtual clock,
-//! and the deterministic simulation (`crate::sim`) a scheduler that runs one
+//! and the deterministic simulation (`crate::testing::sim`) a scheduler that runs one
 //! thread at a time on virtual time, so that every timing decision of the
 //! algorithm, the local queue and the renewal thread replays from a seed.
 

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::{Error, NodeErrorKind};
-use crate::transport::{Answer, NodeResult};
+use crate::lock::transport::{Answer, NodeResult};
 
 /// Receives what the client does. Every method has a no-op default:
 /// implement those you need.
@@ -401,8 +401,8 @@ pub enum NodeChange {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Settings;
-    use crate::fake::{client_over, client_with, Mode};
+    use crate::builder::Settings;
+    use crate::testing::fake::{client_over, client_with, Mode};
     use parking_lot::Mutex;
 
     const TTL: Duration = Duration::from_secs(10);
@@ -486,13 +486,13 @@ mod tests {
         let rec = Arc::new(Recorder::default());
         let settings = Settings {
             events: Events(Some(rec.clone())),
-            ..crate::fake::settings()
+            ..crate::testing::fake::settings()
         };
         let (locks, nodes, _clock) = client_with(3, settings);
         let g = locks.try_lock("r", TTL).unwrap();
         assert!(locks.try_lock("r", TTL).is_err());
         g.extend(TTL).unwrap();
-        let other = client_over(&nodes, crate::fake::settings());
+        let other = client_over(&nodes, crate::testing::fake::settings());
         assert!(other.try_lock("r", TTL).is_err());
         g.release().unwrap();
         nodes.set_mode(2, Mode::Down);
@@ -518,7 +518,7 @@ mod tests {
 
     #[test]
     fn the_restart_rule_reports_when_it_holds_a_node_back_and_when_it_stops() {
-        let (x, nodes, clock) = client_with(3, crate::fake::settings());
+        let (x, nodes, clock) = client_with(3, crate::testing::fake::settings());
         drop(x.try_lock("warm", TTL).unwrap());
         clock.advance(60 * TTL);
         nodes.wipe(2);
@@ -558,11 +558,11 @@ mod tests {
             3,
             Settings {
                 events: Events(Some(rec.clone())),
-                ..crate::fake::settings()
+                ..crate::testing::fake::settings()
             },
         );
         let g = locks.try_lock("r", TTL).unwrap();
-        // The renewal thread's call (crate::watchdog::tick).
+        // The renewal thread's call (crate::lock::watchdog::tick).
         let out = locks.inner.extend_many(&[g.state()], TTL, true);
         assert!(out[0].is_ok());
         g.extend(TTL).unwrap();
@@ -600,7 +600,7 @@ mod tests {
             3,
             Settings {
                 events: Events(Some(Arc::new(Panicky))),
-                ..crate::fake::settings()
+                ..crate::testing::fake::settings()
             },
         );
         let g = locks.try_lock("r", TTL).unwrap();
@@ -621,11 +621,11 @@ mod tests {
             Settings {
                 fencing: true,
                 events: Events(Some(rec.clone())),
-                ..crate::fake::settings()
+                ..crate::testing::fake::settings()
             },
         );
-        *nodes.before_round.lock() = Some(crate::fake::Hook(Box::new(|n, op| {
-            if matches!(op, crate::transport::Op::Fence { .. }) {
+        *nodes.before_round.lock() = Some(crate::testing::fake::Hook(Box::new(|n, op| {
+            if matches!(op, crate::lock::transport::Op::Fence { .. }) {
                 n.del(0, "s");
                 n.del(1, "s");
             }

@@ -10,9 +10,9 @@ use log::{debug, warn};
 use parking_lot::Mutex;
 
 use crate::error::Error;
-use crate::local::Permit;
+use crate::lock::queue::Permit;
+use crate::lock::transport::Key;
 use crate::redlock::{Inner, Redlock};
-use crate::transport::Key;
 use crate::Result;
 
 /// Called when a renewed lock is lost: the resource and the reason.

@@ -32,32 +32,24 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(missing_docs)]
 
+mod algorithm;
+mod builder;
 mod check;
 mod clock;
-mod config;
-mod conn;
+mod driver;
 mod error;
 mod events;
 mod guard;
-mod health;
-mod local;
-mod node;
-mod quorum;
+mod lock;
 mod redlock;
-mod scripts;
-mod server;
-#[cfg(feature = "tls-rustls")]
-mod tls;
-mod transport;
-mod watchdog;
 
 #[cfg(test)]
-mod fake;
-#[cfg(test)]
-mod sim;
+mod testing;
 
+pub use builder::Builder;
 pub use check::{Check, Finding, NodeCheck, Verdict};
-pub use config::Builder;
+#[cfg(feature = "tls-rustls")]
+pub use driver::tls::Tls;
 pub use error::{Error, InvalidInput, NodeError, NodeErrorKind};
 pub use events::{
     AttemptEvent, EventHandler, LostEvent, NodeChange, NodeEvent, NodeOutcome, Nodes, ReleaseEvent,
@@ -65,8 +57,6 @@ pub use events::{
 };
 pub use guard::LockGuard;
 pub use redlock::{KeyInfo, NodeKey, Redlock};
-#[cfg(feature = "tls-rustls")]
-pub use tls::Tls;
 
 /// Longest resource name accepted, in bytes. A lock name is an identifier:
 /// 1 KiB leaves room for any structured name (tenant, table, row id) while a

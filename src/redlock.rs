@@ -11,17 +11,17 @@ use std::time::{Duration, Instant};
 use log::{debug, trace, warn};
 use parking_lot::Mutex;
 
+use crate::algorithm::quorum::{self, RestartRule, Tally, TtlHistory};
+use crate::builder::{Builder, Settings};
 use crate::clock::{after, new_token, Clock, Rng, Throttle, WARN_EVERY};
-use crate::config::{Builder, Settings};
 use crate::error::{Error, InvalidInput, NodeError};
 use crate::events::{
     AttemptEvent, LostEvent, NodeChange, NodeEvent, Nodes, ReleaseEvent, RenewalEvent,
 };
 use crate::guard::{Callbacks, LockGuard, LockState, LostCallback, Timing};
-use crate::local::{Gates, Permit};
-use crate::quorum::{self, RestartRule, Tally, TtlHistory};
-use crate::transport::{After, AfterRound, Key, NodeFacts, NodeResult, Op, Transport};
-use crate::watchdog::Watchdog;
+use crate::lock::queue::{Gates, Permit};
+use crate::lock::transport::{After, AfterRound, Key, NodeFacts, NodeResult, Op, Transport};
+use crate::lock::watchdog::Watchdog;
 use crate::Result;
 
 use crate::MAX_TTL;
@@ -502,7 +502,7 @@ impl Redlock {
 
 impl Inner {
     /// Waits for this thread's turn among the threads of this process that
-    /// want `resource` (see [`crate::local`]). One attempt never waits; when
+    /// want `resource` (see [`crate::lock::queue`]). One attempt never waits; when
     /// the wait runs out the caller still makes its attempts at the nodes,
     /// which report the real state.
     fn local_turn(&self, resource: &str, budget: Budget, until: Instant) -> Option<Permit> {
@@ -766,7 +766,7 @@ impl Inner {
         // A fenced baton's next token must stay exact in the scripts.
         let exhausted = baton
             .fence
-            .is_some_and(|f| f >= crate::scripts::FENCE_LIMIT);
+            .is_some_and(|f| f >= crate::driver::scripts::FENCE_LIMIT);
         if baton.is_lost()
             || timing.ttl != ttl
             || time_left < self.settings.node_timeout
@@ -992,7 +992,7 @@ impl Inner {
         }
         let now = self.clock.now();
         let round = self
-            .batch_deadline(now, crate::watchdog::MAX_BATCH)
+            .batch_deadline(now, crate::lock::watchdog::MAX_BATCH)
             .saturating_duration_since(now);
         let until = after(now, round.saturating_mul(2));
         loop {
@@ -1125,7 +1125,7 @@ impl Inner {
             // is restored (the renewal thread's time, not a caller's; a slow
             // node that answers within the node timeout but after the lock's
             // validity no longer costs the lock).
-            let settled: crate::transport::Decided<'_> = if keys.len() == 1 {
+            let settled: crate::lock::transport::Decided<'_> = if keys.len() == 1 {
                 &quorum::settled
             } else {
                 &quorum::settled_all
@@ -1338,7 +1338,7 @@ fn merge_restored(
     restored: &[NodeResult],
     p: usize,
 ) -> Vec<NodeResult> {
-    use crate::transport::{Answer, Reply};
+    use crate::lock::transport::{Answer, Reply};
     results
         .iter()
         .zip(restored)
@@ -1384,8 +1384,8 @@ fn validate_resource(resource: &str) -> Result<()> {
         }
         .into());
     }
-    if resource == crate::scripts::META_KEY {
-        return Err(InvalidInput::ReservedResource(crate::scripts::META_KEY).into());
+    if resource == crate::driver::scripts::META_KEY {
+        return Err(InvalidInput::ReservedResource(crate::driver::scripts::META_KEY).into());
     }
     Ok(())
 }
@@ -1393,7 +1393,7 @@ fn validate_resource(resource: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fake::{client, client_over, client_with, Mode};
+    use crate::testing::fake::{client, client_over, client_with, Mode};
     use std::sync::atomic::Ordering;
 
     const MS: Duration = Duration::from_millis(1);
@@ -1576,7 +1576,7 @@ mod tests {
     fn lock_makes_retry_count_attempts_then_reports_the_last_error() {
         let settings = Settings {
             retry_count: 4,
-            ..crate::fake::settings()
+            ..crate::testing::fake::settings()
         };
         let (locks, nodes, clock) = client_with(3, settings.clone());
         // Held by another process (a holder in this one would be queued
@@ -1646,9 +1646,9 @@ mod tests {
     fn a_ttl_above_the_configured_max_ttl_is_refused() {
         let settings = Settings {
             max_ttl: Some(Duration::from_secs(2)),
-            ..crate::fake::settings()
+            ..crate::testing::fake::settings()
         };
-        let (locks, _, _) = crate::fake::client_with(3, settings);
+        let (locks, _, _) = crate::testing::fake::client_with(3, settings);
         let long = Duration::from_secs(3);
         assert!(matches!(
             locks.try_lock("r", long),
@@ -1766,7 +1766,7 @@ mod tests {
         let _held = x.try_lock("r", TTL).unwrap();
         nodes.set_mode(1, Mode::Up);
         nodes.wipe(2);
-        let y = client_over(&nodes, crate::fake::settings());
+        let y = client_over(&nodes, crate::testing::fake::settings());
         // y has never seen node 2: trusted at first sight (the documented
         // risk of fresh_cluster); x has, and holds it back.
         drop(y);
@@ -1822,7 +1822,7 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(matches!(
-            locks.lock(crate::scripts::META_KEY, TTL),
+            locks.lock(crate::driver::scripts::META_KEY, TTL),
             Err(Error::InvalidInput(InvalidInput::ReservedResource(_)))
         ));
         assert_eq!(nodes.rounds.load(Ordering::SeqCst), 0);
@@ -1856,7 +1856,7 @@ mod tests {
         use std::sync::atomic::AtomicUsize;
         let calls = Arc::new(AtomicUsize::new(0));
         let seen = calls.clone();
-        let (locks, nodes, _) = crate::fake::client_with_on_lost(3, move |_, _| {
+        let (locks, nodes, _) = crate::testing::fake::client_with_on_lost(3, move |_, _| {
             seen.fetch_add(1, Ordering::SeqCst);
         });
         let g = locks.try_lock("r", TTL).unwrap();
@@ -1870,7 +1870,7 @@ mod tests {
     fn fenced() -> Settings {
         Settings {
             fencing: true,
-            ..crate::fake::settings()
+            ..crate::testing::fake::settings()
         }
     }
 
@@ -1941,7 +1941,7 @@ mod tests {
     #[test]
     fn a_lock_whose_token_was_not_written_back_is_not_returned() {
         let (locks, nodes, _) = client_with(3, fenced());
-        *nodes.before_round.lock() = Some(crate::fake::Hook(Box::new(|n, op| {
+        *nodes.before_round.lock() = Some(crate::testing::fake::Hook(Box::new(|n, op| {
             if matches!(op, Op::Fence { .. }) {
                 n.set_mode(0, Mode::Down);
                 n.set_mode(1, Mode::Hung);
@@ -1954,7 +1954,7 @@ mod tests {
         *nodes.before_round.lock() = None;
         assert!(nodes.get(2, "r").is_none(), "released where it answered");
         // A key deleted behind our back between the rounds: the same.
-        *nodes.before_round.lock() = Some(crate::fake::Hook(Box::new(|n, op| {
+        *nodes.before_round.lock() = Some(crate::testing::fake::Hook(Box::new(|n, op| {
             if matches!(op, Op::Fence { .. }) {
                 n.del(0, "s");
                 n.del(1, "s");
@@ -2056,8 +2056,8 @@ mod tests {
 #[cfg(test)]
 mod node_rules {
     use super::*;
-    use crate::fake::{client, client_over, client_with, Mode};
-    use crate::transport::ServerKind;
+    use crate::lock::transport::ServerKind;
+    use crate::testing::fake::{client, client_over, client_with, Mode};
 
     const TTL: Duration = Duration::from_secs(10);
 
@@ -2084,7 +2084,7 @@ mod node_rules {
         let g = x.try_lock("r", TTL).expect("servers 0 and 2");
         // The doubled server loses the key (eviction, a failover).
         nodes.del(0, "r");
-        let y = client_over(&nodes, crate::fake::settings());
+        let y = client_over(&nodes, crate::testing::fake::settings());
         assert!(
             y.try_lock("r", TTL).is_err(),
             "a second holder from one server's two names"
@@ -2098,7 +2098,7 @@ mod node_rules {
     fn counted_twice_one_server_lets_two_hold() {
         let settings = Settings {
             one_vote_per_server: false,
-            ..crate::fake::settings()
+            ..crate::testing::fake::settings()
         };
         let (x, nodes, _) = client_with(3, settings.clone());
         nodes.alias(1, 0);
@@ -2137,7 +2137,7 @@ mod node_rules {
         drop(x.try_lock("r", TTL).expect("warned of, still counted"));
         let strict = Settings {
             refuse_evicting: true,
-            ..crate::fake::settings()
+            ..crate::testing::fake::settings()
         };
         let x = client_over(&nodes, strict);
         assert!(x.try_lock("s", TTL).is_err(), "refused when asked to");
@@ -2173,12 +2173,12 @@ mod node_rules {
         nodes.del(0, "s");
         nodes.set_mode(1, Mode::Down);
         nodes.set_mode(2, Mode::Down);
-        let other = client_over(&nodes, crate::fake::settings());
+        let other = client_over(&nodes, crate::testing::fake::settings());
         let theirs = other.try_lock("s", TTL);
         assert!(theirs.is_err(), "one node of three");
         nodes.set_mode(1, Mode::Up);
         nodes.set_mode(2, Mode::Up);
-        crate::fake::plant(&nodes, 0, "s", "someone-else", TTL);
+        crate::testing::fake::plant(&nodes, 0, "s", "someone-else", TTL);
         g.extend(TTL).expect("nodes 1 and 2");
         assert_eq!(nodes.get(0, "s").as_deref(), Some("someone-else"));
         assert_eq!(g.nodes_held(), 2);

@@ -1,14 +1,14 @@
 //! What a node says about itself in `INFO`, and what that means for
 //! Redlock: whether it is an independent server that keeps its keys.
 //!
-//! Read by every connection at connect (see [`crate::conn::Conn::connect`]),
+//! Read by every connection at connect (see [`crate::driver::conn::Conn::connect`]),
 //! and again every few seconds on a pooled one (a replica promoted or a
 //! memory policy changed at runtime keeps its connections), ahead of its next
 //! command. The same reading and the same verdicts serve the rounds (a
-//! replica's answers are not votes, see [`crate::quorum::insert_vote`]) and
+//! replica's answers are not votes, see [`crate::algorithm::quorum::insert_vote`]) and
 //! [`Redlock::check`](crate::Redlock::check).
 
-use crate::transport::ServerKind;
+use crate::lock::transport::ServerKind;
 
 /// The fields of `INFO` (default sections) that matter to a lock.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -1,7 +1,7 @@
 //! The boundary between the Redlock algorithm and the nodes.
 //!
 //! The algorithm ([`crate::redlock`]) speaks only this trait; the Redis driver
-//! ([`crate::node`]) and test doubles implement it, as redsync keeps `mutex.go`
+//! ([`crate::driver::node`]) and test doubles implement it, as redsync keeps `mutex.go`
 //! apart from its drivers.
 
 use std::time::{Duration, Instant};
@@ -213,7 +213,7 @@ impl After {
 /// Who answered a command: the server's identity, and whether it can keep
 /// locks at all, as the connection learnt them (`INFO` at connect, the lock
 /// history's id). Compared between the entries of one round (see
-/// [`crate::quorum::insert_vote`]).
+/// [`crate::algorithm::quorum::insert_vote`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) struct ServerTag {
     /// A hash of the server's `run_id` (same process, whatever the

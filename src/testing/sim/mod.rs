@@ -14,7 +14,7 @@
 //! What it does not run: the Redis driver's socket engine (`node.rs`),
 //! which the integration suite runs against real nodes.
 //!
-//! [`Transport`]: crate::transport::Transport
+//! [`Transport`]: crate::lock::transport::Transport
 
 pub(crate) mod check;
 pub(crate) mod sched;
@@ -27,8 +27,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::builder::Settings;
 use crate::clock::{Clock, Rng, Signal};
-use crate::config::Settings;
 use crate::error::Error;
 use crate::redlock::Redlock;
 use crate::LockGuard;
@@ -400,7 +400,7 @@ impl Ctx {
             .filter(|n| n.holds(world.base, now, resource, check::lineage(token)))
             .count();
         let n = world.nodes.len();
-        if n - holding < crate::quorum::quorum(n) {
+        if n - holding < crate::algorithm::quorum::quorum(n) {
             let what = format!("release() returned Ok with the key on {holding} of {n} nodes");
             world.check.fail(now, Kind::Leaked, what);
         }

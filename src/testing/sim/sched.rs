@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::clock::{after, Clock, Signal};
-use crate::sim::world::World;
+use crate::testing::sim::world::World;
 
 thread_local! {
     /// The logical thread this OS thread runs, if any.

@@ -272,7 +272,7 @@ fn tick(inner: &Inner, entries: &mut Vec<Entry>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fake::{client, Mode};
+    use crate::testing::fake::{client, Mode};
     use std::sync::atomic::Ordering;
 
     const MS: Duration = Duration::from_millis(1);
@@ -426,7 +426,7 @@ mod tests {
         use std::sync::atomic::AtomicUsize;
         let calls = Arc::new(AtomicUsize::new(0));
         let seen = calls.clone();
-        let (locks, nodes, clock) = crate::fake::client_with_on_lost(3, move |_, _| {
+        let (locks, nodes, clock) = crate::testing::fake::client_with_on_lost(3, move |_, _| {
             std::thread::sleep(Duration::from_millis(500));
             seen.fetch_add(1, Ordering::SeqCst);
         });

@@ -6,10 +6,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::clock::{Rng, SystemClock};
-use crate::conn::Target;
+use crate::driver::conn::Target;
+use crate::driver::node::{DriverConfig, NodeSpec, RedisTransport};
 use crate::error::InvalidInput;
 use crate::guard::LostCallback;
-use crate::node::{DriverConfig, NodeSpec, RedisTransport};
 use crate::redlock::Redlock;
 use crate::Result;
 
@@ -27,7 +27,7 @@ pub(crate) struct Settings {
     /// Apply the delayed-restart rule to acquire votes.
     pub restart_protection: bool,
     /// The simulation's broken variant of the rule (see
-    /// [`crate::quorum::RestartRule::loose`]); never set otherwise.
+    /// [`crate::algorithm::quorum::RestartRule::loose`]); never set otherwise.
     pub loose_restart_rule: bool,
     /// Trust a node's lock history the first time this client sees it.
     pub fresh_cluster: bool,
@@ -79,8 +79,8 @@ impl Default for Settings {
 
 impl Settings {
     /// Which answers count as votes.
-    pub(crate) fn rules(&self) -> crate::quorum::VoteRules {
-        crate::quorum::VoteRules {
+    pub(crate) fn rules(&self) -> crate::algorithm::quorum::VoteRules {
+        crate::algorithm::quorum::VoteRules {
             one_per_server: self.one_vote_per_server,
             refuse_evicting: self.refuse_evicting,
         }
@@ -502,7 +502,7 @@ pub(crate) fn parse_nodes(urls: &[String]) -> Result<Vec<NodeSpec>, InvalidInput
 #[derive(Clone, Default, Debug)]
 pub(crate) struct TlsSettings {
     #[cfg(feature = "tls-rustls")]
-    tls: Option<crate::tls::Tls>,
+    tls: Option<crate::driver::tls::Tls>,
 }
 
 /// [`parse_nodes`] with `tls` for `rediss://` nodes (the default roots when
@@ -588,7 +588,7 @@ pub(crate) fn parse_nodes_with(
                 tls_config = Some(tls.tls.clone().unwrap_or_default().config()?);
             }
             let config = tls_config.clone().ok_or(InvalidInput::NoNodes)?;
-            Some(crate::tls::TlsTarget::new(config, &host).map_err(|e| bad(&e))?)
+            Some(crate::driver::tls::TlsTarget::new(config, &host).map_err(|e| bad(&e))?)
         } else {
             None
         };

@@ -9,15 +9,15 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use crate::algorithm::quorum::VoteRules;
+use crate::builder::Settings;
 use crate::clock::{after, Clock, Rng};
-use crate::config::Settings;
 use crate::error::{NodeError, NodeErrorKind};
-use crate::quorum::VoteRules;
-use crate::redlock::Redlock;
-use crate::transport::{
+use crate::lock::transport::{
     After, AfterRound, Answer, Key, NodeFacts, NodeResult, Op, Reply, ServerKind, ServerTag,
     Transport,
 };
+use crate::redlock::Redlock;
 
 /// Virtual time: starts at a fixed instant, moves only when told (or slept).
 #[derive(Debug)]
@@ -165,7 +165,7 @@ impl Store {
     /// Why the acquire script refuses a fenced acquire (before any write):
     /// a node clock or a counter at the limit of exact Lua numbers.
     fn refuses_fence(&self, op: Op, keys: &[Key<'_>], micros: u64) -> Option<&'static str> {
-        let limit = crate::scripts::FENCE_LIMIT;
+        let limit = crate::driver::scripts::FENCE_LIMIT;
         if !matches!(op, Op::Acquire { fenced: true, .. }) {
             None
         } else if micros >= limit - (1 << 40) {
@@ -300,7 +300,7 @@ impl Store {
             // This swap, sent again: done already.
             (Op::Swap { .. }, Some((t, _))) if k.next.is_some_and(|n| n == t) => Answer::Ok,
             (Op::Release { .. } | Op::Swap { .. }, Some((t, _)))
-                if !crate::transport::ours(t, k.token) =>
+                if !crate::lock::transport::ours(t, k.token) =>
             {
                 Answer::Other
             }
@@ -483,7 +483,7 @@ impl FakeNodes {
                     }
                 }
             };
-            crate::quorum::insert_vote(&mut results, &self.names, i, r, rules);
+            crate::algorithm::quorum::insert_vote(&mut results, &self.names, i, r, rules);
         }
         results.into_iter().flatten().collect()
     }
@@ -504,8 +504,8 @@ impl Transport for Shared {
         op: Op,
         keys: &[Key<'_>],
         deadline: Instant,
-        _decided: Option<crate::transport::Decided<'_>>,
-        undo: Option<crate::transport::Undo<'_>>,
+        _decided: Option<crate::lock::transport::Decided<'_>>,
+        undo: Option<crate::lock::transport::Undo<'_>>,
     ) -> Vec<NodeResult> {
         let (f, rules) = (&self.0, self.1);
         assert!(
@@ -532,7 +532,7 @@ impl Transport for Shared {
                 let release = Op::Release {
                     keep_until: after(now, ttl),
                 };
-                let written = crate::transport::written(op, keys);
+                let written = crate::lock::transport::written(op, keys);
                 f.apply_all(&modes, release, &written, f.clock.now(), rules);
             }
         }
@@ -613,10 +613,10 @@ mod fencing_checks {
 
     use super::logs::capture_logs;
     use super::{client_over, client_with, settings, FakeNodes, Hook, Mode};
+    use crate::builder::Settings;
     use crate::clock::Clock;
-    use crate::config::Settings;
     use crate::error::Error;
-    use crate::transport::Op;
+    use crate::lock::transport::Op;
 
     const MS: Duration = Duration::from_millis(1);
     const TTL: Duration = Duration::from_secs(10);
@@ -682,7 +682,7 @@ mod fencing_checks {
     #[test]
     fn counters_at_the_limit_refuse_instead_of_tying() {
         let (locks, nodes, _) = client_with(3, fenced());
-        let limit = crate::scripts::FENCE_LIMIT;
+        let limit = crate::driver::scripts::FENCE_LIMIT;
         for i in 0..3 {
             nodes.stores[i].lock().fences.insert("r".into(), limit);
         }
@@ -708,14 +708,14 @@ mod fencing_checks {
     /// and our own swap count as done, another token's key does not.
     #[test]
     fn commands_sent_again_count_what_they_did_the_first_time() {
-        use crate::transport::{Answer, Key};
+        use crate::lock::transport::{Answer, Key};
         let mut store = super::Store::default();
         let now = std::time::Instant::now();
         let acquire = Op::Acquire {
             ttl: TTL,
             known_max: TTL,
             fenced: true,
-            after: crate::transport::After::NONE,
+            after: crate::lock::transport::After::NONE,
         };
         let first = store
             .round(acquire, &[Key::new("r", "t1")], now, now, 5)
@@ -824,7 +824,7 @@ mod fencing_checks {
         clock.advance(TTL);
         for i in 0..3 {
             let _ = nodes.stores[i].lock().history(
-                (TTL, TTL, crate::transport::After::NONE),
+                (TTL, TTL, crate::lock::transport::After::NONE),
                 clock.base,
                 clock.base,
             );

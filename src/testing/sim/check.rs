@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::guard::LockState;
-use crate::sim::world::{NodeState, SimNode};
-use crate::transport::{written, Key, Op};
+use crate::lock::transport::{written, Key, Op};
+use crate::testing::sim::world::{NodeState, SimNode};
 
 /// What a violation is about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -328,7 +328,7 @@ impl Checker {
             self.fail(now, kind, what);
         }
         // What the guard reports held must be on a majority of the nodes.
-        let quorum = crate::quorum::quorum(nodes.len());
+        let quorum = crate::algorithm::quorum::quorum(nodes.len());
         let mut short = None;
         for a in self.sections.values() {
             if nodes.is_empty() || !self.held(a, now) {
@@ -412,8 +412,8 @@ impl Checker {
 mod tests {
     use super::*;
     use crate::guard::Timing;
-    use crate::sim::sched::SimRng;
-    use crate::sim::world::{Net, World, CLOCK_START};
+    use crate::testing::sim::sched::SimRng;
+    use crate::testing::sim::world::{Net, World, CLOCK_START};
 
     const MS: u64 = 1_000_000;
 
@@ -503,12 +503,12 @@ mod tests {
             Checker::new(base, 0),
         );
         let ttl = Duration::from_millis(100);
-        let key = crate::transport::Key::new("r", "t");
+        let key = crate::lock::transport::Key::new("r", "t");
         let op = Op::Acquire {
             ttl,
             known_max: ttl,
             fenced: false,
-            after: crate::transport::After::NONE,
+            after: crate::lock::transport::After::NONE,
         };
         w.check.sent(op, &[key], 0);
         let expiry = base + Duration::from_nanos(CLOCK_START) + Duration::from_secs(10);

@@ -176,9 +176,9 @@ mod regressions {
 
     use super::describe;
     use crate::clock::Clock;
-    use crate::sim::check::Kind;
-    use crate::sim::world::Fault;
-    use crate::sim::{simulate, Ctx, Plan, Report, MS};
+    use crate::testing::sim::check::Kind;
+    use crate::testing::sim::world::Fault;
+    use crate::testing::sim::{simulate, Ctx, Plan, Report, MS};
 
     const T: fn(u64) -> Duration = Duration::from_millis;
 
@@ -674,7 +674,12 @@ mod regressions {
         let world = &core.world;
         (0..world.nodes.len())
             .filter(|&i| {
-                world.nodes[i].holds(world.base, now, resource, crate::sim::check::lineage(token))
+                world.nodes[i].holds(
+                    world.base,
+                    now,
+                    resource,
+                    crate::testing::sim::check::lineage(token),
+                )
             })
             .collect()
     }

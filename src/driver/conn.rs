@@ -38,7 +38,7 @@ pub(crate) struct Target {
     pub db: i64,
     /// For `rediss://` nodes.
     #[cfg(feature = "tls-rustls")]
-    pub tls: Option<crate::tls::TlsTarget>,
+    pub tls: Option<crate::driver::tls::TlsTarget>,
 }
 
 /// The socket, in the clear or under TLS.
@@ -46,7 +46,7 @@ pub(crate) struct Target {
 enum Stream {
     Plain(TcpStream),
     #[cfg(feature = "tls-rustls")]
-    Tls(Box<crate::tls::TlsStream>),
+    Tls(Box<crate::driver::tls::TlsStream>),
 }
 
 impl Stream {
@@ -107,7 +107,7 @@ pub(crate) enum Setup {
     Load,
     /// `INFO`: who the server is and whether it can keep locks.
     Info,
-    /// The metadata's id (see [`crate::scripts::HISTORY_ID_LUA`]).
+    /// The metadata's id (see [`crate::driver::scripts::HISTORY_ID_LUA`]).
     History,
 }
 
@@ -151,7 +151,7 @@ pub(crate) struct Conn {
     pub made: Instant,
     /// Who is at the other end, as its `INFO` and lock history said (read
     /// ahead of the first round's reply).
-    pub server: crate::transport::ServerTag,
+    pub server: crate::lock::transport::ServerTag,
     /// When `INFO` was last asked on this connection.
     pub info_at: Instant,
     /// Returned to the pool owing replies: counted in this counter (the
@@ -231,7 +231,7 @@ impl std::error::Error for ConnectError {}
 impl From<io::Error> for ConnectError {
     fn from(e: io::Error) -> Self {
         #[cfg(feature = "tls-rustls")]
-        if let Some(why) = crate::tls::tls_failure(&e) {
+        if let Some(why) = crate::driver::tls::tls_failure(&e) {
             return ConnectError::Tls(why);
         }
         ConnectError::Io(e)
@@ -277,7 +277,7 @@ impl Conn {
         stream.set_nonblocking(true)?;
         #[cfg(feature = "tls-rustls")]
         let stream = match &t.tls {
-            Some(tls) => Stream::Tls(Box::new(crate::tls::TlsStream::new(stream, tls)?)),
+            Some(tls) => Stream::Tls(Box::new(crate::driver::tls::TlsStream::new(stream, tls)?)),
             None => Stream::Plain(stream),
         };
         #[cfg(not(feature = "tls-rustls"))]
@@ -290,7 +290,7 @@ impl Conn {
             pending: VecDeque::new(),
             broken: false,
             made: Instant::now(),
-            server: crate::transport::ServerTag::default(),
+            server: crate::lock::transport::ServerTag::default(),
             info_at: Instant::now(),
             owing: None,
         };
@@ -329,20 +329,22 @@ impl Conn {
         // fine: rounds fall back to EVAL, and the checks to what is known.
         let now = Instant::now();
         if purpose != For::Query {
-            for load in &crate::scripts::load_commands() {
+            for load in &crate::driver::scripts::load_commands() {
                 conn.queue_setup(load, now, Setup::Load);
             }
             conn.queue_setup(&redis::cmd("INFO").get_packed_command(), now, Setup::Info);
         }
         match purpose {
-            For::Rounds => {
-                conn.queue_setup(&crate::scripts::history_id_command(), now, Setup::History)
-            }
+            For::Rounds => conn.queue_setup(
+                &crate::driver::scripts::history_id_command(),
+                now,
+                Setup::History,
+            ),
             // Read only (the script writes the id where it is missing, and a
             // node under `CLIENT PAUSE … WRITE` holds every write).
             For::Check => conn.queue_setup(
                 &redis::cmd("HGET")
-                    .arg(crate::scripts::META_KEY)
+                    .arg(crate::driver::scripts::META_KEY)
                     .arg("id")
                     .get_packed_command(),
                 now,

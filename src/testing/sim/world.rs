@@ -9,16 +9,16 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use crate::algorithm::health::{self, Admit, NodeHealth, Outcome};
+use crate::algorithm::quorum::VoteRules;
 use crate::clock::{after, Signal};
 use crate::error::{NodeError, NodeErrorKind};
-use crate::fake::Store;
-use crate::health::{self, Admit, NodeHealth, Outcome};
-use crate::quorum::VoteRules;
-use crate::sim::check::Checker;
-use crate::sim::sched::{Sched, SimRng};
-use crate::transport::{
+use crate::lock::transport::{
     AfterRound, Decided, Key, NodeResult, Op, ServerKind, ServerTag, Transport, Undo,
 };
+use crate::testing::fake::Store;
+use crate::testing::sim::check::Checker;
+use crate::testing::sim::sched::{Sched, SimRng};
 
 /// Where every node's clock starts (ns): an hour in, so that clocks can
 /// jump back.
@@ -66,10 +66,9 @@ impl SimNode {
     /// Whether `resource` holds a live token of `lineage` on this node.
     pub(crate) fn holds(&self, base: Instant, now: u64, resource: &str, lineage: &str) -> bool {
         let local = self.local(base, now);
-        self.store
-            .keys
-            .get(resource)
-            .is_some_and(|(t, exp)| *exp > local && crate::sim::check::lineage(t) == lineage)
+        self.store.keys.get(resource).is_some_and(|(t, exp)| {
+            *exp > local && crate::testing::sim::check::lineage(t) == lineage
+        })
     }
 }
 
@@ -316,7 +315,7 @@ impl World {
                         if !replied[entry] {
                             replied[entry] = true;
                             // The production rule for what counts as a vote.
-                            crate::quorum::insert_vote(
+                            crate::algorithm::quorum::insert_vote(
                                 &mut round.results.lock(),
                                 &self.names,
                                 entry,
@@ -499,7 +498,7 @@ impl World {
             for (k, a) in keys.iter().zip(&r.answers) {
                 if matches!(
                     a,
-                    crate::transport::Answer::Ok | crate::transport::Answer::Restored
+                    crate::lock::transport::Answer::Ok | crate::lock::transport::Answer::Restored
                 ) {
                     self.check.landed(k.token, msg.sent);
                 }
@@ -714,7 +713,12 @@ impl Transport for SimTransport {
         let twins: Vec<bool> = (0..n)
             .map(|i| self.rules.one_per_server && self.entries[..i].contains(&self.entries[i]))
             .collect();
-        health::admit_round(&mut admits, release, crate::quorum::quorum(n), &twins);
+        health::admit_round(
+            &mut admits,
+            release,
+            crate::algorithm::quorum::quorum(n),
+            &twins,
+        );
         let sent: Vec<bool> = admits.iter().map(|a| *a != Admit::Skip).collect();
         let wait: Vec<bool> = admits.iter().map(|a| *a == Admit::Wait).collect();
         let mut lanes = Vec::new();
@@ -749,7 +753,7 @@ impl Transport for SimTransport {
             if undo(&results) == AfterRound::Undo {
                 // Where our write may have landed, on the same connections,
                 // waiting (but for a swap's) for the nodes that answered.
-                let written = crate::transport::written(op, keys);
+                let written = crate::lock::transport::written(op, keys);
                 let rel = Op::Release {
                     keep_until: after(start, ttl),
                 };

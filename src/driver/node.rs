@@ -10,7 +10,7 @@
 //! unless its answer is needed.
 //!
 //! Health follows one rule: only a node's own answers to commands change it
-//! (see [`crate::health`]). Replies still in flight when a round ends stay on
+//! (see [`crate::algorithm::health`]). Replies still in flight when a round ends stay on
 //! their connection and are read by its next user.
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -25,15 +25,17 @@ use r2d2::{ManageConnection, Pool, PooledConnection};
 use redis::Value;
 use scheduled_thread_pool::{OnPoolDropBehavior, ScheduledThreadPool};
 
+use crate::algorithm::health::{self, Admit, NodeHealth, Outcome};
+use crate::algorithm::quorum::{self, VoteRules};
+use crate::algorithm::server::{id_hash, ServerInfo};
 use crate::clock::{after, Throttle, WARN_EVERY};
-use crate::conn::{self, Conn, ConnectError, PollFlags, Setup, Target, MAX_PENDING, MIN_TIMEOUT};
+use crate::driver::conn::{
+    self, Conn, ConnectError, PollFlags, Setup, Target, MAX_PENDING, MIN_TIMEOUT,
+};
+use crate::driver::scripts;
 use crate::error::{InvalidInput, NodeError, NodeErrorKind};
 use crate::events::{Events, NodeChange, NodeEvent};
-use crate::health::{self, Admit, NodeHealth, Outcome};
-use crate::quorum::{self, VoteRules};
-use crate::scripts;
-use crate::server::{id_hash, ServerInfo};
-use crate::transport::{
+use crate::lock::transport::{
     After, AfterRound, Answer, Decided, Key, NodeFacts, NodeResult, Op, Reply, ServerKind,
     ServerTag, Stored, Transport, Undo,
 };
@@ -880,7 +882,7 @@ const INFO_EVERY: Duration = Duration::from_secs(10);
 fn late_reply(
     c: &mut Conn,
     node: &NodeShared,
-    p: crate::conn::Pending,
+    p: crate::driver::conn::Pending,
     v: &Value,
     now: Instant,
 ) -> std::io::Result<()> {
@@ -986,7 +988,7 @@ fn setup_reply(c: &mut Conn, node: &NodeShared, setup: Setup, v: &Value) -> std:
 
 /// Whether this reply is a server turning the connection away (see
 /// [`refuses_connection`]): not an answer that makes the node healthy.
-fn turned_away(p: &crate::conn::Pending, v: &Value) -> bool {
+fn turned_away(p: &crate::driver::conn::Pending, v: &Value) -> bool {
     p.setup != Setup::None && matches!(v, Value::ServerError(e) if refuses_connection(e))
 }
 
@@ -1425,7 +1427,7 @@ impl Transport for RedisTransport {
                     s.lost = false;
                 }
                 // A failed swap gives up the handed-over lock too.
-                let written = crate::transport::written(op, keys);
+                let written = crate::lock::transport::written(op, keys);
                 let keys = &written[..];
                 let enc = Encoded::new(rel, keys);
                 // A failed swap's caller locks anew within its own bound:
@@ -1578,7 +1580,7 @@ impl RedisTransport {
             .iter()
             .any(|s| s.conn.as_ref().is_some_and(|c| c.awaits_wanted()));
         // The tokens a late acquire or swap may still write, and their keys.
-        let written = crate::transport::written(enc.op, keys);
+        let written = crate::lock::transport::written(enc.op, keys);
         // Only a command that may write: a release's late reply says nothing
         // of where a SET landed.
         let tokens: Vec<String> = if owed && enc.writes().is_some() {
@@ -2078,7 +2080,7 @@ impl Encoded {
         };
         let written = match op {
             Op::Acquire { .. } | Op::Swap { .. } | Op::Restore { .. } => {
-                crate::transport::written(op, keys)
+                crate::lock::transport::written(op, keys)
                     .iter()
                     .map(|k| k.token.to_owned())
                     .collect()
@@ -2352,7 +2354,7 @@ mod tests {
     /// entries with one id are a pair, found by either id.
     #[test]
     fn servers_are_named_once_and_twins_found_by_either_id() {
-        let logs = crate::fake::logs::capture_logs();
+        let logs = crate::testing::fake::logs::capture_logs();
         let names: Vec<String> = ["a:1", "b:1", "c:1"]
             .iter()
             .map(|s| s.to_string())

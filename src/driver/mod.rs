@@ -1,0 +1,8 @@
+//! Everything that knows sockets, RESP, r2d2 and Lua: the Redis driver that
+//! implements [`crate::lock::transport::Transport`].
+
+pub(crate) mod conn;
+pub(crate) mod node;
+pub(crate) mod scripts;
+#[cfg(feature = "tls-rustls")]
+pub(crate) mod tls;

@@ -1,0 +1,7 @@
+//! The lock engine above the nodes: the [`transport::Transport`] port that
+//! drivers implement, the local queue with its hand-over, and the renewal
+//! thread.
+
+pub(crate) mod queue;
+pub(crate) mod transport;
+pub(crate) mod watchdog;
