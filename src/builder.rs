@@ -9,136 +9,10 @@ use crate::clock::{Rng, SystemClock};
 use crate::driver::conn::Target;
 use crate::driver::node::{DriverConfig, NodeSpec, RedisTransport};
 use crate::error::InvalidInput;
-use crate::guard::LostCallback;
+use crate::lock::settings::{Settings, MAX_POOL_SIZE};
+use crate::lock::state::LostCallback;
 use crate::redlock::Redlock;
 use crate::Result;
-
-/// The timing and retry settings the algorithm uses, validated.
-#[derive(Debug, Clone)]
-pub(crate) struct Settings {
-    pub node_timeout: Duration,
-    pub drift_factor: f64,
-    pub retry_count: u32,
-    pub retry_delay: Duration,
-    pub retry_jitter: Duration,
-    pub auto_renew: bool,
-    pub renew_fraction: f64,
-    pub local_queue: bool,
-    /// Apply the delayed-restart rule to acquire votes.
-    pub restart_protection: bool,
-    /// The simulation's broken variant of the rule (see
-    /// [`crate::algorithm::quorum::RestartRule::loose`]); never set otherwise.
-    pub loose_restart_rule: bool,
-    /// Trust a node's lock history the first time this client sees it.
-    pub fresh_cluster: bool,
-    /// The operator's longest TTL, if configured.
-    pub max_ttl: Option<Duration>,
-    /// Give every lock a fencing token (one more round trip per acquire).
-    pub fencing: bool,
-    /// The user's event handler.
-    pub events: crate::events::Events,
-    /// Refuse the votes of nodes whose memory policy can evict lock keys.
-    pub refuse_evicting: bool,
-    /// Count one vote per server (off only in the simulation, to show what
-    /// the rule prevents).
-    pub one_vote_per_server: bool,
-}
-
-/// Largest pool size accepted (connections per node): far above any useful
-/// number of threads locking at once.
-pub(crate) const MAX_POOL_SIZE: u32 = 1024;
-
-/// Largest retry pause (and jitter) accepted: `lock()` makes several.
-pub(crate) const MAX_RETRY_DELAY: Duration = Duration::from_secs(60);
-
-/// Largest node timeout accepted: a round waits at most this long.
-pub(crate) const MAX_NODE_TIMEOUT: Duration = Duration::from_secs(60);
-
-impl Default for Settings {
-    fn default() -> Self {
-        Settings {
-            node_timeout: Duration::from_millis(50),
-            drift_factor: 0.01,
-            retry_count: 3,
-            retry_delay: Duration::from_millis(100),
-            retry_jitter: Duration::from_millis(100),
-            auto_renew: false,
-            renew_fraction: 1.0 / 3.0,
-            local_queue: true,
-            restart_protection: true,
-            loose_restart_rule: false,
-            fresh_cluster: false,
-            max_ttl: None,
-            fencing: false,
-            events: crate::events::Events::default(),
-            refuse_evicting: false,
-            one_vote_per_server: true,
-        }
-    }
-}
-
-impl Settings {
-    /// Which answers count as votes.
-    pub(crate) fn rules(&self) -> crate::algorithm::quorum::VoteRules {
-        crate::algorithm::quorum::VoteRules {
-            one_per_server: self.one_vote_per_server,
-            refuse_evicting: self.refuse_evicting,
-        }
-    }
-
-    pub(crate) fn validate(&self) -> Result<(), InvalidInput> {
-        if self.node_timeout.is_zero() {
-            return Err(InvalidInput::ZeroDuration("node_timeout"));
-        }
-        if self.node_timeout > MAX_NODE_TIMEOUT {
-            return Err(InvalidInput::DurationTooLong {
-                what: "node_timeout",
-                value: self.node_timeout,
-                max: MAX_NODE_TIMEOUT,
-            });
-        }
-        if self.max_ttl.is_some_and(|t| t.is_zero()) {
-            return Err(InvalidInput::ZeroDuration("max_ttl"));
-        }
-        if let Some(max) = self.max_ttl {
-            if max > crate::MAX_TTL {
-                return Err(InvalidInput::DurationTooLong {
-                    what: "max_ttl",
-                    value: max,
-                    max: crate::MAX_TTL,
-                });
-            }
-        }
-        if !(self.drift_factor.is_finite() && (0.0..1.0).contains(&self.drift_factor)) {
-            return Err(InvalidInput::DriftFactor(self.drift_factor));
-        }
-        // At most 1/2: a renewal due at ttl × fraction must leave room, inside
-        // the validity (ttl less the drift allowance and the round), for it
-        // to fail and be retried at least once.
-        if !(self.renew_fraction.is_finite()
-            && self.renew_fraction > 0.0
-            && self.renew_fraction <= 0.5)
-        {
-            return Err(InvalidInput::RenewFraction(self.renew_fraction));
-        }
-        for (what, value) in [
-            ("retry_delay", self.retry_delay),
-            ("retry_jitter", self.retry_jitter),
-        ] {
-            if value > MAX_RETRY_DELAY {
-                return Err(InvalidInput::DurationTooLong {
-                    what,
-                    value,
-                    max: MAX_RETRY_DELAY,
-                });
-            }
-        }
-        if self.retry_count == 0 {
-            return Err(InvalidInput::ZeroCount("retry_count"));
-        }
-        Ok(())
-    }
-}
 
 /// Configures and creates a [`Redlock`] client.
 ///
@@ -183,6 +57,13 @@ impl fmt::Debug for Builder {
             .field("on_lost", &self.on_lost.is_some())
             .field("tls", &self.tls)
             .finish()
+    }
+}
+
+impl Redlock {
+    /// Starts configuring a client.
+    pub fn builder() -> Builder {
+        Builder::new()
     }
 }
 

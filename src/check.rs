@@ -10,8 +10,9 @@
 use std::fmt;
 use std::time::Duration;
 
+use crate::algorithm::round::ServerKind;
 use crate::algorithm::server::ServerInfo;
-use crate::lock::transport::ServerKind;
+use crate::lock::transport::Probe;
 
 /// How a finding bears on using the node (or the set) for Redlock.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -199,28 +200,6 @@ fn worst(findings: &[Finding]) -> Verdict {
         .map(|f| f.verdict)
         .max()
         .unwrap_or(Verdict::Ok)
-}
-
-/// What the driver read from one node, on a connection of its own.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Probe {
-    /// Why no connection could be made.
-    pub connect: Option<String>,
-    /// `INFO`, or the server's refusal.
-    pub info: Option<Result<ServerInfo, String>>,
-    /// The metadata's id (written at connect when missing).
-    pub history: Option<String>,
-    /// `SCRIPT LOAD` refused, with the server's words.
-    pub load: Option<String>,
-    /// `PING` round trips.
-    pub rtts: Vec<Duration>,
-    /// Node clock minus local clock (µs), and the round trip it took.
-    pub clock: Option<(i64, Duration)>,
-    /// `CONFIG GET save`, `appendonly`, `appendfsync`, or the refusal.
-    pub persistence: Option<Result<(String, String, String), String>>,
-    /// A lock and its release on the checked key, on this node alone:
-    /// `Ok(held by another)` or the server's refusal.
-    pub scripts: Option<Result<bool, String>>,
 }
 
 /// Clocks further apart than this are worth a warning: fencing tokens

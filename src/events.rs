@@ -13,8 +13,8 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::algorithm::round::{Answer, NodeResult};
 use crate::error::{Error, NodeErrorKind};
-use crate::lock::transport::{Answer, NodeResult};
 
 /// Receives what the client does. Every method has a no-op default:
 /// implement those you need.
@@ -401,7 +401,7 @@ pub enum NodeChange {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::builder::Settings;
+    use crate::lock::settings::Settings;
     use crate::testing::fake::{client_over, client_with, Mode};
     use parking_lot::Mutex;
 
@@ -563,7 +563,7 @@ mod tests {
         );
         let g = locks.try_lock("r", TTL).unwrap();
         // The renewal thread's call (crate::lock::watchdog::tick).
-        let out = locks.inner.extend_many(&[g.state()], TTL, true);
+        let out = locks.engine.extend_many(&[g.state()], TTL, true);
         assert!(out[0].is_ok());
         g.extend(TTL).unwrap();
         let seen = rec.take();
@@ -605,11 +605,11 @@ mod tests {
         );
         let g = locks.try_lock("r", TTL).unwrap();
         // The renewal thread's call: a panic there would end every renewal.
-        assert!(locks.inner.extend_many(&[g.state()], TTL, true)[0].is_ok());
+        assert!(locks.engine.extend_many(&[g.state()], TTL, true)[0].is_ok());
         g.release().unwrap();
         let g = locks.try_lock("r", TTL).unwrap();
         (0..3).for_each(|i| nodes.del(i, "r"));
-        assert!(locks.inner.extend_many(&[g.state()], TTL, true)[0].is_err());
+        assert!(locks.engine.extend_many(&[g.state()], TTL, true)[0].is_err());
         assert!(g.is_lost());
     }
 
@@ -625,7 +625,7 @@ mod tests {
             },
         );
         *nodes.before_round.lock() = Some(crate::testing::fake::Hook(Box::new(|n, op| {
-            if matches!(op, crate::lock::transport::Op::Fence { .. }) {
+            if matches!(op, crate::algorithm::round::Op::Fence { .. }) {
                 n.del(0, "s");
                 n.del(1, "s");
             }

@@ -7,4 +7,5 @@
 
 pub(crate) mod health;
 pub(crate) mod quorum;
+pub(crate) mod round;
 pub(crate) mod server;

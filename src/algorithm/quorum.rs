@@ -6,8 +6,8 @@
 
 use std::time::Duration;
 
+use crate::algorithm::round::{After, Answer, NodeFacts, NodeResult, ServerKind};
 use crate::error::{Error, NodeError, NodeErrorKind};
-use crate::lock::transport::{After, Answer, NodeFacts, NodeResult, ServerKind};
 
 /// Extra drift allowance on top of `ttl × factor`, as in the Redlock spec.
 pub(crate) const DRIFT_FLOOR: Duration = Duration::from_millis(2);
@@ -576,7 +576,7 @@ mod tests {
             .iter()
             .enumerate()
             .map(|(i, a)| match a {
-                Some(a) => Ok(crate::lock::transport::Reply::new(vec![*a])),
+                Some(a) => Ok(crate::algorithm::round::Reply::new(vec![*a])),
                 None => fail(&format!("n{i}")),
             })
             .collect();
@@ -585,8 +585,8 @@ mod tests {
 
     #[test]
     fn a_round_is_settled_by_a_majority_either_way() {
-        let ok = || Some(Ok(crate::lock::transport::Reply::new(vec![Answer::Ok])));
-        let other = || Some(Ok(crate::lock::transport::Reply::new(vec![Answer::Other])));
+        let ok = || Some(Ok(crate::algorithm::round::Reply::new(vec![Answer::Ok])));
+        let other = || Some(Ok(crate::algorithm::round::Reply::new(vec![Answer::Other])));
         let failed = || Some(fail("x"));
         assert!(!settled(&[ok(), None, None]));
         assert!(settled(&[ok(), ok(), None]));
@@ -603,7 +603,7 @@ mod tests {
     /// nodes only when not refused.
     #[test]
     fn each_server_votes_once_and_unfit_nodes_not_at_all() {
-        use crate::lock::transport::{Reply, ServerTag};
+        use crate::algorithm::round::{Reply, ServerTag};
         let names: Vec<String> = ["a", "a2", "b"].iter().map(|s| s.to_string()).collect();
         let tagged = |answer: Answer, run: u64, kind: ServerKind| -> NodeResult {
             let mut r = Reply::new(vec![answer]);

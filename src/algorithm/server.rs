@@ -8,7 +8,7 @@
 //! replica's answers are not votes, see [`crate::algorithm::quorum::insert_vote`]) and
 //! [`Redlock::check`](crate::Redlock::check).
 
-use crate::lock::transport::ServerKind;
+use crate::algorithm::round::ServerKind;
 
 /// The fields of `INFO` (default sections) that matter to a lock.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

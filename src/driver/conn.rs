@@ -151,7 +151,7 @@ pub(crate) struct Conn {
     pub made: Instant,
     /// Who is at the other end, as its `INFO` and lock history said (read
     /// ahead of the first round's reply).
-    pub server: crate::lock::transport::ServerTag,
+    pub server: crate::algorithm::round::ServerTag,
     /// When `INFO` was last asked on this connection.
     pub info_at: Instant,
     /// Returned to the pool owing replies: counted in this counter (the
@@ -290,7 +290,7 @@ impl Conn {
             pending: VecDeque::new(),
             broken: false,
             made: Instant::now(),
-            server: crate::lock::transport::ServerTag::default(),
+            server: crate::algorithm::round::ServerTag::default(),
             info_at: Instant::now(),
             owing: None,
         };

@@ -27,6 +27,10 @@ use scheduled_thread_pool::{OnPoolDropBehavior, ScheduledThreadPool};
 
 use crate::algorithm::health::{self, Admit, NodeHealth, Outcome};
 use crate::algorithm::quorum::{self, VoteRules};
+use crate::algorithm::round::Key;
+use crate::algorithm::round::{
+    After, Answer, NodeFacts, NodeResult, Op, Reply, ServerKind, ServerTag,
+};
 use crate::algorithm::server::{id_hash, ServerInfo};
 use crate::clock::{after, Throttle, WARN_EVERY};
 use crate::driver::conn::{
@@ -35,10 +39,7 @@ use crate::driver::conn::{
 use crate::driver::scripts;
 use crate::error::{InvalidInput, NodeError, NodeErrorKind};
 use crate::events::{Events, NodeChange, NodeEvent};
-use crate::lock::transport::{
-    After, AfterRound, Answer, Decided, Key, NodeFacts, NodeResult, Op, Reply, ServerKind,
-    ServerTag, Stored, Transport, Undo,
-};
+use crate::lock::transport::{AfterRound, Decided, Stored, Transport, Undo};
 
 /// A parsed node address.
 #[derive(Clone)]
@@ -624,8 +625,8 @@ fn release_once(target: &Target, cmd: &[u8], timeout: Duration) -> Result<(), St
 /// against this machine's clock, `CONFIG GET` of the persistence settings,
 /// and the acquire and release scripts on `key` (on this node alone, for
 /// one second at most: no lock is granted by one node).
-fn probe_one(target: &Target, key: &str, timeout: Duration) -> crate::check::Probe {
-    use crate::check::Probe;
+fn probe_one(target: &Target, key: &str, timeout: Duration) -> crate::lock::transport::Probe {
+    use crate::lock::transport::Probe;
     let mut p = Probe::default();
     let mut c = match Conn::connect_for(target, timeout, conn::For::Check) {
         Ok(c) => c,
@@ -1298,7 +1299,7 @@ impl Transport for RedisTransport {
         }
     }
 
-    fn probe(&self, key: &str, timeout: Duration) -> Vec<crate::check::Probe> {
+    fn probe(&self, key: &str, timeout: Duration) -> Vec<crate::lock::transport::Probe> {
         // A fresh connection per node, all at once, as for `inspect`.
         std::thread::scope(|scope| {
             let jobs: Vec<_> = self
@@ -1308,10 +1309,11 @@ impl Transport for RedisTransport {
                 .collect();
             jobs.into_iter()
                 .map(|job| {
-                    job.join().unwrap_or_else(|_| crate::check::Probe {
-                        connect: Some("the check panicked".into()),
-                        ..Default::default()
-                    })
+                    job.join()
+                        .unwrap_or_else(|_| crate::lock::transport::Probe {
+                            connect: Some("the check panicked".into()),
+                            ..Default::default()
+                        })
                 })
                 .collect()
         })
@@ -1427,7 +1429,7 @@ impl Transport for RedisTransport {
                     s.lost = false;
                 }
                 // A failed swap gives up the handed-over lock too.
-                let written = crate::lock::transport::written(op, keys);
+                let written = crate::algorithm::round::written(op, keys);
                 let keys = &written[..];
                 let enc = Encoded::new(rel, keys);
                 // A failed swap's caller locks anew within its own bound:
@@ -1580,7 +1582,7 @@ impl RedisTransport {
             .iter()
             .any(|s| s.conn.as_ref().is_some_and(|c| c.awaits_wanted()));
         // The tokens a late acquire or swap may still write, and their keys.
-        let written = crate::lock::transport::written(enc.op, keys);
+        let written = crate::algorithm::round::written(enc.op, keys);
         // Only a command that may write: a release's late reply says nothing
         // of where a SET landed.
         let tokens: Vec<String> = if owed && enc.writes().is_some() {
@@ -2080,7 +2082,7 @@ impl Encoded {
         };
         let written = match op {
             Op::Acquire { .. } | Op::Swap { .. } | Op::Restore { .. } => {
-                crate::lock::transport::written(op, keys)
+                crate::algorithm::round::written(op, keys)
                     .iter()
                     .map(|k| k.token.to_owned())
                     .collect()

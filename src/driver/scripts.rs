@@ -7,13 +7,7 @@
 
 use std::sync::LazyLock;
 
-/// The node's own lock metadata (a hash, no TTL): `epoch`, the node time in
-/// ms when it first carried a lock; `max_ttl`, the longest TTL in use, with
-/// `after` and `prev_max` (the histories it was first used after, and the
-/// longest before it: see `raise_lua!`); `id` (see [`HISTORY_ID_LUA`]).
-/// It disappears exactly when the node loses its data, which is what the
-/// delayed-restart rule needs to know. Not usable as a resource name.
-pub(crate) const META_KEY: &str = "quorumlock:meta";
+pub(crate) use crate::algorithm::round::META_KEY;
 
 /// `SET NX PX` for every lock key, plus the node's lock history. `KEYS` are
 /// the lock keys then [`META_KEY`]; `ARGV[1]` the TTL in ms, `ARGV[2]` the

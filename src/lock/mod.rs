@@ -2,6 +2,9 @@
 //! drivers implement, the local queue with its hand-over, and the renewal
 //! thread.
 
+pub(crate) mod engine;
 pub(crate) mod queue;
+pub(crate) mod settings;
+pub(crate) mod state;
 pub(crate) mod transport;
 pub(crate) mod watchdog;

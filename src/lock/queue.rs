@@ -21,7 +21,7 @@ use std::time::Instant;
 use parking_lot::{Mutex, MutexGuard};
 
 use crate::clock::{Clock, Signal, SystemClock};
-use crate::guard::LockState;
+use crate::lock::state::LockState;
 
 /// The queues, one per resource that some thread holds or waits for.
 #[derive(Debug)]
@@ -269,7 +269,7 @@ mod tests {
             "r",
             "token".into(),
             None,
-            crate::guard::Timing {
+            crate::lock::state::Timing {
                 since: now,
                 deadline: now + valid,
                 ttl: valid,

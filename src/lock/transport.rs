@@ -1,285 +1,14 @@
-//! The boundary between the Redlock algorithm and the nodes.
+//! The boundary between the lock engine and the nodes.
 //!
-//! The algorithm ([`crate::redlock`]) speaks only this trait; the Redis driver
-//! ([`crate::driver::node`]) and test doubles implement it, as redsync keeps `mutex.go`
-//! apart from its drivers.
+//! The engine speaks only the [`Transport`] trait; the Redis driver
+//! ([`crate::driver::node`]) and the test doubles implement it, as redsync
+//! keeps `mutex.go` apart from its drivers.
 
 use std::time::{Duration, Instant};
 
+use crate::algorithm::round::{Key, NodeResult, Op};
+use crate::algorithm::server::ServerInfo;
 use crate::error::NodeError;
-
-/// One lock's identity on a node: the key and our token.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Key<'a> {
-    pub resource: &'a str,
-    pub token: &'a str,
-    /// For [`Op::Swap`]: the token that replaces `token`.
-    pub next: Option<&'a str>,
-}
-
-impl<'a> Key<'a> {
-    pub(crate) fn new(resource: &'a str, token: &'a str) -> Self {
-        Key {
-            resource,
-            token,
-            next: None,
-        }
-    }
-}
-
-/// The keys whose tokens a round of `op` writes, as keys to release: a
-/// swap's new token (whose lineage also covers the old one, see [`ours`]),
-/// else the keys themselves.
-pub(crate) fn written<'a>(op: Op, keys: &[Key<'a>]) -> Vec<Key<'a>> {
-    match op {
-        Op::Swap { .. } => keys
-            .iter()
-            .map(|k| Key::new(k.resource, k.next.unwrap_or(k.token)))
-            .collect(),
-        _ => keys.to_vec(),
-    }
-}
-
-/// Whether a key's value `v` belongs to token `t`, as the release and swap
-/// scripts decide: `v` is `t` or, for a handed-over lock's token `L.S`, any
-/// token of lineage `L` (`L` itself or `L.*`).
-#[cfg_attr(not(test), allow(dead_code))] // the fake nodes' copy of the scripts' rule
-pub(crate) fn ours(v: &str, t: &str) -> bool {
-    if v == t {
-        return true;
-    }
-    match t.split_once('.') {
-        Some((lineage, _)) => v == lineage || v.split_once('.').is_some_and(|(l, _)| l == lineage),
-        None => false,
-    }
-}
-
-/// What to do to every key of a round, on every node.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Op {
-    /// `SET key token NX PX ttl`, in a script that also records `known_max`
-    /// (the longest TTL the client knows to be in use) on the node and
-    /// reports the node's [`NodeFacts`]. `fenced`: where set, the key's
-    /// fencing counter is advanced and reported in [`Reply::fence`].
-    Acquire {
-        ttl: Duration,
-        known_max: Duration,
-        fenced: bool,
-        /// The lock histories the client knows to have begun, recorded with
-        /// `ttl` where it is first used (empty otherwise).
-        after: After,
-    },
-    /// Delete the key if it holds our token. A node that does not answer is
-    /// asked again in the background until `keep_until` (when every key of
-    /// the round has expired anyway).
-    Release { keep_until: Instant },
-    /// Make the key live at least `ttl` more if it holds our token (its
-    /// expiry never moves back). `linger`: once the outcome is settled, the
-    /// round keeps reading the replies of the nodes it waits for, for as
-    /// long again as it took to settle (the renewal thread's rounds: a node
-    /// that lost the key says so, and its copy is restored). `known_max`
-    /// and `after`: recorded with `ttl` as `Acquire` records them.
-    Extend {
-        ttl: Duration,
-        linger: bool,
-        known_max: Duration,
-        after: After,
-    },
-    /// A held lock handed to a new critical section: where the key holds
-    /// our token (or an earlier one of its lineage, see [`ours`]), it gets
-    /// the key's `next` token, atomically, keeping its expiry. One key.
-    /// `ttl` is the lock's; records and reports like `Acquire`. `fence`:
-    /// the new section's fencing token, written to the counter where
-    /// swapped (`counter = max(counter, fence)`).
-    Swap {
-        ttl: Duration,
-        known_max: Duration,
-        fence: Option<u64>,
-    },
-    /// A fenced lock's write-back: where the key holds exactly our token,
-    /// its fencing counter becomes at least `value`.
-    Fence { value: u64 },
-    /// A held lock's missing copies: where the key is absent, set it with
-    /// our token for `ttl` (`SET NX PX`); never where another owner has it.
-    Restore { ttl: Duration },
-}
-
-/// One node's answer for one key.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Answer {
-    /// Done: set, deleted or extended.
-    Ok,
-    /// The key exists with another token.
-    Other,
-    /// The key does not exist.
-    Absent,
-    /// A restore found the key absent and set it with our token: a copy
-    /// restored, not a vote (the key was not ours when the command ran).
-    Restored,
-}
-
-/// What an acquire reply says about the node itself.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct NodeFacts {
-    /// Identity of the node's lock history: the node time (ms) at which it
-    /// first recorded lock metadata. Changes when the node loses its data.
-    pub epoch: u64,
-    /// How long the node has kept its lock history (by its own clock).
-    pub age: Duration,
-    /// The longest TTL recorded on the node before this command.
-    pub max_ttl: Duration,
-    /// The key of this lock history (a hash of the server's `run_id` and
-    /// the epoch, made by the script): new when the node loses its data or
-    /// restarts. `0`: unknown.
-    pub history: u64,
-    /// The lock histories that had begun before `max_ttl` was first used
-    /// (as the client that first used it knew them); empty: in use since
-    /// always, as far as anyone can tell.
-    pub after: After,
-    /// The longest TTL recorded before that first use (as recorded: equal
-    /// to `max_ttl` or not, it counts only for the histories in `after`).
-    pub prev_max: Duration,
-}
-
-/// A set of lock-history keys (see [`NodeFacts::history`]), at most
-/// [`After::CAP`]: the histories a TTL was first used after. Keys beyond
-/// the capacity are left out, which only makes the rule hold more back.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub(crate) struct After {
-    keys: [u64; After::CAP],
-    len: u8,
-}
-
-impl After {
-    /// How many keys one set holds.
-    pub(crate) const CAP: usize = 8;
-
-    /// No history: since always.
-    pub(crate) const NONE: After = After {
-        keys: [0; After::CAP],
-        len: 0,
-    };
-
-    /// The keys in the set.
-    pub(crate) fn keys(&self) -> &[u64] {
-        &self.keys[..usize::from(self.len)]
-    }
-
-    pub(crate) fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub(crate) fn contains(&self, key: u64) -> bool {
-        key != 0 && self.keys().contains(&key)
-    }
-
-    /// Adds `key` (unknown, repeated or beyond the capacity: ignored).
-    pub(crate) fn insert(&mut self, key: u64) {
-        if key != 0 && !self.contains(key) && usize::from(self.len) < After::CAP {
-            self.keys[usize::from(self.len)] = key;
-            self.len += 1;
-        }
-    }
-
-    /// The keys in both.
-    pub(crate) fn intersect(&self, other: &After) -> After {
-        let mut out = After::NONE;
-        for &k in self.keys() {
-            if other.contains(k) {
-                out.insert(k);
-            }
-        }
-        out
-    }
-
-    /// Parses the script's form: decimal keys separated by commas.
-    pub(crate) fn parse(text: &[u8]) -> After {
-        let mut out = After::NONE;
-        for part in text.split(|&b| b == b',') {
-            if let Some(k) = std::str::from_utf8(part).ok().and_then(|p| p.parse().ok()) {
-                out.insert(k);
-            }
-        }
-        out
-    }
-
-    /// The script's form (empty for none).
-    pub(crate) fn to_text(self) -> String {
-        let keys: Vec<String> = self.keys().iter().map(u64::to_string).collect();
-        keys.join(",")
-    }
-}
-
-/// Who answered a command: the server's identity, and whether it can keep
-/// locks at all, as the connection learnt them (`INFO` at connect, the lock
-/// history's id). Compared between the entries of one round (see
-/// [`crate::algorithm::quorum::insert_vote`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub(crate) struct ServerTag {
-    /// A hash of the server's `run_id` (same process, whatever the
-    /// database), when `INFO` was allowed.
-    pub run: Option<u64>,
-    /// A hash of the id in its lock history (same database).
-    pub history: Option<u64>,
-    /// What kind of node it is.
-    pub kind: ServerKind,
-}
-
-impl ServerTag {
-    /// Whether both tags name one server. Two run ids decide when both are
-    /// known (a lock history's id travels with its data: a replica promoted
-    /// since, or a node restored from another's dump, carries the id of the
-    /// server it copied); the history id only when one run id is not.
-    pub(crate) fn same_server(&self, other: &ServerTag) -> bool {
-        match (self.run, other.run) {
-            (Some(a), Some(b)) => a == b,
-            _ => self.history.is_some() && self.history == other.history,
-        }
-    }
-}
-
-/// What kind of node answered, for whether it can hold a vote.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub(crate) enum ServerKind {
-    /// A primary without an evicting memory policy, or not known.
-    #[default]
-    Fit,
-    /// A replica (`role:slave`): its writes are not its own.
-    Replica,
-    /// A Redis Cluster node: not an independent server.
-    Cluster,
-    /// `maxmemory` with this evicting policy: lock keys can be evicted.
-    Evicting(&'static str),
-}
-
-/// One node's reply to a round.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Reply {
-    /// One answer per key, in key order.
-    pub answers: Vec<Answer>,
-    /// Present on acquire and swap replies.
-    pub facts: Option<NodeFacts>,
-    /// A fenced acquire's counter, where the key was set (fenced acquire
-    /// rounds have one key; with several, the largest).
-    pub fence: Option<u64>,
-    /// Who answered, when known.
-    pub server: Option<ServerTag>,
-}
-
-impl Reply {
-    #[cfg(test)]
-    pub(crate) fn new(answers: Vec<Answer>) -> Self {
-        Reply {
-            answers,
-            facts: None,
-            fence: None,
-            server: None,
-        }
-    }
-}
-
-/// One node's reply, or why the node gave none.
-pub(crate) type NodeResult = Result<Reply, NodeError>;
 
 /// Tells a round, from the results so far (`None`: not read yet), that its
 /// outcome is known and the remaining replies need not be waited for.
@@ -338,11 +67,11 @@ pub(crate) trait Transport: Send + Sync + 'static {
     /// Gathers the facts of [`Redlock::check`](crate::Redlock::check) from
     /// every node. Doubles that do not model it report every node
     /// unreachable.
-    fn probe(&self, key: &str, timeout: Duration) -> Vec<crate::check::Probe> {
+    fn probe(&self, key: &str, timeout: Duration) -> Vec<Probe> {
         let _ = (key, timeout);
         self.node_names()
             .iter()
-            .map(|_| crate::check::Probe {
+            .map(|_| Probe {
                 connect: Some("not supported by this transport".into()),
                 ..Default::default()
             })
@@ -372,18 +101,24 @@ pub(crate) struct Stored {
     pub ttl: Option<Duration>,
 }
 
-#[cfg(test)]
-mod tests {
-    use super::ours;
-
-    #[test]
-    fn a_section_token_owns_its_lineage_and_nothing_else() {
-        assert!(ours("abc", "abc"));
-        assert!(!ours("abc.1", "abc"), "a plain token is exact");
-        assert!(ours("abc", "abc.2"));
-        assert!(ours("abc.1", "abc.2"));
-        assert!(!ours("abd.1", "abc.2"));
-        assert!(!ours("abcd", "abc.2"), "a lineage is whole");
-        assert!(!ours("ab", "abc.2"));
-    }
+/// What the driver read from one node, on a connection of its own.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Probe {
+    /// Why no connection could be made.
+    pub connect: Option<String>,
+    /// `INFO`, or the server's refusal.
+    pub info: Option<Result<ServerInfo, String>>,
+    /// The metadata's id (written at connect when missing).
+    pub history: Option<String>,
+    /// `SCRIPT LOAD` refused, with the server's words.
+    pub load: Option<String>,
+    /// `PING` round trips.
+    pub rtts: Vec<Duration>,
+    /// Node clock minus local clock (µs), and the round trip it took.
+    pub clock: Option<(i64, Duration)>,
+    /// `CONFIG GET save`, `appendonly`, `appendfsync`, or the refusal.
+    pub persistence: Option<Result<(String, String, String), String>>,
+    /// A lock and its release on the checked key, on this node alone:
+    /// `Ok(held by another)` or the server's refusal.
+    pub scripts: Option<Result<bool, String>>,
 }

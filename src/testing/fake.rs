@@ -10,13 +10,14 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use crate::algorithm::quorum::VoteRules;
-use crate::builder::Settings;
+use crate::algorithm::round::Key;
+use crate::algorithm::round::{
+    After, Answer, NodeFacts, NodeResult, Op, Reply, ServerKind, ServerTag,
+};
 use crate::clock::{after, Clock, Rng};
 use crate::error::{NodeError, NodeErrorKind};
-use crate::lock::transport::{
-    After, AfterRound, Answer, Key, NodeFacts, NodeResult, Op, Reply, ServerKind, ServerTag,
-    Transport,
-};
+use crate::lock::settings::Settings;
+use crate::lock::transport::{AfterRound, Transport};
 use crate::redlock::Redlock;
 
 /// Virtual time: starts at a fixed instant, moves only when told (or slept).
@@ -300,7 +301,7 @@ impl Store {
             // This swap, sent again: done already.
             (Op::Swap { .. }, Some((t, _))) if k.next.is_some_and(|n| n == t) => Answer::Ok,
             (Op::Release { .. } | Op::Swap { .. }, Some((t, _)))
-                if !crate::lock::transport::ours(t, k.token) =>
+                if !crate::algorithm::round::ours(t, k.token) =>
             {
                 Answer::Other
             }
@@ -532,7 +533,7 @@ impl Transport for Shared {
                 let release = Op::Release {
                     keep_until: after(now, ttl),
                 };
-                let written = crate::lock::transport::written(op, keys);
+                let written = crate::algorithm::round::written(op, keys);
                 f.apply_all(&modes, release, &written, f.clock.now(), rules);
             }
         }
@@ -613,10 +614,10 @@ mod fencing_checks {
 
     use super::logs::capture_logs;
     use super::{client_over, client_with, settings, FakeNodes, Hook, Mode};
-    use crate::builder::Settings;
+    use crate::algorithm::round::Op;
     use crate::clock::Clock;
     use crate::error::Error;
-    use crate::lock::transport::Op;
+    use crate::lock::settings::Settings;
 
     const MS: Duration = Duration::from_millis(1);
     const TTL: Duration = Duration::from_secs(10);
@@ -698,7 +699,7 @@ mod fencing_checks {
         }
         let g = locks.try_lock("s", TTL).expect("the last exact token");
         assert_eq!(g.fencing_token(), Some(limit));
-        assert!(locks.inner.take_over(g.state(), TTL).is_err(), "limit + 1");
+        assert!(locks.engine.take_over(g.state(), TTL).is_err(), "limit + 1");
         std::mem::forget(g);
         assert!((0..3).all(|i| nodes.get(i, "s").is_none()), "released");
     }
@@ -708,14 +709,14 @@ mod fencing_checks {
     /// and our own swap count as done, another token's key does not.
     #[test]
     fn commands_sent_again_count_what_they_did_the_first_time() {
-        use crate::lock::transport::{Answer, Key};
+        use crate::algorithm::round::{Answer, Key};
         let mut store = super::Store::default();
         let now = std::time::Instant::now();
         let acquire = Op::Acquire {
             ttl: TTL,
             known_max: TTL,
             fenced: true,
-            after: crate::lock::transport::After::NONE,
+            after: crate::algorithm::round::After::NONE,
         };
         let first = store
             .round(acquire, &[Key::new("r", "t1")], now, now, 5)
@@ -824,7 +825,7 @@ mod fencing_checks {
         clock.advance(TTL);
         for i in 0..3 {
             let _ = nodes.stores[i].lock().history(
-                (TTL, TTL, crate::lock::transport::After::NONE),
+                (TTL, TTL, crate::algorithm::round::After::NONE),
                 clock.base,
                 clock.base,
             );
@@ -870,7 +871,7 @@ mod fencing_checks {
     #[test]
     fn try_lock_bound_with_a_failing_write_back() {
         let (locks, nodes, clock) = client_with(3, fenced());
-        let nt = locks.inner.settings.node_timeout;
+        let nt = locks.engine.settings.node_timeout;
         nodes.set_mode(2, Mode::Down);
         hook(&nodes, |n, op| match op {
             Op::Acquire { .. } => n.set_mode(1, Mode::Up),
@@ -881,7 +882,7 @@ mod fencing_checks {
         let took = clock.now().saturating_duration_since(t0);
         assert!(took <= 3 * nt, "{took:?}");
         // lock(): retry_count × (delay + jitter + nt) + 3 nt.
-        let s = &locks.inner.settings;
+        let s = &locks.engine.settings;
         let bound = (s.retry_delay + s.retry_jitter + nt) * s.retry_count + 3 * nt;
         let t0 = clock.now();
         assert!(locks.lock("r", TTL).is_err());

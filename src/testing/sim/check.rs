@@ -6,9 +6,9 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::guard::LockState;
-use crate::lock::transport::{written, Key, Op};
-use crate::testing::sim::world::{NodeState, SimNode};
+use crate::algorithm::round::{written, Key, Op};
+use crate::lock::state::LockState;
+use crate::testing::fake::Store;
 
 /// What a violation is about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -95,6 +95,25 @@ pub(crate) struct Stats {
     pub(crate) writes: u64,
     pub(crate) refused: u64,
     pub(crate) lapsed: u64,
+}
+
+/// What the checker reads of one simulated node.
+pub(crate) trait Observed {
+    /// Whether it lost its data at or after virtual time `t` (ns).
+    fn wiped_since(&self, t: u64) -> bool;
+    /// Whether `resource` holds a live token of `lineage` there at `now`.
+    fn holds(&self, base: Instant, now: u64, resource: &str, lineage: &str) -> bool;
+    /// Whether its keys can be judged: up, reachable, and its clock never
+    /// stepped back.
+    fn judged(&self) -> bool;
+    /// Its own clock at `now`, as an instant of its store.
+    fn local(&self, base: Instant, now: u64) -> Instant;
+    /// What it stores.
+    fn store(&self) -> &Store;
+    /// Its clock's rate.
+    fn rate(&self) -> f64;
+    /// How long it was paused, crashed or cut off (ns).
+    fn unreachable(&self) -> u64;
 }
 
 /// Every checker's state.
@@ -303,7 +322,7 @@ impl Checker {
     }
 
     /// The continuous checks, at every step.
-    pub(crate) fn observe(&mut self, now: u64, nodes: &[SimNode], base: Instant) {
+    pub(crate) fn observe(&mut self, now: u64, nodes: &[impl Observed], base: Instant) {
         let mut two = None;
         let live: Vec<&Section> = self.sections.values().collect();
         for (i, a) in live.iter().enumerate() {
@@ -337,10 +356,7 @@ impl Checker {
             let own = lineage(&a.state.token);
             let holding = nodes
                 .iter()
-                .filter(|n| {
-                    n.wiped_at.is_some_and(|w| w >= a.since)
-                        || n.holds(base, now, &a.state.resource, own)
-                })
+                .filter(|n| n.wiped_since(a.since) || n.holds(base, now, &a.state.resource, own))
                 .count();
             if holding < quorum {
                 short.get_or_insert(format!(
@@ -380,11 +396,11 @@ impl Checker {
         }
         self.last_keys_check = now;
         for (i, node) in nodes.iter().enumerate() {
-            if node.state != NodeState::Up || node.isolated || node.clock.jumped_back {
+            if !node.judged() {
                 continue;
             }
             let local = node.local(base, now);
-            for (resource, (token, expiry)) in &node.store.keys {
+            for (resource, (token, expiry)) in &node.store().keys {
                 if *expiry <= local {
                     continue;
                 }
@@ -392,9 +408,9 @@ impl Checker {
                     continue;
                 };
                 // A TTL runs slower on a slow node clock.
-                let slow = ttl.as_nanos() as f64 * (1.0 / node.clock.rate - 1.0);
+                let slow = ttl.as_nanos() as f64 * (1.0 / node.rate() - 1.0);
                 let bound =
-                    until + self.max_delay + node.unreachable + slow.max(0.0) as u64 + 2_000_000;
+                    until + self.max_delay + node.unreachable() + slow.max(0.0) as u64 + 2_000_000;
                 if now > bound {
                     let what = format!(
                         "node {i} still holds {resource:?} {:.3} ms past its last write's TTL ({ttl:?}; {:?} left)",
@@ -411,9 +427,9 @@ impl Checker {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::guard::Timing;
-    use crate::testing::sim::sched::SimRng;
-    use crate::testing::sim::world::{Net, World, CLOCK_START};
+    use crate::lock::state::Timing;
+    use crate::testing::sim::rng::SimRng;
+    use crate::testing::sim::world::{Net, SimNode, World, CLOCK_START};
 
     const MS: u64 = 1_000_000;
 
@@ -452,7 +468,7 @@ mod tests {
         let mut c = Checker::new(base, 0);
         let a = lock(base, "a", 0, 90, 100, Some(5));
         c.grant(0, &a, "a");
-        c.observe(10 * MS, &[], base);
+        c.observe(10 * MS, &[] as &[SimNode], base);
         assert!(c.violations.is_empty(), "one holder is lawful");
         let b = lock(base, "b", 50, 90, 100, Some(5));
         c.grant(50 * MS, &b, "b");
@@ -474,12 +490,12 @@ mod tests {
         let mut c = Checker::new(base, 0);
         let long = lock(base, "l", 0, 200, 100, None);
         c.grant(0, &long, "long");
-        c.observe(MS, &[], base);
+        c.observe(MS, &[] as &[SimNode], base);
         assert_eq!(kinds(&c), [Kind::DeadlineBeyondTtl]);
 
         let mut c = Checker::new(base, 0);
         let ia2 = c.grant(0, &a, "a");
-        c.observe(95 * MS, &[], base); // past its deadline, not released
+        c.observe(95 * MS, &[] as &[SimNode], base); // past its deadline, not released
         c.end(ia2, 96 * MS, true);
         assert_eq!(kinds(&c), [Kind::Unsignalled]);
 
@@ -503,12 +519,12 @@ mod tests {
             Checker::new(base, 0),
         );
         let ttl = Duration::from_millis(100);
-        let key = crate::lock::transport::Key::new("r", "t");
+        let key = crate::algorithm::round::Key::new("r", "t");
         let op = Op::Acquire {
             ttl,
             known_max: ttl,
             fenced: false,
-            after: crate::lock::transport::After::NONE,
+            after: crate::algorithm::round::After::NONE,
         };
         w.check.sent(op, &[key], 0);
         let expiry = base + Duration::from_nanos(CLOCK_START) + Duration::from_secs(10);

@@ -17,7 +17,9 @@
 //! [`Transport`]: crate::lock::transport::Transport
 
 pub(crate) mod check;
+pub(crate) mod rng;
 pub(crate) mod sched;
+pub(crate) mod transport;
 pub(crate) mod world;
 
 #[cfg(test)]
@@ -27,15 +29,17 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::builder::Settings;
 use crate::clock::{Clock, Rng, Signal};
 use crate::error::Error;
+use crate::lock::settings::Settings;
 use crate::redlock::Redlock;
 use crate::LockGuard;
 
-use check::{Checker, Kind, Stats, Violation};
-use sched::{Sched, SimClock, SimRng};
-use world::{Fault, Net, SimTransport, World};
+use check::{Checker, Kind, Observed, Stats, Violation};
+use rng::SimRng;
+use sched::{Sched, SimClock};
+use transport::SimTransport;
+use world::{Fault, Net, World};
 
 const MS: u64 = 1_000_000;
 

@@ -176,7 +176,7 @@ mod regressions {
 
     use super::describe;
     use crate::clock::Clock;
-    use crate::testing::sim::check::Kind;
+    use crate::testing::sim::check::{Kind, Observed};
     use crate::testing::sim::world::Fault;
     use crate::testing::sim::{simulate, Ctx, Plan, Report, MS};
 

@@ -9,16 +9,14 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use crate::algorithm::health::{self, Admit, NodeHealth, Outcome};
+use crate::algorithm::health::{NodeHealth, Outcome};
 use crate::algorithm::quorum::VoteRules;
+use crate::algorithm::round::{Key, NodeResult, Op, ServerKind, ServerTag};
 use crate::clock::{after, Signal};
 use crate::error::{NodeError, NodeErrorKind};
-use crate::lock::transport::{
-    AfterRound, Decided, Key, NodeResult, Op, ServerKind, ServerTag, Transport, Undo,
-};
 use crate::testing::fake::Store;
-use crate::testing::sim::check::Checker;
-use crate::testing::sim::sched::{Sched, SimRng};
+use crate::testing::sim::check::{Checker, Observed};
+use crate::testing::sim::rng::SimRng;
 
 /// Where every node's clock starts (ns): an hour in, so that clocks can
 /// jump back.
@@ -56,19 +54,36 @@ impl NodeClock {
     }
 }
 
-impl SimNode {
-    /// The node's own clock at virtual time `now`, as an instant of its
-    /// store (keys expire on it).
-    pub(crate) fn local(&self, base: Instant, now: u64) -> Instant {
-        after(base, Duration::from_nanos(self.clock.at(now)))
+impl Observed for SimNode {
+    fn wiped_since(&self, t: u64) -> bool {
+        self.wiped_at.is_some_and(|w| w >= t)
     }
 
-    /// Whether `resource` holds a live token of `lineage` on this node.
-    pub(crate) fn holds(&self, base: Instant, now: u64, resource: &str, lineage: &str) -> bool {
+    fn holds(&self, base: Instant, now: u64, resource: &str, lineage: &str) -> bool {
         let local = self.local(base, now);
         self.store.keys.get(resource).is_some_and(|(t, exp)| {
             *exp > local && crate::testing::sim::check::lineage(t) == lineage
         })
+    }
+
+    fn judged(&self) -> bool {
+        self.state == NodeState::Up && !self.isolated && !self.clock.jumped_back
+    }
+
+    fn local(&self, base: Instant, now: u64) -> Instant {
+        after(base, Duration::from_nanos(self.clock.at(now)))
+    }
+
+    fn store(&self) -> &Store {
+        &self.store
+    }
+
+    fn rate(&self) -> f64 {
+        self.clock.rate
+    }
+
+    fn unreachable(&self) -> u64 {
+        self.unreachable
     }
 }
 
@@ -161,37 +176,37 @@ pub(crate) enum Fault {
 pub(crate) struct Round {
     /// Per entry of the node list: the reply, or the error it counts as
     /// until one arrives.
-    results: Mutex<Vec<Option<NodeResult>>>,
+    pub(crate) results: Mutex<Vec<Option<NodeResult>>>,
     /// Per entry: a reply arrived (it replaces a not-waited-for error).
-    replied: Mutex<Vec<bool>>,
-    signal: Arc<Signal>,
-    open: AtomicBool,
-    health: Arc<Mutex<Vec<NodeHealth>>>,
+    pub(crate) replied: Mutex<Vec<bool>>,
+    pub(crate) signal: Arc<Signal>,
+    pub(crate) open: AtomicBool,
+    pub(crate) health: Arc<Mutex<Vec<NodeHealth>>>,
     /// How the client counts answers.
-    rules: VoteRules,
+    pub(crate) rules: VoteRules,
 }
 
 #[derive(Clone)]
-struct OwnedKey {
-    resource: String,
-    token: String,
-    next: Option<String>,
+pub(crate) struct OwnedKey {
+    pub(crate) resource: String,
+    pub(crate) token: String,
+    pub(crate) next: Option<String>,
 }
 
 #[derive(Clone)]
-struct Msg {
+pub(crate) struct Msg {
     /// The server it goes to.
-    node: usize,
+    pub(crate) node: usize,
     /// The entry of the client's node list it was sent to.
-    entry: usize,
+    pub(crate) entry: usize,
     /// When the client sent it (virtual ns).
-    sent: u64,
-    op: Op,
-    keys: Vec<OwnedKey>,
-    round: Option<Arc<Round>>,
+    pub(crate) sent: u64,
+    pub(crate) op: Op,
+    pub(crate) keys: Vec<OwnedKey>,
+    pub(crate) round: Option<Arc<Round>>,
 }
 
-enum Event {
+pub(crate) enum Event {
     Arrive(Msg),
     Reply {
         round: Arc<Round>,
@@ -216,7 +231,7 @@ pub(crate) struct World {
     rng: SimRng,
     /// Per connection, when its last message arrives (FIFO per connection).
     lanes: BTreeMap<u64, u64>,
-    next_lane: u64,
+    pub(crate) next_lane: u64,
 }
 
 impl World {
@@ -425,7 +440,7 @@ impl World {
     }
 
     /// Sends `msg` on connection `lane` at `now`.
-    fn send(&mut self, msg: Msg, lane: u64, now: u64) {
+    pub(crate) fn send(&mut self, msg: Msg, lane: u64, now: u64) {
         let (i, e) = (msg.node, msg.entry);
         if self.nodes[i].state == NodeState::Down {
             if let Some(round) = &msg.round {
@@ -498,7 +513,7 @@ impl World {
             for (k, a) in keys.iter().zip(&r.answers) {
                 if matches!(
                     a,
-                    crate::lock::transport::Answer::Ok | crate::lock::transport::Answer::Restored
+                    crate::algorithm::round::Answer::Ok | crate::algorithm::round::Answer::Restored
                 ) {
                     self.check.landed(k.token, msg.sent);
                 }
@@ -544,240 +559,5 @@ impl World {
                 result,
             },
         );
-    }
-}
-
-/// One client's (one process's) view of the simulated nodes.
-pub(crate) struct SimTransport {
-    sched: Arc<Sched>,
-    names: Vec<String>,
-    /// Per entry, the node it reaches.
-    entries: Vec<usize>,
-    health: Arc<Mutex<Vec<NodeHealth>>>,
-    timeout: Duration,
-    /// Yield to the scheduler before every round.
-    preempt: bool,
-    rules: VoteRules,
-}
-
-impl SimTransport {
-    pub(crate) fn new(
-        sched: &Arc<Sched>,
-        timeout: Duration,
-        preempt: bool,
-        rules: VoteRules,
-    ) -> Self {
-        let (names, entries) = {
-            let core = sched.lock();
-            (core.world.names.clone(), core.world.entries.clone())
-        };
-        SimTransport {
-            sched: sched.clone(),
-            health: Arc::new(Mutex::new(vec![NodeHealth::default(); names.len()])),
-            names,
-            entries,
-            timeout,
-            preempt,
-            rules,
-        }
-    }
-
-    /// Sends `op` to the nodes `admits` lets through, on connections
-    /// `lanes` (new ones when empty), as one round; nodes not waited for
-    /// count as failed until their reply arrives, as in `node.rs`.
-    fn send(&self, op: Op, keys: &[Key<'_>], admits: &[Admit], lanes: &mut Vec<u64>) -> Arc<Round> {
-        let n = self.names.len();
-        let health = self.health.lock().clone();
-        let prefilled: Vec<Option<NodeResult>> = (0..n)
-            .map(|i| (admits[i] != Admit::Wait).then(|| Err(self.not_waited(i, &health))))
-            .collect();
-        let round = Arc::new(Round {
-            results: Mutex::new(prefilled),
-            replied: Mutex::new(vec![false; n]),
-            signal: Arc::new(Signal::default()),
-            open: AtomicBool::new(true),
-            health: self.health.clone(),
-            rules: self.rules,
-        });
-        let owned: Vec<OwnedKey> = keys
-            .iter()
-            .map(|k| OwnedKey {
-                resource: k.resource.to_owned(),
-                token: k.token.to_owned(),
-                next: k.next.map(str::to_owned),
-            })
-            .collect();
-        let now = self.sched.nanos();
-        let mut core = self.sched.lock();
-        let world = &mut core.world;
-        world.check.sent(op, keys, now);
-        if lanes.is_empty() {
-            for _ in 0..n {
-                world.next_lane += 1;
-                lanes.push(world.next_lane);
-            }
-        }
-        for (i, &lane) in lanes.iter().enumerate() {
-            if admits[i] != Admit::Skip {
-                let msg = Msg {
-                    node: self.entries[i],
-                    entry: i,
-                    sent: now,
-                    op,
-                    keys: owned.clone(),
-                    round: Some(round.clone()),
-                };
-                world.send(msg, lane, now);
-            }
-        }
-        round
-    }
-
-    /// The error of a node not waited for, as `node.rs` words it.
-    fn not_waited(&self, i: usize, health: &[NodeHealth]) -> NodeError {
-        let kind = match health[i] {
-            NodeHealth::Failing {
-                last: Outcome::Refused,
-                ..
-            } => NodeErrorKind::Unavailable,
-            _ => NodeErrorKind::Skipped,
-        };
-        NodeError::new(&self.names[i], kind, "not waited for")
-    }
-
-    /// Waits for `round`'s replies from the nodes in `wait` until
-    /// `decided` or `deadline`; returns the results and whether it settled.
-    fn gather(
-        &self,
-        round: &Round,
-        wait: &[bool],
-        deadline: Instant,
-        decided: Option<Decided<'_>>,
-        linger: bool,
-    ) -> (Vec<Option<NodeResult>>, bool) {
-        let start = self.sched.instant(self.sched.nanos());
-        // As `node.rs`: a lingering round reads on after it settled, for as
-        // long again as it took.
-        let mut settled: Option<Instant> = None;
-        loop {
-            let seen = round.signal.seen();
-            let results = round.results.lock().clone();
-            let now = self.sched.instant(self.sched.nanos());
-            if settled.is_none() && decided.is_some_and(|f| f(&results)) {
-                if !linger {
-                    return (results, true);
-                }
-                let again = now.saturating_duration_since(start);
-                settled = Some(now.checked_add(again).map_or(deadline, |l| l.min(deadline)));
-            }
-            let missing = (0..results.len()).any(|i| wait[i] && results[i].is_none());
-            let until = settled.unwrap_or(deadline);
-            if !missing || now >= until {
-                return (results, settled.is_some());
-            }
-            self.sched.wait_signal(&round.signal, seen, Some(until));
-        }
-    }
-}
-
-impl Transport for SimTransport {
-    fn node_names(&self) -> &[String] {
-        &self.names
-    }
-
-    fn run(
-        &self,
-        op: Op,
-        keys: &[Key<'_>],
-        deadline: Instant,
-        decided: Option<Decided<'_>>,
-        undo: Option<Undo<'_>>,
-    ) -> Vec<NodeResult> {
-        let n = self.names.len();
-        if self.preempt {
-            // Another thread may run between the caller's decision to send
-            // and the send (preemption, which blocking points alone miss).
-            self.sched.yield_now();
-        }
-        let start = self.sched.instant(self.sched.nanos());
-        // The production node layer's admission rules.
-        let mut admits: Vec<Admit> = self
-            .health
-            .lock()
-            .iter_mut()
-            .map(|h| h.admit(start))
-            .collect();
-        let release = matches!(op, Op::Release { .. });
-        // An entry that reaches the server of an earlier one, as the
-        // driver learns at connect.
-        let twins: Vec<bool> = (0..n)
-            .map(|i| self.rules.one_per_server && self.entries[..i].contains(&self.entries[i]))
-            .collect();
-        health::admit_round(
-            &mut admits,
-            release,
-            crate::algorithm::quorum::quorum(n),
-            &twins,
-        );
-        let sent: Vec<bool> = admits.iter().map(|a| *a != Admit::Skip).collect();
-        let wait: Vec<bool> = admits.iter().map(|a| *a == Admit::Wait).collect();
-        let mut lanes = Vec::new();
-        let round = self.send(op, keys, &admits, &mut lanes);
-        let linger = matches!(op, Op::Extend { linger: true, .. });
-        let (results, settled) = self.gather(&round, &wait, deadline, decided, linger);
-        round.open.store(false, Ordering::Release);
-        let end = self.sched.instant(self.sched.nanos());
-        let results: Vec<NodeResult> = results
-            .into_iter()
-            .enumerate()
-            .map(|(i, r)| {
-                r.unwrap_or_else(|| {
-                    let (kind, why) = if settled {
-                        (NodeErrorKind::NotAwaited, "settled before its reply")
-                    } else {
-                        // Only a node that had the whole node timeout
-                        // failed; a round cut short by the caller's
-                        // deadline says nothing about it (rule 2).
-                        if end.saturating_duration_since(start) >= self.timeout {
-                            self.health.lock()[i].observe(end, Outcome::TimedOut);
-                        }
-                        (NodeErrorKind::Timeout, "no reply")
-                    };
-                    Err(NodeError::new(&self.names[i], kind, why))
-                })
-            })
-            .collect();
-        // `AfterRound::Complete` has nothing to do here: a round reaches
-        // every node it waits for (no pool to run dry).
-        if let (Some(undo), Op::Acquire { ttl, .. } | Op::Swap { ttl, .. }) = (undo, op) {
-            if undo(&results) == AfterRound::Undo {
-                // Where our write may have landed, on the same connections,
-                // waiting (but for a swap's) for the nodes that answered.
-                let written = crate::lock::transport::written(op, keys);
-                let rel = Op::Release {
-                    keep_until: after(start, ttl),
-                };
-                let health = self.health.lock().clone();
-                let admits: Vec<Admit> = (0..n)
-                    .map(|i| match (sent[i], &results[i]) {
-                        (false, _) if matches!(op, Op::Swap { .. }) => Admit::Trial,
-                        (false, _) => Admit::Skip,
-                        (true, Ok(_)) => Admit::Wait,
-                        (true, Err(_)) if health[i].is_healthy() => Admit::Wait,
-                        (true, Err(_)) => Admit::Trial,
-                    })
-                    .collect();
-                let wait: Vec<bool> = admits.iter().map(|a| *a == Admit::Wait).collect();
-                let undo_round = self.send(rel, &written, &admits, &mut lanes);
-                let wait_for = match op {
-                    Op::Swap { .. } => Duration::ZERO,
-                    _ => self.timeout,
-                };
-                let now = self.sched.instant(self.sched.nanos());
-                self.gather(&undo_round, &wait, after(now, wait_for), None, false);
-                undo_round.open.store(false, Ordering::Release);
-            }
-        }
-        results
     }
 }

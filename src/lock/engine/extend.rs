@@ -1,0 +1,276 @@
+//! Extensions: one round for many locks, with the missing copies of each
+//! restored where a majority still holds it.
+
+use std::time::{Duration, Instant};
+
+use crate::algorithm::quorum::{self, Tally};
+use crate::algorithm::round::{Key, NodeResult, Op};
+use log::{debug, trace};
+
+use crate::clock::after;
+use crate::error::Error;
+use crate::events::{Nodes, RenewalEvent};
+use crate::lock::state::{LockState, Timing};
+use crate::Result;
+
+use super::Engine;
+
+impl Engine {
+    /// Sets the lock's expiry to `ttl` on every node where it holds our
+    /// token; on success moves the state's deadline and returns the new
+    /// validity.
+    pub(crate) fn extend(&self, state: &LockState, ttl: Duration) -> Result<Duration> {
+        self.validate(&state.resource, ttl)?;
+        let mut outcome = self.extend_many(&[state], ttl, false);
+        outcome.pop().unwrap_or(Err(Error::Expired))
+    }
+
+    /// Extends many locks to the same `ttl` in one round trip per node.
+    /// Each lock's outcome is decided on its own: a majority, completed
+    /// inside that lock's old validity. Locks found gone or taken are
+    /// declared lost (`loud`: logged at warn).
+    pub(crate) fn extend_many(
+        &self,
+        states: &[&LockState],
+        ttl: Duration,
+        loud: bool,
+    ) -> Vec<Result<Duration>> {
+        let drift = quorum::drift_allowance(ttl, self.settings.drift_factor);
+        // A TTL grown by extension is a TTL in use, for the restart rule (the
+        // extend script records it on the nodes too, as first used now if
+        // it is longer than any this client knew of).
+        let start = self.clock.now();
+        let (known, begun) = {
+            let mut ttls = self.ttls.lock();
+            let known = *ttls;
+            let begun = self.first_use(ttl, &known);
+            *ttls = ttls.used(ttl, begun);
+            (known.max, begun)
+        };
+        let keys: Vec<Key<'_>> = states.iter().map(|s| s.key()).collect();
+        let mut deadline = self.batch_deadline(start, keys.len());
+        if let [only] = states {
+            // A lone extension need not wait past its lock's validity.
+            deadline = deadline.min(only.deadline());
+        }
+        // What each lock had left when the round started.
+        let time_left: Vec<Duration> = states
+            .iter()
+            .map(|s| s.deadline().saturating_duration_since(start))
+            .collect();
+        for state in states {
+            state.reach_until(after(start, ttl));
+        }
+        let results = if deadline > start {
+            // Stop at a settled majority (every lock's, for a batch); the
+            // renewal thread's rounds linger after that, as long again, for
+            // the stragglers: a node that lost the key says so, and its copy
+            // is restored (the renewal thread's time, not a caller's; a slow
+            // node that answers within the node timeout but after the lock's
+            // validity no longer costs the lock).
+            let settled: crate::lock::transport::Decided<'_> = if keys.len() == 1 {
+                &quorum::settled
+            } else {
+                &quorum::settled_all
+            };
+            let op = Op::Extend {
+                ttl,
+                linger: loud,
+                known_max: known,
+                after: begun,
+            };
+            self.transport.run(op, &keys, deadline, Some(settled), None)
+        } else {
+            Vec::new()
+        };
+        let end = self.clock.now();
+        self.note_failures(&results);
+        let elapsed = end.saturating_duration_since(start);
+        // Each lock's outcome, decided on its own.
+        let decided: Vec<(usize, Result<Duration>, bool)> = states
+            .iter()
+            .enumerate()
+            .map(|(i, state)| {
+                let time_left = time_left[i];
+                let tally = Tally::of(&results, i);
+                let absent = tally.absent;
+                let mut outcome = if time_left.is_zero() || results.is_empty() {
+                    Err(Error::Expired)
+                } else {
+                    quorum::decide_extend(tally, ttl, elapsed, drift, time_left)
+                };
+                if matches!(outcome, Err(Error::ValidityExhausted { .. }))
+                    && state.deadline() >= after(end, ttl.saturating_sub(drift))
+                {
+                    // A TTL too short to survive the round, on a lock that
+                    // already lasts that long: nothing to do, and done.
+                    outcome = Ok(Duration::ZERO);
+                }
+                // The lock's new deadline (or its loss) at once, before
+                // any copy is restored.
+                let mut lost_now = false;
+                match &outcome {
+                    // The script never shortens a key: a TTL shorter than
+                    // what was left leaves the lock as it was.
+                    Ok(validity) => state.raise_timing(Timing {
+                        since: start,
+                        deadline: after(end, *validity),
+                        ttl,
+                    }),
+                    Err(e @ (Error::NotOwner { .. } | Error::Expired)) => {
+                        // The callback is the watchdog's (as documented): a
+                        // manual extend returns the error to its caller.
+                        let callback = if loud { self.on_lost.as_ref() } else { None };
+                        lost_now = state.lose(e, callback, loud);
+                    }
+                    Err(_) => {}
+                }
+                (absent, outcome, lost_now)
+            })
+            .collect();
+        // A lock held on a majority whose key is missing elsewhere (a node
+        // restarted empty or evicted it, or the acquisition never reached
+        // it): its copies are restored, one round for them all.
+        let missing: Vec<usize> = (0..states.len())
+            .filter(|&i| {
+                let (absent, o, _) = &decided[i];
+                o.is_ok() && *absent > 0 && !states[i].is_released()
+            })
+            .collect();
+        let restored = if missing.is_empty() {
+            Vec::new()
+        } else {
+            let keys: Vec<Key<'_>> = missing.iter().map(|&i| states[i].key()).collect();
+            // A caller's extension waits for its restore no longer than the
+            // lock's old validity (it returns within it, as it would have
+            // without the restore); the renewal thread waits the whole bound.
+            let by = (!loud).then(|| {
+                let old = missing
+                    .iter()
+                    .map(|&i| after(start, time_left[i]))
+                    .min()
+                    .unwrap_or(start);
+                old.checked_sub(Duration::from_millis(1)).unwrap_or(old)
+            });
+            self.restore(&keys, ttl, by)
+        };
+        states
+            .iter()
+            .zip(decided)
+            .enumerate()
+            .map(|(i, (state, (_, outcome, lost_now)))| {
+                // What each node holds now: this round's answers, with the
+                // copies restored after it.
+                let merged = missing
+                    .iter()
+                    .position(|&m| m == i)
+                    .filter(|_| !restored.is_empty())
+                    .map(|p| merge_restored(&results, i, &restored, p));
+                let (view, index) = match &merged {
+                    Some(m) => (&m[..], 0),
+                    None => (&results[..], i),
+                };
+                // Only a round that confirmed the lock says where it is: one
+                // that failed (too few answers in time) found nothing missing.
+                if outcome.is_ok() && !view.is_empty() {
+                    state.set_holding(quorum::holding(view, index));
+                }
+                if let Some(h) = self.settings.events.get() {
+                    h.on_renewal(&RenewalEvent {
+                        resource: &state.resource,
+                        automatic: loud,
+                        elapsed,
+                        outcome: outcome
+                            .as_ref()
+                            .map(|_| state.deadline().saturating_duration_since(end)),
+                        nodes: Nodes::new(self.transport.node_names(), view, index),
+                    });
+                }
+                if let (true, Err(e)) = (lost_now, &outcome) {
+                    self.lost_event(state, e);
+                }
+                trace!("extend {:?}: {outcome:?} in {elapsed:?}", state.resource);
+                outcome.map(|_| state.deadline().saturating_duration_since(end))
+            })
+            .collect()
+    }
+
+    /// Sets held locks' keys again where they are missing (`SET NX PX ttl`
+    /// with our tokens), waiting for every node's answer within the node
+    /// timeout (per 1,000 keys), and no later than `by` when given. A
+    /// release of one of these locks comes after this round: the holder's
+    /// own extension returns only then, and a release waits for the renewal
+    /// thread's round (see [`LockState::begin_renewal`]), so a restored copy
+    /// does not land after the release's delete. A node that has not
+    /// answered by the end may still restore a copy after a release: its
+    /// token stays unsettled, and the release's retries delete it.
+    pub(super) fn restore(
+        &self,
+        keys: &[Key<'_>],
+        ttl: Duration,
+        by: Option<Instant>,
+    ) -> Vec<NodeResult> {
+        let now = self.clock.now();
+        let bound = self.batch_deadline(now, keys.len());
+        let deadline = by.map_or(bound, |by| by.min(bound));
+        let results = self
+            .transport
+            .run(Op::Restore { ttl }, keys, deadline, None, None);
+        if by.is_none() {
+            // (A caller's restore may be cut short by its lock's validity:
+            // a reply not waited for then is no node's failure.)
+            self.note_failures(&results);
+        }
+        debug!(
+            "restored {} missing cop(ies) of {} lock(s)",
+            (0..keys.len())
+                .map(|k| Tally::of(&results, k).restored)
+                .sum::<usize>(),
+            keys.len()
+        );
+        results
+    }
+}
+
+/// One lock's answers per node (a one-answer reply each): the extension's
+/// (`results`, key `i`), with its missing copies restored where the restore
+/// round (`restored`, key `p`) set or found our key.
+fn merge_restored(
+    results: &[NodeResult],
+    i: usize,
+    restored: &[NodeResult],
+    p: usize,
+) -> Vec<NodeResult> {
+    use crate::algorithm::round::{Answer, Reply};
+    results
+        .iter()
+        .zip(restored)
+        .map(|(ext, rest)| {
+            let answer =
+                |r: &NodeResult, k: usize| r.as_ref().ok().and_then(|r| r.answers.get(k).copied());
+            match (answer(ext, i), answer(rest, p)) {
+                (Some(Answer::Absent), Some(Answer::Restored | Answer::Ok)) => Ok(Reply {
+                    answers: vec![Answer::Restored],
+                    facts: None,
+                    fence: None,
+                    server: None,
+                }),
+                (Some(a), _) => Ok(Reply {
+                    answers: vec![a],
+                    facts: None,
+                    fence: None,
+                    server: None,
+                }),
+                (None, _) => match ext {
+                    Err(e) => Err(e.clone()),
+                    Ok(_) => Ok(Reply {
+                        answers: Vec::new(),
+                        facts: None,
+                        fence: None,
+                        server: None,
+                    }),
+                },
+            }
+        })
+        .collect()
+}

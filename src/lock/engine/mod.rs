@@ -1,0 +1,662 @@
+//! The lock engine: attempts, take-overs, releases and extensions, each a
+//! round through the [`Transport`] decided by [`crate::algorithm`], with
+//! time read only through [`Clock`].
+//!
+//! [`Engine`] is the state one client shares between its handles, guards and
+//! renewal thread. Its methods live by concern: this file runs attempts and
+//! releases; [`extend`] extends (and restores missing copies); [`history`]
+//! keeps what the delayed-restart rule knows; [`report`] tells the event
+//! handler and the log.
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use log::{debug, trace};
+use parking_lot::Mutex;
+
+use crate::algorithm::quorum::{self, RestartRule, Tally, TtlHistory};
+use crate::algorithm::round::{Key, NodeFacts, NodeResult, Op};
+use crate::clock::{after, new_token, Clock, Rng, Throttle};
+use crate::error::{Error, InvalidInput};
+use crate::events::{AttemptEvent, Nodes};
+use crate::lock::queue::{Gates, Permit};
+use crate::lock::settings::Settings;
+use crate::lock::state::{Callbacks, LockState, LostCallback, Timing};
+use crate::lock::transport::{AfterRound, Transport};
+use crate::lock::watchdog::{Renew, Watchdog};
+use crate::Result;
+use crate::MAX_TTL;
+
+mod extend;
+mod history;
+#[cfg(test)]
+mod node_rules;
+mod report;
+#[cfg(test)]
+mod tests;
+
+/// An acquire round's outcome: when it ended, the decision, and the results
+/// after the delayed-restart rule.
+type Decision = (Instant, Result<Duration>, Vec<NodeResult>);
+
+/// How long `acquire` may keep trying.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Budget {
+    Attempts(u32),
+    Until(Instant),
+}
+
+pub(crate) struct Engine {
+    pub(crate) settings: Settings,
+    pub(crate) transport: Box<dyn Transport>,
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) on_lost: Option<Callbacks>,
+    rng: Rng,
+    warned: Vec<Throttle>,
+    gates: Arc<Gates>,
+    /// Longest TTL (ms) this client has used or seen reported by a node.
+    /// The TTLs in use, as this client knows them (the restart rule).
+    ttls: Mutex<TtlHistory>,
+    /// Per node, the key of the lock history this client saw first (0:
+    /// none yet), for `fresh_cluster`.
+    first_histories: Vec<AtomicU64>,
+    /// Per node, the key of the last lock history it reported (0: none
+    /// yet): the histories a TTL this client uses first comes after.
+    histories: Vec<AtomicU64>,
+    /// Per node, whether the last event said its votes are held back.
+    held_back: Vec<AtomicBool>,
+    me: Weak<Engine>,
+    watchdog: OnceLock<Watchdog>,
+    /// Notified when a renewal round ends (a release may wait for one).
+    pub(crate) renewal_done: Arc<crate::clock::Signal>,
+}
+
+impl Engine {
+    /// An engine over `transport`, with no lock held and no thread started
+    /// (the renewal thread starts with the first renewed lock).
+    pub(crate) fn new(
+        settings: Settings,
+        transport: Box<dyn Transport>,
+        clock: Arc<dyn Clock>,
+        rng: Rng,
+        on_lost: Option<Arc<LostCallback>>,
+    ) -> Arc<Engine> {
+        let warned = transport
+            .node_names()
+            .iter()
+            .map(|_| Throttle::default())
+            .collect();
+        let per_node = || {
+            transport
+                .node_names()
+                .iter()
+                .map(|_| AtomicU64::new(0))
+                .collect()
+        };
+        let (first_histories, histories) = (per_node(), per_node());
+        // A configured longest TTL is in use since always.
+        let known = TtlHistory::since_always(settings.max_ttl.unwrap_or_default().min(MAX_TTL));
+        let names_len_flags = transport
+            .node_names()
+            .iter()
+            .map(|_| AtomicBool::new(false))
+            .collect();
+        Arc::new_cyclic(|me| Engine {
+            settings,
+            transport,
+            clock: clock.clone(),
+            on_lost: on_lost.and_then(Callbacks::spawn),
+            rng,
+            warned,
+            gates: Arc::new(Gates::new(clock.clone())),
+            ttls: Mutex::new(known),
+            first_histories,
+            histories,
+            held_back: names_len_flags,
+            me: me.clone(),
+            watchdog: OnceLock::new(),
+            renewal_done: Arc::default(),
+        })
+    }
+
+    /// Locks `resource` within `budget`: this thread's turn in the local
+    /// queue first (taking over a lock handed to it), then attempts with a
+    /// jittered pause between them. Returns the lock and the turn it holds.
+    pub(crate) fn acquire(
+        &self,
+        resource: &str,
+        ttl: Duration,
+        budget: Budget,
+    ) -> Result<(Arc<LockState>, Option<Permit>)> {
+        let drift = self.validate(resource, ttl)?;
+        // One deadline for the whole call, local wait and attempts alike.
+        let until = self.wait_deadline(budget);
+        let mut permit = self.local_turn(resource, budget, until);
+        if let Some(baton) = permit.as_ref().and_then(Permit::take_baton) {
+            match self.take_over(&baton, ttl) {
+                Ok(state) => {
+                    debug!("lock {resource:?}: taken over from a local holder");
+                    return Ok((Arc::new(state), permit));
+                }
+                Err(e) if self.clock.now() >= until => {
+                    debug!("lock {resource:?}: not taken over ({e}) and no time left");
+                    return Err(e);
+                }
+                Err(e) => {
+                    debug!("lock {resource:?}: not taken over ({e}); locking anew");
+                }
+            }
+        }
+        let mut attempt = 1u32;
+        loop {
+            let err = match self.attempt(resource, ttl, drift) {
+                Ok(state) => return Ok((Arc::new(state), permit.take())),
+                Err(e) if e.is_retryable() => e,
+                Err(e) => return Err(e),
+            };
+            let s = &self.settings;
+            let mut pause = quorum::retry_delay(s.retry_delay, s.retry_jitter, self.rng.next_u64());
+            if let Budget::Attempts(n) = budget {
+                if attempt >= n {
+                    return Err(err);
+                }
+            }
+            let left = until.saturating_duration_since(self.clock.now());
+            if left.is_zero() {
+                return Err(err);
+            }
+            pause = pause.min(left);
+            debug!("lock {resource:?}: attempt {attempt} failed ({err}); retrying in {pause:?}");
+            self.clock.sleep(pause);
+            attempt = attempt.saturating_add(1);
+        }
+    }
+
+    /// Waits for this thread's turn among the threads of this process that
+    /// want `resource` (see [`crate::lock::queue`]). One attempt never waits; when
+    /// the wait runs out the caller still makes its attempts at the nodes,
+    /// which report the real state.
+    pub(crate) fn local_turn(
+        &self,
+        resource: &str,
+        budget: Budget,
+        until: Instant,
+    ) -> Option<Permit> {
+        if !self.settings.local_queue {
+            return None;
+        }
+        match budget {
+            Budget::Attempts(1) => self.gates.try_acquire(resource),
+            _ => self.gates.acquire(resource, until),
+        }
+    }
+
+    /// The most a call may wait: `lock()` gets `retry_count × (retry_delay +
+    /// retry_jitter + node_timeout)`, `lock_timeout()` its own wait.
+    pub(crate) fn wait_deadline(&self, budget: Budget) -> Instant {
+        let s = &self.settings;
+        match budget {
+            Budget::Attempts(n) => {
+                let per_attempt = s
+                    .retry_delay
+                    .saturating_add(s.retry_jitter)
+                    .saturating_add(s.node_timeout);
+                after(self.clock.now(), per_attempt.saturating_mul(n))
+            }
+            Budget::Until(until) => until,
+        }
+    }
+
+    /// Checks a resource and TTL; returns the TTL's drift allowance.
+    pub(crate) fn validate(&self, resource: &str, ttl: Duration) -> Result<Duration> {
+        validate_resource(resource)?;
+        if ttl.is_zero() {
+            return Err(InvalidInput::ZeroTtl.into());
+        }
+        // `max_ttl` is what every client promised not to exceed (the
+        // restart rule's horizon rests on it).
+        if ttl > self.horizon() {
+            return Err(InvalidInput::TtlTooLong(ttl).into());
+        }
+        let allowance = quorum::drift_allowance(ttl, self.settings.drift_factor);
+        if ttl <= allowance {
+            return Err(InvalidInput::TtlTooShort { ttl, allowance }.into());
+        }
+        Ok(allowance)
+    }
+
+    /// One acquisition round: SET NX PX on every node, then the decision.
+    /// On failure, releases wherever our SET may have landed, on the same
+    /// connections as the SET.
+    fn attempt(&self, resource: &str, ttl: Duration, drift: Duration) -> Result<LockState> {
+        let token = new_token();
+        let key = Key::new(resource, &token);
+        let start = self.clock.now();
+        let known = *self.ttls.lock();
+        let first = self.first_use(ttl, &known);
+        let rule = RestartRule {
+            enabled: self.settings.restart_protection,
+            floor: ttl,
+            known,
+            complete: false,
+            loose: self.settings.loose_restart_rule,
+        };
+        // No point waiting for replies past the moment validity would be gone.
+        let budget = self.settings.node_timeout.min(ttl.saturating_sub(drift));
+        let horizon = self.horizon();
+        let settled = |results: &[Option<NodeResult>]| {
+            let longest = rule.longest(quorum::facts_of(results.iter().flatten()));
+            // Whether the round can still be one every node answered: a vote
+            // that would count then may count (`certain` waits for them all).
+            let rule = RestartRule {
+                complete: results
+                    .iter()
+                    .all(|r| r.as_ref().is_none_or(quorum::answered)),
+                ..rule
+            };
+            let counts = |i: usize, facts: Option<&NodeFacts>| {
+                facts.is_none_or(|f| {
+                    let all = quorum::facts_of(results.iter().flatten());
+                    rule.hold(f, all, self.trusted(i, f)).is_zero()
+                })
+            };
+            // A young vote counts only once every waited-for node answered:
+            // a straggler may report a longer TTL in use.
+            let all_in = results.iter().all(Option::is_some);
+            let certain = |i: usize, facts: Option<&NodeFacts>| {
+                counts(i, facts)
+                    && (all_in
+                        || !rule.enabled
+                        || facts
+                            .is_none_or(|f| f.age >= horizon.max(longest) || self.trusted(i, f)))
+            };
+            quorum::settled_acquire(results, certain, counts)
+        };
+        // The decision, made once the replies are in (and before any undo).
+        let decision: Cell<Option<Decision>> = Cell::new(None);
+        let decide = |results: &[NodeResult]| {
+            let end = self.clock.now();
+            let judged = self.judge(results.to_vec(), &rule);
+            let elapsed = end.saturating_duration_since(start);
+            let tally = Tally::of(&judged, 0);
+            // Our SET may have landed on a node that answered OK or not at all.
+            let maybe_set = tally.ok > 0
+                || judged.iter().zip(results).any(|(j, r)| {
+                    j.is_err()
+                        && !matches!(r, Err(e) if e.kind() == crate::NodeErrorKind::NoConnection)
+                });
+            let outcome = quorum::decide_acquire(tally, ttl, elapsed, drift);
+            let next = match (&outcome, maybe_set) {
+                (Ok(_), _) => AfterRound::Complete,
+                (Err(_), true) => AfterRound::Undo,
+                (Err(_), false) => AfterRound::Done,
+            };
+            decision.set(Some((end, outcome, judged)));
+            next
+        };
+        let results = self.transport.run(
+            Op::Acquire {
+                ttl,
+                known_max: known.max,
+                fenced: self.settings.fencing,
+                after: first,
+            },
+            &[key],
+            after(start, budget),
+            Some(&settled),
+            Some(&decide),
+        );
+        let (end, outcome, judged) = match decision.take() {
+            Some(d) => d,
+            None => {
+                // A transport that did not call `undo`: decide now.
+                let _ = decide(&results);
+                decision
+                    .take()
+                    .unwrap_or_else(|| (self.clock.now(), Err(Error::Expired), Vec::new()))
+            }
+        };
+        self.learn(&results, Some((ttl, first)));
+        self.note_failures(&judged);
+        let elapsed = end.saturating_duration_since(start);
+        // Where our key is now (held-back votes included: the key is set).
+        let holding = quorum::holding(&results, 0);
+        let result = (|| match outcome {
+            Ok(validity) => {
+                debug!("lock {resource:?}: acquired in {elapsed:?}, valid for {validity:?}");
+                trace!("lock {resource:?}: token {token}");
+                let timing = Timing {
+                    since: start,
+                    deadline: after(end, validity),
+                    ttl,
+                };
+                if !self.settings.fencing {
+                    let state = LockState::new(resource, token, None, timing);
+                    state.set_holding(holding);
+                    return Ok(state);
+                }
+                // The token: the largest counter among the granting nodes.
+                let fence = judged
+                    .iter()
+                    .filter_map(|r| r.as_ref().ok()?.fence)
+                    .max()
+                    .unwrap_or(0);
+                let state = LockState::new(resource, token, Some(fence), timing);
+                state.set_holding(holding);
+                self.write_back(&state, fence)?;
+                Ok(state)
+            }
+            Err(e) => {
+                debug!("lock {resource:?}: not acquired in {elapsed:?}: {e}");
+                Err(e)
+            }
+        })();
+        if self.settings.events.get().is_some() {
+            let rule = rule.heard(&results);
+            let holds: Vec<Duration> = results
+                .iter()
+                .enumerate()
+                .map(|(i, r)| {
+                    r.as_ref()
+                        .ok()
+                        .and_then(|r| r.facts)
+                        .map_or(Duration::ZERO, |f| {
+                            let all = quorum::facts_of(results.iter());
+                            rule.hold(&f, all, self.trusted(i, &f))
+                        })
+                })
+                .collect();
+            self.attempt_event(resource, start, result.as_ref(), &judged, &holds);
+        }
+        result
+    }
+
+    /// A fenced lock's write-back: `counter = max(counter, fence)` on every
+    /// node where the key still holds our token, counted like an extension
+    /// (a majority, inside validity). Only then may the lock be used: any
+    /// later holder's `SET` on a node of that majority comes after our key
+    /// left it, hence after the write-back, so its token is larger. On
+    /// failure the lock is released and the attempt failed (retryable).
+    fn write_back(&self, state: &LockState, fence: u64) -> Result<()> {
+        let start = self.clock.now();
+        let timing = state.timing();
+        let time_left = timing.deadline.saturating_duration_since(start);
+        let results = if fence == 0 || time_left.is_zero() {
+            Vec::new()
+        } else {
+            let deadline = timing
+                .deadline
+                .min(after(start, self.settings.node_timeout));
+            let op = Op::Fence { value: fence };
+            let results =
+                self.transport
+                    .run(op, &[state.key()], deadline, Some(&quorum::settled), None);
+            self.note_failures(&results);
+            results
+        };
+        let elapsed = self.clock.now().saturating_duration_since(start);
+        let nodes = results.len();
+        let tally = Tally::of(&results, 0);
+        let taken = tally.other;
+        let outcome = if results.is_empty() {
+            Err(Error::Expired)
+        } else {
+            quorum::decide_extend(tally, timing.ttl, elapsed, Duration::ZERO, time_left)
+        };
+        match outcome {
+            Ok(_) => {
+                debug!("lock {:?}: fencing token {fence}", state.resource);
+                Ok(())
+            }
+            Err(e) => {
+                debug!("lock {:?}: fencing token not recorded: {e}", state.resource);
+                // Never reported acquired: no release event either.
+                let _ = self.release_round(state);
+                // As an acquire would say it: too many nodes failed, another
+                // owner has the key, or the lock ran out of time.
+                Err(match e {
+                    e @ Error::NoQuorum { .. } => e,
+                    Error::NotOwner { .. } => Error::Taken { held: taken, nodes },
+                    _ => Error::ValidityExhausted {
+                        elapsed: self.clock.now().saturating_duration_since(timing.since),
+                        ttl: timing.ttl,
+                    },
+                })
+            }
+        }
+    }
+
+    /// Makes a lock handed over by this process's last holder a new critical
+    /// section: one swap round gives the key a fresh token, keeping its
+    /// expiry, on every node where it holds the old token. It counts like an
+    /// extension: a majority, inside the old validity, which the new section
+    /// inherits unchanged (so hand-overs never keep a key longer than one
+    /// TTL). Not tried for another TTL than the lock's, or with less than
+    /// [`node_timeout`](crate::Builder::node_timeout) of validity left. On
+    /// any failure the old lock (and any new token) is deleted: the caller
+    /// then locks anew.
+    pub(crate) fn take_over(&self, baton: &LockState, ttl: Duration) -> Result<LockState> {
+        let start = self.clock.now();
+        let timing = baton.timing();
+        let time_left = timing.deadline.saturating_duration_since(start);
+        // A fenced baton's next token must stay exact in the scripts.
+        let exhausted = baton
+            .fence
+            .is_some_and(|f| f >= crate::driver::scripts::FENCE_LIMIT);
+        if baton.is_lost()
+            || timing.ttl != ttl
+            || time_left < self.settings.node_timeout
+            || exhausted
+        {
+            let _ = self.release(baton);
+            return Err(Error::Expired);
+        }
+        let token = crate::clock::section_token(&baton.token);
+        let key = Key {
+            next: Some(&token),
+            ..baton.key()
+        };
+        let known = self.ttls.lock().max;
+        let outcome: Cell<Option<Result<Duration>>> = Cell::new(None);
+        let decide = |results: &[NodeResult]| {
+            let elapsed = self.clock.now().saturating_duration_since(start);
+            // The drift allowance was taken from the deadline at acquisition.
+            let o = quorum::decide_extend(
+                Tally::of(results, 0),
+                ttl,
+                elapsed,
+                Duration::ZERO,
+                time_left,
+            );
+            let next = if o.is_err() {
+                AfterRound::Undo
+            } else {
+                AfterRound::Done
+            };
+            outcome.set(Some(o));
+            next
+        };
+        // The next section's fencing token: the swap writes it wherever it
+        // swaps, so it is its own write-back.
+        let fence = baton.fence.map(|f| f + 1);
+        let op = Op::Swap {
+            ttl,
+            known_max: known.max(ttl),
+            fence,
+        };
+        let results = self.transport.run(
+            op,
+            &[key],
+            timing
+                .deadline
+                .min(after(start, self.settings.node_timeout)),
+            Some(&quorum::settled),
+            Some(&decide),
+        );
+        self.learn(&results, None);
+        self.note_failures(&results);
+        let outcome = outcome.take().unwrap_or(Err(Error::Expired));
+        if outcome.is_ok() {
+            // The handing-over thread's section ends here (on failure, the
+            // release of the baton reports it).
+            self.release_event(baton, &Ok(()), &results);
+        }
+        if let Some(h) = self.settings.events.get() {
+            let now = self.clock.now();
+            h.on_attempt(&AttemptEvent {
+                resource: &baton.resource,
+                elapsed: now.saturating_duration_since(start),
+                outcome: outcome
+                    .as_ref()
+                    .map(|_| timing.deadline.saturating_duration_since(now)),
+                nodes: Nodes::new(self.transport.node_names(), &results, 0),
+            });
+        }
+        outcome?;
+        trace!("lock {:?}: token {token}", baton.resource);
+        // A node the swap did not reach keeps an earlier token of the
+        // lineage, with the lock's expiry; the next swap or the release
+        // takes it from there.
+        let mut state = LockState::new(&baton.resource, token, fence, timing);
+        state.acquired = start;
+        state.set_holding(quorum::holding(&results, 0));
+        Ok(state)
+    }
+
+    /// Runs a release of one lock on every node, bounded by the node timeout.
+    fn round(&self, op: Op, keys: &[Key<'_>]) -> Vec<NodeResult> {
+        let deadline = after(self.clock.now(), self.settings.node_timeout);
+        let results = self
+            .transport
+            .run(op, keys, deadline, Some(&quorum::settled), None);
+        self.note_failures(&results);
+        results
+    }
+
+    /// Until when a lock's key may still exist on some node: a release not
+    /// answered by then need not be retried.
+    fn keep_until(&self, state: &LockState) -> Instant {
+        let t = state.timing();
+        let slack = quorum::drift_allowance(t.ttl, self.settings.drift_factor);
+        let own = after(t.since, t.ttl.saturating_add(slack));
+        // A failed extension may have reached some nodes, and set a later
+        // expiry there.
+        let reach = state.reach().map(|r| after(r, slack));
+        own.max(reach.unwrap_or(own))
+    }
+
+    /// Deletes the lock on every node where it still holds our token.
+    pub(crate) fn release(&self, state: &LockState) -> Result<()> {
+        let (outcome, results) = self.release_round(state);
+        self.release_event(state, &outcome, &results);
+        outcome
+    }
+
+    /// [`release`](Self::release) without telling the event handler (the
+    /// caller does, once it holds nothing of the client's).
+    pub(crate) fn release_round(&self, state: &LockState) -> (Result<()>, Vec<NodeResult>) {
+        self.await_renewal(state);
+        let keep_until = self.keep_until(state);
+        let results = self.round(Op::Release { keep_until }, &[state.key()]);
+        (quorum::decide_release(Tally::of(&results, 0)), results)
+    }
+
+    /// Waits (for at most the bound of a renewal's two rounds, the
+    /// extension and the restore) while the renewal thread's round for
+    /// `state` is in flight: it may restore a copy of the key, which must
+    /// land before the release's delete, not after it.
+    fn await_renewal(&self, state: &LockState) {
+        if !state.renewal_in_flight() {
+            return;
+        }
+        let now = self.clock.now();
+        let round = self
+            .batch_deadline(now, crate::lock::watchdog::MAX_BATCH)
+            .saturating_duration_since(now);
+        let until = after(now, round.saturating_mul(2));
+        loop {
+            let seen = self.renewal_done.seen();
+            if !state.renewal_in_flight() || self.clock.now() >= until {
+                return;
+            }
+            self.clock.wait(&self.renewal_done, seen, Some(until));
+        }
+    }
+
+    /// Best-effort release of many locks in one round trip per node.
+    pub(crate) fn release_many(&self, states: &[&LockState]) {
+        let keys: Vec<Key<'_>> = states.iter().map(|s| s.key()).collect();
+        let deadline = self.batch_deadline(self.clock.now(), keys.len());
+        let keep_until = states
+            .iter()
+            .map(|s| self.keep_until(s))
+            .max()
+            .unwrap_or(deadline);
+        let results = self
+            .transport
+            .run(Op::Release { keep_until }, &keys, deadline, None, None);
+        self.note_failures(&results);
+    }
+
+    /// A round's deadline: the node timeout, plus one more per 1,000 keys
+    /// (a big batch keeps the server busy for longer).
+    fn batch_deadline(&self, start: Instant, keys: usize) -> Instant {
+        let scale = u32::try_from(keys / 1000 + 1).unwrap_or(u32::MAX);
+        after(start, self.settings.node_timeout.saturating_mul(scale))
+    }
+
+    /// The client's renewal thread, started on first use.
+    pub(crate) fn watchdog(&self) -> &Watchdog {
+        self.watchdog
+            .get_or_init(|| Watchdog::spawn(self.me.clone(), self.clock.clone()))
+    }
+}
+
+/// The renewal thread's view of the engine.
+impl Renew for Engine {
+    fn clock(&self) -> &dyn Clock {
+        &*self.clock
+    }
+
+    fn pacing(&self) -> (f64, Duration) {
+        (self.settings.renew_fraction, self.settings.node_timeout)
+    }
+
+    fn renew(&self, states: &[&LockState], ttl: Duration) -> Vec<Result<Duration>> {
+        self.extend_many(states, ttl, true)
+    }
+
+    fn renewed(&self) {
+        self.renewal_done.notify();
+    }
+
+    fn expire(&self, state: &LockState) {
+        if state.lose(&Error::Expired, self.on_lost.as_ref(), true) {
+            self.lost_event(state, &Error::Expired);
+        }
+    }
+
+    fn release_lost(&self, states: &[&LockState]) {
+        self.release_many(states);
+    }
+}
+
+/// Checks a resource name: not empty, not too long, not the crate's own key.
+pub(crate) fn validate_resource(resource: &str) -> Result<()> {
+    if resource.is_empty() {
+        return Err(InvalidInput::EmptyResource.into());
+    }
+    if resource.len() > crate::MAX_RESOURCE_LEN {
+        return Err(InvalidInput::ResourceTooLong {
+            len: resource.len(),
+            max: crate::MAX_RESOURCE_LEN,
+        }
+        .into());
+    }
+    if resource == crate::algorithm::round::META_KEY {
+        return Err(InvalidInput::ReservedResource(crate::algorithm::round::META_KEY).into());
+    }
+    Ok(())
+}

@@ -1,0 +1,104 @@
+//! What the engine tells the event handler and the log about attempts,
+//! releases, losses and failing nodes.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use log::{debug, trace, warn};
+
+use crate::algorithm::round::NodeResult;
+use crate::clock::WARN_EVERY;
+use crate::error::Error;
+use crate::events::{AttemptEvent, LostEvent, NodeChange, NodeEvent, Nodes, ReleaseEvent};
+use crate::lock::state::LockState;
+use crate::Result;
+
+use super::Engine;
+
+impl Engine {
+    /// Tells the event handler a lock's critical section ended.
+    pub(crate) fn release_event(
+        &self,
+        state: &LockState,
+        outcome: &Result<()>,
+        results: &[NodeResult],
+    ) {
+        if let Some(h) = self.settings.events.get() {
+            h.on_release(&ReleaseEvent {
+                resource: &state.resource,
+                held: self.clock.now().saturating_duration_since(state.acquired),
+                outcome: outcome.as_ref().map(|_| ()),
+                nodes: Nodes::new(self.transport.node_names(), results, 0),
+            });
+        }
+    }
+
+    /// Tells the event handler a lock was lost.
+    pub(crate) fn lost_event(&self, state: &LockState, error: &Error) {
+        if let Some(h) = self.settings.events.get() {
+            h.on_lost(&LostEvent {
+                resource: &state.resource,
+                error,
+                held: self.clock.now().saturating_duration_since(state.acquired),
+            });
+        }
+    }
+
+    /// Tells the event handler an attempt ended, and which nodes the
+    /// delayed-restart rule started or stopped holding back.
+    pub(super) fn attempt_event(
+        &self,
+        resource: &str,
+        start: Instant,
+        outcome: Result<&LockState, &Error>,
+        judged: &[NodeResult],
+        holds: &[Duration],
+    ) {
+        let Some(h) = self.settings.events.get() else {
+            return;
+        };
+        let now = self.clock.now();
+        h.on_attempt(&AttemptEvent {
+            resource,
+            elapsed: now.saturating_duration_since(start),
+            outcome: outcome.map(|s| s.deadline().saturating_duration_since(now)),
+            nodes: Nodes::new(self.transport.node_names(), judged, 0),
+        });
+        let names = self.transport.node_names();
+        for (i, r) in judged.iter().enumerate() {
+            let Some(flag) = self.held_back.get(i) else {
+                continue;
+            };
+            let left = holds.get(i).copied().unwrap_or_default();
+            let change = match r {
+                Err(e) if e.kind() == crate::NodeErrorKind::Restarted && !left.is_zero() => (!flag
+                    .swap(true, Ordering::Relaxed))
+                .then_some(NodeChange::HeldBack { votes_in: left }),
+                Ok(_) => flag
+                    .swap(false, Ordering::Relaxed)
+                    .then_some(NodeChange::HoldOver),
+                Err(_) => None,
+            };
+            if let (Some(change), Some(node)) = (change, names.get(i)) {
+                h.on_node(&NodeEvent { node, change });
+            }
+        }
+    }
+
+    /// Logs node failures: at most one warn per node per [`WARN_EVERY`],
+    /// the rest at debug.
+    pub(super) fn note_failures(&self, results: &[NodeResult]) {
+        let now = self.clock.now();
+        for (i, r) in results.iter().enumerate() {
+            if let Err(e) = r {
+                if e.kind() == crate::NodeErrorKind::NotAwaited {
+                    trace!("{e}");
+                } else if self.warned.get(i).is_some_and(|t| t.ready(now, WARN_EVERY)) {
+                    warn!("{e} (further failures of this node logged at debug for {WARN_EVERY:?})");
+                } else {
+                    debug!("{e}");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,660 @@
+//! The engine on fake nodes: acquire, release, take-over, extension,
+//! fencing and the delayed-restart rule.
+
+use super::*;
+use crate::testing::fake::{client, client_over, client_with, Mode};
+use std::sync::atomic::Ordering;
+
+const MS: Duration = Duration::from_millis(1);
+const TTL: Duration = Duration::from_secs(10);
+
+#[test]
+fn acquires_on_every_node_with_validity_below_ttl() {
+    let (locks, nodes, _) = client(3);
+    let g = locks.try_lock("r", TTL).unwrap();
+    // 10 s − 1 ms round − (100 ms + 2 ms) drift.
+    assert_eq!(g.validity(), TTL - MS - 102 * MS);
+    for i in 0..3 {
+        assert_eq!(nodes.get(i, "r").as_deref(), Some(g.token()));
+    }
+    g.release().unwrap();
+    assert!((0..3).all(|i| nodes.get(i, "r").is_none()));
+}
+
+#[test]
+fn a_second_owner_is_refused_until_release() {
+    let (locks, _, _) = client(3);
+    let g = locks.try_lock("r", TTL).unwrap();
+    match locks.try_lock("r", TTL) {
+        Err(Error::Taken { held: 3, nodes: 3 }) => {}
+        other => panic!("{other:?}"),
+    }
+    drop(g);
+    assert!(locks.try_lock("r", TTL).is_ok());
+}
+
+#[test]
+fn survives_a_minority_and_names_a_failed_majority() {
+    let (locks, nodes, _) = client(3);
+    nodes.set_mode(2, Mode::Down);
+    drop(locks.try_lock("a", TTL).unwrap());
+    nodes.set_mode(1, Mode::Hung);
+    match locks.try_lock("b", TTL) {
+        Err(Error::NoQuorum {
+            agreed: 1,
+            quorum: 2,
+            failures,
+        }) => {
+            let names: Vec<_> = failures.iter().map(|f| f.node().to_owned()).collect();
+            assert_eq!(names, ["fake1:6379", "fake2:6379"]);
+        }
+        other => panic!("{other:?}"),
+    }
+    // The failed attempt released its one successful SET.
+    assert!(nodes.get(0, "b").is_none());
+}
+
+#[test]
+fn a_failed_attempt_unlocks_nodes_whose_reply_was_lost() {
+    let (locks, nodes, _) = client(3);
+    nodes.set_mode(1, Mode::Lossy);
+    nodes.set_mode(2, Mode::Lossy);
+    assert!(matches!(
+        locks.try_lock("r", TTL),
+        Err(Error::NoQuorum { .. })
+    ));
+    // Lossy nodes executed the SET, and then the release.
+    assert!((0..3).all(|i| nodes.get(i, "r").is_none()));
+}
+
+#[test]
+fn no_release_round_when_every_node_refused() {
+    let (locks, nodes, _) = client(3);
+    let _g = locks.try_lock("r", TTL).unwrap();
+    let before = nodes.rounds.load(Ordering::SeqCst);
+    assert!(locks.try_lock("r", TTL).is_err());
+    assert_eq!(nodes.rounds.load(Ordering::SeqCst) - before, 1);
+}
+
+#[test]
+fn too_slow_a_round_exhausts_validity_and_unlocks() {
+    let (locks, nodes, _) = client(3);
+    *nodes.latency.lock() = 40 * MS;
+    match locks.try_lock("r", 41 * MS) {
+        // The round is cut off where validity would reach zero.
+        Err(Error::ValidityExhausted { elapsed, ttl }) => {
+            let drift = quorum::drift_allowance(41 * MS, 0.01);
+            assert_eq!((elapsed, ttl), (41 * MS - drift, 41 * MS));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!((0..3).all(|i| nodes.get(i, "r").is_none()));
+}
+
+/// Issue 8: a take-over is a new critical section under a fresh token,
+/// swapped on every node in one round, keeping the lock's expiry.
+#[test]
+fn a_take_over_swaps_in_a_fresh_token_in_one_round() {
+    let (locks, nodes, clock) = client(3);
+    let g = locks.lock("r", TTL).unwrap();
+    let old = g.state().clone();
+    clock.advance(TTL / 4);
+    let before = nodes.rounds.load(Ordering::SeqCst);
+    let new = locks.engine.take_over(&old, TTL).expect("taken over");
+    assert_eq!(nodes.rounds.load(Ordering::SeqCst) - before, 1);
+    assert_ne!(new.token, old.token);
+    assert!((0..3).all(|i| nodes.get(i, "r").as_deref() == Some(new.token.as_str())));
+    assert_eq!(new.timing(), old.timing(), "the same expiry");
+    std::mem::forget(g);
+}
+
+/// A node the swap did not reach keeps the old token, with the lock's
+/// expiry: the next swap takes it from there, and releasing the new
+/// section deletes it there too, so no key is left behind to block that
+/// node's vote until the TTL runs out.
+#[test]
+fn releasing_a_taken_over_lock_deletes_old_tokens_the_swap_missed() {
+    let (locks, nodes, _) = client(3);
+    let g = locks.lock("r", TTL).unwrap();
+    nodes.set_mode(2, Mode::Down);
+    let b = locks.engine.take_over(g.state(), TTL).expect("2 of 3");
+    std::mem::forget(g);
+    nodes.set_mode(2, Mode::Up);
+    // And once more, with node 2 still on the first token.
+    nodes.set_mode(1, Mode::Down);
+    let c = locks.engine.take_over(&b, TTL).expect("2 of 3");
+    nodes.set_mode(1, Mode::Up);
+    // Node 2 missed the first swap; the second takes it from there.
+    assert_eq!(nodes.get(2, "r").as_deref(), Some(c.token.as_str()));
+    assert!(nodes.get(1, "r").is_some_and(|t| t != c.token), "missed");
+    locks.engine.release(&c).expect("released");
+    assert!((0..3).all(|i| nodes.get(i, "r").is_none()), "nothing left");
+}
+
+/// Review of the swap: a node that missed many swaps in a row (down, or
+/// skipped as failing) still holds the first section's token; the last
+/// section's release must delete it (a list of recent tokens forgot it).
+#[test]
+fn a_node_that_missed_many_swaps_is_cleaned_by_the_release() {
+    let (locks, nodes, _) = client(3);
+    let g = locks.lock("r", TTL).unwrap();
+    let first = g.state().token.clone();
+    nodes.set_mode(2, Mode::Down);
+    let mut state = locks.engine.take_over(g.state(), TTL).expect("2 of 3");
+    std::mem::forget(g);
+    for _ in 0..10 {
+        state = locks.engine.take_over(&state, TTL).expect("2 of 3");
+    }
+    nodes.set_mode(2, Mode::Up);
+    assert_eq!(nodes.get(2, "r"), Some(first));
+    locks.engine.release(&state).expect("released");
+    assert!((0..3).all(|i| nodes.get(i, "r").is_none()), "nothing left");
+}
+
+/// Issue 8: a handed-over lock that a majority no longer holds, or with
+/// too little validity left to swap inside it, is not used: it is
+/// deleted everywhere (the caller locks anew).
+#[test]
+fn a_take_over_that_cannot_count_deletes_the_old_lock() {
+    let (locks, nodes, clock) = client(3);
+    let g = locks.lock("r", TTL).unwrap();
+    nodes.del(0, "r");
+    nodes.del(1, "r");
+    assert!(matches!(
+        locks.engine.take_over(g.state(), TTL),
+        Err(Error::Expired)
+    ));
+    assert!((0..3).all(|i| nodes.get(i, "r").is_none()), "nothing left");
+    std::mem::forget(g);
+
+    let g = locks.lock("s", TTL).unwrap();
+    let left = g.validity();
+    clock.advance(left - 10 * MS);
+    let before = nodes.rounds.load(Ordering::SeqCst);
+    assert!(locks.engine.take_over(g.state(), TTL).is_err());
+    assert!((0..3).all(|i| nodes.get(i, "s").is_none()), "released");
+    assert_eq!(
+        nodes.rounds.load(Ordering::SeqCst) - before,
+        1,
+        "no swap tried"
+    );
+    std::mem::forget(g);
+}
+
+#[test]
+fn lock_makes_retry_count_attempts_then_reports_the_last_error() {
+    let settings = Settings {
+        retry_count: 4,
+        ..crate::testing::fake::settings()
+    };
+    let (locks, nodes, clock) = client_with(3, settings.clone());
+    // Held by another process (a holder in this one would be queued
+    // behind, on the same virtual clock, for the whole wait).
+    let other = client_over(&nodes, settings);
+    let _g = other.try_lock("r", TTL).unwrap();
+    let (r0, t0) = (nodes.rounds.load(Ordering::SeqCst), clock.now());
+    assert!(matches!(locks.lock("r", TTL), Err(Error::Taken { .. })));
+    assert_eq!(nodes.rounds.load(Ordering::SeqCst) - r0, 4);
+    // Three pauses of at most 200 ms each, plus four 1 ms rounds.
+    assert!(clock.now() - t0 <= 604 * MS, "{:?}", clock.now() - t0);
+}
+
+#[test]
+fn lock_timeout_keeps_trying_until_the_wait_is_over() {
+    let (locks, nodes, clock) = client(3);
+    let holder = locks.try_lock("r", TTL).unwrap();
+    let t0 = clock.now();
+    assert!(locks.lock_timeout("r", TTL, 2 * TTL / 10).is_err());
+    let waited = clock.now() - t0;
+    assert!(
+        waited >= 2 * TTL / 10 && waited <= 2 * TTL / 10 + 2 * MS,
+        "{waited:?}"
+    );
+    // It succeeds once the holder's key expires inside the wait.
+    nodes.set_mode(0, Mode::Up);
+    drop(holder);
+    let g = locks.lock_timeout("r", TTL, TTL).unwrap();
+    assert!(g.is_held());
+}
+
+#[test]
+fn extend_moves_the_deadline_and_detects_loss() {
+    let (locks, nodes, clock) = client(3);
+    let g = locks.try_lock("r", 100 * MS).unwrap();
+    clock.advance(50 * MS);
+    let v = g.extend(100 * MS).unwrap();
+    assert_eq!(v, 100 * MS - MS - 3 * MS);
+    clock.advance(90 * MS);
+    assert!(g.is_held(), "extension should outlive the original ttl");
+    // Someone deletes it behind our back on a majority.
+    nodes.del(0, "r");
+    nodes.del(1, "r");
+    assert!(matches!(g.extend(100 * MS), Err(Error::Expired)));
+    assert!(!g.is_held());
+    assert!(matches!(g.extend(100 * MS), Err(Error::Expired)));
+}
+
+#[test]
+fn release_tells_expired_from_taken_over() {
+    let (locks, _, clock) = client(3);
+    let g = locks.try_lock("r", 100 * MS).unwrap();
+    clock.advance(200 * MS);
+    assert!(!g.is_held());
+    assert!(matches!(g.release(), Err(Error::Expired)));
+
+    let g = locks.try_lock("r", 100 * MS).unwrap();
+    clock.advance(200 * MS);
+    let _other = locks.try_lock("r", TTL).unwrap();
+    assert!(matches!(g.release(), Err(Error::NotOwner { nodes: 3 })));
+}
+
+/// `max_ttl` is the longest TTL any client uses: the restart rule stops
+/// waiting for stragglers beyond it, so a lock or an extension above it
+/// is refused (found by the review of issue 19's rule).
+#[test]
+fn a_ttl_above_the_configured_max_ttl_is_refused() {
+    let settings = Settings {
+        max_ttl: Some(Duration::from_secs(2)),
+        ..crate::testing::fake::settings()
+    };
+    let (locks, _, _) = crate::testing::fake::client_with(3, settings);
+    let long = Duration::from_secs(3);
+    assert!(matches!(
+        locks.try_lock("r", long),
+        Err(Error::InvalidInput(InvalidInput::TtlTooLong(t))) if t == long
+    ));
+    let g = locks
+        .try_lock("r", Duration::from_secs(2))
+        .expect("at max_ttl");
+    assert!(matches!(
+        g.extend(long),
+        Err(Error::InvalidInput(InvalidInput::TtlTooLong(_)))
+    ));
+    g.release().expect("release");
+}
+
+#[test]
+fn bad_input_is_refused_before_any_io() {
+    let (locks, nodes, _) = client(3);
+    let cases: [(&str, Duration, InvalidInput); 4] = [
+        ("", TTL, InvalidInput::EmptyResource),
+        ("r", Duration::ZERO, InvalidInput::ZeroTtl),
+        (
+            "r",
+            2 * MS,
+            InvalidInput::TtlTooShort {
+                ttl: 2 * MS,
+                allowance: Duration::from_micros(2020),
+            },
+        ),
+        ("r", Duration::MAX, InvalidInput::TtlTooLong(Duration::MAX)),
+    ];
+    for (res, ttl, want) in cases {
+        match locks.lock(res, ttl) {
+            Err(Error::InvalidInput(got)) => assert_eq!(got, want),
+            other => panic!("{res:?} {ttl:?}: {other:?}"),
+        }
+    }
+    assert_eq!(nodes.rounds.load(Ordering::SeqCst), 0);
+}
+
+/// Issue 7's restart race, made deterministic: X holds a lock on nodes
+/// 0 and 2; node 2 restarts empty; a client that meets the cluster for
+/// the first time must not win nodes 1 + 2, whatever TTL it asks for.
+#[test]
+fn a_node_that_lost_its_data_does_not_vote_for_a_fresh_client() {
+    let (x, nodes, clock) = client(3);
+    // The cluster has carried 10 s locks for a while.
+    drop(x.try_lock("warm", TTL).unwrap());
+    clock.advance(60 * TTL);
+    nodes.set_mode(1, Mode::Down);
+    let held = x.try_lock("r", TTL).expect("nodes 0 and 2");
+    nodes.set_mode(1, Mode::Up);
+    nodes.wipe(2);
+    clock.advance(TTL / 10);
+
+    // A fresh client with default (production) settings, asking 1 s.
+    let y = client_over(&nodes, Settings::default());
+    match y.try_lock("r", TTL / 10) {
+        Err(Error::NoQuorum { failures, .. }) => {
+            let f: Vec<_> = failures.iter().map(|f| (f.node(), f.kind())).collect();
+            assert_eq!(f, [("fake2:6379", crate::NodeErrorKind::Restarted)]);
+        }
+        other => panic!("two holders: {other:?}"),
+    }
+    assert!(nodes.get(2, "r").is_none(), "the held-back SET was undone");
+    // Without the rule it wins: the hazard is real.
+    let unprotected = client_over(
+        &nodes,
+        Settings {
+            restart_protection: false,
+            ..Settings::default()
+        },
+    );
+    assert!(unprotected.try_lock("r", TTL / 10).is_ok());
+    assert!(held.is_held());
+}
+
+#[test]
+fn a_held_back_node_votes_again_after_the_longest_ttl() {
+    let (x, nodes, clock) = client(3);
+    drop(x.try_lock("warm", TTL).unwrap());
+    clock.advance(60 * TTL);
+    nodes.wipe(0);
+    nodes.wipe(1);
+    let y = client_over(&nodes, Settings::default());
+    assert!(y.try_lock("a", TTL / 10).is_err(), "two young nodes of 3");
+    // The young nodes learnt nothing of the 10 s TTL, but node 2 reports
+    // it: they are held for 10 s, not for the 1 s asked.
+    clock.advance(TTL / 2);
+    assert!(y.try_lock("b", TTL / 10).is_err());
+    clock.advance(TTL / 2);
+    assert!(y.try_lock("c", TTL / 10).is_ok());
+}
+
+#[test]
+fn a_brand_new_cluster_waits_one_ttl_unless_declared_fresh() {
+    let (_, nodes, clock) = client_with(3, Settings::default());
+    let y = client_over(&nodes, Settings::default());
+    let t0 = clock.now();
+    let g = y.lock_timeout("r", TTL, 2 * TTL).expect("after one ttl");
+    let waited = clock.now() - t0;
+    assert!(waited >= TTL && waited < TTL + TTL / 2, "{waited:?}");
+    drop(g);
+    // Declared fresh: at once.
+    let (fresh, _, _) = client(3);
+    assert!(fresh.try_lock("r", TTL).is_ok());
+}
+
+#[test]
+fn a_fresh_cluster_client_still_holds_back_a_node_it_saw_restart() {
+    let (x, nodes, clock) = client(3);
+    drop(x.try_lock("warm", TTL).unwrap());
+    clock.advance(TTL);
+    nodes.set_mode(1, Mode::Down);
+    let _held = x.try_lock("r", TTL).unwrap();
+    nodes.set_mode(1, Mode::Up);
+    nodes.wipe(2);
+    let y = client_over(&nodes, crate::testing::fake::settings());
+    // y has never seen node 2: trusted at first sight (the documented
+    // risk of fresh_cluster); x has, and holds it back.
+    drop(y);
+    match x.try_lock("other", TTL) {
+        Ok(g) => {
+            assert_eq!(nodes.get(2, "other").as_deref(), Some(g.token()));
+            // Granted by nodes 0 and 1; node 2's vote did not count.
+        }
+        Err(e) => panic!("{e}"),
+    }
+    nodes.set_mode(1, Mode::Down);
+    match x.try_lock("third", TTL) {
+        Err(Error::NoQuorum { failures, .. }) => {
+            assert!(failures
+                .iter()
+                .any(|f| f.kind() == crate::NodeErrorKind::Restarted));
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn releases_are_never_held_back() {
+    let (x, nodes, clock) = client(3);
+    drop(x.try_lock("warm", TTL).unwrap());
+    nodes.wipe(2);
+    clock.advance(TTL / 10);
+    // x saw node 2's history start again: its acquire votes are held
+    // back, but our SET there stands (it is ours).
+    let g = x.try_lock("r", TTL).expect("nodes 0 and 1");
+    assert_eq!(nodes.get(2, "r").as_deref(), Some(g.token()));
+    match x.try_lock("probe", TTL) {
+        Ok(p) => drop(p),
+        Err(e) => panic!("{e}"),
+    }
+    // With node 0 down, the release needs node 2's delete to count.
+    nodes.set_mode(0, Mode::Down);
+    g.release().expect("deleted on nodes 1 and 2: a majority");
+    assert!(nodes.get(2, "r").is_none());
+}
+
+#[test]
+fn huge_and_reserved_resource_names_are_refused_before_any_io() {
+    let (locks, nodes, _) = client(3);
+    let huge = "x".repeat(crate::MAX_RESOURCE_LEN + 1);
+    match locks.try_lock(&huge, TTL) {
+        Err(Error::InvalidInput(InvalidInput::ResourceTooLong { len, max })) => {
+            assert_eq!(
+                (len, max),
+                (crate::MAX_RESOURCE_LEN + 1, crate::MAX_RESOURCE_LEN)
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        locks.lock(crate::algorithm::round::META_KEY, TTL),
+        Err(Error::InvalidInput(InvalidInput::ReservedResource(_)))
+    ));
+    assert_eq!(nodes.rounds.load(Ordering::SeqCst), 0);
+    let longest = "y".repeat(crate::MAX_RESOURCE_LEN);
+    assert!(locks.try_lock(&longest, TTL).is_ok());
+}
+
+/// Issue 8: `with_lock` must not report success for work that finished
+/// after the lock's validity, even while the keys (which live the full
+/// TTL, a drift allowance longer) are still ours on the nodes.
+#[test]
+fn with_lock_reports_work_that_outlived_its_validity() {
+    let (locks, _, clock) = client(3);
+    let ttl = TTL;
+    let r = locks.with_lock("r", ttl, |g| {
+        // Past the deadline, before the keys expire on the nodes.
+        let past = g.validity() + MS;
+        clock.advance(past);
+        assert!(!g.is_held());
+    });
+    assert!(matches!(r, Err(Error::Expired)), "{r:?}");
+    // Work done in time is still Ok.
+    assert!(locks.with_lock("s", ttl, |_| clock.advance(MS)).is_ok());
+}
+
+/// Issue 8: `on_lost` is the watchdog's callback; a failed manual
+/// `extend` reports to its caller and must not run it on the caller's
+/// thread.
+#[test]
+fn a_failed_manual_extend_does_not_run_on_lost() {
+    use std::sync::atomic::AtomicUsize;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let seen = calls.clone();
+    let (locks, nodes, _) = crate::testing::fake::client_with_on_lost(3, move |_, _| {
+        seen.fetch_add(1, Ordering::SeqCst);
+    });
+    let g = locks.try_lock("r", TTL).unwrap();
+    nodes.del(0, "r");
+    nodes.del(1, "r");
+    assert!(matches!(g.extend(TTL), Err(Error::Expired)));
+    assert!(g.is_lost());
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+}
+
+fn fenced() -> Settings {
+    Settings {
+        fencing: true,
+        ..crate::testing::fake::settings()
+    }
+}
+
+/// Issue 9: tokens grow with every critical section, across clients,
+/// and cost exactly one more round; an unfenced client has none.
+#[test]
+fn fencing_tokens_grow_with_every_critical_section() {
+    let (a, nodes, clock) = client_with(3, fenced());
+    let b = client_over(&nodes, fenced());
+    let mut last = 0;
+    for i in 0..20 {
+        let locks = if i % 2 == 0 { &a } else { &b };
+        let before = nodes.rounds.load(Ordering::SeqCst);
+        let g = locks.try_lock("r", TTL).unwrap();
+        assert_eq!(
+            nodes.rounds.load(Ordering::SeqCst) - before,
+            2,
+            "SET, write-back"
+        );
+        let t = g.fencing_token().expect("fenced");
+        assert!(t > last, "{t} after {last}");
+        last = t;
+        // Renewal keeps the token.
+        g.extend(TTL).unwrap();
+        assert_eq!(g.fencing_token(), Some(t));
+        if i % 3 == 0 {
+            drop(g); // released
+        } else {
+            std::mem::forget(g);
+            clock.advance(TTL + MS); // expired
+        }
+    }
+    let (plain, _, _) = client(3);
+    assert_eq!(plain.try_lock("r", TTL).unwrap().fencing_token(), None);
+}
+
+/// Issue 9's ordering argument: the token is the largest counter of the
+/// granting majority, and it is written back where our key is, so that
+/// a later holder granted by other nodes still gets a larger one. Node
+/// 2's clock runs a second ahead: its counter, hence our token, is far
+/// above node 0's until the write-back.
+#[test]
+fn the_write_back_lifts_every_granting_node_to_the_token() {
+    let (locks, nodes, _) = client_with(3, fenced());
+    nodes.set_clock_offset(2, 1_000_000);
+    nodes.set_mode(1, Mode::Down);
+    let g = locks.try_lock("r", TTL).unwrap();
+    let t1 = g.fencing_token().unwrap();
+    assert_eq!(
+        nodes.fence(2, "r"),
+        Some(t1),
+        "node 2's counter is the token"
+    );
+    assert_eq!(nodes.fence(0, "r"), Some(t1), "written back to node 0");
+    g.release().unwrap();
+    nodes.set_mode(1, Mode::Up);
+    nodes.set_mode(2, Mode::Down);
+    let g = locks.try_lock("r", TTL).unwrap();
+    assert!(
+        g.fencing_token().unwrap() > t1,
+        "nodes 0 and 1 grant a larger one"
+    );
+}
+
+/// A write-back that misses the majority (a node gone between the SET
+/// and the write-back) must not hand out the lock: it is released, and
+/// the attempt fails with a retryable error.
+#[test]
+fn a_lock_whose_token_was_not_written_back_is_not_returned() {
+    let (locks, nodes, _) = client_with(3, fenced());
+    *nodes.before_round.lock() = Some(crate::testing::fake::Hook(Box::new(|n, op| {
+        if matches!(op, Op::Fence { .. }) {
+            n.set_mode(0, Mode::Down);
+            n.set_mode(1, Mode::Hung);
+        }
+    })));
+    match locks.try_lock("r", TTL) {
+        Err(e @ Error::NoQuorum { .. }) => assert!(e.is_retryable()),
+        other => panic!("{other:?}"),
+    }
+    *nodes.before_round.lock() = None;
+    assert!(nodes.get(2, "r").is_none(), "released where it answered");
+    // A key deleted behind our back between the rounds: the same.
+    *nodes.before_round.lock() = Some(crate::testing::fake::Hook(Box::new(|n, op| {
+        if matches!(op, Op::Fence { .. }) {
+            n.del(0, "s");
+            n.del(1, "s");
+        }
+    })));
+    match locks.try_lock("s", TTL) {
+        Err(e) => assert!(e.is_retryable(), "{e:?}"),
+        Ok(g) => panic!("granted without a written-back token: {g:?}"),
+    }
+}
+
+/// Issue 9: a hand-over gives the next token, written by the swap
+/// itself (no extra round), so a later holder elsewhere gets more.
+#[test]
+fn a_hand_over_gives_the_next_token_in_the_swap() {
+    let (locks, nodes, _) = client_with(3, fenced());
+    let g = locks.lock("r", TTL).unwrap();
+    let t = g.fencing_token().unwrap();
+    let before = nodes.rounds.load(Ordering::SeqCst);
+    let next = locks.engine.take_over(g.state(), TTL).expect("taken over");
+    std::mem::forget(g);
+    assert_eq!(nodes.rounds.load(Ordering::SeqCst) - before, 1);
+    assert_eq!(next.fence, Some(t + 1));
+    assert!((0..3).all(|i| nodes.fence(i, "r") == Some(t + 1)));
+    locks.engine.release(&next).unwrap();
+    let other = client_over(&nodes, fenced());
+    assert!(other.try_lock("r", TTL).unwrap().fencing_token().unwrap() > t + 1);
+}
+
+/// A node that lost its data restarts its counters from its clock: the
+/// next token is still larger, as long as that clock is not behind the
+/// clocks that made earlier tokens by more than the time since. The
+/// README states this assumption; the second half shows it is needed.
+#[test]
+fn a_node_that_lost_its_counters_restarts_them_from_its_clock() {
+    let (locks, nodes, _) = client_with(3, fenced());
+    nodes.set_mode(2, Mode::Down);
+    let t1 = locks.try_lock("r", TTL).unwrap().fencing_token().unwrap();
+    nodes.set_mode(2, Mode::Up);
+    // Node 1 loses its data; node 0 is down: nodes 1 and 2 (which never
+    // saw the lock) grant the next one, after the restart hold.
+    nodes.wipe(1);
+    nodes.set_mode(0, Mode::Down);
+    let t2 = locks.lock_timeout("r", TTL, 2 * TTL).unwrap();
+    let t2 = t2.fencing_token().unwrap();
+    assert!(t2 > t1, "{t2} after {t1}");
+    // The same with node 1's and node 2's clocks behind by more than the
+    // time since t2 was granted: the token goes backwards.
+    nodes.set_mode(0, Mode::Up);
+    nodes.wipe(1);
+    nodes.set_mode(0, Mode::Down);
+    nodes.set_clock_offset(1, -60_000_000);
+    nodes.set_clock_offset(2, -60_000_000);
+    // Node 2 kept its counter (t2 was written back there): it still
+    // wins. Wipe it too, as a whole-cluster data loss would.
+    nodes.wipe(2);
+    let t3 = locks.lock_timeout("r", TTL, 2 * TTL).unwrap();
+    let t3 = t3.fencing_token().unwrap();
+    assert!(t3 < t2, "assumption broken: {t3} after {t2}");
+}
+
+/// Extensions never shorten a lock: one too short to survive its own
+/// round, on a lock that already lasts longer, is done (it used to
+/// report `ValidityExhausted` for a healthy lock).
+#[test]
+fn an_extension_shorter_than_what_is_left_is_done() {
+    let (locks, nodes, _clock) = client(3);
+    *nodes.latency.lock() = 2 * MS;
+    let g = locks.try_lock("r", TTL).unwrap();
+    let deadline = g.deadline();
+    let v = g.extend(3 * MS).expect("nothing to do is done");
+    assert!(v > TTL / 2, "{v:?}");
+    assert_eq!(g.deadline(), deadline);
+}
+
+/// A failed extension may still have set a later expiry on the nodes
+/// it reached: the release's retry window covers it.
+#[test]
+fn a_failed_extension_widens_the_release_window() {
+    let (locks, nodes, clock) = client(3);
+    let g = locks.try_lock("r", TTL).unwrap();
+    for i in 0..3 {
+        nodes.set_mode(i, Mode::Lossy);
+    }
+    let start = clock.now();
+    assert!(g.extend(10 * TTL).is_err(), "no replies: not extended");
+    assert!(g.deadline() < start + TTL, "the deadline stays");
+    let keep = locks.engine.keep_until(g.state());
+    assert!(
+        keep >= start + 10 * TTL,
+        "release window {:?}",
+        keep - start
+    );
+}

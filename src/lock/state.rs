@@ -1,0 +1,247 @@
+//! [`LockState`]: the record of one held lock that its guard, the renewal
+//! thread and the local queue share, and the `on_lost` callback thread.
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+use log::{debug, warn};
+use parking_lot::Mutex;
+
+use crate::algorithm::round::Key;
+use crate::error::Error;
+
+/// Called when a renewed lock is lost: the resource and the reason.
+pub(crate) type LostCallback = dyn Fn(&str, &Error) + Send + Sync + 'static;
+
+/// Runs the user's `on_lost` callback on a thread of its own, so that a slow
+/// callback never delays the renewal of other locks. The thread ends when
+/// the client is dropped (after the callback it may be running returns).
+pub(crate) struct Callbacks {
+    tx: crossbeam_channel::Sender<(String, Error)>,
+}
+
+impl Callbacks {
+    pub(crate) fn spawn(f: Arc<LostCallback>) -> Option<Callbacks> {
+        let (tx, rx) = crossbeam_channel::unbounded::<(String, Error)>();
+        let spawned = std::thread::Builder::new()
+            .name("qlock-on-lost".into())
+            .spawn(move || {
+                for (resource, err) in rx {
+                    let run = std::panic::AssertUnwindSafe(|| f(&resource, &err));
+                    if std::panic::catch_unwind(run).is_err() {
+                        warn!("lock {resource:?}: the on_lost callback panicked");
+                    }
+                }
+            });
+        match spawned {
+            Ok(_) => Some(Callbacks { tx }),
+            Err(e) => {
+                warn!("cannot start the on_lost thread: {e}; the callback will not run");
+                None
+            }
+        }
+    }
+
+    fn notify(&self, resource: &str, err: &Error) {
+        let _ = self.tx.send((resource.to_owned(), err.clone()));
+    }
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// The shared record of one held lock (the guard's and the watchdog's).
+pub(crate) struct LockState {
+    pub(crate) id: u64,
+    pub(crate) resource: String,
+    pub(crate) token: String,
+    /// The fencing token, for a client with fencing on.
+    pub(crate) fence: Option<u64>,
+    /// Start of the round that acquired it (events report time held).
+    pub(crate) acquired: Instant,
+    timing: Mutex<Timing>,
+    /// The latest an extension sent for this lock may keep its key on a
+    /// node (`start + ttl` of the longest sent), whether or not it
+    /// succeeded: extensions never shorten a key.
+    reach: Mutex<Option<Instant>>,
+    /// Nodes that confirmed our key in the last round that touched it.
+    holding: std::sync::atomic::AtomicUsize,
+    /// A renewal round that may restore copies of the key is in flight:
+    /// a release waits for it to end (see [`LockState::begin_renewal`]).
+    in_renewal: AtomicBool,
+    lost: AtomicBool,
+    released: AtomicBool,
+    renewing: AtomicBool,
+    loss_tx: Mutex<Option<Sender<Error>>>,
+    loss_rx: Receiver<Error>,
+}
+
+impl fmt::Debug for LockState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockState")
+            .field("id", &self.id)
+            .field("resource", &self.resource)
+            .field("timing", &*self.timing.lock())
+            .field("lost", &self.is_lost())
+            .finish_non_exhaustive()
+    }
+}
+
+/// When the lock was last confirmed and for how long.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Timing {
+    /// Start of the round that last set the expiry (acquire or extend).
+    pub since: Instant,
+    /// Until when the lock may be assumed held.
+    pub deadline: Instant,
+    /// The TTL that round set.
+    pub ttl: Duration,
+}
+
+impl LockState {
+    pub(crate) fn new(resource: &str, token: String, fence: Option<u64>, timing: Timing) -> Self {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        LockState {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            resource: resource.to_owned(),
+            token,
+            fence,
+            acquired: timing.since,
+            timing: Mutex::new(timing),
+            reach: Mutex::new(None),
+            holding: std::sync::atomic::AtomicUsize::new(0),
+            in_renewal: AtomicBool::new(false),
+            lost: AtomicBool::new(false),
+            released: AtomicBool::new(false),
+            renewing: AtomicBool::new(false),
+            loss_tx: Mutex::new(Some(tx)),
+            loss_rx: rx,
+        }
+    }
+
+    /// The key and token, as the transport takes them.
+    pub(crate) fn key(&self) -> Key<'_> {
+        Key::new(&self.resource, &self.token)
+    }
+
+    pub(crate) fn timing(&self) -> Timing {
+        *self.timing.lock()
+    }
+
+    pub(crate) fn deadline(&self) -> Instant {
+        self.timing.lock().deadline
+    }
+
+    /// Moves the lock to `timing` if that moves its deadline forward (in
+    /// one step: two extensions finishing together never move it back).
+    pub(crate) fn raise_timing(&self, timing: Timing) {
+        let mut t = self.timing.lock();
+        if timing.deadline > t.deadline {
+            *t = timing;
+        }
+    }
+
+    /// Records that an extension sent now may keep the key until `until`.
+    pub(crate) fn reach_until(&self, until: Instant) {
+        let mut r = self.reach.lock();
+        *r = Some(r.map_or(until, |r| r.max(until)));
+    }
+
+    /// See [`reach_until`](Self::reach_until).
+    pub(crate) fn reach(&self) -> Option<Instant> {
+        *self.reach.lock()
+    }
+
+    pub(crate) fn is_lost(&self) -> bool {
+        self.lost.load(Ordering::Acquire)
+    }
+
+    /// Records how many nodes confirmed our key in a round.
+    pub(crate) fn set_holding(&self, nodes: usize) {
+        self.holding.store(nodes, Ordering::Relaxed);
+    }
+
+    pub(crate) fn holding(&self) -> usize {
+        self.holding.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn is_released(&self) -> bool {
+        self.released.load(Ordering::Acquire)
+    }
+
+    /// The renewal thread is about to send a renewal of this lock, which
+    /// restores its key where it is missing: false (and nothing sent) when
+    /// the lock was released already. With [`take_release`](Self::take_release)
+    /// and [`renewal_in_flight`](Self::renewal_in_flight), each side writes
+    /// its flag then reads the other's (sequentially consistent), so that a
+    /// release either stops the renewal or waits for it to end: a restored
+    /// copy never lands after the release's delete.
+    pub(crate) fn begin_renewal(&self) -> bool {
+        self.in_renewal.store(true, Ordering::SeqCst);
+        if self.released.load(Ordering::SeqCst) {
+            self.in_renewal.store(false, Ordering::SeqCst);
+            return false;
+        }
+        true
+    }
+
+    /// The renewal round of [`begin_renewal`](Self::begin_renewal) is over.
+    pub(crate) fn end_renewal(&self) {
+        self.in_renewal.store(false, Ordering::SeqCst);
+    }
+
+    /// Whether a renewal round of this lock is in flight (read after the
+    /// release flag was set).
+    pub(crate) fn renewal_in_flight(&self) -> bool {
+        self.in_renewal.load(Ordering::SeqCst)
+    }
+
+    /// Declares the lock lost (once): flips the flag, fires the loss channel
+    /// and the callback. Ignored after release: a release racing a renewal
+    /// is not a loss. `loud` logs at warn (the watchdog found it), else debug
+    /// (the caller of `extend` already gets the error).
+    /// Declares the lock lost; true the first time only.
+    pub(crate) fn lose(&self, err: &Error, callback: Option<&Callbacks>, loud: bool) -> bool {
+        if self.is_released() || self.lost.swap(true, Ordering::AcqRel) {
+            return false;
+        }
+        if loud {
+            warn!("lock {:?} lost: {err}", self.resource);
+        } else {
+            debug!("lock {:?} lost: {err}", self.resource);
+        }
+        if let Some(tx) = self.loss_tx.lock().take() {
+            let _ = tx.try_send(err.clone());
+        }
+        if let Some(cb) = callback {
+            cb.notify(&self.resource, err);
+        }
+        true
+    }
+
+    /// Marks the lock released; true the first time only. Disconnects the
+    /// loss channel so that nobody waits on it forever.
+    pub(crate) fn take_release(&self) -> bool {
+        let first = !self.released.swap(true, Ordering::SeqCst);
+        if first {
+            self.loss_tx.lock().take();
+        }
+        first
+    }
+
+    /// Marks the lock as renewed by the watchdog; true the first time only.
+    pub(crate) fn start_renewing(&self) -> bool {
+        !self.renewing.swap(true, Ordering::AcqRel)
+    }
+
+    /// A receiver of the loss (disconnected once the lock is released).
+    pub(crate) fn loss_channel(&self) -> Receiver<Error> {
+        self.loss_rx.clone()
+    }
+
+    pub(crate) fn is_renewing(&self) -> bool {
+        self.renewing.load(Ordering::Acquire)
+    }
+}
