@@ -7,5 +7,6 @@
 
 pub(crate) mod health;
 pub(crate) mod quorum;
+pub(crate) mod restart;
 pub(crate) mod round;
 pub(crate) mod server;

@@ -3,6 +3,8 @@
 
 pub(crate) mod conn;
 pub(crate) mod node;
+pub(crate) mod resp;
 pub(crate) mod scripts;
 #[cfg(feature = "tls-rustls")]
 pub(crate) mod tls;
+pub(crate) mod url;

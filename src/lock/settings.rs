@@ -19,7 +19,7 @@ pub(crate) struct Settings {
     /// Apply the delayed-restart rule to acquire votes.
     pub restart_protection: bool,
     /// The simulation's broken variant of the rule (see
-    /// [`crate::algorithm::quorum::RestartRule::loose`]); never set otherwise.
+    /// [`crate::algorithm::restart::RestartRule::loose`]); never set otherwise.
     pub loose_restart_rule: bool,
     /// Trust a node's lock history the first time this client sees it.
     pub fresh_cluster: bool,
@@ -129,5 +129,54 @@ impl Settings {
             return Err(InvalidInput::ZeroCount("retry_count"));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_that_cannot_work_are_refused() {
+        let base = Settings::default;
+        // Renewed after its deadline: a healthy lock would be lost.
+        for f in [0.995, 0.51, 1.0, 0.0, f64::NAN] {
+            let s = Settings {
+                renew_fraction: f,
+                ..base()
+            };
+            assert!(
+                matches!(s.validate(), Err(InvalidInput::RenewFraction(_))),
+                "{f}"
+            );
+        }
+        assert!(Settings {
+            renew_fraction: 0.5,
+            ..base()
+        }
+        .validate()
+        .is_ok());
+        // lock() would block for ever.
+        for (what, s) in [
+            (
+                "retry_delay",
+                Settings {
+                    retry_delay: Duration::MAX,
+                    ..base()
+                },
+            ),
+            (
+                "retry_jitter",
+                Settings {
+                    retry_jitter: Duration::MAX,
+                    ..base()
+                },
+            ),
+        ] {
+            match s.validate() {
+                Err(InvalidInput::DurationTooLong { what: w, .. }) => assert_eq!(w, what),
+                other => panic!("{what}: {other:?}"),
+            }
+        }
     }
 }

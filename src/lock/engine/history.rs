@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use crate::algorithm::quorum::{self, RestartRule, TtlHistory};
+use crate::algorithm::restart::{self, RestartRule, TtlHistory};
 use crate::algorithm::round::{After, NodeFacts, NodeResult};
 
 use crate::MAX_TTL;
@@ -29,11 +29,11 @@ impl Engine {
     /// Applies the delayed-restart rule to an acquire round's results.
     pub(super) fn judge(&self, results: Vec<NodeResult>, rule: &RestartRule) -> Vec<NodeResult> {
         let rule = &rule.heard(&results);
-        let longest = rule.longest(quorum::facts_of(results.iter()));
+        let longest = rule.longest(restart::facts_of(results.iter()));
         let horizon = self.horizon().max(longest);
-        let heard_all = quorum::heard_all(&results);
-        let all: Vec<NodeFacts> = quorum::facts_of(results.iter()).copied().collect();
-        quorum::hold_back(results, self.transport.node_names(), |i, f| {
+        let heard_all = restart::heard_all(&results);
+        let all: Vec<NodeFacts> = restart::facts_of(results.iter()).copied().collect();
+        restart::hold_back(results, self.transport.node_names(), |i, f| {
             let trusted = self.trusted(i, f);
             let left = rule.hold(f, all.iter(), trusted);
             if !left.is_zero() {

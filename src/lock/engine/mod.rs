@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 use log::{debug, trace};
 use parking_lot::Mutex;
 
-use crate::algorithm::quorum::{self, RestartRule, Tally, TtlHistory};
+use crate::algorithm::quorum::{self, Tally};
+use crate::algorithm::restart::{self, RestartRule, TtlHistory};
 use crate::algorithm::round::{Key, NodeFacts, NodeResult, Op};
 use crate::clock::{after, new_token, Clock, Rng, Throttle};
 use crate::error::{Error, InvalidInput};
@@ -247,18 +248,18 @@ impl Engine {
         let budget = self.settings.node_timeout.min(ttl.saturating_sub(drift));
         let horizon = self.horizon();
         let settled = |results: &[Option<NodeResult>]| {
-            let longest = rule.longest(quorum::facts_of(results.iter().flatten()));
+            let longest = rule.longest(restart::facts_of(results.iter().flatten()));
             // Whether the round can still be one every node answered: a vote
             // that would count then may count (`certain` waits for them all).
             let rule = RestartRule {
                 complete: results
                     .iter()
-                    .all(|r| r.as_ref().is_none_or(quorum::answered)),
+                    .all(|r| r.as_ref().is_none_or(restart::answered)),
                 ..rule
             };
             let counts = |i: usize, facts: Option<&NodeFacts>| {
                 facts.is_none_or(|f| {
-                    let all = quorum::facts_of(results.iter().flatten());
+                    let all = restart::facts_of(results.iter().flatten());
                     rule.hold(f, all, self.trusted(i, f)).is_zero()
                 })
             };
@@ -363,7 +364,7 @@ impl Engine {
                         .ok()
                         .and_then(|r| r.facts)
                         .map_or(Duration::ZERO, |f| {
-                            let all = quorum::facts_of(results.iter());
+                            let all = restart::facts_of(results.iter());
                             rule.hold(&f, all, self.trusted(i, &f))
                         })
                 })

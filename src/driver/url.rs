@@ -1,0 +1,294 @@
+//! Node URLs: `redis://` and `rediss://` parsed into what the driver
+//! connects to, checked (no server twice), and shown without credentials.
+
+use std::collections::HashSet;
+
+use crate::driver::conn::Target;
+use crate::driver::node::NodeSpec;
+use crate::error::InvalidInput;
+
+/// Parses and checks node URLs: at least one, each parsable, no server
+/// twice, with the default TLS settings.
+#[cfg(test)]
+pub(crate) fn parse_nodes(urls: &[String]) -> Result<Vec<NodeSpec>, InvalidInput> {
+    parse_nodes_with(urls, &TlsSettings::default())
+}
+
+/// The TLS settings of a builder (nothing without the `tls-rustls` feature).
+#[derive(Clone, Default, Debug)]
+pub(crate) struct TlsSettings {
+    #[cfg(feature = "tls-rustls")]
+    pub(crate) tls: Option<crate::driver::tls::Tls>,
+}
+
+/// [`parse_nodes`] with `tls` for `rediss://` nodes (the default roots when
+/// none is set).
+pub(crate) fn parse_nodes_with(
+    urls: &[String],
+    tls: &TlsSettings,
+) -> Result<Vec<NodeSpec>, InvalidInput> {
+    if urls.is_empty() {
+        return Err(InvalidInput::NoNodes);
+    }
+    #[cfg(feature = "tls-rustls")]
+    let mut tls_config = None;
+    let mut seen = HashSet::new();
+    let mut specs = Vec::with_capacity(urls.len());
+    for url in urls {
+        let bad = |reason: &str| InvalidInput::BadNodeUrl {
+            url: redact(url),
+            reason: reason.to_owned(),
+        };
+        let parsed = url::Url::parse(url).map_err(|e| bad(&e.to_string()))?;
+        let secure = match parsed.scheme() {
+            "redis" => false,
+            "rediss" => true,
+            _ => return Err(bad("only redis:// and rediss:// (TCP) nodes are supported")),
+        };
+        let host = match parsed.host() {
+            Some(url::Host::Domain(d)) if !d.is_empty() => d.to_owned(),
+            Some(url::Host::Ipv4(ip)) => ip.to_string(),
+            Some(url::Host::Ipv6(ip)) => ip.to_string(),
+            _ => return Err(bad("no host")),
+        };
+        let port = parsed.port().unwrap_or(6379);
+        if parsed.query().is_some() {
+            return Err(bad(
+                "query parameters are not supported (give the database as the path: /N)",
+            ));
+        }
+        if let Some(f) = parsed.fragment() {
+            return Err(bad(if f == "insecure" {
+                "certificate verification cannot be turned off (#insecure): \
+                 trust the node's CA with Tls::ca_file"
+            } else {
+                "a fragment (#…) is not supported; a password with `#`, `/`, `?` or `@` \
+                 must be percent-encoded (%23, %2F, %3F, %40)"
+            }));
+        }
+        let db = match parsed.path().trim_start_matches('/') {
+            "" => 0,
+            p => p.parse::<i64>().ok().filter(|db| *db >= 0).ok_or_else(|| {
+                bad(
+                    "the path must be a database number (/0, /1, …); a password with \
+                         `#`, `/`, `?` or `@` must be percent-encoded (%23, %2F, %3F, %40)",
+                )
+            })?,
+        };
+        let decode = |s: &str| -> Result<String, InvalidInput> {
+            percent_encoding::percent_decode_str(s)
+                .decode_utf8()
+                .map(|v| v.into_owned())
+                .map_err(|_| bad("the credentials are not UTF-8 once decoded"))
+        };
+        let username = match parsed.username() {
+            "" => None,
+            u => Some(decode(u)?),
+        };
+        let password = parsed.password().map(decode).transpose()?;
+        let host_port = match parsed.host() {
+            Some(url::Host::Ipv6(_)) => format!("[{host}]:{port}"),
+            _ => format!("{}:{port}", host.to_ascii_lowercase()),
+        };
+        if !seen.insert(host_port.clone()) {
+            return Err(InvalidInput::DuplicateNode(host_port));
+        }
+        let name = if db == 0 {
+            host_port
+        } else {
+            format!("{host_port}/{db}")
+        };
+        #[cfg(feature = "tls-rustls")]
+        let tls_target = if secure {
+            if tls_config.is_none() {
+                tls_config = Some(tls.tls.clone().unwrap_or_default().config()?);
+            }
+            let config = tls_config.clone().ok_or(InvalidInput::NoNodes)?;
+            Some(crate::driver::tls::TlsTarget::new(config, &host).map_err(|e| bad(&e))?)
+        } else {
+            None
+        };
+        #[cfg(not(feature = "tls-rustls"))]
+        if secure {
+            let _ = tls;
+            return Err(bad(
+                "rediss:// (TLS) nodes need the crate feature `tls-rustls`",
+            ));
+        }
+        specs.push(NodeSpec {
+            name,
+            target: Target {
+                host,
+                port,
+                username,
+                password,
+                db,
+                #[cfg(feature = "tls-rustls")]
+                tls: tls_target,
+            },
+        });
+    }
+    Ok(specs)
+}
+
+/// Whether a URL path is empty or a database number.
+fn db_path(path: &str) -> bool {
+    let p = path.trim_start_matches('/');
+    p.is_empty() || p.bytes().all(|b| b.is_ascii_digit())
+}
+
+/// The URL with its password and query masked, for messages. A URL that
+/// does not parse shows only its scheme: its secrets cannot be told apart.
+pub(crate) fn redact(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(u) if u.cannot_be_a_base() || u.host().is_none() => format!("{}:…", u.scheme()),
+        // A fragment, or a path that is no database number, may be the rest
+        // of a password the parser took for a port (`:2024#Summer@…`).
+        Ok(u) if u.fragment().is_some() || !db_path(u.path()) => format!("{}://…", u.scheme()),
+        Ok(mut u) => {
+            if u.password().is_some() {
+                let _ = u.set_password(Some("***"));
+            }
+            if u.query().is_some() {
+                u.set_query(Some("***"));
+            }
+            u.to_string()
+        }
+        Err(_) => match url.split_once("://") {
+            Some((scheme, _))
+                if scheme
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c)) =>
+            {
+                format!("{scheme}://…")
+            }
+            _ => "…".to_owned(),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn urls(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn parses_names_without_credentials() {
+        let specs = parse_nodes(&urls(&[
+            "redis://127.0.0.1:7001",
+            "redis://user:secret@Example.COM:7002/3",
+        ]))
+        .unwrap();
+        assert_eq!(specs[0].name, "127.0.0.1:7001");
+        assert_eq!(specs[1].name, "example.com:7002/3");
+        assert_eq!(specs[1].target.password.as_deref(), Some("secret"));
+        assert_eq!(specs[1].target.username.as_deref(), Some("user"));
+        assert_eq!(specs[1].target.db, 3);
+        assert!(!format!("{:?}", specs[1]).contains("secret"));
+    }
+
+    #[test]
+    fn rejects_bad_node_lists() {
+        assert_eq!(parse_nodes(&[]).unwrap_err(), InvalidInput::NoNodes);
+        assert_eq!(
+            parse_nodes(&urls(&["redis://h:1", "redis://H:1/2"])).unwrap_err(),
+            InvalidInput::DuplicateNode("h:1".into())
+        );
+        match parse_nodes(&urls(&["redis://u:pw@h:1", "http://u:pw@x:1"])).unwrap_err() {
+            InvalidInput::BadNodeUrl { url, .. } => assert_eq!(url, "http://u:***@x:1/"),
+            e => panic!("{e:?}"),
+        }
+        assert!(matches!(
+            parse_nodes(&urls(&["not a url"])).unwrap_err(),
+            InvalidInput::BadNodeUrl { .. }
+        ));
+    }
+
+    #[test]
+    fn redacts_credentials() {
+        assert_eq!(redact("redis://u:p@h:1/0"), "redis://u:***@h:1/0");
+        assert_eq!(redact("redis://:p@h:1"), "redis://:***@h:1");
+        assert_eq!(redact("redis://h:1"), "redis://h:1");
+        assert_eq!(redact("rediss://u@h:1"), "rediss://u@h:1");
+        // Secrets outside the user-info part: query parameters, and an `@`
+        // inside the password itself.
+        for (url, secret) in [
+            ("redis+unix:///tmp/redis.sock?pass=s3cret", "s3cret"),
+            ("unix:///tmp/redis.sock?db=1&pass=s3cret", "s3cret"),
+            ("redis://h:1/0?password=s3cret", "s3cret"),
+            ("redis://u:p%40ss@h:1", "p%40ss"),
+            ("redis://u:s3cr@t@h:1", "s3cr@t"),
+            ("redis://u:s3cret@h:99999", "s3cret"),
+            ("redis://u:s3cret@[::1:1", "s3cret"),
+            ("s3cret", "s3cret"),
+            ("redis:s3cret", "s3cret"),
+            // A password of digits then `#` or `/` parses as a port and a
+            // fragment or a path: the secret is there, not in user-info.
+            ("redis://locker:2024#Summer!@redis-1:6379", "Summer"),
+            ("redis://locker:1234/Xy9@redis-1:6379", "Xy9"),
+            ("redis://locker:1234?Xy9@redis-1:6379", "Xy9"),
+        ] {
+            let shown = redact(url);
+            assert!(!shown.contains(secret), "{url} shown as {shown}");
+            let text = match parse_nodes(&urls(&[url])) {
+                Err(e) => format!("{e} {e:?}"),
+                Ok(specs) => format!("{specs:?}"),
+            };
+            {
+                assert!(!text.contains(secret), "{url}: {text}");
+            }
+        }
+        let b =
+            crate::Builder::new().nodes(["redis+unix:///s?pass=s3cret", "redis://u:s3cret@h:1"]);
+        assert!(!format!("{b:?}").contains("s3cret"), "{b:?}");
+    }
+
+    #[test]
+    fn parses_urls_with_a_real_parser() {
+        let specs = parse_nodes(&urls(&[
+            "redis://h1",
+            "redis://us%3Aer:p%40ss%3Aword@h2:7002/15",
+            "redis://[::1]:7003",
+        ]))
+        .unwrap();
+        assert_eq!(specs[0].name, "h1:6379");
+        assert_eq!(specs[1].target.username.as_deref(), Some("us:er"));
+        assert_eq!(specs[1].target.password.as_deref(), Some("p@ss:word"));
+        assert_eq!(specs[1].target.db, 15);
+        assert_eq!(specs[2].target.host, "::1");
+        assert_eq!(specs[2].name, "[::1]:7003");
+        // A password alone (Redis before 6: `AUTH password`).
+        let s = &parse_nodes(&urls(&["redis://:pw@h:1"])).unwrap()[0];
+        assert_eq!(s.target.username, None);
+        assert_eq!(s.target.password.as_deref(), Some("pw"));
+        for (url, why) in [
+            ("redis+unix:///tmp/r.sock", "redis://"),
+            ("redis://h:1/x", "database"),
+            ("redis://h:1/-1", "database"),
+            ("redis://h:1?db=2", "query"),
+            ("redis:///0", "host"),
+            ("rediss://h:1/#insecure", "insecure"),
+        ] {
+            match parse_nodes(&urls(&[url])) {
+                Err(InvalidInput::BadNodeUrl { reason, .. }) => {
+                    assert!(reason.contains(why), "{url}: {reason}")
+                }
+                other => panic!("{url}: {other:?}"),
+            }
+        }
+    }
+
+    #[cfg(not(feature = "tls-rustls"))]
+    #[test]
+    fn tls_urls_name_the_feature_they_need() {
+        match parse_nodes(&urls(&["rediss://h:1"])) {
+            Err(InvalidInput::BadNodeUrl { reason, .. }) => {
+                assert!(reason.contains("tls-rustls"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
