@@ -1,0 +1,323 @@
+//! A round's command, packed once for all nodes, and the decoding of each
+//! node's reply.
+
+use std::time::Duration;
+
+use redis::Value;
+
+use crate::algorithm::round::Key;
+use crate::algorithm::round::{After, Answer, NodeFacts, Op, Reply};
+use crate::driver::scripts;
+use crate::error::NodeErrorKind;
+
+/// Elements of an acquire or swap reply before its answers: the lock
+/// history's epoch, age, longest TTL, key, the longest TTL before that was
+/// first used, and the histories it was first used after (a string, last).
+pub(super) const FACTS: usize = 6;
+
+/// A round's commands, packed once for all nodes.
+pub(super) struct Encoded {
+    pub(super) op: Op,
+    pub(super) n: usize,
+    /// A release's tokens, in key order.
+    pub(super) tokens: Vec<String>,
+    /// The tokens an acquire or swap writes.
+    pub(super) written: Vec<String>,
+    pub(super) packed: Vec<u8>,
+    /// The script's source, for a node that answers NOSCRIPT.
+    pub(super) code: &'static str,
+}
+
+impl Encoded {
+    pub(super) fn new(op: Op, keys: &[Key<'_>]) -> Self {
+        let (script, code, args): (&redis::Script, &str, Vec<u64>) = match op {
+            Op::Acquire {
+                ttl,
+                known_max,
+                fenced,
+                ..
+            } => (
+                &scripts::ACQUIRE,
+                scripts::ACQUIRE_LUA,
+                vec![millis_ceil(ttl), millis_ceil(known_max), u64::from(fenced)],
+            ),
+            Op::Swap {
+                ttl,
+                known_max,
+                fence,
+            } => (
+                &scripts::SWAP,
+                scripts::SWAP_LUA,
+                vec![millis_ceil(ttl), millis_ceil(known_max), fence.unwrap_or(0)],
+            ),
+            Op::Release { .. } => (&scripts::RELEASE, scripts::RELEASE_LUA, vec![0]),
+            Op::Extend { ttl, known_max, .. } => (
+                &scripts::EXTEND,
+                scripts::EXTEND_LUA,
+                vec![millis_ceil(ttl), millis_ceil(known_max)],
+            ),
+            Op::Restore { ttl } => (
+                &scripts::RESTORE,
+                scripts::RESTORE_LUA,
+                vec![millis_ceil(ttl)],
+            ),
+            Op::Fence { value } => (&scripts::FENCE, scripts::FENCE_LUA, vec![value]),
+        };
+        let begun = match op {
+            Op::Acquire { after, .. } | Op::Extend { after, .. } if !after.is_empty() => {
+                Some(after)
+            }
+            _ => None,
+        };
+        // All but release and restore also take the node's lock-history key.
+        let meta = !matches!(op, Op::Release { .. } | Op::Restore { .. });
+        let swap = matches!(op, Op::Swap { .. });
+        // A swap names one key, its new token, then the tokens it may hold.
+        let named = if swap {
+            &keys[..keys.len().min(1)]
+        } else {
+            keys
+        };
+        let pack = |verb: &str, body: &str| {
+            let mut cmd = redis::cmd(verb);
+            cmd.arg(body).arg(named.len() + usize::from(meta));
+            for k in named {
+                cmd.arg(k.resource);
+            }
+            if meta {
+                cmd.arg(scripts::META_KEY);
+            }
+            for (j, a) in args.iter().enumerate() {
+                match begun {
+                    // A first use: the longest TTL known, and the histories
+                    // it comes after (see `raise_lua!`).
+                    Some(b) if j == 1 => cmd.arg(format!("{a};{}", b.to_text())),
+                    _ => cmd.arg(*a),
+                };
+            }
+            if swap {
+                cmd.arg(keys.first().and_then(|k| k.next).unwrap_or_default());
+            }
+            for k in keys {
+                cmd.arg(k.token);
+            }
+            cmd.get_packed_command()
+        };
+        let tokens = match op {
+            Op::Release { .. } => keys.iter().map(|k| k.token.to_owned()).collect(),
+            _ => Vec::new(),
+        };
+        let written = match op {
+            Op::Acquire { .. } | Op::Swap { .. } | Op::Restore { .. } => {
+                crate::algorithm::round::written(op, keys)
+                    .iter()
+                    .map(|k| k.token.to_owned())
+                    .collect()
+            }
+            Op::Release { .. } | Op::Fence { .. } | Op::Extend { .. } => Vec::new(),
+        };
+        Encoded {
+            op,
+            n: named.len(),
+            tokens,
+            written,
+            packed: pack("EVALSHA", script.get_hash()),
+            code,
+        }
+    }
+
+    /// For a command that may write a key of ours (an acquire, a swap, a
+    /// restore): how long after it was sent the key may live.
+    pub(super) fn writes(&self) -> Option<Duration> {
+        match self.op {
+            Op::Acquire { ttl, .. } | Op::Swap { ttl, .. } | Op::Restore { ttl } => Some(ttl),
+            Op::Release { .. } | Op::Fence { .. } | Op::Extend { .. } => None,
+        }
+    }
+
+    /// The same command as `EVAL` with the script's source (built only for
+    /// a node that answered NOSCRIPT): `packed` with its `EVALSHA <sha1>`
+    /// elements replaced.
+    pub(super) fn fallback(&self) -> Vec<u8> {
+        // `*N\r\n` then `$7\r\nEVALSHA\r\n` then `$40\r\n<sha1>\r\n`.
+        let head = self
+            .packed
+            .windows(2)
+            .position(|w| w == b"\r\n")
+            .map_or(0, |p| p + 2);
+        let rest = self.packed.get(head + 13 + 47..).unwrap_or_default();
+        let mut out = Vec::with_capacity(self.packed.len() + self.code.len());
+        out.extend_from_slice(&self.packed[..head]);
+        out.extend_from_slice(b"$4\r\nEVAL\r\n");
+        out.extend_from_slice(format!("${}\r\n", self.code.len()).as_bytes());
+        out.extend_from_slice(self.code.as_bytes());
+        out.extend_from_slice(b"\r\n");
+        out.extend_from_slice(rest);
+        out
+    }
+
+    pub(super) fn decode(&self, v: Value) -> Result<Reply, (NodeErrorKind, String)> {
+        let items = match v {
+            Value::Array(items) => items,
+            v => return Err(unexpected(v)),
+        };
+        let int = |v: &Value| match v {
+            Value::Int(x) => Some(*x),
+            _ => None,
+        };
+        let (facts, rest) = match self.op {
+            Op::Acquire { .. } | Op::Swap { .. } => {
+                if items.len() != self.n + FACTS {
+                    return Err(unexpected(Value::Array(items)));
+                }
+                let f: Vec<i64> = items[..FACTS - 1].iter().filter_map(int).collect();
+                let [epoch, age, max, key, prev] = f[..] else {
+                    return Err(unexpected(Value::Array(items)));
+                };
+                let after = match &items[FACTS - 1] {
+                    Value::BulkString(b) => After::parse(b),
+                    Value::SimpleString(t) => After::parse(t.as_bytes()),
+                    _ => return Err(unexpected(Value::Array(items))),
+                };
+                let ms = |v: i64| Duration::from_millis(u64::try_from(v).unwrap_or(0));
+                let facts = NodeFacts {
+                    epoch: u64::try_from(epoch).unwrap_or(0),
+                    age: ms(age),
+                    max_ttl: ms(max),
+                    history: u64::try_from(key).unwrap_or(0),
+                    after,
+                    prev_max: ms(prev),
+                };
+                (Some(facts), &items[FACTS..])
+            }
+            _ => {
+                if items.len() != self.n {
+                    return Err(unexpected(Value::Array(items)));
+                }
+                (None, &items[..])
+            }
+        };
+        // An acquire's 0 is "exists"; everyone else's "absent". A fenced
+        // acquire answers a set key with its counter.
+        let acquire = matches!(self.op, Op::Acquire { .. });
+        let fenced = matches!(self.op, Op::Acquire { fenced: true, .. });
+        let restore = matches!(self.op, Op::Restore { .. });
+        let mut fence = None;
+        let answers = rest
+            .iter()
+            .map(|v| match (int(v), acquire) {
+                (Some(2), false) if restore => Ok(Answer::Restored),
+                (Some(1), _) if !fenced => Ok(Answer::Ok),
+                (Some(c), true) if fenced && c > 0 && c.unsigned_abs() <= scripts::FENCE_LIMIT => {
+                    fence = fence.max(u64::try_from(c).ok());
+                    Ok(Answer::Ok)
+                }
+                (Some(0), true) => Ok(Answer::Other),
+                (Some(0), false) => Ok(Answer::Absent),
+                (Some(-1), false) => Ok(Answer::Other),
+                _ => Err(unexpected(v.clone())),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Reply {
+            answers,
+            facts,
+            fence,
+            server: None,
+        })
+    }
+}
+
+/// Whether an acquire or swap reply says some key was set: `1`, or a
+/// fenced acquire's counter.
+pub(super) fn acquired_any(v: &Value) -> bool {
+    matches!(v, Value::Array(items) if items.iter().skip(FACTS).any(|x| matches!(x, Value::Int(c) if *c > 0)))
+}
+
+pub(super) fn unexpected(v: Value) -> (NodeErrorKind, String) {
+    match v {
+        Value::ServerError(e) => (NodeErrorKind::Server, e.to_string()),
+        v => (NodeErrorKind::Protocol, format!("{v:?}")),
+    }
+}
+
+/// Whole milliseconds, rounded up (the server keeps the key at least as long
+/// as we assume), at least 1.
+pub(crate) fn millis_ceil(d: Duration) -> u64 {
+    let ms = d.as_nanos().div_ceil(1_000_000).max(1);
+    u64::try_from(ms).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    #[test]
+    fn fallback_is_the_same_command_as_eval() {
+        let keys = [Key::new("a", "t1"), Key::new("b", "t2")];
+        let ops = [
+            Op::Acquire {
+                ttl: Duration::from_millis(1500),
+                known_max: Duration::from_secs(3),
+                fenced: true,
+                after: {
+                    let mut a = After::NONE;
+                    a.insert(123_456_789);
+                    a.insert(42);
+                    a
+                },
+            },
+            Op::Swap {
+                ttl: Duration::from_millis(1500),
+                known_max: Duration::from_secs(3),
+                fence: Some(1 << 52),
+            },
+            Op::Fence { value: 1 << 52 },
+            Op::Extend {
+                ttl: Duration::from_millis(1500),
+                linger: false,
+                known_max: Duration::from_secs(3),
+                after: After::NONE,
+            },
+            Op::Release {
+                keep_until: Instant::now(),
+            },
+        ];
+        for op in ops {
+            let e = Encoded::new(op, &keys);
+            let text = String::from_utf8_lossy(&e.packed).into_owned();
+            let want = text.replacen("$7\r\nEVALSHA", "$4\r\nEVAL", 1).replacen(
+                &format!("$40\r\n{}", sha_of(&text)),
+                &format!("${}\r\n{}", e.code.len(), e.code),
+                1,
+            );
+            assert_eq!(String::from_utf8_lossy(&e.fallback()), want, "{op:?}");
+        }
+    }
+
+    fn sha_of(packed: &str) -> String {
+        packed.split("\r\n").nth(4).unwrap_or_default().to_owned()
+    }
+
+    /// A fenced acquire answers a set key with its counter, not 1: a late
+    /// reply must still be seen as "set" (so that a lock released
+    /// meanwhile is deleted again behind it).
+    #[test]
+    fn a_late_fenced_set_is_seen_as_set() {
+        // The history's six facts (positive ones), then the answer.
+        let reply = |r: i64| Value::Array([1, 2, 3, 3, 1, 9, r].map(Value::Int).to_vec());
+        assert!(acquired_any(&reply(1)));
+        assert!(acquired_any(&reply(1_796_000_000_000_000)));
+        assert!(!acquired_any(&reply(0)), "exists");
+        assert!(!acquired_any(&reply(-1)), "another owner (swap)");
+    }
+
+    #[test]
+    fn millis_round_up_and_never_zero() {
+        assert_eq!(millis_ceil(Duration::from_micros(1)), 1);
+        assert_eq!(millis_ceil(Duration::from_micros(1500)), 2);
+        assert_eq!(millis_ceil(Duration::from_millis(30_000)), 30_000);
+        assert_eq!(millis_ceil(Duration::ZERO), 1);
+        assert!(millis_ceil(Duration::MAX) > 0);
+    }
+}

@@ -1,0 +1,357 @@
+//! A node's background work: releases sent again, granted locks' writes
+//! that missed their round, and what is owed when the client goes.
+
+use crate::driver::node::encode::Encoded;
+use crate::driver::node::queries::release_once;
+use crate::driver::node::replies::prepare;
+use crate::driver::node::retries::{Retry, Unsettled, MAX_RETRIES};
+use crate::driver::node::shared::{NodeInner, NodeShared};
+use crate::driver::node::{RedisTransport, CONN_RECHECK, MIN_IDLE};
+
+use std::collections::HashSet;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use log::debug;
+use scheduled_thread_pool::ScheduledThreadPool;
+
+use crate::algorithm::round::Key;
+use crate::algorithm::round::{After, Op};
+use crate::clock::after;
+
+impl RedisTransport {
+    /// Sends a granted lock's `SET` to node `i` after its round (which found
+    /// no free connection to it in time), from the node's thread, as soon
+    /// as a connection is free (within the node timeout), with the TTL that
+    /// is left: the key then lives as long as the others. Its reply is read
+    /// as a late reply: if the lock was released meanwhile, the key is
+    /// deleted again behind it (and a release before it leaves cancels it).
+    pub(super) fn write_later(
+        &self,
+        i: usize,
+        k: &Key<'_>,
+        ttl: Duration,
+        known_max: Duration,
+        start: Instant,
+    ) {
+        let node = &self.nodes[i];
+        let shared = &node.inner.shared;
+        let until = after(start, ttl);
+        {
+            // Unsettled from now on: a release marks it, and keeps deleting.
+            let mut unsettled = shared.unsettled.lock();
+            if unsettled.len() >= MAX_RETRIES {
+                let now = Instant::now();
+                unsettled.retain(|_, u| u.until > now);
+            }
+            unsettled.entry(k.token.to_owned()).or_insert(Unsettled {
+                until,
+                released: false,
+            });
+        }
+        let job = LateWrite {
+            resource: k.resource.to_owned(),
+            token: k.token.to_owned(),
+            ttl,
+            known_max,
+            start,
+            give_up: after(Instant::now(), self.timeout),
+        };
+        let weak = Arc::downgrade(&node.inner);
+        let pool = Arc::downgrade(&node.threads);
+        node.threads.execute(move || late_write(&weak, &pool, job));
+    }
+
+    pub(super) fn enqueue_retries(&self, i: usize, keys: &[Key<'_>], until: Instant) {
+        if until <= Instant::now() || keys.is_empty() {
+            return;
+        }
+        let node = &self.nodes[i];
+        {
+            let mut q = node.inner.shared.retries.lock();
+            for k in keys {
+                q.push(
+                    Retry {
+                        resource: k.resource.to_owned(),
+                        token: k.token.to_owned(),
+                        until,
+                    },
+                    false,
+                    &node.inner.shared.name,
+                );
+            }
+        }
+        schedule_retry(&node.inner, &node.threads);
+    }
+}
+
+/// How often unanswered releases are sent again.
+pub(super) const RETRY_EVERY: Duration = Duration::from_millis(100);
+
+/// Most keys in one retried release command.
+pub(super) const RETRY_BATCH: usize = 1_000;
+
+impl Drop for RedisTransport {
+    /// Sends each node the releases it still owes (it did not answer them,
+    /// or a `SET` of theirs may still land) once more, all nodes at once,
+    /// each on a connection of its own (a node that was failing may have no
+    /// pooled one): at most one node timeout to connect and one for the
+    /// reply. What is still unanswered then expires with its TTL.
+    fn drop(&mut self) {
+        let now = Instant::now();
+        let owed: Vec<(usize, Vec<Retry>)> = self
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(i, node)| (i, node.inner.shared.retries.lock().take(usize::MAX, now)))
+            .filter(|(_, batch)| !batch.is_empty())
+            .collect();
+        if owed.is_empty() {
+            return;
+        }
+        let timeout = self.timeout;
+        std::thread::scope(|scope| {
+            for (i, batch) in &owed {
+                let (node, name) = (&self.nodes[*i], &self.names[*i]);
+                let spawned = std::thread::Builder::new()
+                    .name("quorumlock-flush".into())
+                    .spawn_scoped(scope, move || {
+                        let keys: Vec<Key<'_>> = batch
+                            .iter()
+                            .map(|r| Key::new(&r.resource, &r.token))
+                            .collect();
+                        let enc = Encoded::new(Op::Release { keep_until: now }, &keys);
+                        match release_once(&node.target, &enc.fallback(), timeout) {
+                            Ok(()) => debug!(
+                                "node {name}: client dropped; {} owed release(s) sent",
+                                keys.len()
+                            ),
+                            Err(e) => debug!(
+                                "node {name}: client dropped; {} owed release(s) lost: {e}",
+                                keys.len()
+                            ),
+                        }
+                    });
+                if let Err(e) = spawned {
+                    debug!("node {name}: cannot send owed releases: {e}");
+                }
+            }
+        });
+    }
+}
+
+/// A granted lock's `SET` to send a node after the round (see
+/// [`RedisTransport::write_later`]).
+pub(super) struct LateWrite {
+    pub(super) resource: String,
+    pub(super) token: String,
+    pub(super) ttl: Duration,
+    pub(super) known_max: Duration,
+    /// When the lock's round started: the key's TTL counts from there.
+    pub(super) start: Instant,
+    /// When to stop looking for a free connection.
+    pub(super) give_up: Instant,
+}
+
+/// Runs on the node's thread: sends `w` on a free connection, or looks
+/// again shortly (connects run on this thread too), until `w.give_up`.
+pub(super) fn late_write(
+    weak: &Weak<NodeInner>,
+    threads: &Weak<ScheduledThreadPool>,
+    w: LateWrite,
+) {
+    let Some(node) = weak.upgrade() else {
+        return;
+    };
+    let shared = &node.shared;
+    let now = Instant::now();
+    let left = after(w.start, w.ttl).saturating_duration_since(now);
+    let released = shared
+        .unsettled
+        .lock()
+        .get(&w.token)
+        .is_none_or(|u| u.released);
+    if released || left <= shared.timeout || now >= w.give_up {
+        // Released meanwhile, about to expire, or no connection in time:
+        // not sent (the renewal, if any, restores the copy).
+        shared.unsettled.lock().remove(&w.token);
+        return;
+    }
+    let mut free = node.pool.try_get();
+    if let Some(c) = free.as_mut() {
+        if !prepare(c, shared, now) {
+            free = None;
+        }
+    }
+    match free {
+        Some(mut c) => {
+            let key = Key::new(&w.resource, &w.token);
+            let op = Op::Acquire {
+                ttl: left,
+                known_max: w.known_max,
+                fenced: false,
+                after: After::NONE,
+            };
+            let undo = Encoded::new(
+                Op::Release {
+                    keep_until: after(w.start, w.ttl),
+                },
+                &[key],
+            )
+            .packed;
+            c.queue_late(
+                &Encoded::new(op, &[key]).packed,
+                now,
+                undo,
+                vec![w.token.clone()],
+            );
+            if c.flush().is_err() {
+                shared.unsettled.lock().remove(&w.token);
+            } else {
+                debug!(
+                    "node {}: a granted lock's SET sent after its round",
+                    shared.name
+                );
+            }
+        }
+        _ => {
+            if let Some(threads) = threads.upgrade() {
+                let (weak, pool) = (weak.clone(), Arc::downgrade(&threads));
+                threads.execute_after(CONN_RECHECK, move || late_write(&weak, &pool, w));
+            }
+        }
+    }
+}
+
+/// A retried release was answered: its entries leave the queue, but for
+/// those whose SET may still land here (tokens are one per attempt: they
+/// name the entries), which are watched until it is read.
+pub(super) fn retries_answered(node: &NodeShared, tokens: &[String]) {
+    let (watched, done): (HashSet<&str>, HashSet<&str>) = {
+        let unsettled = node.unsettled.lock();
+        tokens
+            .iter()
+            .map(String::as_str)
+            .partition(|t| unsettled.contains_key(*t))
+    };
+    debug!(
+        "node {}: {} retried release(s) answered",
+        node.name,
+        tokens.len()
+    );
+    let mut q = node.retries.lock();
+    q.watched.retain(|r| !done.contains(r.token.as_str()));
+    for r in std::mem::take(&mut q.owed) {
+        let t = r.token.as_str();
+        if watched.contains(t) {
+            q.watched.push_back(r);
+        } else if !done.contains(t) {
+            q.owed.push_back(r);
+        }
+    }
+}
+
+/// Starts the node's release-retry job unless it is already scheduled.
+pub(super) fn schedule_retry(node: &Arc<NodeInner>, threads: &Arc<ScheduledThreadPool>) {
+    if node.shared.retry_scheduled.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    let weak: Weak<NodeInner> = Arc::downgrade(node);
+    let pool = Arc::downgrade(threads);
+    threads.execute_after(RETRY_EVERY, move || retry_job(&weak, &pool));
+}
+
+/// Sends the node's unanswered releases again (one command for up to
+/// [`RETRY_BATCH`] keys); drops those answered or expired; reschedules
+/// itself while any remain. Stops when the client is gone.
+pub(super) fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPool>) {
+    let Some(node) = weak.upgrade() else {
+        return;
+    };
+    let shared = &node.shared;
+    let now = Instant::now();
+    // Read late replies off the idle connections that owe some (they may
+    // say a SET landed, or answer a retried release). The pool is a stack
+    // (the last connection given back is the first taken), so those are on
+    // top unless rounds took them (which read them). Every pop that leaves
+    // fewer than the pool's idle minimum starts a new connection (however
+    // many are being made), so no more is popped than leaves that minimum
+    // idle, and no more than owe; a round that finds none meanwhile waits (see `wait_busy_pool`).
+    let mut owed = false;
+    let want = shared.owing.load(Ordering::Acquire);
+    if want > 0 {
+        shared.draining.store(true, Ordering::Release);
+        let mut idle = Vec::new();
+        let max = node.pool.max_size();
+        let spare = |st: r2d2::State| {
+            // At the pool's size no pop starts a connection; one more is
+            // left idle for a round of a busy client that comes meanwhile.
+            let busy = u32::from(st.connections > st.idle_connections);
+            st.connections >= max || st.idle_connections > MIN_IDLE.min(max) + busy
+        };
+        while idle.len() < want
+            && shared.owing.load(Ordering::Acquire) > 0
+            && spare(node.pool.state())
+        {
+            let Some(mut c) = node.pool.try_get() else {
+                break;
+            };
+            prepare(&mut c, shared, now);
+            idle.push(c);
+        }
+        // A release still owed its reply (it may come back NOSCRIPT): look again.
+        owed = idle.iter().any(|c| !c.broken && c.owes_release());
+        drop(idle);
+        shared.draining.store(false, Ordering::Release);
+    }
+    let answered = std::mem::take(&mut *shared.answered.lock());
+    for tokens in &answered {
+        retries_answered(shared, tokens);
+    }
+    shared.unsettled.lock().retain(|_, u| u.until > now);
+    shared.undone.lock().retain(|_, until| *until > now);
+    // The batch leaves the queue and what is still owed goes back behind
+    // the rest: a batch that cannot be settled yet (a SET of its tokens may
+    // still land) never holds back the releases queued after it.
+    let batch: Vec<Retry> = shared.retries.lock().take(RETRY_BATCH, now);
+    if !batch.is_empty() {
+        let keys: Vec<Key<'_>> = batch
+            .iter()
+            .map(|r| Key::new(&r.resource, &r.token))
+            .collect();
+        let enc = Encoded::new(
+            Op::Release {
+                keep_until: Instant::now(),
+            },
+            &keys,
+        );
+        // Sent, not waited for: its reply is read as a late reply (by the
+        // next run, or a round), which takes the batch off the queue. Until
+        // then it stays queued, and is sent again if no reply comes. Never
+        // waiting keeps this thread free for the pool's connects and the
+        // connection in the pool: a connection held for a round trip left
+        // the pool below its idle minimum, and every round meanwhile
+        // started one more connection.
+        if let Some(mut c) = node.pool.try_get() {
+            if prepare(&mut c, shared, Instant::now()) {
+                let tokens = batch.iter().map(|r| r.token.clone()).collect();
+                c.queue_retry(&enc.packed, Instant::now(), enc.fallback(), tokens);
+                if c.flush().is_err() {
+                    c.broken = true;
+                }
+            }
+        }
+        let mut q = shared.retries.lock();
+        for r in batch {
+            q.push(r, false, &shared.name);
+        }
+    }
+    shared.retry_scheduled.store(false, Ordering::Release);
+    let more = owed || !shared.retries.lock().is_empty();
+    if more {
+        if let Some(threads) = threads.upgrade() {
+            schedule_retry(&node, &threads);
+        }
+    }
+}

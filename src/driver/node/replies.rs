@@ -1,0 +1,237 @@
+//! Replies no round waits for: late replies read off a connection at its
+//! next use, and the replies to the commands sent at connect.
+
+use crate::driver::node::encode::acquired_any;
+use crate::driver::node::shared::Manager;
+use crate::driver::node::shared::NodeShared;
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use log::debug;
+use r2d2::PooledConnection;
+use redis::Value;
+
+use crate::algorithm::health::Outcome;
+use crate::algorithm::server::{id_hash, ServerInfo};
+use crate::driver::conn::{Conn, Setup, MAX_PENDING};
+use crate::driver::scripts;
+use crate::error::NodeErrorKind;
+
+/// Reads late replies off a checked-out connection. False (and the
+/// connection marked broken) when it cannot take a new command.
+pub(super) fn prepare(c: &mut PooledConnection<Manager>, node: &NodeShared, now: Instant) -> bool {
+    if let Some(n) = c.owing.take() {
+        n.fetch_sub(1, Ordering::AcqRel);
+    }
+    if c.broken {
+        return false;
+    }
+    // One non-blocking read: late replies, and whether the node closed the
+    // connection (CLIENT KILL, a server's or a proxy's idle timeout).
+    let closed = c.fill_to_end().is_err();
+    loop {
+        match c.next_reply() {
+            Ok(Some((p, v))) => {
+                if !turned_away(&p, &v) {
+                    node.replied();
+                }
+                if late_reply(c, node, p, &v, now).is_err() {
+                    return false;
+                }
+            }
+            Ok(None) => break,
+            Err(_) => {
+                node.observe(Outcome::Refused);
+                return false;
+            }
+        }
+    }
+    if closed {
+        // Closed while idle (CLIENT KILL, a server's or a proxy's idle
+        // timeout, a restart): the node answered on this connection before,
+        // and a close is no answer, so no change to its health; the round
+        // takes another connection, and a node that is down refuses that.
+        debug!(
+            "node {}: a pooled connection was closed while idle ({} replies owed)",
+            node.name,
+            c.pending().len()
+        );
+        return false;
+    }
+    if let Some(oldest) = c.pending().front() {
+        if now.saturating_duration_since(oldest.sent) >= node.timeout {
+            c.abandon();
+            node.observe(Outcome::TimedOut);
+            return false;
+        }
+        if c.pending().len() >= MAX_PENDING {
+            c.abandon();
+            return false;
+        }
+    }
+    if now.saturating_duration_since(c.info_at) >= INFO_EVERY {
+        // What the server is can change without a new connection (a replica
+        // promoted, a memory policy set at runtime): asked again, ahead of
+        // this connection's next command, not waited for.
+        c.info_at = now;
+        c.queue_setup(&redis::cmd("INFO").get_packed_command(), now, Setup::Info);
+        // Sent now (a caller of `prepare` may send nothing after it, and a
+        // reply owed for a command never sent would look like a timeout).
+        if c.flush().is_err() {
+            return false;
+        }
+    }
+    true
+}
+
+/// What an `INFO` reply says (an unexpected reply says nothing).
+pub(super) fn info_of(v: &Value) -> ServerInfo {
+    match v {
+        Value::BulkString(b) => ServerInfo::parse_bytes(b),
+        Value::VerbatimString { text, .. } | Value::SimpleString(text) => ServerInfo::parse(text),
+        _ => ServerInfo::default(),
+    }
+}
+
+/// How often a pooled connection asks its server's `INFO` again.
+pub(super) const INFO_EVERY: Duration = Duration::from_secs(10);
+
+/// A reply no round waits for any more: a command sent at connect (who the
+/// server is), or a late reply; if it says a write of an ended round landed
+/// on a lock released meanwhile, deletes that key again (on the same
+/// connection). `Err` when the connection cannot be used: its node refused
+/// it (`ConnectionRefused`, with the server's words), or a write failed.
+pub(super) fn late_reply(
+    c: &mut Conn,
+    node: &NodeShared,
+    p: crate::driver::conn::Pending,
+    v: &Value,
+    now: Instant,
+) -> std::io::Result<()> {
+    if p.setup != Setup::None {
+        return setup_reply(c, node, p.setup, v);
+    }
+    let mut released = None;
+    if !p.tokens.is_empty() {
+        let mut unsettled = node.unsettled.lock();
+        for t in &p.tokens {
+            if let Some(u) = unsettled.remove(t).filter(|u| u.released) {
+                released = released.max(Some(u.until));
+            }
+        }
+    }
+    // A granted lock's late copy stays (it is part of the lock) unless the
+    // lock was released meanwhile; a failed attempt's was undone already.
+    // (A restore has no undo: its command also went to nodes whose copy the
+    // lock held already, which a delete by token cannot tell apart; the
+    // release's retries, kept up while its token is unsettled, delete it.)
+    if let (Some(undo), Some(until)) = (p.undo.as_ref(), released) {
+        if acquired_any(v) {
+            debug!("node {}: a late write landed; deleting it", node.name);
+            c.queue(undo, now, false);
+            c.flush()?;
+            let mut undone = node.undone.lock();
+            for t in &p.tokens {
+                undone.insert(t.clone(), until);
+            }
+        }
+    }
+    let noscript =
+        matches!(v, Value::ServerError(e) if e.kind() == Some(redis::ServerErrorKind::NoScript));
+    if !p.retried.is_empty() && !noscript {
+        // The node answered a retried release (a release the script did
+        // not run is sent again, as EVAL below and by the next retry). The
+        // queue is updated by the retry job, off the round's path.
+        node.answered.lock().push(p.retried);
+    }
+    if noscript {
+        // The round that sent it ended before it could fall back to EVAL:
+        // a release is sent again as EVAL (a delete is never lost), and the
+        // scripts are loaded so that the next round's EVALSHA runs.
+        debug!("node {}: scripts not cached; loading them", node.name);
+        if let Some(resend) = &p.resend {
+            c.queue(resend, now, false);
+        }
+        for load in scripts::load_commands() {
+            c.queue_setup(&load, now, Setup::Load);
+        }
+        c.flush()?;
+    }
+    Ok(())
+}
+
+/// The reply to a command sent at connect. `INFO` says who the server is
+/// and what kind of node (kept on the connection, for the answers read after
+/// it, and for the node); the history id names its database. An error that
+/// says the server turned the connection away (`max number of clients
+/// reached`, still loading its data) is the node's answer: it refused.
+pub(super) fn setup_reply(
+    c: &mut Conn,
+    node: &NodeShared,
+    setup: Setup,
+    v: &Value,
+) -> std::io::Result<()> {
+    if let Value::ServerError(e) = v {
+        let text = server_text(e);
+        if refuses_connection(e) {
+            c.broken = true;
+            let detail = format!("it turned the connection away: {text}");
+            *node.connect_error.lock() = Some((NodeErrorKind::Unavailable, detail.clone()));
+            node.observe(Outcome::Refused);
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::ConnectionRefused,
+                detail,
+            ));
+        }
+        if setup == Setup::Info {
+            node.servers.learn_info(node.index, &Err(text));
+        }
+        return Ok(());
+    }
+    let text = |v: &Value| match v {
+        Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+        Value::VerbatimString { text, .. } => Some(text.clone()),
+        Value::SimpleString(s) => Some(s.clone()),
+        _ => None,
+    };
+    match setup {
+        Setup::Info => {
+            let info = info_of(v);
+            c.server.run = info.run_id.as_deref().map(|r| id_hash(r.as_bytes()));
+            c.server.kind = info.kind();
+            node.servers.learn_info(node.index, &Ok(info));
+        }
+        Setup::History => {
+            if let Some(id) = text(v) {
+                let h = id_hash(id.as_bytes());
+                c.server.history = Some(h);
+                node.servers.learn_history(node.index, h);
+            }
+        }
+        Setup::Load | Setup::None => {}
+    }
+    Ok(())
+}
+
+/// Whether this reply is a server turning the connection away (see
+/// [`refuses_connection`]): not an answer that makes the node healthy.
+pub(super) fn turned_away(p: &crate::driver::conn::Pending, v: &Value) -> bool {
+    p.setup != Setup::None && matches!(v, Value::ServerError(e) if refuses_connection(e))
+}
+
+/// Whether a server's error reply to a command sent at connect says it
+/// turned this connection away (it closes it next).
+pub(super) fn refuses_connection(e: &redis::ServerError) -> bool {
+    e.kind() == Some(redis::ServerErrorKind::BusyLoading)
+        || e.details()
+            .is_some_and(|d| d.contains("max number of clients reached"))
+}
+
+/// A server's error as it wrote it: `ERR max number of clients reached`.
+pub(super) fn server_text(e: &redis::ServerError) -> String {
+    match e.details() {
+        Some(d) => format!("{} {d}", e.code()),
+        None => e.code().to_owned(),
+    }
+}

@@ -1,0 +1,116 @@
+//! The releases a node still owes an answer to (or that must be sent
+//! again while a SET of their token may land), and the acquires whose reply
+//! has not been read.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use log::debug;
+
+/// Most releases kept for retry per node (the oldest are dropped first).
+pub(super) const MAX_RETRIES: usize = 10_000;
+
+/// An acquire whose reply has not been read yet.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Unsettled {
+    pub(super) until: Instant,
+    pub(super) released: bool,
+}
+
+/// A release to send again.
+pub(super) struct Retry {
+    pub(super) resource: String,
+    pub(super) token: String,
+    pub(super) until: Instant,
+}
+
+/// A node's releases to send again: those it has not answered (`owed`),
+/// sent first, and those it answered while a SET of their token may still
+/// land (`watched`: deleted again until that SET's reply is read or its TTL
+/// ends). At most [`MAX_RETRIES`] in all; a full queue drops watched ones
+/// first, the oldest first.
+#[derive(Default)]
+pub(super) struct Retries {
+    pub(super) owed: VecDeque<Retry>,
+    pub(super) watched: VecDeque<Retry>,
+}
+
+impl Retries {
+    pub(super) fn push(&mut self, r: Retry, watched: bool, node: &str) {
+        if self.owed.len() + self.watched.len() >= MAX_RETRIES && self.watched.pop_front().is_none()
+        {
+            self.owed.pop_front();
+            debug!("node {node}: release retry queue full; oldest dropped");
+        }
+        if watched {
+            self.watched.push_back(r);
+        } else {
+            self.owed.push_back(r);
+        }
+    }
+
+    /// Up to `n` live releases, owed ones first, taken off the queue.
+    pub(super) fn take(&mut self, n: usize, now: Instant) -> Vec<Retry> {
+        self.owed.retain(|r| r.until > now);
+        self.watched.retain(|r| r.until > now);
+        let k = self.owed.len().min(n);
+        let mut batch: Vec<Retry> = self.owed.drain(..k).collect();
+        let k = self.watched.len().min(n - batch.len());
+        batch.extend(self.watched.drain(..k));
+        batch
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.owed.is_empty() && self.watched.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn retry(token: &str, until: Instant) -> Retry {
+        Retry {
+            resource: "r".into(),
+            token: token.into(),
+            until,
+        }
+    }
+
+    /// Releases the node never answered go first, and are the last to be
+    /// dropped from a full queue: a storm of watched releases (answered,
+    /// their SET still unsettled) left thousands of keys for their TTL.
+    #[test]
+    fn owed_releases_go_first_and_outlive_watched_ones() {
+        let now = Instant::now();
+        let later = now + Duration::from_secs(30);
+        let mut q = Retries::default();
+        for i in 0..MAX_RETRIES {
+            q.push(retry(&format!("w{i}"), later), true, "n");
+        }
+        q.push(retry("gone", now), false, "n");
+        for i in 0..10 {
+            q.push(retry(&format!("o{i}"), later), false, "n");
+        }
+        assert_eq!(q.owed.len() + q.watched.len(), MAX_RETRIES);
+        assert_eq!(q.owed.len(), 11, "a full queue dropped watched ones");
+        assert_eq!(q.watched.front().map(|r| r.token.as_str()), Some("w11"));
+        let batch = q.take(5, now);
+        let tokens: Vec<&str> = batch.iter().map(|r| r.token.as_str()).collect();
+        assert_eq!(
+            tokens,
+            ["o0", "o1", "o2", "o3", "o4"],
+            "expired dropped, owed first"
+        );
+        let batch = q.take(8, now);
+        assert_eq!(batch.len(), 8);
+        assert_eq!(batch[4].token, "o9");
+        assert_eq!(batch[5].token, "w11", "then the oldest watched");
+        for i in 0..(MAX_RETRIES + 5) {
+            q.push(retry(&format!("x{i}"), later), false, "n");
+        }
+        assert!(q.watched.is_empty(), "watched ones go before owed ones");
+        assert_eq!(q.owed.len(), MAX_RETRIES);
+    }
+}

@@ -1,0 +1,683 @@
+//! One round: the command to every admitted node, replies taken in arrival
+//! order until the outcome is settled or the deadline passes, and what the
+//! round leaves behind (late replies owed, releases to retry, an undo).
+
+use crate::driver::node::encode::Encoded;
+use crate::driver::node::replies::{late_reply, prepare, turned_away};
+use crate::driver::node::retries::{Unsettled, MAX_RETRIES};
+use crate::driver::node::{Manager, RedisTransport, CONN_RECHECK};
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use log::debug;
+use r2d2::PooledConnection;
+use redis::Value;
+
+use crate::algorithm::health::{self, Admit, NodeHealth, Outcome};
+use crate::algorithm::quorum::{self};
+use crate::algorithm::round::Key;
+use crate::algorithm::round::{Answer, NodeResult, Op, ServerTag};
+use crate::clock::after;
+use crate::driver::conn::{self, PollFlags};
+use crate::error::{NodeError, NodeErrorKind};
+use crate::lock::transport::{AfterRound, Decided, Undo};
+
+/// One node's part in a round.
+pub(super) struct Slot {
+    pub(super) admit: Admit,
+    pub(super) conn: Option<PooledConnection<Manager>>,
+    /// When our command was queued on `conn` (or on a connection since lost).
+    pub(super) sent: Option<Instant>,
+    /// The EVAL fallback was sent after NOSCRIPT.
+    pub(super) fell_back: bool,
+    /// When the exchange began: a connection made before then may have been
+    /// closed while idle, and one made since is the node's answer.
+    pub(super) began: Instant,
+    /// A command was lost with its connection (it may have run).
+    pub(super) lost: bool,
+}
+
+impl RedisTransport {
+    /// [`Transport::run`]: one round, and what the caller decides after it
+    /// (the undo of a failed attempt, or the writes a granted lock missed).
+    pub(super) fn run_round(
+        &self,
+        op: Op,
+        keys: &[Key<'_>],
+        deadline: Instant,
+        decided: Option<Decided<'_>>,
+        undo: Option<Undo<'_>>,
+    ) -> Vec<NodeResult> {
+        let start = Instant::now();
+        let n = self.nodes.len();
+        let release = matches!(op, Op::Release { .. });
+        let mut admits: Vec<Admit> = self
+            .nodes
+            .iter()
+            .map(|node| node.inner.shared.health.lock().admit(start))
+            .collect();
+        let twins = self.servers.twin_mask();
+        health::admit_round(&mut admits, release, quorum::quorum(n), &twins);
+        let mut slots: Vec<Slot> = admits
+            .into_iter()
+            .map(|admit| Slot {
+                admit,
+                conn: None,
+                sent: None,
+                fell_back: false,
+                began: start,
+                lost: false,
+            })
+            .collect();
+        let enc = Encoded::new(op, keys);
+        let results = self.exchange(&enc, keys, &mut slots, start, deadline, decided);
+
+        let after_round = match (undo, op) {
+            (Some(undo), Op::Acquire { .. } | Op::Swap { .. }) => undo(&results),
+            _ => AfterRound::Done,
+        };
+        if let (AfterRound::Complete, Op::Acquire { ttl, known_max, .. }) = (after_round, op) {
+            for (i, (s, r)) in slots.iter().zip(&results).enumerate() {
+                // A healthy node the round waited for but never reached: no
+                // connection was free in time (the pool was growing, or all
+                // its connections were in use).
+                let unreached = s.admit == Admit::Wait
+                    && s.sent.is_none()
+                    && !s.lost
+                    && matches!(r, Err(e) if e.kind() == NodeErrorKind::NoConnection);
+                if unreached && self.nodes[i].inner.shared.is_healthy() {
+                    for k in keys {
+                        // Not a first use (the round recorded it).
+                        self.write_later(i, k, ttl, known_max.max(ttl), start);
+                    }
+                }
+            }
+        }
+        if let (AfterRound::Undo, Op::Acquire { ttl, .. } | Op::Swap { ttl, .. }) =
+            (after_round, op)
+        {
+            {
+                let now = Instant::now();
+                let rel = Op::Release {
+                    keep_until: after(start, ttl),
+                };
+                for (i, (s, r)) in slots.iter_mut().zip(&results).enumerate() {
+                    // Only where our SET left this client, on the same
+                    // connection so that the delete lands after it; waiting
+                    // only for the nodes that answered the SET.
+                    // Reached: our SET is out (or was lost with its connection).
+                    let reached = s.sent.is_some() || s.lost;
+                    s.admit = match (reached, r) {
+                        // A failed swap releases the old lock everywhere.
+                        (false, _) if matches!(op, Op::Swap { .. }) => Admit::Trial,
+                        (false, _) => Admit::Skip,
+                        (true, Ok(_)) => Admit::Wait,
+                        (true, Err(_)) if self.nodes[i].inner.shared.is_healthy() => Admit::Wait,
+                        (true, Err(_)) => Admit::Trial,
+                    };
+                    s.sent = None;
+                    s.fell_back = false;
+                    s.lost = false;
+                }
+                // A failed swap gives up the handed-over lock too.
+                let written = crate::algorithm::round::written(op, keys);
+                let keys = &written[..];
+                let enc = Encoded::new(rel, keys);
+                // A failed swap's caller locks anew within its own bound:
+                // its undo is sent, not waited for (a delete not answered
+                // is retried in the background).
+                let wait = match op {
+                    Op::Swap { .. } => Duration::ZERO,
+                    _ => self.timeout,
+                };
+                self.exchange(&enc, keys, &mut slots, now, after(now, wait), None);
+            }
+        }
+        results
+    }
+
+    /// Sends `enc` to every admitted node and gathers replies in arrival
+    /// order until `decided` or `deadline`. Connections stay in `slots`.
+    pub(super) fn exchange(
+        &self,
+        enc: &Encoded,
+        keys: &[Key<'_>],
+        slots: &mut [Slot],
+        start: Instant,
+        deadline: Instant,
+        decided: Option<Decided<'_>>,
+    ) -> Vec<NodeResult> {
+        let n = slots.len();
+        let mut results: Vec<Option<NodeResult>> = vec![None; n];
+        if let Op::Release { .. } = enc.op {
+            // Before any delete leaves: whoever reads the reply of a SET of
+            // these keys from now on deletes the key again after it.
+            for node in &self.nodes {
+                let mut u = node.inner.shared.unsettled.lock();
+                if !u.is_empty() {
+                    for k in keys {
+                        if let Some(e) = u.get_mut(k.token) {
+                            e.released = true;
+                        }
+                    }
+                }
+            }
+        }
+        // Queueing for a busy pool is safe only while this round holds no
+        // connection to a later node (rounds then wait in one global order);
+        // a round reusing its connections (an undo) never queues.
+        let may_queue = slots.iter().all(|s| s.conn.is_none());
+        for s in slots.iter_mut() {
+            s.began = start;
+        }
+        // Nodes not waited for count as failed unless their reply arrives.
+        for (i, s) in slots.iter_mut().enumerate() {
+            if s.admit != Admit::Wait {
+                results[i] = Some(Err(self.not_waited(i, s.admit)));
+            }
+            if s.admit != Admit::Skip {
+                self.send(i, s, enc, start, &mut results);
+                if s.conn.is_none() && s.admit == Admit::Wait && may_queue {
+                    // Every connection to this node is in use by other rounds
+                    // of this client: queue for one, in node order, so that
+                    // rounds never hold some connections while waiting for
+                    // others held by rounds that wait for theirs.
+                    s.conn = self.wait_busy_pool(i, deadline);
+                    if s.conn.is_some() {
+                        self.send(i, s, enc, Instant::now(), &mut results);
+                    }
+                }
+            }
+        }
+
+        let mut settle: Option<Instant> = None;
+        // A lingering round keeps reading after it settled, as long again.
+        let linger = matches!(enc.op, Op::Extend { linger: true, .. });
+        let mut ready: Vec<(usize, PollFlags)> = Vec::with_capacity(n);
+        loop {
+            let now = Instant::now();
+            if settle.is_none() && decided.is_some_and(|f| f(&results)) {
+                // Settled: what has already arrived is taken below; nothing
+                // more is waited for (but for a lingering round's stragglers).
+                settle = Some(if linger {
+                    now.checked_add(now.saturating_duration_since(start))
+                        .map_or(deadline, |l| l.min(deadline))
+                } else {
+                    now
+                });
+            }
+            // Waited-for nodes still without a connection: look again.
+            let mut missing = false;
+            for (i, s) in slots.iter_mut().enumerate() {
+                if s.admit == Admit::Wait && s.sent.is_none() && results[i].is_none() {
+                    if !self.nodes[i].inner.shared.is_healthy() {
+                        // Its connect was refused meanwhile: that is its answer.
+                        results[i] = Some(Err(self.not_waited(i, Admit::Skip)));
+                        continue;
+                    }
+                    if settle.is_none() {
+                        self.send(i, s, enc, now, &mut results);
+                    }
+                    missing |= s.sent.is_none() && results[i].is_none();
+                }
+            }
+            // Only waited-for nodes keep the round open; a trial's reply is
+            // taken if it arrives meanwhile.
+            let outstanding = slots.iter().any(|s| {
+                s.admit == Admit::Wait && s.conn.as_ref().is_some_and(|c| c.awaits_wanted())
+            });
+            let until = settle.unwrap_or(deadline);
+            if (!outstanding && !missing) || now >= until || (settle.is_some() && !outstanding) {
+                break;
+            }
+            let mut wait = until.saturating_duration_since(now);
+            if missing && settle.is_none() {
+                wait = wait.min(CONN_RECHECK);
+            }
+            ready.clear();
+            {
+                let mut fds = Vec::with_capacity(n);
+                let mut idx = Vec::with_capacity(n);
+                for (i, s) in slots.iter().enumerate() {
+                    if let Some(c) = s.conn.as_ref().filter(|c| c.awaits_wanted()) {
+                        fds.push(c.poll_fd(c.wants_write()));
+                        idx.push(i);
+                    }
+                }
+                if fds.is_empty() {
+                    std::thread::sleep(wait);
+                } else if conn::poll(&mut fds, wait).is_err() {
+                    std::thread::sleep(wait.min(CONN_RECHECK));
+                }
+                for (fd, &i) in fds.iter().zip(&idx) {
+                    let r = fd.revents();
+                    if !r.is_empty() {
+                        ready.push((i, r));
+                    }
+                }
+            }
+            for &(i, flags) in &ready {
+                self.on_ready(i, &mut slots[i], flags, enc, &mut results);
+            }
+        }
+
+        // Replies that arrived while this thread was not scheduled are
+        // taken before anyone is charged a timeout.
+        self.collect_arrived(slots, enc, &mut results);
+        let now = Instant::now();
+        // An acquire reply still owed may yet say "set": keep its undo.
+        // (Built only when some reply is still owed.)
+        let owed = slots
+            .iter()
+            .any(|s| s.conn.as_ref().is_some_and(|c| c.awaits_wanted()));
+        // The tokens a late acquire or swap may still write, and their keys.
+        let written = crate::algorithm::round::written(enc.op, keys);
+        // Only a command that may write: a release's late reply says nothing
+        // of where a SET landed.
+        let tokens: Vec<String> = if owed && enc.writes().is_some() {
+            written.iter().map(|k| k.token.to_owned()).collect()
+        } else {
+            Vec::new()
+        };
+        let resend = match enc.op {
+            Op::Release { .. } if owed => Some(enc.fallback()),
+            _ => None,
+        };
+        let unsettled_until = enc.writes().filter(|_| owed).map(|ttl| after(start, ttl));
+        let undo = match (enc.op, unsettled_until) {
+            (Op::Acquire { .. } | Op::Swap { .. }, Some(until)) => {
+                let rel = Op::Release { keep_until: until };
+                Some(Encoded::new(rel, &written).packed)
+            }
+            _ => None,
+        };
+        for (i, s) in slots.iter_mut().enumerate() {
+            let shared = &self.nodes[i].inner.shared;
+            if let Some(c) = s.conn.as_mut() {
+                if c.wants_write() {
+                    // A half-written command: the connection cannot be reused.
+                    c.broken = true;
+                }
+                if c.awaits_wanted() {
+                    c.unwant(undo.as_deref(), &tokens, resend.as_deref());
+                    if let Some(until) = unsettled_until {
+                        let mut unsettled = shared.unsettled.lock();
+                        if unsettled.len() >= MAX_RETRIES {
+                            unsettled.retain(|_, u| u.until > now);
+                        }
+                        for t in &tokens {
+                            unsettled.entry(t.clone()).or_insert(Unsettled {
+                                until,
+                                released: false,
+                            });
+                        }
+                    }
+                    if s.sent
+                        .is_some_and(|t| now.saturating_duration_since(t) >= shared.timeout)
+                    {
+                        // No reply within the node timeout: the node's own doing.
+                        c.abandon();
+                        shared.observe(Outcome::TimedOut);
+                    }
+                    if results[i].is_none() {
+                        let waited = now.saturating_duration_since(s.sent.unwrap_or(start));
+                        results[i] = Some(Err(if settle.is_some() {
+                            NodeError::new(
+                                &self.names[i],
+                                NodeErrorKind::NotAwaited,
+                                format!("settled {waited:?} after sending, before its reply"),
+                            )
+                        } else {
+                            NodeError::new(
+                                &self.names[i],
+                                NodeErrorKind::Timeout,
+                                format!("no reply in {waited:?}"),
+                            )
+                        }));
+                    }
+                }
+            }
+            if results[i].is_none() {
+                results[i] = Some(Err(if s.lost {
+                    // Not `NoConnection`: the command may have run.
+                    NodeError::new(
+                        &self.names[i],
+                        NodeErrorKind::Io,
+                        "connection closed before the reply; not sent again before the round ended",
+                    )
+                } else if shared.is_healthy() {
+                    let pool = &self.nodes[i].inner.pool;
+                    let detail = if pool.state().connections >= pool.max_size() {
+                        format!(
+                            "all {} pooled connections busy until the round ended (this client's condition: raise pool_size)",
+                            pool.max_size()
+                        )
+                    } else {
+                        "still connecting when the round ended".to_owned()
+                    };
+                    NodeError::new(&self.names[i], NodeErrorKind::NoConnection, detail)
+                } else {
+                    self.not_waited(i, Admit::Skip)
+                }));
+            }
+        }
+
+        // Releases a node did not answer are kept and sent again later.
+        if let Op::Release { keep_until } = enc.op {
+            for (i, r) in results.iter().enumerate() {
+                // Skip here means "our SET never reached it": nothing to undo.
+                // A delete still in flight is kept too: its connection may be
+                // closed before the node reads it (a kill discards the
+                // unread commands), and deleting twice is harmless.
+                // An entry that answered for a server another entry holds,
+                // or a node that cannot keep locks, answered: not retried.
+                let answered_anyway = matches!(r, Some(Err(e)) if matches!(
+                    e.kind(),
+                    NodeErrorKind::SameServer | NodeErrorKind::Unsuitable
+                ));
+                let unanswered =
+                    matches!(r, Some(Err(_))) && slots[i].admit != Admit::Skip && !answered_anyway;
+                // A SET of ours still unsettled there may land after this
+                // delete: keep deleting until its reply has been read.
+                let unsettled = {
+                    let u = self.nodes[i].inner.shared.unsettled.lock();
+                    !u.is_empty() && keys.iter().any(|k| u.contains_key(k.token))
+                };
+                if unanswered || unsettled {
+                    self.enqueue_retries(i, keys, keep_until);
+                }
+            }
+        }
+        results
+            .into_iter()
+            .zip(&self.names)
+            .map(|(r, name)| {
+                r.unwrap_or_else(|| Err(NodeError::new(name, NodeErrorKind::Unavailable, "")))
+            })
+            .collect()
+    }
+
+    /// One non-blocking pass over the connections still owing a reply.
+    pub(super) fn collect_arrived(
+        &self,
+        slots: &mut [Slot],
+        enc: &Encoded,
+        results: &mut [Option<NodeResult>],
+    ) {
+        let mut ready = Vec::new();
+        {
+            let mut fds = Vec::new();
+            let mut idx = Vec::new();
+            for (i, s) in slots.iter().enumerate() {
+                if let Some(c) = s.conn.as_ref().filter(|c| c.awaits_wanted()) {
+                    fds.push(c.poll_fd(false));
+                    idx.push(i);
+                }
+            }
+            if fds.is_empty() || conn::poll(&mut fds, Duration::ZERO).is_err() {
+                return;
+            }
+            for (fd, &i) in fds.iter().zip(&idx) {
+                let r = fd.revents();
+                if !r.is_empty() {
+                    ready.push((i, r));
+                }
+            }
+        }
+        for (i, flags) in ready {
+            self.on_ready(i, &mut slots[i], flags, enc, results);
+        }
+    }
+
+    pub(super) fn not_waited(&self, i: usize, admit: Admit) -> NodeError {
+        let shared = &self.nodes[i].inner.shared;
+        let h = *shared.health.lock();
+        let connect_error = match h {
+            NodeHealth::Failing { .. } => shared.connect_error.lock().clone(),
+            NodeHealth::Healthy => None,
+        };
+        let tried = if admit == Admit::Trial {
+            "tried, not waited for"
+        } else {
+            "not waited for"
+        };
+        let detail = match (h, &connect_error) {
+            (NodeHealth::Failing { since, .. }, Some((_, e))) => format!(
+                "{e}, for {:?}; {tried}",
+                Instant::now().saturating_duration_since(since),
+            ),
+            (NodeHealth::Failing { since, last, .. }, None) => format!(
+                "{} for {:?}; {tried}",
+                match last {
+                    Outcome::Refused => "refusing connections",
+                    _ => "not answering",
+                },
+                Instant::now().saturating_duration_since(since),
+            ),
+            (NodeHealth::Healthy, _) => "not waited for".to_owned(),
+        };
+        let kind = match (h, connect_error) {
+            (_, Some((kind @ (NodeErrorKind::Tls | NodeErrorKind::Server), _))) => kind,
+            (
+                NodeHealth::Failing {
+                    last: Outcome::Refused,
+                    ..
+                },
+                _,
+            ) => NodeErrorKind::Unavailable,
+            _ => NodeErrorKind::Skipped,
+        };
+        NodeError::new(&self.names[i], kind, detail)
+    }
+
+    /// Checks out a connection for node `i` if none is at hand and queues the
+    /// round's command on it.
+    pub(super) fn send(
+        &self,
+        i: usize,
+        s: &mut Slot,
+        enc: &Encoded,
+        now: Instant,
+        results: &mut [Option<NodeResult>],
+    ) {
+        if s.conn.as_ref().is_some_and(|c| c.broken) {
+            s.conn = None;
+        }
+        if s.conn.is_none() {
+            s.conn = self.checkout(i, now);
+        }
+        let Some(c) = s.conn.as_mut() else {
+            return;
+        };
+        let sent = Instant::now();
+        c.queue(&enc.packed, sent, true);
+        s.sent = Some(sent);
+        if let Err(e) = c.flush() {
+            self.failed(i, s, e, enc, results);
+        }
+    }
+
+    /// A connection to a healthy node whose every connection is checked
+    /// out, or whose idle ones the retry job holds for a moment: waits
+    /// (until `deadline`) for one to come back. None when the node is not in
+    /// that state (it is connecting, or failing).
+    pub(super) fn wait_busy_pool(
+        &self,
+        i: usize,
+        deadline: Instant,
+    ) -> Option<PooledConnection<Manager>> {
+        let node = &self.nodes[i].inner;
+        if !node.shared.is_healthy() {
+            return None;
+        }
+        if node.shared.draining.load(Ordering::Acquire) {
+            // The retry job gives them back as soon as it has read them.
+        } else if let Some(mut c) = node.pool.try_get() {
+            // Given back (by the retry job) since this round looked.
+            return prepare(&mut c, &node.shared, Instant::now()).then_some(c);
+        } else if node.pool.state().connections < node.pool.max_size() {
+            return None;
+        }
+        let wait = deadline.saturating_duration_since(Instant::now());
+        let mut c = node.pool.get_timeout(wait).ok()?;
+        prepare(&mut c, &node.shared, Instant::now()).then_some(c)
+    }
+
+    pub(super) fn failed(
+        &self,
+        i: usize,
+        s: &mut Slot,
+        e: std::io::Error,
+        enc: &Encoded,
+        results: &mut [Option<NodeResult>],
+    ) {
+        let shared = &self.nodes[i].inner.shared;
+        let made = s.conn.as_ref().map(|c| c.made);
+        // Our command went out and its reply never will come: it may have
+        // run, or (through a proxy) may still run.
+        let lost = s.conn.as_ref().is_some_and(|c| c.awaits_wanted());
+        if let Some(c) = s.conn.as_mut() {
+            c.broken = true;
+            c.unwant(None, &[], None);
+        }
+        s.conn = None;
+        s.lost |= lost;
+        if let (true, Some(ttl)) = (lost, enc.writes()) {
+            // Its SET counts as reached for the attempt's undo, and its
+            // token stays unsettled until its TTL ends: a release of it is
+            // sent again until then, in case a proxy passes the lost SET on
+            // after the delete.
+            let until = after(s.began, ttl);
+            let mut unsettled = shared.unsettled.lock();
+            if unsettled.len() >= MAX_RETRIES {
+                let now = Instant::now();
+                unsettled.retain(|_, u| u.until > now);
+            }
+            for t in &enc.written {
+                unsettled.entry(t.clone()).or_insert(Unsettled {
+                    until,
+                    released: false,
+                });
+            }
+        }
+        if conn::is_close(&e) && s.admit == Admit::Wait && made.is_some_and(|t| t < s.began) {
+            // A connection older than the round, closed before the node
+            // answered our command: most likely by a close already on its
+            // way when the command left (a kill, an idle timeout), so not the
+            // node's answer. The round sends again on another connection; a
+            // node that is down refuses that connect, and a close of a
+            // connection made during the round is the node's answer. (Older
+            // connections are at most the pool's size.) The same token makes
+            // the repeat safe: a SET or swap that did land answers as done,
+            // and an extension or fencing write-back is idempotent. A
+            // release's repeat that does not find the key ours cannot tell
+            // whether the first delete ran (see `on_ready`).
+            s.sent = None;
+            s.fell_back = false;
+            debug!(
+                "node {}: connection closed before the reply ({e}); sending again",
+                self.names[i]
+            );
+            return;
+        }
+        let kind = match e.kind() {
+            std::io::ErrorKind::InvalidData => {
+                shared.observe(Outcome::Answered);
+                NodeErrorKind::Protocol
+            }
+            // The server turned the connection away (its answer, already
+            // observed): say so, in its words.
+            std::io::ErrorKind::ConnectionRefused => NodeErrorKind::Unavailable,
+            _ => {
+                shared.observe(Outcome::Refused);
+                NodeErrorKind::Io
+            }
+        };
+        results[i] = Some(Err(NodeError::new(&self.names[i], kind, e.to_string())));
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn on_ready(
+        &self,
+        i: usize,
+        s: &mut Slot,
+        flags: PollFlags,
+        enc: &Encoded,
+        results: &mut [Option<NodeResult>],
+    ) {
+        let Some(c) = s.conn.as_mut() else {
+            return;
+        };
+        // What arrived before a close is read first: a reply, or the
+        // server's reason for closing (`max number of clients reached`).
+        let mut io = c.on_ready(flags).err();
+        let shared = &self.nodes[i].inner.shared;
+        loop {
+            let Some(c) = s.conn.as_mut() else {
+                return;
+            };
+            let (p, v) = match c.next_reply() {
+                Ok(Some(r)) => r,
+                Ok(None) => match io.take() {
+                    Some(e) => return self.failed(i, s, e, enc, results),
+                    None => return,
+                },
+                Err(e) => return self.failed(i, s, e, enc, results),
+            };
+            let now = Instant::now();
+            if !turned_away(&p, &v) {
+                shared.replied();
+            }
+            if !p.wanted {
+                if let Err(e) = late_reply(c, shared, p, &v, now) {
+                    return self.failed(i, s, e, enc, results);
+                }
+                continue;
+            }
+            if let (Value::ServerError(e), false) = (&v, s.fell_back) {
+                if e.kind() == Some(redis::ServerErrorKind::NoScript) {
+                    debug!("node {}: script not cached, sending EVAL", self.names[i]);
+                    s.fell_back = true;
+                    c.queue(&enc.fallback(), now, true);
+                    if let Err(e) = c.flush() {
+                        return self.failed(i, s, e, enc, results);
+                    }
+                    continue;
+                }
+            }
+            let server = c.server;
+            let mut r = enc.decode(v);
+            if let Ok(reply) = &mut r {
+                // Who answered: the connection's server (its history's id as
+                // the node last reported it, if this connection has none).
+                let history = server.history.or_else(|| shared.servers.history(i));
+                reply.server = Some(ServerTag { history, ..server });
+            }
+            if let (Ok(reply), Op::Release { .. }) = (&mut r, enc.op) {
+                // "Absent" behind our own undo of a late SET: deleted by us.
+                let mut undone = shared.undone.lock();
+                if !undone.is_empty() {
+                    for (a, t) in reply.answers.iter_mut().zip(&enc.tokens) {
+                        if *a == Answer::Absent && undone.remove(t).is_some() {
+                            *a = Answer::Ok;
+                        }
+                    }
+                }
+            }
+            if let (true, Op::Release { .. }, Ok(reply)) = (s.lost, enc.op, &r) {
+                // The first delete, lost with its connection, may have run:
+                // "absent" or another owner now says nothing (the key may
+                // also have expired, or never reached this node).
+                if reply.answers.iter().any(|a| *a != Answer::Ok) {
+                    r = Err((
+                        NodeErrorKind::Io,
+                        "connection closed before the reply; sent again, the key was no longer ours: the first delete may have run".to_owned(),
+                    ));
+                }
+            }
+            let r = r.map_err(|(kind, detail)| NodeError::new(&self.names[i], kind, detail));
+            quorum::insert_vote(results, &self.names, i, r, self.rules);
+        }
+    }
+}

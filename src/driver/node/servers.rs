@@ -1,0 +1,217 @@
+//! What the connections learnt about the nodes' servers: which entries
+//! are one server (listed twice), and which nodes cannot keep locks.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use log::{info, warn};
+use parking_lot::Mutex;
+
+use crate::algorithm::round::{ServerKind, ServerTag};
+use crate::algorithm::server::{id_hash, ServerInfo};
+
+/// What the connections learnt about the nodes' servers, one entry per
+/// node, for telling the entries apart (one server listed twice) and for
+/// naming the nodes that cannot keep locks, each once.
+pub(super) struct Servers {
+    pub(super) names: Vec<String>,
+    pub(super) known: Mutex<Vec<Known>>,
+    /// Some entry has a twin (read without the lock on every round).
+    pub(super) any_twin: AtomicBool,
+    /// Per entry, the last history id learnt (0: none), without the lock.
+    pub(super) histories: Vec<AtomicU64>,
+}
+
+/// What is known of one node's server.
+#[derive(Default, Clone)]
+pub(super) struct Known {
+    /// The hash of its `run_id` (`INFO` at connect).
+    pub(super) run: Option<u64>,
+    /// The hash of its lock history's id.
+    pub(super) history: Option<u64>,
+    /// An `INFO` reply (or its refusal) has been read.
+    pub(super) info_read: bool,
+    /// What was logged of it last: its kind (a replica, a cluster node, an
+    /// evicting node), or `None` for `INFO` refused; once per change.
+    pub(super) told: Option<Option<ServerKind>>,
+    /// The entry found to reach the same server, with a lower index.
+    pub(super) twin: Option<usize>,
+    /// A pair with this entry was logged.
+    pub(super) warned_twin: bool,
+}
+
+impl Servers {
+    pub(super) fn new(names: Vec<String>) -> Self {
+        let known = Mutex::new(vec![Known::default(); names.len()]);
+        Servers {
+            histories: names.iter().map(|_| AtomicU64::new(0)).collect(),
+            names,
+            known,
+            any_twin: AtomicBool::new(false),
+        }
+    }
+
+    /// Node `i`'s `INFO` was read: `Ok` with what it says, or `Err` with
+    /// why it was refused.
+    pub(super) fn learn_info(&self, i: usize, info: &Result<ServerInfo, String>) {
+        let name = &self.names[i];
+        let mut known = self.known.lock();
+        let k = &mut known[i];
+        k.info_read = true;
+        let now = info.as_ref().ok().map(ServerInfo::kind);
+        // Logged when it changes (INFO is read again now and then: a replica
+        // promoted, a policy changed at runtime), a fit node only after an
+        // unfit one.
+        let first = k.told != Some(now) && !(k.told.is_none() && now == Some(ServerKind::Fit));
+        k.told = Some(now);
+        match info {
+            Ok(info) => {
+                k.run = info.run_id.as_deref().map(|r| id_hash(r.as_bytes()));
+                if first {
+                    match info.kind() {
+                        ServerKind::Fit => info!("node {name}: now a primary that keeps its keys; its answers count"),
+                        ServerKind::Replica => warn!(
+                            "node {name} is a replica (role:{}): it cannot keep locks of its own; its answers are not counted",
+                            info.role.as_deref().unwrap_or("?")
+                        ),
+                        ServerKind::Cluster => warn!(
+                            "node {name} is a Redis Cluster node (cluster_enabled:1), not an independent server: its answers are not counted"
+                        ),
+                        ServerKind::Evicting(policy) => warn!(
+                            "node {name} has maxmemory {} with maxmemory-policy {policy}: under memory pressure it can evict lock keys, and a second client then takes a held lock; set maxmemory-policy noeviction (or Builder::refuse_evicting_nodes(true) to refuse its votes)",
+                            info.maxmemory.unwrap_or(0)
+                        ),
+                    }
+                }
+            }
+            Err(why) => {
+                if first {
+                    info!(
+                        "node {name}: INFO refused ({why}): this client cannot tell by run_id whether two entries are one server, nor see a replica, a cluster node or an evicting policy; grant the lock user +info"
+                    );
+                }
+            }
+        }
+        self.pair(&mut known, i);
+    }
+
+    /// Node `i`'s lock history has the id whose hash is `history` (read on
+    /// every acquire reply: the lock is taken only when it changed).
+    pub(super) fn learn_history(&self, i: usize, history: u64) {
+        if self.histories[i].swap(history, Ordering::Relaxed) == history {
+            return;
+        }
+        let mut known = self.known.lock();
+        if known[i].history != Some(history) {
+            known[i].history = Some(history);
+            self.pair(&mut known, i);
+        }
+    }
+
+    /// Finds, again, every entry's twin (the first earlier entry that is
+    /// the same server, as [`ServerTag::same_server`] decides: what one
+    /// node learnt may make or unmake a pair); logs a new pair once.
+    pub(super) fn pair(&self, known: &mut [Known], _i: usize) {
+        let tag = |k: &Known| ServerTag {
+            run: k.run,
+            history: k.history,
+            kind: ServerKind::Fit,
+        };
+        let mut any = false;
+        for b in 0..known.len() {
+            let twin = (0..b).find(|&a| tag(&known[a]).same_server(&tag(&known[b])));
+            if twin.is_some() && known[b].twin != twin && !known[b].warned_twin {
+                known[b].warned_twin = true;
+                if let Some(a) = twin {
+                    warn!(
+                        "nodes {} and {} are one server (listed twice: two names, or two databases of it): Redlock needs independent servers; its answers are counted once",
+                        self.names[a], self.names[b]
+                    );
+                }
+            }
+            known[b].twin = twin;
+            any |= twin.is_some();
+        }
+        self.any_twin.store(any, Ordering::Relaxed);
+    }
+
+    /// The node's history id, if known (for answers without one).
+    pub(super) fn history(&self, i: usize) -> Option<u64> {
+        Some(self.histories[i].load(Ordering::Relaxed)).filter(|h| *h != 0)
+    }
+
+    /// Whether node `i`'s `INFO` (or its refusal) has been read.
+    pub(super) fn info_read(&self, i: usize) -> bool {
+        self.known.lock()[i].info_read
+    }
+
+    /// Per entry, whether it is known to reach the same server as an
+    /// earlier one (empty when no entry is: the usual case, no allocation).
+    pub(super) fn twin_mask(&self) -> Vec<bool> {
+        if !self.any_twin.load(Ordering::Relaxed) {
+            return Vec::new();
+        }
+        self.known.lock().iter().map(|k| k.twin.is_some()).collect()
+    }
+
+    /// The first pair of entries found to reach one server.
+    pub(super) fn twins(&self) -> Option<(usize, usize)> {
+        let known = self.known.lock();
+        known
+            .iter()
+            .enumerate()
+            .find_map(|(b, k)| k.twin.map(|a| (a, b)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What the connections learn of the servers is logged once per node (a
+    /// node reconnects often: one warning, not one per connection), and two
+    /// entries with one id are a pair, found by either id.
+    #[test]
+    fn servers_are_named_once_and_twins_found_by_either_id() {
+        let logs = crate::testing::fake::logs::capture_logs();
+        let names: Vec<String> = ["a:1", "b:1", "c:1"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let servers = Servers::new(names);
+        let evicting = ServerInfo::parse(
+            "run_id:r0\nrole:master\nmaxmemory:1048576\nmaxmemory_policy:allkeys-lru\n",
+        );
+        for _ in 0..3 {
+            servers.learn_info(0, &Ok(evicting.clone()));
+        }
+        servers.learn_info(1, &Err("NOPERM".into()));
+        let warned: Vec<String> = logs
+            .take()
+            .into_iter()
+            .filter(|(l, _)| *l <= log::Level::Info)
+            .map(|(_, m)| m)
+            .collect();
+        assert_eq!(warned.len(), 2, "{warned:?}");
+        assert!(warned[0].contains("allkeys-lru"), "{warned:?}");
+        assert!(warned[1].contains("+info"), "{warned:?}");
+        assert!(servers.twins().is_none());
+        assert!(
+            servers.twin_mask().is_empty(),
+            "no allocation without twins"
+        );
+        // Entry 1 (no INFO) shares entry 2's lock history; entry 2 has a run id.
+        servers.learn_history(1, 7);
+        servers.learn_info(2, &Ok(ServerInfo::parse("run_id:r2\nrole:master\n")));
+        servers.learn_history(2, 7);
+        assert_eq!(servers.twins(), Some((1, 2)));
+        assert_eq!(servers.twin_mask(), [false, false, true]);
+        let pair = logs.take();
+        assert_eq!(
+            pair.iter()
+                .filter(|(l, m)| *l == log::Level::Warn && m.contains("one server"))
+                .count(),
+            1,
+            "{pair:?}"
+        );
+    }
+}

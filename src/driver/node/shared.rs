@@ -1,0 +1,205 @@
+//! What one node's connections, rounds and background jobs share: its
+//! health, its pool and how the pool connects.
+
+use crate::driver::node::retries::{Retries, Unsettled};
+use crate::driver::node::servers::Servers;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use log::{debug, info, warn};
+use parking_lot::Mutex;
+use r2d2::{ManageConnection, Pool};
+use scheduled_thread_pool::ScheduledThreadPool;
+
+use crate::algorithm::health::{NodeHealth, Outcome};
+use crate::clock::{Throttle, WARN_EVERY};
+use crate::driver::conn::{self, Conn, ConnectError, Target};
+use crate::error::NodeErrorKind;
+use crate::events::{Events, NodeChange, NodeEvent};
+
+/// What one node's connections, rounds and background jobs share.
+pub(super) struct NodeShared {
+    /// The node's place in the node list.
+    pub(super) index: usize,
+    pub(super) servers: Arc<Servers>,
+    pub(super) name: String,
+    pub(super) timeout: Duration,
+    pub(super) health: Mutex<NodeHealth>,
+    /// Releases to send this node again.
+    pub(super) retries: Mutex<Retries>,
+    /// Batches of retried releases the node answered (their tokens), for
+    /// the retry job to take off `retries`.
+    pub(super) answered: Mutex<Vec<Vec<String>>>,
+    /// Tokens of acquires sent to this node whose reply has not been read:
+    /// their SET may still land, after a delete sent on another connection.
+    /// Kept until the reply is read (or the key would have expired), with
+    /// whether a release was sent meanwhile: then the reader deletes the key
+    /// again, on the connection that carried the SET.
+    pub(super) unsettled: Mutex<HashMap<String, Unsettled>>,
+    /// Tokens whose late SET was deleted again here, by that undo, because
+    /// a release was under way (until when the key would have expired). The
+    /// release's own delete, on another connection, may then find the key
+    /// gone: deleted by us, and counted so.
+    pub(super) undone: Mutex<HashMap<String, Instant>>,
+    pub(super) retry_scheduled: AtomicBool,
+    /// Idle connections that were returned to the pool owing replies (a
+    /// round that settled before this node answered): the retry job reads
+    /// those, and pops no more of the pool than it takes to find them.
+    pub(super) owing: Arc<AtomicUsize>,
+    /// The retry job holds idle connections (for microseconds: it only
+    /// reads what has arrived): a round that finds none waits for them
+    /// instead of failing or growing the pool.
+    pub(super) draining: AtomicBool,
+    /// Why the node last refused a connection (a failed connect, or a
+    /// server that turned it away), cleared when it answers again: for the
+    /// errors of rounds that could not use the node.
+    pub(super) connect_error: Mutex<Option<(NodeErrorKind, String)>>,
+    pub(super) events: Events,
+}
+
+impl NodeShared {
+    /// The single door of the node's health state machine.
+    pub(super) fn observe(&self, outcome: Outcome) {
+        let flipped = self.health.lock().observe(Instant::now(), outcome);
+        if flipped {
+            let change = match outcome {
+                Outcome::Answered => {
+                    self.connect_error.lock().take();
+                    info!("node {}: answering again, back in use", self.name);
+                    NodeChange::Rejoined
+                }
+                o => {
+                    debug!("node {}: {o:?}; not waited for until it answers", self.name);
+                    NodeChange::Skipped {
+                        refused: o == Outcome::Refused,
+                    }
+                }
+            };
+            if let Some(h) = self.events.get() {
+                h.on_node(&NodeEvent {
+                    node: &self.name,
+                    change,
+                });
+            }
+        }
+    }
+
+    /// A reply was read. When it arrived is not known for one read late
+    /// (at the connection's next use), so any reply is an answer; a timeout
+    /// is only ever seen as a reply still missing after the node timeout.
+    pub(super) fn replied(&self) {
+        self.observe(Outcome::Answered);
+    }
+
+    pub(super) fn is_healthy(&self) -> bool {
+        self.health.lock().is_healthy()
+    }
+}
+
+/// A node: its shared state and pool.
+pub(super) struct NodeInner {
+    pub(super) shared: Arc<NodeShared>,
+    pub(super) pool: Pool<Manager>,
+}
+
+pub(super) struct Node {
+    pub(super) inner: Arc<NodeInner>,
+    /// Where to connect outside the pool (status queries).
+    pub(super) target: Target,
+    /// This node's own background thread: connects and release retries, so
+    /// that a node that is slow to connect delays no other node.
+    pub(super) threads: Arc<ScheduledThreadPool>,
+}
+
+/// Our r2d2 connection manager: connect with a timeout, non-blocking
+/// socket, TCP_NODELAY, AUTH and SELECT when configured. A refused or
+/// timed-out connect is the node's answer; a successful one changes nothing.
+pub(crate) struct Manager {
+    pub(super) target: Target,
+    pub(super) shared: Arc<NodeShared>,
+}
+
+impl fmt::Debug for Manager {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Manager")
+            .field("node", &self.shared.name)
+            .finish()
+    }
+}
+
+impl ManageConnection for Manager {
+    type Connection = Conn;
+    type Error = ConnectError;
+
+    fn connect(&self) -> Result<Conn, ConnectError> {
+        let mut result = Conn::connect(&self.target, self.shared.timeout);
+        if let Err(ConnectError::Io(e)) = &result {
+            if conn::is_close(e) {
+                // Closed before the node answered: a proxy in front of a dead
+                // node, or a kill (`CLIENT KILL`, a restart) that met this
+                // connect. One more try tells them apart.
+                debug!(
+                    "node {}: connection closed while connecting ({e}), trying again",
+                    self.shared.name
+                );
+                result = Conn::connect(&self.target, self.shared.timeout);
+            }
+        }
+        // Kept until the node answers again (a connect that succeeds may
+        // still be turned away by the server, see `setup_reply`).
+        if let Err(e) = &result {
+            *self.shared.connect_error.lock() = Some((e.kind(), e.detail()));
+        }
+        result.inspect_err(|e| {
+            self.shared.observe(match e {
+                ConnectError::Io(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+                    Outcome::TimedOut
+                }
+                _ => Outcome::Refused,
+            })
+        })
+    }
+
+    fn is_valid(&self, _conn: &mut Conn) -> Result<(), ConnectError> {
+        // Not called (test_on_check_out is off): the command itself is the
+        // health check.
+        Ok(())
+    }
+
+    fn has_broken(&self, conn: &mut Conn) -> bool {
+        // Called by the pool as the connection comes back (the last word on
+        // it before it idles): one owing replies is counted for the retry
+        // job, once.
+        // (A broken one is dropped, which uncounts it.)
+        if !conn.broken && conn.owing.is_none() && !conn.pending().is_empty() {
+            self.shared.owing.fetch_add(1, Ordering::AcqRel);
+            conn.owing = Some(self.shared.owing.clone());
+        }
+        conn.broken
+    }
+}
+
+/// Logs background connect failures: every one at debug, at most one per
+/// [`WARN_EVERY`] per node at warn, so a dead node does not flood the log.
+#[derive(Debug)]
+pub(super) struct ConnectErrors {
+    pub(super) node: String,
+    pub(super) warned: Throttle,
+}
+
+impl r2d2::HandleError<ConnectError> for ConnectErrors {
+    fn handle_error(&self, error: ConnectError) {
+        if self.warned.ready(Instant::now(), WARN_EVERY) {
+            warn!(
+                "node {}: cannot connect: {error} (repeats logged at debug for {WARN_EVERY:?})",
+                self.node
+            );
+        } else {
+            debug!("node {}: cannot connect: {error}", self.node);
+        }
+    }
+}
