@@ -1,4 +1,7 @@
 //! Test-only doubles: in-memory fake nodes and the deterministic simulation.
 
 pub(crate) mod fake;
+mod fencing_checks;
+pub(crate) mod logs;
 pub(crate) mod sim;
+pub(crate) mod store;

@@ -172,7 +172,7 @@ mod tests {
     /// entries with one id are a pair, found by either id.
     #[test]
     fn servers_are_named_once_and_twins_found_by_either_id() {
-        let logs = crate::testing::fake::logs::capture_logs();
+        let logs = crate::testing::logs::capture_logs();
         let names: Vec<String> = ["a:1", "b:1", "c:1"]
             .iter()
             .map(|s| s.to_string())

@@ -36,6 +36,8 @@ mod history;
 mod node_rules;
 mod report;
 #[cfg(test)]
+mod report_tests;
+#[cfg(test)]
 mod tests;
 
 /// An acquire round's outcome: when it ended, the decision, and the results

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::algorithm::round::{written, Key, Op};
 use crate::lock::state::LockState;
-use crate::testing::fake::Store;
+use crate::testing::store::Store;
 
 /// What a violation is about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]

@@ -14,9 +14,9 @@ use crate::algorithm::quorum::VoteRules;
 use crate::algorithm::round::{Key, NodeResult, Op, ServerKind, ServerTag};
 use crate::clock::{after, Signal};
 use crate::error::{NodeError, NodeErrorKind};
-use crate::testing::fake::Store;
 use crate::testing::sim::check::{Checker, Observed};
 use crate::testing::sim::rng::SimRng;
+use crate::testing::store::Store;
 
 /// Where every node's clock starts (ns): an hour in, so that clocks can
 /// jump back.

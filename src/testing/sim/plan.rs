@@ -1,0 +1,298 @@
+//! What one seed draws: the mix of faults, the plan of a run (nodes,
+//! clients, network, faults, workers) and the report it ends with.
+
+use crate::testing::sim::Fault;
+use crate::testing::sim::Kind;
+use crate::testing::sim::Net;
+use crate::testing::sim::Settings;
+use crate::testing::sim::SimRng;
+use crate::testing::sim::Stats;
+use crate::testing::sim::Violation;
+use crate::testing::sim::MS;
+
+/// Which assumptions a run keeps or breaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mix {
+    /// Every fault within Redlock's assumptions: pauses, crashes, restarts
+    /// with and without data, isolation, lossy and reordering networks,
+    /// clock drift within the factor, stalls past the TTL with fencing.
+    Standard,
+    /// Clocks set back and stepped forward a little, no data loss.
+    ClockJumps,
+    /// Broken: restart protection off, restarts wipe data.
+    NoRestartProtection,
+    /// Broken: node clocks run up to 2× fast against a 1 % factor.
+    DriftBeyondFactor,
+    /// Broken: holders stall past their TTL and the store has no fencing.
+    StallWithoutFencing,
+    /// One server listed twice (4 entries, 3 servers), and that server
+    /// loses lock keys (eviction, a failover) while keeping its history:
+    /// it votes once.
+    ListedTwice,
+    /// Broken: as [`Mix::ListedTwice`], with its answers counted twice.
+    ListedTwiceCountedTwice,
+    /// One node of three evicts lock keys, and its votes are refused
+    /// (`refuse_evicting_nodes`).
+    Evicting,
+    /// Broken: as [`Mix::Evicting`], with its votes counted (the default
+    /// only warns).
+    EvictingCounted,
+}
+
+impl Mix {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Mix::Standard => "standard",
+            Mix::ClockJumps => "clock-jumps",
+            Mix::NoRestartProtection => "no-restart-protection",
+            Mix::DriftBeyondFactor => "drift-beyond-factor",
+            Mix::StallWithoutFencing => "stall-without-fencing",
+            Mix::ListedTwice => "listed-twice",
+            Mix::ListedTwiceCountedTwice => "listed-twice-counted-twice",
+            Mix::Evicting => "evicting",
+            Mix::EvictingCounted => "evicting-counted",
+        }
+    }
+
+    pub(crate) fn parse(s: &str) -> Option<Mix> {
+        [
+            Mix::Standard,
+            Mix::ClockJumps,
+            Mix::NoRestartProtection,
+            Mix::DriftBeyondFactor,
+            Mix::StallWithoutFencing,
+            Mix::ListedTwice,
+            Mix::ListedTwiceCountedTwice,
+            Mix::Evicting,
+            Mix::EvictingCounted,
+        ]
+        .into_iter()
+        .find(|m| m.name() == s)
+    }
+}
+
+/// One run's parameters, all drawn from the seed.
+#[derive(Debug, Clone)]
+pub(crate) struct Plan {
+    pub(crate) seed: u64,
+    pub(crate) mix: Mix,
+    pub(crate) nodes: usize,
+    /// The clients' node list: per entry, the node it reaches.
+    pub(crate) entries: Vec<usize>,
+    /// Per node, whether its memory policy evicts lock keys.
+    pub(crate) evicting: Vec<bool>,
+    pub(crate) clients: usize,
+    pub(crate) threads: usize,
+    pub(crate) resources: usize,
+    /// The workload runs this long (virtual ns); then faults heal.
+    pub(crate) run_for: u64,
+    pub(crate) settings: Settings,
+    pub(crate) rates: Vec<f64>,
+    pub(crate) net: Net,
+    pub(crate) faults: Vec<(u64, Fault)>,
+    /// Chance that a manual section stalls past its TTL without renewal.
+    pub(crate) stall: f64,
+    pub(crate) ttls: Vec<u64>,
+    /// Threads may be preempted just before each round is sent.
+    pub(crate) preempt: bool,
+}
+
+impl Plan {
+    pub(crate) fn new(seed: u64, mix: Mix) -> Plan {
+        let mut r = SimRng::new(seed);
+        let two_names = matches!(mix, Mix::ListedTwice | Mix::ListedTwiceCountedTwice);
+        let evicts = matches!(mix, Mix::Evicting | Mix::EvictingCounted);
+        let nodes = if two_names || evicts {
+            3
+        } else {
+            [3, 3, 5, 4, 1][r.below(5) as usize]
+        };
+        let mut settings = Settings {
+            node_timeout: r.millis(20, 80),
+            retry_count: 1 + r.below(4) as u32,
+            retry_delay: r.millis(10, 100),
+            retry_jitter: r.millis(0, 50),
+            local_queue: r.below(5) != 0,
+            fencing: r.chance(0.5),
+            drift_factor: [0.01, 0.001, 0.05][r.below(3) as usize],
+            renew_fraction: [1.0 / 3.0, 0.1, 0.5][r.below(3) as usize],
+            ..Settings::default()
+        };
+        let rho = settings.drift_factor * 0.9;
+        let mut rates: Vec<f64> = (0..nodes)
+            .map(|_| 1.0 + rho * (2.0 * (r.below(1001) as f64 / 1000.0) - 1.0))
+            .collect();
+        let lossy = r.chance(0.6);
+        let net = Net {
+            latency: (50_000 + r.below(200_000), 300_000 + r.below(3 * MS)),
+            spike: if lossy {
+                0.05 * r.below(100) as f64 / 100.0
+            } else {
+                0.0
+            },
+            spike_max: r.below(3) * settings.node_timeout.as_nanos() as u64,
+            loss: if lossy {
+                0.05 * r.below(100) as f64 / 100.0
+            } else {
+                0.0
+            },
+            dup: if lossy {
+                0.03 * r.below(100) as f64 / 100.0
+            } else {
+                0.0
+            },
+        };
+        let run_for = 500 * MS + r.below(700) * MS;
+        let mut stall = 0.0;
+        let mut wipe = 0.5;
+        let mut jumps = false;
+        match mix {
+            Mix::Standard => {
+                if settings.fencing && r.chance(0.5) {
+                    stall = 0.2;
+                }
+            }
+            Mix::ClockJumps => {
+                jumps = true;
+                wipe = 0.0;
+            }
+            Mix::NoRestartProtection => {
+                settings.restart_protection = false;
+                settings.fencing = false;
+                wipe = 1.0;
+            }
+            Mix::DriftBeyondFactor => {
+                for rate in rates.iter_mut() {
+                    if r.chance(0.5) {
+                        *rate = 1.0 + r.below(100) as f64 / 100.0;
+                    }
+                }
+            }
+            Mix::StallWithoutFencing => {
+                settings.fencing = false;
+                stall = 0.3;
+            }
+            Mix::ListedTwice | Mix::Evicting => {}
+            Mix::ListedTwiceCountedTwice => settings.one_vote_per_server = false,
+            Mix::EvictingCounted => settings.refuse_evicting = false,
+        }
+        if mix == Mix::Evicting {
+            settings.refuse_evicting = true;
+        }
+        // Node 0 is listed twice, or evicts: it loses its lock keys often.
+        let entries: Vec<usize> = (0..nodes).chain(two_names.then_some(0)).collect();
+        let evicting: Vec<bool> = (0..nodes).map(|i| evicts && i == 0).collect();
+        let mut faults = Vec::new();
+        for _ in 0..r.below(7) {
+            let at = r.below(run_for);
+            let node = r.below(nodes as u64) as usize;
+            let d = r.below(400 * MS) + MS;
+            let kind = r.below(if jumps { 5 } else { 4 });
+            let (start, stop) = match kind {
+                0 => (Fault::Pause(node), Fault::Resume(node)),
+                1 => (
+                    Fault::Crash(node),
+                    Fault::Restart {
+                        node,
+                        wipe: r.chance(wipe),
+                    },
+                ),
+                2 => (Fault::Isolate(node), Fault::Heal(node)),
+                3 => (Fault::Mute(node), Fault::Unmute(node)),
+                _ => {
+                    // Back by up to a second, or forward by under 1 ms
+                    // (inside the 2 ms of the drift allowance).
+                    let delta = if r.chance(0.5) {
+                        -(r.below(1_000 * MS) as i64)
+                    } else {
+                        r.below(MS) as i64
+                    };
+                    faults.push((at, Fault::Jump(node, delta)));
+                    continue;
+                }
+            };
+            faults.push((at, start));
+            faults.push((at + d, stop));
+        }
+        if two_names || evicts {
+            for _ in 0..2 + r.below(6) {
+                faults.push((r.below(run_for), Fault::LoseKeys(0)));
+            }
+        }
+        faults.push((run_for, Fault::HealAll));
+        Plan {
+            seed,
+            mix,
+            nodes,
+            entries,
+            evicting,
+            clients: 1 + r.below(3) as usize,
+            threads: 1 + r.below(3) as usize,
+            resources: 1 + r.below(2) as usize,
+            run_for,
+            settings,
+            rates,
+            net,
+            faults,
+            stall,
+            ttls: vec![30, 60, 120, 250],
+            preempt: r.chance(0.5),
+        }
+    }
+}
+
+impl Plan {
+    /// A calm world for a scripted schedule: `nodes` nodes, exact clocks,
+    /// a steady 1 ms network, no faults, default settings (local queue on).
+    pub(crate) fn calm(seed: u64, nodes: usize) -> Plan {
+        Plan {
+            seed,
+            mix: Mix::Standard,
+            nodes,
+            entries: (0..nodes).collect(),
+            evicting: vec![false; nodes],
+            clients: 0,
+            threads: 0,
+            resources: 1,
+            run_for: 0,
+            settings: Settings::default(),
+            rates: vec![1.0; nodes],
+            net: Net {
+                latency: (MS, MS),
+                ..Net::calm()
+            },
+            faults: Vec::new(),
+            stall: 0.0,
+            ttls: Vec::new(),
+            preempt: false,
+        }
+    }
+}
+
+/// What one run found.
+#[derive(Debug)]
+pub(crate) struct Report {
+    pub(crate) plan: Plan,
+    pub(crate) violations: Vec<Violation>,
+    pub(crate) stats: Stats,
+    pub(crate) steps: u64,
+    /// Virtual time the run covered (ns).
+    pub(crate) virtual_ns: u64,
+    /// The schedule's fingerprint (see `sched::Core::trace`).
+    pub(crate) trace: u64,
+}
+
+impl Report {
+    pub(crate) fn has(&self, kind: Kind) -> bool {
+        self.violations.iter().any(|v| v.kind == kind)
+    }
+
+    /// The command that replays this run.
+    pub(crate) fn replay(&self) -> String {
+        format!(
+            "QUORUMLOCK_SIM_SEED={:#x} QUORUMLOCK_SIM_MIX={} cargo test --lib sim::tests::replay -- --nocapture",
+            self.plan.seed,
+            self.plan.mix.name()
+        )
+    }
+}

@@ -1,0 +1,282 @@
+//! What one fake or simulated node keeps: its keys, its lock history and
+//! the scripts' semantics on them (the Lua in [`crate::driver::scripts`],
+//! in Rust).
+
+use crate::algorithm::round::After;
+use crate::algorithm::round::Answer;
+use crate::algorithm::round::Key;
+use crate::algorithm::round::NodeFacts;
+use crate::algorithm::round::Op;
+use crate::algorithm::round::Reply;
+use crate::clock::after;
+use std::collections::HashMap;
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+use std::time::Instant;
+
+/// One node's data, as the scripts keep it (shared with the simulation).
+#[derive(Debug)]
+pub(crate) struct Store {
+    pub(crate) keys: HashMap<String, (String, Instant)>,
+    /// Lock history: when it began, and the TTLs recorded.
+    pub(crate) meta: Option<Meta>,
+    /// Fencing counters, per resource (they go with the lock history).
+    pub(crate) fences: HashMap<String, u64>,
+    /// The metadata's id: unique per store, new when its data is lost
+    /// (what the connect-time script writes on a real node).
+    pub(crate) id: u64,
+}
+
+/// A node's lock history, as the scripts keep it in `quorumlock:meta`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Meta {
+    /// When the history began (`None`: a record an extension wrote on a
+    /// node without history; the next acquire begins it).
+    pub(crate) epoch: Option<Instant>,
+    /// The longest TTL recorded.
+    pub(crate) max: Duration,
+    /// The longest before `max` was first used.
+    pub(crate) prev: Duration,
+    /// The histories `max` was first used after (empty: since always).
+    pub(crate) after: After,
+}
+
+impl Meta {
+    pub(crate) fn new(epoch: Option<Instant>) -> Meta {
+        Meta {
+            epoch,
+            max: Duration::ZERO,
+            prev: Duration::ZERO,
+            after: After::NONE,
+        }
+    }
+
+    /// The scripts' record of a command's `ttl`, with `known`, the longest
+    /// its client knew of before, and `after`, the histories it knew to
+    /// have begun (see `raise_lua!`).
+    pub(crate) fn raise(&mut self, ttl: Duration, known: Duration, after: After) {
+        let base = self.max.max(known);
+        if ttl > base {
+            (self.max, self.prev, self.after) = (ttl, base, after);
+        } else if known > self.max {
+            (self.max, self.prev, self.after) = (known, known, After::NONE);
+        }
+    }
+}
+
+impl Default for Store {
+    fn default() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        Store {
+            keys: HashMap::new(),
+            meta: None,
+            fences: HashMap::new(),
+            id: NEXT.fetch_add(1, Ordering::Relaxed),
+        }
+    }
+}
+
+impl Store {
+    /// The acquire script's bookkeeping: facts before this command.
+    pub(crate) fn history(
+        &mut self,
+        (ttl, known, after): (Duration, Duration, After),
+        now: Instant,
+        base: Instant,
+    ) -> NodeFacts {
+        let meta = self.meta.get_or_insert(Meta::new(Some(now)));
+        let epoch = *meta.epoch.get_or_insert(now);
+        let before = *meta;
+        meta.raise(ttl, known, after);
+        NodeFacts {
+            epoch: u64::try_from(epoch.saturating_duration_since(base).as_nanos()).unwrap_or(0) + 1,
+            age: now.saturating_duration_since(epoch),
+            max_ttl: before.max,
+            // One key per history: a store that loses its data is a new one.
+            history: self.id,
+            after: before.after,
+            prev_max: before.prev,
+        }
+    }
+
+    /// Why the acquire script refuses a fenced acquire (before any write):
+    /// a node clock or a counter at the limit of exact Lua numbers.
+    pub(crate) fn refuses_fence(
+        &self,
+        op: Op,
+        keys: &[Key<'_>],
+        micros: u64,
+    ) -> Option<&'static str> {
+        let limit = crate::driver::scripts::FENCE_LIMIT;
+        if !matches!(op, Op::Acquire { fenced: true, .. }) {
+            None
+        } else if micros >= limit - (1 << 40) {
+            Some("the node clock is past the year 2255")
+        } else if keys
+            .iter()
+            .any(|k| self.fences.get(k.resource).is_some_and(|&c| c >= limit))
+        {
+            Some("this resource's fencing counter is at its limit")
+        } else {
+            None
+        }
+    }
+
+    /// `counter = max(counter, value)`; returns the new counter.
+    pub(crate) fn raise_fence(&mut self, resource: &str, value: u64) -> u64 {
+        let c = self.fences.entry(resource.into()).or_default();
+        *c = (*c).max(value);
+        *c
+    }
+
+    /// Runs one round's `op` on this node at `now` (its own clock; `base`
+    /// is the instant its epochs count from, `micros` its wall clock), as
+    /// the scripts do: the reply, or why the node refused.
+    pub(crate) fn round(
+        &mut self,
+        op: Op,
+        keys: &[Key<'_>],
+        now: Instant,
+        base: Instant,
+        micros: u64,
+    ) -> Result<Reply, &'static str> {
+        if let Some(why) = self.refuses_fence(op, keys, micros) {
+            return Err(why);
+        }
+        let facts = match op {
+            Op::Acquire {
+                ttl,
+                known_max,
+                after,
+                ..
+            } => Some(self.history((ttl, known_max, after), now, base)),
+            Op::Swap { ttl, known_max, .. } => {
+                Some(self.history((ttl, known_max, After::NONE), now, base))
+            }
+            Op::Extend {
+                ttl,
+                known_max,
+                after,
+                ..
+            } => {
+                // The script writes the record even where the history is
+                // gone (a hash without an epoch, which the next acquire
+                // starts).
+                let meta = self.meta.get_or_insert(Meta::new(None));
+                meta.raise(ttl, known_max, after);
+                None
+            }
+            Op::Release { .. } | Op::Fence { .. } | Op::Restore { .. } => None,
+        };
+        let mut fence = None;
+        let answers: Vec<Answer> = keys
+            .iter()
+            .map(|k| {
+                let (a, f) = self.apply(op, k, now, micros);
+                fence = fence.max(f);
+                a
+            })
+            .collect();
+        Ok(Reply {
+            answers,
+            facts,
+            fence,
+            server: None,
+        })
+    }
+
+    /// The metadata's id.
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// A lock history that began at `epoch` (a node that has run for a
+    /// while), so that its votes count from the start.
+    pub(crate) fn with_history(epoch: Instant) -> Self {
+        Store {
+            meta: Some(Meta::new(Some(epoch))),
+            ..Store::default()
+        }
+    }
+
+    /// Runs `op` for one key, as the scripts do; also returns the fencing
+    /// counter a fenced acquire set. `micros`: the node's clock, the floor
+    /// of a counter.
+    pub(crate) fn apply(
+        &mut self,
+        op: Op,
+        k: &Key<'_>,
+        now: Instant,
+        micros: u64,
+    ) -> (Answer, Option<u64>) {
+        if let (Op::Acquire { fenced, .. }, Some((t, exp))) = (op, self.keys.get(k.resource)) {
+            if t == k.token && *exp > now {
+                // This attempt's own SET, sent again: set, with its counter.
+                let fence = fenced.then(|| self.fences.get(k.resource).copied().unwrap_or(0));
+                return (Answer::Ok, fence);
+            }
+        }
+        let answer = self.apply_key(op, k, now);
+        let fence = match (op, answer) {
+            (Op::Acquire { fenced: true, .. }, Answer::Ok) => {
+                let next = self.fences.get(k.resource).map_or(0, |c| c + 1);
+                Some(self.raise_fence(k.resource, next.max(micros)))
+            }
+            _ => None,
+        };
+        (answer, fence)
+    }
+
+    /// What `op` does to one key.
+    pub(crate) fn apply_key(&mut self, op: Op, k: &Key<'_>, now: Instant) -> Answer {
+        self.keys.retain(|_, (_, exp)| *exp > now);
+        match (op, self.keys.get(k.resource)) {
+            (Op::Acquire { ttl, .. }, None) => {
+                self.keys
+                    .insert(k.resource.into(), (k.token.into(), after(now, ttl)));
+                Answer::Ok
+            }
+            (Op::Acquire { .. }, Some(_)) => Answer::Other,
+            (Op::Restore { ttl }, None) => {
+                self.keys
+                    .insert(k.resource.into(), (k.token.into(), after(now, ttl)));
+                Answer::Restored
+            }
+            (Op::Restore { .. }, Some((t, _))) if t == k.token => Answer::Ok,
+            (Op::Restore { .. }, Some(_)) => Answer::Other,
+            (_, None) => Answer::Absent,
+            // This swap, sent again: done already.
+            (Op::Swap { .. }, Some((t, _))) if k.next.is_some_and(|n| n == t) => Answer::Ok,
+            (Op::Release { .. } | Op::Swap { .. }, Some((t, _)))
+                if !crate::algorithm::round::ours(t, k.token) =>
+            {
+                Answer::Other
+            }
+            (Op::Extend { .. } | Op::Fence { .. }, Some((t, _))) if t != k.token => Answer::Other,
+            (Op::Fence { value }, Some(_)) => {
+                self.raise_fence(k.resource, value);
+                Answer::Ok
+            }
+            (Op::Release { .. }, Some(_)) => {
+                self.keys.remove(k.resource);
+                Answer::Ok
+            }
+            (Op::Extend { ttl, .. }, Some(&(_, expiry))) => {
+                // Never shortens (the script's PTTL check).
+                let expiry = expiry.max(after(now, ttl));
+                self.keys
+                    .insert(k.resource.into(), (k.token.into(), expiry));
+                Answer::Ok
+            }
+            (Op::Swap { fence, .. }, Some(&(_, expiry))) => {
+                let next = k.next.unwrap_or(k.token);
+                self.keys.insert(k.resource.into(), (next.into(), expiry));
+                if let Some(f) = fence {
+                    self.raise_fence(k.resource, f);
+                }
+                Answer::Ok
+            }
+        }
+    }
+}
