@@ -15,6 +15,13 @@ use crate::error::NodeError;
 /// delayed-restart rule needs to know. Not usable as a resource name.
 pub(crate) const META_KEY: &str = "quorumlock:meta";
 
+/// The largest fencing counter: Lua's numbers are doubles, exact only up
+/// to 2^53, so a counter past it could round `+ 1` away (two sections with
+/// one token). A fenced acquire meeting a counter at this limit, or a node
+/// clock within 2^40 µs (12 days) of it, in the year 2255, fails with an
+/// error instead.
+pub(crate) const FENCE_LIMIT: u64 = (1 << 53) - 1;
+
 /// One lock's identity on a node: the key and our token.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Key<'a> {

@@ -135,12 +135,7 @@ return out"
     };
 }
 
-/// The largest fencing counter: Lua's numbers are doubles, exact only up
-/// to 2^53, so a counter past it could round `+ 1` away (two sections with
-/// one token). A fenced acquire meeting a counter at this limit, or a node
-/// clock within 2^40 µs (12 days) of it, in the year 2255, fails with an
-/// error instead.
-pub(crate) const FENCE_LIMIT: u64 = (1 << 53) - 1;
+pub(crate) use crate::algorithm::round::FENCE_LIMIT;
 
 /// Source of [`ACQUIRE`]. A resource's fencing counter is the field
 /// `fence:<resource>` of [`META_KEY`], so that counters disappear exactly

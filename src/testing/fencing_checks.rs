@@ -76,7 +76,7 @@ fn a_write_back_beaten_by_another_owner_reports_taken() {
 #[test]
 fn counters_at_the_limit_refuse_instead_of_tying() {
     let (locks, nodes, _) = client_with(3, fenced());
-    let limit = crate::driver::scripts::FENCE_LIMIT;
+    let limit = crate::algorithm::round::FENCE_LIMIT;
     for i in 0..3 {
         nodes.stores[i].lock().fences.insert("r".into(), limit);
     }

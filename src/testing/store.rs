@@ -108,7 +108,7 @@ impl Store {
         keys: &[Key<'_>],
         micros: u64,
     ) -> Option<&'static str> {
-        let limit = crate::driver::scripts::FENCE_LIMIT;
+        let limit = crate::algorithm::round::FENCE_LIMIT;
         if !matches!(op, Op::Acquire { fenced: true, .. }) {
             None
         } else if micros >= limit - (1 << 40) {

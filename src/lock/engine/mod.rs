@@ -21,7 +21,6 @@ use crate::algorithm::restart::{self, RestartRule, TtlHistory};
 use crate::algorithm::round::{Key, NodeFacts, NodeResult, Op};
 use crate::clock::{after, new_token, Clock, Rng, Throttle};
 use crate::error::{Error, InvalidInput};
-use crate::events::{AttemptEvent, Nodes};
 use crate::lock::queue::{Gates, Permit};
 use crate::lock::settings::Settings;
 use crate::lock::state::{Callbacks, LockState, LostCallback, Timing};
@@ -31,6 +30,9 @@ use crate::Result;
 use crate::MAX_TTL;
 
 mod extend;
+#[cfg(test)]
+mod fencing_tests;
+mod handover;
 mod history;
 #[cfg(test)]
 mod node_rules;
@@ -374,158 +376,6 @@ impl Engine {
             self.attempt_event(resource, start, result.as_ref(), &judged, &holds);
         }
         result
-    }
-
-    /// A fenced lock's write-back: `counter = max(counter, fence)` on every
-    /// node where the key still holds our token, counted like an extension
-    /// (a majority, inside validity). Only then may the lock be used: any
-    /// later holder's `SET` on a node of that majority comes after our key
-    /// left it, hence after the write-back, so its token is larger. On
-    /// failure the lock is released and the attempt failed (retryable).
-    fn write_back(&self, state: &LockState, fence: u64) -> Result<()> {
-        let start = self.clock.now();
-        let timing = state.timing();
-        let time_left = timing.deadline.saturating_duration_since(start);
-        let results = if fence == 0 || time_left.is_zero() {
-            Vec::new()
-        } else {
-            let deadline = timing
-                .deadline
-                .min(after(start, self.settings.node_timeout));
-            let op = Op::Fence { value: fence };
-            let results =
-                self.transport
-                    .run(op, &[state.key()], deadline, Some(&quorum::settled), None);
-            self.note_failures(&results);
-            results
-        };
-        let elapsed = self.clock.now().saturating_duration_since(start);
-        let nodes = results.len();
-        let tally = Tally::of(&results, 0);
-        let taken = tally.other;
-        let outcome = if results.is_empty() {
-            Err(Error::Expired)
-        } else {
-            quorum::decide_extend(tally, timing.ttl, elapsed, Duration::ZERO, time_left)
-        };
-        match outcome {
-            Ok(_) => {
-                debug!("lock {:?}: fencing token {fence}", state.resource);
-                Ok(())
-            }
-            Err(e) => {
-                debug!("lock {:?}: fencing token not recorded: {e}", state.resource);
-                // Never reported acquired: no release event either.
-                let _ = self.release_round(state);
-                // As an acquire would say it: too many nodes failed, another
-                // owner has the key, or the lock ran out of time.
-                Err(match e {
-                    e @ Error::NoQuorum { .. } => e,
-                    Error::NotOwner { .. } => Error::Taken { held: taken, nodes },
-                    _ => Error::ValidityExhausted {
-                        elapsed: self.clock.now().saturating_duration_since(timing.since),
-                        ttl: timing.ttl,
-                    },
-                })
-            }
-        }
-    }
-
-    /// Makes a lock handed over by this process's last holder a new critical
-    /// section: one swap round gives the key a fresh token, keeping its
-    /// expiry, on every node where it holds the old token. It counts like an
-    /// extension: a majority, inside the old validity, which the new section
-    /// inherits unchanged (so hand-overs never keep a key longer than one
-    /// TTL). Not tried for another TTL than the lock's, or with less than
-    /// [`node_timeout`](crate::Builder::node_timeout) of validity left. On
-    /// any failure the old lock (and any new token) is deleted: the caller
-    /// then locks anew.
-    pub(crate) fn take_over(&self, baton: &LockState, ttl: Duration) -> Result<LockState> {
-        let start = self.clock.now();
-        let timing = baton.timing();
-        let time_left = timing.deadline.saturating_duration_since(start);
-        // A fenced baton's next token must stay exact in the scripts.
-        let exhausted = baton
-            .fence
-            .is_some_and(|f| f >= crate::driver::scripts::FENCE_LIMIT);
-        if baton.is_lost()
-            || timing.ttl != ttl
-            || time_left < self.settings.node_timeout
-            || exhausted
-        {
-            let _ = self.release(baton);
-            return Err(Error::Expired);
-        }
-        let token = crate::clock::section_token(&baton.token);
-        let key = Key {
-            next: Some(&token),
-            ..baton.key()
-        };
-        let known = self.ttls.lock().max;
-        let outcome: Cell<Option<Result<Duration>>> = Cell::new(None);
-        let decide = |results: &[NodeResult]| {
-            let elapsed = self.clock.now().saturating_duration_since(start);
-            // The drift allowance was taken from the deadline at acquisition.
-            let o = quorum::decide_extend(
-                Tally::of(results, 0),
-                ttl,
-                elapsed,
-                Duration::ZERO,
-                time_left,
-            );
-            let next = if o.is_err() {
-                AfterRound::Undo
-            } else {
-                AfterRound::Done
-            };
-            outcome.set(Some(o));
-            next
-        };
-        // The next section's fencing token: the swap writes it wherever it
-        // swaps, so it is its own write-back.
-        let fence = baton.fence.map(|f| f + 1);
-        let op = Op::Swap {
-            ttl,
-            known_max: known.max(ttl),
-            fence,
-        };
-        let results = self.transport.run(
-            op,
-            &[key],
-            timing
-                .deadline
-                .min(after(start, self.settings.node_timeout)),
-            Some(&quorum::settled),
-            Some(&decide),
-        );
-        self.learn(&results, None);
-        self.note_failures(&results);
-        let outcome = outcome.take().unwrap_or(Err(Error::Expired));
-        if outcome.is_ok() {
-            // The handing-over thread's section ends here (on failure, the
-            // release of the baton reports it).
-            self.release_event(baton, &Ok(()), &results);
-        }
-        if let Some(h) = self.settings.events.get() {
-            let now = self.clock.now();
-            h.on_attempt(&AttemptEvent {
-                resource: &baton.resource,
-                elapsed: now.saturating_duration_since(start),
-                outcome: outcome
-                    .as_ref()
-                    .map(|_| timing.deadline.saturating_duration_since(now)),
-                nodes: Nodes::new(self.transport.node_names(), &results, 0),
-            });
-        }
-        outcome?;
-        trace!("lock {:?}: token {token}", baton.resource);
-        // A node the swap did not reach keeps an earlier token of the
-        // lineage, with the lock's expiry; the next swap or the release
-        // takes it from there.
-        let mut state = LockState::new(&baton.resource, token, fence, timing);
-        state.acquired = start;
-        state.set_holding(quorum::holding(&results, 0));
-        Ok(state)
     }
 
     /// Runs a release of one lock on every node, bounded by the node timeout.

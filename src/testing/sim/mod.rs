@@ -38,17 +38,16 @@ use std::time::{Duration, Instant};
 
 use crate::clock::{Clock, Rng, Signal};
 use crate::error::Error;
+use crate::guard::LockGuard;
 use crate::lock::settings::Settings;
 use crate::redlock::Redlock;
-use crate::LockGuard;
 
-use check::{Checker, Kind, Observed, Stats, Violation};
+use check::{Checker, Kind, Observed};
+use plan::MS;
 use rng::SimRng;
 use sched::{Sched, SimClock};
 use transport::SimTransport;
-use world::{Fault, Net, World};
-
-const MS: u64 = 1_000_000;
+use world::{Fault, World};
 
 /// Runs the plan of `seed` under `mix`.
 pub(crate) fn run(seed: u64, mix: Mix) -> Report {

@@ -1,14 +1,13 @@
 //! What one seed draws: the mix of faults, the plan of a run (nodes,
 //! clients, network, faults, workers) and the report it ends with.
 
-use crate::testing::sim::Fault;
-use crate::testing::sim::Kind;
-use crate::testing::sim::Net;
-use crate::testing::sim::Settings;
-use crate::testing::sim::SimRng;
-use crate::testing::sim::Stats;
-use crate::testing::sim::Violation;
-use crate::testing::sim::MS;
+use crate::lock::settings::Settings;
+use crate::testing::sim::check::{Kind, Stats, Violation};
+use crate::testing::sim::rng::SimRng;
+use crate::testing::sim::world::{Fault, Net};
+
+/// A millisecond of virtual time (ns).
+pub(crate) const MS: u64 = 1_000_000;
 
 /// Which assumptions a run keeps or breaks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
