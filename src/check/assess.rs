@@ -1,0 +1,441 @@
+//! The rules of [`Redlock::check`](crate::Redlock::check): findings from what
+//! the driver read of each node ([`Probe`]), a pure function of those
+//! facts, so that every rule here is the one the rounds apply.
+
+use std::time::Duration;
+
+use crate::algorithm::round::ServerKind;
+use crate::algorithm::server::ServerInfo;
+use crate::check::{Check, Finding, NodeCheck, Verdict};
+use crate::lock::transport::Probe;
+
+/// Clocks further apart than this are worth a warning: fencing tokens
+/// after a data loss assume clocks that agree within the longest TTL.
+pub(super) const CLOCK_WARN: Duration = Duration::from_secs(1);
+
+/// The findings for `probes` (one per node, named `names`), for a client
+/// whose node timeout is `timeout` and whose rounds need `quorum` votes.
+pub(crate) fn assess(
+    names: &[String],
+    probes: Vec<Probe>,
+    timeout: Duration,
+    quorum: usize,
+    key: &str,
+) -> Check {
+    let nodes: Vec<NodeCheck> = names
+        .iter()
+        .zip(&probes)
+        .map(|(name, p)| assess_node(name, p, timeout, key))
+        .collect();
+    let mut findings = Vec::new();
+    // One server under two names.
+    for (b, pb) in probes.iter().enumerate() {
+        for (a, pa) in probes.iter().enumerate().take(b) {
+            let run = |p: &Probe| {
+                p.info
+                    .as_ref()
+                    .and_then(|i| i.as_ref().ok())
+                    .and_then(|i| i.run_id.clone())
+            };
+            // As the rounds decide (see `ServerTag::same_server`): run ids
+            // when both are known, else lock history ids.
+            let (ra, rb) = (run(pa), run(pb));
+            let same_run = ra.is_some() && ra == rb;
+            let same_history =
+                (ra.is_none() || rb.is_none()) && pa.history.is_some() && pa.history == pb.history;
+            if same_run || same_history {
+                findings.push(Finding::new(
+                    Verdict::Unsafe,
+                    "identity",
+                    format!(
+                        "{} and {} are one server ({}): Redlock needs independent servers; list it once",
+                        names[a],
+                        names[b],
+                        if same_run { "the same run_id" } else { "the same lock history" }
+                    ),
+                ));
+            }
+        }
+    }
+    let n = names.len();
+    let usable = nodes.iter().filter(|c| c.usable()).count();
+    findings.push(if usable >= quorum {
+        Finding::new(
+            Verdict::Ok,
+            "nodes",
+            format!("{usable} of {n} nodes usable; {quorum} needed for a lock"),
+        )
+    } else {
+        Finding::new(
+            Verdict::Unsafe,
+            "nodes",
+            format!("only {usable} of {n} nodes usable; {quorum} needed: no lock can be taken"),
+        )
+    });
+    if n == 1 {
+        findings.push(Finding::new(
+            Verdict::Warn,
+            "nodes",
+            "one node: no fault tolerance (use 3 or 5)",
+        ));
+    } else if n.is_multiple_of(2) {
+        findings.push(Finding::new(
+            Verdict::Warn,
+            "nodes",
+            format!(
+                "{n} nodes tolerate {} failure(s), as {} do: use an odd number",
+                (n - 1) / 2,
+                n - 1
+            ),
+        ));
+    }
+    let offsets: Vec<i64> = nodes.iter().filter_map(|c| c.clock_offset_us).collect();
+    if let (Some(lo), Some(hi)) = (offsets.iter().min(), offsets.iter().max()) {
+        let spread = Duration::from_micros(hi.saturating_sub(*lo).unsigned_abs());
+        findings.push(Finding::new(
+            if spread > CLOCK_WARN {
+                Verdict::Warn
+            } else {
+                Verdict::Ok
+            },
+            "clock",
+            format!(
+                "node clocks {} apart (Redlock needs clocks that run at the same rate; fencing tokens after a data loss need them to agree within the longest TTL)",
+                human(spread)
+            ),
+        ));
+    }
+    Check {
+        nodes,
+        findings,
+        quorum,
+    }
+}
+
+pub(super) fn assess_node(name: &str, p: &Probe, timeout: Duration, key: &str) -> NodeCheck {
+    let mut f = Vec::new();
+    let mut out = NodeCheck {
+        node: name.to_owned(),
+        findings: Vec::new(),
+        round_trip: None,
+        clock_offset_us: None,
+    };
+    if let Some(why) = &p.connect {
+        f.push(Finding::new(
+            Verdict::Fail,
+            "connect",
+            format!("unreachable: {why}"),
+        ));
+        out.findings = f;
+        return out;
+    }
+    match &p.info {
+        Some(Ok(info)) => {
+            let ids = format!(
+                "run_id {}, lock history id {}",
+                info.run_id.as_deref().unwrap_or("?"),
+                p.history.as_deref().unwrap_or("none (not allowed?)")
+            );
+            f.push(Finding::new(Verdict::Ok, "identity", ids));
+            let version = info.version.as_deref().unwrap_or("?");
+            f.push(match info.kind() {
+                ServerKind::Replica => Finding::new(
+                    Verdict::Unsafe,
+                    "role",
+                    format!("a replica (role:{}): it cannot keep locks of its own", info.role.as_deref().unwrap_or("?")),
+                ),
+                _ => Finding::new(Verdict::Ok, "role", format!("primary, Redis {version}")),
+            });
+            if info.cluster == Some(true) {
+                f.push(Finding::new(
+                    Verdict::Unsafe,
+                    "cluster",
+                    "Redis Cluster mode: not an independent server (use standalone nodes)",
+                ));
+            }
+            f.push(memory(info));
+            f.push(persistence(p.persistence.as_ref(), info));
+        }
+        Some(Err(why)) => f.push(Finding::new(
+            Verdict::Warn,
+            "identity",
+            format!(
+                "INFO refused ({why}): role, cluster mode, memory policy and run_id unknown; grant +info (lock history id {})",
+                p.history.as_deref().unwrap_or("unknown")
+            ),
+        )),
+        None => f.push(Finding::new(Verdict::Warn, "identity", "INFO not answered")),
+    }
+    let mut rtts = p.rtts.clone();
+    rtts.sort_unstable();
+    if let (Some(median), Some(max)) = (rtts.get(rtts.len() / 2), rtts.last()) {
+        out.round_trip = Some(*median);
+        let text = format!(
+            "round trip {} (max {}) against a node timeout of {}",
+            human(*median),
+            human(*max),
+            human(timeout)
+        );
+        f.push(if *max >= timeout {
+            Finding::new(
+                Verdict::Warn,
+                "latency",
+                format!("{text}: rounds will often miss it"),
+            )
+        } else if *median > timeout / 2 {
+            Finding::new(
+                Verdict::Warn,
+                "latency",
+                format!("{text}: raise the node timeout"),
+            )
+        } else {
+            Finding::new(Verdict::Ok, "latency", text)
+        });
+    }
+    if let Some((offset, rtt)) = p.clock {
+        out.clock_offset_us = Some(offset);
+        let off = Duration::from_micros(offset.unsigned_abs());
+        f.push(Finding::new(
+            if off > CLOCK_WARN {
+                Verdict::Warn
+            } else {
+                Verdict::Ok
+            },
+            "clock",
+            format!(
+                "{}{} from this machine's clock (± {})",
+                if offset < 0 { "-" } else { "+" },
+                human(off),
+                human(rtt / 2)
+            ),
+        ));
+    }
+    if let Some(why) = &p.load {
+        f.push(Finding::new(
+            Verdict::Warn,
+            "scripts",
+            format!("SCRIPT LOAD refused ({why}): rounds send whole scripts (EVAL), larger"),
+        ));
+    }
+    match &p.scripts {
+        Some(Ok(other)) => f.push(Finding::new(
+            Verdict::Ok,
+            "scripts",
+            format!(
+                "the lock's scripts run on {key:?}{}",
+                if *other { " (held by someone now)" } else { "" }
+            ),
+        )),
+        Some(Err(why)) => f.push(Finding::new(
+            Verdict::Fail,
+            "scripts",
+            format!("the lock's scripts fail on {key:?}: {why} (see the README's minimal ACL)"),
+        )),
+        None => {}
+    }
+    out.findings = f;
+    out
+}
+
+pub(super) fn memory(info: &ServerInfo) -> Finding {
+    let policy = info.policy.as_deref().unwrap_or("?");
+    match (info.kind(), info.maxmemory) {
+        (ServerKind::Evicting(_), Some(max)) => Finding::new(
+            Verdict::Unsafe,
+            "memory",
+            format!(
+                "maxmemory {} with maxmemory-policy {policy}: under memory pressure it evicts lock keys, and a second client takes a held lock; set noeviction",
+                bytes(max)
+            ),
+        ),
+        (_, Some(0)) | (_, None) => Finding::new(Verdict::Ok, "memory", "no maxmemory: nothing is evicted"),
+        (_, Some(max)) => Finding::new(
+            Verdict::Ok,
+            "memory",
+            format!(
+                "maxmemory {} with {policy}: nothing is evicted; when full, writes (and locks) fail, safely",
+                bytes(max)
+            ),
+        ),
+    }
+}
+
+pub(super) fn persistence(
+    p: Option<&Result<(String, String, String), String>>,
+    info: &ServerInfo,
+) -> Finding {
+    let held = "the restart rule holds it back for the longest TTL in use after a restart";
+    match p {
+        Some(Ok((save, aof, fsync))) => {
+            let text = match (save.trim().is_empty(), aof.as_str(), fsync.as_str()) {
+                (_, "yes", "always") => "AOF with fsync always: a restart keeps every lock (its uptime still holds it back once)".to_owned(),
+                (_, "yes", f) => format!("AOF with fsync {f}: a crash may lose the latest locks; {held} (its uptime)"),
+                (true, _, _) => format!("no persistence: a restart loses every lock and its lock history; {held}"),
+                (false, _, _) => format!("RDB snapshots (save {}): a restart reloads a snapshot that may lack the latest locks; {held} (its uptime)", save.trim()),
+            };
+            Finding::new(Verdict::Ok, "persistence", text)
+        }
+        Some(Err(why)) => Finding::new(
+            Verdict::Ok,
+            "persistence",
+            format!(
+                "CONFIG refused ({why}); aof_enabled:{}: {held}, as long as INFO is allowed",
+                match info.aof {
+                    Some(true) => "1",
+                    Some(false) => "0",
+                    None => "?",
+                }
+            ),
+        ),
+        None => Finding::new(Verdict::Ok, "persistence", "not answered"),
+    }
+}
+
+pub(super) fn human(d: Duration) -> String {
+    if d >= Duration::from_secs(1) {
+        format!("{:.1}s", d.as_secs_f64())
+    } else if d >= Duration::from_millis(1) {
+        format!("{:.1}ms", d.as_secs_f64() * 1e3)
+    } else {
+        format!("{}µs", d.as_micros())
+    }
+}
+
+pub(super) fn bytes(b: u64) -> String {
+    match b {
+        b if b >= 1 << 30 => format!("{:.1}gb", b as f64 / (1u64 << 30) as f64),
+        b if b >= 1 << 20 => format!("{:.1}mb", b as f64 / (1u64 << 20) as f64),
+        b => format!("{b}b"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(run: &str, extra: &str) -> ServerInfo {
+        ServerInfo::parse(&format!(
+            "redis_version:7.0.15\nrun_id:{run}\nrole:master\ncluster_enabled:0\nmaxmemory:0\nmaxmemory_policy:noeviction\naof_enabled:0\n{extra}"
+        ))
+    }
+
+    fn probe(run: &str, extra: &str) -> Probe {
+        Probe {
+            info: Some(Ok(info(run, extra))),
+            history: Some(format!("h-{run}")),
+            rtts: vec![Duration::from_micros(200); 5],
+            clock: Some((1_000, Duration::from_micros(200))),
+            persistence: Some(Ok((String::new(), "no".into(), "everysec".into()))),
+            scripts: Some(Ok(false)),
+            ..Probe::default()
+        }
+    }
+
+    fn names(n: usize) -> Vec<String> {
+        (0..n).map(|i| format!("n{i}:6379")).collect()
+    }
+
+    const T: Duration = Duration::from_millis(50);
+
+    #[test]
+    fn a_healthy_set_is_safe() {
+        let c = assess(
+            &names(3),
+            vec![probe("a", ""), probe("b", ""), probe("c", "")],
+            T,
+            2,
+            "k",
+        );
+        assert!(c.is_safe(), "{c}");
+        assert!(c.nodes().iter().all(|n| n.verdict() == Verdict::Ok), "{c}");
+    }
+
+    #[test]
+    fn one_server_twice_a_replica_or_an_evicting_node_is_unsafe() {
+        let twice = assess(
+            &names(3),
+            vec![probe("a", ""), probe("a", ""), probe("c", "")],
+            T,
+            2,
+            "k",
+        );
+        assert!(!twice.is_safe(), "{twice}");
+        assert!(twice
+            .findings()
+            .iter()
+            .any(|f| f.topic() == "identity" && f.verdict() == Verdict::Unsafe));
+        for extra in [
+            "role:slave",
+            "cluster_enabled:1",
+            "maxmemory:1048576\nmaxmemory_policy:volatile-lru",
+        ] {
+            // Later lines override the defaults above.
+            let c = assess(
+                &names(3),
+                vec![probe("a", extra), probe("b", ""), probe("c", "")],
+                T,
+                2,
+                "k",
+            );
+            assert!(!c.is_safe(), "{extra}: {c}");
+            assert_eq!(c.nodes()[0].verdict(), Verdict::Unsafe, "{extra}");
+        }
+    }
+
+    #[test]
+    fn unreachable_and_refused_nodes_count_against_the_quorum() {
+        let down = Probe {
+            connect: Some("connection refused".into()),
+            ..Probe::default()
+        };
+        let acl = Probe {
+            scripts: Some(Err("NOPERM".into())),
+            ..probe("b", "")
+        };
+        let c = assess(
+            &names(3),
+            vec![down.clone(), acl, probe("c", "")],
+            T,
+            2,
+            "k",
+        );
+        assert!(!c.is_safe(), "{c}");
+        let c = assess(
+            &names(3),
+            vec![down, probe("b", ""), probe("c", "")],
+            T,
+            2,
+            "k",
+        );
+        assert!(c.is_safe(), "one node down of three: {c}");
+        assert_eq!(c.reachable(), 2);
+    }
+
+    #[test]
+    fn slow_nodes_and_far_clocks_are_warned_of() {
+        let slow = Probe {
+            rtts: vec![Duration::from_millis(60); 5],
+            clock: Some((5_000_000, Duration::from_millis(60))),
+            ..probe("a", "")
+        };
+        let c = assess(
+            &names(3),
+            vec![slow, probe("b", ""), probe("c", "")],
+            T,
+            2,
+            "k",
+        );
+        assert!(c.is_safe(), "{c}");
+        let warned: Vec<&str> = c.nodes()[0]
+            .findings()
+            .iter()
+            .filter(|f| f.verdict() == Verdict::Warn)
+            .map(|f| f.topic())
+            .collect();
+        assert_eq!(warned, ["latency", "clock"], "{c}");
+        assert!(c
+            .findings()
+            .iter()
+            .any(|f| f.topic() == "clock" && f.verdict() == Verdict::Warn));
+    }
+}
