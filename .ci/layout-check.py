@@ -18,7 +18,12 @@ import sys
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
 MAX_LINES = 600
 # file (relative to src/) -> why it may be longer than MAX_LINES
-LONG_FILES = {}
+LONG_FILES = {
+    "driver/conn.rs": "one connection: its socket and the replies it owes; the replies it "
+    "owes leave for the sans-IO node engine (issue 20, item 2)",
+    "driver/node/round.rs": "one round over sockets; its rules leave for the sans-IO node "
+    "engine (issue 20, item 2), the polling stays",
+}
 
 IDENT = r"[a-z_][a-z0-9_]*"
 

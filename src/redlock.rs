@@ -136,14 +136,14 @@ impl Redlock {
     }
 
     /// Takes `resource` for `ttl`, making up to
-    /// [`retry_count`](Builder::retry_count) attempts with a jittered pause
+    /// [`retry_count`](crate::Builder::retry_count) attempts with a jittered pause
     /// between them. Returns the last attempt's error when all fail.
     ///
     /// Waits at most `retry_count × (retry_delay + retry_jitter +
     /// node_timeout)` in all (750 ms with the defaults), queueing behind
     /// threads of this process included, plus at most two node timeouts
     /// (the last attempt's round and, when it fails, the delete of what it
-    /// may have set; three with [`fencing`](Builder::fencing): the round,
+    /// may have set; three with [`fencing`](crate::Builder::fencing): the round,
     /// the write-back and, if that fails, the release).
     ///
     /// # Errors

@@ -2,10 +2,12 @@
 //! way the client judges nodes at connect and more, with a verdict per node
 //! and for the set.
 //!
-//! The driver gathers the facts ([`Probe`], one per node, each on a
-//! connection of its own); [`assess`] turns them into findings, a pure
+//! The driver gathers the facts
+//! ([`Probe`](crate::lock::transport::Probe), one per node, each on a
+//! connection of its own); [`assess()`] turns them into findings, a pure
 //! function of the facts, so that every rule here is the one the rounds
-//! apply ([`ServerInfo::kind`]) and can be tested without a server.
+//! apply ([`ServerInfo::kind`](crate::algorithm::server::ServerInfo::kind))
+//! and can be tested without a server.
 
 use std::fmt;
 use std::time::Duration;

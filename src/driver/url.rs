@@ -21,7 +21,7 @@ pub(crate) struct TlsSettings {
     pub(crate) tls: Option<crate::driver::tls::Tls>,
 }
 
-/// [`parse_nodes`] with `tls` for `rediss://` nodes (the default roots when
+/// `parse_nodes` (test builds) with `tls` for `rediss://` nodes (the default roots when
 /// none is set).
 pub(crate) fn parse_nodes_with(
     urls: &[String],

@@ -70,7 +70,7 @@ pub(crate) struct DriverConfig {
     pub timeout: Duration,
     pub pool_size: u32,
     pub events: Events,
-    /// Which answers count as votes (see [`quorum::insert_vote`]).
+    /// Which answers count as votes (see [`crate::algorithm::quorum::insert_vote`]).
     pub rules: VoteRules,
 }
 

@@ -39,7 +39,7 @@ pub(super) struct Slot {
 }
 
 impl RedisTransport {
-    /// [`Transport::run`]: one round, and what the caller decides after it
+    /// [`Transport::run`](crate::lock::transport::Transport::run): one round, and what the caller decides after it
     /// (the undo of a failed attempt, or the writes a granted lock missed).
     pub(super) fn run_round(
         &self,
