@@ -1,7 +1,7 @@
 //! 32 threads on one client with the default pool, on healthy nodes: no attempt fails
-//! for a cause of the client's own (issue 7). In a binary of its own: its 32 busy threads
-//! would load a 2-core machine for the other tests, and another test's load would stall
-//! its 50 ms rounds.
+//! for a cause of the client's own (every pooled connection busy, or a pool wait charged
+//! to the node). In a binary of its own: its 32 busy threads would load a 2-core machine
+//! for the other tests, and another test's load would stall its 50 ms rounds.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};

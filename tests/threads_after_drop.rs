@@ -1,5 +1,5 @@
-//! Every thread a client starts ends soon after the client is dropped (issue 7: connector
-//! threads outlived the client by up to 30 s). In a binary of its own so that no other
+//! Every thread a client starts ends soon after the client is dropped (connector threads
+//! used to outlive the client by up to 30 s). In a binary of its own so that no other
 //! test's client adds `quorumlock-*` / `qlock-*` threads while it counts.
 
 use std::time::{Duration, Instant};

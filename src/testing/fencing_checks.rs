@@ -1,5 +1,6 @@
-//! Hostile review of the fencing tokens (issue 9), on the fake nodes.
-//! Fencing under hostile schedules: what the review of issue 9 tried.
+//! Fencing tokens under hostile schedules, on the fake nodes: attacks on
+//! the write-back, the counters and the hand-overs. The first group were
+//! defects, each failing before its fix; the second held up.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -40,7 +41,7 @@ fn plant(nodes: &FakeNodes, node: usize, resource: &str, token: &str) {
 }
 
 // ------------------------------------------------------------------
-// Found by the review of issue 9.
+// Defects: each failed before its fix.
 
 /// The write-back finds another owner's key on a majority (ours was
 /// deleted behind our back, e.g. FLUSHALL/failover, and another client

@@ -852,10 +852,11 @@ fn foreground_runs_in_quorumlocks_group() {
     assert_gone(&c, &key, Duration::from_secs(1));
 }
 
-/// Found by the hostile review: `quorumlock run` killed by SIGKILL (the OOM killer) left its
-/// command running without the lock; the key expired after its TTL, another host's run
-/// started, and the orphan's writes landed inside that run's section. A watcher process
-/// now stops the command's whole group (its children too) before the lock's validity ends.
+/// A SIGKILLed run takes its command and the command's children with it. `quorumlock run`
+/// killed by SIGKILL (the OOM killer) used to leave its command running without the lock;
+/// the key expired after its TTL, another host's run started, and the orphan's writes
+/// landed inside that run's section. A watcher process now stops the command's whole group
+/// (its children too) before the lock's validity ends.
 #[test]
 fn a_sigkilled_run_takes_its_command_and_its_children_with_it() {
     let c = shared();
@@ -1014,9 +1015,10 @@ fn check_audits_the_node_list() {
     assert!(out.contains("unreachable"), "{out}");
 }
 
-/// Found by the hostile review: the watcher panicked while scanning /proc (pid 1 and kernel
-/// threads have process group 0) and never sent SIGKILL, so a command that ignores SIGTERM
-/// outlived a SIGKILLed `quorumlock run`, beside the next holder.
+/// A command that ignores SIGTERM is killed when quorumlock dies. The watcher used to panic
+/// while scanning /proc (pid 1 and kernel threads have process group 0) and never sent
+/// SIGKILL, so a command that ignores SIGTERM outlived a SIGKILLed `quorumlock run`, beside
+/// the next holder.
 #[test]
 fn a_command_that_ignores_sigterm_is_killed_when_quorumlock_dies() {
     let c = shared();
@@ -1054,9 +1056,10 @@ fn the_watcher_stops_the_command_of_a_stopped_run_and_is_replaced_if_killed() {
     assert_eq!(code, EX_SOFTWARE, "stderr:\n{}", p.stderr());
 }
 
-/// Found by the second review: with a short TTL (200 ms or less) the watcher took a healthy
-/// run for a stopped one (the new validity reached it after its margin) and killed the
-/// command; the run exited with the command's signal. It acts only on a run that is stopped.
+/// A run with a short TTL keeps its command. With a TTL of 200 ms or less the watcher used
+/// to take a healthy run for a stopped one (the new validity reached it after its margin)
+/// and killed the command; the run exited with the command's signal. It acts only on a run
+/// that is stopped.
 #[test]
 fn a_short_ttl_run_keeps_its_command() {
     let c = shared();

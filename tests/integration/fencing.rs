@@ -1,5 +1,5 @@
-//! Fencing tokens (issue 9) against real Redis nodes: the scripts' counters,
-//! the write-back, hand-overs, and the fault suite's scenarios.
+//! Fencing tokens against real Redis nodes: the scripts' counters, the write-back,
+//! hand-overs, and the fault suite's scenarios.
 
 use std::sync::{Arc, Barrier};
 use std::time::Duration;

@@ -1,6 +1,6 @@
-//! Hostile checks of the fencing tokens (issue 9) against real Redis nodes: what a
-//! reviewer with a brief to break them tried. The first two were defects (counters past
-//! 2^53, where Lua's doubles round `+ 1` away, tied and went backwards); the rest held.
+//! Attacks on the fencing tokens against real Redis nodes. The first two were defects
+//! (counters past 2^53, where Lua's doubles round `+ 1` away, tied and went backwards);
+//! the rest held.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -60,10 +60,10 @@ fn not_increasing(tokens: &[(&'static str, u64)]) -> Vec<String> {
 // ---------------------------------------------------------------------------------------
 // Counters at the limit of exact Lua numbers
 
-/// Review of issue 9: counters are Lua doubles. Planted just past 2^53, `counter + 1`
-/// rounded back to `counter`: two sections got one token (the README's `<=` check then
-/// lets the stale one write) and a hand-over's `T + 1` was not recorded. Now a fenced
-/// acquire meeting a counter at the limit fails with an error that says so, and never ties.
+/// Counters are Lua doubles. Planted just past 2^53, `counter + 1` rounded back to
+/// `counter`: two sections got one token (the README's `<=` check then lets the stale one
+/// write) and a hand-over's `T + 1` was not recorded. Now a fenced acquire meeting a
+/// counter at the limit fails with an error that says so, and never ties.
 #[test]
 fn a_counter_at_the_limit_of_exact_numbers_refuses_instead_of_tying() {
     let c = shared();

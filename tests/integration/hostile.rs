@@ -1,6 +1,6 @@
-//! Hostile review of the node layer v2 (issue 7): each test names a defect found by
-//! attacking the change, asserts the behaviour the README promises, and failed on the
-//! code it was written against. Bounds are generous (a loaded 2-core machine).
+//! Attacks on the node layer: each test names a defect, asserts the behaviour the README
+//! promises, and failed on the code it was written against. Bounds are generous (a loaded
+//! 2-core machine).
 
 use std::time::{Duration, Instant};
 
@@ -284,13 +284,14 @@ fn huge_pool_size_child() {
     }
 }
 
-/// Found by the clock-jump test of issue 9 (1 run in ~15): a lock round settles on two
-/// nodes, the third node's SET reply is still unread, and the lock is released at once.
-/// The release marks that late SET for an undo, which deletes the key on the third node
-/// over another connection, sometimes before the release's own delete gets there: that
-/// delete then answers "absent". With the key gone from one more node (expired early on a
-/// node whose clock jumped; here deleted by hand), `release()` counted one deletion and
-/// said `Expired` for a lock it held to the end. Repeated, as the race is narrow.
+/// A release racing the undo of its own late SET still counts that node (the fencing
+/// clock-jump test failed on it about 1 run in 15). A lock round settles on two nodes, the
+/// third node's SET reply is still unread, and the lock is released at once. The release
+/// marks that late SET for an undo, which deletes the key on the third node over another
+/// connection, sometimes before the release's own delete gets there: that delete then
+/// answers "absent". With the key gone from one more node (expired early on a node whose
+/// clock jumped; here deleted by hand), `release()` counted one deletion and said `Expired`
+/// for a lock it held to the end. Repeated, as the race is narrow.
 #[test]
 fn a_release_racing_the_undo_of_its_own_late_set_still_counts_that_node() {
     let c = Cluster::start(3);

@@ -1,14 +1,13 @@
-//! Regression tests of issue 7 (node layer v2), one per failure it lists, against real Redis
-//! nodes: a write-paused node, a node hung from client start, the unlock after a timed-out
+//! Regression tests of the node layer against real Redis nodes, one per failure it once
+//! had: a write-paused node, a node hung from client start, the unlock after a timed-out
 //! attempt, a huge resource name, a restarted node met by a fresh client in another
 //! process, and recovery after a majority outage. Two more are binaries of their own, so
 //! that no other test runs beside them: 32 threads on one client
 //! (`tests/pool_under_threads.rs`: it loads the CPU, and is timing-sensitive itself) and
 //! the thread count after drop (`tests/threads_after_drop.rs`: it counts threads).
 //!
-//! Beyond the issue's list, a node slower than the others but inside the node timeout (a
-//! delaying proxy): it must get the scripts, keep the locks it took, and be heard before
-//! restarted nodes vote.
+//! Also a node slower than the others but inside the node timeout (a delaying proxy): it
+//! must get the scripts, keep the locks it took, and be heard before restarted nodes vote.
 //!
 //! Bounds are generous (a loaded 2-core CI machine): each is a fraction of the node timeout
 //! the old code waited in full, or a figure many times what the new code needs.
@@ -1032,10 +1031,11 @@ fn clients_on(c: &Cluster, i: usize) -> usize {
         .map_or(0, |n| n.saturating_sub(1))
 }
 
-/// Issue 19: the retry job read late replies by popping every idle connection of a node
-/// at once. Each pop below the pool's idle minimum started a new connection, so one
-/// thread's lock/release loop grew a slow node's pool towards its 32, and a round that
-/// came meanwhile found no idle connection below the pool's size and failed the node with
+/// One thread's lock/release loop keeps a slow node's pool small and never misses a
+/// connection. The retry job used to read late replies by popping every idle connection of
+/// a node at once. Each pop below the pool's idle minimum started a new connection, so one
+/// thread's lock/release loop grew a slow node's pool towards its 32, and a round that came
+/// meanwhile found no idle connection below the pool's size and failed the node with
 /// `NoConnection`. The retry job now pops only as many as owe replies.
 #[test]
 fn one_thread_with_a_slow_node_keeps_a_small_pool_and_never_misses_a_connection() {

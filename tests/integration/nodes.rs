@@ -43,10 +43,11 @@ fn failure_kinds(e: &Error) -> Vec<NodeErrorKind> {
     }
 }
 
-/// Found by the hostile review: `127.0.0.1:P`, `localhost:P` and a third server built
-/// without a word, and with the third paused the one server granted a lock alone; after
-/// it lost the key (a `DEL`, as an eviction or a failover would) a second client was
-/// granted while the first held. A load balancer in front of one server is the same.
+/// One server under two names is refused as `SameServer`. A client of `127.0.0.1:P`,
+/// `localhost:P` and a third server used to be built without a word, and with the third
+/// paused the one server granted a lock alone; after it lost the key (a `DEL`, as an
+/// eviction or a failover would) a second client was granted while the first held. A load
+/// balancer in front of one server is the same.
 #[test]
 fn one_server_under_two_names_gets_one_vote() {
     let c = Cluster::start(2);
@@ -189,9 +190,9 @@ fn docker_ip(c: &Cluster, i: usize) -> String {
 }
 
 /// `maxmemory` with an evicting policy lets a node drop lock keys: `volatile-*` evicts
-/// exactly the keys with a TTL, lock keys first under `volatile-ttl`. Found by the hostile
-/// review: under memory pressure on 2 of 3 nodes the held, renewed lock's key was evicted
-/// on both and a second client was granted while the first held. With
+/// exactly the keys with a TTL, lock keys first under `volatile-ttl`. Under memory
+/// pressure on 2 of 3 nodes the held, renewed lock's key was evicted on both and a second
+/// client was granted while the first held. With
 /// `refuse_evicting_nodes` such nodes never vote.
 #[test]
 fn evicting_nodes_are_refused_when_asked_for_every_policy() {
@@ -249,10 +250,10 @@ fn evicting_nodes_are_refused_when_asked_for_every_policy() {
     }
 }
 
-/// Found by the hostile review: with all nodes healthy, locks still landed on a bare
-/// majority (a node skipped as slow, or with no free connection at that moment), renewal
-/// extended only the copies that existed, and one node restarted empty lost those locks.
-/// Renewal now restores a missing copy wherever the lock still holds a majority.
+/// Renewed locks survive a node restarted empty. With all nodes healthy, locks used to land
+/// on a bare majority (a node skipped as slow, or with no free connection at that moment),
+/// renewal extended only the copies that existed, and one node restarted empty lost those
+/// locks. Renewal now restores a missing copy wherever the lock still holds a majority.
 #[test]
 fn renewed_locks_survive_a_node_restarted_empty() {
     let c = Cluster::start(3);
@@ -350,9 +351,9 @@ fn a_lock_reaches_nodes_that_were_still_connecting() {
     assert_eq!(short, 0, "{short} of 20 first locks stayed off a node");
 }
 
-/// Found by the hostile review: a node at `maxclients` had its votes fail as
-/// `NoConnection` ("this client's own condition … raise pool_size") instead of the
-/// server's "max number of clients reached".
+/// A node at `maxclients` is reported as refusing, with the server's "max number of clients
+/// reached". Its votes used to fail as `NoConnection` ("this client's own condition … raise
+/// pool_size").
 #[test]
 fn a_node_at_maxclients_is_reported_as_refusing() {
     let c = Cluster::start(3);
@@ -403,10 +404,10 @@ fn a_node_at_maxclients_is_reported_as_refusing() {
     );
 }
 
-/// Found by the hostile review: releases still owed when a client was dropped were
-/// discarded, and their keys stayed for their TTL. Dropping the client now sends them once
-/// more (waiting at most the node timeout). Node 2 sits behind a proxy that cuts every
-/// one-key release without passing it on, so each of them is owed when the client drops.
+/// Releases still owed when a client is dropped are not discarded (their keys used to stay
+/// for their TTL). Dropping the client now sends them once more (waiting at most the node
+/// timeout). Node 2 sits behind a proxy that cuts every one-key release without passing it
+/// on, so each of them is owed when the client drops.
 #[test]
 fn a_dropped_client_sends_the_releases_it_owes() {
     use crate::common::faults::{Cut, CutProxy, RELEASE_1};
@@ -466,11 +467,11 @@ fn restore_marker(key: &str, ttl_ms: u64) -> Vec<u8> {
     format!("{key}\r\n${}\r\n{ttl}\r\n", ttl.len()).into_bytes()
 }
 
-/// Found by the hostile review: a renewal's restore goes to every node, and one whose
-/// reply came after the node timeout had its connection given up with a compare-and-delete
-/// "undo" of the restore, which also deleted the copies the lock held there: a second
-/// client was granted while the holder still held. A restore has no undo now (a late one
-/// after a release is deleted by the release's retries).
+/// A slow restore never deletes the copies a lock holds. A renewal's restore goes to every
+/// node, and one whose reply came after the node timeout had its connection given up with a
+/// compare-and-delete "undo" of the restore, which also deleted the copies the lock held
+/// there: a second client was granted while the holder still held. A restore has no undo
+/// now (a late one after a release is deleted by the release's retries).
 #[test]
 fn a_slow_restore_never_deletes_the_copies_a_lock_holds() {
     use crate::common::faults::HoldProxy;
@@ -509,9 +510,9 @@ fn a_slow_restore_never_deletes_the_copies_a_lock_holds() {
     assert!(g.is_held(), "the lock was lost: {:?}", g.lost().try_recv());
 }
 
-/// Found by the hostile review: two independent servers whose lock histories carry one id
-/// (one was a replica of the other, or was restored from its dump) were taken for one
-/// server. Run ids decide when both are known.
+/// Two independent servers whose lock histories carry one id (one was a replica of the
+/// other, or was restored from its dump) count as two servers; they used to be taken for
+/// one. Run ids decide when both are known.
 #[test]
 fn two_servers_with_one_history_id_are_two_servers() {
     let c = Cluster::start(3);
@@ -529,9 +530,10 @@ fn two_servers_with_one_history_id_are_two_servers() {
     assert!(g.is_ok(), "two servers counted as one: {:?}", g.err());
 }
 
-/// Found by the hostile review: what `INFO` says was read once per connection, and a replica
-/// promoted at runtime (`REPLICAOF NO ONE` keeps its clients' connections) stayed
-/// "a replica" for the life of the pooled connections. It is read again every few seconds.
+/// A replica promoted at runtime votes again. What `INFO` says used to be read once per
+/// connection, and a replica promoted at runtime (`REPLICAOF NO ONE` keeps its clients'
+/// connections) stayed "a replica" for the life of the pooled connections. It is read again
+/// every few seconds.
 #[test]
 fn a_replica_promoted_at_runtime_votes_again() {
     let c = Cluster::start(3);
@@ -556,9 +558,9 @@ fn a_replica_promoted_at_runtime_votes_again() {
     assert!(voted, "the promoted node's votes are still refused");
 }
 
-/// Found by the hostile review: a status query on a node under `CLIENT PAUSE … WRITE`
-/// timed out, because every new connection sent a write (the metadata id script) ahead of
-/// its reads. Status connections send nothing of their own.
+/// A status query on a node under `CLIENT PAUSE … WRITE` is answered. It used to time out,
+/// because every new connection sent a write (the metadata id script) ahead of its reads.
+/// Status connections send nothing of their own.
 #[test]
 fn status_answers_from_a_write_paused_node() {
     let c = Cluster::start(3);
@@ -585,10 +587,11 @@ fn status_answers_from_a_write_paused_node() {
     drop(g);
 }
 
-/// The review's second route to the same defect: two locks renewed in one batch, each
-/// missing a copy, the restore replies of three of five nodes late; releasing one lock used
-/// to undo the late restore for every lock of the batch, and the other lock, still held,
-/// fell to two copies of five. No copy of a held lock may go.
+/// Releasing one lock never deletes another lock's copies: a second route to the defect
+/// above. Two locks renewed in one batch, each missing a copy, the restore replies of three
+/// of five nodes late; releasing one lock used to undo the late restore for every lock of
+/// the batch, and the other lock, still held, fell to two copies of five. No copy of a held
+/// lock may go.
 #[test]
 fn releasing_one_lock_never_deletes_another_locks_copies() {
     use crate::common::faults::HoldProxy;
@@ -636,8 +639,8 @@ fn releasing_one_lock_never_deletes_another_locks_copies() {
     assert!(g2.is_held());
 }
 
-/// Found by the hostile review: a manual `extend` that restores a missing copy sends the
-/// restore without waiting, and each node that had not answered yet was logged at warn
+/// A manual `extend` that restores a missing copy warns of nothing. It sends the restore
+/// without waiting, and each node that had not answered yet used to be logged at warn
 /// ("timed out, no reply in 74µs"), which also muted that node's real failures for 30 s.
 #[test]
 fn a_manual_extend_that_restores_a_copy_warns_of_nothing() {
@@ -673,10 +676,10 @@ fn a_manual_extend_that_restores_a_copy_warns_of_nothing() {
     assert!(loud.is_empty(), "warned on the happy path: {loud:?}");
 }
 
-/// Found by the second review: a renewal read every healthy node's reply, and a node that
-/// answered within the node timeout but after the lock's validity made the renewal fail,
-/// and the lock was lost although two nodes confirmed it in milliseconds. A renewal settles
-/// at its majority and lingers after that only as long again.
+/// A slow healthy node costs no renewal. A renewal used to read every healthy node's reply,
+/// and a node that answered within the node timeout but after the lock's validity made the
+/// renewal fail, and the lock was lost although two nodes confirmed it in milliseconds. A
+/// renewal settles at its majority and lingers after that only as long again.
 #[test]
 fn a_slow_healthy_node_costs_no_renewal() {
     let c = Cluster::start(3);
@@ -700,12 +703,13 @@ fn a_slow_healthy_node_costs_no_renewal() {
     );
 }
 
-/// Found by the second review (by reading): a pooled connection asked `INFO` again without
-/// sending it when its caller sent nothing after (`wait_connected`, the retry thread); the
-/// reply owed for a command never sent then looked like a timeout, and a healthy node was
-/// marked failing. Takes the 10 s after which a connection asks again. The node timeout is
-/// generous (a reply owed for a command never sent never comes, however long the wait),
-/// so that a loaded machine's real 50 ms timeouts are not taken for the defect.
+/// Asking `INFO` again never makes a healthy node fail. A pooled connection asked it again
+/// without sending it when its caller sent nothing after (`wait_connected`, the retry
+/// thread); the reply owed for a command never sent then looked like a timeout, and a
+/// healthy node was marked failing. Takes the 10 s after which a connection asks again. The
+/// node timeout is generous (a reply owed for a command never sent never comes, however
+/// long the wait), so that a loaded machine's real 50 ms timeouts are not taken for the
+/// defect.
 #[test]
 fn asking_info_again_never_makes_a_healthy_node_fail() {
     use std::sync::atomic::{AtomicUsize, Ordering};

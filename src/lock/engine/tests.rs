@@ -91,8 +91,8 @@ fn too_slow_a_round_exhausts_validity_and_unlocks() {
     assert!((0..3).all(|i| nodes.get(i, "r").is_none()));
 }
 
-/// Issue 8: a take-over is a new critical section under a fresh token,
-/// swapped on every node in one round, keeping the lock's expiry.
+/// A take-over is a new critical section under a fresh token, swapped
+/// on every node in one round, keeping the lock's expiry.
 #[test]
 fn a_take_over_swaps_in_a_fresh_token_in_one_round() {
     let (locks, nodes, clock) = client(3);
@@ -131,9 +131,9 @@ fn releasing_a_taken_over_lock_deletes_old_tokens_the_swap_missed() {
     assert!((0..3).all(|i| nodes.get(i, "r").is_none()), "nothing left");
 }
 
-/// Review of the swap: a node that missed many swaps in a row (down, or
-/// skipped as failing) still holds the first section's token; the last
-/// section's release must delete it (a list of recent tokens forgot it).
+/// A node that missed many swaps in a row (down, or skipped as failing)
+/// still holds the first section's token; the last section's release
+/// must delete it (a list of recent tokens forgot it).
 #[test]
 fn a_node_that_missed_many_swaps_is_cleaned_by_the_release() {
     let (locks, nodes, _) = client(3);
@@ -151,9 +151,9 @@ fn a_node_that_missed_many_swaps_is_cleaned_by_the_release() {
     assert!((0..3).all(|i| nodes.get(i, "r").is_none()), "nothing left");
 }
 
-/// Issue 8: a handed-over lock that a majority no longer holds, or with
-/// too little validity left to swap inside it, is not used: it is
-/// deleted everywhere (the caller locks anew).
+/// A handed-over lock that a majority no longer holds, or with too
+/// little validity left to swap inside it, is not used: it is deleted
+/// everywhere (the caller locks anew).
 #[test]
 fn a_take_over_that_cannot_count_deletes_the_old_lock() {
     let (locks, nodes, clock) = client(3);
@@ -250,7 +250,7 @@ fn release_tells_expired_from_taken_over() {
 
 /// `max_ttl` is the longest TTL any client uses: the restart rule stops
 /// waiting for stragglers beyond it, so a lock or an extension above it
-/// is refused (found by the review of issue 19's rule).
+/// is refused.
 #[test]
 fn a_ttl_above_the_configured_max_ttl_is_refused() {
     let settings = Settings {
@@ -298,9 +298,9 @@ fn bad_input_is_refused_before_any_io() {
     assert_eq!(nodes.rounds.load(Ordering::SeqCst), 0);
 }
 
-/// Issue 7's restart race, made deterministic: X holds a lock on nodes
-/// 0 and 2; node 2 restarts empty; a client that meets the cluster for
-/// the first time must not win nodes 1 + 2, whatever TTL it asks for.
+/// The restart race, made deterministic: X holds a lock on nodes 0 and
+/// 2; node 2 restarts empty; a client that meets the cluster for the
+/// first time must not win nodes 1 + 2, whatever TTL it asks for.
 #[test]
 fn a_node_that_lost_its_data_does_not_vote_for_a_fresh_client() {
     let (x, nodes, clock) = client(3);
@@ -439,9 +439,9 @@ fn huge_and_reserved_resource_names_are_refused_before_any_io() {
     assert!(locks.try_lock(&longest, TTL).is_ok());
 }
 
-/// Issue 8: `with_lock` must not report success for work that finished
-/// after the lock's validity, even while the keys (which live the full
-/// TTL, a drift allowance longer) are still ours on the nodes.
+/// `with_lock` must not report success for work that finished after the
+/// lock's validity, even while the keys (which live the full TTL, a
+/// drift allowance longer) are still ours on the nodes.
 #[test]
 fn with_lock_reports_work_that_outlived_its_validity() {
     let (locks, _, clock) = client(3);
@@ -457,9 +457,8 @@ fn with_lock_reports_work_that_outlived_its_validity() {
     assert!(locks.with_lock("s", ttl, |_| clock.advance(MS)).is_ok());
 }
 
-/// Issue 8: `on_lost` is the watchdog's callback; a failed manual
-/// `extend` reports to its caller and must not run it on the caller's
-/// thread.
+/// `on_lost` is the watchdog's callback; a failed manual `extend`
+/// reports to its caller and must not run it on the caller's thread.
 #[test]
 fn a_failed_manual_extend_does_not_run_on_lost() {
     use std::sync::atomic::AtomicUsize;

@@ -1,5 +1,6 @@
-//! Scripted schedules for defects the simulation found or that earlier
-//! issues fixed: each failed before its fix (see the closing notes).
+//! Scripted schedules, one per defect in the lock's rules, found by the
+//! simulation or otherwise: each pins the fixed behaviour and failed
+//! before its fix.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -51,10 +52,10 @@ fn a_renewal_tick_skips_a_lock_released_during_an_earlier_batch() {
     }));
 }
 
-/// Issue 8: a local waiter waited for the holder's guard, not its lock:
-/// a guard kept past its deadline (a stalled or careless holder) kept
-/// every later `lock()` of the key in the process waiting for its whole
-/// wait.
+/// A local waiter stops waiting when the holder's lock runs out. It
+/// used to wait for the holder's guard, not its lock: a guard kept past
+/// its deadline (a stalled or careless holder) kept every later
+/// `lock()` of the key in the process waiting for its whole wait.
 #[test]
 fn a_local_waiter_stops_waiting_when_the_holders_lock_runs_out() {
     clean(&script(Plan::calm(2, 3), |ctx| {
@@ -86,8 +87,8 @@ fn a_local_waiter_stops_waiting_when_the_holders_lock_runs_out() {
     }));
 }
 
-/// Issue 7 and the fencing work's scenario 2: a node restarted without
-/// its data mid-hold must not vote for a contender within the hold.
+/// A node restarted without its data mid-hold must not vote for a
+/// contender within the hold.
 #[test]
 fn a_node_restarted_empty_mid_hold_does_not_vote_for_a_contender() {
     for seed in 0..20 {
@@ -212,12 +213,12 @@ fn four_second_lock_then_wipe_at_1500(ctx: &Arc<Ctx>) -> (crate::LockGuard, usiz
     lock_then_wipe(ctx, T(4_000), 1_500)
 }
 
-/// Found by the review of an earlier refinement that compared how long
-/// ago a TTL was first used on one node with how old another node's
-/// history is: two clock steps back on the node that recorded the long
-/// TTL (each under the 1 s it allowed for) made its first use look
-/// later than the young history's start, and the young node voted at
-/// once. The rule compares no clocks now.
+/// Clock steps back on the node that recorded the long TTL never drop
+/// the young node's hold. A rule that compared how long ago a TTL was
+/// first used on one node with how old another node's history is failed
+/// here: two steps back (each under the 1 s it allowed for) made the
+/// first use look later than the young history's start, and the young
+/// node voted at once. The rule compares no clocks now.
 #[test]
 fn clock_steps_back_on_the_reporting_node_never_drop_the_hold() {
     for seed in 0..5 {
@@ -259,13 +260,14 @@ fn a_ttl_first_used_after_a_lost_history_still_holds_the_new_one() {
     );
 }
 
-/// Found by the review: the contender itself first used the long TTL
-/// after it saw node 0's new history (node 1 cut off then, so that
-/// round timed out on it and this client marked node 1 failing), so
-/// every record it could hear said "first used after" — but for node
-/// 1's, the holder's, which it skipped as failing although node 1 was
-/// back. A young vote counted beside the holder. A first use after a
-/// history now proves nothing unless every node answered the round.
+/// A node skipped as failing is not heard for the restart rule. Here
+/// the contender itself first used the long TTL after it saw node 0's
+/// new history (node 1 cut off then, so that round timed out on it and
+/// this client marked node 1 failing), so every record it could hear
+/// said "first used after" — but for node 1's, the holder's, which it
+/// skipped as failing although node 1 was back. A young vote counted
+/// beside the holder. A first use after a history now proves nothing
+/// unless every node answered the round.
 #[test]
 fn a_node_skipped_as_failing_is_not_heard_for_the_restart_rule() {
     for seed in 0..6 {
@@ -299,12 +301,12 @@ fn a_node_skipped_as_failing_is_not_heard_for_the_restart_rule() {
     }
 }
 
-/// Issue 19: a brand-new cluster holds its votes for the first TTL used
-/// on it, once. A longer TTL first used later (here an extension to
-/// 3 s, 1.5 s after the nodes' histories began) was used after every
-/// history began: no lock with it can have been lost by a node, so a
-/// new client's lock is granted at once (the old rule held every node
-/// for the 3 s it had seen in use).
+/// A brand-new cluster holds its votes for the first TTL used on it,
+/// once. A longer TTL first used later (here an extension to 3 s, 1.5 s
+/// after the nodes' histories began) was used after every history
+/// began: no lock with it can have been lost by a node, so a new
+/// client's lock is granted at once (the old rule held every node for
+/// the 3 s it had seen in use).
 #[test]
 fn a_new_cluster_waits_once_for_its_first_ttl() {
     for seed in 0..5 {
@@ -387,9 +389,8 @@ fn a_restart_rule_that_ignores_raises_before_the_epoch_lets_two_hold() {
 
 /// The long TTL reaches node 2 only after node 0's restart (another
 /// client's known longest TTL); a contender that cannot reach node 1
-/// still finds node 0 held back by what node 2 reports. (Found by a
-/// review of a refinement of the rule that read a node's raise time as
-/// the TTL's first use.)
+/// still finds node 0 held back by what node 2 reports. (A rule that
+/// read a node's raise time as the TTL's first use fails here.)
 #[test]
 fn a_ttl_spread_after_the_restart_still_holds_the_young_node() {
     for seed in 0..5 {
@@ -428,9 +429,9 @@ fn small_clock_steps_never_drop_the_young_nodes_hold() {
     }
 }
 
-/// Issue 8: a hand-over that meets a waiter whose deadline passes at
-/// the same instant must reach the waiter or come back to the holder;
-/// it was dropped with the queue, leaving the key locked with no guard
+/// A hand-over that meets a waiter whose deadline passes at the same
+/// instant must reach the waiter or come back to the holder; it was
+/// dropped with the queue, leaving the key locked with no guard
 /// anywhere. Ties at one instant are ordered by the seed: 20 seeds
 /// cover both orders.
 #[test]
@@ -466,11 +467,11 @@ fn a_hand_over_at_the_waiters_deadline_is_never_orphaned() {
     }
 }
 
-/// The node-layer work: a node that takes commands but never answers
-/// them (paused for writes: `CLIENT PAUSE … WRITE`, and every lock
-/// command writes) cost a full node timeout on every attempt whose
-/// outcome hung on it. Now it is failing after one timeout, and later
-/// attempts count it as a failed vote at once (a trial every 100 ms).
+/// A node that takes commands but never answers them (paused for
+/// writes: `CLIENT PAUSE … WRITE`, and every lock command writes) cost
+/// a full node timeout on every attempt whose outcome hung on it. Now
+/// it is failing after one timeout, and later attempts count it as a
+/// failed vote at once (a trial every 100 ms).
 #[test]
 fn a_node_that_never_answers_costs_one_timeout_not_one_per_attempt() {
     clean(&script(Plan::calm(3, 3), |ctx| {
