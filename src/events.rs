@@ -92,16 +92,16 @@ impl fmt::Debug for Events {
 impl Events {
     /// The handler, when there is one.
     #[inline]
-    pub(crate) fn get(&self) -> Option<Guarded<'_>> {
-        self.0.as_deref().map(Guarded)
+    pub(crate) fn get(&self) -> Option<PanicSafe<'_>> {
+        self.0.as_deref().map(PanicSafe)
     }
 }
 
 /// The user's handler, each call guarded against its panics.
 #[derive(Clone, Copy)]
-pub(crate) struct Guarded<'a>(&'a dyn EventHandler);
+pub(crate) struct PanicSafe<'a>(&'a dyn EventHandler);
 
-impl Guarded<'_> {
+impl PanicSafe<'_> {
     fn call(&self, what: &str, f: impl FnOnce()) {
         if std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err() {
             log::error!("event handler panicked in {what}; event dropped, the client goes on");

@@ -9,7 +9,7 @@ use log::{debug, warn};
 
 use crate::error::Error;
 use crate::lock::engine::Engine;
-use crate::lock::queue::Permit;
+use crate::lock::queue::Turn;
 use crate::lock::state::LockState;
 use crate::Result;
 
@@ -27,7 +27,7 @@ pub struct LockGuard {
     state: Arc<LockState>,
     /// This thread's turn among local waiters; dropped (handing over) only
     /// after the release.
-    turn: Option<Permit>,
+    turn: Option<Turn>,
     /// Released or handed over: nothing left for `Drop` to do.
     done: bool,
 }
@@ -45,7 +45,7 @@ impl fmt::Debug for LockGuard {
 }
 
 impl LockGuard {
-    pub(crate) fn new(engine: Arc<Engine>, state: Arc<LockState>, turn: Option<Permit>) -> Self {
+    pub(crate) fn new(engine: Arc<Engine>, state: Arc<LockState>, turn: Option<Turn>) -> Self {
         LockGuard {
             engine,
             state,

@@ -12,7 +12,7 @@ use crate::clock::{after, Clock, Rng};
 use crate::error::{Error, NodeError};
 use crate::guard::LockGuard;
 use crate::lock::engine::{validate_resource, Budget, Engine};
-use crate::lock::queue::Permit;
+use crate::lock::queue::Turn;
 use crate::lock::settings::Settings;
 use crate::lock::state::{LockState, LostCallback};
 use crate::lock::transport::Transport;
@@ -356,7 +356,7 @@ impl Redlock {
     }
 
     /// A guard for a held lock, renewed when the client renews every lock.
-    fn guard(&self, state: Arc<LockState>, turn: Option<Permit>) -> LockGuard {
+    fn guard(&self, state: Arc<LockState>, turn: Option<Turn>) -> LockGuard {
         if let Some(turn) = &turn {
             // Local waiters wait for this lock, not for its guard.
             turn.set_holder(&state);

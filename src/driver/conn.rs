@@ -6,11 +6,11 @@
 //! every node, wait on all sockets at once with `poll(2)` and take replies in
 //! the order they arrive.
 //!
-//! A connection remembers the replies it still owes ([`Conn::pending`]): a
-//! round that ended before a slow node answered leaves its reply in flight,
-//! and the next user of the connection reads (and discards) it first.
+//! What a connection owes (the replies to the commands sent on it, and the
+//! bytes not yet written) is its [`Wire`], which does no I/O: a round that
+//! ended before a slow node answered leaves its reply owed there, and the
+//! next user of the connection reads it first.
 
-use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
@@ -19,6 +19,7 @@ use redis::Value;
 
 use crate::clock::after;
 use crate::driver::resp::frame_len;
+use crate::driver::wire::{Pending, Setup, Wire};
 
 /// The smallest socket timeout we set (`Some(ZERO)` is an error for std).
 pub(crate) const MIN_TIMEOUT: Duration = Duration::from_millis(1);
@@ -99,74 +100,16 @@ impl Stream {
     }
 }
 
-/// What a command sent at connect asks, for its reply to be understood.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Setup {
-    /// Not a setup command.
-    None,
-    /// `SCRIPT LOAD`: the reply is dropped (an error means rounds send EVAL).
-    Load,
-    /// `INFO`: who the server is and whether it can keep locks.
-    Info,
-    /// The metadata's id (see [`crate::driver::scripts::HISTORY_ID_LUA`]).
-    History,
-}
-
-/// One reply the connection still owes.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Pending {
-    /// When the command was queued.
-    pub sent: Instant,
-    /// Whether the current round waits for it (else it is read and dropped).
-    pub wanted: bool,
-    /// For an acquire or a swap whose round ended without its reply: the
-    /// release that undoes it, sent on this connection (after the SET) if
-    /// the late reply says it was set and the lock was released meanwhile,
-    /// or before the connection is given up.
-    pub undo: Option<Vec<u8>>,
-    /// For a command that may write a key of ours (an acquire, a swap, a
-    /// restore) whose round ended without its reply: its tokens, whose write
-    /// may still land (until this reply is read).
-    pub tokens: Vec<String>,
-    /// For a command sent at connect: what it asks.
-    pub setup: Setup,
-    /// For a release whose round ended without its reply: the same release
-    /// as `EVAL`, sent if the late reply is NOSCRIPT (a delete is never lost).
-    pub resend: Option<Vec<u8>>,
-    /// For a retried release: the tokens of its batch, which leave the
-    /// node's retry queue once the node answers it.
-    pub retried: Vec<String>,
-}
-
-/// A connection to one node.
+/// A connection to one node: its socket, what has been read of it, and
+/// what it owes ([`Wire`]).
 #[derive(Debug)]
 pub(crate) struct Conn {
     stream: Stream,
     rbuf: Vec<u8>,
-    wbuf: Vec<u8>,
+    /// How much of `wire`'s output the socket took.
     wpos: usize,
-    pending: VecDeque<Pending>,
-    /// Must not be reused: an error, a timeout, a half-written command.
-    pub broken: bool,
-    /// When the connection was made.
-    pub made: Instant,
-    /// Who is at the other end, as its `INFO` and lock history said (read
-    /// ahead of the first round's reply).
-    pub server: crate::algorithm::round::ServerTag,
-    /// When `INFO` was last asked on this connection.
-    pub info_at: Instant,
-    /// Returned to the pool owing replies: counted in this counter (the
-    /// node's idle connections that owe replies) until a checkout reads
-    /// them or the connection is dropped.
-    pub owing: Option<std::sync::Arc<std::sync::atomic::AtomicUsize>>,
-}
-
-impl Drop for Conn {
-    fn drop(&mut self) {
-        if let Some(n) = self.owing.take() {
-            n.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
-        }
-    }
+    /// The commands sent and the replies owed; the bytes to write.
+    pub wire: Wire,
 }
 
 /// What a connection is for, and so which commands it sends at connect.
@@ -189,7 +132,7 @@ pub(crate) enum ConnectError {
     /// Refused, reset, unreachable, or no answer within the timeout.
     Io(io::Error),
     /// AUTH or SELECT was answered with an error.
-    Refused(String),
+    Handshake(String),
     /// The TLS handshake failed: the node's certificate was refused, or
     /// the node refused ours (or our lack of one).
     #[cfg_attr(not(feature = "tls-rustls"), allow(dead_code))]
@@ -203,7 +146,7 @@ impl ConnectError {
         match self {
             ConnectError::Io(e) if e.kind() == io::ErrorKind::TimedOut => NodeErrorKind::Timeout,
             ConnectError::Io(_) => NodeErrorKind::Unavailable,
-            ConnectError::Refused(_) => NodeErrorKind::Server,
+            ConnectError::Handshake(_) => NodeErrorKind::Server,
             ConnectError::Tls(_) => NodeErrorKind::Tls,
         }
     }
@@ -221,7 +164,7 @@ impl std::fmt::Display for ConnectError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             ConnectError::Io(e) => write!(f, "{e}"),
-            ConnectError::Refused(e) => write!(f, "handshake refused: {e}"),
+            ConnectError::Handshake(e) => write!(f, "handshake refused: {e}"),
             ConnectError::Tls(e) => write!(f, "TLS handshake failed: {e}"),
         }
     }
@@ -286,14 +229,8 @@ impl Conn {
         let mut conn = Conn {
             stream,
             rbuf: Vec::with_capacity(512),
-            wbuf: Vec::new(),
             wpos: 0,
-            pending: VecDeque::new(),
-            broken: false,
-            made: Instant::now(),
-            server: crate::algorithm::round::ServerTag::default(),
-            info_at: Instant::now(),
-            owing: None,
+            wire: Wire::new(Instant::now()),
         };
         conn.tls_handshake(timeout)?;
         let mut checked = false;
@@ -331,19 +268,20 @@ impl Conn {
         let now = Instant::now();
         if purpose != For::Query {
             for load in &crate::driver::scripts::load_commands() {
-                conn.queue_setup(load, now, Setup::Load);
+                conn.wire.queue_setup(load, now, Setup::Load);
             }
-            conn.queue_setup(&redis::cmd("INFO").get_packed_command(), now, Setup::Info);
+            conn.wire
+                .queue_setup(&redis::cmd("INFO").get_packed_command(), now, Setup::Info);
         }
         match purpose {
-            For::Rounds => conn.queue_setup(
+            For::Rounds => conn.wire.queue_setup(
                 &crate::driver::scripts::history_id_command(),
                 now,
                 Setup::History,
             ),
             // Read only (the script writes the id where it is missing, and a
             // node under `CLIENT PAUSE … WRITE` holds every write).
-            For::Check => conn.queue_setup(
+            For::Check => conn.wire.queue_setup(
                 &redis::cmd("HGET")
                     .arg(crate::driver::scripts::META_KEY)
                     .arg("id")
@@ -369,7 +307,7 @@ impl Conn {
                 }
                 let now = Instant::now();
                 if now >= deadline {
-                    self.broken = true;
+                    self.wire.broken = true;
                     return Err(ConnectError::Io(io::Error::new(
                         io::ErrorKind::TimedOut,
                         "no reply to the TLS handshake (is this a TLS port?)",
@@ -406,13 +344,13 @@ impl Conn {
     /// Sends one setup command and waits for `+OK` (`+PONG` for `PING`).
     fn handshake(&mut self, cmd: &[u8], timeout: Duration) -> Result<(), ConnectError> {
         let now = Instant::now();
-        self.queue(cmd, now, false);
+        self.wire.queue(cmd, now, false);
         self.flush()?;
         match self.wait_reply(after(now, timeout))? {
             Value::Okay => Ok(()),
             Value::SimpleString(s) if s == "PONG" => Ok(()),
-            Value::ServerError(e) => Err(ConnectError::Refused(e.to_string())),
-            v => Err(ConnectError::Refused(format!("{v:?}"))),
+            Value::ServerError(e) => Err(ConnectError::Handshake(e.to_string())),
+            v => Err(ConnectError::Handshake(format!("{v:?}"))),
         }
     }
 
@@ -424,7 +362,7 @@ impl Conn {
             }
             let now = Instant::now();
             if now >= deadline {
-                self.broken = true;
+                self.wire.broken = true;
                 return Err(io::ErrorKind::TimedOut.into());
             }
             let want_out = self.wants_write();
@@ -435,120 +373,50 @@ impl Conn {
         }
     }
 
-    /// Appends a command; its reply is expected in order after the others.
-    pub(crate) fn queue(&mut self, cmd: &[u8], now: Instant, wanted: bool) {
-        self.push(cmd, now, wanted, Setup::None);
-    }
-
-    /// Appends a command no round waits for that may write a key of ours
-    /// (see [`Pending::undo`]).
-    pub(crate) fn queue_late(
-        &mut self,
-        cmd: &[u8],
-        now: Instant,
-        undo: Vec<u8>,
-        tokens: Vec<String>,
-    ) {
-        self.push_unwanted(cmd, now, |p| {
-            p.undo = Some(undo);
-            p.tokens = tokens;
-        });
-    }
-
-    /// Appends a command sent at connect, whose reply is read and dropped.
-    pub(crate) fn queue_setup(&mut self, cmd: &[u8], now: Instant, setup: Setup) {
-        self.push(cmd, now, false, setup);
-    }
-
-    fn push(&mut self, cmd: &[u8], now: Instant, wanted: bool, setup: Setup) {
-        if self.wpos == self.wbuf.len() {
-            self.wbuf.clear();
-            self.wpos = 0;
-        }
-        self.wbuf.extend_from_slice(cmd);
-        self.pending.push_back(Pending {
-            sent: now,
-            wanted,
-            undo: None,
-            tokens: Vec::new(),
-            setup,
-            resend: None,
-            retried: Vec::new(),
-        });
-    }
-
-    /// Appends a retried release no round waits for (see
-    /// [`Pending::retried`]); `resend` is the same release as `EVAL`.
-    pub(crate) fn queue_retry(
-        &mut self,
-        cmd: &[u8],
-        now: Instant,
-        resend: Vec<u8>,
-        retried: Vec<String>,
-    ) {
-        self.push_unwanted(cmd, now, |p| {
-            p.resend = Some(resend);
-            p.retried = retried;
-        });
-    }
-
-    /// Appends a command no round waits for, its pending entry completed
-    /// by `complete`.
-    fn push_unwanted(&mut self, cmd: &[u8], now: Instant, complete: impl FnOnce(&mut Pending)) {
-        self.push(cmd, now, false, Setup::None);
-        if let Some(p) = self.pending.back_mut() {
-            complete(p);
-        }
-    }
-
-    /// Gives up the connection: first queues (without waiting) the undo of
-    /// every acquire still in flight, so that the node, when it gets to the
-    /// SET, deletes the key right after it, and every release again.
+    /// Gives up the connection: first sends (without waiting) what
+    /// [`Wire::give_up`] queues, so that the node, when it gets to a SET
+    /// still in flight, deletes the key right after it.
     pub(crate) fn abandon(&mut self) {
-        // Undos of acquires, and releases again as EVAL (a release whose
-        // reply never came may have met NOSCRIPT; deleting twice is harmless).
-        let undos: Vec<Vec<u8>> = self
-            .pending
-            .iter_mut()
-            .filter_map(|p| p.undo.take().or_else(|| p.resend.take()))
-            .collect();
-        if !undos.is_empty() && !self.broken {
-            let now = Instant::now();
-            for u in &undos {
-                self.queue(u, now, false);
-            }
+        if self.wire.give_up(Instant::now()) {
             let _ = self.flush();
         }
-        self.broken = true;
+        self.wire.broken = true;
     }
 
     /// Writes what the socket takes now. An error marks the connection broken.
     pub(crate) fn flush(&mut self) -> io::Result<()> {
         if let Err(e) = self.stream.push() {
-            self.broken = true;
+            self.wire.broken = true;
             return Err(e);
         }
-        while self.wpos < self.wbuf.len() {
-            match self.stream.write(&self.wbuf[self.wpos..]) {
+        loop {
+            let out = self.wire.output();
+            if self.wpos >= out.len() {
+                break;
+            }
+            match self.stream.write(&out[self.wpos..]) {
                 Ok(0) => {
-                    self.broken = true;
+                    self.wire.broken = true;
                     return Err(io::ErrorKind::WriteZero.into());
                 }
                 Ok(k) => self.wpos += k,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {
-                    self.broken = true;
+                    self.wire.broken = true;
                     return Err(e);
                 }
             }
         }
+        // All written: the buffer is reused from its start.
+        self.wire.written(self.wpos);
+        self.wpos = 0;
         Ok(())
     }
 
     /// Whether part of a command is still unwritten.
     pub(crate) fn wants_write(&self) -> bool {
-        self.wpos < self.wbuf.len() || self.stream.wants_write()
+        self.wpos < self.wire.output().len() || self.stream.wants_write()
     }
 
     /// Reads what has arrived, without waiting. End of stream or an error
@@ -568,7 +436,7 @@ impl Conn {
         loop {
             match self.stream.read(&mut chunk) {
                 Ok(0) => {
-                    self.broken = true;
+                    self.wire.broken = true;
                     return Err(io::Error::new(
                         io::ErrorKind::ConnectionAborted,
                         "connection closed by the node",
@@ -583,7 +451,7 @@ impl Conn {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {
-                    self.broken = true;
+                    self.wire.broken = true;
                     return Err(e);
                 }
             }
@@ -608,50 +476,13 @@ impl Conn {
         let len = match frame_len(&self.rbuf) {
             Ok(Some(len)) => len,
             Ok(None) => return Ok(None),
-            Err(()) => return Err(self.protocol_error("malformed reply")),
-        };
-        let Some(p) = self.pending.pop_front() else {
-            return Err(self.protocol_error("reply to no command"));
+            Err(()) => return Err(self.wire.protocol_error("malformed reply")),
         };
         let value = redis::parse_redis_value(&self.rbuf[..len]);
         self.rbuf.drain(..len);
         match value {
-            Ok(v) => Ok(Some((p, v))),
-            Err(e) => Err(self.protocol_error(&e.to_string())),
-        }
-    }
-
-    fn protocol_error(&mut self, what: &str) -> io::Error {
-        self.broken = true;
-        io::Error::new(io::ErrorKind::InvalidData, what.to_owned())
-    }
-
-    /// Replies still owed, oldest first.
-    pub(crate) fn pending(&self) -> &VecDeque<Pending> {
-        &self.pending
-    }
-
-    /// Whether a release whose reply has not been read is owed.
-    pub(crate) fn owes_release(&self) -> bool {
-        self.pending.iter().any(|p| p.resend.is_some())
-    }
-
-    /// Whether a reply the current round waits for is still owed.
-    pub(crate) fn awaits_wanted(&self) -> bool {
-        self.pending.iter().any(|p| p.wanted)
-    }
-
-    /// The round is over: replies still owed are read and dropped later;
-    /// `tokens` are those whose write may still land until such a reply is
-    /// read, and `undo` (for an acquire or a swap) is sent if it says set.
-    pub(crate) fn unwant(&mut self, undo: Option<&[u8]>, tokens: &[String], resend: Option<&[u8]>) {
-        for p in &mut self.pending {
-            if p.wanted {
-                p.wanted = false;
-                p.undo = undo.map(<[u8]>::to_vec);
-                p.tokens = tokens.to_vec();
-                p.resend = resend.map(<[u8]>::to_vec);
-            }
+            Ok(v) => self.wire.answer(v).map(Some),
+            Err(e) => Err(self.wire.protocol_error(&e.to_string())),
         }
     }
 

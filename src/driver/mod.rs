@@ -8,3 +8,4 @@ pub(crate) mod scripts;
 #[cfg(feature = "tls-rustls")]
 pub(crate) mod tls;
 pub(crate) mod url;
+pub(crate) mod wire;

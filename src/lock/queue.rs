@@ -25,31 +25,31 @@ use crate::lock::state::LockState;
 
 /// The queues, one per resource that some thread holds or waits for.
 #[derive(Debug)]
-pub(crate) struct Gates {
-    map: Mutex<HashMap<String, Arc<Gate>>>,
+pub(crate) struct Queues {
+    map: Mutex<HashMap<String, Arc<Queue>>>,
     /// Time and waits (virtual in the simulation).
     clock: Arc<dyn Clock>,
 }
 
-impl Default for Gates {
+impl Default for Queues {
     fn default() -> Self {
-        Gates::new(Arc::new(SystemClock))
+        Queues::new(Arc::new(SystemClock))
     }
 }
 
 #[derive(Debug, Default)]
-struct Gate {
-    state: Mutex<GateState>,
-    turn: Arc<Signal>,
+struct Queue {
+    state: Mutex<QueueState>,
+    changed: Arc<Signal>,
 }
 
 #[derive(Debug, Default)]
-struct GateState {
+struct QueueState {
     held: bool,
     waiting: VecDeque<u64>,
     next_ticket: u64,
     /// A held lock passed from the last holder to the next.
-    baton: Option<Arc<LockState>>,
+    handed: Option<Arc<LockState>>,
     /// The lock the turn's holder holds, once it has one: waiters stop
     /// waiting when it expires or is lost, whatever its guard does.
     holder: Option<Weak<LockState>>,
@@ -57,23 +57,23 @@ struct GateState {
 
 /// This thread's turn at a resource; the next waiter's starts when it drops.
 #[derive(Debug)]
-pub(crate) struct Permit {
-    gates: Arc<Gates>,
+pub(crate) struct Turn {
+    queues: Arc<Queues>,
     resource: String,
-    gate: Arc<Gate>,
+    queue: Arc<Queue>,
     /// The turn was passed on with the lock: nothing left to give up.
-    handed: bool,
+    passed_on: bool,
 }
 
-impl Gates {
+impl Queues {
     pub(crate) fn new(clock: Arc<dyn Clock>) -> Self {
-        Gates {
+        Queues {
             map: Mutex::default(),
             clock,
         }
     }
 
-    fn gate(&self, resource: &str) -> Arc<Gate> {
+    fn queue(&self, resource: &str) -> Arc<Queue> {
         self.map
             .lock()
             .entry(resource.to_owned())
@@ -82,10 +82,10 @@ impl Gates {
     }
 
     /// Takes the resource's turn, waiting in FIFO order until `deadline`.
-    pub(crate) fn acquire(self: &Arc<Self>, resource: &str, deadline: Instant) -> Option<Permit> {
-        let gate = self.gate(resource);
+    pub(crate) fn acquire(self: &Arc<Self>, resource: &str, deadline: Instant) -> Option<Turn> {
+        let queue = self.queue(resource);
         let got = {
-            let mut st = gate.state.lock();
+            let mut st = queue.state.lock();
             if !st.held && st.waiting.is_empty() {
                 st.held = true;
                 true
@@ -106,11 +106,11 @@ impl Gates {
                     let holder_until = st.held.then(|| holder_deadline(&st, now)).flatten();
                     if holder_until.is_some_and(|h| h <= now) {
                         st.waiting.retain(|&t| t != ticket);
-                        gate.turn.notify();
+                        queue.changed.notify();
                         break false;
                     }
                     if now >= deadline {
-                        if !st.held && st.waiting.len() == 1 && st.baton.is_some() {
+                        if !st.held && st.waiting.len() == 1 && st.handed.is_some() {
                             // Nobody else is left to take a handed-over lock:
                             // take the turn so that it is used or released.
                             st.waiting.clear();
@@ -119,58 +119,58 @@ impl Gates {
                         }
                         st.waiting.retain(|&t| t != ticket);
                         // The head may have changed: let the new head look.
-                        gate.turn.notify();
+                        queue.changed.notify();
                         break false;
                     }
                     let wake = holder_until.map_or(deadline, |h| h.min(deadline));
-                    self.wait(&gate, &mut st, wake);
+                    self.wait(&queue, &mut st, wake);
                 }
             }
         };
-        self.permit(resource, gate, got)
+        self.turn_at(resource, queue, got)
     }
 
-    /// Waits for a change at `gate` (or `until`), without its state lock.
-    fn wait(&self, gate: &Gate, st: &mut MutexGuard<'_, GateState>, until: Instant) {
-        let seen = gate.turn.seen();
-        MutexGuard::unlocked(st, || self.clock.wait(&gate.turn, seen, Some(until)));
+    /// Waits for a change at `queue` (or `until`), without its state lock.
+    fn wait(&self, queue: &Queue, st: &mut MutexGuard<'_, QueueState>, until: Instant) {
+        let seen = queue.changed.seen();
+        MutexGuard::unlocked(st, || self.clock.wait(&queue.changed, seen, Some(until)));
     }
 
     /// Takes the resource's turn only if nobody holds or waits for it.
-    pub(crate) fn try_acquire(self: &Arc<Self>, resource: &str) -> Option<Permit> {
-        let gate = self.gate(resource);
+    pub(crate) fn try_acquire(self: &Arc<Self>, resource: &str) -> Option<Turn> {
+        let queue = self.queue(resource);
         let got = {
-            let mut st = gate.state.lock();
+            let mut st = queue.state.lock();
             let free = !st.held && st.waiting.is_empty();
             st.held |= free;
             free
         };
-        self.permit(resource, gate, got)
+        self.turn_at(resource, queue, got)
     }
 
     /// The turn when `got`; else forgets the queue if it is idle.
-    fn permit(self: &Arc<Self>, resource: &str, gate: Arc<Gate>, got: bool) -> Option<Permit> {
+    fn turn_at(self: &Arc<Self>, resource: &str, queue: Arc<Queue>, got: bool) -> Option<Turn> {
         if got {
-            return Some(Permit {
-                gates: self.clone(),
+            return Some(Turn {
+                queues: self.clone(),
                 resource: resource.to_owned(),
-                gate,
-                handed: false,
+                queue,
+                passed_on: false,
             });
         }
-        self.forget_if_idle(resource, &gate);
+        self.forget_if_idle(resource, &queue);
         None
     }
 
     /// Removes a resource's queue once nobody holds, waits for or refers to it.
-    fn forget_if_idle(&self, resource: &str, gate: &Arc<Gate>) {
+    fn forget_if_idle(&self, resource: &str, queue: &Arc<Queue>) {
         let mut map = self.map.lock();
         let idle = {
-            let st = gate.state.lock();
+            let st = queue.state.lock();
             !st.held && st.waiting.is_empty()
         };
         // Two references: the map's and the caller's.
-        if idle && Arc::strong_count(gate) == 2 {
+        if idle && Arc::strong_count(queue) == 2 {
             map.remove(resource);
         }
     }
@@ -181,57 +181,54 @@ impl Gates {
     }
 }
 
-impl Permit {
+impl Turn {
     /// Whether other threads are queued for this resource.
     pub(crate) fn has_waiters(&self) -> bool {
-        !self.gate.state.lock().waiting.is_empty()
+        !self.queue.state.lock().waiting.is_empty()
     }
 
     /// Records the lock this turn's holder now holds.
     pub(crate) fn set_holder(&self, lock: &Arc<LockState>) {
-        self.gate.state.lock().holder = Some(Arc::downgrade(lock));
+        self.queue.state.lock().holder = Some(Arc::downgrade(lock));
     }
 
     /// Ends this turn, passing the held lock to the next thread in line, in
     /// one step: the turn and the lock go together to the waiter at the
     /// front, which takes both even if its deadline passes meanwhile. With
     /// nobody waiting any more, the lock comes back (the caller releases it)
-    /// and the turn stays with this permit.
-    pub(crate) fn hand_over(
-        mut self,
-        lock: Arc<LockState>,
-    ) -> Result<(), (Permit, Arc<LockState>)> {
+    /// and the turn stays with this one.
+    pub(crate) fn hand_over(mut self, lock: Arc<LockState>) -> Result<(), (Turn, Arc<LockState>)> {
         {
-            let mut st = self.gate.state.lock();
+            let mut st = self.queue.state.lock();
             if st.waiting.is_empty() {
                 drop(st);
                 return Err((self, lock));
             }
-            st.baton = Some(lock);
+            st.handed = Some(lock);
             st.held = false;
             st.holder = None;
         }
-        self.handed = true;
-        self.gate.turn.notify();
+        self.passed_on = true;
+        self.queue.changed.notify();
         Ok(())
     }
 
     /// A lock handed over by the previous holder, if any.
-    pub(crate) fn take_baton(&self) -> Option<Arc<LockState>> {
-        self.gate.state.lock().baton.take()
+    pub(crate) fn take_hand_over(&self) -> Option<Arc<LockState>> {
+        self.queue.state.lock().handed.take()
     }
 }
 
-impl Drop for Permit {
+impl Drop for Turn {
     fn drop(&mut self) {
-        if !self.handed {
-            let mut st = self.gate.state.lock();
+        if !self.passed_on {
+            let mut st = self.queue.state.lock();
             st.held = false;
             st.holder = None;
             drop(st);
-            self.gate.turn.notify();
+            self.queue.changed.notify();
         }
-        self.gates.forget_if_idle(&self.resource, &self.gate);
+        self.queues.forget_if_idle(&self.resource, &self.queue);
     }
 }
 
@@ -239,7 +236,7 @@ impl Drop for Permit {
 /// has none yet (it is asking the nodes) or its guard is gone. A lock being
 /// released still counts until its turn ends, right after the release round
 /// (waiters leaving then would race the holder's delete at the nodes).
-fn holder_deadline(st: &GateState, now: Instant) -> Option<Instant> {
+fn holder_deadline(st: &QueueState, now: Instant) -> Option<Instant> {
     let h = st.holder.as_ref()?.upgrade()?;
     Some(if h.is_lost() { now } else { h.deadline() })
 }
@@ -251,15 +248,15 @@ mod tests {
 
     #[test]
     fn one_turn_at_a_time_and_queues_are_forgotten() {
-        let gates = Arc::new(Gates::default());
-        let a = gates.try_acquire("r").expect("free");
-        assert!(gates.try_acquire("r").is_none());
-        assert!(gates.try_acquire("other").is_some());
+        let queues = Arc::new(Queues::default());
+        let a = queues.try_acquire("r").expect("free");
+        assert!(queues.try_acquire("r").is_none());
+        assert!(queues.try_acquire("other").is_some());
         let soon = Instant::now() + Duration::from_millis(20);
-        assert!(gates.acquire("r", soon).is_none(), "times out while held");
+        assert!(queues.acquire("r", soon).is_none(), "times out while held");
         drop(a);
-        assert!(gates.try_acquire("r").is_some());
-        assert_eq!(gates.len(), 0, "idle queues are removed");
+        assert!(queues.try_acquire("r").is_some());
+        assert_eq!(queues.len(), 0, "idle queues are removed");
     }
 
     /// A lock on "r" valid for `valid` from now.
@@ -278,18 +275,20 @@ mod tests {
     }
 
     /// Issue 8's hand-over race: the holder saw a waiter, the waiter's
-    /// deadline passed before the hand-over, and the baton was dropped with
+    /// deadline passed before the hand-over, and the handed-over lock was dropped with
     /// the queue (the lock stayed on the nodes with no guard anywhere). The
     /// hand-over must either reach a waiter that takes it or come back.
     #[test]
     fn a_hand_over_reaches_a_waiter_or_comes_back() {
-        let gates = Arc::new(Gates::default());
-        let holder = gates.try_acquire("r").expect("free");
+        let queues = Arc::new(Queues::default());
+        let holder = queues.try_acquire("r").expect("free");
         let waiter = {
-            let gates = gates.clone();
+            let queues = queues.clone();
             std::thread::spawn(move || {
                 let soon = Instant::now() + Duration::from_millis(30);
-                gates.acquire("r", soon).map(|p| p.take_baton().is_some())
+                queues
+                    .acquire("r", soon)
+                    .map(|p| p.take_hand_over().is_some())
             })
         };
         while !holder.has_waiters() {
@@ -312,12 +311,12 @@ mod tests {
     /// later `lock()` of the key in the process for the whole wait.
     #[test]
     fn waiters_stop_waiting_for_a_holder_whose_lock_expired() {
-        let gates = Arc::new(Gates::default());
-        let holder = gates.try_acquire("r").expect("free");
+        let queues = Arc::new(Queues::default());
+        let holder = queues.try_acquire("r").expect("free");
         let lock = held_for(Duration::from_millis(50));
         holder.set_holder(&lock);
         let t = Instant::now();
-        let got = gates.acquire("r", t + Duration::from_secs(5));
+        let got = queues.acquire("r", t + Duration::from_secs(5));
         let waited = t.elapsed();
         assert!(got.is_none(), "the turn is still the holder's");
         assert!(
@@ -325,18 +324,18 @@ mod tests {
             "waited {waited:?} for a lock that expired after 50 ms"
         );
         drop(holder);
-        assert!(gates.try_acquire("r").is_some());
+        assert!(queues.try_acquire("r").is_some());
     }
 
     #[test]
     fn waiters_are_served_in_arrival_order() {
-        let gates = Arc::new(Gates::default());
-        let first = gates.try_acquire("r").expect("free");
+        let queues = Arc::new(Queues::default());
+        let first = queues.try_acquire("r").expect("free");
         let order = Arc::new(Mutex::new(Vec::new()));
         let deadline = Instant::now() + Duration::from_secs(10);
         std::thread::scope(|s| {
             for i in 0..4 {
-                let (mine, order) = (gates.clone(), order.clone());
+                let (mine, order) = (queues.clone(), order.clone());
                 s.spawn(move || {
                     let p = mine.acquire("r", deadline).expect("turn");
                     order.lock().push(i);
@@ -344,13 +343,13 @@ mod tests {
                     drop(p);
                 });
                 // Let thread i queue before thread i + 1.
-                while gates.gate("r").state.lock().waiting.len() < i + 1 {
+                while queues.queue("r").state.lock().waiting.len() < i + 1 {
                     std::thread::yield_now();
                 }
             }
             drop(first);
         });
         assert_eq!(*order.lock(), [0, 1, 2, 3]);
-        assert_eq!(gates.len(), 0);
+        assert_eq!(queues.len(), 0);
     }
 }

@@ -72,7 +72,7 @@ fn a_write_back_beaten_by_another_owner_reports_taken() {
 }
 
 /// Counters stop at the limit of exact Lua numbers: an acquire meeting
-/// one is refused by the node (before its SET), and a baton whose next
+/// one is refused by the node (before its SET), and a handed whose next
 /// token would pass it is not handed over.
 #[test]
 fn counters_at_the_limit_refuse_instead_of_tying() {
@@ -93,7 +93,10 @@ fn counters_at_the_limit_refuse_instead_of_tying() {
     }
     let g = locks.try_lock("s", TTL).expect("the last exact token");
     assert_eq!(g.fencing_token(), Some(limit));
-    assert!(locks.engine.take_over(g.state(), TTL).is_err(), "limit + 1");
+    assert!(
+        locks.engine.accept_hand_over(g.state(), TTL).is_err(),
+        "limit + 1"
+    );
     std::mem::forget(g);
     assert!((0..3).all(|i| nodes.get(i, "s").is_none()), "released");
 }

@@ -3,7 +3,7 @@
 
 use crate::driver::node::encode::Encoded;
 use crate::driver::node::queries::release_once;
-use crate::driver::node::replies::prepare;
+use crate::driver::node::replies::catch_up;
 use crate::driver::node::retries::{Retry, Unsettled, MAX_RETRIES};
 use crate::driver::node::shared::{NodeInner, NodeShared};
 use crate::driver::node::{RedisTransport, CONN_RECHECK, MIN_IDLE};
@@ -180,7 +180,7 @@ pub(super) fn late_write(
     }
     let mut free = node.pool.try_get();
     if let Some(c) = free.as_mut() {
-        if !prepare(c, shared, now) {
+        if !catch_up(c, shared, now) {
             free = None;
         }
     }
@@ -200,7 +200,7 @@ pub(super) fn late_write(
                 &[key],
             )
             .packed;
-            c.queue_late(
+            c.wire.queue_late(
                 &Encoded::new(op, &[key]).packed,
                 now,
                 undo,
@@ -297,11 +297,11 @@ pub(super) fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPo
             let Some(mut c) = node.pool.try_get() else {
                 break;
             };
-            prepare(&mut c, shared, now);
+            catch_up(&mut c, shared, now);
             idle.push(c);
         }
         // A release still owed its reply (it may come back NOSCRIPT): look again.
-        owed = idle.iter().any(|c| !c.broken && c.owes_release());
+        owed = idle.iter().any(|c| !c.wire.broken && c.wire.owes_release());
         drop(idle);
         shared.draining.store(false, Ordering::Release);
     }
@@ -334,11 +334,12 @@ pub(super) fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPo
         // the pool below its idle minimum, and every round meanwhile
         // started one more connection.
         if let Some(mut c) = node.pool.try_get() {
-            if prepare(&mut c, shared, Instant::now()) {
+            if catch_up(&mut c, shared, Instant::now()) {
                 let tokens = batch.iter().map(|r| r.token.clone()).collect();
-                c.queue_retry(&enc.packed, Instant::now(), enc.fallback(), tokens);
+                c.wire
+                    .queue_retry(&enc.packed, Instant::now(), enc.fallback(), tokens);
                 if c.flush().is_err() {
-                    c.broken = true;
+                    c.wire.broken = true;
                 }
             }
         }

@@ -14,22 +14,18 @@
 //! their connection and are read by its next user.
 
 use crate::driver::node::queries::{inspect_one, probe_one};
-use crate::driver::node::replies::prepare;
-use crate::driver::node::retries::Retries;
+use crate::driver::node::replies::catch_up;
 use crate::driver::node::servers::Servers;
 use crate::driver::node::shared::{ConnectErrors, Manager, Node, NodeInner, NodeShared};
 
-use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
 use r2d2::{Pool, PooledConnection};
 use scheduled_thread_pool::{OnPoolDropBehavior, ScheduledThreadPool};
 
-use crate::algorithm::health::NodeHealth;
 use crate::algorithm::quorum::VoteRules;
 use crate::algorithm::round::Key;
 use crate::algorithm::round::{NodeResult, Op};
@@ -111,22 +107,13 @@ impl RedisTransport {
                     .on_drop_behavior(OnPoolDropBehavior::DiscardPendingScheduled)
                     .build(),
             );
-            let shared = Arc::new(NodeShared {
-                index: i,
-                servers: servers.clone(),
-                name: spec.name.clone(),
+            let shared = Arc::new(NodeShared::new(
+                i,
+                servers.clone(),
+                spec.name.clone(),
                 timeout,
-                health: Mutex::new(NodeHealth::default()),
-                retries: Mutex::new(Retries::default()),
-                answered: Mutex::new(Vec::new()),
-                unsettled: Mutex::new(HashMap::new()),
-                undone: Mutex::new(HashMap::new()),
-                retry_scheduled: AtomicBool::new(false),
-                owing: Arc::new(AtomicUsize::new(0)),
-                draining: AtomicBool::new(false),
-                connect_error: Mutex::new(None),
-                events: config.events.clone(),
-            });
+                config.events.clone(),
+            ));
             let manager = Manager {
                 target: spec.target.clone(),
                 shared: shared.clone(),
@@ -175,7 +162,7 @@ impl RedisTransport {
             } else {
                 node.pool.try_get()?
             };
-            if prepare(&mut c, &node.shared, now) {
+            if catch_up(&mut c, &node.shared, now) {
                 return Some(c);
             }
         }
@@ -210,7 +197,7 @@ impl Transport for RedisTransport {
                             *c = node.inner.pool.try_get();
                         }
                         if let Some(conn) = c.as_mut() {
-                            if !prepare(conn, shared, now) {
+                            if !catch_up(conn, shared, now) {
                                 *c = None;
                             }
                         }

@@ -11,7 +11,8 @@ use redis::Value;
 use crate::algorithm::round::Key;
 use crate::algorithm::round::{After, Answer, Op, Reply};
 use crate::clock::after;
-use crate::driver::conn::{self, Conn, Setup, Target};
+use crate::driver::conn::{self, Conn, Target};
+use crate::driver::wire::Setup;
 use crate::error::NodeErrorKind;
 use crate::lock::transport::Stored;
 
@@ -21,11 +22,11 @@ use crate::lock::transport::Stored;
 pub(super) fn release_once(target: &Target, cmd: &[u8], timeout: Duration) -> Result<(), String> {
     let mut c = Conn::connect_for(target, timeout, conn::For::Query).map_err(|e| e.to_string())?;
     let now = Instant::now();
-    c.queue(cmd, now, true);
+    c.wire.queue(cmd, now, true);
     c.flush().map_err(|e| e.to_string())?;
     let deadline = after(now, timeout);
     loop {
-        let wanted = c.pending().front().is_some_and(|p| p.wanted);
+        let wanted = c.wire.pending().front().is_some_and(|p| p.wanted);
         let v = c.wait_reply(deadline).map_err(|e| e.to_string())?;
         if wanted {
             return match v {
@@ -65,7 +66,7 @@ pub(super) fn probe_one(
     let io = |e: std::io::Error| e.to_string();
     // The connect's setup replies, in order.
     let deadline = after(Instant::now(), timeout);
-    while let Some(setup) = c.pending().front().map(|q| q.setup) {
+    while let Some(setup) = c.wire.pending().front().map(|q| q.setup) {
         let v = match c.wait_reply(deadline) {
             Ok(v) => v,
             Err(e) => {
@@ -88,7 +89,7 @@ pub(super) fn probe_one(
     // One command and its reply, timed.
     let ask = |c: &mut Conn, cmd: &redis::Cmd| -> Result<(Value, Duration), String> {
         let t0 = Instant::now();
-        c.queue(&cmd.get_packed_command(), t0, true);
+        c.wire.queue(&cmd.get_packed_command(), t0, true);
         c.flush().map_err(io)?;
         let v = c.wait_reply(after(t0, timeout)).map_err(io)?;
         Ok((v, t0.elapsed()))
@@ -147,7 +148,7 @@ pub(super) fn probe_one(
     );
     let run = |c: &mut Conn, enc: &Encoded| -> Result<Reply, String> {
         let t0 = Instant::now();
-        c.queue(&enc.fallback(), t0, true);
+        c.wire.queue(&enc.fallback(), t0, true);
         c.flush().map_err(io)?;
         let v = c.wait_reply(after(t0, timeout)).map_err(io)?;
         enc.decode(v).map_err(|(_, why)| why)
@@ -169,12 +170,12 @@ pub(super) fn inspect_one(
     let mut c =
         Conn::connect_for(target, timeout, conn::For::Query).map_err(|e| (e.kind(), e.detail()))?;
     let now = Instant::now();
-    c.queue(
+    c.wire.queue(
         &redis::cmd("GET").arg(resource).get_packed_command(),
         now,
         true,
     );
-    c.queue(
+    c.wire.queue(
         &redis::cmd("PTTL").arg(resource).get_packed_command(),
         now,
         true,
@@ -192,7 +193,7 @@ pub(super) fn inspect_one(
     // Replies to the connect's script loads come first.
     let mut replies = Vec::with_capacity(2);
     while replies.len() < 2 {
-        let wanted = c.pending().front().is_some_and(|p| p.wanted);
+        let wanted = c.wire.pending().front().is_some_and(|p| p.wanted);
         let v = c.wait_reply(deadline).map_err(io)?;
         if wanted {
             replies.push(v);

@@ -14,17 +14,18 @@ use redis::Value;
 
 use crate::algorithm::health::Outcome;
 use crate::algorithm::server::{id_hash, ServerInfo};
-use crate::driver::conn::{Conn, Setup, MAX_PENDING};
+use crate::driver::conn::{Conn, MAX_PENDING};
 use crate::driver::scripts;
+use crate::driver::wire::{Pending, Setup, Wire};
 use crate::error::NodeErrorKind;
 
 /// Reads late replies off a checked-out connection. False (and the
 /// connection marked broken) when it cannot take a new command.
-pub(super) fn prepare(c: &mut PooledConnection<Manager>, node: &NodeShared, now: Instant) -> bool {
-    if let Some(n) = c.owing.take() {
+pub(super) fn catch_up(c: &mut PooledConnection<Manager>, node: &NodeShared, now: Instant) -> bool {
+    if let Some(n) = c.wire.owing.take() {
         n.fetch_sub(1, Ordering::AcqRel);
     }
-    if c.broken {
+    if c.wire.broken {
         return false;
     }
     // One non-blocking read: late replies, and whether the node closed the
@@ -36,7 +37,7 @@ pub(super) fn prepare(c: &mut PooledConnection<Manager>, node: &NodeShared, now:
                 if !turned_away(&p, &v) {
                     node.replied();
                 }
-                if late_reply(c, node, p, &v, now).is_err() {
+                if late_reply_on(c, node, p, &v, now).is_err() {
                     return false;
                 }
             }
@@ -55,28 +56,29 @@ pub(super) fn prepare(c: &mut PooledConnection<Manager>, node: &NodeShared, now:
         debug!(
             "node {}: a pooled connection was closed while idle ({} replies owed)",
             node.name,
-            c.pending().len()
+            c.wire.pending().len()
         );
         return false;
     }
-    if let Some(oldest) = c.pending().front() {
+    if let Some(oldest) = c.wire.pending().front() {
         if now.saturating_duration_since(oldest.sent) >= node.timeout {
             c.abandon();
             node.observe(Outcome::TimedOut);
             return false;
         }
-        if c.pending().len() >= MAX_PENDING {
+        if c.wire.pending().len() >= MAX_PENDING {
             c.abandon();
             return false;
         }
     }
-    if now.saturating_duration_since(c.info_at) >= INFO_EVERY {
+    if now.saturating_duration_since(c.wire.info_at) >= INFO_EVERY {
         // What the server is can change without a new connection (a replica
         // promoted, a memory policy set at runtime): asked again, ahead of
         // this connection's next command, not waited for.
-        c.info_at = now;
-        c.queue_setup(&redis::cmd("INFO").get_packed_command(), now, Setup::Info);
-        // Sent now (a caller of `prepare` may send nothing after it, and a
+        c.wire.info_at = now;
+        c.wire
+            .queue_setup(&redis::cmd("INFO").get_packed_command(), now, Setup::Info);
+        // Sent now (a caller of `catch_up` may send nothing after it, and a
         // reply owed for a command never sent would look like a timeout).
         if c.flush().is_err() {
             return false;
@@ -97,21 +99,37 @@ pub(super) fn info_of(v: &Value) -> ServerInfo {
 /// How often a pooled connection asks its server's `INFO` again.
 pub(super) const INFO_EVERY: Duration = Duration::from_secs(10);
 
-/// A reply no round waits for any more: a command sent at connect (who the
-/// server is), or a late reply; if it says a write of an ended round landed
-/// on a lock released meanwhile, deletes that key again (on the same
-/// connection). `Err` when the connection cannot be used: its node refused
-/// it (`ConnectionRefused`, with the server's words), or a write failed.
-pub(super) fn late_reply(
+/// [`late_reply`] on a connection, and what it queued sent at once.
+pub(super) fn late_reply_on(
     c: &mut Conn,
     node: &NodeShared,
-    p: crate::driver::conn::Pending,
+    p: Pending,
     v: &Value,
     now: Instant,
 ) -> std::io::Result<()> {
-    if p.setup != Setup::None {
-        return setup_reply(c, node, p.setup, v);
+    if late_reply(&mut c.wire, node, p, v, now)? {
+        c.flush()?;
     }
+    Ok(())
+}
+
+/// A reply no round waits for any more: a command sent at connect (who the
+/// server is), or a late reply; if it says a write of an ended round landed
+/// on a lock released meanwhile, queues that key's delete on the same
+/// connection (behind the SET). `Ok(true)` when it queued commands to send;
+/// `Err` when the connection cannot be used: its node refused it
+/// (`ConnectionRefused`, with the server's words). No I/O.
+pub(crate) fn late_reply(
+    c: &mut Wire,
+    node: &NodeShared,
+    p: Pending,
+    v: &Value,
+    now: Instant,
+) -> std::io::Result<bool> {
+    if p.setup != Setup::None {
+        return setup_reply(c, node, p.setup, v).map(|()| false);
+    }
+    let mut queued = false;
     let mut released = None;
     if !p.tokens.is_empty() {
         let mut unsettled = node.unsettled.lock();
@@ -130,7 +148,7 @@ pub(super) fn late_reply(
         if acquired_any(v) {
             debug!("node {}: a late write landed; deleting it", node.name);
             c.queue(undo, now, false);
-            c.flush()?;
+            queued = true;
             let mut undone = node.undone.lock();
             for t in &p.tokens {
                 undone.insert(t.clone(), until);
@@ -156,9 +174,9 @@ pub(super) fn late_reply(
         for load in scripts::load_commands() {
             c.queue_setup(&load, now, Setup::Load);
         }
-        c.flush()?;
+        queued = true;
     }
-    Ok(())
+    Ok(queued)
 }
 
 /// The reply to a command sent at connect. `INFO` says who the server is
@@ -166,8 +184,8 @@ pub(super) fn late_reply(
 /// it, and for the node); the history id names its database. An error that
 /// says the server turned the connection away (`max number of clients
 /// reached`, still loading its data) is the node's answer: it refused.
-pub(super) fn setup_reply(
-    c: &mut Conn,
+pub(crate) fn setup_reply(
+    c: &mut Wire,
     node: &NodeShared,
     setup: Setup,
     v: &Value,
@@ -216,7 +234,7 @@ pub(super) fn setup_reply(
 
 /// Whether this reply is a server turning the connection away (see
 /// [`refuses_connection`]): not an answer that makes the node healthy.
-pub(super) fn turned_away(p: &crate::driver::conn::Pending, v: &Value) -> bool {
+pub(super) fn turned_away(p: &Pending, v: &Value) -> bool {
     p.setup != Setup::None && matches!(v, Value::ServerError(e) if refuses_connection(e))
 }
 
@@ -233,5 +251,186 @@ pub(super) fn server_text(e: &redis::ServerError) -> String {
     match e.details() {
         Some(d) => format!("{} {d}", e.code()),
         None => e.code().to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::driver::node::encode::FACTS;
+    use crate::driver::node::retries::Unsettled;
+    use crate::driver::node::servers::Servers;
+    use crate::events::Events;
+
+    fn node() -> NodeShared {
+        let servers = Arc::new(Servers::new(vec!["n0".to_owned()]));
+        NodeShared::new(
+            0,
+            servers,
+            "n0".into(),
+            Duration::from_millis(50),
+            Events::default(),
+        )
+    }
+
+    fn value(resp: &[u8]) -> Value {
+        redis::parse_redis_value(resp).expect("valid RESP")
+    }
+
+    /// An acquire reply (the history's facts, then one answer per key).
+    fn acquired(answer: i64) -> Value {
+        let mut items: Vec<Value> = (0..FACTS - 1).map(|_| Value::Int(0)).collect();
+        items.push(Value::BulkString(Vec::new()));
+        items.push(Value::Int(answer));
+        Value::Array(items)
+    }
+
+    /// A wire that sent `cmd` as a round's SET that ended without its
+    /// reply: the reply is owed, no longer wanted, with its undo.
+    fn late_set(token: &str) -> Wire {
+        let mut w = Wire::new(Instant::now());
+        w.queue(b"SET", Instant::now(), true);
+        w.unwant(Some(b"UNDO"), &[token.to_owned()], None);
+        w.written(w.output().len());
+        w
+    }
+
+    fn unsettled(node: &NodeShared, token: &str, released: bool) {
+        let until = Instant::now() + Duration::from_secs(10);
+        node.unsettled
+            .lock()
+            .insert(token.to_owned(), Unsettled { until, released });
+    }
+
+    #[test]
+    fn a_late_set_that_landed_after_its_release_is_deleted_behind_it() {
+        let n = node();
+        unsettled(&n, "t", true);
+        let mut w = late_set("t");
+        let (p, v) = w.answer(acquired(1)).expect("owed");
+        assert!(late_reply(&mut w, &n, p, &v, Instant::now()).expect("usable"));
+        assert_eq!(
+            w.output(),
+            b"UNDO",
+            "the delete goes out on the SET's connection"
+        );
+        assert!(
+            n.undone.lock().contains_key("t"),
+            "the release will count it deleted"
+        );
+        assert!(n.unsettled.lock().is_empty(), "the SET's reply settles it");
+    }
+
+    #[test]
+    fn a_late_set_of_a_lock_still_held_stays() {
+        let n = node();
+        unsettled(&n, "t", false);
+        let mut w = late_set("t");
+        let (p, v) = w.answer(acquired(1)).expect("owed");
+        assert!(!late_reply(&mut w, &n, p, &v, Instant::now()).expect("usable"));
+        assert!(
+            w.output().is_empty(),
+            "a granted lock's late copy is part of it"
+        );
+        assert!(n.unsettled.lock().is_empty());
+        // A SET that did not land is not deleted either, released or not.
+        unsettled(&n, "u", true);
+        let mut w = late_set("u");
+        let (p, v) = w.answer(acquired(0)).expect("owed");
+        assert!(!late_reply(&mut w, &n, p, &v, Instant::now()).expect("usable"));
+        assert!(w.output().is_empty());
+    }
+
+    #[test]
+    fn a_late_noscript_release_is_sent_again_as_eval_and_the_scripts_loaded() {
+        let n = node();
+        let mut w = Wire::new(Instant::now());
+        w.queue(b"EVALSHA release", Instant::now(), true);
+        w.unwant(None, &[], Some(b"EVAL release"));
+        w.written(w.output().len());
+        let (p, v) = w
+            .answer(value(b"-NOSCRIPT No matching script.\r\n"))
+            .expect("owed");
+        assert!(late_reply(&mut w, &n, p, &v, Instant::now()).expect("usable"));
+        assert!(
+            w.output().starts_with(b"EVAL release"),
+            "the delete is never lost"
+        );
+        assert_eq!(
+            w.pending().len(),
+            1 + scripts::load_commands().len(),
+            "the release again, then every script loaded"
+        );
+    }
+
+    #[test]
+    fn a_retried_release_answered_is_handed_to_the_retry_job() {
+        let n = node();
+        let mut w = Wire::new(Instant::now());
+        w.queue_retry(
+            b"EVALSHA",
+            Instant::now(),
+            b"EVAL".to_vec(),
+            vec!["a".into(), "b".into()],
+        );
+        let (p, v) = w
+            .answer(Value::Array(vec![Value::Int(1), Value::Int(0)]))
+            .expect("owed");
+        assert!(!late_reply(&mut w, &n, p, &v, Instant::now()).expect("usable"));
+        assert_eq!(
+            *n.answered.lock(),
+            vec![vec!["a".to_owned(), "b".to_owned()]]
+        );
+        // A NOSCRIPT is no answer: the batch stays queued, sent again as EVAL.
+        let mut w = Wire::new(Instant::now());
+        w.queue_retry(
+            b"EVALSHA",
+            Instant::now(),
+            b"EVAL".to_vec(),
+            vec!["c".into()],
+        );
+        w.written(w.output().len());
+        let (p, v) = w
+            .answer(value(b"-NOSCRIPT No matching script.\r\n"))
+            .expect("owed");
+        late_reply(&mut w, &n, p, &v, Instant::now()).expect("usable");
+        assert_eq!(n.answered.lock().len(), 1);
+        assert!(w.output().starts_with(b"EVAL"));
+    }
+
+    #[test]
+    fn a_server_that_turns_the_connection_away_refuses_it() {
+        let n = node();
+        let mut w = Wire::new(Instant::now());
+        w.queue_setup(b"INFO", Instant::now(), Setup::Info);
+        let (p, v) = w
+            .answer(value(b"-ERR max number of clients reached\r\n"))
+            .expect("owed");
+        let e = late_reply(&mut w, &n, p, &v, Instant::now()).expect_err("refused");
+        assert_eq!(e.kind(), std::io::ErrorKind::ConnectionRefused);
+        assert!(w.broken, "the connection is not used again");
+        assert!(
+            !n.is_healthy(),
+            "turning a connection away is the node's answer"
+        );
+        // An INFO the ACL refuses is only a missing fact.
+        let n = node();
+        let mut w = Wire::new(Instant::now());
+        w.queue_setup(b"INFO", Instant::now(), Setup::Info);
+        let (p, v) = w
+            .answer(value(b"-NOPERM no INFO for you\r\n"))
+            .expect("owed");
+        assert!(!late_reply(&mut w, &n, p, &v, Instant::now()).expect("usable"));
+        assert!(!w.broken && n.is_healthy());
+    }
+
+    #[test]
+    fn a_reply_to_no_command_breaks_the_wire() {
+        let mut w = Wire::new(Instant::now());
+        assert!(w.answer(Value::Okay).is_err());
+        assert!(w.broken);
     }
 }

@@ -3,7 +3,7 @@
 //! round leaves behind (late replies owed, releases to retry, an undo).
 
 use crate::driver::node::encode::Encoded;
-use crate::driver::node::replies::{late_reply, prepare, turned_away};
+use crate::driver::node::replies::{catch_up, late_reply_on, turned_away};
 use crate::driver::node::retries::{Unsettled, MAX_RETRIES};
 use crate::driver::node::{Manager, RedisTransport, CONN_RECHECK};
 
@@ -24,14 +24,14 @@ use crate::error::{NodeError, NodeErrorKind};
 use crate::lock::transport::{AfterRound, Decided, Undo};
 
 /// One node's part in a round.
-pub(super) struct Slot {
+pub(super) struct Part {
     pub(super) admit: Admit,
     pub(super) conn: Option<PooledConnection<Manager>>,
     /// When our command was queued on `conn` (or on a connection since lost).
     pub(super) sent: Option<Instant>,
     /// The EVAL fallback was sent after NOSCRIPT.
     pub(super) fell_back: bool,
-    /// When the exchange began: a connection made before then may have been
+    /// When the round trip began: a connection made before then may have been
     /// closed while idle, and one made since is the node's answer.
     pub(super) began: Instant,
     /// A command was lost with its connection (it may have run).
@@ -59,9 +59,9 @@ impl RedisTransport {
             .collect();
         let twins = self.servers.twin_mask();
         health::admit_round(&mut admits, release, quorum::quorum(n), &twins);
-        let mut slots: Vec<Slot> = admits
+        let mut parts: Vec<Part> = admits
             .into_iter()
-            .map(|admit| Slot {
+            .map(|admit| Part {
                 admit,
                 conn: None,
                 sent: None,
@@ -71,14 +71,14 @@ impl RedisTransport {
             })
             .collect();
         let enc = Encoded::new(op, keys);
-        let results = self.exchange(&enc, keys, &mut slots, start, deadline, decided);
+        let results = self.round_trip(&enc, keys, &mut parts, start, deadline, decided);
 
         let after_round = match (undo, op) {
             (Some(undo), Op::Acquire { .. } | Op::Swap { .. }) => undo(&results),
             _ => AfterRound::Done,
         };
         if let (AfterRound::Complete, Op::Acquire { ttl, known_max, .. }) = (after_round, op) {
-            for (i, (s, r)) in slots.iter().zip(&results).enumerate() {
+            for (i, (s, r)) in parts.iter().zip(&results).enumerate() {
                 // A healthy node the round waited for but never reached: no
                 // connection was free in time (the pool was growing, or all
                 // its connections were in use).
@@ -102,7 +102,7 @@ impl RedisTransport {
                 let rel = Op::Release {
                     keep_until: after(start, ttl),
                 };
-                for (i, (s, r)) in slots.iter_mut().zip(&results).enumerate() {
+                for (i, (s, r)) in parts.iter_mut().zip(&results).enumerate() {
                     // Only where our SET left this client, on the same
                     // connection so that the delete lands after it; waiting
                     // only for the nodes that answered the SET.
@@ -131,24 +131,24 @@ impl RedisTransport {
                     Op::Swap { .. } => Duration::ZERO,
                     _ => self.timeout,
                 };
-                self.exchange(&enc, keys, &mut slots, now, after(now, wait), None);
+                self.round_trip(&enc, keys, &mut parts, now, after(now, wait), None);
             }
         }
         results
     }
 
     /// Sends `enc` to every admitted node and gathers replies in arrival
-    /// order until `decided` or `deadline`. Connections stay in `slots`.
-    pub(super) fn exchange(
+    /// order until `decided` or `deadline`. Connections stay in `parts`.
+    pub(super) fn round_trip(
         &self,
         enc: &Encoded,
         keys: &[Key<'_>],
-        slots: &mut [Slot],
+        parts: &mut [Part],
         start: Instant,
         deadline: Instant,
         decided: Option<Decided<'_>>,
     ) -> Vec<NodeResult> {
-        let n = slots.len();
+        let n = parts.len();
         let mut results: Vec<Option<NodeResult>> = vec![None; n];
         if let Op::Release { .. } = enc.op {
             // Before any delete leaves: whoever reads the reply of a SET of
@@ -167,12 +167,12 @@ impl RedisTransport {
         // Queueing for a busy pool is safe only while this round holds no
         // connection to a later node (rounds then wait in one global order);
         // a round reusing its connections (an undo) never queues.
-        let may_queue = slots.iter().all(|s| s.conn.is_none());
-        for s in slots.iter_mut() {
+        let may_queue = parts.iter().all(|s| s.conn.is_none());
+        for s in parts.iter_mut() {
             s.began = start;
         }
         // Nodes not waited for count as failed unless their reply arrives.
-        for (i, s) in slots.iter_mut().enumerate() {
+        for (i, s) in parts.iter_mut().enumerate() {
             if s.admit != Admit::Wait {
                 results[i] = Some(Err(self.not_waited(i, s.admit)));
             }
@@ -209,7 +209,7 @@ impl RedisTransport {
             }
             // Waited-for nodes still without a connection: look again.
             let mut missing = false;
-            for (i, s) in slots.iter_mut().enumerate() {
+            for (i, s) in parts.iter_mut().enumerate() {
                 if s.admit == Admit::Wait && s.sent.is_none() && results[i].is_none() {
                     if !self.nodes[i].inner.shared.is_healthy() {
                         // Its connect was refused meanwhile: that is its answer.
@@ -224,8 +224,8 @@ impl RedisTransport {
             }
             // Only waited-for nodes keep the round open; a trial's reply is
             // taken if it arrives meanwhile.
-            let outstanding = slots.iter().any(|s| {
-                s.admit == Admit::Wait && s.conn.as_ref().is_some_and(|c| c.awaits_wanted())
+            let outstanding = parts.iter().any(|s| {
+                s.admit == Admit::Wait && s.conn.as_ref().is_some_and(|c| c.wire.awaits_wanted())
             });
             let until = settle.unwrap_or(deadline);
             if (!outstanding && !missing) || now >= until || (settle.is_some() && !outstanding) {
@@ -239,8 +239,8 @@ impl RedisTransport {
             {
                 let mut fds = Vec::with_capacity(n);
                 let mut idx = Vec::with_capacity(n);
-                for (i, s) in slots.iter().enumerate() {
-                    if let Some(c) = s.conn.as_ref().filter(|c| c.awaits_wanted()) {
+                for (i, s) in parts.iter().enumerate() {
+                    if let Some(c) = s.conn.as_ref().filter(|c| c.wire.awaits_wanted()) {
                         fds.push(c.poll_fd(c.wants_write()));
                         idx.push(i);
                     }
@@ -258,19 +258,19 @@ impl RedisTransport {
                 }
             }
             for &(i, flags) in &ready {
-                self.on_ready(i, &mut slots[i], flags, enc, &mut results);
+                self.on_ready(i, &mut parts[i], flags, enc, &mut results);
             }
         }
 
         // Replies that arrived while this thread was not scheduled are
         // taken before anyone is charged a timeout.
-        self.collect_arrived(slots, enc, &mut results);
+        self.collect_arrived(parts, enc, &mut results);
         let now = Instant::now();
         // An acquire reply still owed may yet say "set": keep its undo.
         // (Built only when some reply is still owed.)
-        let owed = slots
+        let owed = parts
             .iter()
-            .any(|s| s.conn.as_ref().is_some_and(|c| c.awaits_wanted()));
+            .any(|s| s.conn.as_ref().is_some_and(|c| c.wire.awaits_wanted()));
         // The tokens a late acquire or swap may still write, and their keys.
         let written = crate::algorithm::round::written(enc.op, keys);
         // Only a command that may write: a release's late reply says nothing
@@ -292,15 +292,15 @@ impl RedisTransport {
             }
             _ => None,
         };
-        for (i, s) in slots.iter_mut().enumerate() {
+        for (i, s) in parts.iter_mut().enumerate() {
             let shared = &self.nodes[i].inner.shared;
             if let Some(c) = s.conn.as_mut() {
                 if c.wants_write() {
                     // A half-written command: the connection cannot be reused.
-                    c.broken = true;
+                    c.wire.broken = true;
                 }
-                if c.awaits_wanted() {
-                    c.unwant(undo.as_deref(), &tokens, resend.as_deref());
+                if c.wire.awaits_wanted() {
+                    c.wire.unwant(undo.as_deref(), &tokens, resend.as_deref());
                     if let Some(until) = unsettled_until {
                         let mut unsettled = shared.unsettled.lock();
                         if unsettled.len() >= MAX_RETRIES {
@@ -377,7 +377,7 @@ impl RedisTransport {
                     NodeErrorKind::SameServer | NodeErrorKind::Unsuitable
                 ));
                 let unanswered =
-                    matches!(r, Some(Err(_))) && slots[i].admit != Admit::Skip && !answered_anyway;
+                    matches!(r, Some(Err(_))) && parts[i].admit != Admit::Skip && !answered_anyway;
                 // A SET of ours still unsettled there may land after this
                 // delete: keep deleting until its reply has been read.
                 let unsettled = {
@@ -401,7 +401,7 @@ impl RedisTransport {
     /// One non-blocking pass over the connections still owing a reply.
     pub(super) fn collect_arrived(
         &self,
-        slots: &mut [Slot],
+        parts: &mut [Part],
         enc: &Encoded,
         results: &mut [Option<NodeResult>],
     ) {
@@ -409,8 +409,8 @@ impl RedisTransport {
         {
             let mut fds = Vec::new();
             let mut idx = Vec::new();
-            for (i, s) in slots.iter().enumerate() {
-                if let Some(c) = s.conn.as_ref().filter(|c| c.awaits_wanted()) {
+            for (i, s) in parts.iter().enumerate() {
+                if let Some(c) = s.conn.as_ref().filter(|c| c.wire.awaits_wanted()) {
                     fds.push(c.poll_fd(false));
                     idx.push(i);
                 }
@@ -426,7 +426,7 @@ impl RedisTransport {
             }
         }
         for (i, flags) in ready {
-            self.on_ready(i, &mut slots[i], flags, enc, results);
+            self.on_ready(i, &mut parts[i], flags, enc, results);
         }
     }
 
@@ -476,12 +476,12 @@ impl RedisTransport {
     pub(super) fn send(
         &self,
         i: usize,
-        s: &mut Slot,
+        s: &mut Part,
         enc: &Encoded,
         now: Instant,
         results: &mut [Option<NodeResult>],
     ) {
-        if s.conn.as_ref().is_some_and(|c| c.broken) {
+        if s.conn.as_ref().is_some_and(|c| c.wire.broken) {
             s.conn = None;
         }
         if s.conn.is_none() {
@@ -491,7 +491,7 @@ impl RedisTransport {
             return;
         };
         let sent = Instant::now();
-        c.queue(&enc.packed, sent, true);
+        c.wire.queue(&enc.packed, sent, true);
         s.sent = Some(sent);
         if let Err(e) = c.flush() {
             self.failed(i, s, e, enc, results);
@@ -515,31 +515,31 @@ impl RedisTransport {
             // The retry job gives them back as soon as it has read them.
         } else if let Some(mut c) = node.pool.try_get() {
             // Given back (by the retry job) since this round looked.
-            return prepare(&mut c, &node.shared, Instant::now()).then_some(c);
+            return catch_up(&mut c, &node.shared, Instant::now()).then_some(c);
         } else if node.pool.state().connections < node.pool.max_size() {
             return None;
         }
         let wait = deadline.saturating_duration_since(Instant::now());
         let mut c = node.pool.get_timeout(wait).ok()?;
-        prepare(&mut c, &node.shared, Instant::now()).then_some(c)
+        catch_up(&mut c, &node.shared, Instant::now()).then_some(c)
     }
 
     pub(super) fn failed(
         &self,
         i: usize,
-        s: &mut Slot,
+        s: &mut Part,
         e: std::io::Error,
         enc: &Encoded,
         results: &mut [Option<NodeResult>],
     ) {
         let shared = &self.nodes[i].inner.shared;
-        let made = s.conn.as_ref().map(|c| c.made);
+        let made = s.conn.as_ref().map(|c| c.wire.made);
         // Our command went out and its reply never will come: it may have
         // run, or (through a proxy) may still run.
-        let lost = s.conn.as_ref().is_some_and(|c| c.awaits_wanted());
+        let lost = s.conn.as_ref().is_some_and(|c| c.wire.awaits_wanted());
         if let Some(c) = s.conn.as_mut() {
-            c.broken = true;
-            c.unwant(None, &[], None);
+            c.wire.broken = true;
+            c.wire.unwant(None, &[], None);
         }
         s.conn = None;
         s.lost |= lost;
@@ -601,7 +601,7 @@ impl RedisTransport {
     pub(super) fn on_ready(
         &self,
         i: usize,
-        s: &mut Slot,
+        s: &mut Part,
         flags: PollFlags,
         enc: &Encoded,
         results: &mut [Option<NodeResult>],
@@ -630,7 +630,7 @@ impl RedisTransport {
                 shared.replied();
             }
             if !p.wanted {
-                if let Err(e) = late_reply(c, shared, p, &v, now) {
+                if let Err(e) = late_reply_on(c, shared, p, &v, now) {
                     return self.failed(i, s, e, enc, results);
                 }
                 continue;
@@ -639,14 +639,14 @@ impl RedisTransport {
                 if e.kind() == Some(redis::ServerErrorKind::NoScript) {
                     debug!("node {}: script not cached, sending EVAL", self.names[i]);
                     s.fell_back = true;
-                    c.queue(&enc.fallback(), now, true);
+                    c.wire.queue(&enc.fallback(), now, true);
                     if let Err(e) = c.flush() {
                         return self.failed(i, s, e, enc, results);
                     }
                     continue;
                 }
             }
-            let server = c.server;
+            let server = c.wire.server;
             let mut r = enc.decode(v);
             if let Ok(reply) = &mut r {
                 // Who answered: the connection's server (its history's id as

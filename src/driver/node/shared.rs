@@ -62,6 +62,32 @@ pub(super) struct NodeShared {
 }
 
 impl NodeShared {
+    /// Node `index` of the list, named `name`, healthy, owing nothing.
+    pub(super) fn new(
+        index: usize,
+        servers: Arc<Servers>,
+        name: String,
+        timeout: Duration,
+        events: Events,
+    ) -> Self {
+        NodeShared {
+            index,
+            servers,
+            name,
+            timeout,
+            health: Mutex::new(NodeHealth::default()),
+            retries: Mutex::new(Retries::default()),
+            answered: Mutex::new(Vec::new()),
+            unsettled: Mutex::new(HashMap::new()),
+            undone: Mutex::new(HashMap::new()),
+            retry_scheduled: AtomicBool::new(false),
+            owing: Arc::new(AtomicUsize::new(0)),
+            draining: AtomicBool::new(false),
+            connect_error: Mutex::new(None),
+            events,
+        }
+    }
+
     /// The single door of the node's health state machine.
     pub(super) fn observe(&self, outcome: Outcome) {
         let flipped = self.health.lock().observe(Instant::now(), outcome);
@@ -175,11 +201,11 @@ impl ManageConnection for Manager {
         // it before it idles): one owing replies is counted for the retry
         // job, once.
         // (A broken one is dropped, which uncounts it.)
-        if !conn.broken && conn.owing.is_none() && !conn.pending().is_empty() {
+        if !conn.wire.broken && conn.wire.owing.is_none() && !conn.wire.pending().is_empty() {
             self.shared.owing.fetch_add(1, Ordering::AcqRel);
-            conn.owing = Some(self.shared.owing.clone());
+            conn.wire.owing = Some(self.shared.owing.clone());
         }
-        conn.broken
+        conn.wire.broken
     }
 }
 

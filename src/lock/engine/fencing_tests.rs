@@ -115,7 +115,10 @@ fn a_hand_over_gives_the_next_token_in_the_swap() {
     let g = locks.lock("r", TTL).unwrap();
     let t = g.fencing_token().unwrap();
     let before = nodes.rounds.load(Ordering::SeqCst);
-    let next = locks.engine.take_over(g.state(), TTL).expect("taken over");
+    let next = locks
+        .engine
+        .accept_hand_over(g.state(), TTL)
+        .expect("taken over");
     std::mem::forget(g);
     assert_eq!(nodes.rounds.load(Ordering::SeqCst) - before, 1);
     assert_eq!(next.fence, Some(t + 1));

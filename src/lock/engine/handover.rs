@@ -84,26 +84,26 @@ impl Engine {
     /// [`node_timeout`](crate::Builder::node_timeout) of validity left. On
     /// any failure the old lock (and any new token) is deleted: the caller
     /// then locks anew.
-    pub(crate) fn take_over(&self, baton: &LockState, ttl: Duration) -> Result<LockState> {
+    pub(crate) fn accept_hand_over(&self, handed: &LockState, ttl: Duration) -> Result<LockState> {
         let start = self.clock.now();
-        let timing = baton.timing();
+        let timing = handed.timing();
         let time_left = timing.deadline.saturating_duration_since(start);
-        // A fenced baton's next token must stay exact in the scripts.
-        let exhausted = baton
+        // A fenced handed's next token must stay exact in the scripts.
+        let exhausted = handed
             .fence
             .is_some_and(|f| f >= crate::algorithm::round::FENCE_LIMIT);
-        if baton.is_lost()
+        if handed.is_lost()
             || timing.ttl != ttl
             || time_left < self.settings.node_timeout
             || exhausted
         {
-            let _ = self.release(baton);
+            let _ = self.release(handed);
             return Err(Error::Expired);
         }
-        let token = crate::clock::section_token(&baton.token);
+        let token = crate::clock::section_token(&handed.token);
         let key = Key {
             next: Some(&token),
-            ..baton.key()
+            ..handed.key()
         };
         let known = self.ttls.lock().max;
         let outcome: Cell<Option<Result<Duration>>> = Cell::new(None);
@@ -127,7 +127,7 @@ impl Engine {
         };
         // The next section's fencing token: the swap writes it wherever it
         // swaps, so it is its own write-back.
-        let fence = baton.fence.map(|f| f + 1);
+        let fence = handed.fence.map(|f| f + 1);
         let op = Op::Swap {
             ttl,
             known_max: known.max(ttl),
@@ -142,18 +142,18 @@ impl Engine {
             Some(&quorum::settled),
             Some(&decide),
         );
-        self.learn(&results, None);
+        self.record_histories(&results, None);
         self.note_failures(&results);
         let outcome = outcome.take().unwrap_or(Err(Error::Expired));
         if outcome.is_ok() {
             // The handing-over thread's section ends here (on failure, the
-            // release of the baton reports it).
-            self.release_event(baton, &Ok(()), &results);
+            // release of the handed reports it).
+            self.release_event(handed, &Ok(()), &results);
         }
         if let Some(h) = self.settings.events.get() {
             let now = self.clock.now();
             h.on_attempt(&AttemptEvent {
-                resource: &baton.resource,
+                resource: &handed.resource,
                 elapsed: now.saturating_duration_since(start),
                 outcome: outcome
                     .as_ref()
@@ -162,11 +162,11 @@ impl Engine {
             });
         }
         outcome?;
-        trace!("lock {:?}: token {token}", baton.resource);
+        trace!("lock {:?}: token {token}", handed.resource);
         // A node the swap did not reach keeps an earlier token of the
         // lineage, with the lock's expiry; the next swap or the release
         // takes it from there.
-        let mut state = LockState::new(&baton.resource, token, fence, timing);
+        let mut state = LockState::new(&handed.resource, token, fence, timing);
         state.acquired = start;
         state.set_holding(quorum::holding(&results, 0));
         Ok(state)

@@ -27,7 +27,11 @@ impl Engine {
     }
 
     /// Applies the delayed-restart rule to an acquire round's results.
-    pub(super) fn judge(&self, results: Vec<NodeResult>, rule: &RestartRule) -> Vec<NodeResult> {
+    pub(super) fn apply_restart_rule(
+        &self,
+        results: Vec<NodeResult>,
+        rule: &RestartRule,
+    ) -> Vec<NodeResult> {
         let rule = &rule.heard(&results);
         let longest = rule.longest(restart::facts_of(results.iter()));
         let horizon = self.horizon().max(longest);
@@ -62,7 +66,7 @@ impl Engine {
     /// Remembers what the nodes reported (the TTLs in use and, per node,
     /// the first and the last lock-history seen), and the TTL the round
     /// itself used, with the histories it sent as begun before it.
-    pub(super) fn learn(&self, results: &[NodeResult], used: Option<(Duration, After)>) {
+    pub(super) fn record_histories(&self, results: &[NodeResult], used: Option<(Duration, After)>) {
         let mut heard: Option<TtlHistory> = None;
         for (i, r) in results.iter().enumerate() {
             let Some(f) = r.as_ref().ok().and_then(|r| r.facts) else {

@@ -21,7 +21,7 @@ use crate::algorithm::restart::{self, RestartRule, TtlHistory};
 use crate::algorithm::round::{Key, NodeFacts, NodeResult, Op};
 use crate::clock::{after, new_token, Clock, Rng, Throttle};
 use crate::error::{Error, InvalidInput};
-use crate::lock::queue::{Gates, Permit};
+use crate::lock::queue::{Queues, Turn};
 use crate::lock::settings::Settings;
 use crate::lock::state::{Callbacks, LockState, LostCallback, Timing};
 use crate::lock::transport::{AfterRound, Transport};
@@ -60,7 +60,7 @@ pub(crate) struct Engine {
     pub(crate) on_lost: Option<Callbacks>,
     rng: Rng,
     warned: Vec<Throttle>,
-    gates: Arc<Gates>,
+    queues: Arc<Queues>,
     /// Longest TTL (ms) this client has used or seen reported by a node.
     /// The TTLs in use, as this client knows them (the restart rule).
     ttls: Mutex<TtlHistory>,
@@ -115,7 +115,7 @@ impl Engine {
             on_lost: on_lost.and_then(Callbacks::spawn),
             rng,
             warned,
-            gates: Arc::new(Gates::new(clock.clone())),
+            queues: Arc::new(Queues::new(clock.clone())),
             ttls: Mutex::new(known),
             first_histories,
             histories,
@@ -134,16 +134,16 @@ impl Engine {
         resource: &str,
         ttl: Duration,
         budget: Budget,
-    ) -> Result<(Arc<LockState>, Option<Permit>)> {
+    ) -> Result<(Arc<LockState>, Option<Turn>)> {
         let drift = self.validate(resource, ttl)?;
         // One deadline for the whole call, local wait and attempts alike.
         let until = self.wait_deadline(budget);
-        let mut permit = self.local_turn(resource, budget, until);
-        if let Some(baton) = permit.as_ref().and_then(Permit::take_baton) {
-            match self.take_over(&baton, ttl) {
+        let mut turn = self.queue_turn(resource, budget, until);
+        if let Some(handed) = turn.as_ref().and_then(Turn::take_hand_over) {
+            match self.accept_hand_over(&handed, ttl) {
                 Ok(state) => {
                     debug!("lock {resource:?}: taken over from a local holder");
-                    return Ok((Arc::new(state), permit));
+                    return Ok((Arc::new(state), turn));
                 }
                 Err(e) if self.clock.now() >= until => {
                     debug!("lock {resource:?}: not taken over ({e}) and no time left");
@@ -157,7 +157,7 @@ impl Engine {
         let mut attempt = 1u32;
         loop {
             let err = match self.attempt(resource, ttl, drift) {
-                Ok(state) => return Ok((Arc::new(state), permit.take())),
+                Ok(state) => return Ok((Arc::new(state), turn.take())),
                 Err(e) if e.is_retryable() => e,
                 Err(e) => return Err(e),
             };
@@ -183,18 +183,18 @@ impl Engine {
     /// want `resource` (see [`crate::lock::queue`]). One attempt never waits; when
     /// the wait runs out the caller still makes its attempts at the nodes,
     /// which report the real state.
-    pub(crate) fn local_turn(
+    pub(crate) fn queue_turn(
         &self,
         resource: &str,
         budget: Budget,
         until: Instant,
-    ) -> Option<Permit> {
+    ) -> Option<Turn> {
         if !self.settings.local_queue {
             return None;
         }
         match budget {
-            Budget::Attempts(1) => self.gates.try_acquire(resource),
-            _ => self.gates.acquire(resource, until),
+            Budget::Attempts(1) => self.queues.try_acquire(resource),
+            _ => self.queues.acquire(resource, until),
         }
     }
 
@@ -283,7 +283,7 @@ impl Engine {
         let decision: Cell<Option<Decision>> = Cell::new(None);
         let decide = |results: &[NodeResult]| {
             let end = self.clock.now();
-            let judged = self.judge(results.to_vec(), &rule);
+            let judged = self.apply_restart_rule(results.to_vec(), &rule);
             let elapsed = end.saturating_duration_since(start);
             let tally = Tally::of(&judged, 0);
             // Our SET may have landed on a node that answered OK or not at all.
@@ -323,7 +323,7 @@ impl Engine {
                     .unwrap_or_else(|| (self.clock.now(), Err(Error::Expired), Vec::new()))
             }
         };
-        self.learn(&results, Some((ttl, first)));
+        self.record_histories(&results, Some((ttl, first)));
         self.note_failures(&judged);
         let elapsed = end.saturating_duration_since(start);
         // Where our key is now (held-back votes included: the key is set).

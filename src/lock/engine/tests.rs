@@ -100,7 +100,10 @@ fn a_take_over_swaps_in_a_fresh_token_in_one_round() {
     let old = g.state().clone();
     clock.advance(TTL / 4);
     let before = nodes.rounds.load(Ordering::SeqCst);
-    let new = locks.engine.take_over(&old, TTL).expect("taken over");
+    let new = locks
+        .engine
+        .accept_hand_over(&old, TTL)
+        .expect("taken over");
     assert_eq!(nodes.rounds.load(Ordering::SeqCst) - before, 1);
     assert_ne!(new.token, old.token);
     assert!((0..3).all(|i| nodes.get(i, "r").as_deref() == Some(new.token.as_str())));
@@ -117,12 +120,15 @@ fn releasing_a_taken_over_lock_deletes_old_tokens_the_swap_missed() {
     let (locks, nodes, _) = client(3);
     let g = locks.lock("r", TTL).unwrap();
     nodes.set_mode(2, Mode::Down);
-    let b = locks.engine.take_over(g.state(), TTL).expect("2 of 3");
+    let b = locks
+        .engine
+        .accept_hand_over(g.state(), TTL)
+        .expect("2 of 3");
     std::mem::forget(g);
     nodes.set_mode(2, Mode::Up);
     // And once more, with node 2 still on the first token.
     nodes.set_mode(1, Mode::Down);
-    let c = locks.engine.take_over(&b, TTL).expect("2 of 3");
+    let c = locks.engine.accept_hand_over(&b, TTL).expect("2 of 3");
     nodes.set_mode(1, Mode::Up);
     // Node 2 missed the first swap; the second takes it from there.
     assert_eq!(nodes.get(2, "r").as_deref(), Some(c.token.as_str()));
@@ -140,10 +146,13 @@ fn a_node_that_missed_many_swaps_is_cleaned_by_the_release() {
     let g = locks.lock("r", TTL).unwrap();
     let first = g.state().token.clone();
     nodes.set_mode(2, Mode::Down);
-    let mut state = locks.engine.take_over(g.state(), TTL).expect("2 of 3");
+    let mut state = locks
+        .engine
+        .accept_hand_over(g.state(), TTL)
+        .expect("2 of 3");
     std::mem::forget(g);
     for _ in 0..10 {
-        state = locks.engine.take_over(&state, TTL).expect("2 of 3");
+        state = locks.engine.accept_hand_over(&state, TTL).expect("2 of 3");
     }
     nodes.set_mode(2, Mode::Up);
     assert_eq!(nodes.get(2, "r"), Some(first));
@@ -161,7 +170,7 @@ fn a_take_over_that_cannot_count_deletes_the_old_lock() {
     nodes.del(0, "r");
     nodes.del(1, "r");
     assert!(matches!(
-        locks.engine.take_over(g.state(), TTL),
+        locks.engine.accept_hand_over(g.state(), TTL),
         Err(Error::Expired)
     ));
     assert!((0..3).all(|i| nodes.get(i, "r").is_none()), "nothing left");
@@ -171,7 +180,7 @@ fn a_take_over_that_cannot_count_deletes_the_old_lock() {
     let left = g.validity();
     clock.advance(left - 10 * MS);
     let before = nodes.rounds.load(Ordering::SeqCst);
-    assert!(locks.engine.take_over(g.state(), TTL).is_err());
+    assert!(locks.engine.accept_hand_over(g.state(), TTL).is_err());
     assert!((0..3).all(|i| nodes.get(i, "s").is_none()), "released");
     assert_eq!(
         nodes.rounds.load(Ordering::SeqCst) - before,

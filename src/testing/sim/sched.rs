@@ -1,8 +1,8 @@
 //! The deterministic scheduler: logical threads on virtual time.
 //!
-//! Every logical thread is an OS thread, but only the one holding the baton
+//! Every logical thread is an OS thread, but only the one holding the handed
 //! runs; the others are parked on their own condition variable. A thread
-//! gives the baton up only where production code blocks, that is through
+//! gives the handed up only where production code blocks, that is through
 //! [`Clock`] (sleep, wait on a [`Signal`]) or the simulated transport (wait
 //! for replies). The scheduler then picks the next thread among those whose
 //! wait is over, with the run's seeded RNG, and when none is, moves virtual
@@ -210,7 +210,7 @@ impl Sched {
         self.block(Wait::Signal(signal.clone(), seen, until));
     }
 
-    /// Passes the baton: to a thread whose wait is over, moving time and
+    /// Passes the handed: to a thread whose wait is over, moving time and
     /// firing world events until there is one. With none left, the run is
     /// over (or deadlocked).
     fn switch(&self, core: &mut Core) {
@@ -281,7 +281,7 @@ impl Sched {
 }
 
 /// The simulation's [`Clock`]: virtual time, and blocking that passes the
-/// baton.
+/// handed.
 #[derive(Clone)]
 pub(crate) struct SimClock(pub(crate) Arc<Sched>);
 

@@ -1,0 +1,238 @@
+//! What one connection owes: the commands sent on it whose replies have not
+//! been read, oldest first, and the bytes not yet handed to the socket. No
+//! I/O: the connection writes [`Wire::output`], and hands every reply it
+//! reads to [`Wire::answer`], which pairs it with the command it answers.
+//!
+//! A round that ended before a slow node answered leaves its reply owed
+//! here, marked no longer wanted: the next user of the connection reads it
+//! first, and what it says (a SET that landed after all, a NOSCRIPT) is
+//! acted on by [`crate::driver::node`]'s late-reply rules.
+
+use std::collections::VecDeque;
+use std::io;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use redis::Value;
+
+use crate::algorithm::round::ServerTag;
+
+/// What a command sent at connect asks, for its reply to be understood.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Setup {
+    /// Not a setup command.
+    None,
+    /// `SCRIPT LOAD`: the reply is dropped (an error means rounds send EVAL).
+    Load,
+    /// `INFO`: who the server is and whether it can keep locks.
+    Info,
+    /// The metadata's id (see [`crate::driver::scripts::HISTORY_ID_LUA`]).
+    History,
+}
+
+/// One reply the connection still owes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Pending {
+    /// When the command was queued.
+    pub sent: Instant,
+    /// Whether the current round waits for it (else it is read and dropped).
+    pub wanted: bool,
+    /// For an acquire or a swap whose round ended without its reply: the
+    /// release that undoes it, sent on this connection (after the SET) if
+    /// the late reply says it was set and the lock was released meanwhile,
+    /// or before the connection is given up.
+    pub undo: Option<Vec<u8>>,
+    /// For a command that may write a key of ours (an acquire, a swap, a
+    /// restore) whose round ended without its reply: its tokens, whose write
+    /// may still land (until this reply is read).
+    pub tokens: Vec<String>,
+    /// For a command sent at connect: what it asks.
+    pub setup: Setup,
+    /// For a release whose round ended without its reply: the same release
+    /// as `EVAL`, sent if the late reply is NOSCRIPT (a delete is never lost).
+    pub resend: Option<Vec<u8>>,
+    /// For a retried release: the tokens of its batch, which leave the
+    /// node's retry queue once the node answers it.
+    pub retried: Vec<String>,
+}
+
+/// The protocol state of one connection.
+#[derive(Debug)]
+pub(crate) struct Wire {
+    /// Commands queued and not yet taken by the socket (see
+    /// [`written`](Self::written)).
+    out: Vec<u8>,
+    pending: VecDeque<Pending>,
+    /// Must not be reused: an error, a timeout, a half-written command.
+    pub broken: bool,
+    /// When the connection was made.
+    pub made: Instant,
+    /// Who is at the other end, as its `INFO` and lock history said (read
+    /// ahead of the first round's reply).
+    pub server: ServerTag,
+    /// When `INFO` was last asked on this connection.
+    pub info_at: Instant,
+    /// Returned to the pool owing replies: counted in this counter (the
+    /// node's idle connections that owe replies) until a checkout reads
+    /// them or the connection is dropped.
+    pub owing: Option<Arc<AtomicUsize>>,
+}
+
+impl Drop for Wire {
+    fn drop(&mut self) {
+        if let Some(n) = self.owing.take() {
+            n.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+impl Wire {
+    /// A connection made at `now`, owing nothing.
+    pub(crate) fn new(now: Instant) -> Self {
+        Wire {
+            out: Vec::new(),
+            pending: VecDeque::new(),
+            broken: false,
+            made: now,
+            server: ServerTag::default(),
+            info_at: now,
+            owing: None,
+        }
+    }
+
+    /// The bytes queued and not yet written.
+    pub(crate) fn output(&self) -> &[u8] {
+        &self.out
+    }
+
+    /// The socket took the first `n` bytes of [`output`](Self::output).
+    pub(crate) fn written(&mut self, n: usize) {
+        self.out.drain(..n.min(self.out.len()));
+    }
+
+    /// Pairs a reply read off the connection with the command it answers,
+    /// the oldest one owed. A reply to no command marks it broken.
+    pub(crate) fn answer(&mut self, v: Value) -> io::Result<(Pending, Value)> {
+        match self.pending.pop_front() {
+            Some(p) => Ok((p, v)),
+            None => Err(self.protocol_error("reply to no command")),
+        }
+    }
+
+    /// Marks the connection broken by bytes that are not what was owed.
+    pub(crate) fn protocol_error(&mut self, what: &str) -> io::Error {
+        self.broken = true;
+        io::Error::new(io::ErrorKind::InvalidData, what.to_owned())
+    }
+
+    /// Appends a command; its reply is expected in order after the others.
+    pub(crate) fn queue(&mut self, cmd: &[u8], now: Instant, wanted: bool) {
+        self.push(cmd, now, wanted, Setup::None);
+    }
+
+    /// Appends a command no round waits for that may write a key of ours
+    /// (see [`Pending::undo`]).
+    pub(crate) fn queue_late(
+        &mut self,
+        cmd: &[u8],
+        now: Instant,
+        undo: Vec<u8>,
+        tokens: Vec<String>,
+    ) {
+        self.push_unwanted(cmd, now, |p| {
+            p.undo = Some(undo);
+            p.tokens = tokens;
+        });
+    }
+
+    /// Appends a command sent at connect, whose reply is read and dropped.
+    pub(crate) fn queue_setup(&mut self, cmd: &[u8], now: Instant, setup: Setup) {
+        self.push(cmd, now, false, setup);
+    }
+
+    fn push(&mut self, cmd: &[u8], now: Instant, wanted: bool, setup: Setup) {
+        self.out.extend_from_slice(cmd);
+        self.pending.push_back(Pending {
+            sent: now,
+            wanted,
+            undo: None,
+            tokens: Vec::new(),
+            setup,
+            resend: None,
+            retried: Vec::new(),
+        });
+    }
+
+    /// Appends a retried release no round waits for (see
+    /// [`Pending::retried`]); `resend` is the same release as `EVAL`.
+    pub(crate) fn queue_retry(
+        &mut self,
+        cmd: &[u8],
+        now: Instant,
+        resend: Vec<u8>,
+        retried: Vec<String>,
+    ) {
+        self.push_unwanted(cmd, now, |p| {
+            p.resend = Some(resend);
+            p.retried = retried;
+        });
+    }
+
+    /// Appends a command no round waits for, its pending entry completed
+    /// by `complete`.
+    fn push_unwanted(&mut self, cmd: &[u8], now: Instant, complete: impl FnOnce(&mut Pending)) {
+        self.push(cmd, now, false, Setup::None);
+        if let Some(p) = self.pending.back_mut() {
+            complete(p);
+        }
+    }
+
+    /// The connection is given up: queues (not waited for) the undo of
+    /// every acquire still in flight, and every release again as `EVAL` (a
+    /// release whose reply never came may have met NOSCRIPT; deleting twice
+    /// is harmless). True when something was queued to send.
+    pub(crate) fn give_up(&mut self, now: Instant) -> bool {
+        let undos: Vec<Vec<u8>> = self
+            .pending
+            .iter_mut()
+            .filter_map(|p| p.undo.take().or_else(|| p.resend.take()))
+            .collect();
+        if undos.is_empty() || self.broken {
+            return false;
+        }
+        for u in &undos {
+            self.queue(u, now, false);
+        }
+        true
+    }
+
+    /// Replies still owed, oldest first.
+    pub(crate) fn pending(&self) -> &VecDeque<Pending> {
+        &self.pending
+    }
+
+    /// Whether a release whose reply has not been read is owed.
+    pub(crate) fn owes_release(&self) -> bool {
+        self.pending.iter().any(|p| p.resend.is_some())
+    }
+
+    /// Whether a reply the current round waits for is still owed.
+    pub(crate) fn awaits_wanted(&self) -> bool {
+        self.pending.iter().any(|p| p.wanted)
+    }
+
+    /// The round is over: replies still owed are read and dropped later;
+    /// `tokens` are those whose write may still land until such a reply is
+    /// read, and `undo` (for an acquire or a swap) is sent if it says set.
+    pub(crate) fn unwant(&mut self, undo: Option<&[u8]>, tokens: &[String], resend: Option<&[u8]>) {
+        for p in &mut self.pending {
+            if p.wanted {
+                p.wanted = false;
+                p.undo = undo.map(<[u8]>::to_vec);
+                p.tokens = tokens.to_vec();
+                p.resend = resend.map(<[u8]>::to_vec);
+            }
+        }
+    }
+}
