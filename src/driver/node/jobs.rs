@@ -4,7 +4,7 @@
 use crate::driver::node::encode::Encoded;
 use crate::driver::node::queries::release_once;
 use crate::driver::node::replies::catch_up;
-use crate::driver::node::retries::{Retry, Unsettled, MAX_RETRIES};
+use crate::driver::node::retries::Retry;
 use crate::driver::node::shared::{NodeInner, NodeShared};
 use crate::driver::node::{RedisTransport, CONN_RECHECK, MIN_IDLE};
 
@@ -38,18 +38,8 @@ impl RedisTransport {
         let node = &self.nodes[i];
         let shared = &node.inner.shared;
         let until = after(start, ttl);
-        {
-            // Unsettled from now on: a release marks it, and keeps deleting.
-            let mut unsettled = shared.unsettled.lock();
-            if unsettled.len() >= MAX_RETRIES {
-                let now = Instant::now();
-                unsettled.retain(|_, u| u.until > now);
-            }
-            unsettled.entry(k.token.to_owned()).or_insert(Unsettled {
-                until,
-                released: false,
-            });
-        }
+        // Unsettled from now on: a release marks it, and keeps deleting.
+        shared.unsettle(&[k.token.to_owned()], until, Instant::now());
         let job = LateWrite {
             resource: k.resource.to_owned(),
             token: k.token.to_owned(),

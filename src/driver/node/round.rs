@@ -4,7 +4,6 @@
 
 use crate::driver::node::encode::Encoded;
 use crate::driver::node::replies::{catch_up, late_reply_on, turned_away};
-use crate::driver::node::retries::{Unsettled, MAX_RETRIES};
 use crate::driver::node::{Manager, RedisTransport, CONN_RECHECK};
 
 use std::sync::atomic::Ordering;
@@ -302,16 +301,7 @@ impl RedisTransport {
                 if c.wire.awaits_wanted() {
                     c.wire.unwant(undo.as_deref(), &tokens, resend.as_deref());
                     if let Some(until) = unsettled_until {
-                        let mut unsettled = shared.unsettled.lock();
-                        if unsettled.len() >= MAX_RETRIES {
-                            unsettled.retain(|_, u| u.until > now);
-                        }
-                        for t in &tokens {
-                            unsettled.entry(t.clone()).or_insert(Unsettled {
-                                until,
-                                released: false,
-                            });
-                        }
+                        shared.unsettle(&tokens, until, now);
                     }
                     if s.sent
                         .is_some_and(|t| now.saturating_duration_since(t) >= shared.timeout)
@@ -548,18 +538,7 @@ impl RedisTransport {
             // token stays unsettled until its TTL ends: a release of it is
             // sent again until then, in case a proxy passes the lost SET on
             // after the delete.
-            let until = after(s.began, ttl);
-            let mut unsettled = shared.unsettled.lock();
-            if unsettled.len() >= MAX_RETRIES {
-                let now = Instant::now();
-                unsettled.retain(|_, u| u.until > now);
-            }
-            for t in &enc.written {
-                unsettled.entry(t.clone()).or_insert(Unsettled {
-                    until,
-                    released: false,
-                });
-            }
+            shared.unsettle(&enc.written, after(s.began, ttl), Instant::now());
         }
         if conn::is_close(&e) && s.admit == Admit::Wait && made.is_some_and(|t| t < s.began) {
             // A connection older than the round, closed before the node

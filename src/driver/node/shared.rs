@@ -1,7 +1,7 @@
 //! What one node's connections, rounds and background jobs share: its
 //! health, its pool and how the pool connects.
 
-use crate::driver::node::retries::{Retries, Unsettled};
+use crate::driver::node::retries::{Retries, Unsettled, MAX_RETRIES};
 use crate::driver::node::servers::Servers;
 
 use std::collections::HashMap;
@@ -85,6 +85,22 @@ impl NodeShared {
             draining: AtomicBool::new(false),
             connect_error: Mutex::new(None),
             events,
+        }
+    }
+
+    /// Writes of `tokens` that may still land here, until `until` at the
+    /// latest: a release of them from now on deletes again behind them
+    /// (see [`Unsettled`]). Expired entries make room once the map is full.
+    pub(super) fn unsettle(&self, tokens: &[String], until: Instant, now: Instant) {
+        let mut unsettled = self.unsettled.lock();
+        if unsettled.len() >= MAX_RETRIES {
+            unsettled.retain(|_, u| u.until > now);
+        }
+        for t in tokens {
+            unsettled.entry(t.clone()).or_insert(Unsettled {
+                until,
+                released: false,
+            });
         }
     }
 
