@@ -19,8 +19,6 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
 MAX_LINES = 600
 # file (relative to src/) -> why it may be longer than MAX_LINES
 LONG_FILES = {
-    "driver/node/round.rs": "one round over sockets; its rules leave for the sans-IO node "
-    "engine (issue 20, item 2), the polling stays",
 }
 
 IDENT = r"[a-z_][a-z0-9_]*"

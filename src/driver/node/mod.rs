@@ -37,6 +37,7 @@ use crate::lock::transport::{Decided, Stored, Transport, Undo};
 
 mod encode;
 mod jobs;
+mod part;
 mod queries;
 mod replies;
 mod retries;

@@ -3,38 +3,39 @@
 //! round leaves behind (late replies owed, releases to retry, an undo).
 
 use crate::driver::node::encode::Encoded;
-use crate::driver::node::replies::{catch_up, late_reply_on, turned_away};
+use crate::driver::node::part::{
+    end_part, lose_connection, take_reply, Ballot, End, Leftovers, Link, Part,
+};
+use crate::driver::node::replies::catch_up;
 use crate::driver::node::{Manager, RedisTransport, CONN_RECHECK};
+use crate::driver::wire::Wire;
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use log::debug;
 use r2d2::PooledConnection;
-use redis::Value;
 
-use crate::algorithm::health::{self, Admit, NodeHealth, Outcome};
+use crate::algorithm::health::{self, Admit};
 use crate::algorithm::quorum::{self};
 use crate::algorithm::round::Key;
-use crate::algorithm::round::{Answer, NodeResult, Op, ServerTag};
+use crate::algorithm::round::{NodeResult, Op};
 use crate::clock::after;
 use crate::driver::conn::{self, PollFlags};
 use crate::error::{NodeError, NodeErrorKind};
 use crate::lock::transport::{AfterRound, Decided, Undo};
 
-/// One node's part in a round.
-pub(super) struct Part {
-    pub(super) admit: Admit,
-    pub(super) conn: Option<PooledConnection<Manager>>,
-    /// When our command was queued on `conn` (or on a connection since lost).
-    pub(super) sent: Option<Instant>,
-    /// The EVAL fallback was sent after NOSCRIPT.
-    pub(super) fell_back: bool,
-    /// When the round trip began: a connection made before then may have been
-    /// closed while idle, and one made since is the node's answer.
-    pub(super) began: Instant,
-    /// A command was lost with its connection (it may have run).
-    pub(super) lost: bool,
+/// A pooled connection to a node.
+type Pooled = PooledConnection<Manager>;
+
+/// Our connections carry their protocol state in a [`Wire`].
+impl Link for Pooled {
+    fn wire(&self) -> &Wire {
+        &self.wire
+    }
+
+    fn wire_mut(&mut self) -> &mut Wire {
+        &mut self.wire
+    }
 }
 
 impl RedisTransport {
@@ -58,7 +59,7 @@ impl RedisTransport {
             .collect();
         let twins = self.servers.twin_mask();
         health::admit_round(&mut admits, release, quorum::quorum(n), &twins);
-        let mut parts: Vec<Part> = admits
+        let mut parts: Vec<Part<Pooled>> = admits
             .into_iter()
             .map(|admit| Part {
                 admit,
@@ -142,7 +143,7 @@ impl RedisTransport {
         &self,
         enc: &Encoded,
         keys: &[Key<'_>],
-        parts: &mut [Part],
+        parts: &mut [Part<Pooled>],
         start: Instant,
         deadline: Instant,
         decided: Option<Decided<'_>>,
@@ -265,91 +266,35 @@ impl RedisTransport {
         // taken before anyone is charged a timeout.
         self.collect_arrived(parts, enc, &mut results);
         let now = Instant::now();
-        // An acquire reply still owed may yet say "set": keep its undo.
-        // (Built only when some reply is still owed.)
-        let owed = parts
-            .iter()
-            .any(|s| s.conn.as_ref().is_some_and(|c| c.wire.awaits_wanted()));
-        // The tokens a late acquire or swap may still write, and their keys.
-        let written = crate::algorithm::round::written(enc.op, keys);
-        // Only a command that may write: a release's late reply says nothing
-        // of where a SET landed.
-        let tokens: Vec<String> = if owed && enc.writes().is_some() {
-            written.iter().map(|k| k.token.to_owned()).collect()
-        } else {
-            Vec::new()
+        let left = Leftovers::of(enc, keys, parts, start);
+        let ballot = Ballot {
+            enc,
+            names: &self.names,
+            rules: self.rules,
         };
-        let resend = match enc.op {
-            Op::Release { .. } if owed => Some(enc.fallback()),
-            _ => None,
+        let pool_busy = |i: usize| {
+            let pool = &self.nodes[i].inner.pool;
+            (pool.state().connections >= pool.max_size()).then_some(pool.max_size())
         };
-        let unsettled_until = enc.writes().filter(|_| owed).map(|ttl| after(start, ttl));
-        let undo = match (enc.op, unsettled_until) {
-            (Op::Acquire { .. } | Op::Swap { .. }, Some(until)) => {
-                let rel = Op::Release { keep_until: until };
-                Some(Encoded::new(rel, &written).packed)
-            }
-            _ => None,
+        let ended = End {
+            now,
+            start,
+            settled: settle.is_some(),
+            pool_busy: &pool_busy,
         };
         for (i, s) in parts.iter_mut().enumerate() {
-            let shared = &self.nodes[i].inner.shared;
+            let node = &self.nodes[i].inner;
             if let Some(c) = s.conn.as_mut() {
                 if c.wants_write() {
                     // A half-written command: the connection cannot be reused.
                     c.wire.broken = true;
                 }
-                if c.wire.awaits_wanted() {
-                    c.wire.unwant(undo.as_deref(), &tokens, resend.as_deref());
-                    if let Some(until) = unsettled_until {
-                        shared.unsettle(&tokens, until, now);
-                    }
-                    if s.sent
-                        .is_some_and(|t| now.saturating_duration_since(t) >= shared.timeout)
-                    {
-                        // No reply within the node timeout: the node's own doing.
-                        c.abandon();
-                        shared.observe(Outcome::TimedOut);
-                    }
-                    if results[i].is_none() {
-                        let waited = now.saturating_duration_since(s.sent.unwrap_or(start));
-                        results[i] = Some(Err(if settle.is_some() {
-                            NodeError::new(
-                                &self.names[i],
-                                NodeErrorKind::NotAwaited,
-                                format!("settled {waited:?} after sending, before its reply"),
-                            )
-                        } else {
-                            NodeError::new(
-                                &self.names[i],
-                                NodeErrorKind::Timeout,
-                                format!("no reply in {waited:?}"),
-                            )
-                        }));
-                    }
-                }
             }
-            if results[i].is_none() {
-                results[i] = Some(Err(if s.lost {
-                    // Not `NoConnection`: the command may have run.
-                    NodeError::new(
-                        &self.names[i],
-                        NodeErrorKind::Io,
-                        "connection closed before the reply; not sent again before the round ended",
-                    )
-                } else if shared.is_healthy() {
-                    let pool = &self.nodes[i].inner.pool;
-                    let detail = if pool.state().connections >= pool.max_size() {
-                        format!(
-                            "all {} pooled connections busy until the round ended (this client's condition: raise pool_size)",
-                            pool.max_size()
-                        )
-                    } else {
-                        "still connecting when the round ended".to_owned()
-                    };
-                    NodeError::new(&self.names[i], NodeErrorKind::NoConnection, detail)
-                } else {
-                    self.not_waited(i, Admit::Skip)
-                }));
+            if end_part(&ballot, i, s, &node.shared, &left, &ended, &mut results[i]) {
+                if let Some(c) = s.conn.as_mut() {
+                    // Given up: what it queued (undos) goes out first.
+                    let _ = c.flush();
+                }
             }
         }
 
@@ -391,7 +336,7 @@ impl RedisTransport {
     /// One non-blocking pass over the connections still owing a reply.
     pub(super) fn collect_arrived(
         &self,
-        parts: &mut [Part],
+        parts: &mut [Part<Pooled>],
         enc: &Encoded,
         results: &mut [Option<NodeResult>],
     ) {
@@ -420,45 +365,9 @@ impl RedisTransport {
         }
     }
 
+    /// The error of node `i`, not waited for (see [`NodeShared::not_waited`](crate::driver::node::shared::NodeShared::not_waited)).
     pub(super) fn not_waited(&self, i: usize, admit: Admit) -> NodeError {
-        let shared = &self.nodes[i].inner.shared;
-        let h = *shared.health.lock();
-        let connect_error = match h {
-            NodeHealth::Failing { .. } => shared.connect_error.lock().clone(),
-            NodeHealth::Healthy => None,
-        };
-        let tried = if admit == Admit::Trial {
-            "tried, not waited for"
-        } else {
-            "not waited for"
-        };
-        let detail = match (h, &connect_error) {
-            (NodeHealth::Failing { since, .. }, Some((_, e))) => format!(
-                "{e}, for {:?}; {tried}",
-                Instant::now().saturating_duration_since(since),
-            ),
-            (NodeHealth::Failing { since, last, .. }, None) => format!(
-                "{} for {:?}; {tried}",
-                match last {
-                    Outcome::Refused => "refusing connections",
-                    _ => "not answering",
-                },
-                Instant::now().saturating_duration_since(since),
-            ),
-            (NodeHealth::Healthy, _) => "not waited for".to_owned(),
-        };
-        let kind = match (h, connect_error) {
-            (_, Some((kind @ (NodeErrorKind::Tls | NodeErrorKind::Server), _))) => kind,
-            (
-                NodeHealth::Failing {
-                    last: Outcome::Refused,
-                    ..
-                },
-                _,
-            ) => NodeErrorKind::Unavailable,
-            _ => NodeErrorKind::Skipped,
-        };
-        NodeError::new(&self.names[i], kind, detail)
+        self.nodes[i].inner.shared.not_waited(admit, Instant::now())
     }
 
     /// Checks out a connection for node `i` if none is at hand and queues the
@@ -466,7 +375,7 @@ impl RedisTransport {
     pub(super) fn send(
         &self,
         i: usize,
-        s: &mut Part,
+        s: &mut Part<Pooled>,
         enc: &Encoded,
         now: Instant,
         results: &mut [Option<NodeResult>],
@@ -517,70 +426,24 @@ impl RedisTransport {
     pub(super) fn failed(
         &self,
         i: usize,
-        s: &mut Part,
+        s: &mut Part<Pooled>,
         e: std::io::Error,
         enc: &Encoded,
         results: &mut [Option<NodeResult>],
     ) {
-        let shared = &self.nodes[i].inner.shared;
-        let made = s.conn.as_ref().map(|c| c.wire.made);
-        // Our command went out and its reply never will come: it may have
-        // run, or (through a proxy) may still run.
-        let lost = s.conn.as_ref().is_some_and(|c| c.wire.awaits_wanted());
-        if let Some(c) = s.conn.as_mut() {
-            c.wire.broken = true;
-            c.wire.unwant(None, &[], None);
-        }
-        s.conn = None;
-        s.lost |= lost;
-        if let (true, Some(ttl)) = (lost, enc.writes()) {
-            // Its SET counts as reached for the attempt's undo, and its
-            // token stays unsettled until its TTL ends: a release of it is
-            // sent again until then, in case a proxy passes the lost SET on
-            // after the delete.
-            shared.unsettle(&enc.written, after(s.began, ttl), Instant::now());
-        }
-        if conn::is_close(&e) && s.admit == Admit::Wait && made.is_some_and(|t| t < s.began) {
-            // A connection older than the round, closed before the node
-            // answered our command: most likely by a close already on its
-            // way when the command left (a kill, an idle timeout), so not the
-            // node's answer. The round sends again on another connection; a
-            // node that is down refuses that connect, and a close of a
-            // connection made during the round is the node's answer. (Older
-            // connections are at most the pool's size.) The same token makes
-            // the repeat safe: a SET or swap that did land answers as done,
-            // and an extension or fencing write-back is idempotent. A
-            // release's repeat that does not find the key ours cannot tell
-            // whether the first delete ran (see `on_ready`).
-            s.sent = None;
-            s.fell_back = false;
-            debug!(
-                "node {}: connection closed before the reply ({e}); sending again",
-                self.names[i]
-            );
-            return;
-        }
-        let kind = match e.kind() {
-            std::io::ErrorKind::InvalidData => {
-                shared.observe(Outcome::Answered);
-                NodeErrorKind::Protocol
-            }
-            // The server turned the connection away (its answer, already
-            // observed): say so, in its words.
-            std::io::ErrorKind::ConnectionRefused => NodeErrorKind::Unavailable,
-            _ => {
-                shared.observe(Outcome::Refused);
-                NodeErrorKind::Io
-            }
+        let ballot = Ballot {
+            enc,
+            names: &self.names,
+            rules: self.rules,
         };
-        results[i] = Some(Err(NodeError::new(&self.names[i], kind, e.to_string())));
+        lose_connection(&ballot, i, s, &self.nodes[i].inner.shared, e, results);
     }
 
     #[allow(clippy::too_many_arguments)]
     pub(super) fn on_ready(
         &self,
         i: usize,
-        s: &mut Part,
+        s: &mut Part<Pooled>,
         flags: PollFlags,
         enc: &Encoded,
         results: &mut [Option<NodeResult>],
@@ -605,58 +468,30 @@ impl RedisTransport {
                 Err(e) => return self.failed(i, s, e, enc, results),
             };
             let now = Instant::now();
-            if !turned_away(&p, &v) {
-                shared.replied();
-            }
-            if !p.wanted {
-                if let Err(e) = late_reply_on(c, shared, p, &v, now) {
-                    return self.failed(i, s, e, enc, results);
-                }
-                continue;
-            }
-            if let (Value::ServerError(e), false) = (&v, s.fell_back) {
-                if e.kind() == Some(redis::ServerErrorKind::NoScript) {
-                    debug!("node {}: script not cached, sending EVAL", self.names[i]);
-                    s.fell_back = true;
-                    c.wire.queue(&enc.fallback(), now, true);
+            let ballot = Ballot {
+                enc,
+                names: &self.names,
+                rules: self.rules,
+            };
+            match take_reply(
+                &ballot,
+                i,
+                &mut s.fell_back,
+                s.lost,
+                &mut c.wire,
+                shared,
+                (p, v),
+                now,
+                results,
+            ) {
+                Ok(false) => {}
+                Ok(true) => {
                     if let Err(e) = c.flush() {
                         return self.failed(i, s, e, enc, results);
                     }
-                    continue;
                 }
+                Err(e) => return self.failed(i, s, e, enc, results),
             }
-            let server = c.wire.server;
-            let mut r = enc.decode(v);
-            if let Ok(reply) = &mut r {
-                // Who answered: the connection's server (its history's id as
-                // the node last reported it, if this connection has none).
-                let history = server.history.or_else(|| shared.servers.history(i));
-                reply.server = Some(ServerTag { history, ..server });
-            }
-            if let (Ok(reply), Op::Release { .. }) = (&mut r, enc.op) {
-                // "Absent" behind our own undo of a late SET: deleted by us.
-                let mut undone = shared.undone.lock();
-                if !undone.is_empty() {
-                    for (a, t) in reply.answers.iter_mut().zip(&enc.tokens) {
-                        if *a == Answer::Absent && undone.remove(t).is_some() {
-                            *a = Answer::Ok;
-                        }
-                    }
-                }
-            }
-            if let (true, Op::Release { .. }, Ok(reply)) = (s.lost, enc.op, &r) {
-                // The first delete, lost with its connection, may have run:
-                // "absent" or another owner now says nothing (the key may
-                // also have expired, or never reached this node).
-                if reply.answers.iter().any(|a| *a != Answer::Ok) {
-                    r = Err((
-                        NodeErrorKind::Io,
-                        "connection closed before the reply; sent again, the key was no longer ours: the first delete may have run".to_owned(),
-                    ));
-                }
-            }
-            let r = r.map_err(|(kind, detail)| NodeError::new(&self.names[i], kind, detail));
-            quorum::insert_vote(results, &self.names, i, r, self.rules);
         }
     }
 }

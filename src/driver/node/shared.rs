@@ -15,10 +15,10 @@ use parking_lot::Mutex;
 use r2d2::{ManageConnection, Pool};
 use scheduled_thread_pool::ScheduledThreadPool;
 
-use crate::algorithm::health::{NodeHealth, Outcome};
+use crate::algorithm::health::{Admit, NodeHealth, Outcome};
 use crate::clock::{Throttle, WARN_EVERY};
 use crate::driver::conn::{self, Conn, ConnectError, Target};
-use crate::error::NodeErrorKind;
+use crate::error::{NodeError, NodeErrorKind};
 use crate::events::{Events, NodeChange, NodeEvent};
 
 /// What one node's connections, rounds and background jobs share.
@@ -102,6 +102,49 @@ impl NodeShared {
                 released: false,
             });
         }
+    }
+
+    /// The error of this node when a round did not wait for it (`admit`):
+    /// why (refusing, not answering, its TLS or handshake error), since when.
+    pub(super) fn not_waited(&self, admit: Admit, now: Instant) -> NodeError {
+        let shared = self;
+        let h = *shared.health.lock();
+        let connect_error = match h {
+            NodeHealth::Failing { .. } => shared.connect_error.lock().clone(),
+            NodeHealth::Healthy => None,
+        };
+        let tried = if admit == Admit::Trial {
+            "tried, not waited for"
+        } else {
+            "not waited for"
+        };
+        let detail = match (h, &connect_error) {
+            (NodeHealth::Failing { since, .. }, Some((_, e))) => format!(
+                "{e}, for {:?}; {tried}",
+                now.saturating_duration_since(since),
+            ),
+            (NodeHealth::Failing { since, last, .. }, None) => format!(
+                "{} for {:?}; {tried}",
+                match last {
+                    Outcome::Refused => "refusing connections",
+                    _ => "not answering",
+                },
+                now.saturating_duration_since(since),
+            ),
+            (NodeHealth::Healthy, _) => "not waited for".to_owned(),
+        };
+        let kind = match (h, connect_error) {
+            (_, Some((kind @ (NodeErrorKind::Tls | NodeErrorKind::Server), _))) => kind,
+            (
+                NodeHealth::Failing {
+                    last: Outcome::Refused,
+                    ..
+                },
+                _,
+            ) => NodeErrorKind::Unavailable,
+            _ => NodeErrorKind::Skipped,
+        };
+        NodeError::new(&self.name, kind, detail)
     }
 
     /// The single door of the node's health state machine.

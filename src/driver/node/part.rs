@@ -1,0 +1,333 @@
+//! One node's part in a round, as events on its connection: a reply read
+//! ([`take_reply`]: the node's health, a late reply's rules, the `EVAL`
+//! fallback after NOSCRIPT, the vote it casts), the connection lost
+//! ([`lose_connection`]), and the round's end ([`end_part`]: what stays
+//! owed, and the result of a node without one). No I/O: the connection
+//! reads the replies and sends what these queue on its [`Wire`].
+
+use std::time::Instant;
+
+use log::debug;
+use redis::Value;
+
+use crate::algorithm::health::{Admit, Outcome};
+use crate::algorithm::quorum::{self, VoteRules};
+use crate::algorithm::round::{Answer, Key, NodeResult, Op, ServerTag};
+use crate::clock::after;
+use crate::driver::conn;
+use crate::driver::node::encode::Encoded;
+use crate::driver::node::replies::{late_reply, turned_away};
+use crate::driver::node::shared::NodeShared;
+use crate::driver::wire::{Pending, Wire};
+use crate::error::{NodeError, NodeErrorKind};
+
+/// What a round's replies are counted against: its command, the node
+/// names, and the client's voting rules.
+pub(super) struct Ballot<'a> {
+    pub(super) enc: &'a Encoded,
+    pub(super) names: &'a [String],
+    pub(super) rules: VoteRules,
+}
+
+/// Takes reply `v` to command `p` from node `i`, whose part in the round
+/// has sent the `EVAL` fallback already (`fell_back`) or lost a command
+/// with a connection (`lost`): a reply the round waits for becomes node
+/// `i`'s entry in `results` (or, on NOSCRIPT, the fallback is queued); any
+/// other is a late reply. `Ok(true)` when commands were queued on `wire`
+/// to send now; `Err` when the connection cannot be used.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn take_reply(
+    ballot: &Ballot<'_>,
+    i: usize,
+    fell_back: &mut bool,
+    lost: bool,
+    wire: &mut Wire,
+    shared: &NodeShared,
+    (p, v): (Pending, Value),
+    now: Instant,
+    results: &mut [Option<NodeResult>],
+) -> std::io::Result<bool> {
+    let enc = ballot.enc;
+    if !turned_away(&p, &v) {
+        shared.replied();
+    }
+    if !p.wanted {
+        return late_reply(wire, shared, p, &v, now);
+    }
+    if let (Value::ServerError(e), false) = (&v, *fell_back) {
+        if e.kind() == Some(redis::ServerErrorKind::NoScript) {
+            debug!("node {}: script not cached, sending EVAL", ballot.names[i]);
+            *fell_back = true;
+            wire.queue(&enc.fallback(), now, true);
+            return Ok(true);
+        }
+    }
+    let server = wire.server;
+    let mut r = enc.decode(v);
+    if let Ok(reply) = &mut r {
+        // Who answered: the connection's server (its history's id as
+        // the node last reported it, if this connection has none).
+        let history = server.history.or_else(|| shared.servers.history(i));
+        reply.server = Some(ServerTag { history, ..server });
+    }
+    if let (Ok(reply), Op::Release { .. }) = (&mut r, enc.op) {
+        // "Absent" behind our own undo of a late SET: deleted by us.
+        let mut undone = shared.undone.lock();
+        if !undone.is_empty() {
+            for (a, t) in reply.answers.iter_mut().zip(&enc.tokens) {
+                if *a == Answer::Absent && undone.remove(t).is_some() {
+                    *a = Answer::Ok;
+                }
+            }
+        }
+    }
+    if let (true, Op::Release { .. }, Ok(reply)) = (lost, enc.op, &r) {
+        // The first delete, lost with its connection, may have run:
+        // "absent" or another owner now says nothing (the key may
+        // also have expired, or never reached this node).
+        if reply.answers.iter().any(|a| *a != Answer::Ok) {
+            r = Err((
+                NodeErrorKind::Io,
+                "connection closed before the reply; sent again, the key was no longer ours: the first delete may have run".to_owned(),
+            ));
+        }
+    }
+    let r = r.map_err(|(kind, detail)| NodeError::new(&ballot.names[i], kind, detail));
+    quorum::insert_vote(results, ballot.names, i, r, ballot.rules);
+    Ok(false)
+}
+
+/// Access to what a connection owes, whatever carries its bytes.
+pub(crate) trait Link {
+    /// The connection's protocol state.
+    fn wire(&self) -> &Wire;
+    /// The same, to change.
+    fn wire_mut(&mut self) -> &mut Wire;
+}
+
+/// One node's part in a round.
+pub(super) struct Part<C> {
+    pub(super) admit: Admit,
+    pub(super) conn: Option<C>,
+    /// When our command was queued on `conn` (or on a connection since lost).
+    pub(super) sent: Option<Instant>,
+    /// The EVAL fallback was sent after NOSCRIPT.
+    pub(super) fell_back: bool,
+    /// When the round trip began: a connection made before then may have been
+    /// closed while idle, and one made since is the node's answer.
+    pub(super) began: Instant,
+    /// A command was lost with its connection (it may have run).
+    pub(super) lost: bool,
+}
+
+/// Node `i`'s connection failed with `e` during a round (a write or a read
+/// error, a close, bytes that are not RESP): the connection is given up;
+/// a command it carried may have run. A close of a connection older than
+/// the round is most likely not the node's answer, and the command is to be
+/// sent again (`part.sent` cleared); otherwise `e` is node `i`'s result.
+pub(super) fn lose_connection<C: Link>(
+    ballot: &Ballot<'_>,
+    i: usize,
+    s: &mut Part<C>,
+    shared: &NodeShared,
+    e: std::io::Error,
+    results: &mut [Option<NodeResult>],
+) {
+    let enc = ballot.enc;
+    let made = s.conn.as_ref().map(|c| c.wire().made);
+    // Our command went out and its reply never will come: it may have
+    // run, or (through a proxy) may still run.
+    let lost = s.conn.as_ref().is_some_and(|c| c.wire().awaits_wanted());
+    if let Some(c) = s.conn.as_mut() {
+        let w = c.wire_mut();
+        w.broken = true;
+        w.unwant(None, &[], None);
+    }
+    s.conn = None;
+    s.lost |= lost;
+    if let (true, Some(ttl)) = (lost, enc.writes()) {
+        // Its SET counts as reached for the attempt's undo, and its
+        // token stays unsettled until its TTL ends: a release of it is
+        // sent again until then, in case a proxy passes the lost SET on
+        // after the delete.
+        shared.unsettle(&enc.written, after(s.began, ttl), Instant::now());
+    }
+    if conn::is_close(&e) && s.admit == Admit::Wait && made.is_some_and(|t| t < s.began) {
+        // A connection older than the round, closed before the node
+        // answered our command: most likely by a close already on its
+        // way when the command left (a kill, an idle timeout), so not the
+        // node's answer. The round sends again on another connection; a
+        // node that is down refuses that connect, and a close of a
+        // connection made during the round is the node's answer. (Older
+        // connections are at most the pool's size.) The same token makes
+        // the repeat safe: a SET or swap that did land answers as done,
+        // and an extension or fencing write-back is idempotent. A
+        // release's repeat that does not find the key ours cannot tell
+        // whether the first delete ran (see [`take_reply`]).
+        s.sent = None;
+        s.fell_back = false;
+        debug!(
+            "node {}: connection closed before the reply ({e}); sending again",
+            ballot.names[i]
+        );
+        return;
+    }
+    let kind = match e.kind() {
+        std::io::ErrorKind::InvalidData => {
+            shared.observe(Outcome::Answered);
+            NodeErrorKind::Protocol
+        }
+        // The server turned the connection away (its answer, already
+        // observed): say so, in its words.
+        std::io::ErrorKind::ConnectionRefused => NodeErrorKind::Unavailable,
+        _ => {
+            shared.observe(Outcome::Refused);
+            NodeErrorKind::Io
+        }
+    };
+    results[i] = Some(Err(NodeError::new(&ballot.names[i], kind, e.to_string())));
+}
+
+/// What a round that ended leaves on the connections still owing its
+/// reply: the undo of an acquire or a swap (sent if the late reply says
+/// set, and the lock was released meanwhile), the tokens whose write may
+/// still land, and a release again as `EVAL` (in case it met NOSCRIPT).
+pub(super) struct Leftovers {
+    undo: Option<Vec<u8>>,
+    tokens: Vec<String>,
+    resend: Option<Vec<u8>>,
+    /// Until when a write still owed may land.
+    unsettled_until: Option<Instant>,
+}
+
+impl Leftovers {
+    /// What the round of `enc` on `keys`, started at `start`, leaves on
+    /// `parts` (built only when some reply is still owed).
+    pub(super) fn of<C: Link>(
+        enc: &Encoded,
+        keys: &[Key<'_>],
+        parts: &[Part<C>],
+        start: Instant,
+    ) -> Leftovers {
+        // An acquire reply still owed may yet say "set": keep its undo.
+        let owed = parts
+            .iter()
+            .any(|s| s.conn.as_ref().is_some_and(|c| c.wire().awaits_wanted()));
+        // The tokens a late acquire or swap may still write, and their keys.
+        let written = crate::algorithm::round::written(enc.op, keys);
+        // Only a command that may write: a release's late reply says nothing
+        // of where a SET landed.
+        let tokens: Vec<String> = if owed && enc.writes().is_some() {
+            written.iter().map(|k| k.token.to_owned()).collect()
+        } else {
+            Vec::new()
+        };
+        let resend = match enc.op {
+            Op::Release { .. } if owed => Some(enc.fallback()),
+            _ => None,
+        };
+        let unsettled_until = enc.writes().filter(|_| owed).map(|ttl| after(start, ttl));
+        let undo = match (enc.op, unsettled_until) {
+            (Op::Acquire { .. } | Op::Swap { .. }, Some(until)) => {
+                let rel = Op::Release { keep_until: until };
+                Some(Encoded::new(rel, &written).packed)
+            }
+            _ => None,
+        };
+        Leftovers {
+            undo,
+            tokens,
+            resend,
+            unsettled_until,
+        }
+    }
+}
+
+/// How a round ended: when, when it started, whether its caller settled it
+/// (else it timed out), and (asked only for a node left without a
+/// connection) the pool's size if every pooled connection to the node is
+/// in use.
+pub(super) struct End<'a> {
+    pub(super) now: Instant,
+    pub(super) start: Instant,
+    pub(super) settled: bool,
+    pub(super) pool_busy: &'a dyn Fn(usize) -> Option<u32>,
+}
+
+/// Node `i`'s part when the round ended: a reply still owed stays owed on
+/// its connection with the round's [`Leftovers`] (and gives the connection
+/// up when the node let it pass the node timeout: its own doing), and a node
+/// without a result gets one that says why (not awaited, timed out, a lost
+/// command, no connection, not waited for). True when the connection was
+/// given up and queued commands to send.
+pub(super) fn end_part<C: Link>(
+    ballot: &Ballot<'_>,
+    i: usize,
+    s: &mut Part<C>,
+    shared: &NodeShared,
+    left: &Leftovers,
+    end: &End<'_>,
+    result: &mut Option<NodeResult>,
+) -> bool {
+    let (now, start) = (end.now, end.start);
+    let name = &ballot.names[i];
+    let mut flush = false;
+    if let Some(c) = s.conn.as_mut() {
+        let wire = c.wire_mut();
+        if wire.awaits_wanted() {
+            wire.unwant(left.undo.as_deref(), &left.tokens, left.resend.as_deref());
+            if let Some(until) = left.unsettled_until {
+                shared.unsettle(&left.tokens, until, now);
+            }
+            if s.sent
+                .is_some_and(|t| now.saturating_duration_since(t) >= shared.timeout)
+            {
+                // No reply within the node timeout: the node's own doing.
+                flush = wire.give_up(now);
+                wire.broken = true;
+                shared.observe(Outcome::TimedOut);
+            }
+            if result.is_none() {
+                let waited = now.saturating_duration_since(s.sent.unwrap_or(start));
+                *result = Some(Err(if end.settled {
+                    NodeError::new(
+                        name,
+                        NodeErrorKind::NotAwaited,
+                        format!("settled {waited:?} after sending, before its reply"),
+                    )
+                } else {
+                    NodeError::new(
+                        name,
+                        NodeErrorKind::Timeout,
+                        format!("no reply in {waited:?}"),
+                    )
+                }));
+            }
+        }
+    }
+    if result.is_none() {
+        *result = Some(Err(if s.lost {
+            // Not `NoConnection`: the command may have run.
+            NodeError::new(
+                name,
+                NodeErrorKind::Io,
+                "connection closed before the reply; not sent again before the round ended",
+            )
+        } else if shared.is_healthy() {
+            let detail = match (end.pool_busy)(i) {
+                Some(size) => format!(
+                    "all {size} pooled connections busy until the round ended (this client's condition: raise pool_size)"
+                ),
+                None => "still connecting when the round ended".to_owned(),
+            };
+            NodeError::new(name, NodeErrorKind::NoConnection, detail)
+        } else {
+            shared.not_waited(Admit::Skip, now)
+        }));
+    }
+    flush
+}
+
+#[cfg(test)]
+#[path = "part_tests.rs"]
+mod tests;

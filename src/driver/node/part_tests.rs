@@ -1,0 +1,393 @@
+//! One node's part in a round, driven by parsed replies and errors on a
+//! [`Wire`](crate::driver::wire::Wire), no socket.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::*;
+use crate::algorithm::round::Key;
+use crate::driver::node::servers::Servers;
+use crate::events::Events;
+
+const NAMES: [&str; 1] = ["n0"];
+
+fn node() -> NodeShared {
+    let servers = Arc::new(Servers::new(vec!["n0".to_owned()]));
+    NodeShared::new(
+        0,
+        servers,
+        "n0".into(),
+        Duration::from_millis(50),
+        Events::default(),
+    )
+}
+
+fn release() -> Encoded {
+    let op = Op::Release {
+        keep_until: Instant::now() + Duration::from_secs(10),
+    };
+    Encoded::new(op, &[Key::new("r", "t")])
+}
+
+/// Sends `enc` as a wanted command on a new wire, and takes reply `v`
+/// to it; returns what `take_reply` said, the wire and the result.
+fn take(
+    enc: &Encoded,
+    n: &NodeShared,
+    fell_back: &mut bool,
+    lost: bool,
+    v: Value,
+) -> (std::io::Result<bool>, Wire, Option<NodeResult>) {
+    let names: Vec<String> = NAMES.iter().map(|s| s.to_string()).collect();
+    let ballot = Ballot {
+        enc,
+        names: &names,
+        rules: VoteRules::default(),
+    };
+    let mut w = Wire::new(Instant::now());
+    w.queue(&enc.packed, Instant::now(), true);
+    w.written(w.output().len());
+    let pv = w.answer(v).expect("owed");
+    let mut results = vec![None];
+    let r = take_reply(
+        &ballot,
+        0,
+        fell_back,
+        lost,
+        &mut w,
+        n,
+        pv,
+        Instant::now(),
+        &mut results,
+    );
+    (r, w, results.pop().flatten())
+}
+
+fn noscript() -> Value {
+    redis::parse_redis_value(b"-NOSCRIPT No matching script.\r\n").expect("RESP")
+}
+
+#[test]
+fn noscript_sends_the_eval_fallback_once_then_counts_the_error() {
+    let (n, enc) = (node(), release());
+    let mut fell_back = false;
+    let (r, w, result) = take(&enc, &n, &mut fell_back, false, noscript());
+    assert!(r.expect("usable"), "the fallback is to be sent now");
+    assert!(
+        fell_back && result.is_none(),
+        "no vote yet: the EVAL's reply is it"
+    );
+    assert_eq!(w.output(), &enc.fallback()[..]);
+    assert!(
+        w.awaits_wanted(),
+        "the round waits for the fallback's reply"
+    );
+    // NOSCRIPT again (the EVAL itself refused): the node's error, counted.
+    let (r, _, result) = take(&enc, &n, &mut fell_back, false, noscript());
+    assert!(!r.expect("usable"));
+    let e = result.expect("counted").expect_err("an error");
+    assert_eq!(e.kind(), NodeErrorKind::Server);
+}
+
+#[test]
+fn a_release_finding_its_own_undone_key_absent_counts_it_deleted() {
+    let (n, enc) = (node(), release());
+    let absent = || Value::Array(vec![Value::Int(0)]);
+    let (_, _, result) = take(&enc, &n, &mut false, false, absent());
+    let reply = result.expect("counted").expect("a reply");
+    assert_eq!(reply.answers, vec![Answer::Absent], "absent is absent");
+    // Deleted by this client's own undo of a late SET: that is ours.
+    let until = Instant::now() + Duration::from_secs(10);
+    n.undone.lock().insert("t".into(), until);
+    let (_, _, result) = take(&enc, &n, &mut false, false, absent());
+    let reply = result.expect("counted").expect("a reply");
+    assert_eq!(reply.answers, vec![Answer::Ok]);
+    assert!(n.undone.lock().is_empty(), "counted once");
+}
+
+#[test]
+fn a_release_sent_again_after_a_lost_connection_cannot_tell_absent_from_deleted() {
+    let (n, enc) = (node(), release());
+    let (_, _, result) = take(
+        &enc,
+        &n,
+        &mut false,
+        true,
+        Value::Array(vec![Value::Int(0)]),
+    );
+    let e = result.expect("counted").expect_err("not a vote");
+    assert_eq!(e.kind(), NodeErrorKind::Io, "the first delete may have run");
+    // Found ours and deleted: that is an answer.
+    let (_, _, result) = take(
+        &enc,
+        &n,
+        &mut false,
+        true,
+        Value::Array(vec![Value::Int(1)]),
+    );
+    assert_eq!(
+        result.expect("counted").expect("a reply").answers,
+        vec![Answer::Ok]
+    );
+}
+
+#[test]
+fn a_reply_names_the_server_that_answered() {
+    let (n, enc) = (node(), release());
+    n.servers.learn_history(0, 77);
+    let (_, _, result) = take(
+        &enc,
+        &n,
+        &mut false,
+        false,
+        Value::Array(vec![Value::Int(1)]),
+    );
+    let tag = result
+        .expect("counted")
+        .expect("a reply")
+        .server
+        .expect("tagged");
+    assert_eq!(tag.history, Some(77), "the node's last reported history");
+    assert!(n.is_healthy());
+}
+
+struct TestLink(Wire);
+
+impl Link for TestLink {
+    fn wire(&self) -> &Wire {
+        &self.0
+    }
+
+    fn wire_mut(&mut self) -> &mut Wire {
+        &mut self.0
+    }
+}
+
+fn acquire() -> Encoded {
+    let op = Op::Acquire {
+        ttl: Duration::from_secs(10),
+        known_max: Duration::from_secs(10),
+        fenced: false,
+        after: crate::algorithm::round::After::NONE,
+    };
+    Encoded::new(op, &[Key::new("r", "t")])
+}
+
+/// A part that sent `enc` at `began` on a connection made at `made`.
+fn sent_on(enc: &Encoded, made: Instant, began: Instant) -> Part<TestLink> {
+    let mut w = Wire::new(made);
+    w.queue(&enc.packed, began, true);
+    Part {
+        admit: Admit::Wait,
+        conn: Some(TestLink(w)),
+        sent: Some(began),
+        fell_back: false,
+        began,
+        lost: false,
+    }
+}
+
+fn ballot_for<'a>(enc: &'a Encoded, names: &'a [String]) -> Ballot<'a> {
+    Ballot {
+        enc,
+        names,
+        rules: VoteRules::default(),
+    }
+}
+
+fn closed() -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset")
+}
+
+#[test]
+fn a_close_of_a_connection_older_than_the_round_sends_again() {
+    let (n, enc, names) = (node(), acquire(), vec!["n0".to_owned()]);
+    let began = Instant::now();
+    let mut part = sent_on(&enc, began - Duration::from_secs(1), began);
+    let mut results = vec![None];
+    lose_connection(
+        &ballot_for(&enc, &names),
+        0,
+        &mut part,
+        &n,
+        closed(),
+        &mut results,
+    );
+    assert!(results[0].is_none(), "not the node's answer");
+    assert!(
+        part.sent.is_none() && part.conn.is_none(),
+        "to be sent again"
+    );
+    assert!(part.lost, "the first SET may have run");
+    assert!(n.is_healthy());
+    assert!(
+        n.unsettled.lock().contains_key("t"),
+        "a release deletes behind a SET that may still land"
+    );
+}
+
+#[test]
+fn a_close_of_a_connection_made_during_the_round_is_the_nodes_answer() {
+    let (n, enc, names) = (node(), acquire(), vec!["n0".to_owned()]);
+    let began = Instant::now();
+    let mut part = sent_on(&enc, began, began);
+    let mut results = vec![None];
+    lose_connection(
+        &ballot_for(&enc, &names),
+        0,
+        &mut part,
+        &n,
+        closed(),
+        &mut results,
+    );
+    let e = results[0].take().expect("answered").expect_err("failed");
+    assert_eq!(e.kind(), NodeErrorKind::Io);
+    assert!(!n.is_healthy(), "a node that resets connections is failing");
+    // Bytes that are not RESP are an answer, of the wrong kind.
+    let n = node();
+    let mut part = sent_on(&enc, began, began);
+    let bad = std::io::Error::new(std::io::ErrorKind::InvalidData, "not RESP");
+    lose_connection(
+        &ballot_for(&enc, &names),
+        0,
+        &mut part,
+        &n,
+        bad,
+        &mut results,
+    );
+    let e = results[0].take().expect("answered").expect_err("failed");
+    assert_eq!(e.kind(), NodeErrorKind::Protocol);
+    assert!(n.is_healthy());
+}
+
+#[test]
+fn a_reply_past_the_node_timeout_gives_its_connection_up_with_the_undo_sent() {
+    let (n, enc, names) = (node(), acquire(), vec!["n0".to_owned()]);
+    let start = Instant::now();
+    let mut parts = vec![sent_on(&enc, start, start)];
+    let keys = [Key::new("r", "t")];
+    let left = Leftovers::of(&enc, &keys, &parts, start);
+    let now = start + Duration::from_millis(60);
+    let none = |_: usize| None;
+    let ended = End {
+        now,
+        start,
+        settled: false,
+        pool_busy: &none,
+    };
+    let mut result = None;
+    let flush = end_part(
+        &ballot_for(&enc, &names),
+        0,
+        &mut parts[0],
+        &n,
+        &left,
+        &ended,
+        &mut result,
+    );
+    assert!(flush, "the undo goes out before the connection is dropped");
+    let wire = parts[0].conn.as_ref().expect("still held").wire();
+    assert!(wire.broken);
+    assert!(wire.output().ends_with(
+        &Encoded::new(
+            Op::Release {
+                keep_until: start + Duration::from_secs(10)
+            },
+            &keys
+        )
+        .packed
+    ));
+    assert_eq!(
+        result.expect("set").expect_err("failed").kind(),
+        NodeErrorKind::Timeout
+    );
+    assert!(
+        !n.is_healthy(),
+        "no reply within the node timeout is the node's doing"
+    );
+    assert!(n.unsettled.lock().contains_key("t"));
+}
+
+#[test]
+fn a_round_settled_before_a_reply_leaves_it_owed_with_its_undo() {
+    let (n, enc, names) = (node(), acquire(), vec!["n0".to_owned()]);
+    let start = Instant::now();
+    let mut parts = vec![sent_on(&enc, start, start)];
+    let keys = [Key::new("r", "t")];
+    let left = Leftovers::of(&enc, &keys, &parts, start);
+    let none = |_: usize| None;
+    let ended = End {
+        now: start + Duration::from_millis(2),
+        start,
+        settled: true,
+        pool_busy: &none,
+    };
+    let mut result = None;
+    let flush = end_part(
+        &ballot_for(&enc, &names),
+        0,
+        &mut parts[0],
+        &n,
+        &left,
+        &ended,
+        &mut result,
+    );
+    assert!(!flush);
+    let wire = parts[0].conn.as_ref().expect("kept").wire();
+    assert!(
+        !wire.broken && !wire.awaits_wanted(),
+        "owed, no longer wanted"
+    );
+    let p = wire.pending().front().expect("owed");
+    assert!(p.undo.is_some() && p.tokens == vec!["t".to_owned()]);
+    assert_eq!(
+        result.expect("set").expect_err("no vote").kind(),
+        NodeErrorKind::NotAwaited
+    );
+    assert!(n.is_healthy(), "settling early says nothing of the node");
+}
+
+#[test]
+fn a_node_left_without_a_connection_says_why() {
+    let (n, enc, names) = (node(), acquire(), vec!["n0".to_owned()]);
+    let start = Instant::now();
+    let unsent = || Part::<TestLink> {
+        admit: Admit::Wait,
+        conn: None,
+        sent: None,
+        fell_back: false,
+        began: start,
+        lost: false,
+    };
+    let left = Leftovers::of(&enc, &[], &[unsent()], start);
+    let detail = |busy: Option<u32>, lost: bool| {
+        let pool = move |_: usize| busy;
+        let ended = End {
+            now: start,
+            start,
+            settled: false,
+            pool_busy: &pool,
+        };
+        let mut part = Part { lost, ..unsent() };
+        let mut result = None;
+        end_part(
+            &ballot_for(&enc, &names),
+            0,
+            &mut part,
+            &n,
+            &left,
+            &ended,
+            &mut result,
+        );
+        result.expect("set").expect_err("no vote")
+    };
+    let e = detail(Some(32), false);
+    assert_eq!(e.kind(), NodeErrorKind::NoConnection);
+    assert!(e.detail().contains("all 32 pooled connections busy"), "{e}");
+    assert!(detail(None, false).detail().contains("still connecting"));
+    assert_eq!(
+        detail(None, true).kind(),
+        NodeErrorKind::Io,
+        "a lost command may have run"
+    );
+}
