@@ -37,6 +37,7 @@ use crate::lock::transport::{Decided, Stored, Transport, Undo};
 
 mod encode;
 mod jobs;
+mod links;
 mod part;
 mod queries;
 mod replies;
@@ -44,6 +45,7 @@ mod retries;
 mod round;
 mod servers;
 mod shared;
+mod sockets;
 
 /// A parsed node address.
 #[derive(Clone)]
@@ -151,7 +153,7 @@ impl RedisTransport {
     /// A connection to node `i` if one is idle (a new one is started in the
     /// background otherwise). Late replies on it are read first; a connection
     /// owing a reply older than the node timeout is the node's timeout.
-    fn checkout(&self, i: usize, now: Instant) -> Option<PooledConnection<Manager>> {
+    fn take_pooled(&self, i: usize, now: Instant) -> Option<PooledConnection<Manager>> {
         let node = &self.nodes[i].inner;
         // Only a healthy node gets new connections started on demand; a
         // failing one is reconnected by the pool's background retries.
@@ -282,6 +284,6 @@ impl Transport for RedisTransport {
         decided: Option<Decided<'_>>,
         undo: Option<Undo<'_>>,
     ) -> Vec<NodeResult> {
-        self.run_round(op, keys, deadline, decided, undo)
+        round::Round::run_round(self, op, keys, deadline, decided, undo)
     }
 }

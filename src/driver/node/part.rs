@@ -21,6 +21,26 @@ use crate::driver::node::shared::NodeShared;
 use crate::driver::wire::{Pending, Wire};
 use crate::error::{NodeError, NodeErrorKind};
 
+/// One connection, whatever carries its bytes.
+pub(crate) trait Link {
+    /// What a wait says is ready on it.
+    type Ready: Copy;
+    /// The connection's protocol state.
+    fn wire(&self) -> &Wire;
+    /// The same, to change.
+    fn wire_mut(&mut self) -> &mut Wire;
+    /// Writes what the connection takes now of its wire's output. An error
+    /// marks it broken.
+    fn flush(&mut self) -> std::io::Result<()>;
+    /// Handles what a wait reported: writes the rest of a command, reads
+    /// what arrived.
+    fn on_ready(&mut self, ready: Self::Ready) -> std::io::Result<()>;
+    /// The next complete reply read, with the command it answers.
+    fn next_reply(&mut self) -> std::io::Result<Option<(Pending, Value)>>;
+    /// Whether part of a command is still unwritten.
+    fn wants_write(&self) -> bool;
+}
+
 /// What a round's replies are counted against: its command, the node
 /// names, and the client's voting rules.
 pub(super) struct Ballot<'a> {
@@ -95,14 +115,6 @@ pub(super) fn take_reply(
     let r = r.map_err(|(kind, detail)| NodeError::new(&ballot.names[i], kind, detail));
     quorum::insert_vote(results, ballot.names, i, r, ballot.rules);
     Ok(false)
-}
-
-/// Access to what a connection owes, whatever carries its bytes.
-pub(crate) trait Link {
-    /// The connection's protocol state.
-    fn wire(&self) -> &Wire;
-    /// The same, to change.
-    fn wire_mut(&mut self) -> &mut Wire;
 }
 
 /// One node's part in a round.

@@ -154,12 +154,32 @@ fn a_reply_names_the_server_that_answered() {
 struct TestLink(Wire);
 
 impl Link for TestLink {
+    type Ready = ();
+
     fn wire(&self) -> &Wire {
         &self.0
     }
 
     fn wire_mut(&mut self) -> &mut Wire {
         &mut self.0
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        let n = self.0.output().len();
+        self.0.written(n);
+        Ok(())
+    }
+
+    fn on_ready(&mut self, (): ()) -> std::io::Result<()> {
+        Ok(())
+    }
+
+    fn next_reply(&mut self) -> std::io::Result<Option<(Pending, Value)>> {
+        Ok(None)
+    }
+
+    fn wants_write(&self) -> bool {
+        false
     }
 }
 

@@ -3,45 +3,29 @@
 //! round leaves behind (late replies owed, releases to retry, an undo).
 
 use crate::driver::node::encode::Encoded;
+use crate::driver::node::links::Links;
+use crate::driver::node::part::Link;
 use crate::driver::node::part::{
-    end_part, lose_connection, take_reply, Ballot, End, Leftovers, Link, Part,
+    end_part, lose_connection, take_reply, Ballot, End, Leftovers, Part,
 };
-use crate::driver::node::replies::catch_up;
-use crate::driver::node::{Manager, RedisTransport, CONN_RECHECK};
-use crate::driver::wire::Wire;
+use crate::driver::node::CONN_RECHECK;
 
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
-
-use r2d2::PooledConnection;
 
 use crate::algorithm::health::{self, Admit};
 use crate::algorithm::quorum::{self};
 use crate::algorithm::round::Key;
 use crate::algorithm::round::{NodeResult, Op};
 use crate::clock::after;
-use crate::driver::conn::{self, PollFlags};
 use crate::error::{NodeError, NodeErrorKind};
 use crate::lock::transport::{AfterRound, Decided, Undo};
 
-/// A pooled connection to a node.
-type Pooled = PooledConnection<Manager>;
-
-/// Our connections carry their protocol state in a [`Wire`].
-impl Link for Pooled {
-    fn wire(&self) -> &Wire {
-        &self.wire
-    }
-
-    fn wire_mut(&mut self) -> &mut Wire {
-        &mut self.wire
-    }
-}
-
-impl RedisTransport {
+/// The round, for every [`Links`]: production's sockets and the
+/// simulation's connections run this same code.
+pub(super) trait Round: Links + Sized {
     /// [`Transport::run`](crate::lock::transport::Transport::run): one round, and what the caller decides after it
     /// (the undo of a failed attempt, or the writes a granted lock missed).
-    pub(super) fn run_round(
+    fn run_round(
         &self,
         op: Op,
         keys: &[Key<'_>],
@@ -49,17 +33,15 @@ impl RedisTransport {
         decided: Option<Decided<'_>>,
         undo: Option<Undo<'_>>,
     ) -> Vec<NodeResult> {
-        let start = Instant::now();
-        let n = self.nodes.len();
+        let start = self.now();
+        let n = self.names().len();
         let release = matches!(op, Op::Release { .. });
-        let mut admits: Vec<Admit> = self
-            .nodes
-            .iter()
-            .map(|node| node.inner.shared.health.lock().admit(start))
+        let mut admits: Vec<Admit> = (0..n)
+            .map(|i| self.node(i).health.lock().admit(start))
             .collect();
-        let twins = self.servers.twin_mask();
+        let twins = self.twins();
         health::admit_round(&mut admits, release, quorum::quorum(n), &twins);
-        let mut parts: Vec<Part<Pooled>> = admits
+        let mut parts: Vec<Part<Self::Link>> = admits
             .into_iter()
             .map(|admit| Part {
                 admit,
@@ -86,7 +68,7 @@ impl RedisTransport {
                     && s.sent.is_none()
                     && !s.lost
                     && matches!(r, Err(e) if e.kind() == NodeErrorKind::NoConnection);
-                if unreached && self.nodes[i].inner.shared.is_healthy() {
+                if unreached && self.node(i).is_healthy() {
                     for k in keys {
                         // Not a first use (the round recorded it).
                         self.write_later(i, k, ttl, known_max.max(ttl), start);
@@ -98,7 +80,7 @@ impl RedisTransport {
             (after_round, op)
         {
             {
-                let now = Instant::now();
+                let now = self.now();
                 let rel = Op::Release {
                     keep_until: after(start, ttl),
                 };
@@ -113,7 +95,7 @@ impl RedisTransport {
                         (false, _) if matches!(op, Op::Swap { .. }) => Admit::Trial,
                         (false, _) => Admit::Skip,
                         (true, Ok(_)) => Admit::Wait,
-                        (true, Err(_)) if self.nodes[i].inner.shared.is_healthy() => Admit::Wait,
+                        (true, Err(_)) if self.node(i).is_healthy() => Admit::Wait,
                         (true, Err(_)) => Admit::Trial,
                     };
                     s.sent = None;
@@ -129,7 +111,7 @@ impl RedisTransport {
                 // is retried in the background).
                 let wait = match op {
                     Op::Swap { .. } => Duration::ZERO,
-                    _ => self.timeout,
+                    _ => self.timeout(),
                 };
                 self.round_trip(&enc, keys, &mut parts, now, after(now, wait), None);
             }
@@ -139,11 +121,11 @@ impl RedisTransport {
 
     /// Sends `enc` to every admitted node and gathers replies in arrival
     /// order until `decided` or `deadline`. Connections stay in `parts`.
-    pub(super) fn round_trip(
+    fn round_trip(
         &self,
         enc: &Encoded,
         keys: &[Key<'_>],
-        parts: &mut [Part<Pooled>],
+        parts: &mut [Part<Self::Link>],
         start: Instant,
         deadline: Instant,
         decided: Option<Decided<'_>>,
@@ -153,8 +135,8 @@ impl RedisTransport {
         if let Op::Release { .. } = enc.op {
             // Before any delete leaves: whoever reads the reply of a SET of
             // these keys from now on deletes the key again after it.
-            for node in &self.nodes {
-                let mut u = node.inner.shared.unsettled.lock();
+            for i in 0..n {
+                let mut u = self.node(i).unsettled.lock();
                 if !u.is_empty() {
                     for k in keys {
                         if let Some(e) = u.get_mut(k.token) {
@@ -183,9 +165,9 @@ impl RedisTransport {
                     // of this client: queue for one, in node order, so that
                     // rounds never hold some connections while waiting for
                     // others held by rounds that wait for theirs.
-                    s.conn = self.wait_busy_pool(i, deadline);
+                    s.conn = self.wait_for_free(i, deadline);
                     if s.conn.is_some() {
-                        self.send(i, s, enc, Instant::now(), &mut results);
+                        self.send(i, s, enc, self.now(), &mut results);
                     }
                 }
             }
@@ -194,9 +176,9 @@ impl RedisTransport {
         let mut settle: Option<Instant> = None;
         // A lingering round keeps reading after it settled, as long again.
         let linger = matches!(enc.op, Op::Extend { linger: true, .. });
-        let mut ready: Vec<(usize, PollFlags)> = Vec::with_capacity(n);
+        let mut ready: Vec<(usize, <Self::Link as Link>::Ready)> = Vec::with_capacity(n);
         loop {
-            let now = Instant::now();
+            let now = self.now();
             if settle.is_none() && decided.is_some_and(|f| f(&results)) {
                 // Settled: what has already arrived is taken below; nothing
                 // more is waited for (but for a lingering round's stragglers).
@@ -211,7 +193,7 @@ impl RedisTransport {
             let mut missing = false;
             for (i, s) in parts.iter_mut().enumerate() {
                 if s.admit == Admit::Wait && s.sent.is_none() && results[i].is_none() {
-                    if !self.nodes[i].inner.shared.is_healthy() {
+                    if !self.node(i).is_healthy() {
                         // Its connect was refused meanwhile: that is its answer.
                         results[i] = Some(Err(self.not_waited(i, Admit::Skip)));
                         continue;
@@ -225,7 +207,7 @@ impl RedisTransport {
             // Only waited-for nodes keep the round open; a trial's reply is
             // taken if it arrives meanwhile.
             let outstanding = parts.iter().any(|s| {
-                s.admit == Admit::Wait && s.conn.as_ref().is_some_and(|c| c.wire.awaits_wanted())
+                s.admit == Admit::Wait && s.conn.as_ref().is_some_and(|c| c.wire().awaits_wanted())
             });
             let until = settle.unwrap_or(deadline);
             if (!outstanding && !missing) || now >= until || (settle.is_some() && !outstanding) {
@@ -236,27 +218,7 @@ impl RedisTransport {
                 wait = wait.min(CONN_RECHECK);
             }
             ready.clear();
-            {
-                let mut fds = Vec::with_capacity(n);
-                let mut idx = Vec::with_capacity(n);
-                for (i, s) in parts.iter().enumerate() {
-                    if let Some(c) = s.conn.as_ref().filter(|c| c.wire.awaits_wanted()) {
-                        fds.push(c.poll_fd(c.wants_write()));
-                        idx.push(i);
-                    }
-                }
-                if fds.is_empty() {
-                    std::thread::sleep(wait);
-                } else if conn::poll(&mut fds, wait).is_err() {
-                    std::thread::sleep(wait.min(CONN_RECHECK));
-                }
-                for (fd, &i) in fds.iter().zip(&idx) {
-                    let r = fd.revents();
-                    if !r.is_empty() {
-                        ready.push((i, r));
-                    }
-                }
-            }
+            self.wait_ready(parts, wait, true, &mut ready);
             for &(i, flags) in &ready {
                 self.on_ready(i, &mut parts[i], flags, enc, &mut results);
             }
@@ -265,17 +227,14 @@ impl RedisTransport {
         // Replies that arrived while this thread was not scheduled are
         // taken before anyone is charged a timeout.
         self.collect_arrived(parts, enc, &mut results);
-        let now = Instant::now();
+        let now = self.now();
         let left = Leftovers::of(enc, keys, parts, start);
         let ballot = Ballot {
             enc,
-            names: &self.names,
-            rules: self.rules,
+            names: self.names(),
+            rules: self.rules(),
         };
-        let pool_busy = |i: usize| {
-            let pool = &self.nodes[i].inner.pool;
-            (pool.state().connections >= pool.max_size()).then_some(pool.max_size())
-        };
+        let pool_busy = |i: usize| self.pool_busy(i);
         let ended = End {
             now,
             start,
@@ -283,14 +242,13 @@ impl RedisTransport {
             pool_busy: &pool_busy,
         };
         for (i, s) in parts.iter_mut().enumerate() {
-            let node = &self.nodes[i].inner;
             if let Some(c) = s.conn.as_mut() {
                 if c.wants_write() {
                     // A half-written command: the connection cannot be reused.
-                    c.wire.broken = true;
+                    c.wire_mut().broken = true;
                 }
             }
-            if end_part(&ballot, i, s, &node.shared, &left, &ended, &mut results[i]) {
+            if end_part(&ballot, i, s, self.node(i), &left, &ended, &mut results[i]) {
                 if let Some(c) = s.conn.as_mut() {
                     // Given up: what it queued (undos) goes out first.
                     let _ = c.flush();
@@ -316,17 +274,17 @@ impl RedisTransport {
                 // A SET of ours still unsettled there may land after this
                 // delete: keep deleting until its reply has been read.
                 let unsettled = {
-                    let u = self.nodes[i].inner.shared.unsettled.lock();
+                    let u = self.node(i).unsettled.lock();
                     !u.is_empty() && keys.iter().any(|k| u.contains_key(k.token))
                 };
                 if unanswered || unsettled {
-                    self.enqueue_retries(i, keys, keep_until);
+                    self.retry_later(i, keys, keep_until);
                 }
             }
         }
         results
             .into_iter()
-            .zip(&self.names)
+            .zip(self.names())
             .map(|(r, name)| {
                 r.unwrap_or_else(|| Err(NodeError::new(name, NodeErrorKind::Unavailable, "")))
             })
@@ -334,53 +292,35 @@ impl RedisTransport {
     }
 
     /// One non-blocking pass over the connections still owing a reply.
-    pub(super) fn collect_arrived(
+    fn collect_arrived(
         &self,
-        parts: &mut [Part<Pooled>],
+        parts: &mut [Part<Self::Link>],
         enc: &Encoded,
         results: &mut [Option<NodeResult>],
     ) {
         let mut ready = Vec::new();
-        {
-            let mut fds = Vec::new();
-            let mut idx = Vec::new();
-            for (i, s) in parts.iter().enumerate() {
-                if let Some(c) = s.conn.as_ref().filter(|c| c.wire.awaits_wanted()) {
-                    fds.push(c.poll_fd(false));
-                    idx.push(i);
-                }
-            }
-            if fds.is_empty() || conn::poll(&mut fds, Duration::ZERO).is_err() {
-                return;
-            }
-            for (fd, &i) in fds.iter().zip(&idx) {
-                let r = fd.revents();
-                if !r.is_empty() {
-                    ready.push((i, r));
-                }
-            }
-        }
+        self.wait_ready(parts, Duration::ZERO, false, &mut ready);
         for (i, flags) in ready {
             self.on_ready(i, &mut parts[i], flags, enc, results);
         }
     }
 
     /// The error of node `i`, not waited for (see [`NodeShared::not_waited`](crate::driver::node::shared::NodeShared::not_waited)).
-    pub(super) fn not_waited(&self, i: usize, admit: Admit) -> NodeError {
-        self.nodes[i].inner.shared.not_waited(admit, Instant::now())
+    fn not_waited(&self, i: usize, admit: Admit) -> NodeError {
+        self.node(i).not_waited(admit, self.now())
     }
 
     /// Checks out a connection for node `i` if none is at hand and queues the
     /// round's command on it.
-    pub(super) fn send(
+    fn send(
         &self,
         i: usize,
-        s: &mut Part<Pooled>,
+        s: &mut Part<Self::Link>,
         enc: &Encoded,
         now: Instant,
         results: &mut [Option<NodeResult>],
     ) {
-        if s.conn.as_ref().is_some_and(|c| c.wire.broken) {
+        if s.conn.as_ref().is_some_and(|c| c.wire().broken) {
             s.conn = None;
         }
         if s.conn.is_none() {
@@ -389,62 +329,36 @@ impl RedisTransport {
         let Some(c) = s.conn.as_mut() else {
             return;
         };
-        let sent = Instant::now();
-        c.wire.queue(&enc.packed, sent, true);
+        let sent = self.now();
+        c.wire_mut().queue(&enc.packed, sent, true);
         s.sent = Some(sent);
         if let Err(e) = c.flush() {
             self.failed(i, s, e, enc, results);
         }
     }
 
-    /// A connection to a healthy node whose every connection is checked
-    /// out, or whose idle ones the retry job holds for a moment: waits
-    /// (until `deadline`) for one to come back. None when the node is not in
-    /// that state (it is connecting, or failing).
-    pub(super) fn wait_busy_pool(
+    fn failed(
         &self,
         i: usize,
-        deadline: Instant,
-    ) -> Option<PooledConnection<Manager>> {
-        let node = &self.nodes[i].inner;
-        if !node.shared.is_healthy() {
-            return None;
-        }
-        if node.shared.draining.load(Ordering::Acquire) {
-            // The retry job gives them back as soon as it has read them.
-        } else if let Some(mut c) = node.pool.try_get() {
-            // Given back (by the retry job) since this round looked.
-            return catch_up(&mut c, &node.shared, Instant::now()).then_some(c);
-        } else if node.pool.state().connections < node.pool.max_size() {
-            return None;
-        }
-        let wait = deadline.saturating_duration_since(Instant::now());
-        let mut c = node.pool.get_timeout(wait).ok()?;
-        catch_up(&mut c, &node.shared, Instant::now()).then_some(c)
-    }
-
-    pub(super) fn failed(
-        &self,
-        i: usize,
-        s: &mut Part<Pooled>,
+        s: &mut Part<Self::Link>,
         e: std::io::Error,
         enc: &Encoded,
         results: &mut [Option<NodeResult>],
     ) {
         let ballot = Ballot {
             enc,
-            names: &self.names,
-            rules: self.rules,
+            names: self.names(),
+            rules: self.rules(),
         };
-        lose_connection(&ballot, i, s, &self.nodes[i].inner.shared, e, results);
+        lose_connection(&ballot, i, s, self.node(i), e, results);
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn on_ready(
+    fn on_ready(
         &self,
         i: usize,
-        s: &mut Part<Pooled>,
-        flags: PollFlags,
+        s: &mut Part<Self::Link>,
+        flags: <Self::Link as Link>::Ready,
         enc: &Encoded,
         results: &mut [Option<NodeResult>],
     ) {
@@ -454,7 +368,7 @@ impl RedisTransport {
         // What arrived before a close is read first: a reply, or the
         // server's reason for closing (`max number of clients reached`).
         let mut io = c.on_ready(flags).err();
-        let shared = &self.nodes[i].inner.shared;
+        let shared = self.node(i);
         loop {
             let Some(c) = s.conn.as_mut() else {
                 return;
@@ -467,18 +381,18 @@ impl RedisTransport {
                 },
                 Err(e) => return self.failed(i, s, e, enc, results),
             };
-            let now = Instant::now();
+            let now = self.now();
             let ballot = Ballot {
                 enc,
-                names: &self.names,
-                rules: self.rules,
+                names: self.names(),
+                rules: self.rules(),
             };
             match take_reply(
                 &ballot,
                 i,
                 &mut s.fell_back,
                 s.lost,
-                &mut c.wire,
+                c.wire_mut(),
                 shared,
                 (p, v),
                 now,
@@ -495,3 +409,5 @@ impl RedisTransport {
         }
     }
 }
+
+impl<L: Links> Round for L {}
