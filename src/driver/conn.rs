@@ -265,32 +265,7 @@ impl Conn {
         // one handshake and a round never counts an answer whose server it
         // does not know; an error reply (an ACL without SCRIPT or INFO) is
         // fine: rounds fall back to EVAL, and the checks to what is known.
-        let now = Instant::now();
-        if purpose != For::Query {
-            for load in &crate::driver::scripts::load_commands() {
-                conn.wire.queue_setup(load, now, Setup::Load);
-            }
-            conn.wire
-                .queue_setup(&redis::cmd("INFO").get_packed_command(), now, Setup::Info);
-        }
-        match purpose {
-            For::Rounds => conn.wire.queue_setup(
-                &crate::driver::scripts::history_id_command(),
-                now,
-                Setup::History,
-            ),
-            // Read only (the script writes the id where it is missing, and a
-            // node under `CLIENT PAUSE … WRITE` holds every write).
-            For::Check => conn.wire.queue_setup(
-                &redis::cmd("HGET")
-                    .arg(crate::driver::scripts::META_KEY)
-                    .arg("id")
-                    .get_packed_command(),
-                now,
-                Setup::History,
-            ),
-            For::Query => {}
-        }
+        queue_connect_commands(&mut conn.wire, purpose, Instant::now());
         conn.flush()?;
         Ok(conn)
     }
@@ -478,10 +453,13 @@ impl Conn {
             Ok(None) => return Ok(None),
             Err(()) => return Err(self.wire.protocol_error("malformed reply")),
         };
+        // The frame answers the oldest command owed, whether or not it
+        // parses: a garbled reply still says that command ran.
+        let p = self.wire.answered()?;
         let value = redis::parse_redis_value(&self.rbuf[..len]);
         self.rbuf.drain(..len);
         match value {
-            Ok(v) => self.wire.answer(v).map(Some),
+            Ok(v) => Ok(Some((p, v))),
             Err(e) => Err(self.wire.protocol_error(&e.to_string())),
         }
     }
@@ -493,6 +471,35 @@ impl Conn {
             flags |= PollFlags::OUT;
         }
         PollFd::new(self.stream.tcp(), flags)
+    }
+}
+
+/// Queues what a new connection for `purpose` sends before its first
+/// command (see [`For`]).
+pub(crate) fn queue_connect_commands(wire: &mut Wire, purpose: For, now: Instant) {
+    if purpose != For::Query {
+        for load in &crate::driver::scripts::load_commands() {
+            wire.queue_setup(load, now, Setup::Load);
+        }
+        wire.queue_setup(&redis::cmd("INFO").get_packed_command(), now, Setup::Info);
+    }
+    match purpose {
+        For::Rounds => wire.queue_setup(
+            &crate::driver::scripts::history_id_command(),
+            now,
+            Setup::History,
+        ),
+        // Read only (the script writes the id where it is missing, and a
+        // node under `CLIENT PAUSE … WRITE` holds every write).
+        For::Check => wire.queue_setup(
+            &redis::cmd("HGET")
+                .arg(crate::driver::scripts::META_KEY)
+                .arg("id")
+                .get_packed_command(),
+            now,
+            Setup::History,
+        ),
+        For::Query => {}
     }
 }
 
@@ -523,5 +530,59 @@ pub(crate) fn poll(fds: &mut [PollFd<'_>], wait: Duration) -> io::Result<usize> 
         Ok(n) => Ok(n),
         Err(rustix::io::Errno::INTR) => Ok(0),
         Err(e) => Err(e.into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write as _;
+    use std::net::TcpListener;
+
+    use super::*;
+
+    /// A connection to a local listener that answers with `reply`.
+    fn answered_with(reply: &[u8]) -> Conn {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let target = Target {
+            host: "127.0.0.1".into(),
+            port: listener.local_addr().expect("addr").port(),
+            username: None,
+            password: None,
+            db: 0,
+            #[cfg(feature = "tls-rustls")]
+            tls: None,
+        };
+        let mut c =
+            Conn::connect_for(&target, Duration::from_secs(2), For::Query).expect("connect");
+        let (mut server, _) = listener.accept().expect("accept");
+        c.wire.queue(b"*1\r\n$4\r\nPING\r\n", Instant::now(), true);
+        c.flush().expect("sent");
+        server.write_all(reply).expect("reply");
+        let deadline = after(Instant::now(), Duration::from_secs(2));
+        while c.rbuf.len() < reply.len() && Instant::now() < deadline {
+            let _ = c.fill();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        c
+    }
+
+    /// A garbled reply still answers the command it follows: that command ran,
+    /// and is not owed any more (a write it carried cannot land later).
+    #[test]
+    fn a_garbled_reply_answers_its_command() {
+        let mut c = answered_with(b":abc\r\n");
+        let e = c.next_reply().expect_err("not RESP");
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+        assert!(!c.wire.awaits_wanted(), "the command was answered");
+        assert!(c.wire.broken);
+    }
+
+    #[test]
+    fn a_reply_pairs_with_the_oldest_command_owed() {
+        let mut c = answered_with(b"+PONG\r\n");
+        let (p, v) = c.next_reply().expect("read").expect("a reply");
+        assert!(p.wanted);
+        assert_eq!(v, Value::SimpleString("PONG".into()));
+        assert!(c.wire.pending().is_empty());
     }
 }

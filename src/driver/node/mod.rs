@@ -29,7 +29,7 @@ use scheduled_thread_pool::{OnPoolDropBehavior, ScheduledThreadPool};
 use crate::algorithm::quorum::VoteRules;
 use crate::algorithm::round::Key;
 use crate::algorithm::round::{NodeResult, Op};
-use crate::clock::Throttle;
+use crate::clock::{SystemClock, Throttle};
 use crate::driver::conn::{Target, MIN_TIMEOUT};
 use crate::error::{InvalidInput, NodeError, NodeErrorKind};
 use crate::events::Events;
@@ -116,6 +116,7 @@ impl RedisTransport {
                 spec.name.clone(),
                 timeout,
                 config.events.clone(),
+                Arc::new(SystemClock),
             ));
             let manager = Manager {
                 target: spec.target.clone(),

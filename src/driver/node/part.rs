@@ -39,6 +39,13 @@ pub(crate) trait Link {
     fn next_reply(&mut self) -> std::io::Result<Option<(Pending, Value)>>;
     /// Whether part of a command is still unwritten.
     fn wants_write(&self) -> bool;
+    /// Reads what has arrived, without waiting, until nothing more is
+    /// there: `Err` when the connection was closed (what arrived before
+    /// the close is read first).
+    fn read_all(&mut self) -> std::io::Result<()>;
+    /// Gives the connection up: sends what [`Wire::give_up`] queues, and
+    /// marks it broken.
+    fn abandon(&mut self);
 }
 
 /// What a round's replies are counted against: its command, the node
@@ -162,7 +169,7 @@ pub(super) fn lose_connection<C: Link>(
         // token stays unsettled until its TTL ends: a release of it is
         // sent again until then, in case a proxy passes the lost SET on
         // after the delete.
-        shared.unsettle(&enc.written, after(s.began, ttl), Instant::now());
+        shared.unsettle(&enc.written, after(s.began, ttl), shared.clock.now());
     }
     if conn::is_close(&e) && s.admit == Admit::Wait && made.is_some_and(|t| t < s.began) {
         // A connection older than the round, closed before the node

@@ -19,6 +19,7 @@ fn node() -> NodeShared {
         "n0".into(),
         Duration::from_millis(50),
         Events::default(),
+        Arc::new(crate::clock::SystemClock),
     )
 }
 
@@ -180,6 +181,15 @@ impl Link for TestLink {
 
     fn wants_write(&self) -> bool {
         false
+    }
+
+    fn read_all(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+
+    fn abandon(&mut self) {
+        self.0.give_up(Instant::now());
+        self.0.broken = true;
     }
 }
 

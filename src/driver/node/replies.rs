@@ -2,35 +2,34 @@
 //! next use, and the replies to the commands sent at connect.
 
 use crate::driver::node::encode::acquired_any;
-use crate::driver::node::shared::Manager;
 use crate::driver::node::shared::NodeShared;
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use log::debug;
-use r2d2::PooledConnection;
 use redis::Value;
 
 use crate::algorithm::health::Outcome;
 use crate::algorithm::server::{id_hash, ServerInfo};
-use crate::driver::conn::{Conn, MAX_PENDING};
+use crate::driver::conn::MAX_PENDING;
+use crate::driver::node::part::Link;
 use crate::driver::scripts;
 use crate::driver::wire::{Pending, Setup, Wire};
 use crate::error::NodeErrorKind;
 
 /// Reads late replies off a checked-out connection. False (and the
 /// connection marked broken) when it cannot take a new command.
-pub(super) fn catch_up(c: &mut PooledConnection<Manager>, node: &NodeShared, now: Instant) -> bool {
-    if let Some(n) = c.wire.owing.take() {
+pub(super) fn catch_up<L: Link>(c: &mut L, node: &NodeShared, now: Instant) -> bool {
+    if let Some(n) = c.wire_mut().owing.take() {
         n.fetch_sub(1, Ordering::AcqRel);
     }
-    if c.wire.broken {
+    if c.wire_mut().broken {
         return false;
     }
     // One non-blocking read: late replies, and whether the node closed the
     // connection (CLIENT KILL, a server's or a proxy's idle timeout).
-    let closed = c.fill_to_end().is_err();
+    let closed = c.read_all().is_err();
     loop {
         match c.next_reply() {
             Ok(Some((p, v))) => {
@@ -56,27 +55,27 @@ pub(super) fn catch_up(c: &mut PooledConnection<Manager>, node: &NodeShared, now
         debug!(
             "node {}: a pooled connection was closed while idle ({} replies owed)",
             node.name,
-            c.wire.pending().len()
+            c.wire().pending().len()
         );
         return false;
     }
-    if let Some(oldest) = c.wire.pending().front() {
+    if let Some(oldest) = c.wire().pending().front() {
         if now.saturating_duration_since(oldest.sent) >= node.timeout {
             c.abandon();
             node.observe(Outcome::TimedOut);
             return false;
         }
-        if c.wire.pending().len() >= MAX_PENDING {
+        if c.wire().pending().len() >= MAX_PENDING {
             c.abandon();
             return false;
         }
     }
-    if now.saturating_duration_since(c.wire.info_at) >= INFO_EVERY {
+    if now.saturating_duration_since(c.wire().info_at) >= INFO_EVERY {
         // What the server is can change without a new connection (a replica
         // promoted, a memory policy set at runtime): asked again, ahead of
         // this connection's next command, not waited for.
-        c.wire.info_at = now;
-        c.wire
+        c.wire_mut().info_at = now;
+        c.wire_mut()
             .queue_setup(&redis::cmd("INFO").get_packed_command(), now, Setup::Info);
         // Sent now (a caller of `catch_up` may send nothing after it, and a
         // reply owed for a command never sent would look like a timeout).
@@ -100,14 +99,14 @@ pub(super) fn info_of(v: &Value) -> ServerInfo {
 pub(super) const INFO_EVERY: Duration = Duration::from_secs(10);
 
 /// [`late_reply`] on a connection, and what it queued sent at once.
-pub(super) fn late_reply_on(
-    c: &mut Conn,
+pub(super) fn late_reply_on<L: Link>(
+    c: &mut L,
     node: &NodeShared,
     p: Pending,
     v: &Value,
     now: Instant,
 ) -> std::io::Result<()> {
-    if late_reply(&mut c.wire, node, p, v, now)? {
+    if late_reply(c.wire_mut(), node, p, v, now)? {
         c.flush()?;
     }
     Ok(())
@@ -273,6 +272,7 @@ mod tests {
             "n0".into(),
             Duration::from_millis(50),
             Events::default(),
+            Arc::new(crate::clock::SystemClock),
         )
     }
 

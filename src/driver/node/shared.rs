@@ -16,7 +16,7 @@ use r2d2::{ManageConnection, Pool};
 use scheduled_thread_pool::ScheduledThreadPool;
 
 use crate::algorithm::health::{Admit, NodeHealth, Outcome};
-use crate::clock::{Throttle, WARN_EVERY};
+use crate::clock::{Clock, Throttle, WARN_EVERY};
 use crate::driver::conn::{self, Conn, ConnectError, Target};
 use crate::error::{NodeError, NodeErrorKind};
 use crate::events::{Events, NodeChange, NodeEvent};
@@ -59,6 +59,8 @@ pub(super) struct NodeShared {
     /// errors of rounds that could not use the node.
     pub(super) connect_error: Mutex<Option<(NodeErrorKind, String)>>,
     pub(super) events: Events,
+    /// Time (virtual in the simulation).
+    pub(super) clock: Arc<dyn Clock>,
 }
 
 impl NodeShared {
@@ -69,6 +71,7 @@ impl NodeShared {
         name: String,
         timeout: Duration,
         events: Events,
+        clock: Arc<dyn Clock>,
     ) -> Self {
         NodeShared {
             index,
@@ -85,6 +88,7 @@ impl NodeShared {
             draining: AtomicBool::new(false),
             connect_error: Mutex::new(None),
             events,
+            clock,
         }
     }
 
@@ -149,7 +153,7 @@ impl NodeShared {
 
     /// The single door of the node's health state machine.
     pub(super) fn observe(&self, outcome: Outcome) {
-        let flipped = self.health.lock().observe(Instant::now(), outcome);
+        let flipped = self.health.lock().observe(self.clock.now(), outcome);
         if flipped {
             let change = match outcome {
                 Outcome::Answered => {

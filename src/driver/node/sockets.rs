@@ -47,6 +47,14 @@ impl Link for Pooled {
     fn wants_write(&self) -> bool {
         conn::Conn::wants_write(self)
     }
+
+    fn read_all(&mut self) -> std::io::Result<()> {
+        conn::Conn::fill_to_end(self)
+    }
+
+    fn abandon(&mut self) {
+        conn::Conn::abandon(self);
+    }
 }
 
 impl RedisTransport {
@@ -120,8 +128,9 @@ impl Links for RedisTransport {
         writes: bool,
         ready: &mut Vec<(usize, PollFlags)>,
     ) {
-        let mut fds = Vec::with_capacity(parts.len());
-        let mut idx = Vec::with_capacity(parts.len());
+        // Allocated only when some connection is still owed a reply.
+        let mut fds = Vec::new();
+        let mut idx = Vec::new();
         for (i, s) in parts.iter().enumerate() {
             if let Some(c) = s.conn.as_ref().filter(|c| c.wire.awaits_wanted()) {
                 fds.push(c.poll_fd(writes && c.wants_write()));
