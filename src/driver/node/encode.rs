@@ -13,23 +13,23 @@ use crate::error::NodeErrorKind;
 /// Elements of an acquire or swap reply before its answers: the lock
 /// history's epoch, age, longest TTL, key, the longest TTL before that was
 /// first used, and the histories it was first used after (a string, last).
-pub(super) const FACTS: usize = 6;
+pub(crate) const FACTS: usize = 6;
 
 /// A round's commands, packed once for all nodes.
-pub(super) struct Encoded {
-    pub(super) op: Op,
-    pub(super) n: usize,
+pub(crate) struct Encoded {
+    pub(crate) op: Op,
+    pub(crate) n: usize,
     /// A release's tokens, in key order.
-    pub(super) tokens: Vec<String>,
+    pub(crate) tokens: Vec<String>,
     /// The tokens an acquire or swap writes.
-    pub(super) written: Vec<String>,
-    pub(super) packed: Vec<u8>,
+    pub(crate) written: Vec<String>,
+    pub(crate) packed: Vec<u8>,
     /// The script's source, for a node that answers NOSCRIPT.
-    pub(super) code: &'static str,
+    pub(crate) code: &'static str,
 }
 
 impl Encoded {
-    pub(super) fn new(op: Op, keys: &[Key<'_>]) -> Self {
+    pub(crate) fn new(op: Op, keys: &[Key<'_>]) -> Self {
         let (script, code, args): (&redis::Script, &str, Vec<u64>) = match op {
             Op::Acquire {
                 ttl,
@@ -128,7 +128,7 @@ impl Encoded {
 
     /// For a command that may write a key of ours (an acquire, a swap, a
     /// restore): how long after it was sent the key may live.
-    pub(super) fn writes(&self) -> Option<Duration> {
+    pub(crate) fn writes(&self) -> Option<Duration> {
         match self.op {
             Op::Acquire { ttl, .. } | Op::Swap { ttl, .. } | Op::Restore { ttl } => Some(ttl),
             Op::Release { .. } | Op::Fence { .. } | Op::Extend { .. } => None,
@@ -138,7 +138,7 @@ impl Encoded {
     /// The same command as `EVAL` with the script's source (built only for
     /// a node that answered NOSCRIPT): `packed` with its `EVALSHA <sha1>`
     /// elements replaced.
-    pub(super) fn fallback(&self) -> Vec<u8> {
+    pub(crate) fn fallback(&self) -> Vec<u8> {
         // `*N\r\n` then `$7\r\nEVALSHA\r\n` then `$40\r\n<sha1>\r\n`.
         let head = self
             .packed
@@ -156,7 +156,7 @@ impl Encoded {
         out
     }
 
-    pub(super) fn decode(&self, v: Value) -> Result<Reply, (NodeErrorKind, String)> {
+    pub(crate) fn decode(&self, v: Value) -> Result<Reply, (NodeErrorKind, String)> {
         let items = match v {
             Value::Array(items) => items,
             v => return Err(unexpected(v)),
@@ -229,11 +229,11 @@ impl Encoded {
 
 /// Whether an acquire or swap reply says some key was set: `1`, or a
 /// fenced acquire's counter.
-pub(super) fn acquired_any(v: &Value) -> bool {
+pub(crate) fn acquired_any(v: &Value) -> bool {
     matches!(v, Value::Array(items) if items.iter().skip(FACTS).any(|x| matches!(x, Value::Int(c) if *c > 0)))
 }
 
-pub(super) fn unexpected(v: Value) -> (NodeErrorKind, String) {
+pub(crate) fn unexpected(v: Value) -> (NodeErrorKind, String) {
     match v {
         Value::ServerError(e) => (NodeErrorKind::Server, e.to_string()),
         v => (NodeErrorKind::Protocol, format!("{v:?}")),

@@ -2,6 +2,7 @@
 //! that missed their round, and what is owed when the client goes.
 
 use crate::driver::node::encode::Encoded;
+use crate::driver::node::link::Link;
 use crate::driver::node::queries::release_once;
 use crate::driver::node::replies::catch_up;
 use crate::driver::node::retries::Retry;
@@ -27,7 +28,7 @@ impl RedisTransport {
     /// is left: the key then lives as long as the others. Its reply is read
     /// as a late reply: if the lock was released meanwhile, the key is
     /// deleted again behind it (and a release before it leaves cancels it).
-    pub(super) fn write_later(
+    pub(crate) fn write_later(
         &self,
         i: usize,
         k: &Key<'_>,
@@ -53,7 +54,7 @@ impl RedisTransport {
         node.threads.execute(move || late_write(&weak, &pool, job));
     }
 
-    pub(super) fn enqueue_retries(&self, i: usize, keys: &[Key<'_>], until: Instant) {
+    pub(crate) fn enqueue_retries(&self, i: usize, keys: &[Key<'_>], until: Instant) {
         if until <= Instant::now() || keys.is_empty() {
             return;
         }
@@ -77,10 +78,10 @@ impl RedisTransport {
 }
 
 /// How often unanswered releases are sent again.
-pub(super) const RETRY_EVERY: Duration = Duration::from_millis(100);
+pub(crate) const RETRY_EVERY: Duration = Duration::from_millis(100);
 
 /// Most keys in one retried release command.
-pub(super) const RETRY_BATCH: usize = 1_000;
+pub(crate) const RETRY_BATCH: usize = 1_000;
 
 impl Drop for RedisTransport {
     /// Sends each node the releases it still owes (it did not answer them,
@@ -133,20 +134,20 @@ impl Drop for RedisTransport {
 
 /// A granted lock's `SET` to send a node after the round (see
 /// [`RedisTransport::write_later`]).
-pub(super) struct LateWrite {
-    pub(super) resource: String,
-    pub(super) token: String,
-    pub(super) ttl: Duration,
-    pub(super) known_max: Duration,
+pub(crate) struct LateWrite {
+    pub(crate) resource: String,
+    pub(crate) token: String,
+    pub(crate) ttl: Duration,
+    pub(crate) known_max: Duration,
     /// When the lock's round started: the key's TTL counts from there.
-    pub(super) start: Instant,
+    pub(crate) start: Instant,
     /// When to stop looking for a free connection.
-    pub(super) give_up: Instant,
+    pub(crate) give_up: Instant,
 }
 
 /// Runs on the node's thread: sends `w` on a free connection, or looks
 /// again shortly (connects run on this thread too), until `w.give_up`.
-pub(super) fn late_write(
+pub(crate) fn late_write(
     weak: &Weak<NodeInner>,
     threads: &Weak<ScheduledThreadPool>,
     w: LateWrite,
@@ -217,7 +218,7 @@ pub(super) fn late_write(
 /// A retried release was answered: its entries leave the queue, but for
 /// those whose SET may still land here (tokens are one per attempt: they
 /// name the entries), which are watched until it is read.
-pub(super) fn retries_answered(node: &NodeShared, tokens: &[String]) {
+pub(crate) fn retries_answered(node: &NodeShared, tokens: &[String]) {
     let (watched, done): (HashSet<&str>, HashSet<&str>) = {
         let unsettled = node.unsettled.lock();
         tokens
@@ -243,7 +244,7 @@ pub(super) fn retries_answered(node: &NodeShared, tokens: &[String]) {
 }
 
 /// Starts the node's release-retry job unless it is already scheduled.
-pub(super) fn schedule_retry(node: &Arc<NodeInner>, threads: &Arc<ScheduledThreadPool>) {
+pub(crate) fn schedule_retry(node: &Arc<NodeInner>, threads: &Arc<ScheduledThreadPool>) {
     if node.shared.retry_scheduled.swap(true, Ordering::AcqRel) {
         return;
     }
@@ -255,7 +256,7 @@ pub(super) fn schedule_retry(node: &Arc<NodeInner>, threads: &Arc<ScheduledThrea
 /// Sends the node's unanswered releases again (one command for up to
 /// [`RETRY_BATCH`] keys); drops those answered or expired; reschedules
 /// itself while any remain. Stops when the client is gone.
-pub(super) fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPool>) {
+pub(crate) fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPool>) {
     let Some(node) = weak.upgrade() else {
         return;
     };
@@ -295,6 +296,28 @@ pub(super) fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPo
         drop(idle);
         shared.draining.store(false, Ordering::Release);
     }
+    resend_releases(shared, now, || {
+        let mut c = node.pool.try_get()?;
+        catch_up(&mut c, shared, Instant::now()).then_some(c)
+    });
+    shared.retry_scheduled.store(false, Ordering::Release);
+    let more = owed || !shared.retries.lock().is_empty();
+    if more {
+        if let Some(threads) = threads.upgrade() {
+            schedule_retry(&node, &threads);
+        }
+    }
+}
+
+/// The part of a node's retry job that needs no pool: the batches the node
+/// answered leave the queue, expired entries go, and the next batch is sent
+/// (not waited for) on the connection `checkout` gives, if any. The batch
+/// stays queued until the node answers it.
+pub(crate) fn resend_releases<L: Link>(
+    shared: &NodeShared,
+    now: Instant,
+    checkout: impl FnOnce() -> Option<L>,
+) {
     let answered = std::mem::take(&mut *shared.answered.lock());
     for tokens in &answered {
         retries_answered(shared, tokens);
@@ -310,12 +333,7 @@ pub(super) fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPo
             .iter()
             .map(|r| Key::new(&r.resource, &r.token))
             .collect();
-        let enc = Encoded::new(
-            Op::Release {
-                keep_until: Instant::now(),
-            },
-            &keys,
-        );
+        let enc = Encoded::new(Op::Release { keep_until: now }, &keys);
         // Sent, not waited for: its reply is read as a late reply (by the
         // next run, or a round), which takes the batch off the queue. Until
         // then it stays queued, and is sent again if no reply comes. Never
@@ -323,26 +341,17 @@ pub(super) fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPo
         // connection in the pool: a connection held for a round trip left
         // the pool below its idle minimum, and every round meanwhile
         // started one more connection.
-        if let Some(mut c) = node.pool.try_get() {
-            if catch_up(&mut c, shared, Instant::now()) {
-                let tokens = batch.iter().map(|r| r.token.clone()).collect();
-                c.wire
-                    .queue_retry(&enc.packed, Instant::now(), enc.fallback(), tokens);
-                if c.flush().is_err() {
-                    c.wire.broken = true;
-                }
+        if let Some(mut c) = checkout() {
+            let tokens = batch.iter().map(|r| r.token.clone()).collect();
+            c.wire_mut()
+                .queue_retry(&enc.packed, shared.clock.now(), enc.fallback(), tokens);
+            if c.flush().is_err() {
+                c.wire_mut().broken = true;
             }
         }
         let mut q = shared.retries.lock();
         for r in batch {
             q.push(r, false, &shared.name);
-        }
-    }
-    shared.retry_scheduled.store(false, Ordering::Release);
-    let more = owed || !shared.retries.lock().is_empty();
-    if more {
-        if let Some(threads) = threads.upgrade() {
-            schedule_retry(&node, &threads);
         }
     }
 }

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use crate::algorithm::quorum::VoteRules;
 use crate::algorithm::round::Key;
-use crate::driver::node::part::{Link, Part};
+use crate::driver::node::link::Link;
+use crate::driver::node::part::Part;
 use crate::driver::node::shared::NodeShared;
 
 /// The world of one client's rounds.

@@ -35,17 +35,18 @@ use crate::error::{InvalidInput, NodeError, NodeErrorKind};
 use crate::events::Events;
 use crate::lock::transport::{Decided, Stored, Transport, Undo};
 
-mod encode;
-mod jobs;
-mod links;
-mod part;
-mod queries;
-mod replies;
-mod retries;
-mod round;
-mod servers;
-mod shared;
-mod sockets;
+pub(crate) mod encode;
+pub(crate) mod jobs;
+pub(crate) mod link;
+pub(crate) mod links;
+pub(crate) mod part;
+pub(crate) mod queries;
+pub(crate) mod replies;
+pub(crate) mod retries;
+pub(crate) mod round;
+pub(crate) mod servers;
+pub(crate) mod shared;
+pub(crate) mod sockets;
 
 /// A parsed node address.
 #[derive(Clone)]

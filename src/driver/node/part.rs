@@ -16,44 +16,18 @@ use crate::algorithm::round::{Answer, Key, NodeResult, Op, ServerTag};
 use crate::clock::after;
 use crate::driver::conn;
 use crate::driver::node::encode::Encoded;
+use crate::driver::node::link::Link;
 use crate::driver::node::replies::{late_reply, turned_away};
 use crate::driver::node::shared::NodeShared;
 use crate::driver::wire::{Pending, Wire};
 use crate::error::{NodeError, NodeErrorKind};
 
-/// One connection, whatever carries its bytes.
-pub(crate) trait Link {
-    /// What a wait says is ready on it.
-    type Ready: Copy;
-    /// The connection's protocol state.
-    fn wire(&self) -> &Wire;
-    /// The same, to change.
-    fn wire_mut(&mut self) -> &mut Wire;
-    /// Writes what the connection takes now of its wire's output. An error
-    /// marks it broken.
-    fn flush(&mut self) -> std::io::Result<()>;
-    /// Handles what a wait reported: writes the rest of a command, reads
-    /// what arrived.
-    fn on_ready(&mut self, ready: Self::Ready) -> std::io::Result<()>;
-    /// The next complete reply read, with the command it answers.
-    fn next_reply(&mut self) -> std::io::Result<Option<(Pending, Value)>>;
-    /// Whether part of a command is still unwritten.
-    fn wants_write(&self) -> bool;
-    /// Reads what has arrived, without waiting, until nothing more is
-    /// there: `Err` when the connection was closed (what arrived before
-    /// the close is read first).
-    fn read_all(&mut self) -> std::io::Result<()>;
-    /// Gives the connection up: sends what [`Wire::give_up`] queues, and
-    /// marks it broken.
-    fn abandon(&mut self);
-}
-
 /// What a round's replies are counted against: its command, the node
 /// names, and the client's voting rules.
-pub(super) struct Ballot<'a> {
-    pub(super) enc: &'a Encoded,
-    pub(super) names: &'a [String],
-    pub(super) rules: VoteRules,
+pub(crate) struct Ballot<'a> {
+    pub(crate) enc: &'a Encoded,
+    pub(crate) names: &'a [String],
+    pub(crate) rules: VoteRules,
 }
 
 /// Takes reply `v` to command `p` from node `i`, whose part in the round
@@ -63,7 +37,7 @@ pub(super) struct Ballot<'a> {
 /// other is a late reply. `Ok(true)` when commands were queued on `wire`
 /// to send now; `Err` when the connection cannot be used.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn take_reply(
+pub(crate) fn take_reply(
     ballot: &Ballot<'_>,
     i: usize,
     fell_back: &mut bool,
@@ -125,18 +99,18 @@ pub(super) fn take_reply(
 }
 
 /// One node's part in a round.
-pub(super) struct Part<C> {
-    pub(super) admit: Admit,
-    pub(super) conn: Option<C>,
+pub(crate) struct Part<C> {
+    pub(crate) admit: Admit,
+    pub(crate) conn: Option<C>,
     /// When our command was queued on `conn` (or on a connection since lost).
-    pub(super) sent: Option<Instant>,
+    pub(crate) sent: Option<Instant>,
     /// The EVAL fallback was sent after NOSCRIPT.
-    pub(super) fell_back: bool,
+    pub(crate) fell_back: bool,
     /// When the round trip began: a connection made before then may have been
     /// closed while idle, and one made since is the node's answer.
-    pub(super) began: Instant,
+    pub(crate) began: Instant,
     /// A command was lost with its connection (it may have run).
-    pub(super) lost: bool,
+    pub(crate) lost: bool,
 }
 
 /// Node `i`'s connection failed with `e` during a round (a write or a read
@@ -144,7 +118,7 @@ pub(super) struct Part<C> {
 /// a command it carried may have run. A close of a connection older than
 /// the round is most likely not the node's answer, and the command is to be
 /// sent again (`part.sent` cleared); otherwise `e` is node `i`'s result.
-pub(super) fn lose_connection<C: Link>(
+pub(crate) fn lose_connection<C: Link>(
     ballot: &Ballot<'_>,
     i: usize,
     s: &mut Part<C>,
@@ -211,7 +185,7 @@ pub(super) fn lose_connection<C: Link>(
 /// reply: the undo of an acquire or a swap (sent if the late reply says
 /// set, and the lock was released meanwhile), the tokens whose write may
 /// still land, and a release again as `EVAL` (in case it met NOSCRIPT).
-pub(super) struct Leftovers {
+pub(crate) struct Leftovers {
     undo: Option<Vec<u8>>,
     tokens: Vec<String>,
     resend: Option<Vec<u8>>,
@@ -222,7 +196,7 @@ pub(super) struct Leftovers {
 impl Leftovers {
     /// What the round of `enc` on `keys`, started at `start`, leaves on
     /// `parts` (built only when some reply is still owed).
-    pub(super) fn of<C: Link>(
+    pub(crate) fn of<C: Link>(
         enc: &Encoded,
         keys: &[Key<'_>],
         parts: &[Part<C>],
@@ -266,11 +240,11 @@ impl Leftovers {
 /// (else it timed out), and (asked only for a node left without a
 /// connection) the pool's size if every pooled connection to the node is
 /// in use.
-pub(super) struct End<'a> {
-    pub(super) now: Instant,
-    pub(super) start: Instant,
-    pub(super) settled: bool,
-    pub(super) pool_busy: &'a dyn Fn(usize) -> Option<u32>,
+pub(crate) struct End<'a> {
+    pub(crate) now: Instant,
+    pub(crate) start: Instant,
+    pub(crate) settled: bool,
+    pub(crate) pool_busy: &'a dyn Fn(usize) -> Option<u32>,
 }
 
 /// Node `i`'s part when the round ended: a reply still owed stays owed on
@@ -279,7 +253,7 @@ pub(super) struct End<'a> {
 /// without a result gets one that says why (not awaited, timed out, a lost
 /// command, no connection, not waited for). True when the connection was
 /// given up and queued commands to send.
-pub(super) fn end_part<C: Link>(
+pub(crate) fn end_part<C: Link>(
     ballot: &Ballot<'_>,
     i: usize,
     s: &mut Part<C>,

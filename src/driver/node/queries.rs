@@ -19,7 +19,7 @@ use crate::lock::transport::Stored;
 /// Sends one release command (`EVAL`, so that no script cache is needed)
 /// on a new connection, and waits for its reply: within `timeout` to
 /// connect and `timeout` for the reply.
-pub(super) fn release_once(target: &Target, cmd: &[u8], timeout: Duration) -> Result<(), String> {
+pub(crate) fn release_once(target: &Target, cmd: &[u8], timeout: Duration) -> Result<(), String> {
     let mut c = Conn::connect_for(target, timeout, conn::For::Query).map_err(|e| e.to_string())?;
     let now = Instant::now();
     c.wire.queue(cmd, now, true);
@@ -43,7 +43,7 @@ pub(super) fn release_once(target: &Target, cmd: &[u8], timeout: Duration) -> Re
 /// against this machine's clock, `CONFIG GET` of the persistence settings,
 /// and the acquire and release scripts on `key` (on this node alone, for
 /// one second at most: no lock is granted by one node).
-pub(super) fn probe_one(
+pub(crate) fn probe_one(
     target: &Target,
     key: &str,
     timeout: Duration,
@@ -162,7 +162,7 @@ pub(super) fn probe_one(
 
 /// `GET` and `PTTL` of one key on a new connection, within `timeout` each
 /// for the connect and for the replies.
-pub(super) fn inspect_one(
+pub(crate) fn inspect_one(
     target: &Target,
     resource: &str,
     timeout: Duration,

@@ -13,14 +13,14 @@ use redis::Value;
 use crate::algorithm::health::Outcome;
 use crate::algorithm::server::{id_hash, ServerInfo};
 use crate::driver::conn::MAX_PENDING;
-use crate::driver::node::part::Link;
+use crate::driver::node::link::Link;
 use crate::driver::scripts;
 use crate::driver::wire::{Pending, Setup, Wire};
 use crate::error::NodeErrorKind;
 
 /// Reads late replies off a checked-out connection. False (and the
 /// connection marked broken) when it cannot take a new command.
-pub(super) fn catch_up<L: Link>(c: &mut L, node: &NodeShared, now: Instant) -> bool {
+pub(crate) fn catch_up<L: Link>(c: &mut L, node: &NodeShared, now: Instant) -> bool {
     if let Some(n) = c.wire_mut().owing.take() {
         n.fetch_sub(1, Ordering::AcqRel);
     }
@@ -87,7 +87,7 @@ pub(super) fn catch_up<L: Link>(c: &mut L, node: &NodeShared, now: Instant) -> b
 }
 
 /// What an `INFO` reply says (an unexpected reply says nothing).
-pub(super) fn info_of(v: &Value) -> ServerInfo {
+pub(crate) fn info_of(v: &Value) -> ServerInfo {
     match v {
         Value::BulkString(b) => ServerInfo::parse_bytes(b),
         Value::VerbatimString { text, .. } | Value::SimpleString(text) => ServerInfo::parse(text),
@@ -96,10 +96,10 @@ pub(super) fn info_of(v: &Value) -> ServerInfo {
 }
 
 /// How often a pooled connection asks its server's `INFO` again.
-pub(super) const INFO_EVERY: Duration = Duration::from_secs(10);
+pub(crate) const INFO_EVERY: Duration = Duration::from_secs(10);
 
 /// [`late_reply`] on a connection, and what it queued sent at once.
-pub(super) fn late_reply_on<L: Link>(
+pub(crate) fn late_reply_on<L: Link>(
     c: &mut L,
     node: &NodeShared,
     p: Pending,
@@ -233,20 +233,20 @@ pub(crate) fn setup_reply(
 
 /// Whether this reply is a server turning the connection away (see
 /// [`refuses_connection`]): not an answer that makes the node healthy.
-pub(super) fn turned_away(p: &Pending, v: &Value) -> bool {
+pub(crate) fn turned_away(p: &Pending, v: &Value) -> bool {
     p.setup != Setup::None && matches!(v, Value::ServerError(e) if refuses_connection(e))
 }
 
 /// Whether a server's error reply to a command sent at connect says it
 /// turned this connection away (it closes it next).
-pub(super) fn refuses_connection(e: &redis::ServerError) -> bool {
+pub(crate) fn refuses_connection(e: &redis::ServerError) -> bool {
     e.kind() == Some(redis::ServerErrorKind::BusyLoading)
         || e.details()
             .is_some_and(|d| d.contains("max number of clients reached"))
 }
 
 /// A server's error as it wrote it: `ERR max number of clients reached`.
-pub(super) fn server_text(e: &redis::ServerError) -> String {
+pub(crate) fn server_text(e: &redis::ServerError) -> String {
     match e.details() {
         Some(d) => format!("{} {d}", e.code()),
         None => e.code().to_owned(),

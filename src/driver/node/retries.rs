@@ -8,20 +8,20 @@ use std::time::Instant;
 use log::debug;
 
 /// Most releases kept for retry per node (the oldest are dropped first).
-pub(super) const MAX_RETRIES: usize = 10_000;
+pub(crate) const MAX_RETRIES: usize = 10_000;
 
 /// An acquire whose reply has not been read yet.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct Unsettled {
-    pub(super) until: Instant,
-    pub(super) released: bool,
+pub(crate) struct Unsettled {
+    pub(crate) until: Instant,
+    pub(crate) released: bool,
 }
 
 /// A release to send again.
-pub(super) struct Retry {
-    pub(super) resource: String,
-    pub(super) token: String,
-    pub(super) until: Instant,
+pub(crate) struct Retry {
+    pub(crate) resource: String,
+    pub(crate) token: String,
+    pub(crate) until: Instant,
 }
 
 /// A node's releases to send again: those it has not answered (`owed`),
@@ -30,13 +30,13 @@ pub(super) struct Retry {
 /// ends). At most [`MAX_RETRIES`] in all; a full queue drops watched ones
 /// first, the oldest first.
 #[derive(Default)]
-pub(super) struct Retries {
-    pub(super) owed: VecDeque<Retry>,
-    pub(super) watched: VecDeque<Retry>,
+pub(crate) struct Retries {
+    pub(crate) owed: VecDeque<Retry>,
+    pub(crate) watched: VecDeque<Retry>,
 }
 
 impl Retries {
-    pub(super) fn push(&mut self, r: Retry, watched: bool, node: &str) {
+    pub(crate) fn push(&mut self, r: Retry, watched: bool, node: &str) {
         if self.owed.len() + self.watched.len() >= MAX_RETRIES && self.watched.pop_front().is_none()
         {
             self.owed.pop_front();
@@ -50,7 +50,7 @@ impl Retries {
     }
 
     /// Up to `n` live releases, owed ones first, taken off the queue.
-    pub(super) fn take(&mut self, n: usize, now: Instant) -> Vec<Retry> {
+    pub(crate) fn take(&mut self, n: usize, now: Instant) -> Vec<Retry> {
         self.owed.retain(|r| r.until > now);
         self.watched.retain(|r| r.until > now);
         let k = self.owed.len().min(n);
@@ -60,7 +60,7 @@ impl Retries {
         batch
     }
 
-    pub(super) fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.owed.is_empty() && self.watched.is_empty()
     }
 }

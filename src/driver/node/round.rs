@@ -3,8 +3,8 @@
 //! round leaves behind (late replies owed, releases to retry, an undo).
 
 use crate::driver::node::encode::Encoded;
+use crate::driver::node::link::Link;
 use crate::driver::node::links::Links;
-use crate::driver::node::part::Link;
 use crate::driver::node::part::{
     end_part, lose_connection, take_reply, Ballot, End, Leftovers, Part,
 };
@@ -22,7 +22,7 @@ use crate::lock::transport::{AfterRound, Decided, Undo};
 
 /// The round, for every [`Links`]: production's sockets and the
 /// simulation's connections run this same code.
-pub(super) trait Round: Links + Sized {
+pub(crate) trait Round: Links + Sized {
     /// [`Transport::run`](crate::lock::transport::Transport::run): one round, and what the caller decides after it
     /// (the undo of a failed attempt, or the writes a granted lock missed).
     fn run_round(

@@ -12,35 +12,35 @@ use crate::algorithm::server::{id_hash, ServerInfo};
 /// What the connections learnt about the nodes' servers, one entry per
 /// node, for telling the entries apart (one server listed twice) and for
 /// naming the nodes that cannot keep locks, each once.
-pub(super) struct Servers {
-    pub(super) names: Vec<String>,
-    pub(super) known: Mutex<Vec<Known>>,
+pub(crate) struct Servers {
+    pub(crate) names: Vec<String>,
+    pub(crate) known: Mutex<Vec<Known>>,
     /// Some entry has a twin (read without the lock on every round).
-    pub(super) any_twin: AtomicBool,
+    pub(crate) any_twin: AtomicBool,
     /// Per entry, the last history id learnt (0: none), without the lock.
-    pub(super) histories: Vec<AtomicU64>,
+    pub(crate) histories: Vec<AtomicU64>,
 }
 
 /// What is known of one node's server.
 #[derive(Default, Clone)]
-pub(super) struct Known {
+pub(crate) struct Known {
     /// The hash of its `run_id` (`INFO` at connect).
-    pub(super) run: Option<u64>,
+    pub(crate) run: Option<u64>,
     /// The hash of its lock history's id.
-    pub(super) history: Option<u64>,
+    pub(crate) history: Option<u64>,
     /// An `INFO` reply (or its refusal) has been read.
-    pub(super) info_read: bool,
+    pub(crate) info_read: bool,
     /// What was logged of it last: its kind (a replica, a cluster node, an
     /// evicting node), or `None` for `INFO` refused; once per change.
-    pub(super) told: Option<Option<ServerKind>>,
+    pub(crate) told: Option<Option<ServerKind>>,
     /// The entry found to reach the same server, with a lower index.
-    pub(super) twin: Option<usize>,
+    pub(crate) twin: Option<usize>,
     /// A pair with this entry was logged.
-    pub(super) warned_twin: bool,
+    pub(crate) warned_twin: bool,
 }
 
 impl Servers {
-    pub(super) fn new(names: Vec<String>) -> Self {
+    pub(crate) fn new(names: Vec<String>) -> Self {
         let known = Mutex::new(vec![Known::default(); names.len()]);
         Servers {
             histories: names.iter().map(|_| AtomicU64::new(0)).collect(),
@@ -52,7 +52,7 @@ impl Servers {
 
     /// Node `i`'s `INFO` was read: `Ok` with what it says, or `Err` with
     /// why it was refused.
-    pub(super) fn learn_info(&self, i: usize, info: &Result<ServerInfo, String>) {
+    pub(crate) fn learn_info(&self, i: usize, info: &Result<ServerInfo, String>) {
         let name = &self.names[i];
         let mut known = self.known.lock();
         let k = &mut known[i];
@@ -96,7 +96,7 @@ impl Servers {
 
     /// Node `i`'s lock history has the id whose hash is `history` (read on
     /// every acquire reply: the lock is taken only when it changed).
-    pub(super) fn learn_history(&self, i: usize, history: u64) {
+    pub(crate) fn learn_history(&self, i: usize, history: u64) {
         if self.histories[i].swap(history, Ordering::Relaxed) == history {
             return;
         }
@@ -110,7 +110,7 @@ impl Servers {
     /// Finds, again, every entry's twin (the first earlier entry that is
     /// the same server, as [`ServerTag::same_server`] decides: what one
     /// node learnt may make or unmake a pair); logs a new pair once.
-    pub(super) fn pair(&self, known: &mut [Known], _i: usize) {
+    pub(crate) fn pair(&self, known: &mut [Known], _i: usize) {
         let tag = |k: &Known| ServerTag {
             run: k.run,
             history: k.history,
@@ -135,18 +135,18 @@ impl Servers {
     }
 
     /// The node's history id, if known (for answers without one).
-    pub(super) fn history(&self, i: usize) -> Option<u64> {
+    pub(crate) fn history(&self, i: usize) -> Option<u64> {
         Some(self.histories[i].load(Ordering::Relaxed)).filter(|h| *h != 0)
     }
 
     /// Whether node `i`'s `INFO` (or its refusal) has been read.
-    pub(super) fn info_read(&self, i: usize) -> bool {
+    pub(crate) fn info_read(&self, i: usize) -> bool {
         self.known.lock()[i].info_read
     }
 
     /// Per entry, whether it is known to reach the same server as an
     /// earlier one (empty when no entry is: the usual case, no allocation).
-    pub(super) fn twin_mask(&self) -> Vec<bool> {
+    pub(crate) fn twin_mask(&self) -> Vec<bool> {
         if !self.any_twin.load(Ordering::Relaxed) {
             return Vec::new();
         }
@@ -154,7 +154,7 @@ impl Servers {
     }
 
     /// The first pair of entries found to reach one server.
-    pub(super) fn twins(&self) -> Option<(usize, usize)> {
+    pub(crate) fn twins(&self) -> Option<(usize, usize)> {
         let known = self.known.lock();
         known
             .iter()

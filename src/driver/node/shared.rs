@@ -22,50 +22,50 @@ use crate::error::{NodeError, NodeErrorKind};
 use crate::events::{Events, NodeChange, NodeEvent};
 
 /// What one node's connections, rounds and background jobs share.
-pub(super) struct NodeShared {
+pub(crate) struct NodeShared {
     /// The node's place in the node list.
-    pub(super) index: usize,
-    pub(super) servers: Arc<Servers>,
-    pub(super) name: String,
-    pub(super) timeout: Duration,
-    pub(super) health: Mutex<NodeHealth>,
+    pub(crate) index: usize,
+    pub(crate) servers: Arc<Servers>,
+    pub(crate) name: String,
+    pub(crate) timeout: Duration,
+    pub(crate) health: Mutex<NodeHealth>,
     /// Releases to send this node again.
-    pub(super) retries: Mutex<Retries>,
+    pub(crate) retries: Mutex<Retries>,
     /// Batches of retried releases the node answered (their tokens), for
     /// the retry job to take off `retries`.
-    pub(super) answered: Mutex<Vec<Vec<String>>>,
+    pub(crate) answered: Mutex<Vec<Vec<String>>>,
     /// Tokens of acquires sent to this node whose reply has not been read:
     /// their SET may still land, after a delete sent on another connection.
     /// Kept until the reply is read (or the key would have expired), with
     /// whether a release was sent meanwhile: then the reader deletes the key
     /// again, on the connection that carried the SET.
-    pub(super) unsettled: Mutex<HashMap<String, Unsettled>>,
+    pub(crate) unsettled: Mutex<HashMap<String, Unsettled>>,
     /// Tokens whose late SET was deleted again here, by that undo, because
     /// a release was under way (until when the key would have expired). The
     /// release's own delete, on another connection, may then find the key
     /// gone: deleted by us, and counted so.
-    pub(super) undone: Mutex<HashMap<String, Instant>>,
-    pub(super) retry_scheduled: AtomicBool,
+    pub(crate) undone: Mutex<HashMap<String, Instant>>,
+    pub(crate) retry_scheduled: AtomicBool,
     /// Idle connections that were returned to the pool owing replies (a
     /// round that settled before this node answered): the retry job reads
     /// those, and pops no more of the pool than it takes to find them.
-    pub(super) owing: Arc<AtomicUsize>,
+    pub(crate) owing: Arc<AtomicUsize>,
     /// The retry job holds idle connections (for microseconds: it only
     /// reads what has arrived): a round that finds none waits for them
     /// instead of failing or growing the pool.
-    pub(super) draining: AtomicBool,
+    pub(crate) draining: AtomicBool,
     /// Why the node last refused a connection (a failed connect, or a
     /// server that turned it away), cleared when it answers again: for the
     /// errors of rounds that could not use the node.
-    pub(super) connect_error: Mutex<Option<(NodeErrorKind, String)>>,
-    pub(super) events: Events,
+    pub(crate) connect_error: Mutex<Option<(NodeErrorKind, String)>>,
+    pub(crate) events: Events,
     /// Time (virtual in the simulation).
-    pub(super) clock: Arc<dyn Clock>,
+    pub(crate) clock: Arc<dyn Clock>,
 }
 
 impl NodeShared {
     /// Node `index` of the list, named `name`, healthy, owing nothing.
-    pub(super) fn new(
+    pub(crate) fn new(
         index: usize,
         servers: Arc<Servers>,
         name: String,
@@ -95,7 +95,7 @@ impl NodeShared {
     /// Writes of `tokens` that may still land here, until `until` at the
     /// latest: a release of them from now on deletes again behind them
     /// (see [`Unsettled`]). Expired entries make room once the map is full.
-    pub(super) fn unsettle(&self, tokens: &[String], until: Instant, now: Instant) {
+    pub(crate) fn unsettle(&self, tokens: &[String], until: Instant, now: Instant) {
         let mut unsettled = self.unsettled.lock();
         if unsettled.len() >= MAX_RETRIES {
             unsettled.retain(|_, u| u.until > now);
@@ -110,7 +110,7 @@ impl NodeShared {
 
     /// The error of this node when a round did not wait for it (`admit`):
     /// why (refusing, not answering, its TLS or handshake error), since when.
-    pub(super) fn not_waited(&self, admit: Admit, now: Instant) -> NodeError {
+    pub(crate) fn not_waited(&self, admit: Admit, now: Instant) -> NodeError {
         let shared = self;
         let h = *shared.health.lock();
         let connect_error = match h {
@@ -152,7 +152,7 @@ impl NodeShared {
     }
 
     /// The single door of the node's health state machine.
-    pub(super) fn observe(&self, outcome: Outcome) {
+    pub(crate) fn observe(&self, outcome: Outcome) {
         let flipped = self.health.lock().observe(self.clock.now(), outcome);
         if flipped {
             let change = match outcome {
@@ -180,36 +180,36 @@ impl NodeShared {
     /// A reply was read. When it arrived is not known for one read late
     /// (at the connection's next use), so any reply is an answer; a timeout
     /// is only ever seen as a reply still missing after the node timeout.
-    pub(super) fn replied(&self) {
+    pub(crate) fn replied(&self) {
         self.observe(Outcome::Answered);
     }
 
-    pub(super) fn is_healthy(&self) -> bool {
+    pub(crate) fn is_healthy(&self) -> bool {
         self.health.lock().is_healthy()
     }
 }
 
 /// A node: its shared state and pool.
-pub(super) struct NodeInner {
-    pub(super) shared: Arc<NodeShared>,
-    pub(super) pool: Pool<Manager>,
+pub(crate) struct NodeInner {
+    pub(crate) shared: Arc<NodeShared>,
+    pub(crate) pool: Pool<Manager>,
 }
 
-pub(super) struct Node {
-    pub(super) inner: Arc<NodeInner>,
+pub(crate) struct Node {
+    pub(crate) inner: Arc<NodeInner>,
     /// Where to connect outside the pool (status queries).
-    pub(super) target: Target,
+    pub(crate) target: Target,
     /// This node's own background thread: connects and release retries, so
     /// that a node that is slow to connect delays no other node.
-    pub(super) threads: Arc<ScheduledThreadPool>,
+    pub(crate) threads: Arc<ScheduledThreadPool>,
 }
 
 /// Our r2d2 connection manager: connect with a timeout, non-blocking
 /// socket, TCP_NODELAY, AUTH and SELECT when configured. A refused or
 /// timed-out connect is the node's answer; a successful one changes nothing.
 pub(crate) struct Manager {
-    pub(super) target: Target,
-    pub(super) shared: Arc<NodeShared>,
+    pub(crate) target: Target,
+    pub(crate) shared: Arc<NodeShared>,
 }
 
 impl fmt::Debug for Manager {
@@ -275,9 +275,9 @@ impl ManageConnection for Manager {
 /// Logs background connect failures: every one at debug, at most one per
 /// [`WARN_EVERY`] per node at warn, so a dead node does not flood the log.
 #[derive(Debug)]
-pub(super) struct ConnectErrors {
-    pub(super) node: String,
-    pub(super) warned: Throttle,
+pub(crate) struct ConnectErrors {
+    pub(crate) node: String,
+    pub(crate) warned: Throttle,
 }
 
 impl r2d2::HandleError<ConnectError> for ConnectErrors {

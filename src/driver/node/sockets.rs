@@ -10,8 +10,8 @@ use redis::Value;
 use crate::algorithm::quorum::VoteRules;
 use crate::algorithm::round::Key;
 use crate::driver::conn::{self, PollFlags};
+use crate::driver::node::link::Link;
 use crate::driver::node::links::Links;
-use crate::driver::node::part::Link;
 use crate::driver::node::part::Part;
 use crate::driver::node::replies::catch_up;
 use crate::driver::node::shared::{Manager, NodeShared};
@@ -19,7 +19,7 @@ use crate::driver::node::{RedisTransport, CONN_RECHECK};
 use crate::driver::wire::{Pending, Wire};
 
 /// A pooled connection to a node.
-pub(super) type Pooled = PooledConnection<Manager>;
+pub(crate) type Pooled = PooledConnection<Manager>;
 
 impl Link for Pooled {
     type Ready = PollFlags;

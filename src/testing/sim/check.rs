@@ -300,6 +300,13 @@ impl Checker {
         }
     }
 
+    /// The client lets go of `lineage` at `now` with nothing of it left on
+    /// any node and no write of it in flight (its key expired first): no
+    /// delete is owed for its earlier writes.
+    pub(crate) fn nothing_left(&mut self, lineage: &str, now: u64) {
+        self.deleted.insert(lineage.to_owned(), now);
+    }
+
     /// A node applied a command that set or kept our key, sent at `sent`.
     pub(crate) fn landed(&mut self, token: &str, sent: u64) {
         let t = self.landed.entry(lineage(token).to_owned()).or_default();
@@ -428,8 +435,9 @@ impl Checker {
 mod tests {
     use super::*;
     use crate::lock::state::Timing;
+    use crate::testing::sim::plan::Net;
     use crate::testing::sim::rng::SimRng;
-    use crate::testing::sim::world::{Net, SimNode, World, CLOCK_START};
+    use crate::testing::sim::world::{SimNode, World, CLOCK_START};
 
     const MS: u64 = 1_000_000;
 

@@ -21,9 +21,12 @@ use crate::testing::sim::plan::Plan;
 use crate::testing::sim::plan::Report;
 
 pub(crate) mod check;
+pub(crate) mod links;
 pub(crate) mod plan;
+pub(crate) mod redis;
 pub(crate) mod rng;
 pub(crate) mod sched;
+pub(crate) mod serve;
 pub(crate) mod transport;
 pub(crate) mod world;
 
@@ -43,15 +46,24 @@ use crate::lock::settings::Settings;
 use crate::redlock::Redlock;
 
 use check::{Checker, Kind, Observed};
+use plan::Fault;
 use plan::MS;
 use rng::SimRng;
 use sched::{Sched, SimClock};
 use transport::SimTransport;
-use world::{Fault, World};
+use world::World;
 
 /// Runs the plan of `seed` under `mix`.
 pub(crate) fn run(seed: u64, mix: Mix) -> Report {
     run_plan(Plan::new(seed, mix))
+}
+
+/// [`run`], the clients running the production node engine over simulated
+/// connections.
+pub(crate) fn run_engine(seed: u64, mix: Mix) -> Report {
+    let mut plan = Plan::new(seed, mix);
+    plan.engine = true;
+    run_plan(plan)
 }
 
 /// A shared view of the run for the workload threads.
@@ -228,13 +240,23 @@ pub(crate) fn simulate(plan: Plan, main: Script) -> Report {
 
 fn client(ctx: &Ctx, settings: Settings, seed: u64) -> Redlock {
     let clock: Arc<dyn Clock> = Arc::new(SimClock(ctx.sched.clone()));
-    let transport = SimTransport::new(
-        &ctx.sched,
-        settings.node_timeout,
-        ctx.plan.preempt,
-        settings.rules(),
-    );
-    Redlock::from_parts(settings, Box::new(transport), clock, Rng::new(seed), None)
+    let transport: Box<dyn crate::lock::transport::Transport> = if ctx.plan.engine {
+        Box::new(links::SimEngine::new(
+            &ctx.sched,
+            clock.clone(),
+            settings.node_timeout,
+            ctx.plan.preempt,
+            settings.rules(),
+        ))
+    } else {
+        Box::new(SimTransport::new(
+            &ctx.sched,
+            settings.node_timeout,
+            ctx.plan.preempt,
+            settings.rules(),
+        ))
+    };
+    Redlock::from_parts(settings, transport, clock, Rng::new(seed), None)
 }
 
 fn main_thread(ctx: &Arc<Ctx>, mut rng: SimRng) {

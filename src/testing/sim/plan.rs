@@ -4,7 +4,61 @@
 use crate::lock::settings::Settings;
 use crate::testing::sim::check::{Kind, Stats, Violation};
 use crate::testing::sim::rng::SimRng;
-use crate::testing::sim::world::{Fault, Net};
+
+/// The network's behaviour for one run.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Net {
+    /// One-way delay range (ns).
+    pub(crate) latency: (u64, u64),
+    /// Chance of a delay spike, and its largest size (ns).
+    pub(crate) spike: f64,
+    pub(crate) spike_max: u64,
+    /// Chance that one message (request or reply) is lost.
+    pub(crate) loss: f64,
+    /// Chance that a request is delivered twice (the copy later).
+    pub(crate) dup: f64,
+}
+
+impl Net {
+    pub(crate) fn calm() -> Self {
+        Net {
+            latency: (100_000, 1_000_000),
+            spike: 0.0,
+            spike_max: 0,
+            loss: 0.0,
+            dup: 0.0,
+        }
+    }
+
+    /// The longest a message can take (a duplicate: twice).
+    pub(crate) fn max_delay(&self) -> u64 {
+        2 * (self.latency.1 + self.spike_max)
+    }
+}
+
+/// A scheduled change to the world.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Fault {
+    Pause(usize),
+    Resume(usize),
+    Crash(usize),
+    Restart {
+        node: usize,
+        wipe: bool,
+    },
+    Isolate(usize),
+    Heal(usize),
+    /// The node's replies are lost (it still runs what it receives).
+    Mute(usize),
+    Unmute(usize),
+    /// The node's wall clock steps by this many ns.
+    Jump(usize, i64),
+    /// The node loses its lock keys but keeps its lock history: eviction
+    /// under memory pressure, or a failover to a replica that lagged.
+    LoseKeys(usize),
+    /// The network turns calm and every node comes back up.
+    HealAll,
+}
 
 /// A millisecond of virtual time (ns).
 pub(crate) const MS: u64 = 1_000_000;
@@ -94,6 +148,10 @@ pub(crate) struct Plan {
     pub(crate) ttls: Vec<u64>,
     /// Threads may be preempted just before each round is sent.
     pub(crate) preempt: bool,
+    /// The clients run the production node engine over simulated
+    /// connections (the driver's rounds, bytes and late replies), instead
+    /// of the simulation's own transport.
+    pub(crate) engine: bool,
 }
 
 impl Plan {
@@ -236,6 +294,7 @@ impl Plan {
             stall,
             ttls: vec![30, 60, 120, 250],
             preempt: r.chance(0.5),
+            engine: false,
         }
     }
 }
@@ -264,6 +323,7 @@ impl Plan {
             stall: 0.0,
             ttls: Vec::new(),
             preempt: false,
+            engine: false,
         }
     }
 }
@@ -289,9 +349,10 @@ impl Report {
     /// The command that replays this run.
     pub(crate) fn replay(&self) -> String {
         format!(
-            "QUORUMLOCK_SIM_SEED={:#x} QUORUMLOCK_SIM_MIX={} cargo test --lib sim::tests::replay -- --nocapture",
+            "QUORUMLOCK_SIM_SEED={:#x} QUORUMLOCK_SIM_MIX={}{} cargo test --lib sim::tests::replay -- --nocapture",
             self.plan.seed,
-            self.plan.mix.name()
+            self.plan.mix.name(),
+            if self.plan.engine { " QUORUMLOCK_SIM_ENGINE=1" } else { "" }
         )
     }
 }

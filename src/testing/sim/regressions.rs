@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use crate::clock::Clock;
 use crate::testing::sim::check::{Kind, Observed};
+use crate::testing::sim::plan::Fault;
 use crate::testing::sim::plan::{Plan, Report};
 use crate::testing::sim::tests::describe;
-use crate::testing::sim::world::Fault;
 use crate::testing::sim::{simulate, Ctx, MS};
 
 const T: fn(u64) -> Duration = Duration::from_millis;

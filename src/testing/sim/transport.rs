@@ -96,6 +96,8 @@ impl SimTransport {
                     op,
                     keys: owned.clone(),
                     round: Some(round.clone()),
+                    wire: None,
+                    lane,
                 };
                 world.send(msg, lane, now);
             }

@@ -15,6 +15,8 @@ use crate::algorithm::round::{Key, NodeResult, Op, ServerKind, ServerTag};
 use crate::clock::{after, Signal};
 use crate::error::{NodeError, NodeErrorKind};
 use crate::testing::sim::check::{Checker, Observed};
+use crate::testing::sim::plan::{Fault, Net};
+use crate::testing::sim::redis::Inbox;
 use crate::testing::sim::rng::SimRng;
 use crate::testing::store::Store;
 
@@ -103,8 +105,8 @@ pub(crate) struct SimNode {
     /// Messages and replies to and from it are dropped (a black hole).
     pub(crate) isolated: bool,
     /// It runs commands, but its replies are lost.
-    muted: bool,
-    backlog: Vec<Msg>,
+    pub(crate) muted: bool,
+    pub(crate) backlog: Vec<Msg>,
     pub(crate) clock: NodeClock,
     /// When it last restarted without its data (virtual ns).
     pub(crate) wiped_at: Option<u64>,
@@ -115,61 +117,13 @@ pub(crate) struct SimNode {
     /// Its memory policy can evict lock keys (`maxmemory` with
     /// `volatile-lru`), which its `INFO` says.
     pub(crate) evicting: bool,
-}
-
-/// The network's behaviour for one run.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Net {
-    /// One-way delay range (ns).
-    pub(crate) latency: (u64, u64),
-    /// Chance of a delay spike, and its largest size (ns).
-    pub(crate) spike: f64,
-    pub(crate) spike_max: u64,
-    /// Chance that one message (request or reply) is lost.
-    pub(crate) loss: f64,
-    /// Chance that a request is delivered twice (the copy later).
-    pub(crate) dup: f64,
-}
-
-impl Net {
-    pub(crate) fn calm() -> Self {
-        Net {
-            latency: (100_000, 1_000_000),
-            spike: 0.0,
-            spike_max: 0,
-            loss: 0.0,
-            dup: 0.0,
-        }
-    }
-
-    /// The longest a message can take (a duplicate: twice).
-    pub(crate) fn max_delay(&self) -> u64 {
-        2 * (self.latency.1 + self.spike_max)
-    }
-}
-
-/// A scheduled change to the world.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) enum Fault {
-    Pause(usize),
-    Resume(usize),
-    Crash(usize),
-    Restart {
-        node: usize,
-        wipe: bool,
-    },
-    Isolate(usize),
-    Heal(usize),
-    /// The node's replies are lost (it still runs what it receives).
-    Mute(usize),
-    Unmute(usize),
-    /// The node's wall clock steps by this many ns.
-    Jump(usize, i64),
-    /// The node loses its lock keys but keeps its lock history: eviction
-    /// under memory pressure, or a failover to a replica that lagged.
-    LoseKeys(usize),
-    /// The network turns calm and every node comes back up.
-    HealAll,
+    /// Its process: a new one (a new `run_id`, an empty script cache) at
+    /// every restart.
+    pub(crate) run: u64,
+    /// The scripts are cached (`SCRIPT LOAD`): `EVALSHA` runs.
+    pub(crate) loaded: bool,
+    /// The connections open to it, closed when its process ends.
+    pub(crate) open: Vec<std::sync::Weak<Inbox>>,
 }
 
 /// One round in flight: the replies so far, and who to wake.
@@ -204,6 +158,11 @@ pub(crate) struct Msg {
     pub(crate) op: Op,
     pub(crate) keys: Vec<OwnedKey>,
     pub(crate) round: Option<Arc<Round>>,
+    /// Instead of `op`: a command on a simulated connection (the driver's
+    /// own bytes), answered into the connection's inbox.
+    pub(crate) wire: Option<(redis::Value, Arc<Inbox>)>,
+    /// The connection it travels on.
+    pub(crate) lane: u64,
 }
 
 pub(crate) enum Event {
@@ -214,6 +173,10 @@ pub(crate) enum Event {
         result: NodeResult,
     },
     Fault(Fault),
+    /// A reply reaches a simulated connection.
+    Wire(Arc<Inbox>, redis::Value),
+    /// A simulated connection is reset (a lost packet, as TCP shows it).
+    Reset(Arc<Inbox>),
 }
 
 /// Nodes, network and checkers, guarded by the scheduler's lock.
@@ -226,11 +189,11 @@ pub(crate) struct World {
     pub(crate) nodes: Vec<SimNode>,
     pub(crate) net: Net,
     pub(crate) check: Checker,
-    events: BTreeMap<(u64, u64), Event>,
+    pub(crate) events: BTreeMap<(u64, u64), Event>,
     seq: u64,
-    rng: SimRng,
+    pub(crate) rng: SimRng,
     /// Per connection, when its last message arrives (FIFO per connection).
-    lanes: BTreeMap<u64, u64>,
+    pub(crate) lanes: BTreeMap<u64, u64>,
     pub(crate) next_lane: u64,
 }
 
@@ -257,6 +220,9 @@ impl World {
                 unreachable: 0,
                 since: None,
                 evicting: false,
+                run: 1,
+                loaded: false,
+                open: Vec::new(),
             })
             .collect();
         World {
@@ -276,7 +242,7 @@ impl World {
         }
     }
 
-    fn push(&mut self, at: u64, e: Event) {
+    pub(crate) fn push(&mut self, at: u64, e: Event) {
         self.seq += 1;
         self.events.insert((at, self.seq), e);
     }
@@ -343,11 +309,13 @@ impl World {
                     }
                 }
                 Event::Fault(f) => self.fault(f, at),
+                Event::Wire(inbox, v) => inbox.push(v),
+                Event::Reset(inbox) => inbox.close(),
             }
         }
     }
 
-    fn delay(&mut self) -> u64 {
+    pub(crate) fn delay(&mut self) -> u64 {
         let (lo, hi) = self.net.latency;
         let mut d = lo + self.rng.below(hi.saturating_sub(lo) + 1);
         if self.rng.chance(self.net.spike) {
@@ -388,6 +356,14 @@ impl World {
             Fault::Crash(i) => {
                 self.nodes[i].state = NodeState::Down;
                 self.nodes[i].backlog.clear();
+                // Its process is gone, and its connections with it.
+                for c in std::mem::take(&mut self.nodes[i].open) {
+                    if let Some(c) = c.upgrade() {
+                        c.close();
+                    }
+                }
+                self.nodes[i].run += 1;
+                self.nodes[i].loaded = false;
             }
             Fault::Restart { node, wipe } => {
                 if self.nodes[node].state == NodeState::Down {
@@ -442,6 +418,26 @@ impl World {
     /// Sends `msg` on connection `lane` at `now`.
     pub(crate) fn send(&mut self, msg: Msg, lane: u64, now: u64) {
         let (i, e) = (msg.node, msg.entry);
+        if let Some((_, inbox)) = &msg.wire {
+            if self.nodes[i].state == NodeState::Down {
+                inbox.close();
+                return;
+            }
+            if self.nodes[i].isolated {
+                return;
+            }
+            if self.rng.chance(self.net.loss) {
+                // TCP does not lose a command: the connection resets.
+                let at = now + self.delay();
+                self.push(at, Event::Reset(inbox.clone()));
+                return;
+            }
+            let last = self.lanes.get(&lane).copied().unwrap_or(0);
+            let at = (now + self.delay()).max(last + 1);
+            self.lanes.insert(lane, at);
+            self.push(at, Event::Arrive(msg));
+            return;
+        }
         if self.nodes[i].state == NodeState::Down {
             if let Some(round) = &msg.round {
                 round.health.lock()[e].observe(self.instant(now), Outcome::Refused);
@@ -465,6 +461,7 @@ impl World {
         if matches!(msg.op, Op::Release { .. }) && self.rng.chance(self.net.dup) {
             let copy = Msg {
                 round: None,
+                wire: None,
                 ..msg.clone()
             };
             let later = at + self.delay();
@@ -473,7 +470,7 @@ impl World {
         self.push(at, Event::Arrive(msg));
     }
 
-    fn instant(&self, nanos: u64) -> Instant {
+    pub(crate) fn instant(&self, nanos: u64) -> Instant {
         after(self.base, Duration::from_nanos(nanos))
     }
 
@@ -487,8 +484,26 @@ impl World {
         }
     }
 
+    /// A simulated connection to node `i` opens: refused when the node is
+    /// down, unanswered when it is cut off (the caller counts a timeout).
+    pub(crate) fn connect(&mut self, i: usize, inbox: &Arc<Inbox>) -> Result<(), Outcome> {
+        let node = &mut self.nodes[i];
+        match node.state {
+            NodeState::Down => Err(Outcome::Refused),
+            _ if node.isolated => Err(Outcome::TimedOut),
+            _ => {
+                node.open.retain(|c| c.strong_count() > 0);
+                node.open.push(Arc::downgrade(inbox));
+                Ok(())
+            }
+        }
+    }
+
     /// The node runs the command now and replies.
-    fn process(&mut self, msg: Msg, now: u64) {
+    fn process(&mut self, mut msg: Msg, now: u64) {
+        if let Some((cmd, inbox)) = msg.wire.take() {
+            return self.process_wire(&msg, &cmd, inbox, now);
+        }
         let i = msg.node;
         let local = self.nodes[i].clock.at(now);
         let node_now = self.instant(local);

@@ -1,0 +1,488 @@
+//! The simulation's [`Links`]: each simulated client (process) gets pools
+//! of simulated connections to the world's nodes and virtual time, and runs
+//! the production round ([`Round`]) over them: the node engine's admission,
+//! late replies, undo after a failed attempt, NOSCRIPT fallback, closes and
+//! release retries are the driver's own code, and the bytes they write are
+//! the driver's own encoding, which the simulated nodes read back.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use redis::Value;
+
+use crate::algorithm::health::Outcome;
+use crate::algorithm::quorum::VoteRules;
+use crate::algorithm::round::{Key, NodeResult, Op};
+use crate::clock::Clock;
+use crate::driver::conn::{queue_connect_commands, For};
+use crate::driver::node::encode::Encoded;
+use crate::driver::node::jobs::resend_releases;
+use crate::driver::node::link::Link;
+use crate::driver::node::links::Links;
+use crate::driver::node::part::Part;
+use crate::driver::node::replies::catch_up;
+use crate::driver::node::retries::Retry;
+use crate::driver::node::round::Round;
+use crate::driver::node::servers::Servers;
+use crate::driver::node::shared::NodeShared;
+use crate::driver::wire::{Pending, Wire};
+use crate::error::NodeErrorKind;
+use crate::events::Events;
+use crate::lock::transport::{Decided, Transport, Undo};
+use crate::testing::sim::redis::Inbox;
+use crate::testing::sim::redis::{command, commands, Command};
+use crate::testing::sim::sched::Sched;
+use crate::testing::sim::world::Msg;
+
+/// How often owed releases are sent again (as the driver does).
+const RETRY_EVERY: Duration = Duration::from_millis(100);
+
+/// One simulated connection: what it owes, the connection (lane) it is in
+/// the world, and what it has received.
+struct SimLink {
+    wire: Wire,
+    lane: u64,
+    entry: usize,
+    node: usize,
+    inbox: Arc<Inbox>,
+}
+
+/// A simulated connection checked out of its pool; back to it when
+/// dropped, unless broken.
+pub(crate) struct SimConn {
+    link: Option<SimLink>,
+    pool: Arc<Mutex<Vec<SimLink>>>,
+    sched: Arc<Sched>,
+}
+
+impl SimConn {
+    fn link(&self) -> &SimLink {
+        self.link.as_ref().expect("checked out")
+    }
+
+    fn link_mut(&mut self) -> &mut SimLink {
+        self.link.as_mut().expect("checked out")
+    }
+}
+
+impl Drop for SimConn {
+    fn drop(&mut self) {
+        if let Some(l) = self.link.take() {
+            if !l.wire.broken {
+                self.pool.lock().push(l);
+            }
+        }
+    }
+}
+
+fn reset() -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::ConnectionReset,
+        "connection reset by the node",
+    )
+}
+
+impl Link for SimConn {
+    type Ready = ();
+
+    fn wire(&self) -> &Wire {
+        &self.link().wire
+    }
+
+    fn wire_mut(&mut self) -> &mut Wire {
+        &mut self.link_mut().wire
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        let sched = self.sched.clone();
+        let l = self.link_mut();
+        if l.inbox.is_closed() {
+            l.wire.broken = true;
+            return Err(reset());
+        }
+        let bytes = l.wire.output().to_vec();
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        let now = sched.nanos();
+        let mut core = sched.lock();
+        let world = &mut core.world;
+        for cmd in commands(&bytes) {
+            if let Command::Script { op, keys, .. } = command(&cmd) {
+                let keys: Vec<Key<'_>> = keys
+                    .iter()
+                    .map(|k| Key {
+                        resource: &k.resource,
+                        token: &k.token,
+                        next: k.next.as_deref(),
+                    })
+                    .collect();
+                world.check.sent(op, &keys, now);
+            }
+            let msg = Msg {
+                node: l.node,
+                entry: l.entry,
+                sent: now,
+                op: Op::Fence { value: 0 },
+                keys: Vec::new(),
+                round: None,
+                wire: Some((cmd, l.inbox.clone())),
+                lane: l.lane,
+            };
+            world.send(msg, l.lane, now);
+        }
+        drop(core);
+        l.wire.written(bytes.len());
+        Ok(())
+    }
+
+    fn on_ready(&mut self, (): ()) -> std::io::Result<()> {
+        let l = self.link_mut();
+        if l.inbox.is_closed() {
+            l.wire.broken = true;
+            return Err(reset());
+        }
+        Ok(())
+    }
+
+    fn next_reply(&mut self) -> std::io::Result<Option<(Pending, Value)>> {
+        let l = self.link_mut();
+        match l.inbox.pop() {
+            Some(v) => l.wire.answer(v).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn wants_write(&self) -> bool {
+        false
+    }
+
+    fn read_all(&mut self) -> std::io::Result<()> {
+        self.on_ready(())
+    }
+
+    fn abandon(&mut self) {
+        let now = self.sched.instant(self.sched.nanos());
+        if self.wire_mut().give_up(now) {
+            let _ = self.flush();
+        }
+        self.wire_mut().broken = true;
+    }
+}
+
+/// One simulated client's connections to the nodes.
+pub(crate) struct SimLinks {
+    sched: Arc<Sched>,
+    names: Vec<String>,
+    /// Per entry, the node (server) it reaches.
+    entries: Vec<usize>,
+    nodes: Vec<NodeShared>,
+    servers: Arc<Servers>,
+    rules: VoteRules,
+    timeout: Duration,
+    pools: Vec<Arc<Mutex<Vec<SimLink>>>>,
+    /// Wakes this client's rounds when a reply reaches one of its
+    /// connections.
+    signal: Arc<crate::clock::Signal>,
+    /// Per entry, a retry thread is scheduled.
+    retrying: Vec<AtomicBool>,
+    /// The simulation's clock (threads and sleeps go through it).
+    clock: Arc<dyn Clock>,
+    me: Weak<SimLinks>,
+}
+
+impl SimLinks {
+    pub(crate) fn new(
+        sched: &Arc<Sched>,
+        clock: Arc<dyn Clock>,
+        timeout: Duration,
+        rules: VoteRules,
+    ) -> Arc<SimLinks> {
+        let (names, entries) = {
+            let core = sched.lock();
+            (core.world.names.clone(), core.world.entries.clone())
+        };
+        let servers = Arc::new(Servers::new(names.clone()));
+        Arc::new_cyclic(|me| SimLinks {
+            sched: sched.clone(),
+            nodes: names
+                .iter()
+                .enumerate()
+                .map(|(i, n)| {
+                    NodeShared::new(
+                        i,
+                        servers.clone(),
+                        n.clone(),
+                        timeout,
+                        Events::default(),
+                        clock.clone(),
+                    )
+                })
+                .collect(),
+            pools: names.iter().map(|_| Arc::default()).collect(),
+            retrying: names.iter().map(|_| AtomicBool::new(false)).collect(),
+            names,
+            entries,
+            servers,
+            rules,
+            timeout,
+            signal: Arc::default(),
+            clock,
+            me: me.clone(),
+        })
+    }
+
+    /// A new connection to entry `i`'s node, its connect commands sent; or
+    /// the node's refusal (or silence), observed.
+    fn connect(&self, i: usize, now: Instant) -> Option<SimConn> {
+        let inbox = Inbox::new(self.signal.clone());
+        let node = self.entries[i];
+        let opened = {
+            let mut core = self.sched.lock();
+            let world = &mut core.world;
+            world.connect(node, &inbox).map(|()| {
+                world.next_lane += 1;
+                world.next_lane
+            })
+        };
+        let lane = match opened {
+            Ok(lane) => lane,
+            Err(outcome) => {
+                let shared = &self.nodes[i];
+                if outcome == Outcome::Refused {
+                    *shared.connect_error.lock() =
+                        Some((NodeErrorKind::Unavailable, "connection refused".to_owned()));
+                }
+                shared.observe(outcome);
+                return None;
+            }
+        };
+        let mut wire = Wire::new(now);
+        queue_connect_commands(&mut wire, For::Rounds, now);
+        let mut c = SimConn {
+            link: Some(SimLink {
+                wire,
+                lane,
+                entry: i,
+                node,
+                inbox,
+            }),
+            pool: self.pools[i].clone(),
+            sched: self.sched.clone(),
+        };
+        c.flush().ok()?;
+        Some(c)
+    }
+
+    /// Sends entry `i`'s owed releases again every [`RETRY_EVERY`] while
+    /// any remain, as the driver's node thread does.
+    fn schedule_retries(&self, i: usize) {
+        if self.retrying[i].swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let me = self.me.clone();
+        let clock = self.clock.clone();
+        let spawned = self.clock.spawn(
+            "sim-retry",
+            Box::new(move || loop {
+                clock.sleep(RETRY_EVERY);
+                let Some(links) = me.upgrade() else {
+                    return;
+                };
+                let shared = &links.nodes[i];
+                let now = links.now();
+                resend_releases(shared, now, || links.checkout(i, now));
+                if shared.retries.lock().is_empty() {
+                    links.retrying[i].store(false, Ordering::Release);
+                    return;
+                }
+            }),
+        );
+        if spawned.is_err() {
+            self.retrying[i].store(false, Ordering::Release);
+        }
+    }
+}
+
+impl Drop for SimLinks {
+    /// As the driver's transport does when the client is dropped: each
+    /// node's owed releases are sent once more, on a connection of their
+    /// own (not waited for here: the simulated client is gone).
+    fn drop(&mut self) {
+        let now = self.now();
+        for i in 0..self.nodes.len() {
+            let batch = self.nodes[i].retries.lock().take(usize::MAX, now);
+            if batch.is_empty() {
+                continue;
+            }
+            let keys: Vec<Key<'_>> = batch
+                .iter()
+                .map(|r| Key::new(&r.resource, &r.token))
+                .collect();
+            let enc = Encoded::new(Op::Release { keep_until: now }, &keys);
+            if let Some(mut c) = self.connect(i, now) {
+                c.wire_mut().queue(&enc.fallback(), now, false);
+                let _ = c.flush();
+            }
+        }
+    }
+}
+
+impl Links for SimLinks {
+    type Link = SimConn;
+
+    fn names(&self) -> &[String] {
+        &self.names
+    }
+
+    fn node(&self, i: usize) -> &NodeShared {
+        &self.nodes[i]
+    }
+
+    fn rules(&self) -> VoteRules {
+        self.rules
+    }
+
+    fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    fn twins(&self) -> Vec<bool> {
+        self.servers.twin_mask()
+    }
+
+    fn now(&self) -> Instant {
+        self.sched.instant(self.sched.nanos())
+    }
+
+    fn checkout(&self, i: usize, now: Instant) -> Option<SimConn> {
+        loop {
+            let idle = self.pools[i].lock().pop();
+            let Some(link) = idle else { break };
+            let mut c = SimConn {
+                link: Some(link),
+                pool: self.pools[i].clone(),
+                sched: self.sched.clone(),
+            };
+            if catch_up(&mut c, &self.nodes[i], now) {
+                return Some(c);
+            }
+        }
+        // The simulated pools connect on demand, whatever the node's health
+        // (the driver's pools reconnect a failing node in the background).
+        self.connect(i, now)
+    }
+
+    fn wait_for_free(&self, _i: usize, _deadline: Instant) -> Option<SimConn> {
+        // The simulated pools have no size limit: never all busy.
+        None
+    }
+
+    fn pool_busy(&self, _i: usize) -> Option<u32> {
+        None
+    }
+
+    fn wait_ready(
+        &self,
+        parts: &[Part<SimConn>],
+        wait: Duration,
+        _writes: bool,
+        ready: &mut Vec<(usize, ())>,
+    ) {
+        let until = crate::clock::after(self.now(), wait);
+        loop {
+            let seen = self.signal.seen();
+            for (i, s) in parts.iter().enumerate() {
+                if let Some(c) = s.conn.as_ref() {
+                    if c.wire().awaits_wanted() && c.link().inbox.ready() {
+                        ready.push((i, ()));
+                    }
+                }
+            }
+            if !ready.is_empty() || wait.is_zero() || self.now() >= until {
+                return;
+            }
+            self.sched.wait_signal(&self.signal, seen, Some(until));
+        }
+    }
+
+    fn retry_later(&self, i: usize, keys: &[Key<'_>], until: Instant) {
+        if until <= self.now() || keys.is_empty() {
+            return;
+        }
+        {
+            let shared = &self.nodes[i];
+            let mut q = shared.retries.lock();
+            for k in keys {
+                q.push(
+                    Retry {
+                        resource: k.resource.to_owned(),
+                        token: k.token.to_owned(),
+                        until,
+                    },
+                    false,
+                    &shared.name,
+                );
+            }
+        }
+        self.schedule_retries(i);
+    }
+
+    fn write_later(&self, _i: usize, _k: &Key<'_>, _ttl: Duration, _known: Duration, _at: Instant) {
+        // Only a healthy node that no free connection reached is written to
+        // after its round; the simulated pools always connect on demand,
+        // so a healthy node is never left unreached.
+    }
+}
+
+/// A simulated client's [`Transport`]: the production round over
+/// [`SimLinks`].
+pub(crate) struct SimEngine {
+    links: Arc<SimLinks>,
+    sched: Arc<Sched>,
+    /// Yield to the scheduler before every round.
+    preempt: bool,
+}
+
+impl SimEngine {
+    pub(crate) fn new(
+        sched: &Arc<Sched>,
+        clock: Arc<dyn Clock>,
+        timeout: Duration,
+        preempt: bool,
+        rules: VoteRules,
+    ) -> Self {
+        SimEngine {
+            links: SimLinks::new(sched, clock, timeout, rules),
+            sched: sched.clone(),
+            preempt,
+        }
+    }
+}
+
+impl Transport for SimEngine {
+    fn node_names(&self) -> &[String] {
+        &self.links.names
+    }
+
+    fn run(
+        &self,
+        op: Op,
+        keys: &[Key<'_>],
+        deadline: Instant,
+        decided: Option<Decided<'_>>,
+        undo: Option<Undo<'_>>,
+    ) -> Vec<NodeResult> {
+        if self.preempt {
+            // Another thread may run between the decision to send and the send.
+            self.sched.yield_now();
+        }
+        if let Op::Release { .. } = op {
+            let now = self.sched.nanos();
+            self.sched.lock().world.let_go(keys, now);
+        }
+        Round::run_round(&*self.links, op, keys, deadline, decided, undo)
+    }
+}

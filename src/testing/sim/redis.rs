@@ -1,0 +1,436 @@
+//! The driver's commands as a simulated node reads them, and the node's
+//! replies in the shape the scripts give them: a simulated client runs the
+//! production driver's encoding and decoding, not a copy of them.
+
+use std::time::Duration;
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use redis::Value;
+
+use crate::clock::Signal;
+
+use crate::algorithm::round::{After, Answer, NodeFacts, Op, Reply};
+use crate::driver::resp::frame_len;
+use crate::driver::scripts;
+
+/// What a simulated connection has received from its node: replies, in
+/// order, and whether the node closed it. Who reads it waits on `signal`.
+#[derive(Debug)]
+pub(crate) struct Inbox {
+    state: Mutex<(std::collections::VecDeque<Value>, bool)>,
+    signal: Arc<Signal>,
+}
+
+impl Inbox {
+    pub(crate) fn new(signal: Arc<Signal>) -> Arc<Inbox> {
+        Arc::new(Inbox {
+            state: Mutex::new((std::collections::VecDeque::new(), false)),
+            signal,
+        })
+    }
+
+    pub(crate) fn push(&self, v: Value) {
+        let mut st = self.state.lock();
+        if !st.1 {
+            st.0.push_back(v);
+        }
+        drop(st);
+        self.signal.notify();
+    }
+
+    /// The node closed the connection (or reset it): what it sent before
+    /// stays readable.
+    pub(crate) fn close(&self) {
+        self.state.lock().1 = true;
+        self.signal.notify();
+    }
+
+    /// The next reply, if one has arrived.
+    pub(crate) fn pop(&self) -> Option<Value> {
+        self.state.lock().0.pop_front()
+    }
+
+    /// Whether a reply waits or the connection is closed.
+    pub(crate) fn ready(&self) -> bool {
+        let st = self.state.lock();
+        !st.0.is_empty() || st.1
+    }
+
+    pub(crate) fn is_closed(&self) -> bool {
+        self.state.lock().1
+    }
+}
+
+/// One key of a command, owned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct OwnedKey {
+    pub(crate) resource: String,
+    pub(crate) token: String,
+    pub(crate) next: Option<String>,
+}
+
+/// A command, as a node understands it.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Command {
+    /// One of the lock scripts, by its SHA1 (`EVALSHA`: the node must have
+    /// it cached) or by its source (`EVAL`).
+    Script {
+        op: Op,
+        keys: Vec<OwnedKey>,
+        by_sha: bool,
+    },
+    /// `SCRIPT LOAD`: the node caches a script.
+    Load,
+    /// `INFO`.
+    Info,
+    /// The connect-time script that returns the lock history's id, writing
+    /// one where it is missing.
+    HistoryId,
+    /// Anything else: the node answers with an error.
+    Unknown(String),
+}
+
+/// The complete commands in `bytes`, in order (a command cut short is
+/// left out: the driver writes whole commands).
+pub(crate) fn commands(bytes: &[u8]) -> Vec<Value> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    while let Ok(Some(len)) = frame_len(&bytes[at..]) {
+        if let Ok(v) = redis::parse_redis_value(&bytes[at..at + len]) {
+            out.push(v);
+        }
+        at += len;
+    }
+    out
+}
+
+fn text(v: &Value) -> Option<String> {
+    match v {
+        Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+        Value::SimpleString(s) => Some(s.clone()),
+        Value::Int(i) => Some(i.to_string()),
+        _ => None,
+    }
+}
+
+/// The lock script a SHA1 or a source names, with how many arguments it
+/// takes before the tokens.
+fn script(name: &str, by_sha: bool) -> Option<(&'static str, usize)> {
+    let all: [(&redis::Script, &'static str, &'static str, usize); 6] = [
+        (&scripts::ACQUIRE, scripts::ACQUIRE_LUA, "acquire", 3),
+        (&scripts::SWAP, scripts::SWAP_LUA, "swap", 4),
+        (&scripts::RELEASE, scripts::RELEASE_LUA, "release", 1),
+        (&scripts::EXTEND, scripts::EXTEND_LUA, "extend", 2),
+        (&scripts::RESTORE, scripts::RESTORE_LUA, "restore", 1),
+        (&scripts::FENCE, scripts::FENCE_LUA, "fence", 1),
+    ];
+    all.iter()
+        .find(|(s, src, _, _)| {
+            if by_sha {
+                s.get_hash() == name
+            } else {
+                *src == name
+            }
+        })
+        .map(|&(_, _, kind, args)| (kind, args))
+}
+
+/// A TTL argument (whole ms).
+fn ms(s: &str) -> Duration {
+    Duration::from_millis(s.parse().unwrap_or(0))
+}
+
+/// The second argument of an acquire or an extension: the longest TTL
+/// known, and for a first use the histories it comes after.
+fn known(s: &str) -> (Duration, After) {
+    match s.split_once(';') {
+        Some((max, after)) => (ms(max), After::parse(after.as_bytes())),
+        None => (ms(s), After::NONE),
+    }
+}
+
+/// What command `v` asks.
+pub(crate) fn command(v: &Value) -> Command {
+    let Value::Array(items) = v else {
+        return Command::Unknown(format!("{v:?}"));
+    };
+    let words: Vec<String> = items.iter().map(|i| text(i).unwrap_or_default()).collect();
+    let verb = words
+        .first()
+        .map(|w| w.to_ascii_uppercase())
+        .unwrap_or_default();
+    match verb.as_str() {
+        "INFO" => return Command::Info,
+        "SCRIPT" if words.get(1).is_some_and(|w| w.eq_ignore_ascii_case("load")) => {
+            return Command::Load
+        }
+        "EVAL" if words.get(1).map(String::as_str) == Some(scripts::HISTORY_ID_LUA) => {
+            return Command::HistoryId
+        }
+        "EVAL" | "EVALSHA" => {}
+        _ => return Command::Unknown(verb),
+    }
+    let by_sha = verb == "EVALSHA";
+    let Some((kind, argc)) = words.get(1).and_then(|n| script(n, by_sha)) else {
+        return Command::Unknown(format!("{verb} of an unknown script"));
+    };
+    let nkeys: usize = words.get(2).and_then(|n| n.parse().ok()).unwrap_or(0);
+    let keys = words.get(3..3 + nkeys).unwrap_or_default();
+    let rest = words.get(3 + nkeys..).unwrap_or_default();
+    let (args, tokens) = rest.split_at(argc.min(rest.len()));
+    let arg = |i: usize| args.get(i).map(String::as_str).unwrap_or("");
+    // The lock keys, without the history key the script also names.
+    let meta = keys.last().map(String::as_str) == Some(scripts::META_KEY);
+    let named = &keys[..keys.len() - usize::from(meta)];
+    let op = match kind {
+        "acquire" => {
+            let (known_max, after) = known(arg(1));
+            Op::Acquire {
+                ttl: ms(arg(0)),
+                known_max,
+                fenced: arg(2) == "1",
+                after,
+            }
+        }
+        "swap" => Op::Swap {
+            ttl: ms(arg(0)),
+            known_max: ms(arg(1)),
+            fence: arg(2).parse().ok().filter(|f| *f > 0),
+        },
+        // The delete's keep-until is the client's, not sent.
+        "release" => Op::Release {
+            keep_until: std::time::Instant::now(),
+        },
+        "extend" => {
+            let (known_max, after) = known(arg(1));
+            Op::Extend {
+                ttl: ms(arg(0)),
+                known_max,
+                linger: false,
+                after,
+            }
+        }
+        "restore" => Op::Restore { ttl: ms(arg(0)) },
+        _ => Op::Fence {
+            value: arg(0).parse().unwrap_or(0),
+        },
+    };
+    let keys = if kind == "swap" {
+        // One key, the token that replaces ours, then the tokens it may hold.
+        let resource = named.first().cloned().unwrap_or_default();
+        let next = arg(3).to_owned();
+        tokens
+            .iter()
+            .map(|t| OwnedKey {
+                resource: resource.clone(),
+                token: t.clone(),
+                next: Some(next.clone()),
+            })
+            .collect()
+    } else {
+        named
+            .iter()
+            .zip(tokens)
+            .map(|(r, t)| OwnedKey {
+                resource: r.clone(),
+                token: t.clone(),
+                next: None,
+            })
+            .collect()
+    };
+    Command::Script { op, keys, by_sha }
+}
+
+/// A whole number of milliseconds, as the scripts return times.
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// An error reply, as the server words it.
+pub(crate) fn error(text: &str) -> Value {
+    let line = format!("-{}\r\n", text.replace(['\r', '\n'], " "));
+    redis::parse_redis_value(line.as_bytes()).unwrap_or(Value::Nil)
+}
+
+/// The scripts' reply to `op`: for an acquire or a swap the lock history's
+/// facts first, then one number per key (or the error the script raised).
+pub(crate) fn reply(op: Op, r: Result<Reply, &str>) -> Value {
+    let reply = match r {
+        Ok(r) => r,
+        Err(why) => return error(&format!("ERR quorumlock: {why}")),
+    };
+    let fenced = matches!(op, Op::Acquire { fenced: true, .. });
+    let acquire = matches!(op, Op::Acquire { .. });
+    let answer = |a: &Answer| match (a, acquire) {
+        (Answer::Ok, true) if fenced => i64::try_from(reply.fence.unwrap_or(1)).unwrap_or(1),
+        (Answer::Ok, _) => 1,
+        (Answer::Restored, _) => 2,
+        (Answer::Other, true) | (Answer::Absent, _) => 0,
+        (Answer::Other, false) => -1,
+    };
+    let mut items = Vec::new();
+    if let (Op::Acquire { .. } | Op::Swap { .. }, Some(f)) = (op, reply.facts) {
+        let NodeFacts {
+            epoch,
+            age,
+            max_ttl,
+            history,
+            after,
+            prev_max,
+        } = f;
+        items.push(Value::Int(i64::try_from(epoch).unwrap_or(i64::MAX)));
+        items.push(Value::Int(millis(age)));
+        items.push(Value::Int(millis(max_ttl)));
+        items.push(Value::Int(i64::try_from(history).unwrap_or(0)));
+        items.push(Value::Int(millis(prev_max)));
+        items.push(Value::BulkString(after.to_text().into_bytes()));
+    }
+    items.extend(reply.answers.iter().map(|a| Value::Int(answer(a))));
+    Value::Array(items)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use super::*;
+    use crate::algorithm::round::Key;
+    use crate::driver::node::encode::Encoded;
+
+    /// Every command the driver encodes reads back as what it asks.
+    #[test]
+    fn the_drivers_commands_read_back_as_sent() {
+        let after = {
+            let mut a = After::NONE;
+            a.insert(42);
+            a
+        };
+        let keys = [Key::new("r1", "t1"), Key::new("r2", "t2")];
+        let ops = [
+            Op::Acquire {
+                ttl: Duration::from_millis(5000),
+                known_max: Duration::from_millis(7000),
+                fenced: true,
+                after,
+            },
+            Op::Extend {
+                ttl: Duration::from_millis(3000),
+                known_max: Duration::from_millis(3000),
+                linger: false,
+                after: After::NONE,
+            },
+            Op::Restore {
+                ttl: Duration::from_millis(900),
+            },
+            Op::Fence { value: 77 },
+        ];
+        for op in ops {
+            let enc = Encoded::new(op, &keys);
+            for (bytes, by_sha) in [(enc.packed.clone(), true), (enc.fallback(), false)] {
+                let cmds = commands(&bytes);
+                assert_eq!(cmds.len(), 1);
+                let Command::Script {
+                    op: read,
+                    keys: k,
+                    by_sha: s,
+                } = command(&cmds[0])
+                else {
+                    panic!("{op:?}: not read as a script");
+                };
+                assert_eq!((read, s), (op, by_sha));
+                let names: Vec<(&str, &str)> = k
+                    .iter()
+                    .map(|k| (k.resource.as_str(), k.token.as_str()))
+                    .collect();
+                assert_eq!(names, [("r1", "t1"), ("r2", "t2")]);
+            }
+        }
+        let release = Encoded::new(
+            Op::Release {
+                keep_until: Instant::now(),
+            },
+            &keys,
+        );
+        assert!(matches!(
+            command(&commands(&release.packed)[0]),
+            Command::Script {
+                op: Op::Release { .. },
+                ..
+            }
+        ));
+        let swap_keys = [Key {
+            resource: "r",
+            token: "old",
+            next: Some("new"),
+        }];
+        let swap = Op::Swap {
+            ttl: Duration::from_millis(4000),
+            known_max: Duration::from_millis(4000),
+            fence: Some(9),
+        };
+        let Command::Script { op, keys, .. } =
+            command(&commands(&Encoded::new(swap, &swap_keys).packed)[0])
+        else {
+            panic!("swap not read");
+        };
+        assert_eq!(op, swap);
+        assert_eq!(keys[0].next.as_deref(), Some("new"));
+        assert_eq!(keys[0].token, "old");
+        assert_eq!(
+            command(&commands(&scripts::history_id_command())[0]),
+            Command::HistoryId
+        );
+        for load in scripts::load_commands() {
+            assert_eq!(command(&commands(&load)[0]), Command::Load);
+        }
+    }
+
+    /// A node's reply decodes, by the driver's own decoder, to what it said.
+    #[test]
+    fn a_nodes_replies_decode_to_what_it_said() {
+        let keys = [Key::new("r1", "t1"), Key::new("r2", "t2")];
+        let facts = NodeFacts {
+            epoch: 12,
+            age: Duration::from_millis(3500),
+            max_ttl: Duration::from_millis(9000),
+            history: 5,
+            after: After::NONE,
+            prev_max: Duration::from_millis(1000),
+        };
+        let op = Op::Acquire {
+            ttl: Duration::from_millis(5000),
+            known_max: Duration::from_millis(5000),
+            fenced: false,
+            after: After::NONE,
+        };
+        let said = Reply {
+            answers: vec![Answer::Ok, Answer::Other],
+            facts: Some(facts),
+            fence: None,
+            server: None,
+        };
+        let enc = Encoded::new(op, &keys);
+        let got = enc.decode(reply(op, Ok(said.clone()))).expect("decodes");
+        assert_eq!(got.answers, said.answers);
+        assert_eq!(got.facts, Some(facts));
+        let release = Op::Release {
+            keep_until: Instant::now(),
+        };
+        let enc = Encoded::new(release, &keys);
+        let said = Reply {
+            answers: vec![Answer::Absent, Answer::Other],
+            facts: None,
+            fence: None,
+            server: None,
+        };
+        assert_eq!(
+            enc.decode(reply(release, Ok(said)))
+                .expect("decodes")
+                .answers,
+            [Answer::Absent, Answer::Other]
+        );
+        assert!(enc.decode(reply(release, Err("refused"))).is_err());
+    }
+}
