@@ -296,7 +296,7 @@ pub(crate) fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPo
         drop(idle);
         shared.draining.store(false, Ordering::Release);
     }
-    resend_releases(shared, now, || {
+    resend_releases(shared, now, RETRY_BATCH, || {
         let mut c = node.pool.try_get()?;
         catch_up(&mut c, shared, Instant::now()).then_some(c)
     });
@@ -316,9 +316,16 @@ pub(crate) fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPo
 pub(crate) fn resend_releases<L: Link>(
     shared: &NodeShared,
     now: Instant,
+    batch_size: usize,
     checkout: impl FnOnce() -> Option<L>,
 ) {
     let answered = std::mem::take(&mut *shared.answered.lock());
+    #[cfg(test)]
+    let answered = if shared.defects.retry_same_batch {
+        Vec::new()
+    } else {
+        answered
+    };
     for tokens in &answered {
         retries_answered(shared, tokens);
     }
@@ -327,7 +334,7 @@ pub(crate) fn resend_releases<L: Link>(
     // The batch leaves the queue and what is still owed goes back behind
     // the rest: a batch that cannot be settled yet (a SET of its tokens may
     // still land) never holds back the releases queued after it.
-    let batch: Vec<Retry> = shared.retries.lock().take(RETRY_BATCH, now);
+    let batch: Vec<Retry> = shared.retries.lock().take(batch_size, now);
     if !batch.is_empty() {
         let keys: Vec<Key<'_>> = batch
             .iter()
@@ -350,6 +357,13 @@ pub(crate) fn resend_releases<L: Link>(
             }
         }
         let mut q = shared.retries.lock();
+        #[cfg(test)]
+        if shared.defects.retry_same_batch {
+            for r in batch.into_iter().rev() {
+                q.owed.push_front(r);
+            }
+            return;
+        }
         for r in batch {
             q.push(r, false, &shared.name);
         }

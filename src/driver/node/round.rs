@@ -90,6 +90,9 @@ pub(crate) trait Round: Links + Sized {
                     // only for the nodes that answered the SET.
                     // Reached: our SET is out (or was lost with its connection).
                     let reached = s.sent.is_some() || s.lost;
+                    #[cfg(test)]
+                    let reached =
+                        reached && !(self.node(i).defects.undo_skips_lost && s.sent.is_none());
                     s.admit = match (reached, r) {
                         // A failed swap releases the old lock everywhere.
                         (false, _) if matches!(op, Op::Swap { .. }) => Admit::Trial,

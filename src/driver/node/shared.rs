@@ -61,6 +61,26 @@ pub(crate) struct NodeShared {
     pub(crate) events: Events,
     /// Time (virtual in the simulation).
     pub(crate) clock: Arc<dyn Clock>,
+    /// Defects the simulation puts back, to show its checkers find them.
+    #[cfg(test)]
+    pub(crate) defects: Defects,
+}
+
+/// Defects fixed in the node engine that the simulation can put back, one
+/// at a time, to show that its checkers find each (never set otherwise).
+#[cfg(test)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Defects {
+    /// A connection closed under a round is the node's answer (it failed),
+    /// even one older than the round: the command is not sent again.
+    pub(crate) close_is_answer: bool,
+    /// A failed attempt's undo skips a node whose connection closed after
+    /// the SET went out (the SET may have run).
+    pub(crate) undo_skips_lost: bool,
+    /// The release retry job puts the batch it sent back at the head of
+    /// the queue, and forgets what the node answered: the same batch goes
+    /// out every time, the rest only once it expires.
+    pub(crate) retry_same_batch: bool,
 }
 
 impl NodeShared {
@@ -89,6 +109,8 @@ impl NodeShared {
             connect_error: Mutex::new(None),
             events,
             clock,
+            #[cfg(test)]
+            defects: Defects::default(),
         }
     }
 

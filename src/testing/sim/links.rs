@@ -26,7 +26,7 @@ use crate::driver::node::replies::catch_up;
 use crate::driver::node::retries::Retry;
 use crate::driver::node::round::Round;
 use crate::driver::node::servers::Servers;
-use crate::driver::node::shared::NodeShared;
+use crate::driver::node::shared::{Defects, NodeShared};
 use crate::driver::wire::{Pending, Wire};
 use crate::error::NodeErrorKind;
 use crate::events::Events;
@@ -38,6 +38,11 @@ use crate::testing::sim::world::Msg;
 
 /// How often owed releases are sent again (as the driver does).
 const RETRY_EVERY: Duration = Duration::from_millis(100);
+
+/// Most releases in one retried command: the driver's 1,000 would hold
+/// every release a simulated client ever owes; two make the queue's order
+/// matter.
+const RETRY_BATCH: usize = 2;
 
 /// One simulated connection: what it owes, the connection (lane) it is in
 /// the world, and what it has received.
@@ -199,6 +204,7 @@ impl SimLinks {
         clock: Arc<dyn Clock>,
         timeout: Duration,
         rules: VoteRules,
+        defects: Defects,
     ) -> Arc<SimLinks> {
         let (names, entries) = {
             let core = sched.lock();
@@ -211,14 +217,16 @@ impl SimLinks {
                 .iter()
                 .enumerate()
                 .map(|(i, n)| {
-                    NodeShared::new(
+                    let mut shared = NodeShared::new(
                         i,
                         servers.clone(),
                         n.clone(),
                         timeout,
                         Events::default(),
                         clock.clone(),
-                    )
+                    );
+                    shared.defects = defects;
+                    shared
                 })
                 .collect(),
             pools: names.iter().map(|_| Arc::default()).collect(),
@@ -293,7 +301,7 @@ impl SimLinks {
                 };
                 let shared = &links.nodes[i];
                 let now = links.now();
-                resend_releases(shared, now, || links.checkout(i, now));
+                resend_releases(shared, now, RETRY_BATCH, || links.checkout(i, now));
                 if shared.retries.lock().is_empty() {
                     links.retrying[i].store(false, Ordering::Release);
                     return;
@@ -409,6 +417,10 @@ impl Links for SimLinks {
     }
 
     fn retry_later(&self, i: usize, keys: &[Key<'_>], until: Instant) {
+        // A delete the node did not take (a release, or the undo of a
+        // failed attempt): the leak account learns what it leaves.
+        let now = self.sched.nanos();
+        self.sched.lock().world.let_go(keys, now);
         if until <= self.now() || keys.is_empty() {
             return;
         }
@@ -453,9 +465,10 @@ impl SimEngine {
         timeout: Duration,
         preempt: bool,
         rules: VoteRules,
+        defects: Defects,
     ) -> Self {
         SimEngine {
-            links: SimLinks::new(sched, clock, timeout, rules),
+            links: SimLinks::new(sched, clock, timeout, rules, defects),
             sched: sched.clone(),
             preempt,
         }

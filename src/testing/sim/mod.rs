@@ -61,8 +61,26 @@ pub(crate) fn run(seed: u64, mix: Mix) -> Report {
 /// [`run`], the clients running the production node engine over simulated
 /// connections.
 pub(crate) fn run_engine(seed: u64, mix: Mix) -> Report {
+    run_defective(seed, mix, Default::default())
+}
+
+/// [`run_engine`] with engine defects put back.
+pub(crate) fn run_defective(
+    seed: u64,
+    mix: Mix,
+    defects: crate::driver::node::shared::Defects,
+) -> Report {
     let mut plan = Plan::new(seed, mix);
     plan.engine = true;
+    plan.defects = defects;
+    // Connections closed under the clients (CLIENT KILL storms), drawn
+    // apart from the plan so that its other draws stay as they were.
+    let mut r = SimRng::new(seed ^ 0x6b69_6c6c);
+    for _ in 0..r.below(12) {
+        let at = r.below(plan.run_for);
+        let node = r.below(plan.nodes as u64) as usize;
+        plan.faults.push((at, Fault::Kill(node)));
+    }
     run_plan(plan)
 }
 
@@ -226,7 +244,8 @@ pub(crate) fn simulate(plan: Plan, main: Script) -> Report {
     if let Some(why) = core.aborted.take() {
         core.world.check.fail(at, Kind::Crash, why);
     } else {
-        core.world.check.finish(at);
+        let world = &mut core.world;
+        world.check.finish_with(at, &world.nodes);
     }
     Report {
         plan,
@@ -247,6 +266,7 @@ fn client(ctx: &Ctx, settings: Settings, seed: u64) -> Redlock {
             settings.node_timeout,
             ctx.plan.preempt,
             settings.rules(),
+            ctx.plan.defects,
         ))
     } else {
         Box::new(SimTransport::new(

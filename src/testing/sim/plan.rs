@@ -56,6 +56,9 @@ pub(crate) enum Fault {
     /// The node loses its lock keys but keeps its lock history: eviction
     /// under memory pressure, or a failover to a replica that lagged.
     LoseKeys(usize),
+    /// `CLIENT KILL` on the node: every connection to it is closed; the
+    /// node stays up with its data (only simulated connections notice).
+    Kill(usize),
     /// The network turns calm and every node comes back up.
     HealAll,
 }
@@ -152,6 +155,8 @@ pub(crate) struct Plan {
     /// connections (the driver's rounds, bytes and late replies), instead
     /// of the simulation's own transport.
     pub(crate) engine: bool,
+    /// Engine defects put back (with `engine`), to show they are found.
+    pub(crate) defects: crate::driver::node::shared::Defects,
 }
 
 impl Plan {
@@ -295,6 +300,7 @@ impl Plan {
             ttls: vec![30, 60, 120, 250],
             preempt: r.chance(0.5),
             engine: false,
+            defects: Default::default(),
         }
     }
 }
@@ -324,6 +330,7 @@ impl Plan {
             ttls: Vec::new(),
             preempt: false,
             engine: false,
+            defects: Default::default(),
         }
     }
 }

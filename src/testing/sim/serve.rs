@@ -4,14 +4,37 @@
 //! does, a restart empties the script cache (NOSCRIPT), and replies travel
 //! back in order on their connection, or reset it when lost.
 
+use crate::algorithm::health::Outcome;
+use crate::clock::after;
+use crate::testing::sim::world::NodeState;
+use crate::testing::sim::world::SimNode;
+use crate::testing::store::Store;
+use std::time::Duration;
+use std::time::Instant;
+
 use std::sync::Arc;
 
 use crate::algorithm::round::{Key, Op};
-use crate::testing::sim::check::Observed;
+use crate::testing::sim::check::{Observed, BACKLOG};
 use crate::testing::sim::redis::Inbox;
 use crate::testing::sim::world::{Event, Msg, World};
 
 impl World {
+    /// A simulated connection to node `i` opens: refused when the node is
+    /// down, unanswered when it is cut off (the caller counts a timeout).
+    pub(crate) fn connect(&mut self, i: usize, inbox: &Arc<Inbox>) -> Result<(), Outcome> {
+        let node = &mut self.nodes[i];
+        match node.state {
+            NodeState::Down => Err(Outcome::Refused),
+            _ if node.isolated => Err(Outcome::TimedOut),
+            _ => {
+                node.open.retain(|c| c.strong_count() > 0);
+                node.open.push(Arc::downgrade(inbox));
+                Ok(())
+            }
+        }
+    }
+
     /// A client releases `keys` at `now`: a key of which no node holds a
     /// live copy and no write is in flight needs no delete (it expired
     /// before the client let go), which the leak check is told.
@@ -20,23 +43,63 @@ impl World {
         use crate::testing::sim::redis::{command, Command};
         for k in keys {
             let l = lineage(k.token);
-            let carries = |m: &Msg| {
-                m.keys.iter().any(|mk| lineage(&mk.token) == l)
-                    || m.wire.as_ref().is_some_and(|(cmd, _)| {
-                        matches!(command(cmd), Command::Script { keys, .. }
-                            if keys.iter().any(|mk| lineage(&mk.token) == l))
-                    })
+            // The TTL a message's write of this lineage would set, if it
+            // carries one.
+            let writes = |m: &Msg| -> Option<std::time::Duration> {
+                let ttl = |op: Op| match op {
+                    Op::Acquire { ttl, .. }
+                    | Op::Swap { ttl, .. }
+                    | Op::Extend { ttl, .. }
+                    | Op::Restore { ttl } => Some(ttl),
+                    Op::Release { .. } | Op::Fence { .. } => None,
+                };
+                if m.keys.iter().any(|mk| lineage(&mk.token) == l) {
+                    return ttl(m.op);
+                }
+                match m.wire.as_ref().map(|(cmd, _)| command(cmd)) {
+                    Some(Command::Script { op, keys, .. })
+                        if keys.iter().any(|mk| lineage(&mk.token) == l) =>
+                    {
+                        ttl(op)
+                    }
+                    _ => None,
+                }
             };
-            let held = self
+            let nanos = |d: std::time::Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+            // Where a live copy is left, and until when in virtual time (its
+            // node's clock may run at another rate); a write still on its
+            // way may leave one until it lands plus its TTL, and one a
+            // paused node holds, until whenever it resumes.
+            let mut copies: Vec<(usize, u64)> = self
                 .nodes
                 .iter()
-                .any(|n| n.holds(self.base, now, k.resource, l) || n.backlog.iter().any(carries));
-            let in_flight = self
-                .events
-                .values()
-                .any(|e| matches!(e, Event::Arrive(m) if carries(m)));
-            if !held && !in_flight {
+                .enumerate()
+                .filter(|(_, n)| n.holds(self.base, now, k.resource, l))
+                .filter_map(|(i, n)| {
+                    let local = n.local(self.base, now);
+                    let (_, exp) = n.store.keys.get(k.resource)?;
+                    let left = exp.saturating_duration_since(local).as_nanos() as f64 / n.rate();
+                    Some((i, now.saturating_add(left as u64)))
+                })
+                .collect();
+            for (&(at, _), e) in &self.events {
+                if let Event::Arrive(m) = e {
+                    if let Some(ttl) = writes(m) {
+                        copies.push((m.node, at.saturating_add(nanos(ttl))));
+                    }
+                }
+            }
+            for (i, n) in self.nodes.iter().enumerate() {
+                for ttl in n.backlog.iter().filter_map(writes) {
+                    // Runs when the node resumes: marked by the top bit,
+                    // with the TTL it sets from then.
+                    copies.push((i, BACKLOG | nanos(ttl)));
+                }
+            }
+            if copies.is_empty() {
                 self.check.nothing_left(l, now);
+            } else {
+                self.check.owed(l, now, copies);
             }
         }
     }
@@ -138,5 +201,55 @@ impl World {
         let at = (now + self.delay()).max(last + 1);
         self.lanes.insert(back, at);
         self.push(at, Event::Wire(inbox, reply));
+    }
+}
+
+/// What the checkers read of a simulated node.
+impl Observed for SimNode {
+    fn wiped_since(&self, t: u64) -> bool {
+        self.wiped_at.is_some_and(|w| w >= t)
+    }
+
+    fn holds(&self, base: Instant, now: u64, resource: &str, lineage: &str) -> bool {
+        let local = self.local(base, now);
+        self.store.keys.get(resource).is_some_and(|(t, exp)| {
+            *exp > local && crate::testing::sim::check::lineage(t) == lineage
+        })
+    }
+
+    fn judged(&self) -> bool {
+        self.state == NodeState::Up && !self.isolated && !self.clock.jumped_back
+    }
+
+    fn local(&self, base: Instant, now: u64) -> Instant {
+        after(base, Duration::from_nanos(self.clock.at(now)))
+    }
+
+    fn store(&self) -> &Store {
+        &self.store
+    }
+
+    fn rate(&self) -> f64 {
+        self.clock.rate
+    }
+
+    fn unreachable(&self) -> u64 {
+        self.unreachable
+    }
+
+    fn copy_until(&self, from: u64, until: u64) -> u64 {
+        use crate::testing::sim::check::BACKLOG;
+        if until & BACKLOG == 0 {
+            return until;
+        }
+        self.resumed
+            .iter()
+            .find(|&&r| r >= from)
+            .map_or(u64::MAX, |&r| r.saturating_add(until & !BACKLOG))
+    }
+
+    fn dark_throughout(&self, from: u64, to: u64) -> bool {
+        self.dark_since.is_some_and(|s| s <= from)
+            || self.dark.iter().any(|&(s, e)| s <= from && e >= to)
     }
 }

@@ -14,7 +14,7 @@ use crate::algorithm::quorum::VoteRules;
 use crate::algorithm::round::{Key, NodeResult, Op, ServerKind, ServerTag};
 use crate::clock::{after, Signal};
 use crate::error::{NodeError, NodeErrorKind};
-use crate::testing::sim::check::{Checker, Observed};
+use crate::testing::sim::check::Checker;
 use crate::testing::sim::plan::{Fault, Net};
 use crate::testing::sim::redis::Inbox;
 use crate::testing::sim::rng::SimRng;
@@ -56,39 +56,6 @@ impl NodeClock {
     }
 }
 
-impl Observed for SimNode {
-    fn wiped_since(&self, t: u64) -> bool {
-        self.wiped_at.is_some_and(|w| w >= t)
-    }
-
-    fn holds(&self, base: Instant, now: u64, resource: &str, lineage: &str) -> bool {
-        let local = self.local(base, now);
-        self.store.keys.get(resource).is_some_and(|(t, exp)| {
-            *exp > local && crate::testing::sim::check::lineage(t) == lineage
-        })
-    }
-
-    fn judged(&self) -> bool {
-        self.state == NodeState::Up && !self.isolated && !self.clock.jumped_back
-    }
-
-    fn local(&self, base: Instant, now: u64) -> Instant {
-        after(base, Duration::from_nanos(self.clock.at(now)))
-    }
-
-    fn store(&self) -> &Store {
-        &self.store
-    }
-
-    fn rate(&self) -> f64 {
-        self.clock.rate
-    }
-
-    fn unreachable(&self) -> u64 {
-        self.unreachable
-    }
-}
-
 /// How a node runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum NodeState {
@@ -124,6 +91,12 @@ pub(crate) struct SimNode {
     pub(crate) loaded: bool,
     /// The connections open to it, closed when its process ends.
     pub(crate) open: Vec<std::sync::Weak<Inbox>>,
+    /// The spans (virtual ns) in which no connection to it could be made
+    /// (down or cut off), and the start of the current one.
+    pub(crate) dark: Vec<(u64, u64)>,
+    pub(crate) dark_since: Option<u64>,
+    /// When it resumed from pauses (virtual ns).
+    pub(crate) resumed: Vec<u64>,
 }
 
 /// One round in flight: the replies so far, and who to wake.
@@ -223,6 +196,9 @@ impl World {
                 run: 1,
                 loaded: false,
                 open: Vec::new(),
+                dark: Vec::new(),
+                dark_since: None,
+                resumed: Vec::new(),
             })
             .collect();
         World {
@@ -327,6 +303,15 @@ impl World {
     /// Keeps count of the time `node` is unreachable, after a fault.
     fn reachable(&mut self, node: usize, now: u64) {
         let n = &mut self.nodes[node];
+        let dark = n.state == NodeState::Down || n.isolated;
+        match (dark, n.dark_since) {
+            (true, None) => n.dark_since = Some(now),
+            (false, Some(s)) => {
+                n.dark.push((s, now));
+                n.dark_since = None;
+            }
+            _ => {}
+        }
         let down = n.state != NodeState::Up || n.isolated;
         match (down, n.since) {
             (true, None) => n.since = Some(now),
@@ -348,6 +333,7 @@ impl World {
             Fault::Resume(i) => {
                 if self.nodes[i].state == NodeState::Paused {
                     self.nodes[i].state = NodeState::Up;
+                    self.nodes[i].resumed.push(now);
                     for msg in std::mem::take(&mut self.nodes[i].backlog) {
                         self.process(msg, now);
                     }
@@ -384,6 +370,13 @@ impl World {
                     self.nodes[i].store.keys.clear();
                 }
             }
+            Fault::Kill(i) => {
+                for c in std::mem::take(&mut self.nodes[i].open) {
+                    if let Some(c) = c.upgrade() {
+                        c.close();
+                    }
+                }
+            }
             Fault::HealAll => {
                 self.net = Net::calm();
                 for i in 0..self.nodes.len() {
@@ -406,7 +399,7 @@ impl World {
         let node = match f {
             Fault::Pause(i) | Fault::Resume(i) | Fault::Crash(i) | Fault::Isolate(i) => Some(i),
             Fault::Heal(i) | Fault::Jump(i, _) | Fault::Mute(i) | Fault::Unmute(i) => Some(i),
-            Fault::LoseKeys(i) => Some(i),
+            Fault::LoseKeys(i) | Fault::Kill(i) => Some(i),
             Fault::Restart { node, .. } => Some(node),
             Fault::HealAll => None,
         };
@@ -481,21 +474,6 @@ impl World {
             NodeState::Paused => node.backlog.push(msg),
             NodeState::Up if node.isolated => {}
             NodeState::Up => self.process(msg, now),
-        }
-    }
-
-    /// A simulated connection to node `i` opens: refused when the node is
-    /// down, unanswered when it is cut off (the caller counts a timeout).
-    pub(crate) fn connect(&mut self, i: usize, inbox: &Arc<Inbox>) -> Result<(), Outcome> {
-        let node = &mut self.nodes[i];
-        match node.state {
-            NodeState::Down => Err(Outcome::Refused),
-            _ if node.isolated => Err(Outcome::TimedOut),
-            _ => {
-                node.open.retain(|c| c.strong_count() > 0);
-                node.open.push(Arc::downgrade(inbox));
-                Ok(())
-            }
         }
     }
 

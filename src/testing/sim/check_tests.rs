@@ -1,0 +1,147 @@
+//! The checker on hand-made sections and nodes.
+
+use super::*;
+use crate::lock::state::Timing;
+use crate::testing::sim::plan::Net;
+use crate::testing::sim::rng::SimRng;
+use crate::testing::sim::world::{SimNode, World, CLOCK_START};
+
+const MS: u64 = 1_000_000;
+
+fn lock(
+    base: Instant,
+    token: &str,
+    since: u64,
+    valid: u64,
+    ttl: u64,
+    fence: Option<u64>,
+) -> Arc<LockState> {
+    let since = base + Duration::from_nanos(since * MS);
+    Arc::new(LockState::new(
+        "r",
+        token.into(),
+        fence,
+        Timing {
+            since,
+            deadline: since + Duration::from_millis(valid),
+            ttl: Duration::from_millis(ttl),
+        },
+    ))
+}
+
+fn kinds(c: &Checker) -> Vec<Kind> {
+    let mut k: Vec<Kind> = c.violations.iter().map(|v| v.kind).collect();
+    k.sort();
+    k
+}
+
+/// Every checker can fail: fed the violation it is about, it reports
+/// it (and a lawful history reports nothing).
+#[test]
+fn each_checker_reports_the_violation_it_is_about() {
+    let base = Instant::now();
+    let mut c = Checker::new(base, 0);
+    let a = lock(base, "a", 0, 90, 100, Some(5));
+    c.grant(0, &a, "a");
+    c.observe(10 * MS, &[] as &[SimNode], base);
+    assert!(c.violations.is_empty(), "one holder is lawful");
+    let b = lock(base, "b", 50, 90, 100, Some(5));
+    c.grant(50 * MS, &b, "b");
+    assert_eq!(kinds(&c), [Kind::TwoHolders, Kind::FenceOrder]);
+
+    let mut c = Checker::new(base, 0);
+    let v = c.read("x", None);
+    assert!(c.write(0, "x", v, None, "first"));
+    assert!(c.violations.is_empty());
+    assert!(c.write(0, "x", v, None, "stale"));
+    assert_eq!(kinds(&c), [Kind::LostUpdate]);
+    // Fenced: the newer reader's token makes the stale write refused.
+    let mut c = Checker::new(base, 0);
+    let v = c.read("x", Some(8));
+    assert!(c.write(0, "x", v, Some(8), "new"));
+    assert!(!c.write(0, "x", v, Some(7), "old"), "refused");
+    assert!(c.violations.is_empty());
+
+    let mut c = Checker::new(base, 0);
+    let long = lock(base, "l", 0, 200, 100, None);
+    c.grant(0, &long, "long");
+    c.observe(MS, &[] as &[SimNode], base);
+    assert_eq!(kinds(&c), [Kind::DeadlineBeyondTtl]);
+
+    let mut c = Checker::new(base, 0);
+    let ia2 = c.grant(0, &a, "a");
+    c.observe(95 * MS, &[] as &[SimNode], base); // past its deadline, not released
+    c.end(ia2, 96 * MS, true);
+    assert_eq!(kinds(&c), [Kind::Unsignalled]);
+
+    let mut c = Checker::new(base, 0);
+    c.landed("b", 0);
+    c.sent(Op::Release { keep_until: base }, &[b.key()], MS);
+    c.landed("b.1", 2 * MS); // a later write of the lineage
+    c.finish_with(3 * MS, &[] as &[SimNode]);
+    assert_eq!(kinds(&c), [Kind::Leaked]);
+}
+
+#[test]
+fn a_key_left_long_after_its_round_is_reported() {
+    let base = Instant::now();
+    let mut w = World::new(
+        base,
+        &[1.0],
+        &[0],
+        Net::calm(),
+        SimRng::new(1),
+        Checker::new(base, 0),
+    );
+    let ttl = Duration::from_millis(100);
+    let key = crate::algorithm::round::Key::new("r", "t");
+    let op = Op::Acquire {
+        ttl,
+        known_max: ttl,
+        fenced: false,
+        after: crate::algorithm::round::After::NONE,
+    };
+    w.check.sent(op, &[key], 0);
+    let expiry = base + Duration::from_nanos(CLOCK_START) + Duration::from_secs(10);
+    w.nodes[0]
+        .store
+        .keys
+        .insert("r".into(), ("t".into(), expiry));
+    w.observe(50 * MS);
+    assert!(w.check.violations.is_empty(), "within its TTL");
+    w.observe(500 * MS);
+    assert_eq!(kinds(&w.check), [Kind::KeyOutlived]);
+}
+
+#[test]
+fn a_held_lock_whose_key_is_on_a_minority_is_reported() {
+    let base = Instant::now();
+    let mut w = World::new(
+        base,
+        &[1.0; 3],
+        &[0, 1, 2],
+        Net::calm(),
+        SimRng::new(1),
+        Checker::new(base, 0),
+    );
+    let held = lock(base, "t.1", 0, 90, 100, None);
+    w.check.grant(0, &held, "holder");
+    let expiry = base + Duration::from_nanos(CLOCK_START) + Duration::from_secs(1);
+    // Another section token of its lineage counts (a missed swap).
+    w.nodes[0]
+        .store
+        .keys
+        .insert("r".into(), ("t".into(), expiry));
+    w.nodes[1]
+        .store
+        .keys
+        .insert("r".into(), ("t.1".into(), expiry));
+    w.observe(MS);
+    assert!(w.check.violations.is_empty(), "on 2 of 3");
+    w.nodes[1]
+        .store
+        .keys
+        .insert("r".into(), ("other".into(), expiry));
+    w.observe(2 * MS);
+    assert_eq!(kinds(&w.check), [Kind::DeadlineBeyondKeys]);
+}
