@@ -362,7 +362,8 @@ impl Checker {
                     && copies.iter().all(|&(i, until)| {
                         nodes.get(i).is_some_and(|n| {
                             let until = n.copy_until(*at, until);
-                            n.dark_throughout(*at, until.saturating_sub(RETRY_GRACE))
+                            let to = until.saturating_sub(RETRY_GRACE).max(*at);
+                            n.dark_throughout(*at, to)
                         })
                     })
             })

@@ -81,6 +81,11 @@ pub(crate) fn run_defective(
         let node = r.below(plan.nodes as u64) as usize;
         plan.faults.push((at, Fault::Kill(node)));
     }
+    for _ in 0..r.below(4) {
+        let at = r.below(plan.run_for);
+        let node = r.below(plan.nodes as u64) as usize;
+        plan.faults.push((at, Fault::FlushScripts(node)));
+    }
     run_plan(plan)
 }
 

@@ -59,6 +59,9 @@ pub(crate) enum Fault {
     /// `CLIENT KILL` on the node: every connection to it is closed; the
     /// node stays up with its data (only simulated connections notice).
     Kill(usize),
+    /// `SCRIPT FLUSH` on the node: its connections stay, the next `EVALSHA`
+    /// meets NOSCRIPT (only simulated connections notice).
+    FlushScripts(usize),
     /// The network turns calm and every node comes back up.
     HealAll,
 }

@@ -129,7 +129,7 @@ impl World {
     ) {
         use crate::testing::sim::redis::{self as wire, Command};
         let i = msg.node;
-        if inbox.is_closed() {
+        if inbox.is_closed() || self.dead.contains(&msg.lane) {
             // The connection was gone before the node read the command.
             return;
         }
@@ -144,6 +144,9 @@ impl World {
             }
             Command::Unknown(what) => wire::error(&format!("ERR unknown command {what}")),
             Command::Script { by_sha: true, .. } if !self.nodes[i].loaded => {
+                if std::env::var_os("QUORUMLOCK_SIM_TRACE").is_some() {
+                    println!("{:10.3} ms node {i}: NOSCRIPT", now as f64 / 1e6);
+                }
                 wire::error("NOSCRIPT No matching script. Please use EVAL.")
             }
             Command::Script { op, keys, .. } => {
@@ -188,9 +191,12 @@ impl World {
             }
         };
         if self.nodes[i].isolated || self.nodes[i].muted {
+            // Its reply is lost: the connection hangs from here on.
+            self.dead.insert(msg.lane);
             return;
         }
         if self.rng.chance(self.net.loss) {
+            self.dead.insert(msg.lane);
             let at = now + self.delay();
             self.push(at, Event::Reset(inbox));
             return;
@@ -249,6 +255,7 @@ impl Observed for SimNode {
     }
 
     fn dark_throughout(&self, from: u64, to: u64) -> bool {
+        let to = to.max(from);
         self.dark_since.is_some_and(|s| s <= from)
             || self.dark.iter().any(|&(s, e)| s <= from && e >= to)
     }

@@ -213,6 +213,21 @@ fn an_evicting_node_whose_votes_count_lets_two_hold() {
     find(Mix::EvictingCounted, Kind::TwoHolders, 3_000);
 }
 
+/// A schedule over the node engine replays exactly: the same decisions,
+/// steps and virtual time twice.
+#[test]
+fn engine_schedules_replay_exactly() {
+    for seed in [1, 0x3f, 0x11] {
+        let a = run_engine(seed, Mix::Standard);
+        let b = run_engine(seed, Mix::Standard);
+        assert_eq!(
+            (a.trace, a.steps, a.virtual_ns),
+            (b.trace, b.steps, b.virtual_ns),
+            "seed {seed:#x} did not replay"
+        );
+    }
+}
+
 /// Finds, for each engine defect put back, the first seed whose schedule
 /// the checkers fail (`cargo test --lib find_defect_seeds -- --ignored
 /// --nocapture`); the regression tests pin those seeds.

@@ -168,6 +168,9 @@ pub(crate) struct World {
     /// Per connection, when its last message arrives (FIFO per connection).
     pub(crate) lanes: BTreeMap<u64, u64>,
     pub(crate) next_lane: u64,
+    /// Simulated connections that lost a command or a reply: nothing more
+    /// travels on them (a TCP stream has no gaps; it hangs or resets).
+    pub(crate) dead: std::collections::BTreeSet<u64>,
 }
 
 impl World {
@@ -215,6 +218,7 @@ impl World {
             rng,
             lanes: BTreeMap::new(),
             next_lane: 0,
+            dead: std::collections::BTreeSet::new(),
         }
     }
 
@@ -370,6 +374,7 @@ impl World {
                     self.nodes[i].store.keys.clear();
                 }
             }
+            Fault::FlushScripts(i) => self.nodes[i].loaded = false,
             Fault::Kill(i) => {
                 for c in std::mem::take(&mut self.nodes[i].open) {
                     if let Some(c) = c.upgrade() {
@@ -399,7 +404,7 @@ impl World {
         let node = match f {
             Fault::Pause(i) | Fault::Resume(i) | Fault::Crash(i) | Fault::Isolate(i) => Some(i),
             Fault::Heal(i) | Fault::Jump(i, _) | Fault::Mute(i) | Fault::Unmute(i) => Some(i),
-            Fault::LoseKeys(i) | Fault::Kill(i) => Some(i),
+            Fault::LoseKeys(i) | Fault::Kill(i) | Fault::FlushScripts(i) => Some(i),
             Fault::Restart { node, .. } => Some(node),
             Fault::HealAll => None,
         };
@@ -412,15 +417,21 @@ impl World {
     pub(crate) fn send(&mut self, msg: Msg, lane: u64, now: u64) {
         let (i, e) = (msg.node, msg.entry);
         if let Some((_, inbox)) = &msg.wire {
+            if self.dead.contains(&lane) {
+                return;
+            }
             if self.nodes[i].state == NodeState::Down {
                 inbox.close();
                 return;
             }
             if self.nodes[i].isolated {
+                // Cut off: the connection hangs from here on.
+                self.dead.insert(lane);
                 return;
             }
             if self.rng.chance(self.net.loss) {
                 // TCP does not lose a command: the connection resets.
+                self.dead.insert(lane);
                 let at = now + self.delay();
                 self.push(at, Event::Reset(inbox.clone()));
                 return;
