@@ -514,7 +514,6 @@ enum ThirdNode {
 fn restarted_node_met_by_a_fresh_process(third: ThirdNode) {
     const HOLD_TTL: Duration = Duration::from_secs(5);
     let c = Cluster::start(3);
-    let born = Instant::now();
     // Lock history older than the TTL: a lock on every node, then wait out the TTL (plus
     // a second, as INFO's uptime, which older versions used, counts whole seconds).
     let history = Redlock::builder()
@@ -529,7 +528,9 @@ fn restarted_node_met_by_a_fresh_process(third: ThirdNode) {
         "no history lock reached all three nodes"
     );
     drop(history);
-    std::thread::sleep((HOLD_TTL + Duration::from_millis(1200)).saturating_sub(born.elapsed()));
+    // From the moment the last node's history was written (a loaded machine can take
+    // seconds to get one lock onto all three nodes), not from the cluster's start.
+    std::thread::sleep(HOLD_TTL + Duration::from_millis(1200));
 
     let key = unique_key("restart-race");
     let urls = c.urls().join(",");
@@ -669,7 +670,6 @@ fn a_slow_node_that_knows_the_longest_ttl_is_heard_before_restarted_nodes_vote()
     const HOLD_TTL: Duration = Duration::from_secs(5);
     const SHORT_TTL: Duration = Duration::from_secs(1);
     let c = Cluster::start(3);
-    let born = Instant::now();
     let slow0 = DelayProxy::start(&c.url(0), Duration::from_millis(15));
     let urls = vec![slow0.url(), c.url(1), c.url(2)];
     // A round settles without the slow node, so its late NOSCRIPT is never followed by
@@ -686,7 +686,8 @@ fn a_slow_node_that_knows_the_longest_ttl_is_heard_before_restarted_nodes_vote()
         "no history lock reached all three nodes"
     );
     drop(history);
-    std::thread::sleep((HOLD_TTL + Duration::from_millis(1200)).saturating_sub(born.elapsed()));
+    // From when the last node's history was written, not from the cluster's start.
+    std::thread::sleep(HOLD_TTL + Duration::from_millis(1200));
 
     // A: a default client, connections open, holds the key with a 5 s TTL on node 0.
     let a = Redlock::builder()
@@ -1064,8 +1065,11 @@ fn one_thread_with_a_slow_node_keeps_a_small_pool_and_never_misses_a_connection(
     let pools: Vec<usize> = (0..3).map(|i| clients_on(&c, i)).collect();
     eprintln!("pools {pools:?} missed {}", missed.len());
     assert!(missed.is_empty(), "{missed:?}");
+    // The defect grew the slow node's pool towards its 32. A loaded machine's own
+    // timeouts replace connections too (a fast node once showed 8 on a CI run), which is
+    // not this: the bound is well below the pool's size and above that noise.
     assert!(
-        pools.iter().all(|&n| n <= 6),
+        pools.iter().all(|&n| n <= 12),
         "connections per node: {pools:?}"
     );
 }

@@ -1,26 +1,15 @@
 //! One node's part in a round, driven by parsed replies and errors on a
 //! [`Wire`](crate::driver::wire::Wire), no socket.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::*;
 use crate::algorithm::round::Key;
-use crate::driver::node::servers::Servers;
-use crate::events::Events;
 
 const NAMES: [&str; 1] = ["n0"];
 
 fn node() -> NodeShared {
-    let servers = Arc::new(Servers::new(vec!["n0".to_owned()]));
-    NodeShared::new(
-        0,
-        servers,
-        "n0".into(),
-        Duration::from_millis(50),
-        Events::default(),
-        Arc::new(crate::clock::SystemClock),
-    )
+    NodeShared::for_tests()
 }
 
 fn release() -> Encoded {

@@ -255,25 +255,15 @@ pub(crate) fn server_text(e: &redis::ServerError) -> String {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
+
     use std::time::{Duration, Instant};
 
     use super::*;
     use crate::driver::node::encode::FACTS;
     use crate::driver::node::retries::Unsettled;
-    use crate::driver::node::servers::Servers;
-    use crate::events::Events;
 
     fn node() -> NodeShared {
-        let servers = Arc::new(Servers::new(vec!["n0".to_owned()]));
-        NodeShared::new(
-            0,
-            servers,
-            "n0".into(),
-            Duration::from_millis(50),
-            Events::default(),
-            Arc::new(crate::clock::SystemClock),
-        )
+        NodeShared::for_tests()
     }
 
     fn value(resp: &[u8]) -> Value {

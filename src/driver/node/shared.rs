@@ -173,6 +173,20 @@ impl NodeShared {
         NodeError::new(&self.name, kind, detail)
     }
 
+    /// Node 0, `n0`, of a one-node list, on the system clock (for tests).
+    #[cfg(test)]
+    pub(crate) fn for_tests() -> Self {
+        let servers = Arc::new(Servers::new(vec!["n0".to_owned()]));
+        NodeShared::new(
+            0,
+            servers,
+            "n0".into(),
+            Duration::from_millis(50),
+            Events::default(),
+            Arc::new(crate::clock::SystemClock),
+        )
+    }
+
     /// The single door of the node's health state machine.
     pub(crate) fn observe(&self, outcome: Outcome) {
         let flipped = self.health.lock().observe(self.clock.now(), outcome);
