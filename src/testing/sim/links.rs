@@ -32,7 +32,7 @@ use crate::error::NodeErrorKind;
 use crate::events::Events;
 use crate::lock::transport::{Decided, Transport, Undo};
 use crate::testing::sim::redis::Inbox;
-use crate::testing::sim::redis::{command, commands, Command};
+use crate::testing::sim::redis::{command, commands, Command, OwnedKey};
 use crate::testing::sim::sched::Sched;
 use crate::testing::sim::world::Msg;
 
@@ -116,14 +116,7 @@ impl Link for SimConn {
         let world = &mut core.world;
         for cmd in commands(&bytes) {
             if let Command::Script { op, keys, .. } = command(&cmd) {
-                let keys: Vec<Key<'_>> = keys
-                    .iter()
-                    .map(|k| Key {
-                        resource: &k.resource,
-                        token: &k.token,
-                        next: k.next.as_deref(),
-                    })
-                    .collect();
+                let keys: Vec<Key<'_>> = keys.iter().map(OwnedKey::key).collect();
                 world.check.sent(op, &keys, now);
             }
             let msg = Msg {

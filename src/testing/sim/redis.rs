@@ -11,7 +11,7 @@ use redis::Value;
 
 use crate::clock::Signal;
 
-use crate::algorithm::round::{After, Answer, NodeFacts, Op, Reply};
+use crate::algorithm::round::{After, Answer, Key, NodeFacts, Op, Reply};
 use crate::driver::resp::frame_len;
 use crate::driver::scripts;
 
@@ -69,6 +69,17 @@ pub(crate) struct OwnedKey {
     pub(crate) resource: String,
     pub(crate) token: String,
     pub(crate) next: Option<String>,
+}
+
+impl OwnedKey {
+    /// The same key, borrowed, as the scripts' semantics take it.
+    pub(crate) fn key(&self) -> Key<'_> {
+        Key {
+            resource: &self.resource,
+            token: &self.token,
+            next: self.next.as_deref(),
+        }
+    }
 }
 
 /// A command, as a node understands it.

@@ -150,43 +150,7 @@ impl World {
                 wire::error("NOSCRIPT No matching script. Please use EVAL.")
             }
             Command::Script { op, keys, .. } => {
-                let local = self.nodes[i].clock.at(now);
-                let node_now = self.instant(local);
-                let micros = 1_700_000_000_000_000 + local / 1_000;
-                let keys: Vec<Key<'_>> = keys
-                    .iter()
-                    .map(|k| Key {
-                        resource: &k.resource,
-                        token: &k.token,
-                        next: k.next.as_deref(),
-                    })
-                    .collect();
-                let reply = self.nodes[i]
-                    .store
-                    .round(op, &keys, node_now, self.base, micros);
-                if let (
-                    Ok(r),
-                    Op::Acquire { .. } | Op::Extend { .. } | Op::Swap { .. } | Op::Restore { .. },
-                ) = (&reply, op)
-                {
-                    for (k, a) in keys.iter().zip(&r.answers) {
-                        if matches!(
-                            a,
-                            crate::algorithm::round::Answer::Ok
-                                | crate::algorithm::round::Answer::Restored
-                        ) {
-                            self.check.landed(k.token, msg.sent);
-                        }
-                    }
-                }
-                if std::env::var_os("QUORUMLOCK_SIM_TRACE").is_some() {
-                    println!(
-                        "{:10.3} ms node {i} ran {op:?} sent {:.3} ms: {:?}",
-                        now as f64 / 1e6,
-                        msg.sent as f64 / 1e6,
-                        reply.as_ref().map(|r| &r.answers)
-                    );
-                }
+                let reply = self.run_script(i, op, &keys, msg.sent, now);
                 wire::reply(op, reply)
             }
         };

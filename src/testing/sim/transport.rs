@@ -14,8 +14,9 @@ use crate::algorithm::round::{Key, NodeResult, Op};
 use crate::clock::{after, Signal};
 use crate::error::{NodeError, NodeErrorKind};
 use crate::lock::transport::{AfterRound, Decided, Transport, Undo};
+use crate::testing::sim::redis::OwnedKey;
 use crate::testing::sim::sched::Sched;
-use crate::testing::sim::world::{Msg, OwnedKey, Round};
+use crate::testing::sim::world::{Msg, Round};
 
 /// One client's (one process's) view of the simulated nodes.
 pub(crate) struct SimTransport {

@@ -16,7 +16,7 @@ use crate::clock::{after, Signal};
 use crate::error::{NodeError, NodeErrorKind};
 use crate::testing::sim::check::Checker;
 use crate::testing::sim::plan::{Fault, Net};
-use crate::testing::sim::redis::Inbox;
+use crate::testing::sim::redis::{Inbox, OwnedKey};
 use crate::testing::sim::rng::SimRng;
 use crate::testing::store::Store;
 
@@ -111,13 +111,6 @@ pub(crate) struct Round {
     pub(crate) health: Arc<Mutex<Vec<NodeHealth>>>,
     /// How the client counts answers.
     pub(crate) rules: VoteRules,
-}
-
-#[derive(Clone)]
-pub(crate) struct OwnedKey {
-    pub(crate) resource: String,
-    pub(crate) token: String,
-    pub(crate) next: Option<String>,
 }
 
 #[derive(Clone)]
@@ -488,50 +481,55 @@ impl World {
         }
     }
 
-    /// The node runs the command now and replies.
-    fn process(&mut self, mut msg: Msg, now: u64) {
-        if let Some((cmd, inbox)) = msg.wire.take() {
-            return self.process_wire(&msg, &cmd, inbox, now);
-        }
-        let i = msg.node;
+    /// Node `i` runs one lock script now, as the Lua does, for a command
+    /// sent at `sent`: the checker learns which of our keys it set or kept.
+    pub(crate) fn run_script(
+        &mut self,
+        i: usize,
+        op: Op,
+        keys: &[OwnedKey],
+        sent: u64,
+        now: u64,
+    ) -> Result<crate::algorithm::round::Reply, &'static str> {
         let local = self.nodes[i].clock.at(now);
         let node_now = self.instant(local);
         let micros = 1_700_000_000_000_000 + local / 1_000;
-        let keys: Vec<Key<'_>> = msg
-            .keys
-            .iter()
-            .map(|k| Key {
-                resource: &k.resource,
-                token: &k.token,
-                next: k.next.as_deref(),
-            })
-            .collect();
+        let keys: Vec<Key<'_>> = keys.iter().map(OwnedKey::key).collect();
         let reply = self.nodes[i]
             .store
-            .round(msg.op, &keys, node_now, self.base, micros);
+            .round(op, &keys, node_now, self.base, micros);
         if let (
             Ok(r),
             Op::Acquire { .. } | Op::Extend { .. } | Op::Swap { .. } | Op::Restore { .. },
-        ) = (&reply, msg.op)
+        ) = (&reply, op)
         {
             for (k, a) in keys.iter().zip(&r.answers) {
                 if matches!(
                     a,
                     crate::algorithm::round::Answer::Ok | crate::algorithm::round::Answer::Restored
                 ) {
-                    self.check.landed(k.token, msg.sent);
+                    self.check.landed(k.token, sent);
                 }
             }
         }
         if std::env::var_os("QUORUMLOCK_SIM_TRACE").is_some() {
             println!(
-                "{:10.3} ms node {i} ran {:?} sent {:.3} ms: {:?}",
+                "{:10.3} ms node {i} ran {op:?} sent {:.3} ms: {:?}",
                 now as f64 / 1e6,
-                msg.op,
-                msg.sent as f64 / 1e6,
+                sent as f64 / 1e6,
                 reply.as_ref().map(|r| &r.answers)
             );
         }
+        reply
+    }
+
+    /// The node runs the command now and replies.
+    fn process(&mut self, mut msg: Msg, now: u64) {
+        if let Some((cmd, inbox)) = msg.wire.take() {
+            return self.process_wire(&msg, &cmd, inbox, now);
+        }
+        let i = msg.node;
+        let reply = self.run_script(i, msg.op, &msg.keys, msg.sent, now);
         let Some(round) = msg.round else { return };
         if self.nodes[i].isolated || self.nodes[i].muted || self.rng.chance(self.net.loss) {
             return;
