@@ -88,6 +88,18 @@ impl Drop for Wire {
 }
 
 impl Wire {
+    /// The connection goes back to its pool, to idle: one that owes replies
+    /// is counted in `owing` (the node's idle connections that owe some,
+    /// which the retry job drains), once. Returns whether it is broken (to
+    /// be dropped, which uncounts it).
+    pub(crate) fn idles(&mut self, owing: &Arc<AtomicUsize>) -> bool {
+        if !self.broken && self.owing.is_none() && !self.pending.is_empty() {
+            owing.fetch_add(1, Ordering::AcqRel);
+            self.owing = Some(owing.clone());
+        }
+        self.broken
+    }
+
     /// A connection made at `now`, owing nothing.
     pub(crate) fn new(now: Instant) -> Self {
         Wire {

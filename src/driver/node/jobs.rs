@@ -262,40 +262,25 @@ pub(crate) fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPo
     };
     let shared = &node.shared;
     let now = Instant::now();
-    // Read late replies off the idle connections that owe some (they may
-    // say a SET landed, or answer a retried release). The pool is a stack
-    // (the last connection given back is the first taken), so those are on
-    // top unless rounds took them (which read them). Every pop that leaves
-    // fewer than the pool's idle minimum starts a new connection (however
-    // many are being made), so no more is popped than leaves that minimum
-    // idle, and no more than owe; a round that finds none meanwhile waits (see `wait_busy_pool`).
-    let mut owed = false;
-    let want = shared.owing.load(Ordering::Acquire);
-    if want > 0 {
-        shared.draining.store(true, Ordering::Release);
-        let mut idle = Vec::new();
-        let max = node.pool.max_size();
-        let spare = |st: r2d2::State| {
-            // At the pool's size no pop starts a connection; one more is
-            // left idle for a round of a busy client that comes meanwhile.
-            let busy = u32::from(st.connections > st.idle_connections);
-            st.connections >= max || st.idle_connections > MIN_IDLE.min(max) + busy
-        };
-        while idle.len() < want
-            && shared.owing.load(Ordering::Acquire) > 0
-            && spare(node.pool.state())
-        {
-            let Some(mut c) = node.pool.try_get() else {
-                break;
-            };
-            catch_up(&mut c, shared, now);
-            idle.push(c);
-        }
-        // A release still owed its reply (it may come back NOSCRIPT): look again.
-        owed = idle.iter().any(|c| !c.wire.broken && c.wire.owes_release());
-        drop(idle);
-        shared.draining.store(false, Ordering::Release);
-    }
+    // Read late replies off the idle connections that owe some. The pool
+    // is a stack (the last connection given back is the first taken), so
+    // those are on top unless rounds took them (which read them). Every
+    // pop that leaves fewer than the pool's idle minimum starts a new
+    // connection (however many are being made), so no more is popped than
+    // leaves that minimum idle; a round that finds none meanwhile waits
+    // (see `wait_busy_pool`).
+    let max = node.pool.max_size();
+    let spare = |st: r2d2::State| {
+        // At the pool's size no pop starts a connection; one more is left
+        // idle for a round of a busy client that comes meanwhile.
+        let busy = u32::from(st.connections > st.idle_connections);
+        st.connections >= max || st.idle_connections > MIN_IDLE.min(max) + busy
+    };
+    let owed = drain_owing(shared, now, || {
+        spare(node.pool.state())
+            .then(|| node.pool.try_get())
+            .flatten()
+    });
     resend_releases(shared, now, RETRY_BATCH, || {
         let mut c = node.pool.try_get()?;
         catch_up(&mut c, shared, Instant::now()).then_some(c)
@@ -307,6 +292,37 @@ pub(crate) fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPo
             schedule_retry(&node, &threads);
         }
     }
+}
+
+/// Reads the late replies off the node's idle connections that owe some
+/// (they may say a SET landed, or answer a retried release), taking them
+/// with `take` (no more than owe), and gives them back. Returns whether a
+/// release is still owed its reply (it may come back NOSCRIPT: the job
+/// looks again).
+pub(crate) fn drain_owing<L: Link>(
+    shared: &NodeShared,
+    now: Instant,
+    mut take: impl FnMut() -> Option<L>,
+) -> bool {
+    let want = shared.owing.load(Ordering::Acquire);
+    if want == 0 {
+        return false;
+    }
+    shared.draining.store(true, Ordering::Release);
+    let mut idle = Vec::new();
+    while idle.len() < want && shared.owing.load(Ordering::Acquire) > 0 {
+        let Some(mut c) = take() else {
+            break;
+        };
+        catch_up(&mut c, shared, now);
+        idle.push(c);
+    }
+    let owed = idle
+        .iter()
+        .any(|c| !c.wire().broken && c.wire().owes_release());
+    drop(idle);
+    shared.draining.store(false, Ordering::Release);
+    owed
 }
 
 /// The part of a node's retry job that needs no pool: the batches the node

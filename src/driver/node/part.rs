@@ -111,6 +111,11 @@ pub(crate) struct Part<C> {
     pub(crate) began: Instant,
     /// A command was lost with its connection (it may have run).
     pub(crate) lost: bool,
+    /// A connection older than the round closed under our command: it is
+    /// sent again once, whatever the node's health meanwhile (another
+    /// round's close may have marked it failing: that close was not this
+    /// command's answer).
+    pub(crate) again: bool,
 }
 
 /// Node `i`'s connection failed with `e` during a round (a write or a read
@@ -161,6 +166,7 @@ pub(crate) fn lose_connection<C: Link>(
         // whether the first delete ran (see [`take_reply`]).
         s.sent = None;
         s.fell_back = false;
+        s.again = true;
         debug!(
             "node {}: connection closed before the reply ({e}); sending again",
             ballot.names[i]

@@ -203,6 +203,7 @@ fn sent_on(enc: &Encoded, made: Instant, began: Instant) -> Part<TestLink> {
         fell_back: false,
         began,
         lost: false,
+        again: false,
     }
 }
 
@@ -377,6 +378,7 @@ fn a_node_left_without_a_connection_says_why() {
         fell_back: false,
         began: start,
         lost: false,
+        again: false,
     };
     let left = Leftovers::of(&enc, &[], &[unsent()], start);
     let detail = |busy: Option<u32>, lost: bool| {

@@ -50,6 +50,7 @@ pub(crate) trait Round: Links + Sized {
                 fell_back: false,
                 began: start,
                 lost: false,
+                again: false,
             })
             .collect();
         let enc = Encoded::new(op, keys);
@@ -91,8 +92,7 @@ pub(crate) trait Round: Links + Sized {
                     // Reached: our SET is out (or was lost with its connection).
                     let reached = s.sent.is_some() || s.lost;
                     #[cfg(test)]
-                    let reached =
-                        reached && !(self.node(i).defects.undo_skips_lost && s.sent.is_none());
+                    let reached = reached && !(self.node(i).defects.undo_skips_lost && s.lost);
                     s.admit = match (reached, r) {
                         // A failed swap releases the old lock everywhere.
                         (false, _) if matches!(op, Op::Swap { .. }) => Admit::Trial,
@@ -104,6 +104,7 @@ pub(crate) trait Round: Links + Sized {
                     s.sent = None;
                     s.fell_back = false;
                     s.lost = false;
+                    s.again = false;
                 }
                 // A failed swap gives up the handed-over lock too.
                 let written = crate::algorithm::round::written(op, keys);
@@ -196,7 +197,7 @@ pub(crate) trait Round: Links + Sized {
             let mut missing = false;
             for (i, s) in parts.iter_mut().enumerate() {
                 if s.admit == Admit::Wait && s.sent.is_none() && results[i].is_none() {
-                    if !self.node(i).is_healthy() {
+                    if !std::mem::take(&mut s.again) && !self.node(i).is_healthy() {
                         // Its connect was refused meanwhile: that is its answer.
                         results[i] = Some(Err(self.not_waited(i, Admit::Skip)));
                         continue;

@@ -6,7 +6,7 @@ use crate::driver::node::servers::Servers;
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -297,14 +297,8 @@ impl ManageConnection for Manager {
 
     fn has_broken(&self, conn: &mut Conn) -> bool {
         // Called by the pool as the connection comes back (the last word on
-        // it before it idles): one owing replies is counted for the retry
-        // job, once.
-        // (A broken one is dropped, which uncounts it.)
-        if !conn.wire.broken && conn.wire.owing.is_none() && !conn.wire.pending().is_empty() {
-            self.shared.owing.fetch_add(1, Ordering::AcqRel);
-            conn.wire.owing = Some(self.shared.owing.clone());
-        }
-        conn.wire.broken
+        // it before it idles).
+        conn.wire.idles(&self.shared.owing)
     }
 }
 

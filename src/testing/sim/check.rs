@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::algorithm::round::{written, Key, Op};
 use crate::lock::state::LockState;
-use crate::testing::store::Store;
+pub(crate) use crate::testing::sim::observe::Observed;
 
 /// When a client let go of a lineage, and the live copies left then
 /// (node, until when: see [`BACKLOG`]).
@@ -20,8 +20,28 @@ pub(crate) const BACKLOG: u64 = 1 << 63;
 
 /// How long after a node takes connections again its owed releases may
 /// take to reach it (virtual ns): the retry interval (100 ms) and a
-/// connect.
+/// connect; and one more interval for every [`RETRY_BATCH`] releases owed
+/// to it then (each run of the retry job sends one batch).
 const RETRY_GRACE: u64 = 150_000_000;
+const RETRY_EVERY: u64 = 100_000_000;
+const RETRY_BATCH: u64 = 2;
+
+/// Where the leak account keeps a write or a delete of a lineage: on one
+/// node (over the node engine, which writes each node on connections of
+/// its own and sends each node its owed deletes again), or on any node
+/// (the simulation's own transport sends a round to every node at once,
+/// and does not send again).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Place {
+    Any,
+    Node(usize),
+}
+
+impl Place {
+    fn has(self, node: usize) -> bool {
+        self == Place::Any || self == Place::Node(node)
+    }
+}
 
 /// What a violation is about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -59,6 +79,18 @@ pub(crate) enum Kind {
 /// its first token `L` are one lock on the nodes.
 pub(crate) fn lineage(token: &str) -> &str {
     token.split('.').next().unwrap_or(token)
+}
+
+/// A command for the trace: its kind, and each key's resource and the
+/// start of its token.
+pub(crate) fn traced(op: Op, keys: &[Key<'_>]) -> String {
+    let op = format!("{op:?}");
+    let kind = op.split([' ', '{']).next().unwrap_or_default();
+    let keys: Vec<String> = keys
+        .iter()
+        .map(|k| format!("{}={}", k.resource, k.token.get(..8).unwrap_or(k.token)))
+        .collect();
+    format!("{kind} {}", keys.join(" "))
 }
 
 /// One violation, at a virtual instant.
@@ -110,31 +142,6 @@ pub(crate) struct Stats {
     pub(crate) lapsed: u64,
 }
 
-/// What the checker reads of one simulated node.
-pub(crate) trait Observed {
-    /// Whether it lost its data at or after virtual time `t` (ns).
-    fn wiped_since(&self, t: u64) -> bool;
-    /// Whether `resource` holds a live token of `lineage` there at `now`.
-    fn holds(&self, base: Instant, now: u64, resource: &str, lineage: &str) -> bool;
-    /// Whether its keys can be judged: up, reachable, and its clock never
-    /// stepped back.
-    fn judged(&self) -> bool;
-    /// Its own clock at `now`, as an instant of its store.
-    fn local(&self, base: Instant, now: u64) -> Instant;
-    /// What it stores.
-    fn store(&self) -> &Store;
-    /// Its clock's rate.
-    fn rate(&self) -> f64;
-    /// How long it was paused, crashed or cut off (ns).
-    fn unreachable(&self) -> u64;
-    /// Until when a copy marked `until` (see [`BACKLOG`]) lives, for a
-    /// client that let go at `from`.
-    fn copy_until(&self, from: u64, until: u64) -> u64;
-    /// Whether no connection to it could be made at any time in
-    /// `from..=to`.
-    fn dark_throughout(&self, from: u64, to: u64) -> bool;
-}
-
 /// Every checker's state.
 pub(crate) struct Checker {
     pub(crate) violations: Vec<Violation>,
@@ -143,10 +150,13 @@ pub(crate) struct Checker {
     sections: BTreeMap<usize, Section>,
     next_section: usize,
     max_fence: BTreeMap<String, u64>,
-    /// Per lineage, when the last command that landed (set or kept the
-    /// key on a node) was sent, and when the last delete was sent.
-    landed: BTreeMap<String, u64>,
-    deleted: BTreeMap<String, u64>,
+    /// Keep the leak account per node (see [`Place`]).
+    pub(crate) per_node: bool,
+    /// Per lineage and place, when the last command that landed (set or
+    /// kept the key) was sent and when the last one landed, and when the
+    /// last delete that could reach it was sent.
+    landed: BTreeMap<(String, Place), (u64, u64)>,
+    deleted: BTreeMap<(String, Place), u64>,
     /// Per lineage, when the client let go of it and the live copies left
     /// then (node, until when): see [`owed`](Self::owed).
     owed: BTreeMap<String, Vec<LetGo>>,
@@ -169,6 +179,7 @@ impl Checker {
             next_section: 0,
             max_fence: BTreeMap::new(),
             last_write: BTreeMap::new(),
+            per_node: false,
             landed: BTreeMap::new(),
             deleted: BTreeMap::new(),
             owed: BTreeMap::new(),
@@ -313,13 +324,37 @@ impl Checker {
             }
         }
         if std::env::var_os("QUORUMLOCK_SIM_TRACE").is_some() {
-            let names: Vec<&str> = keys.iter().map(|k| k.resource).collect();
-            println!("{:10.3} ms send {op:?} {names:?}", now as f64 / 1e6);
+            println!("{:10.3} ms send {}", now as f64 / 1e6, traced(op, keys));
         }
-        if let Op::Release { .. } = op {
+        if let (Op::Release { .. }, false) = (op, self.per_node) {
             for k in keys {
-                self.deleted.insert(lineage(k.token).to_owned(), now);
+                self.deleted_at(k.token, Place::Any, now);
             }
+        }
+    }
+
+    fn place(&self, node: usize) -> Place {
+        if self.per_node {
+            Place::Node(node)
+        } else {
+            Place::Any
+        }
+    }
+
+    fn deleted_at(&mut self, token: &str, place: Place, now: u64) {
+        let d = self
+            .deleted
+            .entry((lineage(token).to_owned(), place))
+            .or_default();
+        *d = (*d).max(now);
+    }
+
+    /// A delete of `token` left the client at `now` on a connection to
+    /// `node` that could carry it there (the node was up or paused, not cut
+    /// off): the client did its part, even if the connection resets.
+    pub(crate) fn delete_sent(&mut self, token: &str, node: usize, now: u64) {
+        if self.per_node {
+            self.deleted_at(token, Place::Node(node), now);
         }
     }
 
@@ -327,7 +362,7 @@ impl Checker {
     /// any node and no write of it in flight (its key expired first): no
     /// delete is owed for its earlier writes.
     pub(crate) fn nothing_left(&mut self, lineage: &str, now: u64) {
-        self.deleted.insert(lineage.to_owned(), now);
+        self.owed(lineage, now, Vec::new());
     }
 
     /// The client lets go of `lineage` at `now` with live copies left on
@@ -340,40 +375,105 @@ impl Checker {
             .push((now, copies));
     }
 
-    /// A node applied a command that set or kept our key, sent at `sent`.
-    pub(crate) fn landed(&mut self, token: &str, sent: u64) {
-        let t = self.landed.entry(lineage(token).to_owned()).or_default();
-        *t = (*t).max(sent);
+    /// Node `node` applied a command that set or kept our key, sent at
+    /// `sent`, at `now`.
+    pub(crate) fn landed(&mut self, token: &str, node: usize, sent: u64, now: u64) {
+        let place = self.place(node);
+        let t = self
+            .landed
+            .entry((lineage(token).to_owned(), place))
+            .or_default();
+        *t = (t.0.max(sent), t.1.max(now));
     }
 
     /// At the end of a run: every key of ours that landed on a node had a
-    /// delete sent after it (nothing is left locked by accident). Knowing
-    /// when each node could be reached:
+    /// delete sent to it after (nothing is left locked by accident), once
+    /// the node could be reached. Knowing when each node could be reached:
     /// a copy whose node took no connection from the moment the client let
     /// go until the copy expired could not be deleted, and is no leak
-    /// (nothing is left locked: it expired). Nor one whose node came back
-    /// less than [`RETRY_GRACE`] before it expired: owed releases are sent
-    /// again every 100 ms, so such a copy may rightly outlive the release by
-    /// up to that much, and never past its TTL.
+    /// (nothing is left locked: it expired). Nor one whose node never took
+    /// connections for [`RETRY_GRACE`] on end (and an interval more per
+    /// [`RETRY_BATCH`] copies owed to it meanwhile) in that time: owed
+    /// releases are sent again every 100 ms, so such a copy may rightly
+    /// outlive the release by up to that much, and never past its TTL.
     pub(crate) fn finish_with(&mut self, now: u64, nodes: &[impl Observed]) {
-        let unsendable = |l: &str, written: u64| {
+        // Per node, the copies owed to it: (let go at, until when).
+        let mut owed_to: Vec<Vec<(u64, u64)>> = vec![Vec::new(); nodes.len()];
+        for (at, copies) in self.owed.values().flatten() {
+            for &(i, until) in copies {
+                if let Some((list, n)) = owed_to.get_mut(i).zip(nodes.get(i)) {
+                    list.push((*at, n.copy_until(*at, until)));
+                }
+            }
+        }
+        // A copy is owed a delete only if its node could be reached, before
+        // the copy expired, for long enough for the retry job to come round
+        // to it (the let-go's own round skips a node the client holds
+        // failing, and leaves its delete to the retry job).
+        // The client owes deletes until its keys expire as it measures time
+        // (the send of its last write and that TTL): a node whose clock was
+        // set back keeps one longer, which no client can know.
+        let mut expires: BTreeMap<&str, u64> = BTreeMap::new();
+        for (token, &(until, _)) in &self.last_write {
+            let e = expires.entry(lineage(token)).or_default();
+            *e = (*e).max(until);
+        }
+        let expired_unreached = |l: &str, i: usize, at: u64, until: u64| {
+            let Some(n) = nodes.get(i) else {
+                return false;
+            };
+            let until = n
+                .copy_until(at, until)
+                .min(expires.get(l).copied().unwrap_or(u64::MAX));
+            let queued = owed_to[i]
+                .iter()
+                .filter(|&&(a, u)| a < until && u > at)
+                .count() as u64;
+            let grace = RETRY_GRACE + RETRY_EVERY * queued.div_ceil(RETRY_BATCH).saturating_sub(1);
+            n.longest_reachable(at, until) < grace
+        };
+        let unsendable = |l: &str, place: Place, written: u64| {
             self.owed.get(l).into_iter().flatten().any(|(at, copies)| {
                 *at >= written
-                    && copies.iter().all(|&(i, until)| {
-                        nodes.get(i).is_some_and(|n| {
-                            let until = n.copy_until(*at, until);
-                            let to = until.saturating_sub(RETRY_GRACE).max(*at);
-                            n.dark_throughout(*at, to)
-                        })
-                    })
+                    && copies
+                        .iter()
+                        .filter(|&&(i, _)| place.has(i))
+                        .all(|&(i, until)| expired_unreached(l, i, *at, until))
             })
         };
+        // A node that lost its keys since a write landed holds none of it.
+        let kept = |place: Place, at: u64| match place {
+            Place::Any => true,
+            Place::Node(i) => nodes.get(i).is_some_and(|n| !n.lost_keys_since(at)),
+        };
+        if std::env::var_os("QUORUMLOCK_SIM_TRACE").is_some() {
+            for ((l, place), &(t, at)) in &self.landed {
+                if self
+                    .deleted
+                    .get(&(l.clone(), *place))
+                    .is_none_or(|&d| d < t)
+                {
+                    println!(
+                        "leak account: {} {place:?} written {:.3} landed {:.3}: kept {}, unsendable {}, owed {:?}",
+                        l.get(..8).unwrap_or(l), t as f64 / 1e6, at as f64 / 1e6,
+                        kept(*place, at), unsendable(l, *place, t), self.owed.get(l)
+                    );
+                }
+            }
+        }
         let leaked: Vec<String> = self
             .landed
             .iter()
-            .filter(|(l, &t)| self.deleted.get(*l).is_none_or(|&d| d < t))
-            .filter(|(l, &t)| !unsendable(l, t))
-            .map(|(l, t)| format!("{l} (written at {:.3} ms)", *t as f64 / 1e6))
+            .filter(|(k, &(t, _))| self.deleted.get(*k).is_none_or(|&d| d < t))
+            .filter(|((_, place), &(_, at))| kept(*place, at))
+            .filter(|((l, place), &(t, _))| !unsendable(l, *place, t))
+            .map(|((l, place), (t, _))| {
+                let on = match place {
+                    Place::Any => String::new(),
+                    Place::Node(i) => format!(" on node {i}"),
+                };
+                format!("{l}{on} (written at {:.3} ms)", *t as f64 / 1e6)
+            })
             .collect();
         if !leaked.is_empty() {
             let what = format!("no delete sent after the last write of {leaked:?}");

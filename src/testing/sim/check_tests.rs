@@ -75,9 +75,9 @@ fn each_checker_reports_the_violation_it_is_about() {
     assert_eq!(kinds(&c), [Kind::Unsignalled]);
 
     let mut c = Checker::new(base, 0);
-    c.landed("b", 0);
+    c.landed("b", 0, 0, 0);
     c.sent(Op::Release { keep_until: base }, &[b.key()], MS);
-    c.landed("b.1", 2 * MS); // a later write of the lineage
+    c.landed("b.1", 0, 2 * MS, 2 * MS); // a later write of the lineage
     c.finish_with(3 * MS, &[] as &[SimNode]);
     assert_eq!(kinds(&c), [Kind::Leaked]);
 }
@@ -144,4 +144,46 @@ fn a_held_lock_whose_key_is_on_a_minority_is_reported() {
         .insert("r".into(), ("other".into(), expiry));
     w.observe(2 * MS);
     assert_eq!(kinds(&w.check), [Kind::DeadlineBeyondKeys]);
+}
+
+/// Over the node engine the leak account is kept per node: a delete that
+/// reached one node does not cover our key on another, unless that node
+/// could not be reached until the key expired.
+#[test]
+fn a_delete_that_reached_one_node_does_not_cover_another() {
+    let base = Instant::now();
+    let account = |reach_both: bool, dark_second: bool| {
+        let mut w = World::new(
+            base,
+            &[1.0; 2],
+            &[0, 1],
+            Net::calm(),
+            SimRng::new(1),
+            Checker::new(base, 0),
+        );
+        w.check.per_node = true;
+        w.check.landed("t", 0, 0, MS);
+        w.check.landed("t", 1, 0, MS);
+        w.check.delete_sent("t", 0, 2 * MS);
+        if reach_both {
+            w.check.delete_sent("t", 1, 2 * MS);
+        }
+        // Let go at 2 ms with a copy left on node 1 until 300 ms.
+        w.check.owed("t", 2 * MS, vec![(1, 300 * MS)]);
+        if dark_second {
+            w.nodes[1].dark.push((MS, 400 * MS));
+        }
+        let nodes = std::mem::take(&mut w.nodes);
+        w.check.finish_with(500 * MS, &nodes);
+        w.check.violations
+    };
+    let left = account(false, false);
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert_eq!(left[0].kind, Kind::Leaked);
+    assert!(left[0].what.contains("on node 1"), "{}", left[0].what);
+    assert!(account(true, false).is_empty(), "deleted on both");
+    assert!(
+        account(false, true).is_empty(),
+        "node 1 dark until it expired"
+    );
 }

@@ -18,7 +18,7 @@ use crate::algorithm::round::{Key, NodeResult, Op};
 use crate::clock::Clock;
 use crate::driver::conn::{queue_connect_commands, For};
 use crate::driver::node::encode::Encoded;
-use crate::driver::node::jobs::resend_releases;
+use crate::driver::node::jobs::{drain_owing, resend_releases};
 use crate::driver::node::link::Link;
 use crate::driver::node::links::Links;
 use crate::driver::node::part::Part;
@@ -34,7 +34,7 @@ use crate::lock::transport::{Decided, Transport, Undo};
 use crate::testing::sim::redis::Inbox;
 use crate::testing::sim::redis::{command, commands, Command, OwnedKey};
 use crate::testing::sim::sched::Sched;
-use crate::testing::sim::world::Msg;
+use crate::testing::sim::world::{Msg, NodeState};
 
 /// How often owed releases are sent again (as the driver does).
 const RETRY_EVERY: Duration = Duration::from_millis(100);
@@ -59,6 +59,8 @@ struct SimLink {
 pub(crate) struct SimConn {
     link: Option<SimLink>,
     pool: Arc<Mutex<Vec<SimLink>>>,
+    /// The node's count of idle connections owing replies.
+    owing: Arc<std::sync::atomic::AtomicUsize>,
     sched: Arc<Sched>,
 }
 
@@ -74,8 +76,8 @@ impl SimConn {
 
 impl Drop for SimConn {
     fn drop(&mut self) {
-        if let Some(l) = self.link.take() {
-            if !l.wire.broken {
+        if let Some(mut l) = self.link.take() {
+            if !l.wire.idles(&self.owing) {
                 self.pool.lock().push(l);
             }
         }
@@ -103,7 +105,9 @@ impl Link for SimConn {
     fn flush(&mut self) -> std::io::Result<()> {
         let sched = self.sched.clone();
         let l = self.link_mut();
-        if l.inbox.is_closed() {
+        if l.inbox.is_closed() && !l.inbox.ready_replies() {
+            // The close was read (a write after it fails, as TCP's does
+            // once the reset is back).
             l.wire.broken = true;
             return Err(reset());
         }
@@ -114,9 +118,28 @@ impl Link for SimConn {
         let now = sched.nanos();
         let mut core = sched.lock();
         let world = &mut core.world;
+        let node = &world.nodes[l.node];
+        let reaches = node.state != NodeState::Down
+            && !node.isolated
+            && !l.inbox.is_severed()
+            && (!world.dead.contains(&l.lane) || world.resetting.contains(&l.lane));
         for cmd in commands(&bytes) {
             if let Command::Script { op, keys, .. } = command(&cmd) {
+                if let (Op::Release { .. }, true) = (op, reaches) {
+                    for k in &keys {
+                        world.check.delete_sent(&k.token, l.node, now);
+                    }
+                }
                 let keys: Vec<Key<'_>> = keys.iter().map(OwnedKey::key).collect();
+                if std::env::var_os("QUORUMLOCK_SIM_TRACE").is_some() {
+                    let to = if reaches { "" } else { " (cannot reach it)" };
+                    println!(
+                        "{:10.3} ms to node {} lane {}{to}:",
+                        now as f64 / 1e6,
+                        l.node,
+                        l.lane
+                    );
+                }
                 world.check.sent(op, &keys, now);
             }
             let msg = Msg {
@@ -137,8 +160,9 @@ impl Link for SimConn {
     }
 
     fn on_ready(&mut self, (): ()) -> std::io::Result<()> {
+        // Replies that arrived before the close are read first.
         let l = self.link_mut();
-        if l.inbox.is_closed() {
+        if l.inbox.is_closed() && !l.inbox.ready_replies() {
             l.wire.broken = true;
             return Err(reset());
         }
@@ -243,10 +267,7 @@ impl SimLinks {
         let opened = {
             let mut core = self.sched.lock();
             let world = &mut core.world;
-            world.connect(node, &inbox).map(|()| {
-                world.next_lane += 1;
-                world.next_lane
-            })
+            world.connect(node, &inbox)
         };
         let lane = match opened {
             Ok(lane) => lane,
@@ -271,14 +292,28 @@ impl SimLinks {
                 inbox,
             }),
             pool: self.pools[i].clone(),
+            owing: self.nodes[i].owing.clone(),
             sched: self.sched.clone(),
         };
         c.flush().ok()?;
         Some(c)
     }
 
+    /// An idle connection to entry `i`, as it is (for the retry job's
+    /// drain, which reads it).
+    fn idle(&self, i: usize) -> Option<SimConn> {
+        let link = self.pools[i].lock().pop()?;
+        Some(SimConn {
+            link: Some(link),
+            pool: self.pools[i].clone(),
+            owing: self.nodes[i].owing.clone(),
+            sched: self.sched.clone(),
+        })
+    }
+
     /// Sends entry `i`'s owed releases again every [`RETRY_EVERY`] while
-    /// any remain, as the driver's node thread does.
+    /// any remain (first reading the late replies its idle connections
+    /// owe), as the driver's retry job does.
     fn schedule_retries(&self, i: usize) {
         if self.retrying[i].swap(true, Ordering::AcqRel) {
             return;
@@ -294,8 +329,9 @@ impl SimLinks {
                 };
                 let shared = &links.nodes[i];
                 let now = links.now();
+                let owed = drain_owing(shared, now, || links.idle(i));
                 resend_releases(shared, now, RETRY_BATCH, || links.checkout(i, now));
-                if shared.retries.lock().is_empty() {
+                if !owed && shared.retries.lock().is_empty() {
                     links.retrying[i].store(false, Ordering::Release);
                     return;
                 }
@@ -365,6 +401,7 @@ impl Links for SimLinks {
             let mut c = SimConn {
                 link: Some(link),
                 pool: self.pools[i].clone(),
+                owing: self.nodes[i].owing.clone(),
                 sched: self.sched.clone(),
             };
             if catch_up(&mut c, &self.nodes[i], now) {

@@ -7,14 +7,19 @@
 //! - [`world`]: nodes (the fake nodes' script semantics, each with its own
 //!   clock rate and jumps), the network (delay, loss, duplication,
 //!   reordering across connections, FIFO within one), faults (pause, crash,
-//!   restart with or without data, isolation), and the [`Transport`] the
-//!   clients use.
+//!   restart with or without data, isolation, `CLIENT KILL`, `SCRIPT
+//!   FLUSH`).
+//! - Two transports for the clients: the simulation's own
+//!   ([`transport`]), or the production node engine ([`links`]: the
+//!   driver's rounds, late replies, undo, closes and release retries over
+//!   simulated connections that carry the driver's bytes, which [`redis`]
+//!   reads and [`serve`] answers).
 //! - [`check`]: safety, liveness and accounting checkers.
 //!
-//! What it does not run: the Redis driver's socket engine (`node.rs`),
-//! which the integration suite runs against real nodes.
-//!
-//! [`Transport`]: crate::lock::transport::Transport
+//! What it does not run: the sockets and `poll`, the r2d2 pools' limits
+//! (the busy-pool wait, and the write a granted lock sends a node no free
+//! connection reached), which the integration suite runs against real
+//! nodes.
 
 use crate::testing::sim::plan::Mix;
 use crate::testing::sim::plan::Plan;
@@ -22,12 +27,14 @@ use crate::testing::sim::plan::Report;
 
 pub(crate) mod check;
 pub(crate) mod links;
+pub(crate) mod observe;
 pub(crate) mod plan;
 pub(crate) mod redis;
 pub(crate) mod rng;
 pub(crate) mod sched;
 pub(crate) mod serve;
 pub(crate) mod transport;
+pub(crate) mod workload;
 pub(crate) mod world;
 
 #[cfg(test)]
@@ -40,7 +47,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::clock::{Clock, Rng, Signal};
-use crate::error::Error;
 use crate::guard::LockGuard;
 use crate::lock::settings::Settings;
 use crate::redlock::Redlock;
@@ -213,7 +219,8 @@ pub(crate) fn simulate(plan: Plan, main: Script) -> Report {
     debug_assert_eq!(plan.rates.len(), plan.nodes);
     let base = Instant::now();
     let mut rng = SimRng::new(plan.seed ^ 0xa076_1d64_78bd_642f);
-    let check = Checker::new(base, plan.net.max_delay());
+    let mut check = Checker::new(base, plan.net.max_delay());
+    check.per_node = plan.engine;
     let mut world = World::new(
         base,
         &plan.rates,
@@ -293,7 +300,11 @@ fn main_thread(ctx: &Arc<Ctx>, mut rng: SimRng) {
             let (ctx2, locks, trng) = (ctx.clone(), locks.clone(), rng.fork());
             let who = format!("c{c}t{t}");
             let body = Box::new(move || {
-                worker(&ctx2, &locks, trng, &who);
+                if ctx2.plan.mix == Mix::KillStorm {
+                    workload::steady_worker(&ctx2, &locks, trng, &who);
+                } else {
+                    workload::worker(&ctx2, &locks, trng, &who);
+                }
                 drop(locks);
                 ctx2.running.fetch_sub(1, Ordering::AcqRel);
                 ctx2.done.notify();
@@ -338,9 +349,11 @@ fn probe(ctx: &Ctx, clock: &SimClock) {
     };
     let locks = client(ctx, settings, plan.seed);
     let ttl = Duration::from_millis(200);
-    // A node that lost its data votes once its new history is a TTL old
-    // (the restart rule), which starts at the first lock command it runs.
-    let wait = ttl + 2 * ctx.per_attempt();
+    // A node that lost its data votes once its new history is as old as
+    // the longest TTL used (the restart rule), which starts at the first
+    // lock command it runs.
+    let longest = Duration::from_millis(plan.ttls.iter().copied().max().unwrap_or(0));
+    let wait = ttl.max(longest) + 2 * ctx.per_attempt();
     for r in (0..plan.resources)
         .map(|i| format!("r{i}"))
         .chain(["fresh".to_owned()])
@@ -379,189 +392,5 @@ fn probe(ctx: &Ctx, clock: &SimClock) {
     drop(core);
     if !left.is_empty() {
         ctx.fail(Kind::KeyOutlived, format!("keys left at the end: {left:?}"));
-    }
-}
-
-fn worker(ctx: &Ctx, locks: &Redlock, mut rng: SimRng, who: &str) {
-    let clock = SimClock(ctx.sched.clone());
-    let plan = &ctx.plan;
-    while ctx.now() < plan.run_for {
-        let resource = format!("r{}", rng.below(plan.resources as u64));
-        let ttl = Duration::from_millis(plan.ttls[rng.below(plan.ttls.len() as u64) as usize]);
-        let start = clock.now();
-        match rng.below(10) {
-            0..=3 => {
-                let mut acquired = None;
-                let mut section = None;
-                let out = locks.with_lock(&resource, ttl, |g| {
-                    acquired = Some(clock.now());
-                    let id = ctx.with(|c| c.grant(ctx.now(), g.state(), who));
-                    section = Some(id);
-                    work(ctx, &clock, &mut rng, g, ttl, false);
-                });
-                let waited = acquired.unwrap_or_else(|| clock.now()) - start;
-                check_wait(
-                    ctx,
-                    "with_lock",
-                    waited,
-                    ctx.per_attempt() * plan.settings.retry_count,
-                );
-                ctx.trace(who, || {
-                    format!("with_lock({resource}, {ttl:?}) -> {:?}", out.as_ref().err())
-                });
-                if let Some(id) = section {
-                    let now = ctx.now();
-                    ctx.with(|c| c.end(id, now, out.is_ok()));
-                }
-            }
-            4..=6 => {
-                let got = locks.lock(&resource, ttl);
-                let budget = ctx.per_attempt() * plan.settings.retry_count;
-                check_wait(ctx, "lock", clock.now() - start, budget);
-                if let Ok(g) = got {
-                    manual(ctx, &clock, &mut rng, g, ttl, who);
-                }
-            }
-            7 => {
-                let got = locks.try_lock(&resource, ttl);
-                check_wait(ctx, "try_lock", clock.now() - start, ctx.per_attempt());
-                if let Ok(g) = got {
-                    manual(ctx, &clock, &mut rng, g, ttl, who);
-                }
-            }
-            _ => {
-                let wait = Duration::from_millis(rng.below(300));
-                ctx.trace(who, || {
-                    format!("lock_timeout({resource}, {ttl:?}, {wait:?})")
-                });
-                let got = locks.lock_timeout(&resource, ttl, wait);
-                ctx.trace(who, || {
-                    format!("-> {:?}", got.as_ref().map(|g| g.deadline() - start))
-                });
-                check_wait(ctx, "lock_timeout", clock.now() - start, wait);
-                if let Ok(g) = got {
-                    manual(ctx, &clock, &mut rng, g, ttl, who);
-                }
-            }
-        }
-        clock.sleep(Duration::from_millis(rng.below(30)));
-    }
-}
-
-fn check_wait(ctx: &Ctx, call: &str, waited: Duration, budget: Duration) {
-    let bound = ctx.bound(budget);
-    if waited > bound {
-        ctx.fail(
-            Kind::WaitBound,
-            format!("{call} waited {waited:?}, bound {bound:?}"),
-        );
-    }
-}
-
-/// A section with a guard of its own: maybe renewed, maybe extended, maybe
-/// stalled; then released or dropped.
-fn manual(ctx: &Ctx, clock: &SimClock, rng: &mut SimRng, g: LockGuard, ttl: Duration, who: &str) {
-    let id = ctx.with(|c| c.grant(ctx.now(), g.state(), who));
-    let stall = rng.chance(ctx.plan.stall);
-    ctx.trace(who, || {
-        format!(
-            "holds {} (stall {stall}) until {:.3} ms",
-            g.resource(),
-            ctx.sched.nanos_of(g.deadline()) as f64 / 1e6
-        )
-    });
-    if !stall && rng.chance(0.5) {
-        g.auto_renew();
-    }
-    if !stall && rng.chance(0.2) {
-        let _ = g.extend(ttl);
-    }
-    work(ctx, clock, rng, &g, ttl, stall);
-    let told = g.is_held() && g.lost().try_recv().is_err();
-    let (resource, token) = (g.resource().to_owned(), g.token().to_owned());
-    // A release may hand the lock to a local waiter instead (the key stays).
-    let may_hand =
-        ctx.plan.settings.local_queue && !g.state().is_renewing() && g.validity() >= g.ttl() / 2;
-    let released = if rng.chance(0.5) {
-        let r = g.release();
-        if r.is_ok() && !may_hand {
-            ctx.check_released(&resource, &token);
-        }
-        r
-    } else {
-        drop(g);
-        Ok(())
-    };
-    if let Err(e @ Error::InvalidInput(_)) = &released {
-        ctx.fail(Kind::Crash, format!("release: {e}"));
-    }
-    let now = ctx.now();
-    ctx.trace(who, || {
-        format!("ended {id}: told {told}, release {released:?}")
-    });
-    ctx.with(|c| c.end(id, now, told));
-}
-
-/// Extends the lock to a random TTL: a success must have completed inside
-/// the old validity.
-fn extend(ctx: &Ctx, clock: &SimClock, rng: &mut SimRng, g: &LockGuard) {
-    let ttl = Duration::from_millis(ctx.plan.ttls[rng.below(ctx.plan.ttls.len() as u64) as usize]);
-    let old = g.deadline();
-    let t0 = ctx.now();
-    let out = g.extend(ttl);
-    ctx.trace("extend", || {
-        format!(
-            "{} {ttl:?} from {:.3} ms: {:?}, deadline {:.3} -> {:.3} ms",
-            g.resource(),
-            t0 as f64 / 1e6,
-            out,
-            ctx.sched.nanos_of(old) as f64 / 1e6,
-            ctx.sched.nanos_of(g.deadline()) as f64 / 1e6
-        )
-    });
-    if out.is_ok() && clock.now() >= old {
-        let late = clock.now() - old;
-        ctx.fail(
-            Kind::LateExtend,
-            format!("an extension completed {late:?} after the deadline succeeded"),
-        );
-    }
-}
-
-/// The critical section's work: a read, some steps (each checking the lock,
-/// as careful code does), a write. A stalled holder checks, then pauses
-/// past its TTL (a GC pause, a swapped-out process), then writes anyway:
-/// only fencing can stop that write.
-fn work(ctx: &Ctx, clock: &SimClock, rng: &mut SimRng, g: &LockGuard, ttl: Duration, stall: bool) {
-    let fence = g.fencing_token();
-    let resource = g.resource().to_owned();
-    let read = ctx.with(|c| c.read(&resource, fence));
-    if stall {
-        let checked = g.is_held();
-        clock.sleep(ttl + ttl * (1 + rng.below(3) as u32) / 2);
-        if checked {
-            let now = ctx.now();
-            ctx.with(|c| c.write(now, &resource, read, fence, "a stalled holder"));
-        }
-        return;
-    }
-    let steps = 1 + rng.below(4);
-    let long = rng.chance(0.2);
-    for _ in 0..steps {
-        if !g.is_held() {
-            if rng.chance(0.3) {
-                extend(ctx, clock, rng, g); // past the deadline: must fail
-            }
-            return;
-        }
-        if rng.chance(0.15) {
-            extend(ctx, clock, rng, g);
-        }
-        let step = if long { ttl / 2 } else { ttl / 8 };
-        clock.sleep(Duration::from_nanos(rng.below(step.as_nanos() as u64 + 1)));
-    }
-    if g.is_held() {
-        let now = ctx.now();
-        ctx.with(|c| c.write(now, &resource, read, fence, "a holder"));
     }
 }

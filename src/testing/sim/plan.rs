@@ -96,6 +96,14 @@ pub(crate) enum Mix {
     /// Broken: as [`Mix::Evicting`], with its votes counted (the default
     /// only warns).
     EvictingCounted,
+    /// As [`Mix::Standard`], with many keys and long TTLs: releases that
+    /// cannot reach a node pile up in its retry queue, and a key left there
+    /// stays long enough to be seen.
+    Releases,
+    /// Calm nodes and network; only `CLIENT KILL` on every node at once,
+    /// now and then; each thread locks a key of its own, and every attempt
+    /// with no connection closed during it must succeed.
+    KillStorm,
 }
 
 impl Mix {
@@ -110,6 +118,8 @@ impl Mix {
             Mix::ListedTwiceCountedTwice => "listed-twice-counted-twice",
             Mix::Evicting => "evicting",
             Mix::EvictingCounted => "evicting-counted",
+            Mix::Releases => "releases",
+            Mix::KillStorm => "kill-storm",
         }
     }
 
@@ -124,6 +134,8 @@ impl Mix {
             Mix::ListedTwiceCountedTwice,
             Mix::Evicting,
             Mix::EvictingCounted,
+            Mix::Releases,
+            Mix::KillStorm,
         ]
         .into_iter()
         .find(|m| m.name() == s)
@@ -237,7 +249,7 @@ impl Plan {
                 settings.fencing = false;
                 stall = 0.3;
             }
-            Mix::ListedTwice | Mix::Evicting => {}
+            Mix::ListedTwice | Mix::Evicting | Mix::Releases | Mix::KillStorm => {}
             Mix::ListedTwiceCountedTwice => settings.one_vote_per_server = false,
             Mix::EvictingCounted => settings.refuse_evicting = false,
         }
@@ -285,7 +297,7 @@ impl Plan {
             }
         }
         faults.push((run_for, Fault::HealAll));
-        Plan {
+        let mut plan = Plan {
             seed,
             mix,
             nodes,
@@ -304,7 +316,27 @@ impl Plan {
             preempt: r.chance(0.5),
             engine: false,
             defects: Default::default(),
+        };
+        match mix {
+            Mix::Releases => {
+                plan.resources = 2 + r.below(5) as usize;
+                plan.threads = 2 + r.below(3) as usize;
+                plan.ttls = vec![250, 1_000, 3_000];
+            }
+            Mix::KillStorm => {
+                plan.net = Net::calm();
+                plan.stall = 0.0;
+                plan.preempt = false;
+                plan.faults.clear();
+                for _ in 0..3 + r.below(8) {
+                    let at = r.below(run_for);
+                    plan.faults.extend((0..nodes).map(|i| (at, Fault::Kill(i))));
+                }
+                plan.faults.push((run_for, Fault::HealAll));
+            }
+            _ => {}
         }
+        plan
     }
 }
 

@@ -20,6 +20,9 @@ use crate::driver::scripts;
 #[derive(Debug)]
 pub(crate) struct Inbox {
     state: Mutex<(std::collections::VecDeque<Value>, bool)>,
+    /// The node closed it: it reads nothing more there (the client learns
+    /// of it when the close arrives).
+    severed: std::sync::atomic::AtomicBool,
     signal: Arc<Signal>,
 }
 
@@ -27,6 +30,7 @@ impl Inbox {
     pub(crate) fn new(signal: Arc<Signal>) -> Arc<Inbox> {
         Arc::new(Inbox {
             state: Mutex::new((std::collections::VecDeque::new(), false)),
+            severed: Default::default(),
             signal,
         })
     }
@@ -60,6 +64,23 @@ impl Inbox {
 
     pub(crate) fn is_closed(&self) -> bool {
         self.state.lock().1
+    }
+
+    /// Whether a reply waits to be read.
+    pub(crate) fn ready_replies(&self) -> bool {
+        !self.state.lock().0.is_empty()
+    }
+
+    /// The node's side closes (see [`World::sever`]).
+    ///
+    /// [`World::sever`]: crate::testing::sim::world::World::sever
+    pub(crate) fn sever(&self) {
+        self.severed
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    pub(crate) fn is_severed(&self) -> bool {
+        self.severed.load(std::sync::atomic::Ordering::Acquire) || self.is_closed()
     }
 }
 

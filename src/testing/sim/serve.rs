@@ -20,17 +20,40 @@ use crate::testing::sim::redis::Inbox;
 use crate::testing::sim::world::{Event, Msg, World};
 
 impl World {
-    /// A simulated connection to node `i` opens: refused when the node is
-    /// down, unanswered when it is cut off (the caller counts a timeout).
-    pub(crate) fn connect(&mut self, i: usize, inbox: &Arc<Inbox>) -> Result<(), Outcome> {
+    /// A simulated connection to node `i` opens (its lane is returned):
+    /// refused when the node is down, unanswered when it is cut off (the
+    /// caller counts a timeout).
+    pub(crate) fn connect(&mut self, i: usize, inbox: &Arc<Inbox>) -> Result<u64, Outcome> {
         let node = &mut self.nodes[i];
         match node.state {
             NodeState::Down => Err(Outcome::Refused),
             _ if node.isolated => Err(Outcome::TimedOut),
             _ => {
-                node.open.retain(|c| c.strong_count() > 0);
-                node.open.push(Arc::downgrade(inbox));
-                Ok(())
+                self.next_lane += 1;
+                node.open.retain(|(_, c)| c.strong_count() > 0);
+                node.open.push((self.next_lane, Arc::downgrade(inbox)));
+                Ok(self.next_lane)
+            }
+        }
+    }
+
+    /// Node `i` closes every connection to it (`CLIENT KILL`, or its
+    /// process ends): it reads nothing more on them. Each client sees its
+    /// close after the replies already on their way back (a FIN), or, as
+    /// often, one that overtakes them and loses them (a reset, or a reply
+    /// the server had not written yet).
+    pub(crate) fn sever(&mut self, i: usize, now: u64) {
+        for (lane, c) in std::mem::take(&mut self.nodes[i].open) {
+            if let Some(inbox) = c.upgrade() {
+                inbox.sever();
+                let back = lane | (1 << 63);
+                let mut at = now + self.delay();
+                if self.rng.chance(0.5) {
+                    let last = self.lanes.get(&back).copied().unwrap_or(0);
+                    at = at.max(last + 1);
+                    self.lanes.insert(back, at);
+                }
+                self.push(at, Event::Reset(inbox));
             }
         }
     }
@@ -129,7 +152,7 @@ impl World {
     ) {
         use crate::testing::sim::redis::{self as wire, Command};
         let i = msg.node;
-        if inbox.is_closed() || self.dead.contains(&msg.lane) {
+        if inbox.is_severed() || self.dead.contains(&msg.lane) {
             // The connection was gone before the node read the command.
             return;
         }
@@ -161,6 +184,7 @@ impl World {
         }
         if self.rng.chance(self.net.loss) {
             self.dead.insert(msg.lane);
+            self.resetting.insert(msg.lane);
             let at = now + self.delay();
             self.push(at, Event::Reset(inbox));
             return;
@@ -178,6 +202,10 @@ impl World {
 impl Observed for SimNode {
     fn wiped_since(&self, t: u64) -> bool {
         self.wiped_at.is_some_and(|w| w >= t)
+    }
+
+    fn lost_keys_since(&self, t: u64) -> bool {
+        self.keys_lost_at.is_some_and(|w| w >= t)
     }
 
     fn holds(&self, base: Instant, now: u64, resource: &str, lineage: &str) -> bool {
@@ -218,9 +246,24 @@ impl Observed for SimNode {
             .map_or(u64::MAX, |&r| r.saturating_add(until & !BACKLOG))
     }
 
-    fn dark_throughout(&self, from: u64, to: u64) -> bool {
-        let to = to.max(from);
-        self.dark_since.is_some_and(|s| s <= from)
-            || self.dark.iter().any(|&(s, e)| s <= from && e >= to)
+    fn longest_reachable(&self, from: u64, to: u64) -> u64 {
+        let dark = self
+            .dark
+            .iter()
+            .copied()
+            .chain(self.dark_since.map(|s| (s, u64::MAX)));
+        // Spans are in time order and never overlap.
+        let (mut longest, mut t) = (0, from);
+        for (s, e) in dark {
+            if e <= t {
+                continue;
+            }
+            if s >= to {
+                break;
+            }
+            longest = longest.max(s.saturating_sub(t));
+            t = e;
+        }
+        longest.max(to.saturating_sub(t))
     }
 }

@@ -75,7 +75,7 @@ pub(crate) fn describe(r: &Report) -> String {
 #[test]
 fn seeded_schedules_within_the_assumptions_break_nothing() {
     let count = env_u64("QUORUMLOCK_SIM_SEEDS").unwrap_or(2_000);
-    sweep_clean("schedules", count, run);
+    sweep_clean("schedules", count, within_assumptions, run);
 }
 
 /// The mixes within Redlock's assumptions: one schedule in eight with clock
@@ -90,12 +90,12 @@ fn within_assumptions(seed: u64) -> Mix {
     }
 }
 
-/// Runs `count` schedules within the assumptions (from
-/// `QUORUMLOCK_SIM_FIRST`) with `run`, prints the rate, and fails with
-/// every failing schedule's replay line.
-fn sweep_clean(what: &str, count: u64, run: fn(u64, Mix) -> Report) {
+/// Runs `count` schedules (from `QUORUMLOCK_SIM_FIRST`) of the mixes `mix`
+/// gives with `run`, prints the rate, and fails with every failing
+/// schedule's replay line.
+fn sweep_clean(what: &str, count: u64, mix: fn(u64) -> Mix, run: fn(u64, Mix) -> Report) {
     let first = env_u64("QUORUMLOCK_SIM_FIRST").unwrap_or(0);
-    let (failed, secs, steps) = sweep_with(first, count, within_assumptions, run);
+    let (failed, secs, steps) = sweep_with(first, count, mix, run);
     println!(
         "{count} {what} in {secs:.1} s ({:.0}/s, {steps} scheduling steps)",
         count as f64 / secs
@@ -120,7 +120,18 @@ fn sweep_clean(what: &str, count: u64, run: fn(u64, Mix) -> Report) {
 #[test]
 fn seeded_schedules_over_the_node_engine_break_nothing() {
     let count = env_u64("QUORUMLOCK_SIM_ENGINE_SEEDS").unwrap_or(300);
-    sweep_clean("engine schedules", count, run_engine);
+    sweep_clean("engine schedules", count, over_the_engine, run_engine);
+}
+
+/// The mixes over the node engine: those within the assumptions, and one
+/// schedule in four heavy with releases, one in eight a storm of closed
+/// connections.
+fn over_the_engine(seed: u64) -> Mix {
+    match seed % 8 {
+        1 | 5 => Mix::Releases,
+        3 => Mix::KillStorm,
+        _ => within_assumptions(seed),
+    }
 }
 
 /// Replays one schedule, with everything it found:
@@ -248,9 +259,13 @@ fn find_defect_seeds() {
             },
         ),
     ];
+    let only = std::env::var("QUORUMLOCK_SIM_DEFECT").ok();
     for (name, defects) in all {
+        if only.as_deref().is_some_and(|o| o != name) {
+            continue;
+        }
         let found = (0..env_u64("QUORUMLOCK_SIM_ENGINE_SEEDS").unwrap_or(300)).find_map(|seed| {
-            let r = super::run_defective(seed, Mix::Standard, defects);
+            let r = super::run_defective(seed, over_the_engine(seed), defects);
             (!r.violations.is_empty()).then_some(r)
         });
         match found {
@@ -262,21 +277,34 @@ fn find_defect_seeds() {
 
 /// The checkers reach the node engine: with one of its fixed defects put
 /// back, a seeded schedule over the engine fails, and the same schedule
-/// without it passes.
+/// without it passes. (A change to the simulation moves the seeds:
+/// `find_defect_seeds` finds new ones.)
 mod engine_defects {
     use super::{describe, Kind, Mix};
     use crate::driver::node::shared::Defects;
     use crate::testing::sim::{run_defective, run_engine};
 
-    fn found(seed: u64, defects: Defects, kind: Kind) {
-        let bad = run_defective(seed, Mix::Standard, defects);
+    fn found(seed: u64, mix: Mix, defects: Defects, kind: Kind) {
+        let bad = run_defective(seed, mix, defects);
         assert!(
             bad.violations.iter().any(|v| v.kind == kind),
             "seed {seed:#x} with {defects:?}: {kind:?} not found:\n{}",
             describe(&bad)
         );
-        let good = run_engine(seed, Mix::Standard);
+        let good = run_engine(seed, mix);
         assert!(good.violations.is_empty(), "{}", describe(&good));
+    }
+
+    /// A close of a pooled connection counted as the node's answer (not
+    /// sent again on a new connection): after a `CLIENT KILL` on every
+    /// node, the next attempt on a key nobody holds fails.
+    #[test]
+    fn a_close_counted_as_the_nodes_answer_is_found() {
+        let defects = Defects {
+            close_is_answer: true,
+            ..Defects::default()
+        };
+        found(0x3, Mix::KillStorm, defects, Kind::Liveness);
     }
 
     /// A failed attempt's undo that skips a node whose connection closed
@@ -287,6 +315,34 @@ mod engine_defects {
             undo_skips_lost: true,
             ..Defects::default()
         };
-        found(0x3f, defects, Kind::Leaked);
+        found(0x950, Mix::Standard, defects, Kind::Leaked);
+    }
+
+    /// A release retry job that sends the same batch every time: the
+    /// releases queued behind it never reach their node, and their keys
+    /// stay there after it is back.
+    #[test]
+    fn a_retry_resending_the_same_batch_is_found() {
+        let defects = Defects {
+            retry_same_batch: true,
+            ..Defects::default()
+        };
+        found(0xd, Mix::Releases, defects, Kind::Leaked);
+    }
+}
+
+/// Schedules over the node engine that found defects in it, pinned.
+mod engine_found {
+    use super::{describe, Mix};
+    use crate::testing::sim::run_engine;
+
+    /// A round whose pooled connection (older than the round) was closed by
+    /// a `CLIENT KILL` sends its command again, even when another round's
+    /// close of a connection it had just made marked the node failing
+    /// meanwhile: one kill fails no attempt that began after it.
+    #[test]
+    fn a_close_after_another_rounds_close_still_sends_again() {
+        let r = run_engine(0x33b, Mix::KillStorm);
+        assert!(r.violations.is_empty(), "{}", describe(&r));
     }
 }

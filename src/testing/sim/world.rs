@@ -77,6 +77,8 @@ pub(crate) struct SimNode {
     pub(crate) clock: NodeClock,
     /// When it last restarted without its data (virtual ns).
     pub(crate) wiped_at: Option<u64>,
+    /// When it last lost its keys: a restart without its data, an eviction.
+    pub(crate) keys_lost_at: Option<u64>,
     /// Time it spent paused, crashed or cut off (virtual ns): messages it
     /// held meanwhile may land that much later.
     pub(crate) unreachable: u64,
@@ -89,10 +91,11 @@ pub(crate) struct SimNode {
     pub(crate) run: u64,
     /// The scripts are cached (`SCRIPT LOAD`): `EVALSHA` runs.
     pub(crate) loaded: bool,
-    /// The connections open to it, closed when its process ends.
-    pub(crate) open: Vec<std::sync::Weak<Inbox>>,
+    /// The connections open to it (lane, inbox), closed when its process
+    /// ends or a `CLIENT KILL` closes them.
+    pub(crate) open: Vec<(u64, std::sync::Weak<Inbox>)>,
     /// The spans (virtual ns) in which no connection to it could be made
-    /// (down or cut off), and the start of the current one.
+    /// (down, cut off or muted), and the start of the current one.
     pub(crate) dark: Vec<(u64, u64)>,
     pub(crate) dark_since: Option<u64>,
     /// When it resumed from pauses (virtual ns).
@@ -164,6 +167,9 @@ pub(crate) struct World {
     /// Simulated connections that lost a command or a reply: nothing more
     /// travels on them (a TCP stream has no gaps; it hangs or resets).
     pub(crate) dead: std::collections::BTreeSet<u64>,
+    /// Those of them that reset (a loss, not a node cut off or muted):
+    /// what the client writes there was sent in vain, but it was sent.
+    pub(crate) resetting: std::collections::BTreeSet<u64>,
 }
 
 impl World {
@@ -186,6 +192,7 @@ impl World {
                 backlog: Vec::new(),
                 clock: NodeClock::new(rate),
                 wiped_at: None,
+                keys_lost_at: None,
                 unreachable: 0,
                 since: None,
                 evicting: false,
@@ -212,6 +219,7 @@ impl World {
             lanes: BTreeMap::new(),
             next_lane: 0,
             dead: std::collections::BTreeSet::new(),
+            resetting: std::collections::BTreeSet::new(),
         }
     }
 
@@ -300,7 +308,9 @@ impl World {
     /// Keeps count of the time `node` is unreachable, after a fault.
     fn reachable(&mut self, node: usize, now: u64) {
         let n = &mut self.nodes[node];
-        let dark = n.state == NodeState::Down || n.isolated;
+        // A muted node takes connections, but the first reply it loses
+        // leaves that connection hanging: nothing more reaches it there.
+        let dark = n.state == NodeState::Down || n.isolated || n.muted;
         match (dark, n.dark_since) {
             (true, None) => n.dark_since = Some(now),
             (false, Some(s)) => {
@@ -340,11 +350,7 @@ impl World {
                 self.nodes[i].state = NodeState::Down;
                 self.nodes[i].backlog.clear();
                 // Its process is gone, and its connections with it.
-                for c in std::mem::take(&mut self.nodes[i].open) {
-                    if let Some(c) = c.upgrade() {
-                        c.close();
-                    }
-                }
+                self.sever(i, now);
                 self.nodes[i].run += 1;
                 self.nodes[i].loaded = false;
             }
@@ -353,6 +359,7 @@ impl World {
                     if wipe {
                         self.nodes[node].store = Store::default();
                         self.nodes[node].wiped_at = Some(now);
+                        self.nodes[node].keys_lost_at = Some(now);
                     }
                     self.nodes[node].state = NodeState::Up;
                 }
@@ -365,16 +372,11 @@ impl World {
             Fault::LoseKeys(i) => {
                 if self.nodes[i].state != NodeState::Down {
                     self.nodes[i].store.keys.clear();
+                    self.nodes[i].keys_lost_at = Some(now);
                 }
             }
             Fault::FlushScripts(i) => self.nodes[i].loaded = false,
-            Fault::Kill(i) => {
-                for c in std::mem::take(&mut self.nodes[i].open) {
-                    if let Some(c) = c.upgrade() {
-                        c.close();
-                    }
-                }
-            }
+            Fault::Kill(i) => self.sever(i, now),
             Fault::HealAll => {
                 self.net = Net::calm();
                 for i in 0..self.nodes.len() {
@@ -425,6 +427,7 @@ impl World {
             if self.rng.chance(self.net.loss) {
                 // TCP does not lose a command: the connection resets.
                 self.dead.insert(lane);
+                self.resetting.insert(lane);
                 let at = now + self.delay();
                 self.push(at, Event::Reset(inbox.clone()));
                 return;
@@ -508,14 +511,15 @@ impl World {
                     a,
                     crate::algorithm::round::Answer::Ok | crate::algorithm::round::Answer::Restored
                 ) {
-                    self.check.landed(k.token, sent);
+                    self.check.landed(k.token, i, sent, now);
                 }
             }
         }
         if std::env::var_os("QUORUMLOCK_SIM_TRACE").is_some() {
             println!(
-                "{:10.3} ms node {i} ran {op:?} sent {:.3} ms: {:?}",
+                "{:10.3} ms node {i} ran {} sent {:.3} ms: {:?}",
                 now as f64 / 1e6,
+                crate::testing::sim::check::traced(op, &keys),
                 sent as f64 / 1e6,
                 reply.as_ref().map(|r| &r.answers)
             );

@@ -1,0 +1,242 @@
+//! The random workload's threads: sections by every call of the API
+//! (`with_lock`, `lock`, `try_lock`, `lock_timeout`), renewed, extended,
+//! stalled, released or dropped, each checked against its documented
+//! bound; and the kill storm's threads, on keys of their own.
+
+use std::time::Duration;
+
+use crate::clock::Clock;
+use crate::error::Error;
+use crate::guard::LockGuard;
+use crate::redlock::Redlock;
+use crate::testing::sim::check::Kind;
+use crate::testing::sim::plan::Fault;
+use crate::testing::sim::rng::SimRng;
+use crate::testing::sim::sched::SimClock;
+use crate::testing::sim::Ctx;
+
+pub(crate) fn worker(ctx: &Ctx, locks: &Redlock, mut rng: SimRng, who: &str) {
+    let clock = SimClock(ctx.sched.clone());
+    let plan = &ctx.plan;
+    while ctx.now() < plan.run_for {
+        let resource = format!("r{}", rng.below(plan.resources as u64));
+        let ttl = Duration::from_millis(plan.ttls[rng.below(plan.ttls.len() as u64) as usize]);
+        let start = clock.now();
+        match rng.below(10) {
+            0..=3 => {
+                let mut acquired = None;
+                let mut section = None;
+                let out = locks.with_lock(&resource, ttl, |g| {
+                    acquired = Some(clock.now());
+                    let id = ctx.with(|c| c.grant(ctx.now(), g.state(), who));
+                    section = Some(id);
+                    work(ctx, &clock, &mut rng, g, ttl, false);
+                });
+                let waited = acquired.unwrap_or_else(|| clock.now()) - start;
+                check_wait(
+                    ctx,
+                    "with_lock",
+                    waited,
+                    ctx.per_attempt() * plan.settings.retry_count,
+                );
+                ctx.trace(who, || {
+                    format!("with_lock({resource}, {ttl:?}) -> {:?}", out.as_ref().err())
+                });
+                if let Some(id) = section {
+                    let now = ctx.now();
+                    ctx.with(|c| c.end(id, now, out.is_ok()));
+                }
+            }
+            4..=6 => {
+                let got = locks.lock(&resource, ttl);
+                let budget = ctx.per_attempt() * plan.settings.retry_count;
+                check_wait(ctx, "lock", clock.now() - start, budget);
+                if let Ok(g) = got {
+                    manual(ctx, &clock, &mut rng, g, ttl, who);
+                }
+            }
+            7 => {
+                let got = locks.try_lock(&resource, ttl);
+                check_wait(ctx, "try_lock", clock.now() - start, ctx.per_attempt());
+                if let Ok(g) = got {
+                    manual(ctx, &clock, &mut rng, g, ttl, who);
+                }
+            }
+            _ => {
+                let wait = Duration::from_millis(rng.below(300));
+                ctx.trace(who, || {
+                    format!("lock_timeout({resource}, {ttl:?}, {wait:?})")
+                });
+                let got = locks.lock_timeout(&resource, ttl, wait);
+                ctx.trace(who, || {
+                    format!("-> {:?}", got.as_ref().map(|g| g.deadline() - start))
+                });
+                check_wait(ctx, "lock_timeout", clock.now() - start, wait);
+                if let Ok(g) = got {
+                    manual(ctx, &clock, &mut rng, g, ttl, who);
+                }
+            }
+        }
+        clock.sleep(Duration::from_millis(rng.below(30)));
+    }
+}
+
+/// A thread that locks keys of its own, over calm nodes whose connections
+/// are closed under it now and then: once the new cluster's first TTL is
+/// over, every attempt and release with no connection closed during it must
+/// succeed (a close of a connection older than the round is not the node's
+/// answer).
+pub(crate) fn steady_worker(ctx: &Ctx, locks: &Redlock, mut rng: SimRng, who: &str) {
+    let clock = SimClock(ctx.sched.clone());
+    let ttl = Duration::from_millis(250);
+    // A new cluster holds its votes for one TTL (the restart rule).
+    let first = ttl + 2 * ctx.per_attempt();
+    match locks.lock_timeout(&format!("{who}-first"), ttl, first) {
+        Ok(g) => drop(g),
+        Err(e) => ctx.fail(Kind::Liveness, format!("{who}: first lock: {e}")),
+    }
+    let killed = |from: u64, to: u64| {
+        ctx.plan
+            .faults
+            .iter()
+            .any(|&(at, f)| matches!(f, Fault::Kill(_)) && (from..=to).contains(&at))
+    };
+    // A key per attempt: a key an earlier release left behind (its round
+    // met a close) never stands in the way.
+    for n in 0.. {
+        if ctx.now() >= ctx.plan.run_for {
+            break;
+        }
+        let start = ctx.now();
+        let got = locks.try_lock(&format!("{who}-{n}"), ttl);
+        let out = got.and_then(|g| {
+            clock.sleep(Duration::from_millis(rng.below(5)));
+            g.release()
+        });
+        if let Err(e) = out {
+            if !killed(start, ctx.now()) {
+                let what = format!("{who}: with no connection closed, its own key: {e}");
+                ctx.fail(Kind::Liveness, what);
+            }
+        }
+        clock.sleep(Duration::from_millis(rng.below(10)));
+    }
+}
+
+fn check_wait(ctx: &Ctx, call: &str, waited: Duration, budget: Duration) {
+    let bound = ctx.bound(budget);
+    if waited > bound {
+        ctx.fail(
+            Kind::WaitBound,
+            format!("{call} waited {waited:?}, bound {bound:?}"),
+        );
+    }
+}
+
+/// A section with a guard of its own: maybe renewed, maybe extended, maybe
+/// stalled; then released or dropped.
+fn manual(ctx: &Ctx, clock: &SimClock, rng: &mut SimRng, g: LockGuard, ttl: Duration, who: &str) {
+    let id = ctx.with(|c| c.grant(ctx.now(), g.state(), who));
+    let stall = rng.chance(ctx.plan.stall);
+    ctx.trace(who, || {
+        format!(
+            "holds {} (stall {stall}) until {:.3} ms",
+            g.resource(),
+            ctx.sched.nanos_of(g.deadline()) as f64 / 1e6
+        )
+    });
+    if !stall && rng.chance(0.5) {
+        g.auto_renew();
+    }
+    if !stall && rng.chance(0.2) {
+        let _ = g.extend(ttl);
+    }
+    work(ctx, clock, rng, &g, ttl, stall);
+    let told = g.is_held() && g.lost().try_recv().is_err();
+    let (resource, token) = (g.resource().to_owned(), g.token().to_owned());
+    // A release may hand the lock to a local waiter instead (the key stays).
+    let may_hand =
+        ctx.plan.settings.local_queue && !g.state().is_renewing() && g.validity() >= g.ttl() / 2;
+    let released = if rng.chance(0.5) {
+        let r = g.release();
+        if r.is_ok() && !may_hand {
+            ctx.check_released(&resource, &token);
+        }
+        r
+    } else {
+        drop(g);
+        Ok(())
+    };
+    if let Err(e @ Error::InvalidInput(_)) = &released {
+        ctx.fail(Kind::Crash, format!("release: {e}"));
+    }
+    let now = ctx.now();
+    ctx.trace(who, || {
+        format!("ended {id}: told {told}, release {released:?}")
+    });
+    ctx.with(|c| c.end(id, now, told));
+}
+
+/// Extends the lock to a random TTL: a success must have completed inside
+/// the old validity.
+fn extend(ctx: &Ctx, clock: &SimClock, rng: &mut SimRng, g: &LockGuard) {
+    let ttl = Duration::from_millis(ctx.plan.ttls[rng.below(ctx.plan.ttls.len() as u64) as usize]);
+    let old = g.deadline();
+    let t0 = ctx.now();
+    let out = g.extend(ttl);
+    ctx.trace("extend", || {
+        format!(
+            "{} {ttl:?} from {:.3} ms: {:?}, deadline {:.3} -> {:.3} ms",
+            g.resource(),
+            t0 as f64 / 1e6,
+            out,
+            ctx.sched.nanos_of(old) as f64 / 1e6,
+            ctx.sched.nanos_of(g.deadline()) as f64 / 1e6
+        )
+    });
+    if out.is_ok() && clock.now() >= old {
+        let late = clock.now() - old;
+        ctx.fail(
+            Kind::LateExtend,
+            format!("an extension completed {late:?} after the deadline succeeded"),
+        );
+    }
+}
+
+/// The critical section's work: a read, some steps (each checking the lock,
+/// as careful code does), a write. A stalled holder checks, then pauses
+/// past its TTL (a GC pause, a swapped-out process), then writes anyway:
+/// only fencing can stop that write.
+fn work(ctx: &Ctx, clock: &SimClock, rng: &mut SimRng, g: &LockGuard, ttl: Duration, stall: bool) {
+    let fence = g.fencing_token();
+    let resource = g.resource().to_owned();
+    let read = ctx.with(|c| c.read(&resource, fence));
+    if stall {
+        let checked = g.is_held();
+        clock.sleep(ttl + ttl * (1 + rng.below(3) as u32) / 2);
+        if checked {
+            let now = ctx.now();
+            ctx.with(|c| c.write(now, &resource, read, fence, "a stalled holder"));
+        }
+        return;
+    }
+    let steps = 1 + rng.below(4);
+    let long = rng.chance(0.2);
+    for _ in 0..steps {
+        if !g.is_held() {
+            if rng.chance(0.3) {
+                extend(ctx, clock, rng, g); // past the deadline: must fail
+            }
+            return;
+        }
+        if rng.chance(0.15) {
+            extend(ctx, clock, rng, g);
+        }
+        let step = if long { ttl / 2 } else { ttl / 8 };
+        clock.sleep(Duration::from_nanos(rng.below(step.as_nanos() as u64 + 1)));
+    }
+    if g.is_held() {
+        let now = ctx.now();
+        ctx.with(|c| c.write(now, &resource, read, fence, "a holder"));
+    }
+}
