@@ -32,6 +32,10 @@ pub(crate) trait Links {
     /// A connection to node `i` whose late replies were read, if one is
     /// free now (a new one is started otherwise).
     fn checkout(&self, i: usize, now: Instant) -> Option<Self::Link>;
+    /// As [`checkout`](Self::checkout), starting a new connection even to
+    /// a node held failing: for a command whose older connection closed
+    /// under it (the node has not answered it).
+    fn checkout_anyway(&self, i: usize, now: Instant) -> Option<Self::Link>;
     /// Node `i` has connections, all in use: waits until `deadline` for one
     /// to come back. None when it has none to wait for.
     fn wait_for_free(&self, i: usize, deadline: Instant) -> Option<Self::Link>;

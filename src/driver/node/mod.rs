@@ -153,14 +153,23 @@ impl RedisTransport {
     }
 
     /// A connection to node `i` if one is idle (a new one is started in the
-    /// background otherwise). Late replies on it are read first; a connection
-    /// owing a reply older than the node timeout is the node's timeout.
-    fn take_pooled(&self, i: usize, now: Instant) -> Option<PooledConnection<Manager>> {
+    /// background otherwise; for a failing node, only when `anyway`). Late
+    /// replies on it are read first; a connection owing a reply older than
+    /// the node timeout is the node's timeout.
+    fn take_pooled(
+        &self,
+        i: usize,
+        now: Instant,
+        anyway: bool,
+    ) -> Option<PooledConnection<Manager>> {
         let node = &self.nodes[i].inner;
         // Only a healthy node gets new connections started on demand; a
-        // failing one is reconnected by the pool's background retries.
-        // Nor while the retry job holds the idle ones: they are back at once.
-        let grow = node.shared.is_healthy() && !node.shared.draining.load(Ordering::Acquire);
+        // failing one is reconnected by the pool's background retries
+        // (but for a command whose connection closed under it, which the
+        // node has not answered). Nor while the retry job holds the idle
+        // ones: they are back at once.
+        let grow =
+            (anyway || node.shared.is_healthy()) && !node.shared.draining.load(Ordering::Acquire);
         for _ in 0..3 {
             let mut c = if grow {
                 node.pool.get_timeout(Duration::ZERO).ok()?

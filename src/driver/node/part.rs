@@ -112,9 +112,10 @@ pub(crate) struct Part<C> {
     /// A command was lost with its connection (it may have run).
     pub(crate) lost: bool,
     /// A connection older than the round closed under our command: it is
-    /// sent again once, whatever the node's health meanwhile (another
-    /// round's close may have marked it failing: that close was not this
-    /// command's answer).
+    /// sent again, whatever the node's health meanwhile (another round's
+    /// close may have marked it failing: that close was not this command's
+    /// answer), as soon as a connection is at hand, until the round's
+    /// deadline.
     pub(crate) again: bool,
 }
 

@@ -197,14 +197,17 @@ pub(crate) trait Round: Links + Sized {
             let mut missing = false;
             for (i, s) in parts.iter_mut().enumerate() {
                 if s.admit == Admit::Wait && s.sent.is_none() && results[i].is_none() {
-                    if !std::mem::take(&mut s.again) && !self.node(i).is_healthy() {
+                    if !s.again && !self.node(i).is_healthy() {
                         // Its connect was refused meanwhile: that is its answer.
                         results[i] = Some(Err(self.not_waited(i, Admit::Skip)));
                         continue;
                     }
-                    if settle.is_none() {
+                    if settle.is_none() && now < deadline {
                         self.send(i, s, enc, now, &mut results);
                     }
+                    // Sent again (or failed on its own connection): the
+                    // node's health is its own answers' from here.
+                    s.again &= s.sent.is_none() && results[i].is_none();
                     missing |= s.sent.is_none() && results[i].is_none();
                 }
             }
@@ -328,7 +331,11 @@ pub(crate) trait Round: Links + Sized {
             s.conn = None;
         }
         if s.conn.is_none() {
-            s.conn = self.checkout(i, now);
+            s.conn = if s.again {
+                self.checkout_anyway(i, now)
+            } else {
+                self.checkout(i, now)
+            };
         }
         let Some(c) = s.conn.as_mut() else {
             return;

@@ -74,8 +74,11 @@ pub(crate) struct Defects {
     /// A connection closed under a round is the node's answer (it failed),
     /// even one older than the round: the command is not sent again.
     pub(crate) close_is_answer: bool,
-    /// A failed attempt's undo skips a node whose connection closed after
-    /// the SET went out (the SET may have run).
+    /// A failed attempt's undo skips a node whose connection closed under
+    /// its SET (the SET may have run). The code before the fix skipped such
+    /// a node only when the round had not sent the SET again; rounds now
+    /// always send again while they can, so the skip is put back for every
+    /// SET lost with its connection.
     pub(crate) undo_skips_lost: bool,
     /// The release retry job puts the batch it sent back at the head of
     /// the queue, and forgets what the node answered: the same batch goes

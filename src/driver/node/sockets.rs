@@ -109,7 +109,11 @@ impl Links for RedisTransport {
     }
 
     fn checkout(&self, i: usize, now: Instant) -> Option<Pooled> {
-        self.take_pooled(i, now)
+        self.take_pooled(i, now, false)
+    }
+
+    fn checkout_anyway(&self, i: usize, now: Instant) -> Option<Pooled> {
+        self.take_pooled(i, now, true)
     }
 
     fn wait_for_free(&self, i: usize, deadline: Instant) -> Option<Pooled> {

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::algorithm::round::{written, Key, Op};
 use crate::lock::state::LockState;
-pub(crate) use crate::testing::sim::observe::Observed;
+pub(crate) use crate::testing::sim::observe::{traced, Observed};
 
 /// When a client let go of a lineage, and the live copies left then
 /// (node, until when: see [`BACKLOG`]).
@@ -18,13 +18,21 @@ type LetGo = (u64, Vec<(usize, u64)>);
 /// (the rest of the value is the TTL it sets, in ns).
 pub(crate) const BACKLOG: u64 = 1 << 63;
 
+/// How often the simulated retry job ([`links`](crate::testing::sim::links))
+/// sends owed releases again (as the driver does); the leak account allows
+/// for it.
+pub(crate) const RETRY_EVERY: Duration = Duration::from_millis(100);
+
+/// Most releases in one retried command: the driver's 1,000 would hold
+/// every release a simulated client ever owes; two make the queue's order
+/// matter.
+pub(crate) const RETRY_BATCH: usize = 2;
+
 /// How long after a node takes connections again its owed releases may
 /// take to reach it (virtual ns): the retry interval (100 ms) and a
 /// connect; and one more interval for every [`RETRY_BATCH`] releases owed
 /// to it then (each run of the retry job sends one batch).
 const RETRY_GRACE: u64 = 150_000_000;
-const RETRY_EVERY: u64 = 100_000_000;
-const RETRY_BATCH: u64 = 2;
 
 /// Where the leak account keeps a write or a delete of a lineage: on one
 /// node (over the node engine, which writes each node on connections of
@@ -79,18 +87,6 @@ pub(crate) enum Kind {
 /// its first token `L` are one lock on the nodes.
 pub(crate) fn lineage(token: &str) -> &str {
     token.split('.').next().unwrap_or(token)
-}
-
-/// A command for the trace: its kind, and each key's resource and the
-/// start of its token.
-pub(crate) fn traced(op: Op, keys: &[Key<'_>]) -> String {
-    let op = format!("{op:?}");
-    let kind = op.split([' ', '{']).next().unwrap_or_default();
-    let keys: Vec<String> = keys
-        .iter()
-        .map(|k| format!("{}={}", k.resource, k.token.get(..8).unwrap_or(k.token)))
-        .collect();
-    format!("{kind} {}", keys.join(" "))
 }
 
 /// One violation, at a virtual instant.
@@ -152,6 +148,8 @@ pub(crate) struct Checker {
     max_fence: BTreeMap<String, u64>,
     /// Keep the leak account per node (see [`Place`]).
     pub(crate) per_node: bool,
+    /// The clients' node timeout (ns).
+    pub(crate) node_timeout: u64,
     /// Per lineage and place, when the last command that landed (set or
     /// kept the key) was sent and when the last one landed, and when the
     /// last delete that could reach it was sent.
@@ -180,6 +178,7 @@ impl Checker {
             max_fence: BTreeMap::new(),
             last_write: BTreeMap::new(),
             per_node: false,
+            node_timeout: 0,
             landed: BTreeMap::new(),
             deleted: BTreeMap::new(),
             owed: BTreeMap::new(),
@@ -392,24 +391,12 @@ impl Checker {
     /// a copy whose node took no connection from the moment the client let
     /// go until the copy expired could not be deleted, and is no leak
     /// (nothing is left locked: it expired). Nor one whose node never took
-    /// connections for [`RETRY_GRACE`] on end (and an interval more per
-    /// [`RETRY_BATCH`] copies owed to it meanwhile) in that time: owed
+    /// connections for [`RETRY_GRACE`] and a node timeout on end (and an
+    /// interval more per [`RETRY_BATCH`] releases that may be queued for it,
+    /// beyond the first two) in that time: owed
     /// releases are sent again every 100 ms, so such a copy may rightly
     /// outlive the release by up to that much, and never past its TTL.
     pub(crate) fn finish_with(&mut self, now: u64, nodes: &[impl Observed]) {
-        // Per node, the copies owed to it: (let go at, until when).
-        let mut owed_to: Vec<Vec<(u64, u64)>> = vec![Vec::new(); nodes.len()];
-        for (at, copies) in self.owed.values().flatten() {
-            for &(i, until) in copies {
-                if let Some((list, n)) = owed_to.get_mut(i).zip(nodes.get(i)) {
-                    list.push((*at, n.copy_until(*at, until)));
-                }
-            }
-        }
-        // A copy is owed a delete only if its node could be reached, before
-        // the copy expired, for long enough for the retry job to come round
-        // to it (the let-go's own round skips a node the client holds
-        // failing, and leaves its delete to the retry job).
         // The client owes deletes until its keys expire as it measures time
         // (the send of its last write and that TTL): a node whose clock was
         // set back keeps one longer, which no client can know.
@@ -418,6 +405,23 @@ impl Checker {
             let e = expires.entry(lineage(token)).or_default();
             *e = (*e).max(until);
         }
+        // Every let-go (lineage, when): a release round gives a failing node
+        // a trial, and queues the delete for it when refused, whether or not
+        // a copy is there; so a node's retry queue holds at most these.
+        let let_goes: Vec<(u64, u64)> = self
+            .owed
+            .iter()
+            .flat_map(|(l, v)| {
+                let until = expires.get(l.as_str()).copied().unwrap_or(u64::MAX);
+                v.iter().map(move |(at, _)| (*at, until))
+            })
+            .collect();
+        // A copy is owed a delete only if its node could be reached, before
+        // the copy expired, for long enough for the retry job to come round
+        // to it (the let-go's own round may wait out a reply lost on a
+        // connection that hangs, or give the node only a trial, and leave its
+        // delete to the retry job).
+        let timeout = self.node_timeout;
         let expired_unreached = |l: &str, i: usize, at: u64, until: u64| {
             let Some(n) = nodes.get(i) else {
                 return false;
@@ -425,11 +429,13 @@ impl Checker {
             let until = n
                 .copy_until(at, until)
                 .min(expires.get(l).copied().unwrap_or(u64::MAX));
-            let queued = owed_to[i]
+            let queued = let_goes
                 .iter()
                 .filter(|&&(a, u)| a < until && u > at)
                 .count() as u64;
-            let grace = RETRY_GRACE + RETRY_EVERY * queued.div_ceil(RETRY_BATCH).saturating_sub(1);
+            let every = u64::try_from(RETRY_EVERY.as_nanos()).unwrap_or(u64::MAX);
+            let runs = queued.div_ceil(RETRY_BATCH as u64).saturating_sub(1);
+            let grace = RETRY_GRACE + timeout + every * runs;
             n.longest_reachable(at, until) < grace
         };
         let unsendable = |l: &str, place: Place, written: u64| {

@@ -187,3 +187,30 @@ fn a_delete_that_reached_one_node_does_not_cover_another() {
         "node 1 dark until it expired"
     );
 }
+
+/// The longest stretch a node could be reached in a window: between its
+/// dark spans, and none once a dark span is still open.
+#[test]
+fn the_longest_reachable_stretch_skips_dark_spans() {
+    let base = Instant::now();
+    let mut w = World::new(
+        base,
+        &[1.0],
+        &[0],
+        Net::calm(),
+        SimRng::new(1),
+        Checker::new(base, 0),
+    );
+    let n = &mut w.nodes[0];
+    n.dark = vec![(10 * MS, 20 * MS), (50 * MS, 55 * MS)];
+    assert_eq!(n.longest_reachable(0, 100 * MS), 45 * MS, "55..100");
+    assert_eq!(n.longest_reachable(12 * MS, 52 * MS), 30 * MS, "20..50");
+    assert_eq!(n.longest_reachable(11 * MS, 19 * MS), 0, "dark throughout");
+    n.dark_since = Some(60 * MS);
+    assert_eq!(
+        n.longest_reachable(0, 100 * MS),
+        30 * MS,
+        "20..50; dark from 60"
+    );
+    assert_eq!(n.longest_reachable(61 * MS, 100 * MS), 0, "still dark");
+}

@@ -1,8 +1,10 @@
 //! What the checkers read of a simulated node ([`Observed`]), so that they
-//! need not know the world that runs it.
+//! need not know the world that runs it; and how a command reads in the
+//! trace.
 
 use std::time::Instant;
 
+use crate::algorithm::round::{Key, Op};
 use crate::testing::store::Store;
 
 /// What the checker reads of one simulated node.
@@ -30,4 +32,16 @@ pub(crate) trait Observed {
     /// The longest stretch of `from..to` throughout which connections to
     /// it could be made (ns).
     fn longest_reachable(&self, from: u64, to: u64) -> u64;
+}
+
+/// A command for the trace: its kind, and each key's resource and the
+/// start of its token.
+pub(crate) fn traced(op: Op, keys: &[Key<'_>]) -> String {
+    let op = format!("{op:?}");
+    let kind = op.split([' ', '{']).next().unwrap_or_default();
+    let keys: Vec<String> = keys
+        .iter()
+        .map(|k| format!("{}={}", k.resource, k.token.get(..8).unwrap_or(k.token)))
+        .collect();
+    format!("{kind} {}", keys.join(" "))
 }

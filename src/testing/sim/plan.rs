@@ -100,9 +100,10 @@ pub(crate) enum Mix {
     /// cannot reach a node pile up in its retry queue, and a key left there
     /// stays long enough to be seen.
     Releases,
-    /// Calm nodes and network; only `CLIENT KILL` on every node at once,
-    /// now and then; each thread locks a key of its own, and every attempt
-    /// with no connection closed during it must succeed.
+    /// Calm nodes and network; `CLIENT KILL` on every node at once now and
+    /// then (and, as in every run over the engine, on single nodes, and
+    /// `SCRIPT FLUSH`); half the attempts on keys of their own, each of
+    /// which must succeed unless a connection was closed during it.
     KillStorm,
 }
 

@@ -81,20 +81,15 @@ pub(crate) fn worker(ctx: &Ctx, locks: &Redlock, mut rng: SimRng, who: &str) {
     }
 }
 
-/// A thread that locks keys of its own, over calm nodes whose connections
-/// are closed under it now and then: once the new cluster's first TTL is
-/// over, every attempt and release with no connection closed during it must
-/// succeed (a close of a connection older than the round is not the node's
-/// answer).
+/// A kill storm's thread, over calm nodes whose connections are closed
+/// under it now and then: every other attempt is on a key of its own, and
+/// it, and its release, must succeed unless a connection was closed during
+/// it (a close of a connection older than the round is not the node's
+/// answer); the others contend for two shared keys (their failed attempts
+/// leave undos for the leak account).
 pub(crate) fn steady_worker(ctx: &Ctx, locks: &Redlock, mut rng: SimRng, who: &str) {
     let clock = SimClock(ctx.sched.clone());
     let ttl = Duration::from_millis(250);
-    // A new cluster holds its votes for one TTL (the restart rule).
-    let first = ttl + 2 * ctx.per_attempt();
-    match locks.lock_timeout(&format!("{who}-first"), ttl, first) {
-        Ok(g) => drop(g),
-        Err(e) => ctx.fail(Kind::Liveness, format!("{who}: first lock: {e}")),
-    }
     let killed = |from: u64, to: u64| {
         ctx.plan
             .faults
@@ -108,15 +103,23 @@ pub(crate) fn steady_worker(ctx: &Ctx, locks: &Redlock, mut rng: SimRng, who: &s
             break;
         }
         let start = ctx.now();
-        let got = locks.try_lock(&format!("{who}-{n}"), ttl);
-        let out = got.and_then(|g| {
-            clock.sleep(Duration::from_millis(rng.below(5)));
-            g.release()
-        });
-        if let Err(e) = out {
-            if !killed(start, ctx.now()) {
-                let what = format!("{who}: with no connection closed, its own key: {e}");
-                ctx.fail(Kind::Liveness, what);
+        if rng.chance(0.5) {
+            let shared = format!("shared-{}", rng.below(2));
+            if let Ok(g) = locks.try_lock(&shared, ttl) {
+                clock.sleep(Duration::from_millis(rng.below(5)));
+                let _ = g.release();
+            }
+        } else {
+            let got = locks.try_lock(&format!("{who}-{n}"), ttl);
+            let out = got.and_then(|g| {
+                clock.sleep(Duration::from_millis(rng.below(5)));
+                g.release()
+            });
+            if let Err(e) = out {
+                if !killed(start, ctx.now()) {
+                    let what = format!("{who}: with no connection closed, its own key: {e}");
+                    ctx.fail(Kind::Liveness, what);
+                }
             }
         }
         clock.sleep(Duration::from_millis(rng.below(10)));
