@@ -29,6 +29,19 @@ fn lock(
     ))
 }
 
+/// A world of `nodes` calm nodes, one entry each, with a fresh checker.
+fn world(base: Instant, nodes: usize) -> World {
+    let entries: Vec<usize> = (0..nodes).collect();
+    World::new(
+        base,
+        &vec![1.0; nodes],
+        &entries,
+        Net::calm(),
+        SimRng::new(1),
+        Checker::new(base, 0),
+    )
+}
+
 fn kinds(c: &Checker) -> Vec<Kind> {
     let mut k: Vec<Kind> = c.violations.iter().map(|v| v.kind).collect();
     k.sort();
@@ -85,14 +98,7 @@ fn each_checker_reports_the_violation_it_is_about() {
 #[test]
 fn a_key_left_long_after_its_round_is_reported() {
     let base = Instant::now();
-    let mut w = World::new(
-        base,
-        &[1.0],
-        &[0],
-        Net::calm(),
-        SimRng::new(1),
-        Checker::new(base, 0),
-    );
+    let mut w = world(base, 1);
     let ttl = Duration::from_millis(100);
     let key = crate::algorithm::round::Key::new("r", "t");
     let op = Op::Acquire {
@@ -116,14 +122,7 @@ fn a_key_left_long_after_its_round_is_reported() {
 #[test]
 fn a_held_lock_whose_key_is_on_a_minority_is_reported() {
     let base = Instant::now();
-    let mut w = World::new(
-        base,
-        &[1.0; 3],
-        &[0, 1, 2],
-        Net::calm(),
-        SimRng::new(1),
-        Checker::new(base, 0),
-    );
+    let mut w = world(base, 3);
     let held = lock(base, "t.1", 0, 90, 100, None);
     w.check.grant(0, &held, "holder");
     let expiry = base + Duration::from_nanos(CLOCK_START) + Duration::from_secs(1);
@@ -153,14 +152,7 @@ fn a_held_lock_whose_key_is_on_a_minority_is_reported() {
 fn a_delete_that_reached_one_node_does_not_cover_another() {
     let base = Instant::now();
     let account = |reach_both: bool, dark_second: bool| {
-        let mut w = World::new(
-            base,
-            &[1.0; 2],
-            &[0, 1],
-            Net::calm(),
-            SimRng::new(1),
-            Checker::new(base, 0),
-        );
+        let mut w = world(base, 2);
         w.check.per_node = true;
         w.check.landed("t", 0, 0, MS);
         w.check.landed("t", 1, 0, MS);
@@ -193,14 +185,7 @@ fn a_delete_that_reached_one_node_does_not_cover_another() {
 #[test]
 fn the_longest_reachable_stretch_skips_dark_spans() {
     let base = Instant::now();
-    let mut w = World::new(
-        base,
-        &[1.0],
-        &[0],
-        Net::calm(),
-        SimRng::new(1),
-        Checker::new(base, 0),
-    );
+    let mut w = world(base, 1);
     let n = &mut w.nodes[0];
     n.dark = vec![(10 * MS, 20 * MS), (50 * MS, 55 * MS)];
     assert_eq!(n.longest_reachable(0, 100 * MS), 45 * MS, "55..100");

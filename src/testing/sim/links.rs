@@ -390,15 +390,7 @@ impl Links for SimLinks {
     }
 
     fn checkout(&self, i: usize, now: Instant) -> Option<SimConn> {
-        loop {
-            let idle = self.pools[i].lock().pop();
-            let Some(link) = idle else { break };
-            let mut c = SimConn {
-                link: Some(link),
-                pool: self.pools[i].clone(),
-                owing: self.nodes[i].owing.clone(),
-                sched: self.sched.clone(),
-            };
+        while let Some(mut c) = self.idle(i) {
             if catch_up(&mut c, &self.nodes[i], now) {
                 return Some(c);
             }
@@ -409,19 +401,8 @@ impl Links for SimLinks {
     }
 
     fn checkout_anyway(&self, i: usize, now: Instant) -> Option<SimConn> {
-        let link = self.pools[i].lock().pop();
-        if let Some(link) = link {
-            let mut c = SimConn {
-                link: Some(link),
-                pool: self.pools[i].clone(),
-                owing: self.nodes[i].owing.clone(),
-                sched: self.sched.clone(),
-            };
-            if catch_up(&mut c, &self.nodes[i], now) {
-                return Some(c);
-            }
-        }
-        self.connect(i, now)
+        // On demand whatever the node's health already (see `checkout`).
+        self.checkout(i, now)
     }
 
     fn wait_for_free(&self, _i: usize, _deadline: Instant) -> Option<SimConn> {
