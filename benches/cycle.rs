@@ -22,7 +22,8 @@ mod common;
 use common::Cluster;
 
 const TTL: Duration = Duration::from_secs(10);
-const CYCLES: usize = 3000;
+static CYCLES: std::sync::LazyLock<usize> =
+    std::sync::LazyLock::new(|| common::bench_count(3000, 20));
 
 struct Stats {
     median: Duration,
@@ -62,7 +63,7 @@ fn fenced_client(c: &Cluster) -> Redlock {
         .expect("client")
 }
 
-/// `CYCLES` lock+unlock cycles on distinct keys; returns each cycle's time.
+/// `*CYCLES` lock+unlock cycles on distinct keys; returns each cycle's time.
 fn cycles(locks: &Redlock, tag: &str) -> Vec<Duration> {
     // Warm the pools (and let a sick node be noticed) outside the sample.
     for i in 0..20 {
@@ -70,7 +71,7 @@ fn cycles(locks: &Redlock, tag: &str) -> Vec<Duration> {
             let _ = g.release();
         }
     }
-    (0..CYCLES)
+    (0..*CYCLES)
         .map(|i| {
             let key = format!("bench:{tag}:{i}");
             let t = Instant::now();
@@ -136,7 +137,7 @@ fn baseline(c: &Cluster, tag: &str) -> Vec<Duration> {
     for i in 0..20 {
         run(&format!("bench:{tag}:warm:{i}"));
     }
-    (0..CYCLES)
+    (0..*CYCLES)
         .map(|i| {
             let key = format!("bench:{tag}:{i}");
             let t = Instant::now();
@@ -195,8 +196,17 @@ fn contention(locks: &Redlock, key: &str, ttl: Duration, run_for: Duration) -> C
 fn main() {
     let mut criterion = Criterion::default()
         .configure_from_args()
-        .sample_size(20)
-        .measurement_time(Duration::from_secs(3));
+        .sample_size(if common::bench_smoke() { 10 } else { 20 })
+        .warm_up_time(if common::bench_smoke() {
+            Duration::from_millis(50)
+        } else {
+            Duration::from_secs(3)
+        })
+        .measurement_time(if common::bench_smoke() {
+            Duration::from_millis(200)
+        } else {
+            Duration::from_secs(3)
+        });
     let mut rows: Vec<String> = Vec::new();
     let row = |rows: &mut Vec<String>,
                name: &str,
@@ -343,7 +353,8 @@ fn main() {
     }
 
     criterion.final_summary();
-    println!("\nquorumlock lock+unlock cycles ({CYCLES} per scenario, node timeout 50 ms):");
+    let cycles = *CYCLES;
+    println!("\nquorumlock lock+unlock cycles ({cycles} per scenario, node timeout 50 ms):");
     for r in rows {
         println!("  {r}");
     }

@@ -18,8 +18,9 @@ use quorumlock::{AttemptEvent, EventHandler, Redlock, ReleaseEvent};
 mod common;
 
 const TTL: Duration = Duration::from_secs(10);
-const BLOCKS: usize = 30;
-const PER_BLOCK: usize = 500;
+static BLOCKS: std::sync::LazyLock<usize> = std::sync::LazyLock::new(|| common::bench_count(30, 3));
+static PER_BLOCK: std::sync::LazyLock<usize> =
+    std::sync::LazyLock::new(|| common::bench_count(500, 20));
 
 struct Noop;
 impl EventHandler for Noop {}
@@ -51,7 +52,7 @@ fn client(urls: &[String], events: Option<Arc<dyn EventHandler>>) -> Redlock {
 }
 
 fn block(locks: &Redlock, tag: &str, block: usize, out: &mut Vec<Duration>) {
-    for i in 0..PER_BLOCK {
+    for i in 0..*PER_BLOCK {
         let key = format!("bench:events:{tag}:{block}:{i}");
         let t = Instant::now();
         let g = locks.try_lock(&key, TTL).expect("lock");
@@ -86,7 +87,7 @@ fn main() {
     for (tag, locks) in &variants {
         block(locks, tag, usize::MAX, &mut Vec::new());
     }
-    for b in 0..BLOCKS {
+    for b in 0..*BLOCKS {
         // Rotate the order so that no variant always runs first.
         for k in 0..variants.len() {
             let j = (b + k) % variants.len();
@@ -97,7 +98,7 @@ fn main() {
     // Each block's median per variant, and per block the ratio to "none":
     // the median of those ratios cancels load that drifts between blocks.
     let per_block = |t: &[Duration]| -> Vec<Duration> {
-        t.chunks(PER_BLOCK)
+        t.chunks(*PER_BLOCK)
             .map(|c| median(&mut c.to_vec()))
             .collect()
     };
@@ -121,8 +122,9 @@ fn main() {
             mean.as_secs_f64() * 1e6
         );
     }
+    let blocks = *BLOCKS;
     println!(
-        "vs no handler, median of {BLOCKS} paired block medians: no-op {:+.2} %, counting {:+.2} %",
+        "vs no handler, median of {blocks} paired block medians: no-op {:+.2} %, counting {:+.2} %",
         paired(1),
         paired(2),
     );

@@ -9,8 +9,8 @@
 //!    quorumlock (one shared client) against `rslock` (32 tokio tasks) and
 //!    the floor (32 threads, each with its own connections).
 //!
-//! Every single-thread scenario times `CYCLES` lock+unlock cycles on distinct
-//! keys after `WARM` cycles of warm-up. The two floors, both on one blocking
+//! Every single-thread scenario times `*CYCLES` lock+unlock cycles on distinct
+//! keys after `*WARM` cycles of warm-up. The two floors, both on one blocking
 //! redis-rs connection per node (TCP_NODELAY, no CLIENT SETINFO), send a
 //! command to all nodes, then read the replies node after node:
 //! - `floor SET`: `SET k tok NX PX ttl`, then a one-key compare-and-delete
@@ -49,48 +49,59 @@ use common::Cluster;
 const NODES: usize = 5;
 const TTL: Duration = Duration::from_secs(10);
 /// Timed cycles per single-thread scenario and variant.
-const CYCLES: usize = 5000;
+static CYCLES: std::sync::LazyLock<usize> =
+    std::sync::LazyLock::new(|| common::bench_count(5000, 40));
 /// Untimed cycles before them.
-const WARM: usize = 200;
+static WARM: std::sync::LazyLock<usize> = std::sync::LazyLock::new(|| common::bench_count(200, 10));
 /// Scenario 1 runs its three variants in turns of this many cycles, so that
 /// drift in the machine's load is shared out evenly.
-const TURN: usize = 500;
+static TURN: std::sync::LazyLock<usize> = std::sync::LazyLock::new(|| common::bench_count(500, 20));
 /// Cycles timed separately at the very start of a client (scenarios 2 and 4)
 /// or right after the fault appears (scenario 3).
 const FIRST: usize = 20;
 const THREADS: usize = 32;
-const THREAD_WARM: Duration = Duration::from_millis(300);
-const THREAD_RUN: Duration = Duration::from_secs(2);
+static THREAD_WARM: std::sync::LazyLock<Duration> = std::sync::LazyLock::new(|| {
+    if common::bench_smoke() {
+        Duration::from_millis(50)
+    } else {
+        Duration::from_millis(300)
+    }
+});
+static THREAD_RUN: std::sync::LazyLock<Duration> = std::sync::LazyLock::new(|| {
+    if common::bench_smoke() {
+        Duration::from_millis(200)
+    } else {
+        Duration::from_secs(2)
+    }
+});
 /// quorumlock's default, stated for the report.
 const NODE_TIMEOUT: Duration = Duration::from_millis(50);
 const SLOW_DELAY: Duration = Duration::from_millis(45);
 const PAUSE: Duration = Duration::from_secs(60);
 const TOKEN: &str = "0123456789abcdef0123456789abcdef";
 
-/// quorumlock's own scripts, taken from `src/driver/scripts.rs` at build time so
-/// that the floor sends exactly what the crate sends (also checked at run
-/// time: their SHA1s must be in the nodes' script cache after quorumlock has
-/// used them).
-const SCRIPTS_RS: &str = include_str!("../src/driver/scripts.rs");
+/// quorumlock's own scripts: `src/driver/scripts.rs` itself, compiled into
+/// this bench, so that the floor sends exactly what the crate sends (also
+/// checked at run time: their SHA1s must be in the nodes' script cache
+/// after quorumlock has used them). The two constants it takes from the
+/// crate are given here under the paths it names them by.
+#[path = "../src/driver/scripts.rs"]
+#[allow(dead_code, unused_imports)]
+mod scripts;
 
-/// The raw string constant `name` of `src/driver/scripts.rs`.
-fn crate_script(name: &str) -> &'static str {
-    let head = format!("const {name}: &str = r\"");
-    let from = SCRIPTS_RS
-        .find(&head)
-        .map(|i| i + head.len())
-        .unwrap_or_else(|| panic!("{name} not found in src/driver/scripts.rs"));
-    let len = SCRIPTS_RS[from..]
-        .find("\";")
-        .unwrap_or_else(|| panic!("{name}: no end in src/driver/scripts.rs"));
-    &SCRIPTS_RS[from..from + len]
+mod algorithm {
+    pub(crate) mod round {
+        pub(crate) use crate::META_KEY;
+        /// As `quorumlock`'s (`src/algorithm/round.rs`).
+        pub(crate) const FENCE_LIMIT: u64 = (1 << 53) - 1;
+    }
 }
 
 /// The classic one-key compare-and-delete.
 const UNLOCK_LUA: &str =
     "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end";
 
-const META_KEY: &str = "quorumlock:meta";
+pub(crate) const META_KEY: &str = "quorumlock:meta";
 
 // ---------------------------------------------------------------------------
 // samples
@@ -232,8 +243,8 @@ impl Floor {
             quorum: conns.len() / 2 + 1,
             conns,
             wire,
-            acquire: redis::Script::new(crate_script("ACQUIRE_LUA")),
-            release: redis::Script::new(crate_script("RELEASE_LUA")),
+            acquire: redis::Script::new(scripts::ACQUIRE_LUA),
+            release: redis::Script::new(scripts::RELEASE_LUA),
             unlock: redis::Script::new(UNLOCK_LUA),
         };
         for c in floor.conns.iter_mut() {
@@ -271,6 +282,7 @@ impl Floor {
                     .arg(META_KEY)
                     .arg(ttl)
                     .arg(ttl)
+                    .arg(0) // unfenced
                     .arg(TOKEN)
                     .get_packed_command(),
                 redis::cmd("EVALSHA")
@@ -290,7 +302,8 @@ impl Floor {
             let v = c.recv_response().map_err(|e| e.to_string())?;
             let set = match (self.wire, &v) {
                 (Wire::Set, Value::Okay) => true,
-                (Wire::Script, Value::Array(items)) => items.get(3) == Some(&Value::Int(1)),
+                // The node's history (6 fields, see `ACQUIRE_LUA`), then the key's answer.
+                (Wire::Script, Value::Array(items)) => items.get(6) == Some(&Value::Int(1)),
                 _ => false,
             };
             ok += usize::from(set);
@@ -546,12 +559,12 @@ fn work_loop(start: Instant, tag: &str, t: usize, mut cycle: impl FnMut(&str) ->
         i += 1;
         let t0 = Instant::now();
         let since = t0.saturating_duration_since(start);
-        if since >= THREAD_WARM + THREAD_RUN {
+        if since >= *THREAD_WARM + *THREAD_RUN {
             break;
         }
         let r = cycle(&key);
         let took = t0.elapsed();
-        if since < THREAD_WARM {
+        if since < *THREAD_WARM {
             out.warm_cycles += 1;
             out.warm_failures += usize::from(r.is_err());
         } else {
@@ -617,7 +630,7 @@ fn rslock_tasks(urls: &[String]) -> Threaded {
                         i += 1;
                         let t0 = Instant::now();
                         let since = t0.saturating_duration_since(start);
-                        if since >= THREAD_WARM + THREAD_RUN {
+                        if since >= *THREAD_WARM + *THREAD_RUN {
                             break;
                         }
                         let r = match manager.lock(key.as_str(), TTL).await {
@@ -630,7 +643,7 @@ fn rslock_tasks(urls: &[String]) -> Threaded {
                             Err(e) => Err(format!("lock: {e:?}")),
                         };
                         let took = t0.elapsed();
-                        if since < THREAD_WARM {
+                        if since < *THREAD_WARM {
                             out.warm_cycles += 1;
                             out.warm_failures += usize::from(r.is_err());
                         } else {
@@ -717,7 +730,7 @@ impl Table {
         self.notes.push(format!(
             "{name}: {} cycles in {:?} ({} ok); warm-up {} cycles, {} failures",
             r.run.lat.len(),
-            THREAD_RUN,
+            *THREAD_RUN,
             r.ok,
             r.warm_cycles,
             r.warm_failures
@@ -838,29 +851,29 @@ fn main() {
         log::info!(target: "quorumlock::bench", "scenario 1 healthy");
         let locks = client(&urls);
         let mut warm = Run::default();
-        series(&mut warm, WARM, "h:ql:warm", |k| ql_cycle(&locks, k));
-        let same = cached_everywhere(&c, crate_script("ACQUIRE_LUA"))
-            && cached_everywhere(&c, crate_script("RELEASE_LUA"));
+        series(&mut warm, *WARM, "h:ql:warm", |k| ql_cycle(&locks, k));
+        let same = cached_everywhere(&c, scripts::ACQUIRE_LUA)
+            && cached_everywhere(&c, scripts::RELEASE_LUA);
         let mut set_floor = Floor::connect(&urls, Wire::Set);
         let mut script_floor = Floor::connect(&urls, Wire::Script);
-        series(&mut warm, WARM, "h:set:warm", |k| set_floor.cycle(k));
-        series(&mut warm, WARM, "h:scr:warm", |k| script_floor.cycle(k));
+        series(&mut warm, *WARM, "h:set:warm", |k| set_floor.cycle(k));
+        series(&mut warm, *WARM, "h:scr:warm", |k| script_floor.cycle(k));
         let (mut ql, mut set, mut script) = (Run::default(), Run::default(), Run::default());
         let (mut ql_cpu, mut set_cpu, mut script_cpu) =
             (CpuUse::default(), CpuUse::default(), CpuUse::default());
-        for turn in 0..CYCLES / TURN {
-            ql_cpu.charge(&c, TURN, || {
-                series(&mut ql, TURN, &format!("h:ql:{turn}"), |k| {
+        for turn in 0..*CYCLES / *TURN {
+            ql_cpu.charge(&c, *TURN, || {
+                series(&mut ql, *TURN, &format!("h:ql:{turn}"), |k| {
                     ql_cycle(&locks, k)
                 })
             });
-            set_cpu.charge(&c, TURN, || {
-                series(&mut set, TURN, &format!("h:set:{turn}"), |k| {
+            set_cpu.charge(&c, *TURN, || {
+                series(&mut set, *TURN, &format!("h:set:{turn}"), |k| {
                     set_floor.cycle(k)
                 })
             });
-            script_cpu.charge(&c, TURN, || {
-                series(&mut script, TURN, &format!("h:scr:{turn}"), |k| {
+            script_cpu.charge(&c, *TURN, || {
+                series(&mut script, *TURN, &format!("h:scr:{turn}"), |k| {
                     script_floor.cycle(k)
                 })
             });
@@ -914,9 +927,9 @@ fn main() {
         let mut first = Run::default();
         series(&mut first, FIRST, "hung:first", |k| ql_cycle(&locks, k));
         let mut warm = Run::default();
-        series(&mut warm, WARM, "hung:warm", |k| ql_cycle(&locks, k));
+        series(&mut warm, *WARM, "hung:warm", |k| ql_cycle(&locks, k));
         let mut run = Run::default();
-        series(&mut run, CYCLES, "hung", |k| ql_cycle(&locks, k));
+        series(&mut run, *CYCLES, "hung", |k| ql_cycle(&locks, k));
         t.single(
             "2 one hung from start",
             &run,
@@ -940,13 +953,13 @@ fn main() {
         log::info!(target: "quorumlock::bench", "scenario 3 paused");
         let locks = client(&urls);
         let mut warm = Run::default();
-        series(&mut warm, WARM, "wp:warm", |k| ql_cycle(&locks, k));
+        series(&mut warm, *WARM, "wp:warm", |k| ql_cycle(&locks, k));
         pause_writes(&c, NODES - 1, PAUSE);
         let mut first = Run::default();
         series(&mut first, FIRST, "wp:first", |k| ql_cycle(&locks, k));
         let conns0 = (conns_received(&c, NODES - 1), conns_received(&c, 0));
         let mut run = Run::default();
-        series(&mut run, CYCLES, "wp", |k| ql_cycle(&locks, k));
+        series(&mut run, *CYCLES, "wp", |k| ql_cycle(&locks, k));
         let conns1 = (conns_received(&c, NODES - 1), conns_received(&c, 0));
         unpause_writes(&c, NODES - 1);
         t.single("3 one write-paused", &run, healthy, "p50<=1.5x, p99<=5ms");
@@ -957,7 +970,7 @@ fn main() {
             "3 one write-paused",
             (conns1.0 - conns0.0).saturating_sub(1),
             (conns1.1 - conns0.1).saturating_sub(1),
-            CYCLES,
+            *CYCLES,
         );
         // The node works off what the pause held; the client retries its
         // releases meanwhile.
@@ -982,10 +995,10 @@ fn main() {
         let mut first = Run::default();
         series(&mut first, FIRST, "slow:first", |k| ql_cycle(&locks, k));
         let mut warm = Run::default();
-        series(&mut warm, WARM, "slow:warm", |k| ql_cycle(&locks, k));
+        series(&mut warm, *WARM, "slow:warm", |k| ql_cycle(&locks, k));
         let conns0 = (conns_received(&c, NODES - 1), conns_received(&c, 0));
         let mut run = Run::default();
-        series(&mut run, CYCLES, "slow", |k| ql_cycle(&locks, k));
+        series(&mut run, *CYCLES, "slow", |k| ql_cycle(&locks, k));
         let conns1 = (conns_received(&c, NODES - 1), conns_received(&c, 0));
         t.single("4 one slow (+45 ms)", &run, healthy, "p50<=1.5x, p99<=5ms");
         sick_verdict(&mut t, "4 one slow (+45 ms)", &run, healthy);
@@ -995,7 +1008,7 @@ fn main() {
             "4 one slow (+45 ms)",
             (conns1.0 - conns0.0).saturating_sub(1),
             (conns1.1 - conns0.1).saturating_sub(1),
-            CYCLES,
+            *CYCLES,
         );
         leftover_note(
             &mut t,
@@ -1012,7 +1025,7 @@ fn main() {
         log::info!(target: "quorumlock::bench", "scenario 5 threads");
         let locks = client(&urls);
         let mut warm = Run::default();
-        series(&mut warm, WARM, "mt:ql:warm", |k| ql_cycle(&locks, k));
+        series(&mut warm, *WARM, "mt:ql:warm", |k| ql_cycle(&locks, k));
         let ql = with_cpu(&c, || {
             threaded("ql", || {
                 let locks = locks.clone();
@@ -1062,8 +1075,9 @@ fn main() {
         ));
     }
 
+    let (cycles, warm) = (*CYCLES, *WARM);
     println!(
-        "\nnode layer, {NODES} local nodes ({:?} backend), node timeout {NODE_TIMEOUT:?}, TTL {TTL:?}; single-thread rows: {CYCLES} lock+unlock cycles after {WARM} warm-up; times in us",
+        "\nnode layer, {NODES} local nodes ({:?} backend), node timeout {NODE_TIMEOUT:?}, TTL {TTL:?}; single-thread rows: {cycles} lock+unlock cycles after {warm} warm-up; times in us",
         c.backend()
     );
     let h = HEADS;

@@ -19,7 +19,8 @@ use common::Cluster;
 const TTL: Duration = Duration::from_secs(6);
 /// Renewal every TTL/3.
 const INTERVAL: Duration = Duration::from_secs(2);
-const INTERVALS: u32 = 3;
+static INTERVALS: std::sync::LazyLock<u32> =
+    std::sync::LazyLock::new(|| if common::bench_smoke() { 1 } else { 3 });
 
 /// The watchdog thread's CPU time so far (ns), if it exists.
 fn watchdog_cpu_ns() -> Option<u64> {
@@ -84,7 +85,7 @@ fn main() {
         // Let the first renewals happen, then measure whole intervals.
         std::thread::sleep(INTERVAL);
         let (calls0, cpu0) = (evalsha_calls(&c, 0), watchdog_cpu_ns().unwrap_or(0));
-        std::thread::sleep(INTERVAL * INTERVALS);
+        std::thread::sleep(INTERVAL * *INTERVALS);
         let (calls1, cpu1) = (evalsha_calls(&c, 0), watchdog_cpu_ns().unwrap_or(0));
         let held = guards
             .iter()
@@ -92,21 +93,22 @@ fn main() {
             .count();
         let rounds = calls1.saturating_sub(calls0) as f64;
         let cpu = Duration::from_nanos(cpu1.saturating_sub(cpu0));
-        let renewals = (k as u64 * u64::from(INTERVALS)) as f64;
+        let renewals = (k as u64 * u64::from(*INTERVALS)) as f64;
         rows.push(format!(
             "K = {k:>6}: {:>5.1} round trips per node per renewal interval ({:>7.0} keys each), \
              watchdog CPU {:>8.1} us per interval = {:>6.2} us per renewed lock; held {held}/{k} \
              (acquired in {:.2} s)",
-            rounds / f64::from(INTERVALS),
+            rounds / f64::from(*INTERVALS),
             renewals / rounds.max(1.0),
-            cpu.as_secs_f64() * 1e6 / f64::from(INTERVALS),
+            cpu.as_secs_f64() * 1e6 / f64::from(*INTERVALS),
             cpu.as_secs_f64() * 1e6 / renewals,
             took.as_secs_f64(),
         ));
         drop(guards);
         drop(locks);
     }
-    println!("\nquorumlock renewal (ttl {TTL:?}, renewed every {INTERVAL:?}, {INTERVALS} intervals measured):");
+    let intervals = *INTERVALS;
+    println!("\nquorumlock renewal (ttl {TTL:?}, renewed every {INTERVAL:?}, {intervals} intervals measured):");
     for r in rows {
         println!("  {r}");
     }

@@ -873,3 +873,19 @@ pub(crate) fn run_cmd(cmd: &mut Command, limit: Duration) -> Result<String, Stri
         None => Err(format!("{what} did not finish within {limit:?}")),
     }
 }
+
+/// Benches run short when `QUORUMLOCK_BENCH_SMOKE` is set (CI runs every
+/// bench that way, so none can rot): a count scaled down to a fiftieth (at
+/// least `min`).
+pub fn bench_count(full: usize, min: usize) -> usize {
+    if bench_smoke() {
+        (full / 50).max(min)
+    } else {
+        full
+    }
+}
+
+/// Whether benches run short (see [`bench_count`]).
+pub fn bench_smoke() -> bool {
+    std::env::var_os("QUORUMLOCK_BENCH_SMOKE").is_some()
+}
