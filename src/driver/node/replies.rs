@@ -255,7 +255,6 @@ pub(crate) fn server_text(e: &redis::ServerError) -> String {
 
 #[cfg(test)]
 mod tests {
-
     use std::time::{Duration, Instant};
 
     use super::*;
