@@ -157,10 +157,13 @@ impl Builder {
     /// polling the nodes with jittered sleeps. `try_lock` never waits in the
     /// queue. Contention with other processes is still settled by the nodes.
     ///
-    /// A lock handed over is a new critical section: one round swaps in a
-    /// fresh token on the nodes, keeping the key's expiry. The receiver takes
-    /// it only with the same TTL and at least `node_timeout` of validity
-    /// left, else it is deleted and the receiver asks the nodes anew.
+    /// A lock handed over is a new critical section, numbered one more (see
+    /// [`LockGuard::section`](crate::LockGuard::section)), with the key's
+    /// expiry unchanged. Unfenced, nothing is sent to the nodes: the key
+    /// keeps its token. Fenced, one round swaps in a fresh token and the
+    /// next fencing token. The receiver takes it only with the same TTL and
+    /// at least `node_timeout` of validity left, else it is deleted and the
+    /// receiver asks the nodes anew.
     ///
     /// Defaults to true.
     pub fn local_queue(mut self, on: bool) -> Self {

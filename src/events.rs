@@ -216,6 +216,7 @@ fn outcome(r: &NodeResult, index: usize) -> NodeOutcome {
 #[derive(Debug)]
 pub struct AttemptEvent<'a> {
     pub(crate) resource: &'a str,
+    pub(crate) section: u64,
     pub(crate) elapsed: Duration,
     pub(crate) outcome: Result<Duration, &'a Error>,
     pub(crate) nodes: Nodes<'a>,
@@ -225,6 +226,13 @@ impl<'a> AttemptEvent<'a> {
     /// The resource asked for.
     pub fn resource(&self) -> &'a str {
         self.resource
+    }
+
+    /// The critical section's number in its lock's lineage: 1 for a lock
+    /// acquired at the nodes, one more at each hand-over to another thread
+    /// of this process (see [`LockGuard::section`](crate::LockGuard::section)).
+    pub fn section(&self) -> u64 {
+        self.section
     }
 
     /// From sending the round to the decision (a fenced lock's write-back
@@ -258,6 +266,7 @@ impl<'a> AttemptEvent<'a> {
 #[derive(Debug)]
 pub struct RenewalEvent<'a> {
     pub(crate) resource: &'a str,
+    pub(crate) section: u64,
     pub(crate) automatic: bool,
     pub(crate) elapsed: Duration,
     pub(crate) outcome: Result<Duration, &'a Error>,
@@ -268,6 +277,13 @@ impl<'a> RenewalEvent<'a> {
     /// The lock's resource.
     pub fn resource(&self) -> &'a str {
         self.resource
+    }
+
+    /// The critical section's number in its lock's lineage: 1 for a lock
+    /// acquired at the nodes, one more at each hand-over to another thread
+    /// of this process (see [`LockGuard::section`](crate::LockGuard::section)).
+    pub fn section(&self) -> u64 {
+        self.section
     }
 
     /// True for the renewal thread's extensions, false for
@@ -301,6 +317,7 @@ impl<'a> RenewalEvent<'a> {
 #[derive(Debug)]
 pub struct LostEvent<'a> {
     pub(crate) resource: &'a str,
+    pub(crate) section: u64,
     pub(crate) error: &'a Error,
     pub(crate) held: Duration,
 }
@@ -309,6 +326,13 @@ impl<'a> LostEvent<'a> {
     /// The lock's resource.
     pub fn resource(&self) -> &'a str {
         self.resource
+    }
+
+    /// The critical section's number in its lock's lineage: 1 for a lock
+    /// acquired at the nodes, one more at each hand-over to another thread
+    /// of this process (see [`LockGuard::section`](crate::LockGuard::section)).
+    pub fn section(&self) -> u64 {
+        self.section
     }
 
     /// How it was found lost ([`Error::Expired`], [`Error::NotOwner`]).
@@ -326,6 +350,7 @@ impl<'a> LostEvent<'a> {
 #[derive(Debug)]
 pub struct ReleaseEvent<'a> {
     pub(crate) resource: &'a str,
+    pub(crate) section: u64,
     pub(crate) held: Duration,
     pub(crate) outcome: Result<(), &'a Error>,
     pub(crate) nodes: Nodes<'a>,
@@ -335,6 +360,13 @@ impl<'a> ReleaseEvent<'a> {
     /// The lock's resource.
     pub fn resource(&self) -> &'a str {
         self.resource
+    }
+
+    /// The critical section's number in its lock's lineage: 1 for a lock
+    /// acquired at the nodes, one more at each hand-over to another thread
+    /// of this process (see [`LockGuard::section`](crate::LockGuard::section)).
+    pub fn section(&self) -> u64 {
+        self.section
     }
 
     /// From the start of its acquisition to the release.

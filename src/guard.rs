@@ -68,12 +68,34 @@ impl LockGuard {
         &self.state.resource
     }
 
-    /// This critical section's random token (the value stored under the
-    /// key). A lock handed over between threads gets a new one, of the form
-    /// `<lineage>.<random>` where the lineage is the token it was acquired
-    /// with.
+    /// The random token stored under the key. An unfenced lock handed over
+    /// to another thread of this process keeps it (tell its sections apart
+    /// by [`section`](Self::section)); a fenced one gets a new token at
+    /// each hand-over, of the form `<lineage>.<random>` where the lineage
+    /// is the token it was acquired with.
     pub fn token(&self) -> &str {
         &self.state.token
+    }
+
+    /// This critical section's number in its lock's lineage: 1 for a lock
+    /// acquired at the nodes, one more at each hand-over to another thread
+    /// of this process (see [`Builder::local_queue`](crate::Builder::local_queue)).
+    /// Events and logs carry it too.
+    ///
+    /// An unfenced hand-over sends nothing to the nodes: the key, its token
+    /// and its expiry stay, and only this number changes. Order sections
+    /// for a storage by [`fencing_token`](Self::fencing_token), which a
+    /// fenced hand-over moves on with one swap round trip.
+    ///
+    /// ```no_run
+    /// # use std::time::Duration;
+    /// # let locks = quorumlock::Redlock::builder().node("redis://127.0.0.1:6379").build()?;
+    /// let guard = locks.lock("lock:sku:42", Duration::from_secs(10))?;
+    /// assert!(guard.section() >= 1);
+    /// # Ok::<(), quorumlock::Error>(())
+    /// ```
+    pub fn section(&self) -> u64 {
+        self.state.section
     }
 
     /// This critical section's fencing token, when the client was built
@@ -265,11 +287,11 @@ impl LockGuard {
                 match turn.hand_over(self.state.clone()) {
                     Ok(()) => {
                         // This critical section ends here: the receiver
-                        // continues under a token of its own.
+                        // continues as the next.
                         self.state.take_release();
                         debug!(
-                            "lock {:?}: handed to the next local waiter",
-                            self.state.resource
+                            "lock {:?}: section {} ends, handed to the next local waiter",
+                            self.state.resource, self.state.section
                         );
                         return Some(Ok(()));
                     }

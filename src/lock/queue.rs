@@ -9,8 +9,10 @@
 //!
 //! A release with waiters queued and at least half its TTL of validity left
 //! hands the lock to the next thread, which makes it its own critical section
-//! with one swap round (a fresh token, the same expiry; see
-//! `Inner::take_over`). Below half the TTL the lock is released on the nodes
+//! (the next section number, the same expiry; unfenced with nothing sent, the
+//! same token; fenced with one swap round for a fresh token and the next
+//! fencing token: see `Engine::accept_hand_over`). Below half the TTL the
+//! lock is released on the nodes
 //! as usual, so one process cannot keep a key for longer than one TTL by
 //! handing it around.
 

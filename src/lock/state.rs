@@ -59,6 +59,9 @@ pub(crate) struct LockState {
     pub(crate) token: String,
     /// The fencing token, for a client with fencing on.
     pub(crate) fence: Option<u64>,
+    /// The critical section's number in its lineage: 1 for a lock acquired
+    /// at the nodes, one more at each local hand-over.
+    pub(crate) section: u64,
     /// Start of the round that acquired it (events report time held).
     pub(crate) acquired: Instant,
     timing: Mutex<Timing>,
@@ -108,6 +111,7 @@ impl LockState {
             resource: resource.to_owned(),
             token,
             fence,
+            section: 1,
             acquired: timing.since,
             timing: Mutex::new(timing),
             reach: Mutex::new(None),
@@ -119,6 +123,19 @@ impl LockState {
             loss_tx: Mutex::new(Some(tx)),
             loss_rx: rx,
         }
+    }
+
+    /// The next critical section of this lock, handed over locally without a
+    /// round trip: the same token, expiry, reach and node count, section
+    /// number one more, begun at `now`. (Only for an unfenced lock: a fenced
+    /// section needs a fencing token of its own, written by a swap.)
+    pub(crate) fn next_section(&self, now: Instant) -> LockState {
+        let mut next = LockState::new(&self.resource, self.token.clone(), None, self.timing());
+        next.section = self.section.saturating_add(1);
+        next.acquired = now;
+        *next.reach.get_mut() = self.reach();
+        next.set_holding(self.holding());
+        next
     }
 
     /// The key and token, as the transport takes them.

@@ -252,17 +252,20 @@ fn try_lock_does_not_queue_behind_local_holders() {
     drop(g);
 }
 
-/// Issue 8: a lock handed to a local waiter is a new critical section: the
-/// waiter gets it under a fresh token (swapped on the nodes in one round),
-/// the old token is gone from every node, and the old holder's loss channel
-/// is disconnected (it can no longer fire for someone else's section).
+/// Issues 8 and 21: a lock handed to a local waiter is a new critical
+/// section: numbered one more, under the same token and expiry on every
+/// node (an unfenced hand-over sends nothing), and the old holder's loss
+/// channel is disconnected (it can no longer fire for someone else's
+/// section).
 #[test]
-fn a_lock_handed_to_a_local_waiter_gets_a_fresh_token() {
+fn a_lock_handed_to_a_local_waiter_is_the_next_section() {
     let c = shared();
     let key = unique_key("handover");
     let locks = crate::client_with(c.urls(), SLACK);
     let first = locks.lock(&key, TTL).unwrap();
+    assert_eq!(first.section(), 1);
     let token = first.token().to_owned();
+    let deadline = first.deadline();
     let old_lost = first.lost();
     std::thread::scope(|s| {
         let waiter = s.spawn(|| {
@@ -273,15 +276,14 @@ fn a_lock_handed_to_a_local_waiter_gets_a_fresh_token() {
         std::thread::sleep(Duration::from_millis(200)); // let it queue
         first.release().expect("hand over");
         let g = waiter.join().expect("waiter");
-        assert_ne!(g.token(), token, "a new critical section has its own token");
+        assert_eq!(g.section(), 2, "the next section");
+        assert_eq!(g.token(), token, "unfenced: the same token");
+        assert_eq!(g.deadline(), deadline, "the same expiry");
         assert!(g.is_held() && g.validity() > TTL / 2, "{g:?}");
-        // The swap round ends at a majority. A node it missed (busy pool,
-        // scripts flushed by another test) keeps the old token until the
-        // new section's release deletes it there too (checked below).
-        let swapped = (0..3)
-            .filter(|&i| c.get(i, &key).as_deref() == Some(g.token()))
+        let holding = (0..3)
+            .filter(|&i| c.get(i, &key).as_deref() == Some(token.as_str()))
             .count();
-        assert!(swapped >= 2, "swapped on {swapped} nodes");
+        assert!(holding >= 2, "held on {holding} nodes");
         g.release().expect("release");
     });
     assert!(
@@ -402,7 +404,8 @@ fn an_unusable_baton_at_the_deadline_keeps_lock_within_its_bound() {
 #[test]
 fn a_node_that_missed_many_hand_overs_is_cleaned_by_the_release() {
     let c = Cluster::start(3);
-    let locks = crate::client_with(c.urls(), Duration::from_millis(100));
+    // Fenced: only a fenced hand-over swaps tokens.
+    let locks = fenced_client(c.urls(), Duration::from_millis(100));
     let ttl = Duration::from_secs(10);
     let key = unique_key("missed-swaps");
     // A new client's first lock lands only on the nodes connected by then.
@@ -444,14 +447,14 @@ fn a_node_that_missed_many_hand_overs_is_cleaned_by_the_release() {
     );
 }
 
-/// Hostile check of the hand-over swap: 2 of 3 nodes hang while a lock is
-/// handed over. The swap cannot count, its undo is sent without waiting,
-/// and the receiver's own attempts fail; once the nodes resume, no key of
-/// the lineage (nor of the attempts) is left anywhere.
+/// Hostile check of the fenced hand-over's swap: 2 of 3 nodes hang while
+/// a lock is handed over. The swap cannot count, its undo is sent without
+/// waiting, and the receiver's own attempts fail; once the nodes resume, no
+/// key of the lineage (nor of the attempts) is left anywhere.
 #[test]
-fn a_hand_over_while_two_nodes_hang_leaves_nothing_after_they_resume() {
+fn a_fenced_hand_over_while_two_nodes_hang_leaves_nothing_after_they_resume() {
     let c = Cluster::start(3);
-    let locks = crate::client_with(c.urls(), Duration::from_millis(100));
+    let locks = fenced_client(c.urls(), Duration::from_millis(100));
     let key = unique_key("handover-hung");
     let first = locks.lock(&key, TTL).unwrap();
     let outcome = std::thread::scope(|s| {
@@ -476,36 +479,84 @@ fn a_hand_over_while_two_nodes_hang_leaves_nothing_after_they_resume() {
     );
 }
 
-/// Hostile check of the hand-over swap: a node under `CLIENT PAUSE WRITE`
-/// holds every swap (a write script) while rounds settle on the other two;
+/// Issue 21: an unfenced hand-over needs no node: 2 of 3 nodes hang while
+/// it happens, and the receiver still holds the lock (its validity stands:
+/// nothing was sent). Its release after they resume leaves nothing.
+#[test]
+fn an_unfenced_hand_over_while_two_nodes_hang_needs_no_node() {
+    let c = Cluster::start(3);
+    let locks = crate::client_with(c.urls(), Duration::from_millis(100));
+    let key = unique_key("handover-hung-unfenced");
+    let first = locks.lock(&key, TTL).unwrap();
+    let token = first.token().to_owned();
+    let g = std::thread::scope(|s| {
+        let waiter = s.spawn(|| locks.lock_timeout(&key, TTL, Duration::from_millis(1500)));
+        std::thread::sleep(Duration::from_millis(100)); // let it queue
+        c.pause(1);
+        c.pause(2);
+        first.release().expect("handed over");
+        waiter.join().expect("waiter")
+    })
+    .expect("handed over without a round trip");
+    assert_eq!((g.section(), g.token()), (2, token.as_str()));
+    assert!(g.is_held());
+    c.unpause(1);
+    c.unpause(2);
+    g.release().expect("released");
+    assert!(
+        c.gone_everywhere(&key, Duration::from_secs(3)),
+        "left: {:?}",
+        (0..3).map(|i| c.get(i, &key)).collect::<Vec<_>>()
+    );
+}
+
+fn fenced_client(urls: Vec<String>, node_timeout: Duration) -> quorumlock::Redlock {
+    quorumlock::Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(urls)
+        .node_timeout(node_timeout)
+        .fencing(true)
+        .build()
+        .expect("valid config")
+}
+
+/// Hostile check of the hand-over, fenced (swaps) and not: a node under
+/// `CLIENT PAUSE WRITE` holds every swap (a write script) while rounds
+/// settle on the other two;
 /// the held swaps land late, after later swaps and even after the release.
 /// Nothing of the lineage may be left once the pause ends.
 #[test]
 fn hand_overs_past_a_write_paused_node_leave_nothing_behind() {
     use crate::common::faults::WritePause;
     let c = Cluster::start(3);
-    let locks = crate::client_with(c.urls(), Duration::from_millis(100));
-    let key = unique_key("handover-wp");
-    let mut g = locks.lock(&key, TTL).unwrap();
-    {
-        let _paused = WritePause::start(&c, 2, Duration::from_secs(5));
-        for _ in 0..5 {
-            g = std::thread::scope(|s| {
-                let w = s.spawn(|| {
-                    locks
-                        .lock_timeout(&key, TTL, Duration::from_secs(2))
-                        .expect("handed over or locked anew")
+    for fenced in [false, true] {
+        let locks = if fenced {
+            fenced_client(c.urls(), Duration::from_millis(100))
+        } else {
+            crate::client_with(c.urls(), Duration::from_millis(100))
+        };
+        let key = unique_key("handover-wp");
+        let mut g = locks.lock(&key, TTL).unwrap();
+        {
+            let _paused = WritePause::start(&c, 2, Duration::from_secs(5));
+            for _ in 0..5 {
+                g = std::thread::scope(|s| {
+                    let w = s.spawn(|| {
+                        locks
+                            .lock_timeout(&key, TTL, Duration::from_secs(2))
+                            .expect("handed over or locked anew")
+                    });
+                    std::thread::sleep(Duration::from_millis(3)); // let it queue
+                    g.release().expect("hand over");
+                    w.join().expect("waiter")
                 });
-                std::thread::sleep(Duration::from_millis(3)); // let it queue
-                g.release().expect("hand over");
-                w.join().expect("waiter")
-            });
+            }
+            g.release().expect("release");
         }
-        g.release().expect("release");
+        assert!(
+            c.gone_everywhere(&key, Duration::from_secs(3)),
+            "fenced {fenced}: left: {:?}",
+            (0..3).map(|i| c.get(i, &key)).collect::<Vec<_>>()
+        );
     }
-    assert!(
-        c.gone_everywhere(&key, Duration::from_secs(3)),
-        "left: {:?}",
-        (0..3).map(|i| c.get(i, &key)).collect::<Vec<_>>()
-    );
 }

@@ -5,7 +5,7 @@
 //! owed, and the result of a node without one). No I/O: the connection
 //! reads the replies and sends what these queue on its [`Wire`].
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use log::debug;
 use redis::Value;
@@ -252,9 +252,39 @@ impl Leftovers {
 pub(crate) struct End<'a> {
     pub(crate) now: Instant,
     pub(crate) start: Instant,
+    /// The round's deadline.
+    pub(crate) deadline: Instant,
     pub(crate) settled: bool,
     pub(crate) pool_busy: &'a dyn Fn(usize) -> Option<u32>,
 }
+
+/// What a timed-out node's error says: how long its reply was waited for
+/// and, when that was less than the node timeout, why: the command left
+/// late (this client's thread was not scheduled, or waited for a
+/// connection), or the thread got the CPU back only after the round's
+/// deadline. Neither is the node's doing.
+fn timed_out(waited: Duration, sent: Option<Instant>, end: &End<'_>, timeout: Duration) -> String {
+    if waited >= timeout {
+        return format!("no reply in {waited:?}");
+    }
+    let mut why = format!("no reply in {waited:?}, less than the node timeout ({timeout:?})");
+    let late_send = sent.map_or(Duration::ZERO, |t| t.saturating_duration_since(end.start));
+    if late_send > waited {
+        why.push_str(&format!(
+            ": the command left {late_send:?} after the round began (this client's thread was not scheduled, or waited for a connection)"
+        ));
+    }
+    let overrun = end.now.saturating_duration_since(end.deadline);
+    if overrun >= OVERRUN {
+        why.push_str(&format!(
+            "; this client's thread got the CPU back {overrun:?} after the round's deadline"
+        ));
+    }
+    why
+}
+
+/// A round's end this long past its deadline was the scheduler's doing.
+const OVERRUN: Duration = Duration::from_millis(1);
 
 /// Node `i`'s part when the round ended: a reply still owed stays owed on
 /// its connection with the round's [`Leftovers`] (and gives the connection
@@ -301,7 +331,7 @@ pub(crate) fn end_part<C: Link>(
                     NodeError::new(
                         name,
                         NodeErrorKind::Timeout,
-                        format!("no reply in {waited:?}"),
+                        timed_out(waited, s.sent, end, shared.timeout),
                     )
                 }));
             }

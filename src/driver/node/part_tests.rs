@@ -292,6 +292,7 @@ fn a_reply_past_the_node_timeout_gives_its_connection_up_with_the_undo_sent() {
     let ended = End {
         now,
         start,
+        deadline: start + Duration::from_millis(50),
         settled: false,
         pool_busy: &none,
     };
@@ -339,6 +340,7 @@ fn a_round_settled_before_a_reply_leaves_it_owed_with_its_undo() {
     let ended = End {
         now: start + Duration::from_millis(2),
         start,
+        deadline: start + Duration::from_millis(50),
         settled: true,
         pool_busy: &none,
     };
@@ -386,6 +388,7 @@ fn a_node_left_without_a_connection_says_why() {
         let ended = End {
             now: start,
             start,
+            deadline: start + Duration::from_millis(50),
             settled: false,
             pool_busy: &pool,
         };
@@ -411,4 +414,45 @@ fn a_node_left_without_a_connection_says_why() {
         NodeErrorKind::Io,
         "a lost command may have run"
     );
+}
+
+/// Issue 21: a round whose thread sent its command late, and got the CPU
+/// back only after the deadline, says so instead of "no reply in 12µs",
+/// and the node is not charged a timeout.
+#[test]
+fn a_timeout_the_client_caused_says_so() {
+    let (n, enc, names) = (node(), acquire(), vec!["n0".to_owned()]);
+    let start = Instant::now();
+    let sent = start + Duration::from_micros(49_988);
+    let mut parts = vec![sent_on(&enc, start, sent)];
+    let keys = [Key::new("r", "t")];
+    let left = Leftovers::of(&enc, &keys, &parts, start);
+    let none = |_: usize| None;
+    let ended = End {
+        now: start + Duration::from_millis(53),
+        start,
+        deadline: start + Duration::from_millis(50),
+        settled: false,
+        pool_busy: &none,
+    };
+    let mut result = None;
+    end_part(
+        &ballot_for(&enc, &names),
+        0,
+        &mut parts[0],
+        &n,
+        &left,
+        &ended,
+        &mut result,
+    );
+    let e = result.expect("set").expect_err("failed");
+    assert_eq!(e.kind(), NodeErrorKind::Timeout);
+    let detail = e.to_string();
+    assert!(detail.contains("less than the node timeout"), "{detail}");
+    assert!(detail.contains("after the round began"), "{detail}");
+    assert!(
+        detail.contains("got the CPU back 3ms after the round's deadline"),
+        "{detail}"
+    );
+    assert!(n.is_healthy(), "not the node's doing");
 }

@@ -245,6 +245,7 @@ pub(crate) trait Round: Links + Sized {
         let ended = End {
             now,
             start,
+            deadline,
             settled: settle.is_some(),
             pool_busy: &pool_busy,
         };

@@ -178,6 +178,7 @@ impl Engine {
                 if let Some(h) = self.settings.events.get() {
                     h.on_renewal(&RenewalEvent {
                         resource: &state.resource,
+                        section: state.section,
                         automatic: loud,
                         elapsed,
                         outcome: outcome

@@ -76,8 +76,12 @@ impl Engine {
     }
 
     /// Makes a lock handed over by this process's last holder a new critical
-    /// section: one swap round gives the key a fresh token, keeping its
-    /// expiry, on every node where it holds the old token. It counts like an
+    /// section. Unfenced, without a round trip: the key, its token and its
+    /// expiry stay as they are, and the section number tells the sections
+    /// apart (see [`continue_section`](Self::continue_section)). Fenced, by
+    /// one swap round that gives the key a fresh token, keeping its
+    /// expiry, on every node where it holds the old token, and writes the
+    /// new section's fencing token. It counts like an
     /// extension: a majority, inside the old validity, which the new section
     /// inherits unchanged (so hand-overs never keep a key longer than one
     /// TTL). Not tried for another TTL than the lock's, or with less than
@@ -99,6 +103,9 @@ impl Engine {
         {
             let _ = self.release(handed);
             return Err(Error::Expired);
+        }
+        if handed.fence.is_none() {
+            return Ok(self.continue_section(handed, start));
         }
         let token = crate::clock::section_token(&handed.token);
         let key = Key {
@@ -154,6 +161,7 @@ impl Engine {
             let now = self.clock.now();
             h.on_attempt(&AttemptEvent {
                 resource: &handed.resource,
+                section: handed.section.saturating_add(1),
                 elapsed: now.saturating_duration_since(start),
                 outcome: outcome
                     .as_ref()
@@ -162,13 +170,48 @@ impl Engine {
             });
         }
         outcome?;
-        trace!("lock {:?}: token {token}", handed.resource);
         // A node the swap did not reach keeps an earlier token of the
         // lineage, with the lock's expiry; the next swap or the release
         // takes it from there.
         let mut state = LockState::new(&handed.resource, token, fence, timing);
+        state.section = handed.section.saturating_add(1);
         state.acquired = start;
         state.set_holding(quorum::holding(&results, 0));
+        trace!(
+            "lock {:?}: section {} under token {}",
+            state.resource,
+            state.section,
+            state.token
+        );
         Ok(state)
+    }
+}
+
+impl Engine {
+    /// An unfenced lock's next critical section, handed over locally: the
+    /// nodes hold the same key, token and expiry as before, so nothing is
+    /// sent. Only this process could tell the two sections apart by token,
+    /// and only a fencing token orders sections for a storage anyway; the
+    /// section number tells them apart in the guard, the events and the
+    /// logs. The handing-over section's release event and the new
+    /// section's attempt event carry no node outcomes (no round was sent).
+    fn continue_section(&self, handed: &LockState, start: std::time::Instant) -> LockState {
+        let state = handed.next_section(start);
+        debug!(
+            "lock {:?}: section {} handed over locally, nothing sent",
+            state.resource, state.section
+        );
+        self.release_event(handed, &Ok(()), &[]);
+        if let Some(h) = self.settings.events.get() {
+            let now = self.clock.now();
+            h.on_attempt(&AttemptEvent {
+                resource: &handed.resource,
+                section: state.section,
+                elapsed: now.saturating_duration_since(start),
+                outcome: Ok(state.deadline().saturating_duration_since(now)),
+                nodes: Nodes::new(self.transport.node_names(), &[], 0),
+            });
+        }
+        state
     }
 }

@@ -26,6 +26,7 @@ impl Engine {
         if let Some(h) = self.settings.events.get() {
             h.on_release(&ReleaseEvent {
                 resource: &state.resource,
+                section: state.section,
                 held: self.clock.now().saturating_duration_since(state.acquired),
                 outcome: outcome.as_ref().map(|_| ()),
                 nodes: Nodes::new(self.transport.node_names(), results, 0),
@@ -38,6 +39,7 @@ impl Engine {
         if let Some(h) = self.settings.events.get() {
             h.on_lost(&LostEvent {
                 resource: &state.resource,
+                section: state.section,
                 error,
                 held: self.clock.now().saturating_duration_since(state.acquired),
             });
@@ -60,6 +62,8 @@ impl Engine {
         let now = self.clock.now();
         h.on_attempt(&AttemptEvent {
             resource,
+            // An attempt at the nodes begins a lineage.
+            section: 1,
             elapsed: now.saturating_duration_since(start),
             outcome: outcome.map(|s| s.deadline().saturating_duration_since(now)),
             nodes: Nodes::new(self.transport.node_names(), judged, 0),

@@ -91,11 +91,50 @@ fn too_slow_a_round_exhausts_validity_and_unlocks() {
     assert!((0..3).all(|i| nodes.get(i, "r").is_none()));
 }
 
-/// A take-over is a new critical section under a fresh token, swapped
-/// on every node in one round, keeping the lock's expiry.
+/// Issue 21: an unfenced take-over is the lock's next critical section
+/// and sends nothing: the key keeps its token and expiry on every node,
+/// the section number moves on, and releasing it deletes the key.
 #[test]
-fn a_take_over_swaps_in_a_fresh_token_in_one_round() {
+fn an_unfenced_take_over_sends_nothing() {
     let (locks, nodes, clock) = client(3);
+    let g = locks.lock("r", TTL).unwrap();
+    let old = g.state().clone();
+    assert_eq!(old.section, 1);
+    clock.advance(TTL / 4);
+    let before = nodes.rounds.load(Ordering::SeqCst);
+    let new = locks
+        .engine
+        .accept_hand_over(&old, TTL)
+        .expect("taken over");
+    assert_eq!(nodes.rounds.load(Ordering::SeqCst), before, "no round");
+    assert_eq!(new.token, old.token);
+    assert_eq!(new.section, 2);
+    assert_eq!(new.timing(), old.timing(), "the same expiry");
+    assert_eq!(new.holding(), old.holding());
+    let third = locks.engine.accept_hand_over(&new, TTL).expect("again");
+    assert_eq!(third.section, 3);
+    assert_eq!(nodes.rounds.load(Ordering::SeqCst), before, "no round");
+    std::mem::forget(g);
+    locks.engine.release(&third).expect("released");
+    assert!((0..3).all(|i| nodes.get(i, "r").is_none()), "nothing left");
+
+    // With less than a node timeout of validity left it is released, not
+    // handed on (the receiver locks anew).
+    let g = locks.lock("s", TTL).unwrap();
+    clock.advance(g.validity() - 10 * MS);
+    assert!(matches!(
+        locks.engine.accept_hand_over(g.state(), TTL),
+        Err(Error::Expired)
+    ));
+    assert!((0..3).all(|i| nodes.get(i, "s").is_none()), "released");
+    std::mem::forget(g);
+}
+
+/// A fenced take-over is a new critical section under a fresh token,
+/// swapped on every node in one round, keeping the lock's expiry.
+#[test]
+fn a_fenced_take_over_swaps_in_a_fresh_token_in_one_round() {
+    let (locks, nodes, clock) = client_with(3, fenced());
     let g = locks.lock("r", TTL).unwrap();
     let old = g.state().clone();
     clock.advance(TTL / 4);
@@ -106,9 +145,17 @@ fn a_take_over_swaps_in_a_fresh_token_in_one_round() {
         .expect("taken over");
     assert_eq!(nodes.rounds.load(Ordering::SeqCst) - before, 1);
     assert_ne!(new.token, old.token);
+    assert_eq!(new.section, 2);
     assert!((0..3).all(|i| nodes.get(i, "r").as_deref() == Some(new.token.as_str())));
     assert_eq!(new.timing(), old.timing(), "the same expiry");
     std::mem::forget(g);
+}
+
+fn fenced() -> Settings {
+    Settings {
+        fencing: true,
+        ..crate::testing::fake::settings()
+    }
 }
 
 /// A node the swap did not reach keeps the old token, with the lock's
@@ -117,7 +164,7 @@ fn a_take_over_swaps_in_a_fresh_token_in_one_round() {
 /// node's vote until the TTL runs out.
 #[test]
 fn releasing_a_taken_over_lock_deletes_old_tokens_the_swap_missed() {
-    let (locks, nodes, _) = client(3);
+    let (locks, nodes, _) = client_with(3, fenced());
     let g = locks.lock("r", TTL).unwrap();
     nodes.set_mode(2, Mode::Down);
     let b = locks
@@ -142,7 +189,7 @@ fn releasing_a_taken_over_lock_deletes_old_tokens_the_swap_missed() {
 /// must delete it (a list of recent tokens forgot it).
 #[test]
 fn a_node_that_missed_many_swaps_is_cleaned_by_the_release() {
-    let (locks, nodes, _) = client(3);
+    let (locks, nodes, _) = client_with(3, fenced());
     let g = locks.lock("r", TTL).unwrap();
     let first = g.state().token.clone();
     nodes.set_mode(2, Mode::Down);
@@ -160,12 +207,12 @@ fn a_node_that_missed_many_swaps_is_cleaned_by_the_release() {
     assert!((0..3).all(|i| nodes.get(i, "r").is_none()), "nothing left");
 }
 
-/// A handed-over lock that a majority no longer holds, or with too
+/// A fenced handed-over lock that a majority no longer holds, or with too
 /// little validity left to swap inside it, is not used: it is deleted
 /// everywhere (the caller locks anew).
 #[test]
 fn a_take_over_that_cannot_count_deletes_the_old_lock() {
-    let (locks, nodes, clock) = client(3);
+    let (locks, nodes, clock) = client_with(3, fenced());
     let g = locks.lock("r", TTL).unwrap();
     nodes.del(0, "r");
     nodes.del(1, "r");
