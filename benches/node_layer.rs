@@ -302,8 +302,8 @@ impl Floor {
             let v = c.recv_response().map_err(|e| e.to_string())?;
             let set = match (self.wire, &v) {
                 (Wire::Set, Value::Okay) => true,
-                // The node's history (6 fields, see `ACQUIRE_LUA`), then the key's answer.
-                (Wire::Script, Value::Array(items)) => items.get(6) == Some(&Value::Int(1)),
+                // The node's history (5 fields, see `ACQUIRE_LUA`), then the key's answer.
+                (Wire::Script, Value::Array(items)) => items.get(5) == Some(&Value::Int(1)),
                 _ => false,
             };
             ok += usize::from(set);

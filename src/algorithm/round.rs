@@ -143,8 +143,8 @@ pub(crate) struct NodeFacts {
     /// The longest TTL recorded on the node before this command.
     pub max_ttl: Duration,
     /// The key of this lock history (a hash of the server's `run_id` and
-    /// the epoch, made by the script): new when the node loses its data or
-    /// restarts. `0`: unknown.
+    /// the epoch, see [`NodeFacts::seen_by`]): new when the node loses its
+    /// data or restarts. `0`: unknown.
     pub history: u64,
     /// The lock histories that had begun before `max_ttl` was first used
     /// (as the client that first used it knew them); empty: in use since
@@ -153,6 +153,33 @@ pub(crate) struct NodeFacts {
     /// The longest TTL recorded before that first use (as recorded: equal
     /// to `max_ttl` or not, it counts only for the histories in `after`).
     pub prev_max: Duration,
+}
+
+impl NodeFacts {
+    /// The script's facts as the connection that read them knows its
+    /// server: its `run_id`'s hash `run` (`None`: `INFO` refused) makes,
+    /// with the epoch, the history's key, and its uptime caps the age (a
+    /// node restarted from a snapshot or an AOF kept its history, not its
+    /// latest locks; `None`: no cap, as under an ACL without `INFO`).
+    pub(crate) fn seen_by(mut self, run: Option<u64>, uptime: Option<Duration>) -> NodeFacts {
+        self.history = history_key(run, self.epoch);
+        if let Some(up) = uptime {
+            self.age = self.age.min(up);
+        }
+        self
+    }
+}
+
+/// A lock history's key: the first 48 bits of a hash of the server's run
+/// id and the history's epoch. Every client computes the same key for one
+/// history (it is recorded in the nodes' `after` lists), and a restart
+/// (new run id) or a loss of data (new epoch) makes a new one.
+pub(crate) fn history_key(run: Option<u64>, epoch: u64) -> u64 {
+    let text = match run {
+        Some(r) => format!("{r:016x}:{epoch}"),
+        None => format!("?:{epoch}"),
+    };
+    crate::algorithm::server::id_hash(text.as_bytes()) >> 16
 }
 
 /// A set of lock-history keys (see [`NodeFacts::history`]), at most

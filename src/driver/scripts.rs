@@ -14,24 +14,28 @@ pub(crate) use crate::algorithm::round::META_KEY;
 /// longest TTL the client knew of before this command (and, for a first
 /// use, the lock histories it knows: see `raise_lua!`), `ARGV[3]` `1` for a
 /// fenced lock (else `0`), `ARGV[4..]` the tokens. Answers `{epoch, age_ms,
-/// max_ttl, history_key, prev_max, after, r1, …}`: the node's history
-/// before this command (see `history_lua!`), then `ri`, 0 (exists) or,
-/// where set, 1 or (fenced) the key's new fencing counter (see
-/// [`ACQUIRE_LUA`]).
+/// max_ttl, prev_max, after, r1, …}`: the node's history before this
+/// command (see `history_lua!`), then `ri`, 0 (exists) or, where set, 1 or
+/// (fenced) the key's new fencing counter (see [`ACQUIRE_LUA`]).
 /// The epoch is rounded up and the current time down, so that the age is
 /// never more than the time the node has really kept its data; an epoch in
-/// the node's future (its clock was stepped back) starts again now. The age
-/// is also at most the server process's uptime (less a second, its
-/// resolution): a node restarted from a snapshot or an AOF kept its history
-/// but may have lost its latest locks. An ACL without `INFO` skips that cap.
+/// the node's future (its clock was stepped back) starts again now.
+///
+/// What the script no longer does on every call, the connection knows
+/// once: the server's `run_id` and uptime, from the `INFO` it reads at
+/// connect and every few seconds (a restart always breaks connections).
+/// The client caps the age at that uptime (a node restarted from a
+/// snapshot or an AOF kept its history but may have lost its latest
+/// locks) and derives the history's key from the `run_id` and the epoch
+/// (see [`crate::algorithm::round::NodeFacts::seen_by`]).
 pub(crate) static ACQUIRE: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(ACQUIRE_LUA));
 
 /// The head shared by [`ACQUIRE_LUA`] and [`SWAP_LUA`]: the node's lock
-/// history, read and updated, and the reply's first six elements: `epoch`,
-/// `age`, `max_ttl`, the history's key (the first 48 bits of the SHA1 of
-/// the server's `run_id` and the epoch: new when the node loses its data
-/// or restarts), `prev_max` and `after` (see `raise_lua!`).
+/// history, read and updated, and the reply's first five elements: `epoch`,
+/// `age`, `max_ttl`, `prev_max` and `after` (see `raise_lua!`). One `TIME`
+/// and one `HMGET`; an `HSET` only when the history begins or the longest
+/// TTL grows.
 macro_rules! history_lua {
     () => {
         concat!(
@@ -45,22 +49,12 @@ if not epoch or epoch > now + 1 then
   redis.call('HSET', meta, 'epoch', epoch)
 end
 local age = math.max(now - epoch, 0)
-local run = '?'
-local info = redis.pcall('INFO', 'server')
-if type(info) == 'string' then
-  local up = tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
-  if up then
-    age = math.min(age, math.max(up - 1, 0) * 1000)
-  end
-  run = string.match(info, 'run_id:(%w+)') or '?'
-end
-local hkey = tonumber(string.sub(redis.sha1hex(run .. ':' .. epoch), 1, 12), 16)
 local known = tonumber(m[2]) or 0
 local prev = tonumber(m[3]) or known
 local after = m[4] or ''
 ",
             raise_lua!(),
-            r"local out = {epoch, age, known, hkey, prev, after}
+            r"local out = {epoch, age, known, prev, after}
 local n = #KEYS - 1
 "
         )
@@ -163,20 +157,20 @@ for i = 1, n do
       local f = 'fence:' .. KEYS[i]
       local c = math.max((tonumber(redis.call('HGET', meta, f)) or 0) + 1, micros)
       redis.call('HSET', meta, f, string.format('%.0f', c))
-      out[i + 6] = c
+      out[i + 5] = c
     else
-      out[i + 6] = 1
+      out[i + 5] = 1
     end
   elseif redis.call('GET', KEYS[i]) == ARGV[i + 3] then
     -- This attempt's own SET (tokens are one per attempt), sent again after
     -- its connection closed before the reply: set, with its counter.
     if ARGV[3] == '1' then
-      out[i + 6] = tonumber(redis.call('HGET', meta, 'fence:' .. KEYS[i])) or 0
+      out[i + 5] = tonumber(redis.call('HGET', meta, 'fence:' .. KEYS[i])) or 0
     else
-      out[i + 6] = 1
+      out[i + 5] = 1
     end
   else
-    out[i + 6] = 0
+    out[i + 5] = 0
   end
 end
 return out"
@@ -220,10 +214,10 @@ pub(crate) const SWAP_LUA: &str = concat!(
     history_lua!(),
     r"local v = redis.call('GET', KEYS[1])
 local left = redis.call('PTTL', KEYS[1])
-out[7] = v and -1 or 0
+out[6] = v and -1 or 0
 if v == ARGV[4] then
   -- This swap, sent again after its connection closed before the reply.
-  out[7] = 1
+  out[6] = 1
 elseif left > 0 and ours(v, ARGV[5]) then
   redis.call('SET', KEYS[1], ARGV[4], 'PX', left)
   if ARGV[3] ~= '0' then
@@ -232,7 +226,7 @@ elseif left > 0 and ours(v, ARGV[5]) then
       redis.call('HSET', meta, f, ARGV[3])
     end
   end
-  out[7] = 1
+  out[6] = 1
 end
 return out"
 );

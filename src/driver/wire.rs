@@ -12,7 +12,7 @@ use std::collections::VecDeque;
 use std::io;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use redis::Value;
 
@@ -73,6 +73,9 @@ pub(crate) struct Wire {
     pub server: ServerTag,
     /// When `INFO` was last asked on this connection.
     pub info_at: Instant,
+    /// The server's uptime as its last `INFO` said, less a second (its
+    /// resolution), and when that reply was read; `None` when refused.
+    pub uptime: Option<(Duration, Instant)>,
     /// Returned to the pool owing replies: counted in this counter (the
     /// node's idle connections that owe replies) until a checkout reads
     /// them or the connection is dropped.
@@ -88,6 +91,16 @@ impl Drop for Wire {
 }
 
 impl Wire {
+    /// A lower bound on the server's uptime when it ran a command sent at
+    /// `sent` on this connection: at least its last `INFO`'s, plus the time
+    /// from reading that reply to sending the command, less 1 % (the two
+    /// clocks' rates may differ).
+    pub(crate) fn uptime_at(&self, sent: Instant) -> Option<Duration> {
+        let (up, read) = self.uptime?;
+        let since = sent.saturating_duration_since(read);
+        Some(up.saturating_add(since.saturating_sub(since / 100)))
+    }
+
     /// The connection goes back to its pool, to idle: one that owes replies
     /// is counted in `owing` (the node's idle connections that owe some,
     /// which the retry job drains), once. Returns whether it is broken (to
@@ -109,6 +122,7 @@ impl Wire {
             made: now,
             server: ServerTag::default(),
             info_at: now,
+            uptime: None,
             owing: None,
         }
     }
@@ -248,12 +262,28 @@ impl Wire {
     /// `tokens` are those whose write may still land until such a reply is
     /// read, and `undo` (for an acquire or a swap) is sent if it says set.
     pub(crate) fn unwant(&mut self, undo: Option<&[u8]>, tokens: &[String], resend: Option<&[u8]>) {
+        self.unwant_release(undo, tokens, resend, &[]);
+    }
+
+    /// [`unwant`](Self::unwant), for a release whose keys (tokens
+    /// `retried`) its round queued for the retry job: its late reply takes
+    /// them off the queue, as a retried release's does (see
+    /// [`Pending::retried`]), so that a delete the node did run is not
+    /// sent again.
+    pub(crate) fn unwant_release(
+        &mut self,
+        undo: Option<&[u8]>,
+        tokens: &[String],
+        resend: Option<&[u8]>,
+        retried: &[String],
+    ) {
         for p in &mut self.pending {
             if p.wanted {
                 p.wanted = false;
                 p.undo = undo.map(<[u8]>::to_vec);
                 p.tokens = tokens.to_vec();
                 p.resend = resend.map(<[u8]>::to_vec);
+                p.retried = retried.to_vec();
             }
         }
     }

@@ -11,9 +11,9 @@ use crate::driver::scripts;
 use crate::error::NodeErrorKind;
 
 /// Elements of an acquire or swap reply before its answers: the lock
-/// history's epoch, age, longest TTL, key, the longest TTL before that was
-/// first used, and the histories it was first used after (a string, last).
-pub(crate) const FACTS: usize = 6;
+/// history's epoch, age, longest TTL, the longest TTL before that was first
+/// used, and the histories it was first used after (a string, last).
+pub(crate) const FACTS: usize = 5;
 
 /// A round's commands, packed once for all nodes.
 pub(crate) struct Encoded {
@@ -171,7 +171,7 @@ impl Encoded {
                     return Err(unexpected(Value::Array(items)));
                 }
                 let f: Vec<i64> = items[..FACTS - 1].iter().filter_map(int).collect();
-                let [epoch, age, max, key, prev] = f[..] else {
+                let [epoch, age, max, prev] = f[..] else {
                     return Err(unexpected(Value::Array(items)));
                 };
                 let after = match &items[FACTS - 1] {
@@ -184,7 +184,8 @@ impl Encoded {
                     epoch: u64::try_from(epoch).unwrap_or(0),
                     age: ms(age),
                     max_ttl: ms(max),
-                    history: u64::try_from(key).unwrap_or(0),
+                    // Set by the connection that read it (`NodeFacts::seen_by`).
+                    history: 0,
                     after,
                     prev_max: ms(prev),
                 };
@@ -304,8 +305,8 @@ mod tests {
     /// meanwhile is deleted again behind it).
     #[test]
     fn a_late_fenced_set_is_seen_as_set() {
-        // The history's six facts (positive ones), then the answer.
-        let reply = |r: i64| Value::Array([1, 2, 3, 3, 1, 9, r].map(Value::Int).to_vec());
+        // The history's five facts (positive ones), then the answer.
+        let reply = |r: i64| Value::Array([1, 2, 3, 1, 9, r].map(Value::Int).to_vec());
         assert!(acquired_any(&reply(1)));
         assert!(acquired_any(&reply(1_796_000_000_000_000)));
         assert!(!acquired_any(&reply(0)), "exists");

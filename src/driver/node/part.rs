@@ -66,6 +66,11 @@ pub(crate) fn take_reply(
     let server = wire.server;
     let mut r = enc.decode(v);
     if let Ok(reply) = &mut r {
+        // The history's key and the age's cap come from what this
+        // connection knows of its server (see `scripts::ACQUIRE`).
+        reply.facts = reply
+            .facts
+            .map(|f| f.seen_by(server.run, wire.uptime_at(p.sent)));
         // Who answered: the connection's server (its history's id as
         // the node last reported it, if this connection has none).
         let history = server.history.or_else(|| shared.servers.history(i));
@@ -198,6 +203,9 @@ pub(crate) struct Leftovers {
     undo: Option<Vec<u8>>,
     tokens: Vec<String>,
     resend: Option<Vec<u8>>,
+    /// A release's tokens: its round queues the deletes still owed for the
+    /// retry job, and their late replies take them off again.
+    released: Vec<String>,
     /// Until when a write still owed may land.
     unsettled_until: Option<Instant>,
 }
@@ -224,9 +232,12 @@ impl Leftovers {
         } else {
             Vec::new()
         };
-        let resend = match enc.op {
-            Op::Release { .. } if owed => Some(enc.fallback()),
-            _ => None,
+        let (resend, released) = match enc.op {
+            Op::Release { .. } if owed => (
+                Some(enc.fallback()),
+                keys.iter().map(|k| k.token.to_owned()).collect(),
+            ),
+            _ => (None, Vec::new()),
         };
         let unsettled_until = enc.writes().filter(|_| owed).map(|ttl| after(start, ttl));
         let undo = match (enc.op, unsettled_until) {
@@ -240,6 +251,7 @@ impl Leftovers {
             undo,
             tokens,
             resend,
+            released,
             unsettled_until,
         }
     }
@@ -307,7 +319,12 @@ pub(crate) fn end_part<C: Link>(
     if let Some(c) = s.conn.as_mut() {
         let wire = c.wire_mut();
         if wire.awaits_wanted() {
-            wire.unwant(left.undo.as_deref(), &left.tokens, left.resend.as_deref());
+            wire.unwant_release(
+                left.undo.as_deref(),
+                &left.tokens,
+                left.resend.as_deref(),
+                &left.released,
+            );
             if let Some(until) = left.unsettled_until {
                 shared.unsettle(&left.tokens, until, now);
             }

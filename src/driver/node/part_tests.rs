@@ -456,3 +456,137 @@ fn a_timeout_the_client_caused_says_so() {
     );
     assert!(n.is_healthy(), "not the node's doing");
 }
+
+/// Issue 21: the acquire script no longer reads `INFO`; the connection's
+/// own reading of it caps the age at the server's uptime (a node restarted
+/// from a snapshot keeps an old history) and names the history by its
+/// `run_id` and epoch, as every client does.
+#[test]
+fn a_connections_info_caps_the_age_and_names_the_history() {
+    let (n, enc) = (node(), acquire());
+    let names = vec!["n0".to_owned()];
+    let now = Instant::now();
+    let facts = |w: &mut Wire, age_ms: i64| {
+        w.queue(&enc.packed, now, true);
+        w.written(w.output().len());
+        // epoch 1000, age, longest TTL 10 s, prev 10 s, after "", set.
+        let v = Value::Array(vec![
+            Value::Int(1000),
+            Value::Int(age_ms),
+            Value::Int(10_000),
+            Value::Int(10_000),
+            Value::BulkString(Vec::new()),
+            Value::Int(1),
+        ]);
+        let pv = w.answer(v).expect("owed");
+        let mut results = vec![None];
+        take_reply(
+            &ballot_for(&enc, &names),
+            0,
+            &mut false,
+            false,
+            w,
+            &n,
+            pv,
+            now,
+            &mut results,
+        )
+        .expect("taken");
+        let reply = results.pop().flatten().expect("voted").expect("a reply");
+        reply.facts.expect("facts")
+    };
+    let mut w = Wire::new(now);
+    w.server.run = Some(7);
+    // Up for 3 s (INFO said 4, less its one-second resolution), read now.
+    w.uptime = Some((Duration::from_secs(3), now));
+    let f = facts(&mut w, 3_600_000);
+    assert_eq!(f.age, Duration::from_secs(3), "capped at the uptime");
+    assert_eq!(
+        f.history,
+        crate::algorithm::round::history_key(Some(7), 1000)
+    );
+    // No INFO (an ACL refused it): no cap, and the epoch alone names it.
+    let mut w = Wire::new(now);
+    let f = facts(&mut w, 3_600_000);
+    assert_eq!(f.age, Duration::from_secs(3600));
+    assert_eq!(f.history, crate::algorithm::round::history_key(None, 1000));
+    // A restart (another run id) or another epoch is another history.
+    let keys = [
+        (Some(7), 1000),
+        (Some(8), 1000),
+        (Some(7), 1001),
+        (None, 1000),
+    ]
+    .map(|(r, e)| crate::algorithm::round::history_key(r, e));
+    for (i, a) in keys.iter().enumerate() {
+        assert!(*a < 1 << 48, "exact in a Lua number");
+        assert!(keys[i + 1..].iter().all(|b| b != a), "{keys:?}");
+    }
+}
+
+/// The uptime bound grows with the time since `INFO` was read, a little
+/// slower than the client's clock, and never before it was read.
+#[test]
+fn the_uptime_bound_grows_slower_than_the_clock() {
+    let read = Instant::now();
+    let mut w = Wire::new(read);
+    assert_eq!(w.uptime_at(read), None, "no INFO read");
+    w.uptime = Some((Duration::from_secs(3), read));
+    assert_eq!(w.uptime_at(read), Some(Duration::from_secs(3)));
+    let later = read + Duration::from_secs(100);
+    assert_eq!(w.uptime_at(later), Some(Duration::from_secs(102)));
+    let earlier = read.checked_sub(Duration::from_secs(1)).unwrap_or(read);
+    assert_eq!(w.uptime_at(earlier), Some(Duration::from_secs(3)));
+}
+
+/// Issue 21: a release round that settled before a node's reply queues
+/// that node's delete for the retry job (its connection may be closed
+/// before the node reads it); the late reply, once read, takes it off the
+/// queue again, so a healthy cycle sends no delete twice. An error reply
+/// (the script did not run) leaves it queued.
+#[test]
+fn a_late_release_reply_takes_its_retry_off_the_queue() {
+    use crate::driver::node::replies::late_reply;
+    for (reply, answered) in [
+        (Value::Array(vec![Value::Int(1)]), true),
+        (
+            redis::parse_redis_value(b"-BUSY a script is running\r\n").expect("RESP"),
+            false,
+        ),
+    ] {
+        let (n, enc, names) = (node(), release(), vec!["n0".to_owned()]);
+        let start = Instant::now();
+        let mut parts = vec![sent_on(&enc, start, start)];
+        let keys = [Key::new("r", "t")];
+        let left = Leftovers::of(&enc, &keys, &parts, start);
+        let none = |_: usize| None;
+        let ended = End {
+            now: start + Duration::from_millis(1),
+            start,
+            deadline: start + Duration::from_millis(50),
+            settled: true,
+            pool_busy: &none,
+        };
+        let mut result = None;
+        end_part(
+            &ballot_for(&enc, &names),
+            0,
+            &mut parts[0],
+            &n,
+            &left,
+            &ended,
+            &mut result,
+        );
+        let wire = &mut parts[0].conn.as_mut().expect("kept").0;
+        wire.written(wire.output().len());
+        let (p, v) = wire.answer(reply).expect("owed");
+        assert_eq!(p.retried, ["t"], "the queued delete's token");
+        late_reply(wire, &n, p, &v, Instant::now()).expect("usable");
+        let got = n.answered.lock().clone();
+        if answered {
+            assert_eq!(got, vec![vec!["t".to_owned()]]);
+        } else {
+            assert!(got.is_empty(), "{got:?}");
+        }
+    }
+}

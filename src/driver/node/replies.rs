@@ -156,10 +156,12 @@ pub(crate) fn late_reply(
     }
     let noscript =
         matches!(v, Value::ServerError(e) if e.kind() == Some(redis::ServerErrorKind::NoScript));
-    if !p.retried.is_empty() && !noscript {
-        // The node answered a retried release (a release the script did
-        // not run is sent again, as EVAL below and by the next retry). The
-        // queue is updated by the retry job, off the round's path.
+    if !p.retried.is_empty() && matches!(v, Value::Array(_)) {
+        // The node ran a release whose keys are queued for retry: a
+        // retried one, or a round's that did not wait for this reply (a
+        // release the script did not run, an error reply, is sent again:
+        // as EVAL below after NOSCRIPT, and by the next retry). The queue
+        // is updated by the retry job, off the round's path.
         node.answered.lock().push(p.retried);
     }
     if noscript {
@@ -216,6 +218,9 @@ pub(crate) fn setup_reply(
         Setup::Info => {
             let info = info_of(v);
             c.server.run = info.run_id.as_deref().map(|r| id_hash(r.as_bytes()));
+            c.uptime = info
+                .uptime
+                .map(|up| (Duration::from_secs(up.saturating_sub(1)), node.clock.now()));
             c.server.kind = info.kind();
             node.servers.learn_info(node.index, &Ok(info));
         }

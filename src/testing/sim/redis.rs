@@ -304,18 +304,18 @@ pub(crate) fn reply(op: Op, r: Result<Reply, &str>) -> Value {
     };
     let mut items = Vec::new();
     if let (Op::Acquire { .. } | Op::Swap { .. }, Some(f)) = (op, reply.facts) {
+        // The history's key is the reading connection's to make.
         let NodeFacts {
             epoch,
             age,
             max_ttl,
-            history,
+            history: _,
             after,
             prev_max,
         } = f;
         items.push(Value::Int(i64::try_from(epoch).unwrap_or(i64::MAX)));
         items.push(Value::Int(millis(age)));
         items.push(Value::Int(millis(max_ttl)));
-        items.push(Value::Int(i64::try_from(history).unwrap_or(0)));
         items.push(Value::Int(millis(prev_max)));
         items.push(Value::BulkString(after.to_text().into_bytes()));
     }
@@ -446,7 +446,15 @@ mod tests {
         let enc = Encoded::new(op, &keys);
         let got = enc.decode(reply(op, Ok(said.clone()))).expect("decodes");
         assert_eq!(got.answers, said.answers);
-        assert_eq!(got.facts, Some(facts));
+        // The history's key is not in the reply: the reading connection
+        // makes it (`NodeFacts::seen_by`).
+        assert_eq!(
+            got.facts,
+            Some(NodeFacts {
+                history: 0,
+                ..facts
+            })
+        );
         let release = Op::Release {
             keep_until: Instant::now(),
         };

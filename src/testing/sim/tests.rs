@@ -315,7 +315,7 @@ mod engine_defects {
             undo_skips_lost: true,
             ..Defects::default()
         };
-        found(0x23b, Mix::ListedTwice, defects, Kind::Leaked);
+        found(0xe70, Mix::Standard, defects, Kind::Leaked);
     }
 
     /// A release retry job that sends the same batch every time: the
