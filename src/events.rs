@@ -166,7 +166,8 @@ impl<'a> Nodes<'a> {
     }
 
     /// Each node's address (`host:port`, no credentials) and outcome. Empty
-    /// when no round was sent (the lock had already expired).
+    /// when no round was sent: the lock had already expired, or an unfenced
+    /// local hand-over needed none (see [`LockGuard::section`](crate::LockGuard::section)).
     pub fn iter(&self) -> impl Iterator<Item = (&'a str, NodeOutcome)> + 'a {
         let index = self.index;
         self.names
@@ -235,7 +236,7 @@ impl<'a> AttemptEvent<'a> {
         self.section
     }
 
-    /// From sending the round to the decision (a fenced lock's write-back
+    /// From the start of the attempt to the decision (a fenced lock's write-back
     /// included).
     pub fn elapsed(&self) -> Duration {
         self.elapsed

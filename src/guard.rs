@@ -250,8 +250,8 @@ impl LockGuard {
     /// Releases the lock on every node and reports the outcome. Renewal
     /// stops before the keys are deleted. When other threads of this process
     /// are queued for the resource and at least half the TTL is left, the
-    /// held lock passes to the next of them instead, which continues it
-    /// under a token of its own (see
+    /// held lock passes to the next of them instead, which continues it as
+    /// its next critical section (see [`section`](Self::section) and
     /// [`Builder::local_queue`](crate::Builder::local_queue)); this guard's
     /// [`lost`](Self::lost) channel is disconnected either way.
     ///
@@ -266,7 +266,8 @@ impl LockGuard {
 
     /// Deregisters and releases, once (`None` when already done); or, with
     /// threads of this process queued for the resource and at least half the
-    /// TTL left, hands the held lock to the next of them without a round trip.
+    /// TTL left, hands the held lock to the next of them (unfenced, without
+    /// a round trip).
     fn finish(&mut self) -> Option<Result<()>> {
         if std::mem::replace(&mut self.done, true) {
             return None;

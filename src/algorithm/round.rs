@@ -157,12 +157,25 @@ pub(crate) struct NodeFacts {
 
 impl NodeFacts {
     /// The script's facts as the connection that read them knows its
-    /// server: its `run_id`'s hash `run` (`None`: `INFO` refused) makes,
-    /// with the epoch, the history's key, and its uptime caps the age (a
-    /// node restarted from a snapshot or an AOF kept its history, not its
-    /// latest locks; `None`: no cap, as under an ACL without `INFO`).
-    pub(crate) fn seen_by(mut self, run: Option<u64>, uptime: Option<Duration>) -> NodeFacts {
-        self.history = history_key(run, self.epoch);
+    /// server: its `run_id` (`None`: `INFO` refused) makes, with the epoch,
+    /// the history's key (`key`, the connection's cache of it, keyed by
+    /// epoch), and its uptime caps the age (a node restarted from a
+    /// snapshot or an AOF kept its history, not its latest locks; `None`:
+    /// no cap, as under an ACL without `INFO`).
+    pub(crate) fn seen_by(
+        mut self,
+        run_id: Option<&str>,
+        uptime: Option<Duration>,
+        key: &mut Option<(u64, u64)>,
+    ) -> NodeFacts {
+        self.history = match *key {
+            Some((epoch, k)) if epoch == self.epoch => k,
+            _ => {
+                let k = history_key(run_id, self.epoch);
+                *key = Some((self.epoch, k));
+                k
+            }
+        };
         if let Some(up) = uptime {
             self.age = self.age.min(up);
         }
@@ -170,16 +183,19 @@ impl NodeFacts {
     }
 }
 
-/// A lock history's key: the first 48 bits of a hash of the server's run
-/// id and the history's epoch. Every client computes the same key for one
-/// history (it is recorded in the nodes' `after` lists), and a restart
-/// (new run id) or a loss of data (new epoch) makes a new one.
-pub(crate) fn history_key(run: Option<u64>, epoch: u64) -> u64 {
-    let text = match run {
-        Some(r) => format!("{r:016x}:{epoch}"),
-        None => format!("?:{epoch}"),
-    };
-    crate::algorithm::server::id_hash(text.as_bytes()) >> 16
+/// A lock history's key: the first 48 bits of the SHA1 of the server's
+/// `run_id` (`?` when unknown), a colon and the history's epoch, as the
+/// scripts of earlier releases computed it (`redis.sha1hex`), so that every
+/// client, of this release or an earlier one, names one history alike (the
+/// keys are recorded in the nodes' `after` lists). A restart (new run id)
+/// or a loss of data (new epoch) makes a new one.
+pub(crate) fn history_key(run_id: Option<&str>, epoch: u64) -> u64 {
+    let text = format!("{}:{epoch}", run_id.unwrap_or("?"));
+    // `redis::Script` names a script by the SHA1 of its text.
+    let sha1 = redis::Script::new(&text).get_hash().to_owned();
+    sha1.get(..12)
+        .and_then(|h| u64::from_str_radix(h, 16).ok())
+        .unwrap_or(0)
 }
 
 /// A set of lock-history keys (see [`NodeFacts::history`]), at most

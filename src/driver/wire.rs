@@ -76,6 +76,11 @@ pub(crate) struct Wire {
     /// The server's uptime as its last `INFO` said, less a second (its
     /// resolution), and when that reply was read; `None` when refused.
     pub uptime: Option<(Duration, Instant)>,
+    /// The server's `run_id`, as its last `INFO` said.
+    pub run_id: Option<String>,
+    /// The last lock history's epoch seen on this connection, and its key
+    /// (see [`crate::algorithm::round::history_key`]).
+    pub history_key: Option<(u64, u64)>,
     /// Returned to the pool owing replies: counted in this counter (the
     /// node's idle connections that owe replies) until a checkout reads
     /// them or the connection is dropped.
@@ -123,6 +128,8 @@ impl Wire {
             server: ServerTag::default(),
             info_at: now,
             uptime: None,
+            run_id: None,
+            history_key: None,
             owing: None,
         }
     }

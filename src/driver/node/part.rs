@@ -68,9 +68,10 @@ pub(crate) fn take_reply(
     if let Ok(reply) = &mut r {
         // The history's key and the age's cap come from what this
         // connection knows of its server (see `scripts::ACQUIRE`).
+        let uptime = wire.uptime_at(p.sent);
         reply.facts = reply
             .facts
-            .map(|f| f.seen_by(server.run, wire.uptime_at(p.sent)));
+            .map(|f| f.seen_by(wire.run_id.as_deref(), uptime, &mut wire.history_key));
         // Who answered: the connection's server (its history's id as
         // the node last reported it, if this connection has none).
         let history = server.history.or_else(|| shared.servers.history(i));
@@ -273,8 +274,9 @@ pub(crate) struct End<'a> {
 /// What a timed-out node's error says: how long its reply was waited for
 /// and, when that was less than the node timeout, why: the command left
 /// late (this client's thread was not scheduled, or waited for a
-/// connection), or the thread got the CPU back only after the round's
-/// deadline. Neither is the node's doing.
+/// connection), the thread got the CPU back only after the round's
+/// deadline, or the round's deadline was nearer than a node timeout (the
+/// lock's validity, the caller's wait). None is the node's doing.
 fn timed_out(waited: Duration, sent: Option<Instant>, end: &End<'_>, timeout: Duration) -> String {
     if waited >= timeout {
         return format!("no reply in {waited:?}");
@@ -291,6 +293,12 @@ fn timed_out(waited: Duration, sent: Option<Instant>, end: &End<'_>, timeout: Du
         why.push_str(&format!(
             "; this client's thread got the CPU back {overrun:?} after the round's deadline"
         ));
+    } else if late_send <= waited {
+        // Sent in time and woken in time: the round's own bound was shorter
+        // than a node timeout.
+        why.push_str(
+            ": the round's deadline (the lock's validity, or the caller's wait) came first",
+        );
     }
     why
 }

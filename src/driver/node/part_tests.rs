@@ -496,14 +496,14 @@ fn a_connections_info_caps_the_age_and_names_the_history() {
         reply.facts.expect("facts")
     };
     let mut w = Wire::new(now);
-    w.server.run = Some(7);
+    w.run_id = Some("8a3f".to_owned());
     // Up for 3 s (INFO said 4, less its one-second resolution), read now.
     w.uptime = Some((Duration::from_secs(3), now));
     let f = facts(&mut w, 3_600_000);
     assert_eq!(f.age, Duration::from_secs(3), "capped at the uptime");
     assert_eq!(
         f.history,
-        crate::algorithm::round::history_key(Some(7), 1000)
+        crate::algorithm::round::history_key(Some("8a3f"), 1000)
     );
     // No INFO (an ACL refused it): no cap, and the epoch alone names it.
     let mut w = Wire::new(now);
@@ -512,9 +512,9 @@ fn a_connections_info_caps_the_age_and_names_the_history() {
     assert_eq!(f.history, crate::algorithm::round::history_key(None, 1000));
     // A restart (another run id) or another epoch is another history.
     let keys = [
-        (Some(7), 1000),
-        (Some(8), 1000),
-        (Some(7), 1001),
+        (Some("8a3f"), 1000),
+        (Some("8a40"), 1000),
+        (Some("8a3f"), 1001),
         (None, 1000),
     ]
     .map(|(r, e)| crate::algorithm::round::history_key(r, e));
@@ -589,4 +589,49 @@ fn a_late_release_reply_takes_its_retry_off_the_queue() {
             assert!(got.is_empty(), "{got:?}");
         }
     }
+}
+
+/// The history's key is the one earlier releases' scripts made, so that
+/// clients of both name one history alike during an upgrade:
+/// `tonumber(string.sub(redis.sha1hex(run .. ':' .. epoch), 1, 12), 16)`
+/// (`sha1sum` of `abc:1796176031670` begins `b878996a62f9`; Redis 7's Lua
+/// prints that epoch with all its digits).
+#[test]
+fn the_history_key_is_the_one_the_scripts_made() {
+    assert_eq!(
+        crate::algorithm::round::history_key(Some("abc"), 1_796_176_031_670),
+        0xb878_996a_62f9
+    );
+}
+
+/// A round whose own deadline was nearer than a node timeout (a short
+/// validity, the caller's wait) says that is why it waited less.
+#[test]
+fn a_timeout_at_the_rounds_own_deadline_says_so() {
+    let (n, enc, names) = (node(), acquire(), vec!["n0".to_owned()]);
+    let start = Instant::now();
+    let mut parts = vec![sent_on(&enc, start, start)];
+    let keys = [Key::new("r", "t")];
+    let left = Leftovers::of(&enc, &keys, &parts, start);
+    let none = |_: usize| None;
+    let ended = End {
+        now: start + Duration::from_millis(10),
+        start,
+        deadline: start + Duration::from_millis(10),
+        settled: false,
+        pool_busy: &none,
+    };
+    let mut result = None;
+    end_part(
+        &ballot_for(&enc, &names),
+        0,
+        &mut parts[0],
+        &n,
+        &left,
+        &ended,
+        &mut result,
+    );
+    let detail = result.expect("set").expect_err("failed").to_string();
+    assert!(detail.contains("the round's deadline"), "{detail}");
+    assert!(!detail.contains("CPU"), "{detail}");
 }

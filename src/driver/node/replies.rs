@@ -162,7 +162,7 @@ pub(crate) fn late_reply(
         // release the script did not run, an error reply, is sent again:
         // as EVAL below after NOSCRIPT, and by the next retry). The queue
         // is updated by the retry job, off the round's path.
-        node.answered.lock().push(p.retried);
+        node.answered.lock().push(p.retried.clone());
     }
     if noscript {
         // The round that sent it ended before it could fall back to EVAL:
@@ -170,7 +170,12 @@ pub(crate) fn late_reply(
         // scripts are loaded so that the next round's EVALSHA runs.
         debug!("node {}: scripts not cached; loading them", node.name);
         if let Some(resend) = &p.resend {
-            c.queue(resend, now, false);
+            if p.retried.is_empty() {
+                c.queue(resend, now, false);
+            } else {
+                // Its keys stay queued for retry until this one is answered.
+                c.queue_retry(resend, now, resend.clone(), p.retried.clone());
+            }
         }
         for load in scripts::load_commands() {
             c.queue_setup(&load, now, Setup::Load);
@@ -221,6 +226,10 @@ pub(crate) fn setup_reply(
             c.uptime = info
                 .uptime
                 .map(|up| (Duration::from_secs(up.saturating_sub(1)), node.clock.now()));
+            if c.run_id != info.run_id {
+                c.history_key = None;
+                c.run_id = info.run_id.clone();
+            }
             c.server.kind = info.kind();
             node.servers.learn_info(node.index, &Ok(info));
         }
@@ -336,6 +345,28 @@ mod tests {
         let (p, v) = w.answer(acquired(0)).expect("owed");
         assert!(!late_reply(&mut w, &n, p, &v, Instant::now()).expect("usable"));
         assert!(w.output().is_empty());
+    }
+
+    /// A settled release's late NOSCRIPT: the EVAL sent again carries the
+    /// keys its round queued for retry, so that its answer takes them off
+    /// the queue (else a healthy cycle after `SCRIPT FLUSH` deletes twice).
+    #[test]
+    fn a_late_noscript_release_sent_again_keeps_its_queued_keys() {
+        let n = node();
+        let mut w = Wire::new(Instant::now());
+        w.queue(b"EVALSHA release", Instant::now(), true);
+        w.unwant_release(None, &[], Some(b"EVAL release"), &["t".to_owned()]);
+        w.written(w.output().len());
+        let (p, v) = w
+            .answer(value(b"-NOSCRIPT No matching script.\r\n"))
+            .expect("owed");
+        assert!(late_reply(&mut w, &n, p, &v, Instant::now()).expect("usable"));
+        assert!(n.answered.lock().is_empty(), "not run: still queued");
+        w.written(w.output().len());
+        let (p, v) = w.answer(Value::Array(vec![Value::Int(1)])).expect("owed");
+        assert_eq!(p.retried, ["t"]);
+        assert!(!late_reply(&mut w, &n, p, &v, Instant::now()).expect("usable"));
+        assert_eq!(*n.answered.lock(), vec![vec!["t".to_owned()]]);
     }
 
     #[test]

@@ -86,7 +86,7 @@ impl Servers {
             Err(why) => {
                 if first {
                     info!(
-                        "node {name}: INFO refused ({why}): this client cannot tell by run_id whether two entries are one server, nor see a replica, a cluster node or an evicting policy; grant the lock user +info"
+                        "node {name}: INFO refused ({why}): this client cannot tell by run_id whether two entries are one server, nor see a replica, a cluster node or an evicting policy, nor cap a lock history's age at the server's uptime (a node restarted from a snapshot); grant the lock user +info"
                     );
                 }
             }

@@ -1,7 +1,8 @@
-//! The local hand-over's round: a lock passed to the next thread of this
-//! process becomes its own critical section by one swap (a fresh token, the
-//! same expiry); and the fencing write-back that lifts every granting node
-//! to a lock's fencing token.
+//! The local hand-over: a lock passed to the next thread of this process
+//! becomes its next critical section, unfenced with nothing sent, fenced by
+//! one swap round (a fresh token and the next fencing token, the same
+//! expiry); and the fencing write-back that lifts every granting node to a
+//! lock's fencing token.
 
 use std::cell::Cell;
 use std::time::Duration;
@@ -176,6 +177,12 @@ impl Engine {
         let mut state = LockState::new(&handed.resource, token, fence, timing);
         state.section = handed.section.saturating_add(1);
         state.acquired = start;
+        // An extension the old section sent may still land (the extend
+        // script takes any token of the lineage): its reach stays the
+        // lock's, for the release's retries.
+        if let Some(r) = handed.reach() {
+            state.reach_until(r);
+        }
         state.set_holding(quorum::holding(&results, 0));
         trace!(
             "lock {:?}: section {} under token {}",

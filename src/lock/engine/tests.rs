@@ -111,6 +111,7 @@ fn an_unfenced_take_over_sends_nothing() {
     assert_eq!(new.section, 2);
     assert_eq!(new.timing(), old.timing(), "the same expiry");
     assert_eq!(new.holding(), old.holding());
+    assert_eq!(new.reach(), old.reach());
     let third = locks.engine.accept_hand_over(&new, TTL).expect("again");
     assert_eq!(third.section, 3);
     assert_eq!(nodes.rounds.load(Ordering::SeqCst), before, "no round");
@@ -137,6 +138,8 @@ fn a_fenced_take_over_swaps_in_a_fresh_token_in_one_round() {
     let (locks, nodes, clock) = client_with(3, fenced());
     let g = locks.lock("r", TTL).unwrap();
     let old = g.state().clone();
+    // An extension of the old section may still land: its reach stays.
+    old.reach_until(clock.now() + 2 * TTL);
     clock.advance(TTL / 4);
     let before = nodes.rounds.load(Ordering::SeqCst);
     let new = locks
@@ -148,6 +151,7 @@ fn a_fenced_take_over_swaps_in_a_fresh_token_in_one_round() {
     assert_eq!(new.section, 2);
     assert!((0..3).all(|i| nodes.get(i, "r").as_deref() == Some(new.token.as_str())));
     assert_eq!(new.timing(), old.timing(), "the same expiry");
+    assert_eq!(new.reach(), old.reach(), "the same reach");
     std::mem::forget(g);
 }
 
