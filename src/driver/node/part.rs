@@ -388,3 +388,7 @@ pub(crate) fn end_part<C: Link>(
 #[cfg(test)]
 #[path = "part_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "part_end_tests.rs"]
+mod end_tests;

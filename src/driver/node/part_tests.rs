@@ -8,11 +8,11 @@ use crate::algorithm::round::Key;
 
 const NAMES: [&str; 1] = ["n0"];
 
-fn node() -> NodeShared {
+pub(super) fn node() -> NodeShared {
     NodeShared::for_tests()
 }
 
-fn release() -> Encoded {
+pub(super) fn release() -> Encoded {
     let op = Op::Release {
         keep_until: Instant::now() + Duration::from_secs(10),
     };
@@ -141,7 +141,7 @@ fn a_reply_names_the_server_that_answered() {
     assert!(n.is_healthy());
 }
 
-struct TestLink(Wire);
+pub(super) struct TestLink(pub(super) Wire);
 
 impl Link for TestLink {
     type Ready = ();
@@ -182,7 +182,7 @@ impl Link for TestLink {
     }
 }
 
-fn acquire() -> Encoded {
+pub(super) fn acquire() -> Encoded {
     let op = Op::Acquire {
         ttl: Duration::from_secs(10),
         known_max: Duration::from_secs(10),
@@ -193,7 +193,7 @@ fn acquire() -> Encoded {
 }
 
 /// A part that sent `enc` at `began` on a connection made at `made`.
-fn sent_on(enc: &Encoded, made: Instant, began: Instant) -> Part<TestLink> {
+pub(super) fn sent_on(enc: &Encoded, made: Instant, began: Instant) -> Part<TestLink> {
     let mut w = Wire::new(made);
     w.queue(&enc.packed, began, true);
     Part {
@@ -207,7 +207,7 @@ fn sent_on(enc: &Encoded, made: Instant, began: Instant) -> Part<TestLink> {
     }
 }
 
-fn ballot_for<'a>(enc: &'a Encoded, names: &'a [String]) -> Ballot<'a> {
+pub(super) fn ballot_for<'a>(enc: &'a Encoded, names: &'a [String]) -> Ballot<'a> {
     Ballot {
         enc,
         names,
@@ -278,183 +278,6 @@ fn a_close_of_a_connection_made_during_the_round_is_the_nodes_answer() {
     let e = results[0].take().expect("answered").expect_err("failed");
     assert_eq!(e.kind(), NodeErrorKind::Protocol);
     assert!(n.is_healthy());
-}
-
-#[test]
-fn a_reply_past_the_node_timeout_gives_its_connection_up_with_the_undo_sent() {
-    let (n, enc, names) = (node(), acquire(), vec!["n0".to_owned()]);
-    let start = Instant::now();
-    let mut parts = vec![sent_on(&enc, start, start)];
-    let keys = [Key::new("r", "t")];
-    let left = Leftovers::of(&enc, &keys, &parts, start);
-    let now = start + Duration::from_millis(60);
-    let none = |_: usize| None;
-    let ended = End {
-        now,
-        start,
-        deadline: start + Duration::from_millis(50),
-        settled: false,
-        pool_busy: &none,
-    };
-    let mut result = None;
-    let flush = end_part(
-        &ballot_for(&enc, &names),
-        0,
-        &mut parts[0],
-        &n,
-        &left,
-        &ended,
-        &mut result,
-    );
-    assert!(flush, "the undo goes out before the connection is dropped");
-    let wire = parts[0].conn.as_ref().expect("still held").wire();
-    assert!(wire.broken);
-    assert!(wire.output().ends_with(
-        &Encoded::new(
-            Op::Release {
-                keep_until: start + Duration::from_secs(10)
-            },
-            &keys
-        )
-        .packed
-    ));
-    assert_eq!(
-        result.expect("set").expect_err("failed").kind(),
-        NodeErrorKind::Timeout
-    );
-    assert!(
-        !n.is_healthy(),
-        "no reply within the node timeout is the node's doing"
-    );
-    assert!(n.unsettled.lock().contains_key("t"));
-}
-
-#[test]
-fn a_round_settled_before_a_reply_leaves_it_owed_with_its_undo() {
-    let (n, enc, names) = (node(), acquire(), vec!["n0".to_owned()]);
-    let start = Instant::now();
-    let mut parts = vec![sent_on(&enc, start, start)];
-    let keys = [Key::new("r", "t")];
-    let left = Leftovers::of(&enc, &keys, &parts, start);
-    let none = |_: usize| None;
-    let ended = End {
-        now: start + Duration::from_millis(2),
-        start,
-        deadline: start + Duration::from_millis(50),
-        settled: true,
-        pool_busy: &none,
-    };
-    let mut result = None;
-    let flush = end_part(
-        &ballot_for(&enc, &names),
-        0,
-        &mut parts[0],
-        &n,
-        &left,
-        &ended,
-        &mut result,
-    );
-    assert!(!flush);
-    let wire = parts[0].conn.as_ref().expect("kept").wire();
-    assert!(
-        !wire.broken && !wire.awaits_wanted(),
-        "owed, no longer wanted"
-    );
-    let p = wire.pending().front().expect("owed");
-    assert!(p.undo.is_some() && p.tokens == vec!["t".to_owned()]);
-    assert_eq!(
-        result.expect("set").expect_err("no vote").kind(),
-        NodeErrorKind::NotAwaited
-    );
-    assert!(n.is_healthy(), "settling early says nothing of the node");
-}
-
-#[test]
-fn a_node_left_without_a_connection_says_why() {
-    let (n, enc, names) = (node(), acquire(), vec!["n0".to_owned()]);
-    let start = Instant::now();
-    let unsent = || Part::<TestLink> {
-        admit: Admit::Wait,
-        conn: None,
-        sent: None,
-        fell_back: false,
-        began: start,
-        lost: false,
-        again: false,
-    };
-    let left = Leftovers::of(&enc, &[], &[unsent()], start);
-    let detail = |busy: Option<u32>, lost: bool| {
-        let pool = move |_: usize| busy;
-        let ended = End {
-            now: start,
-            start,
-            deadline: start + Duration::from_millis(50),
-            settled: false,
-            pool_busy: &pool,
-        };
-        let mut part = Part { lost, ..unsent() };
-        let mut result = None;
-        end_part(
-            &ballot_for(&enc, &names),
-            0,
-            &mut part,
-            &n,
-            &left,
-            &ended,
-            &mut result,
-        );
-        result.expect("set").expect_err("no vote")
-    };
-    let e = detail(Some(32), false);
-    assert_eq!(e.kind(), NodeErrorKind::NoConnection);
-    assert!(e.detail().contains("all 32 pooled connections busy"), "{e}");
-    assert!(detail(None, false).detail().contains("still connecting"));
-    assert_eq!(
-        detail(None, true).kind(),
-        NodeErrorKind::Io,
-        "a lost command may have run"
-    );
-}
-
-/// Issue 21: a round whose thread sent its command late, and got the CPU
-/// back only after the deadline, says so instead of "no reply in 12µs",
-/// and the node is not charged a timeout.
-#[test]
-fn a_timeout_the_client_caused_says_so() {
-    let (n, enc, names) = (node(), acquire(), vec!["n0".to_owned()]);
-    let start = Instant::now();
-    let sent = start + Duration::from_micros(49_988);
-    let mut parts = vec![sent_on(&enc, start, sent)];
-    let keys = [Key::new("r", "t")];
-    let left = Leftovers::of(&enc, &keys, &parts, start);
-    let none = |_: usize| None;
-    let ended = End {
-        now: start + Duration::from_millis(53),
-        start,
-        deadline: start + Duration::from_millis(50),
-        settled: false,
-        pool_busy: &none,
-    };
-    let mut result = None;
-    end_part(
-        &ballot_for(&enc, &names),
-        0,
-        &mut parts[0],
-        &n,
-        &left,
-        &ended,
-        &mut result,
-    );
-    let e = result.expect("set").expect_err("failed");
-    assert_eq!(e.kind(), NodeErrorKind::Timeout);
-    let detail = e.to_string();
-    assert!(detail.contains("less than the node timeout"), "{detail}");
-    assert!(detail.contains("after the round began"), "{detail}");
-    assert!(
-        detail.contains("got the CPU back 3ms after the round's deadline"),
-        "{detail}"
-    );
-    assert!(n.is_healthy(), "not the node's doing");
 }
 
 /// Issue 21: the acquire script no longer reads `INFO`; the connection's
@@ -539,58 +362,6 @@ fn the_uptime_bound_grows_slower_than_the_clock() {
     assert_eq!(w.uptime_at(earlier), Some(Duration::from_secs(3)));
 }
 
-/// Issue 21: a release round that settled before a node's reply queues
-/// that node's delete for the retry job (its connection may be closed
-/// before the node reads it); the late reply, once read, takes it off the
-/// queue again, so a healthy cycle sends no delete twice. An error reply
-/// (the script did not run) leaves it queued.
-#[test]
-fn a_late_release_reply_takes_its_retry_off_the_queue() {
-    use crate::driver::node::replies::late_reply;
-    for (reply, answered) in [
-        (Value::Array(vec![Value::Int(1)]), true),
-        (
-            redis::parse_redis_value(b"-BUSY a script is running\r\n").expect("RESP"),
-            false,
-        ),
-    ] {
-        let (n, enc, names) = (node(), release(), vec!["n0".to_owned()]);
-        let start = Instant::now();
-        let mut parts = vec![sent_on(&enc, start, start)];
-        let keys = [Key::new("r", "t")];
-        let left = Leftovers::of(&enc, &keys, &parts, start);
-        let none = |_: usize| None;
-        let ended = End {
-            now: start + Duration::from_millis(1),
-            start,
-            deadline: start + Duration::from_millis(50),
-            settled: true,
-            pool_busy: &none,
-        };
-        let mut result = None;
-        end_part(
-            &ballot_for(&enc, &names),
-            0,
-            &mut parts[0],
-            &n,
-            &left,
-            &ended,
-            &mut result,
-        );
-        let wire = &mut parts[0].conn.as_mut().expect("kept").0;
-        wire.written(wire.output().len());
-        let (p, v) = wire.answer(reply).expect("owed");
-        assert_eq!(p.retried, ["t"], "the queued delete's token");
-        late_reply(wire, &n, p, &v, Instant::now()).expect("usable");
-        let got = n.answered.lock().clone();
-        if answered {
-            assert_eq!(got, vec![vec!["t".to_owned()]]);
-        } else {
-            assert!(got.is_empty(), "{got:?}");
-        }
-    }
-}
-
 /// The history's key is the one earlier releases' scripts made, so that
 /// clients of both name one history alike during an upgrade:
 /// `tonumber(string.sub(redis.sha1hex(run .. ':' .. epoch), 1, 12), 16)`
@@ -602,36 +373,4 @@ fn the_history_key_is_the_one_the_scripts_made() {
         crate::algorithm::round::history_key(Some("abc"), 1_796_176_031_670),
         0xb878_996a_62f9
     );
-}
-
-/// A round whose own deadline was nearer than a node timeout (a short
-/// validity, the caller's wait) says that is why it waited less.
-#[test]
-fn a_timeout_at_the_rounds_own_deadline_says_so() {
-    let (n, enc, names) = (node(), acquire(), vec!["n0".to_owned()]);
-    let start = Instant::now();
-    let mut parts = vec![sent_on(&enc, start, start)];
-    let keys = [Key::new("r", "t")];
-    let left = Leftovers::of(&enc, &keys, &parts, start);
-    let none = |_: usize| None;
-    let ended = End {
-        now: start + Duration::from_millis(10),
-        start,
-        deadline: start + Duration::from_millis(10),
-        settled: false,
-        pool_busy: &none,
-    };
-    let mut result = None;
-    end_part(
-        &ballot_for(&enc, &names),
-        0,
-        &mut parts[0],
-        &n,
-        &left,
-        &ended,
-        &mut result,
-    );
-    let detail = result.expect("set").expect_err("failed").to_string();
-    assert!(detail.contains("the round's deadline"), "{detail}");
-    assert!(!detail.contains("CPU"), "{detail}");
 }
