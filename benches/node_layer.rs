@@ -431,6 +431,18 @@ fn conns_received(c: &Cluster, i: usize) -> u64 {
         .map_or(0, |v| v.saturating_sub(1))
 }
 
+/// Clients connected to node `i` now, less the one asking.
+fn clients_now(c: &Cluster, i: usize) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("clients")
+        .query(&mut c.conn(i))
+        .unwrap_or_default();
+    info.lines()
+        .find_map(|l| l.strip_prefix("connected_clients:"))
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map_or(0, |v| v.saturating_sub(1))
+}
+
 /// Keys matching `pattern` on each node.
 fn left_behind(c: &Cluster, pattern: &str) -> Vec<usize> {
     (0..c.len())
@@ -1032,6 +1044,9 @@ fn main() {
                 move |k: &str| ql_cycle(&locks, k)
             })
         });
+        // The client's connections to node 0 after the run (its pools keep
+        // what the 32 threads needed).
+        let sockets = clients_now(&c, 0);
         leftover_note(
             &mut t,
             "5 32 threads: quorumlock",
@@ -1041,6 +1056,9 @@ fn main() {
         );
         leftover_probe(&mut t, &c, "nl:mt:ql:*", &locks);
         drop(locks);
+        t.verdict(format!(
+            "5 32 threads: quorumlock holds {sockets} connections per node after the run ({THREADS} threads)"
+        ));
         let rs = with_cpu(&c, || rslock_tasks(&urls));
         let setf = with_cpu(&c, || {
             threaded("set", || {

@@ -123,16 +123,26 @@ fn a_failed_attempt_undoes_a_set_lost_with_its_connection() {
     );
 }
 
-/// A hand-over whose swap ran on 2 of 3 nodes, their replies lost with the connections:
-/// the swap sent again finds the new token and counts it as swapped, so the waiter gets
-/// the lock handed over (a token of the same lineage), not a fresh one.
+/// A fenced hand-over whose swap ran on 2 of 3 nodes, their replies lost with the
+/// connections: the swap sent again finds the new token and counts it as swapped, so the
+/// waiter gets the lock handed over (a token of the same lineage), not a fresh one. (An
+/// unfenced hand-over sends nothing.)
 #[test]
 fn a_swap_sent_again_after_a_close_counts_as_swapped() {
     let c = Cluster::start(3);
     let p0 = CutProxy::start(&c.url(0), Cut::after_running(SWAP_1, 1));
     let p1 = CutProxy::start(&c.url(1), Cut::after_running(SWAP_1, 1));
     let changes = Arc::new(Changes::default());
-    let locks = Arc::new(client(vec![p0.url(), p1.url(), c.url(2)], &changes));
+    let locks = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(vec![p0.url(), p1.url(), c.url(2)])
+        .node_timeout(Duration::from_millis(250))
+        .fencing(true)
+        .events(changes.clone())
+        .build()
+        .expect("valid config");
+    assert_eq!(locks.wait_connected(Duration::from_secs(5)).ok(), Some(3));
+    let locks = Arc::new(locks);
     let key = unique_key("resent-swap");
     let g = locks.lock(&key, Duration::from_secs(20)).expect("lock");
     landed_everywhere(&c, &key, g.token());

@@ -9,31 +9,55 @@ use super::tests::{acquire, ballot_for, node, release, sent_on, TestLink};
 use super::*;
 use crate::algorithm::round::Key;
 
-#[test]
-fn a_reply_past_the_node_timeout_gives_its_connection_up_with_the_undo_sent() {
-    let (n, enc, names) = (node(), acquire(), vec!["n0".to_owned()]);
-    let start = Instant::now();
-    let mut parts = vec![sent_on(&enc, start, start)];
-    let keys = [Key::new("r", "t")];
-    let left = Leftovers::of(&enc, &keys, &parts, start);
-    let now = start + Duration::from_millis(60);
+const MS: Duration = Duration::from_millis(1);
+
+/// Ends node 0's `part` in a round of `enc` on `keys` begun at `start`, at
+/// `now`, with the round's `deadline`, settled or not: whether the
+/// connection was given up with commands to send, and node 0's result.
+fn end_at(
+    n: &NodeShared,
+    enc: &Encoded,
+    keys: &[Key<'_>],
+    part: &mut Part<TestLink>,
+    start: Instant,
+    (now, deadline, settled): (Instant, Instant, bool),
+) -> (bool, Option<NodeResult>) {
+    let names = vec!["n0".to_owned()];
+    let left = Leftovers::of(enc, keys, std::slice::from_ref(&*part), start);
     let none = |_: usize| None;
     let ended = End {
         now,
         start,
-        deadline: start + Duration::from_millis(50),
-        settled: false,
+        deadline,
+        settled,
         pool_busy: &none,
     };
     let mut result = None;
     let flush = end_part(
-        &ballot_for(&enc, &names),
+        &ballot_for(enc, &names),
         0,
-        &mut parts[0],
-        &n,
+        part,
+        n,
         &left,
         &ended,
         &mut result,
+    );
+    (flush, result)
+}
+
+#[test]
+fn a_reply_past_the_node_timeout_gives_its_connection_up_with_the_undo_sent() {
+    let (n, enc) = (node(), acquire());
+    let start = Instant::now();
+    let mut parts = [sent_on(&enc, start, start)];
+    let keys = [Key::new("r", "t")];
+    let (flush, result) = end_at(
+        &n,
+        &enc,
+        &keys,
+        &mut parts[0],
+        start,
+        (start + 60 * MS, start + 50 * MS, false),
     );
     assert!(flush, "the undo goes out before the connection is dropped");
     let wire = parts[0].conn.as_ref().expect("still held").wire();
@@ -60,28 +84,17 @@ fn a_reply_past_the_node_timeout_gives_its_connection_up_with_the_undo_sent() {
 
 #[test]
 fn a_round_settled_before_a_reply_leaves_it_owed_with_its_undo() {
-    let (n, enc, names) = (node(), acquire(), vec!["n0".to_owned()]);
+    let (n, enc) = (node(), acquire());
     let start = Instant::now();
-    let mut parts = vec![sent_on(&enc, start, start)];
+    let mut parts = [sent_on(&enc, start, start)];
     let keys = [Key::new("r", "t")];
-    let left = Leftovers::of(&enc, &keys, &parts, start);
-    let none = |_: usize| None;
-    let ended = End {
-        now: start + Duration::from_millis(2),
-        start,
-        deadline: start + Duration::from_millis(50),
-        settled: true,
-        pool_busy: &none,
-    };
-    let mut result = None;
-    let flush = end_part(
-        &ballot_for(&enc, &names),
-        0,
-        &mut parts[0],
+    let (flush, result) = end_at(
         &n,
-        &left,
-        &ended,
-        &mut result,
+        &enc,
+        &keys,
+        &mut parts[0],
+        start,
+        (start + 2 * MS, start + 50 * MS, true),
     );
     assert!(!flush);
     let wire = parts[0].conn.as_ref().expect("kept").wire();
@@ -117,7 +130,7 @@ fn a_node_left_without_a_connection_says_why() {
         let ended = End {
             now: start,
             start,
-            deadline: start + Duration::from_millis(50),
+            deadline: start + 50 * MS,
             settled: false,
             pool_busy: &pool,
         };
@@ -150,29 +163,18 @@ fn a_node_left_without_a_connection_says_why() {
 /// and the node is not charged a timeout.
 #[test]
 fn a_timeout_the_client_caused_says_so() {
-    let (n, enc, names) = (node(), acquire(), vec!["n0".to_owned()]);
+    let (n, enc) = (node(), acquire());
     let start = Instant::now();
     let sent = start + Duration::from_micros(49_988);
-    let mut parts = vec![sent_on(&enc, start, sent)];
+    let mut parts = [sent_on(&enc, start, sent)];
     let keys = [Key::new("r", "t")];
-    let left = Leftovers::of(&enc, &keys, &parts, start);
-    let none = |_: usize| None;
-    let ended = End {
-        now: start + Duration::from_millis(53),
-        start,
-        deadline: start + Duration::from_millis(50),
-        settled: false,
-        pool_busy: &none,
-    };
-    let mut result = None;
-    end_part(
-        &ballot_for(&enc, &names),
-        0,
-        &mut parts[0],
+    let (_, result) = end_at(
         &n,
-        &left,
-        &ended,
-        &mut result,
+        &enc,
+        &keys,
+        &mut parts[0],
+        start,
+        (start + 53 * MS, start + 50 * MS, false),
     );
     let e = result.expect("set").expect_err("failed");
     assert_eq!(e.kind(), NodeErrorKind::Timeout);
@@ -201,28 +203,17 @@ fn a_late_release_reply_takes_its_retry_off_the_queue() {
             false,
         ),
     ] {
-        let (n, enc, names) = (node(), release(), vec!["n0".to_owned()]);
+        let (n, enc) = (node(), release());
         let start = Instant::now();
-        let mut parts = vec![sent_on(&enc, start, start)];
+        let mut parts = [sent_on(&enc, start, start)];
         let keys = [Key::new("r", "t")];
-        let left = Leftovers::of(&enc, &keys, &parts, start);
-        let none = |_: usize| None;
-        let ended = End {
-            now: start + Duration::from_millis(1),
-            start,
-            deadline: start + Duration::from_millis(50),
-            settled: true,
-            pool_busy: &none,
-        };
-        let mut result = None;
-        end_part(
-            &ballot_for(&enc, &names),
-            0,
-            &mut parts[0],
+        end_at(
             &n,
-            &left,
-            &ended,
-            &mut result,
+            &enc,
+            &keys,
+            &mut parts[0],
+            start,
+            (start + MS, start + 50 * MS, true),
         );
         let wire = &mut parts[0].conn.as_mut().expect("kept").0;
         wire.written(wire.output().len());
@@ -242,28 +233,17 @@ fn a_late_release_reply_takes_its_retry_off_the_queue() {
 /// validity, the caller's wait) says that is why it waited less.
 #[test]
 fn a_timeout_at_the_rounds_own_deadline_says_so() {
-    let (n, enc, names) = (node(), acquire(), vec!["n0".to_owned()]);
+    let (n, enc) = (node(), acquire());
     let start = Instant::now();
-    let mut parts = vec![sent_on(&enc, start, start)];
+    let mut parts = [sent_on(&enc, start, start)];
     let keys = [Key::new("r", "t")];
-    let left = Leftovers::of(&enc, &keys, &parts, start);
-    let none = |_: usize| None;
-    let ended = End {
-        now: start + Duration::from_millis(10),
-        start,
-        deadline: start + Duration::from_millis(10),
-        settled: false,
-        pool_busy: &none,
-    };
-    let mut result = None;
-    end_part(
-        &ballot_for(&enc, &names),
-        0,
-        &mut parts[0],
+    let (_, result) = end_at(
         &n,
-        &left,
-        &ended,
-        &mut result,
+        &enc,
+        &keys,
+        &mut parts[0],
+        start,
+        (start + 10 * MS, start + 10 * MS, false),
     );
     let detail = result.expect("set").expect_err("failed").to_string();
     assert!(detail.contains("the round's deadline"), "{detail}");
