@@ -421,26 +421,24 @@ fn servers_cpu(c: &Cluster) -> Duration {
 /// Connections node `i` has accepted so far (`INFO stats`), not counting
 /// the one this asks on.
 fn conns_received(c: &Cluster, i: usize) -> u64 {
+    info_number(c, i, "stats", "total_connections_received")
+}
+
+/// `field` of node `i`'s `INFO section`, less the one connection asking.
+fn info_number(c: &Cluster, i: usize, section: &str, field: &str) -> u64 {
     let info: String = redis::cmd("INFO")
-        .arg("stats")
+        .arg(section)
         .query(&mut c.conn(i))
         .unwrap_or_default();
     info.lines()
-        .find_map(|l| l.strip_prefix("total_connections_received:"))
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
         .and_then(|v| v.trim().parse::<u64>().ok())
         .map_or(0, |v| v.saturating_sub(1))
 }
 
 /// Clients connected to node `i` now, less the one asking.
 fn clients_now(c: &Cluster, i: usize) -> u64 {
-    let info: String = redis::cmd("INFO")
-        .arg("clients")
-        .query(&mut c.conn(i))
-        .unwrap_or_default();
-    info.lines()
-        .find_map(|l| l.strip_prefix("connected_clients:"))
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .map_or(0, |v| v.saturating_sub(1))
+    info_number(c, i, "clients", "connected_clients")
 }
 
 /// Keys matching `pattern` on each node.

@@ -28,14 +28,22 @@ fn client(urls: Vec<String>, changes: &Arc<Changes>) -> Redlock {
 
 /// A client with `pool_size` connections per node, connected.
 fn client_pooled(urls: Vec<String>, changes: &Arc<Changes>, pool_size: u32) -> Redlock {
-    let locks = Redlock::builder()
+    connected(urls, changes, |b| b.pool_size(pool_size))
+}
+
+/// A client of `urls` reporting to `changes`, set up further by `more`,
+/// connected to all three nodes.
+fn connected(
+    urls: Vec<String>,
+    changes: &Arc<Changes>,
+    more: impl FnOnce(quorumlock::Builder) -> quorumlock::Builder,
+) -> Redlock {
+    let builder = Redlock::builder()
         .fresh_cluster(true)
         .nodes(urls)
         .node_timeout(Duration::from_millis(250))
-        .pool_size(pool_size)
-        .events(changes.clone())
-        .build()
-        .expect("valid config");
+        .events(changes.clone());
+    let locks = more(builder).build().expect("valid config");
     assert_eq!(locks.wait_connected(Duration::from_secs(5)).ok(), Some(3));
     locks
 }
@@ -133,16 +141,8 @@ fn a_swap_sent_again_after_a_close_counts_as_swapped() {
     let p0 = CutProxy::start(&c.url(0), Cut::after_running(SWAP_1, 1));
     let p1 = CutProxy::start(&c.url(1), Cut::after_running(SWAP_1, 1));
     let changes = Arc::new(Changes::default());
-    let locks = Redlock::builder()
-        .fresh_cluster(true)
-        .nodes(vec![p0.url(), p1.url(), c.url(2)])
-        .node_timeout(Duration::from_millis(250))
-        .fencing(true)
-        .events(changes.clone())
-        .build()
-        .expect("valid config");
-    assert_eq!(locks.wait_connected(Duration::from_secs(5)).ok(), Some(3));
-    let locks = Arc::new(locks);
+    let urls = vec![p0.url(), p1.url(), c.url(2)];
+    let locks = Arc::new(connected(urls, &changes, |b| b.fencing(true)));
     let key = unique_key("resent-swap");
     let g = locks.lock(&key, Duration::from_secs(20)).expect("lock");
     landed_everywhere(&c, &key, g.token());
