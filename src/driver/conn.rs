@@ -464,6 +464,12 @@ impl Conn {
         }
     }
 
+    /// A handle to poll this connection's socket by while the connection
+    /// itself is in use elsewhere (the same socket, duplicated).
+    pub(crate) fn poll_handle(&self) -> io::Result<TcpStream> {
+        self.stream.tcp().try_clone()
+    }
+
     /// The poll entry for this connection.
     pub(crate) fn poll_fd(&self, out: bool) -> PollFd<'_> {
         let mut flags = PollFlags::IN;

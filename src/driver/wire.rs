@@ -55,6 +55,26 @@ pub(crate) struct Pending {
     /// For a retried release: the tokens of its batch, which leave the
     /// node's retry queue once the node answers it.
     pub retried: Vec<String>,
+    /// On a connection several rounds share (see
+    /// [`crate::driver::node::line`]): whose command this is (0: the
+    /// connection's own, and what it owes is in this entry; another: a
+    /// round's, whose own wire holds the entry).
+    pub owner: u64,
+}
+
+impl Pending {
+    fn new(sent: Instant, wanted: bool, setup: Setup) -> Self {
+        Pending {
+            sent,
+            wanted,
+            undo: None,
+            tokens: Vec::new(),
+            setup,
+            resend: None,
+            retried: Vec::new(),
+            owner: 0,
+        }
+    }
 }
 
 /// The protocol state of one connection.
@@ -85,6 +105,20 @@ pub(crate) struct Wire {
     /// node's idle connections that owe replies) until a checkout reads
     /// them or the connection is dropped.
     pub owing: Option<Arc<AtomicUsize>>,
+    /// Commands queued on this wire so far.
+    pushed: u64,
+    /// Bumped by each reply that changes what the connection knows of its
+    /// server ([`Facts`]).
+    pub facts_seq: u64,
+}
+
+/// What a connection knows of its server, as the replies read on it so
+/// far said: what a round's reply is read against.
+#[derive(Debug, Clone)]
+pub(crate) struct Facts {
+    server: ServerTag,
+    uptime: Option<(Duration, Instant)>,
+    run_id: Option<String>,
 }
 
 impl Drop for Wire {
@@ -131,7 +165,82 @@ impl Wire {
             run_id: None,
             history_key: None,
             owing: None,
+            pushed: 0,
+            facts_seq: 0,
         }
+    }
+
+    /// What it knows of its server now.
+    pub(crate) fn facts(&self) -> Facts {
+        Facts {
+            server: self.server,
+            uptime: self.uptime,
+            run_id: self.run_id.clone(),
+        }
+    }
+
+    /// Takes what the shared connection knew of its server when it read
+    /// the reply this round takes next.
+    pub(crate) fn adopt(&mut self, f: Facts) {
+        if self.run_id != f.run_id {
+            self.history_key = None;
+        }
+        self.server = f.server;
+        self.uptime = f.uptime;
+        self.run_id = f.run_id;
+    }
+
+    /// A round's own wire on a shared connection whose wire is `line`: what
+    /// the connection knows of its server, owing nothing.
+    pub(crate) fn joining(line: &Wire) -> Self {
+        let mut w = Wire::new(line.made);
+        w.server = line.server;
+        w.info_at = line.info_at;
+        w.uptime = line.uptime;
+        w.run_id = line.run_id.clone();
+        w.history_key = line.history_key;
+        w.facts_seq = line.facts_seq;
+        w
+    }
+
+    /// Commands queued on this wire so far.
+    pub(crate) fn pushed(&self) -> u64 {
+        self.pushed
+    }
+
+    /// Carries a round's commands onto this shared connection's wire:
+    /// their bytes, and one entry per command (sent at `sents`) that says
+    /// whose reply it is.
+    pub(crate) fn carry(&mut self, bytes: &[u8], sents: impl Iterator<Item = Instant>, owner: u64) {
+        self.out.extend_from_slice(bytes);
+        for sent in sents {
+            self.pending
+                .push_back(Pending::new(sent, false, Setup::None));
+            if let Some(p) = self.pending.back_mut() {
+                p.owner = owner;
+            }
+        }
+    }
+
+    /// The connection is no longer shared: each entry of another owner is
+    /// replaced by that owner's own (`take` gives it, oldest first). False
+    /// (and the connection broken) when one is missing.
+    pub(crate) fn unshare(&mut self, mut take: impl FnMut(u64) -> Option<Pending>) -> bool {
+        for p in &mut self.pending {
+            if p.owner != 0 {
+                match take(p.owner) {
+                    Some(mut own) => {
+                        own.owner = 0;
+                        *p = own;
+                    }
+                    None => {
+                        self.broken = true;
+                        return false;
+                    }
+                }
+            }
+        }
+        true
     }
 
     /// The bytes queued and not yet written.
@@ -196,15 +305,8 @@ impl Wire {
 
     fn push(&mut self, cmd: &[u8], now: Instant, wanted: bool, setup: Setup) {
         self.out.extend_from_slice(cmd);
-        self.pending.push_back(Pending {
-            sent: now,
-            wanted,
-            undo: None,
-            tokens: Vec::new(),
-            setup,
-            resend: None,
-            retried: Vec::new(),
-        });
+        self.pushed += 1;
+        self.pending.push_back(Pending::new(now, wanted, setup));
     }
 
     /// Appends a retried release no round waits for (see

@@ -9,6 +9,11 @@ use crate::driver::wire::{Pending, Wire};
 pub(crate) trait Link {
     /// What a wait says is ready on it.
     type Ready: Copy;
+    /// What a thread waits on for it while it is shared (see
+    /// [`crate::driver::node::line`]).
+    type Handle: Send + Sync;
+    /// That handle, when it can be had.
+    fn handle(&self) -> Option<Self::Handle>;
     /// The connection's protocol state.
     fn wire(&self) -> &Wire;
     /// The same, to change.

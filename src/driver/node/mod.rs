@@ -37,6 +37,7 @@ use crate::lock::transport::{Decided, Stored, Transport, Undo};
 
 pub(crate) mod encode;
 pub(crate) mod jobs;
+pub(crate) mod line;
 pub(crate) mod link;
 pub(crate) mod links;
 pub(crate) mod part;
@@ -138,7 +139,11 @@ impl RedisTransport {
                 .build_unchecked(manager);
             names.push(spec.name);
             nodes.push(Node {
-                inner: Arc::new(NodeInner { shared, pool }),
+                inner: Arc::new(NodeInner {
+                    shared,
+                    pool,
+                    line: parking_lot::Mutex::default(),
+                }),
                 target: spec.target,
                 threads,
             });

@@ -188,6 +188,9 @@ pub(crate) fn lose_connection<C: Link>(
         // The server turned the connection away (its answer, already
         // observed): say so, in its words.
         std::io::ErrorKind::ConnectionRefused => NodeErrorKind::Unavailable,
+        // A shared connection another round gave up: a reply on it was
+        // owed past the node timeout (observed once, by that round).
+        std::io::ErrorKind::TimedOut => NodeErrorKind::Timeout,
         _ => {
             shared.observe(Outcome::Refused);
             NodeErrorKind::Io

@@ -144,6 +144,11 @@ fn a_reply_names_the_server_that_answered() {
 pub(super) struct TestLink(pub(super) Wire);
 
 impl Link for TestLink {
+    type Handle = ();
+
+    fn handle(&self) -> Option<()> {
+        None
+    }
     type Ready = ();
 
     fn wire(&self) -> &Wire {

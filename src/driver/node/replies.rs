@@ -59,17 +59,37 @@ pub(crate) fn catch_up<L: Link>(c: &mut L, node: &NodeShared, now: Instant) -> b
         );
         return false;
     }
-    if let Some(oldest) = c.wire().pending().front() {
-        if now.saturating_duration_since(oldest.sent) >= node.timeout {
-            c.abandon();
+    keep_using(c, node, now)
+}
+
+/// Whether a connection in use may take a new command: not when its oldest
+/// reply owed is older than the node timeout (the node's timeout: the
+/// connection is given up) or it owes too many; asks `INFO` again when due.
+pub(crate) fn keep_using<L: Link>(c: &mut L, node: &NodeShared, now: Instant) -> bool {
+    if let Some(overdue) = give_up_why(c.wire(), node, now) {
+        c.abandon();
+        if overdue {
             node.observe(Outcome::TimedOut);
-            return false;
         }
-        if c.wire().pending().len() >= MAX_PENDING {
-            c.abandon();
-            return false;
-        }
+        return false;
     }
+    ask_info_when_due(c, now).is_ok()
+}
+
+/// Why a connection in use is to be given up: `Some(true)` when its oldest
+/// reply owed is older than the node timeout (the node's own doing),
+/// `Some(false)` when it owes too many replies.
+pub(crate) fn give_up_why(wire: &Wire, node: &NodeShared, now: Instant) -> Option<bool> {
+    let oldest = wire.pending().front()?;
+    if now.saturating_duration_since(oldest.sent) >= node.timeout {
+        return Some(true);
+    }
+    (wire.pending().len() >= MAX_PENDING).then_some(false)
+}
+
+/// Asks the server's `INFO` again when [`INFO_EVERY`] has passed. `Err`
+/// when the connection cannot send.
+pub(crate) fn ask_info_when_due<L: Link>(c: &mut L, now: Instant) -> std::io::Result<()> {
     if now.saturating_duration_since(c.wire().info_at) >= INFO_EVERY {
         // What the server is can change without a new connection (a replica
         // promoted, a memory policy set at runtime): asked again, ahead of
@@ -79,11 +99,9 @@ pub(crate) fn catch_up<L: Link>(c: &mut L, node: &NodeShared, now: Instant) -> b
             .queue_setup(&redis::cmd("INFO").get_packed_command(), now, Setup::Info);
         // Sent now (a caller of `catch_up` may send nothing after it, and a
         // reply owed for a command never sent would look like a timeout).
-        if c.flush().is_err() {
-            return false;
-        }
+        c.flush()?;
     }
-    true
+    Ok(())
 }
 
 /// What an `INFO` reply says (an unexpected reply says nothing).
@@ -219,6 +237,9 @@ pub(crate) fn setup_reply(
         Value::SimpleString(s) => Some(s.clone()),
         _ => None,
     };
+    if matches!(setup, Setup::Info | Setup::History) {
+        c.facts_seq += 1;
+    }
     match setup {
         Setup::Info => {
             let info = info_of(v);

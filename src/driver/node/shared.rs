@@ -232,6 +232,10 @@ impl NodeShared {
 pub(crate) struct NodeInner {
     pub(crate) shared: Arc<NodeShared>,
     pub(crate) pool: Pool<Manager>,
+    /// The connection this client's rounds share now (see
+    /// [`crate::driver::node::line`]).
+    pub(crate) line:
+        Mutex<std::sync::Weak<crate::driver::node::line::Line<super::sockets::Pooled>>>,
 }
 
 pub(crate) struct Node {

@@ -1,7 +1,10 @@
 //! The production [`Links`]: one r2d2 pool of non-blocking sockets per
 //! node, waited on with `poll(2)`.
 
-use std::sync::atomic::Ordering;
+use std::io::{Read as _, Write as _};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use r2d2::PooledConnection;
@@ -10,6 +13,7 @@ use redis::Value;
 use crate::algorithm::quorum::VoteRules;
 use crate::algorithm::round::Key;
 use crate::driver::conn::{self, PollFlags};
+use crate::driver::node::line::{self, Await, Line, Share, Wake};
 use crate::driver::node::link::Link;
 use crate::driver::node::links::Links;
 use crate::driver::node::part::Part;
@@ -23,6 +27,11 @@ pub(crate) type Pooled = PooledConnection<Manager>;
 
 impl Link for Pooled {
     type Ready = PollFlags;
+    type Handle = std::net::TcpStream;
+
+    fn handle(&self) -> Option<std::net::TcpStream> {
+        self.poll_handle().ok()
+    }
 
     fn wire(&self) -> &Wire {
         &self.wire
@@ -81,8 +90,134 @@ impl RedisTransport {
     }
 }
 
+impl RedisTransport {
+    /// This thread's round on node `i`'s current line, or on a new one over
+    /// the connection `fresh` gives.
+    fn share(
+        &self,
+        i: usize,
+        now: Instant,
+        fresh: impl FnOnce() -> Option<Pooled>,
+    ) -> Option<Share<Pooled>> {
+        let node = &self.nodes[i].inner;
+        let waker = thread_waker().map(|w| w as Arc<dyn Wake>);
+        line::join(&node.line, &node.shared, waker, now, fresh)
+    }
+}
+
+/// Wakes a thread blocked in `poll(2)`: a byte on a socket pair it polls.
+struct PipeWaker {
+    tx: UnixStream,
+    rx: UnixStream,
+    /// A byte is (or is about to be) on its way.
+    armed: AtomicBool,
+}
+
+impl PipeWaker {
+    fn new() -> std::io::Result<Self> {
+        let (tx, rx) = UnixStream::pair()?;
+        tx.set_nonblocking(true)?;
+        rx.set_nonblocking(true)?;
+        Ok(PipeWaker {
+            tx,
+            rx,
+            armed: AtomicBool::new(false),
+        })
+    }
+
+    /// Takes the wakes that arrived.
+    fn drain(&self) {
+        self.armed.store(false, Ordering::Release);
+        let mut buf = [0u8; 64];
+        while let Ok(n) = (&self.rx).read(&mut buf) {
+            if n < buf.len() {
+                break;
+            }
+        }
+    }
+}
+
+impl Wake for PipeWaker {
+    fn wake(&self) {
+        if !self.armed.swap(true, Ordering::AcqRel) {
+            let _ = (&self.tx).write(&[1]);
+        }
+    }
+}
+
+thread_local! {
+    /// This thread's waker, made at its first round (none if the socket
+    /// pair cannot be made: the thread then looks again every
+    /// [`UNWOKEN`]).
+    static WAKER: Option<Arc<PipeWaker>> = PipeWaker::new().ok().map(Arc::new);
+}
+
+fn thread_waker() -> Option<Arc<PipeWaker>> {
+    WAKER.with(Clone::clone)
+}
+
+/// How often a thread that cannot be woken (or reads a line it cannot
+/// poll) looks again.
+const UNWOKEN: Duration = Duration::from_millis(1);
+
+impl Await<Pooled> for RedisTransport {
+    fn clock_now(&self) -> Instant {
+        Instant::now()
+    }
+
+    fn mark(&self) -> u64 {
+        // The waker's byte stays until drained: no wake is missed.
+        0
+    }
+
+    fn block(&self, lines: &[&Line<Pooled>], until: Instant, writes: bool, _mark: u64) {
+        let waker = thread_waker();
+        let mut wait = until.saturating_duration_since(Instant::now());
+        let mut fds = Vec::with_capacity(lines.len() + 1);
+        let mut polled = Vec::with_capacity(lines.len());
+        let mut unpolled = Vec::new();
+        for l in lines {
+            match &l.handle {
+                Some(h) => {
+                    let mut flags = PollFlags::IN;
+                    if writes && l.wants_write() {
+                        flags |= PollFlags::OUT;
+                    }
+                    fds.push(conn::PollFd::new(h, flags));
+                    polled.push(*l);
+                }
+                None => {
+                    wait = wait.min(UNWOKEN);
+                    unpolled.push(*l);
+                }
+            }
+        }
+        match &waker {
+            Some(w) => fds.push(conn::PollFd::new(&w.rx, PollFlags::IN)),
+            None => wait = wait.min(UNWOKEN),
+        }
+        if conn::poll(&mut fds, wait).is_err() {
+            std::thread::sleep(wait.min(CONN_RECHECK));
+        }
+        for (fd, l) in fds.iter().zip(&polled) {
+            let r = fd.revents();
+            if !r.is_empty() {
+                l.pump(Some(r));
+            }
+        }
+        for l in unpolled {
+            l.pump(None);
+        }
+        if let (Some(w), Some(fd)) = (&waker, fds.last()) {
+            if !fd.revents().is_empty() {
+                w.drain();
+            }
+        }
+    }
+}
+
 impl Links for RedisTransport {
-    type Link = Pooled;
+    type Link = Share<Pooled>;
 
     fn names(&self) -> &[String] {
         &self.names
@@ -108,16 +243,17 @@ impl Links for RedisTransport {
         Instant::now()
     }
 
-    fn checkout(&self, i: usize, now: Instant) -> Option<Pooled> {
-        self.take_pooled(i, now, false)
+    fn checkout(&self, i: usize, now: Instant) -> Option<Share<Pooled>> {
+        self.share(i, now, || self.take_pooled(i, now, false))
     }
 
-    fn checkout_anyway(&self, i: usize, now: Instant) -> Option<Pooled> {
-        self.take_pooled(i, now, true)
+    fn checkout_anyway(&self, i: usize, now: Instant) -> Option<Share<Pooled>> {
+        self.share(i, now, || self.take_pooled(i, now, true))
     }
 
-    fn wait_for_free(&self, i: usize, deadline: Instant) -> Option<Pooled> {
-        self.wait_pooled(i, deadline)
+    fn wait_for_free(&self, i: usize, deadline: Instant) -> Option<Share<Pooled>> {
+        let c = self.wait_pooled(i, deadline)?;
+        self.share(i, Instant::now(), || Some(c))
     }
 
     fn pool_busy(&self, i: usize) -> Option<u32> {
@@ -127,38 +263,12 @@ impl Links for RedisTransport {
 
     fn wait_ready(
         &self,
-        parts: &[Part<Pooled>],
+        parts: &[Part<Share<Pooled>>],
         wait: Duration,
         writes: bool,
-        ready: &mut Vec<(usize, PollFlags)>,
+        ready: &mut Vec<(usize, ())>,
     ) {
-        // Allocated only when some connection is still owed a reply.
-        let mut fds = Vec::new();
-        let mut idx = Vec::new();
-        for (i, s) in parts.iter().enumerate() {
-            if let Some(c) = s.conn.as_ref().filter(|c| c.wire.awaits_wanted()) {
-                fds.push(c.poll_fd(writes && c.wants_write()));
-                idx.push(i);
-            }
-        }
-        if fds.is_empty() {
-            if !wait.is_zero() {
-                std::thread::sleep(wait);
-            }
-            return;
-        }
-        if conn::poll(&mut fds, wait).is_err() {
-            if !wait.is_zero() {
-                std::thread::sleep(wait.min(CONN_RECHECK));
-            }
-            return;
-        }
-        for (fd, &i) in fds.iter().zip(&idx) {
-            let r = fd.revents();
-            if !r.is_empty() {
-                ready.push((i, r));
-            }
-        }
+        line::wait_ready(self, parts, wait, writes, ready);
     }
 
     fn retry_later(&self, i: usize, keys: &[Key<'_>], until: Instant) {

@@ -19,6 +19,7 @@ use crate::clock::Clock;
 use crate::driver::conn::{queue_connect_commands, For};
 use crate::driver::node::encode::Encoded;
 use crate::driver::node::jobs::{drain_owing, resend_releases};
+use crate::driver::node::line::{self, Await, Line, Share, Wake};
 use crate::driver::node::link::Link;
 use crate::driver::node::links::Links;
 use crate::driver::node::part::Part;
@@ -86,6 +87,11 @@ fn reset() -> std::io::Error {
 
 impl Link for SimConn {
     type Ready = ();
+    type Handle = ();
+
+    fn handle(&self) -> Option<()> {
+        Some(())
+    }
 
     fn wire(&self) -> &Wire {
         &self.link().wire
@@ -193,7 +199,9 @@ pub(crate) struct SimLinks {
     names: Vec<String>,
     /// Per entry, the node (server) it reaches.
     entries: Vec<usize>,
-    nodes: Vec<NodeShared>,
+    nodes: Vec<Arc<NodeShared>>,
+    /// Per entry, the connection its rounds share now.
+    lines: Vec<Mutex<Weak<Line<SimConn>>>>,
     servers: Arc<Servers>,
     rules: VoteRules,
     timeout: Duration,
@@ -237,9 +245,10 @@ impl SimLinks {
                         clock.clone(),
                     );
                     shared.defects = defects;
-                    shared
+                    Arc::new(shared)
                 })
                 .collect(),
+            lines: names.iter().map(|_| Mutex::default()).collect(),
             pools: names.iter().map(|_| Arc::default()).collect(),
             retrying: names.iter().map(|_| AtomicBool::new(false)).collect(),
 
@@ -362,8 +371,25 @@ impl Drop for SimLinks {
     }
 }
 
+impl Await<SimConn> for SimLinks {
+    fn clock_now(&self) -> Instant {
+        Links::now(self)
+    }
+
+    fn mark(&self) -> u64 {
+        self.signal.seen()
+    }
+
+    fn block(&self, lines: &[&Line<SimConn>], until: Instant, _writes: bool, mark: u64) {
+        self.sched.wait_signal(&self.signal, mark, Some(until));
+        for l in lines {
+            l.pump(None);
+        }
+    }
+}
+
 impl Links for SimLinks {
-    type Link = SimConn;
+    type Link = Share<SimConn>;
 
     fn names(&self) -> &[String] {
         &self.names
@@ -389,23 +415,27 @@ impl Links for SimLinks {
         self.sched.instant(self.sched.nanos())
     }
 
-    fn checkout(&self, i: usize, now: Instant) -> Option<SimConn> {
-        while let Some(mut c) = self.idle(i) {
-            if catch_up(&mut c, &self.nodes[i], now) {
-                return Some(c);
+    fn checkout(&self, i: usize, now: Instant) -> Option<Share<SimConn>> {
+        let waker = Some(self.signal.clone() as Arc<dyn Wake>);
+        line::join(&self.lines[i], &self.nodes[i], waker, now, || {
+            while let Some(mut c) = self.idle(i) {
+                if catch_up(&mut c, &self.nodes[i], now) {
+                    return Some(c);
+                }
             }
-        }
-        // The simulated pools connect on demand, whatever the node's health
-        // (the driver's pools reconnect a failing node in the background).
-        self.connect(i, now)
+            // The simulated pools connect on demand, whatever the node's
+            // health (the driver's pools reconnect a failing node in the
+            // background).
+            self.connect(i, now)
+        })
     }
 
-    fn checkout_anyway(&self, i: usize, now: Instant) -> Option<SimConn> {
+    fn checkout_anyway(&self, i: usize, now: Instant) -> Option<Share<SimConn>> {
         // On demand whatever the node's health already (see `checkout`).
         self.checkout(i, now)
     }
 
-    fn wait_for_free(&self, _i: usize, _deadline: Instant) -> Option<SimConn> {
+    fn wait_for_free(&self, _i: usize, _deadline: Instant) -> Option<Share<SimConn>> {
         // The simulated pools have no size limit: never all busy.
         None
     }
@@ -416,26 +446,12 @@ impl Links for SimLinks {
 
     fn wait_ready(
         &self,
-        parts: &[Part<SimConn>],
+        parts: &[Part<Share<SimConn>>],
         wait: Duration,
-        _writes: bool,
+        writes: bool,
         ready: &mut Vec<(usize, ())>,
     ) {
-        let until = crate::clock::after(self.now(), wait);
-        loop {
-            let seen = self.signal.seen();
-            for (i, s) in parts.iter().enumerate() {
-                if let Some(c) = s.conn.as_ref() {
-                    if c.wire().awaits_wanted() && c.link().inbox.ready() {
-                        ready.push((i, ()));
-                    }
-                }
-            }
-            if !ready.is_empty() || wait.is_zero() || self.now() >= until {
-                return;
-            }
-            self.sched.wait_signal(&self.signal, seen, Some(until));
-        }
+        line::wait_ready(self, parts, wait, writes, ready);
     }
 
     fn retry_later(&self, i: usize, keys: &[Key<'_>], until: Instant) {

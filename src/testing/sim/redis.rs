@@ -56,12 +56,6 @@ impl Inbox {
         self.state.lock().0.pop_front()
     }
 
-    /// Whether a reply waits or the connection is closed.
-    pub(crate) fn ready(&self) -> bool {
-        let st = self.state.lock();
-        !st.0.is_empty() || st.1
-    }
-
     pub(crate) fn is_closed(&self) -> bool {
         self.state.lock().1
     }

@@ -1,0 +1,689 @@
+//! Connection sharing: the rounds of one client that overlap in time send
+//! their commands to a node on one connection, a *line*.
+//!
+//! - Each round queues on its own [`Wire`] (its [`Share`], which the round
+//!   sees as its connection: every node-layer rule runs on it unchanged).
+//!   Flushing carries those bytes onto the line's connection behind the
+//!   others', with one entry per command that says whose reply it is; Redis
+//!   answers one connection's commands in order, so the entries pair every
+//!   reply with its owner.
+//! - One waiting round at a time, the line's *reader*, waits on the socket;
+//!   it reads every reply that arrived and hands each to its owner's
+//!   mailbox, waking the owner, who takes it on its own thread. When the
+//!   reader stops waiting on the line, the role passes to a round that
+//!   waits. No round waits for another's batch past its own deadline: it
+//!   waits on its mailbox (or the socket) until then, and at its deadline
+//!   reads the socket itself.
+//! - A round that ends with replies owed leaves its wire to the line: the
+//!   line reads those late replies for it, by the node layer's late-reply
+//!   rules, as the next user of a pooled connection would. When the last
+//!   round leaves, the connection goes back to its pool owing exactly what
+//!   it owed, each entry its owner's own.
+//! - A close, or a reply owed past the node timeout, ends the line for every
+//!   owner at once: each gets the close (or the timeout) as its answer, and
+//!   nothing is sent again but by the node layer's rules for a close.
+//!
+//! Production and the simulation run this same code; only how a thread
+//! blocks ([`Await`]) differs.
+
+use std::collections::VecDeque;
+use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use redis::Value;
+
+use crate::algorithm::health::Outcome;
+use crate::clock::after;
+use crate::driver::node::link::Link;
+use crate::driver::node::part::Part;
+use crate::driver::node::replies::{ask_info_when_due, give_up_why, late_reply, turned_away};
+use crate::driver::node::shared::NodeShared;
+use crate::driver::wire::{Facts, Pending, Wire};
+
+/// Wakes a round that waits on its mailbox.
+pub(crate) trait Wake: Send + Sync {
+    /// Wakes it (a wake while it is not waiting makes its next wait return).
+    fn wake(&self);
+}
+
+impl Wake for crate::clock::Signal {
+    fn wake(&self) {
+        self.notify();
+    }
+}
+
+/// A round on the line, or (`orphan`) one that left owing replies.
+struct Owner {
+    id: u64,
+    /// Replies read for it, not yet taken, each with what the connection
+    /// knew of its server when it read it, if that changed since the last.
+    replies: VecDeque<(Value, Option<Facts>)>,
+    /// The connection's [`Wire::facts_seq`] its last reply was read with.
+    facts_seq: u64,
+    /// Its commands on the connection whose replies have not been read.
+    owed: usize,
+    /// Its commands carried onto the connection so far.
+    moved: u64,
+    waker: Option<Arc<dyn Wake>>,
+    /// Blocked waiting for the reader.
+    waiting: bool,
+    /// The wire of a round that left, whose late replies the line takes.
+    orphan: Option<Wire>,
+}
+
+struct State<C> {
+    conn: C,
+    owners: Vec<Owner>,
+    next_id: u64,
+    reader: Option<u64>,
+    /// Why the line ended, for every owner still owed a reply.
+    closed: Option<(io::ErrorKind, String)>,
+}
+
+/// One connection shared by rounds.
+pub(crate) struct Line<C: Link> {
+    state: Mutex<State<C>>,
+    node: Arc<NodeShared>,
+    /// What its reader waits on.
+    pub(crate) handle: Option<C::Handle>,
+}
+
+/// A round's place on a line: the connection as the round sees it.
+pub(crate) struct Share<C: Link> {
+    line: Arc<Line<C>>,
+    id: u64,
+    wire: Wire,
+    /// This round is the line's reader.
+    reading: AtomicBool,
+}
+
+/// What a round waiting on a line finds.
+enum Watch {
+    /// Replies (or the close) for it.
+    News,
+    /// It is the reader: it waits on the socket.
+    Reader,
+    /// Another round reads: it waits to be woken.
+    Follower,
+}
+
+fn error_of((kind, text): &(io::ErrorKind, String)) -> io::Error {
+    io::Error::new(*kind, text.clone())
+}
+
+/// The connection a line ends with when one of its rounds gave it up.
+fn timed_out() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::TimedOut,
+        "the connection was given up: a reply on it was owed past the node timeout",
+    )
+}
+
+impl<C> State<C>
+where
+    C: Link,
+{
+    fn owner(&mut self, id: u64) -> Option<&mut Owner> {
+        self.owners.iter_mut().find(|o| o.id == id)
+    }
+
+    /// Carries what `wire` (owner `id`'s) has queued onto the connection.
+    fn carry(&mut self, id: u64, wire: &mut Wire) {
+        let Some(o) = self.owners.iter_mut().find(|o| o.id == id) else {
+            return;
+        };
+        let n = usize::try_from(wire.pushed().saturating_sub(o.moved)).unwrap_or(usize::MAX);
+        if n == 0 && wire.output().is_empty() {
+            return;
+        }
+        let skip = wire.pending().len().saturating_sub(n);
+        let sents: Vec<Instant> = wire.pending().iter().skip(skip).map(|p| p.sent).collect();
+        o.owed += sents.len();
+        o.moved = wire.pushed();
+        self.conn
+            .wire_mut()
+            .carry(wire.output(), sents.into_iter(), id);
+        let len = wire.output().len();
+        wire.written(len);
+    }
+
+    /// Ends the line: every owner still owed a reply gets `e`; wakers of
+    /// every round on it are returned.
+    fn close(&mut self, e: &io::Error) -> Vec<Arc<dyn Wake>> {
+        if self.closed.is_none() {
+            self.closed = Some((e.kind(), e.to_string()));
+        }
+        self.conn.wire_mut().broken = true;
+        self.reader = None;
+        // Late replies of rounds that left will not come.
+        self.owners.retain(|o| o.orphan.is_none());
+        self.owners.iter().filter_map(|o| o.waker.clone()).collect()
+    }
+
+    /// Gives the connection up (a reply owed past the node timeout): the
+    /// undos and resends the node layer queues then go out first.
+    fn give_up(&mut self, now: Instant) {
+        let ids: Vec<u64> = self
+            .owners
+            .iter()
+            .filter(|o| o.orphan.is_some())
+            .map(|o| o.id)
+            .collect();
+        for id in ids {
+            let Some(mut w) = self.owner(id).and_then(|o| o.orphan.take()) else {
+                continue;
+            };
+            if w.give_up(now) {
+                self.carry(id, &mut w);
+            }
+            if let Some(o) = self.owner(id) {
+                o.orphan = Some(w);
+            }
+        }
+        self.conn.abandon();
+    }
+
+    /// Hands a reply read off the connection to its owner (a round that
+    /// left: its late reply, taken here).
+    fn route(
+        &mut self,
+        node: &NodeShared,
+        (p, v): (Pending, Value),
+        now: Instant,
+        wake: &mut Vec<Arc<dyn Wake>>,
+    ) -> io::Result<()> {
+        if p.owner == 0 {
+            // The connection's own: sent at connect, or queued since by it.
+            if !turned_away(&p, &v) {
+                node.replied();
+            }
+            if late_reply(self.conn.wire_mut(), node, p, &v, now)? {
+                self.conn.flush()?;
+            }
+            return Ok(());
+        }
+        let Some(k) = self.owners.iter().position(|o| o.id == p.owner) else {
+            return Err(self.conn.wire_mut().protocol_error("reply for no round"));
+        };
+        let o = &mut self.owners[k];
+        o.owed = o.owed.saturating_sub(1);
+        let Some(mut w) = o.orphan.take() else {
+            let seq = self.conn.wire().facts_seq;
+            let facts = (seq != o.facts_seq).then(|| self.conn.wire().facts());
+            let o = &mut self.owners[k];
+            o.facts_seq = seq;
+            o.replies.push_back((v, facts));
+            if o.waiting {
+                wake.extend(o.waker.clone());
+            }
+            return Ok(());
+        };
+        let own = w.answered()?;
+        if !turned_away(&own, &v) {
+            node.replied();
+        }
+        let queued = late_reply(&mut w, node, own, &v, now)?;
+        let id = p.owner;
+        if queued {
+            self.carry(id, &mut w);
+        }
+        let done = w.pending().is_empty();
+        if let Some(o) = self.owner(id) {
+            if done && o.owed == 0 {
+                self.owners.retain(|o| o.id != id);
+            } else {
+                o.orphan = Some(w);
+            }
+        }
+        if queued {
+            self.conn.flush()?;
+        }
+        Ok(())
+    }
+
+    /// The reader left: a round that waits takes over.
+    fn resign(&mut self, id: u64, wake: &mut Vec<Arc<dyn Wake>>) {
+        if self.reader == Some(id) {
+            self.reader = None;
+            if let Some(o) = self.owners.iter().find(|o| o.waiting) {
+                wake.extend(o.waker.clone());
+            }
+        }
+    }
+}
+
+fn wake_all(wake: Vec<Arc<dyn Wake>>) {
+    for w in wake {
+        w.wake();
+    }
+}
+
+impl<C: Link> Line<C> {
+    /// A line over `conn`, a connection to `node` whose late replies were
+    /// read.
+    pub(crate) fn new(conn: C, node: Arc<NodeShared>) -> Arc<Self> {
+        Arc::new(Line {
+            handle: conn.handle(),
+            state: Mutex::new(State {
+                conn,
+                owners: Vec::new(),
+                next_id: 1,
+                reader: None,
+                closed: None,
+            }),
+            node,
+        })
+    }
+
+    /// A new round on the line, woken by `waker`; None when the line cannot
+    /// take a command (it closed, or is given up now by the node layer's
+    /// rules for a connection in use: a reply owed past the node timeout,
+    /// too many owed).
+    fn admit(self: &Arc<Self>, waker: Option<Arc<dyn Wake>>, now: Instant) -> Option<Share<C>> {
+        let mut st = self.state.lock();
+        if st.closed.is_some() {
+            return None;
+        }
+        if let Some(overdue) = give_up_why(st.conn.wire(), &self.node, now) {
+            st.give_up(now);
+            if overdue {
+                self.node.observe(Outcome::TimedOut);
+            }
+            let wake = st.close(&timed_out());
+            drop(st);
+            wake_all(wake);
+            return None;
+        }
+        if let Err(e) = ask_info_when_due(&mut st.conn, now) {
+            let wake = st.close(&e);
+            drop(st);
+            wake_all(wake);
+            return None;
+        }
+        let id = st.next_id;
+        st.next_id += 1;
+        let facts_seq = st.conn.wire().facts_seq;
+        st.owners.push(Owner {
+            id,
+            replies: VecDeque::new(),
+            facts_seq,
+            owed: 0,
+            moved: 0,
+            waker,
+            waiting: false,
+            orphan: None,
+        });
+        let wire = Wire::joining(st.conn.wire());
+        Some(Share {
+            line: self.clone(),
+            id,
+            wire,
+            reading: AtomicBool::new(false),
+        })
+    }
+
+    /// Reads what arrived (what `ready` reports, or all there is) and hands
+    /// each reply to its owner.
+    pub(crate) fn pump(&self, ready: Option<C::Ready>) {
+        let now = self.node.clock.now();
+        let mut wake = Vec::new();
+        {
+            let mut st = self.state.lock();
+            if st.closed.is_some() {
+                return;
+            }
+            let mut io = match ready {
+                Some(r) => st.conn.on_ready(r),
+                None => st.conn.read_all(),
+            }
+            .err();
+            loop {
+                match st.conn.next_reply() {
+                    Ok(Some(r)) => {
+                        if let Err(e) = st.route(&self.node, r, now, &mut wake) {
+                            io = Some(e);
+                            break;
+                        }
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        io = Some(e);
+                        break;
+                    }
+                }
+            }
+            if let Some(e) = io {
+                wake.extend(st.close(&e));
+            }
+        }
+        wake_all(wake);
+    }
+
+    /// Whether the connection has part of a command still to write.
+    pub(crate) fn wants_write(&self) -> bool {
+        self.state.lock().conn.wants_write()
+    }
+
+    fn watch(&self, id: u64) -> Watch {
+        let mut st = self.state.lock();
+        let closed = st.closed.is_some();
+        let reader = st.reader;
+        let Some(o) = st.owner(id) else {
+            return Watch::News;
+        };
+        if !o.replies.is_empty() || (closed && o.owed > 0) {
+            return Watch::News;
+        }
+        if closed {
+            // Nothing owed to it: it has nothing to wait for here.
+            return Watch::Follower;
+        }
+        if reader.is_none() || reader == Some(id) {
+            st.reader = Some(id);
+            return Watch::Reader;
+        }
+        o.waiting = true;
+        Watch::Follower
+    }
+
+    fn unwatch(&self, id: u64) {
+        if let Some(o) = self.state.lock().owner(id) {
+            o.waiting = false;
+        }
+    }
+
+    fn resign(&self, id: u64) {
+        let mut wake = Vec::new();
+        self.state.lock().resign(id, &mut wake);
+        wake_all(wake);
+    }
+
+    fn has_news(&self, id: u64) -> bool {
+        let mut st = self.state.lock();
+        let closed = st.closed.is_some();
+        st.owner(id)
+            .is_some_and(|o| !o.replies.is_empty() || (closed && o.owed > 0))
+    }
+
+    /// Owner `id`'s next reply, or the line's end.
+    fn take(&self, id: u64) -> Option<io::Result<(Value, Option<Facts>)>> {
+        let mut st = self.state.lock();
+        let closed = st.closed.clone();
+        let o = st.owner(id)?;
+        if let Some(v) = o.replies.pop_front() {
+            return Some(Ok(v));
+        }
+        match closed {
+            Some(c) if o.owed > 0 => {
+                o.owed = 0;
+                Some(Err(error_of(&c)))
+            }
+            _ => None,
+        }
+    }
+
+    fn send(&self, id: u64, wire: &mut Wire) -> io::Result<()> {
+        let now = self.node.clock.now();
+        let mut st = self.state.lock();
+        if let Some(c) = &st.closed {
+            wire.broken = true;
+            return Err(error_of(c));
+        }
+        st.carry(id, wire);
+        let r = if wire.broken {
+            // The round gave the connection up: its reply was owed past
+            // the node timeout (observed by the round).
+            st.give_up(now);
+            Err(timed_out())
+        } else {
+            st.conn.flush()
+        };
+        let wake = match &r {
+            Err(e) => st.close(e),
+            Ok(()) => Vec::new(),
+        };
+        drop(st);
+        wake_all(wake);
+        r
+    }
+
+    /// Round `id` leaves, its wire as the round left it.
+    fn leave(&self, id: u64, mut wire: Wire) {
+        let now = self.node.clock.now();
+        let mut wake = Vec::new();
+        {
+            let mut st = self.state.lock();
+            st.resign(id, &mut wake);
+            let Some(k) = st.owners.iter().position(|o| o.id == id) else {
+                return;
+            };
+            if st.closed.is_some() {
+                st.owners.swap_remove(k);
+                return;
+            }
+            // Replies read for it and not taken are late replies now.
+            let replies = std::mem::take(&mut st.owners[k].replies);
+            let mut failed = None;
+            for (v, facts) in replies {
+                if let Some(f) = facts {
+                    wire.adopt(f);
+                }
+                let r = wire.answered().and_then(|p| {
+                    if !turned_away(&p, &v) {
+                        self.node.replied();
+                    }
+                    late_reply(&mut wire, &self.node, p, &v, now)
+                });
+                if let Err(e) = r {
+                    failed = Some(e);
+                    break;
+                }
+            }
+            st.carry(id, &mut wire);
+            let r = match failed {
+                Some(e) => Err(e),
+                None if wire.broken => {
+                    st.give_up(now);
+                    Err(timed_out())
+                }
+                None => st.conn.flush(),
+            };
+            if let Err(e) = r {
+                wake.extend(st.close(&e));
+                st.owners.retain(|o| o.id != id);
+            } else if let Some(o) = st.owner(id) {
+                if o.owed > 0 {
+                    o.orphan = Some(wire);
+                    o.waker = None;
+                    o.waiting = false;
+                } else {
+                    st.owners.retain(|o| o.id != id);
+                }
+            }
+        }
+        wake_all(wake);
+    }
+}
+
+impl<C: Link> Drop for Line<C> {
+    /// No round left on it: the connection goes back to its pool owing what
+    /// the rounds that left are owed, each entry its owner's own.
+    fn drop(&mut self) {
+        let st = self.state.get_mut();
+        if st.closed.is_some() {
+            return;
+        }
+        let owners = &mut st.owners;
+        let unshared = st.conn.wire_mut().unshare(|id| {
+            owners
+                .iter_mut()
+                .find(|o| o.id == id)
+                .and_then(|o| o.orphan.as_mut())
+                .and_then(|w| w.answered().ok())
+        });
+        if !unshared {
+            st.conn.wire_mut().broken = true;
+        }
+    }
+}
+
+impl<C: Link> Drop for Share<C> {
+    fn drop(&mut self) {
+        let made = self.wire.made;
+        let wire = std::mem::replace(&mut self.wire, Wire::new(made));
+        self.line.leave(self.id, wire);
+    }
+}
+
+impl<C: Link> Link for Share<C> {
+    type Ready = ();
+    type Handle = ();
+
+    fn handle(&self) -> Option<()> {
+        None
+    }
+
+    fn wire(&self) -> &Wire {
+        &self.wire
+    }
+
+    fn wire_mut(&mut self) -> &mut Wire {
+        &mut self.wire
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.line.send(self.id, &mut self.wire)
+    }
+
+    fn on_ready(&mut self, (): ()) -> io::Result<()> {
+        // The reader read for it; a close comes with the replies.
+        Ok(())
+    }
+
+    fn next_reply(&mut self) -> io::Result<Option<(Pending, Value)>> {
+        match self.line.take(self.id) {
+            Some(Ok((v, facts))) => {
+                if let Some(f) = facts {
+                    self.wire.adopt(f);
+                }
+                self.wire.answer(v).map(Some)
+            }
+            Some(Err(e)) => {
+                self.wire.broken = true;
+                Err(e)
+            }
+            None => Ok(None),
+        }
+    }
+
+    fn wants_write(&self) -> bool {
+        // Its bytes are the line's once flushed.
+        false
+    }
+
+    fn read_all(&mut self) -> io::Result<()> {
+        self.line.pump(None);
+        Ok(())
+    }
+
+    fn abandon(&mut self) {
+        let now = self.line.node.clock.now();
+        self.wire.give_up(now);
+        self.wire.broken = true;
+        let _ = self.flush();
+    }
+}
+
+/// Round `waker`'s place on node `node`'s current line (`slot`), or on a
+/// new line over a connection `fresh` gives.
+pub(crate) fn join<C: Link>(
+    slot: &Mutex<Weak<Line<C>>>,
+    node: &Arc<NodeShared>,
+    waker: Option<Arc<dyn Wake>>,
+    now: Instant,
+    fresh: impl FnOnce() -> Option<C>,
+) -> Option<Share<C>> {
+    let mut current = slot.lock();
+    if let Some(line) = current.upgrade() {
+        if let Some(share) = line.admit(waker.clone(), now) {
+            return Some(share);
+        }
+    }
+    let line = Line::new(fresh()?, node.clone());
+    let share = line.admit(waker, now)?;
+    *current = Arc::downgrade(&line);
+    Some(share)
+}
+
+/// How a client's threads block while their rounds wait on lines.
+pub(crate) trait Await<C: Link> {
+    /// Now.
+    fn clock_now(&self) -> Instant;
+    /// A mark taken before looking at the mailboxes: a wake after it ends
+    /// the next [`block`](Self::block).
+    fn mark(&self) -> u64;
+    /// Blocks until one of `lines` (which this thread reads) has something
+    /// to read, or this thread is woken, or `until`; reads what arrived on
+    /// each of `lines` ([`Line::pump`]).
+    fn block(&self, lines: &[&Line<C>], until: Instant, writes: bool, mark: u64);
+}
+
+/// [`Links::wait_ready`](crate::driver::node::links::Links::wait_ready) for
+/// rounds on lines: waits at most `wait` until a part awaiting a reply has
+/// one (or its line's end) in its mailbox, reading the socket of each line
+/// no other round reads.
+pub(crate) fn wait_ready<C: Link>(
+    a: &impl Await<C>,
+    parts: &[Part<Share<C>>],
+    wait: Duration,
+    writes: bool,
+    ready: &mut Vec<(usize, ())>,
+) {
+    let until = after(a.clock_now(), wait);
+    let mut mine: Vec<&Line<C>> = Vec::with_capacity(parts.len());
+    let mut following: Vec<&Share<C>> = Vec::with_capacity(parts.len());
+    loop {
+        let mark = a.mark();
+        let last = wait.is_zero() || a.clock_now() >= until;
+        mine.clear();
+        following.clear();
+        for (i, s) in parts.iter().enumerate() {
+            let Some(c) = s.conn.as_ref() else { continue };
+            if !c.wire.awaits_wanted() {
+                // It waits for nothing here: another round reads.
+                if c.reading.swap(false, Ordering::AcqRel) {
+                    c.line.resign(c.id);
+                }
+                continue;
+            }
+            if last {
+                // At its deadline a round reads for itself.
+                c.line.pump(None);
+                if c.line.has_news(c.id) {
+                    ready.push((i, ()));
+                }
+                continue;
+            }
+            match c.line.watch(c.id) {
+                Watch::News => ready.push((i, ())),
+                Watch::Reader => {
+                    c.reading.store(true, Ordering::Release);
+                    mine.push(&c.line);
+                }
+                Watch::Follower => following.push(c),
+            }
+        }
+        if ready.is_empty() && !last {
+            a.block(&mine, until, writes, mark);
+        }
+        for c in &following {
+            c.line.unwatch(c.id);
+        }
+        if last || !ready.is_empty() {
+            return;
+        }
+    }
+}
