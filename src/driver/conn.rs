@@ -110,6 +110,9 @@ pub(crate) struct Conn {
     wpos: usize,
     /// The commands sent and the replies owed; the bytes to write.
     pub wire: Wire,
+    /// The same socket, to poll while the connection is in use elsewhere
+    /// (see [`poll_handle`](Self::poll_handle)); made once.
+    poll: Option<std::sync::Arc<TcpStream>>,
 }
 
 /// What a connection is for, and so which commands it sends at connect.
@@ -227,6 +230,7 @@ impl Conn {
         #[cfg(not(feature = "tls-rustls"))]
         let stream = Stream::Plain(stream);
         let mut conn = Conn {
+            poll: stream.tcp().try_clone().ok().map(std::sync::Arc::new),
             stream,
             rbuf: Vec::with_capacity(512),
             wpos: 0,
@@ -465,9 +469,9 @@ impl Conn {
     }
 
     /// A handle to poll this connection's socket by while the connection
-    /// itself is in use elsewhere (the same socket, duplicated).
-    pub(crate) fn poll_handle(&self) -> io::Result<TcpStream> {
-        self.stream.tcp().try_clone()
+    /// itself is in use elsewhere (the same socket, duplicated at connect).
+    pub(crate) fn poll_handle(&self) -> Option<std::sync::Arc<TcpStream>> {
+        self.poll.clone()
     }
 
     /// The poll entry for this connection.

@@ -97,7 +97,7 @@ pub(crate) struct Wire {
     /// resolution), and when that reply was read; `None` when refused.
     pub uptime: Option<(Duration, Instant)>,
     /// The server's `run_id`, as its last `INFO` said.
-    pub run_id: Option<String>,
+    pub run_id: Option<Arc<str>>,
     /// The last lock history's epoch seen on this connection, and its key
     /// (see [`crate::algorithm::round::history_key`]).
     pub history_key: Option<(u64, u64)>,
@@ -118,7 +118,7 @@ pub(crate) struct Wire {
 pub(crate) struct Facts {
     server: ServerTag,
     uptime: Option<(Duration, Instant)>,
-    run_id: Option<String>,
+    run_id: Option<Arc<str>>,
 }
 
 impl Drop for Wire {

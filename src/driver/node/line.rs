@@ -43,6 +43,23 @@ use crate::driver::node::replies::{ask_info_when_due, give_up_why, late_reply, t
 use crate::driver::node::shared::NodeShared;
 use crate::driver::wire::{Facts, Pending, Wire};
 
+/// What lines did, for the simulation's coverage check.
+#[cfg(test)]
+#[derive(Debug, Default)]
+pub(crate) struct LineStats {
+    /// Commands carried while another round was owed a reply on the line.
+    pub(crate) batched: std::sync::atomic::AtomicU64,
+    /// Lines that ended with replies owed to two rounds or more.
+    pub(crate) closed_batches: std::sync::atomic::AtomicU64,
+    /// Late replies taken for rounds that had left.
+    pub(crate) orphan_replies: std::sync::atomic::AtomicU64,
+}
+
+#[cfg(test)]
+fn count(n: &std::sync::atomic::AtomicU64) {
+    n.fetch_add(1, Ordering::Relaxed);
+}
+
 /// Wakes a round that waits on its mailbox.
 pub(crate) trait Wake: Send + Sync {
     /// Wakes it (a wake while it is not waiting makes its next wait return).
@@ -81,7 +98,16 @@ struct State<C> {
     reader: Option<u64>,
     /// Why the line ended, for every owner still owed a reply.
     closed: Option<(io::ErrorKind, String)>,
+    /// Its last round left owing replies: it takes no new round, and its
+    /// connection goes back to the pool owing them.
+    retired: bool,
+    /// It ended with replies owed to two rounds or more.
+    #[cfg(test)]
+    closed_batches: bool,
 }
+
+/// A node's current line, kept between rounds.
+pub(crate) type Slot<C> = Mutex<Option<Arc<Line<C>>>>;
 
 /// One connection shared by rounds.
 pub(crate) struct Line<C: Link> {
@@ -89,6 +115,8 @@ pub(crate) struct Line<C: Link> {
     node: Arc<NodeShared>,
     /// What its reader waits on.
     pub(crate) handle: Option<C::Handle>,
+    /// Where it is kept while it takes rounds.
+    slot: Weak<Slot<C>>,
 }
 
 /// A round's place on a line: the connection as the round sees it.
@@ -153,6 +181,10 @@ where
     /// Ends the line: every owner still owed a reply gets `e`; wakers of
     /// every round on it are returned.
     fn close(&mut self, e: &io::Error) -> Vec<Arc<dyn Wake>> {
+        #[cfg(test)]
+        if self.closed.is_none() && self.owners.iter().filter(|o| o.owed > 0).count() >= 2 {
+            self.closed_batches = true;
+        }
         if self.closed.is_none() {
             self.closed = Some((e.kind(), e.to_string()));
         }
@@ -222,6 +254,8 @@ where
             return Ok(());
         };
         let own = w.answered()?;
+        #[cfg(test)]
+        count(&node.line_stats.orphan_replies);
         if !turned_away(&own, &v) {
             node.replied();
         }
@@ -244,6 +278,40 @@ where
         Ok(())
     }
 
+    /// Reads what arrived (what `ready` reports, or all there is), hands
+    /// each reply to its owner, and ends the line on an error.
+    fn read(
+        &mut self,
+        node: &NodeShared,
+        ready: Option<C::Ready>,
+        now: Instant,
+        wake: &mut Vec<Arc<dyn Wake>>,
+    ) {
+        let mut io = match ready {
+            Some(r) => self.conn.on_ready(r),
+            None => self.conn.read_all(),
+        }
+        .err();
+        loop {
+            match self.conn.next_reply() {
+                Ok(Some(r)) => {
+                    if let Err(e) = self.route(node, r, now, wake) {
+                        io = Some(e);
+                        break;
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    io = Some(e);
+                    break;
+                }
+            }
+        }
+        if let Some(e) = io {
+            wake.extend(self.close(&e));
+        }
+    }
+
     /// The reader left: a round that waits takes over.
     fn resign(&mut self, id: u64, wake: &mut Vec<Arc<dyn Wake>>) {
         if self.reader == Some(id) {
@@ -264,7 +332,7 @@ fn wake_all(wake: Vec<Arc<dyn Wake>>) {
 impl<C: Link> Line<C> {
     /// A line over `conn`, a connection to `node` whose late replies were
     /// read.
-    pub(crate) fn new(conn: C, node: Arc<NodeShared>) -> Arc<Self> {
+    pub(crate) fn new(conn: C, node: Arc<NodeShared>, slot: Weak<Slot<C>>) -> Arc<Self> {
         Arc::new(Line {
             handle: conn.handle(),
             state: Mutex::new(State {
@@ -273,9 +341,27 @@ impl<C: Link> Line<C> {
                 next_id: 1,
                 reader: None,
                 closed: None,
+                retired: false,
+                #[cfg(test)]
+                closed_batches: false,
             }),
             node,
+            slot,
         })
+    }
+
+    /// Takes the line out of its slot (if it is still there): it takes no
+    /// new round, and goes when its last round does.
+    fn unslot(&self) {
+        let Some(slot) = self.slot.upgrade() else {
+            return;
+        };
+        let mut current = slot.lock();
+        if current.as_ref().is_some_and(|l| std::ptr::eq(&**l, self)) {
+            let line = current.take();
+            drop(current);
+            drop(line);
+        }
     }
 
     /// A new round on the line, woken by `waker`; None when the line cannot
@@ -284,8 +370,19 @@ impl<C: Link> Line<C> {
     /// too many owed).
     fn admit(self: &Arc<Self>, waker: Option<Arc<dyn Wake>>, now: Instant) -> Option<Share<C>> {
         let mut st = self.state.lock();
-        if st.closed.is_some() {
+        if st.closed.is_some() || st.retired {
             return None;
+        }
+        if st.owners.iter().all(|o| o.orphan.is_some()) {
+            // No round reads it: what arrived meanwhile is read first (late
+            // replies, a close while idle: no answer, so not charged).
+            let mut wake = Vec::new();
+            st.read(&self.node, None, now, &mut wake);
+            if st.closed.is_some() {
+                drop(st);
+                wake_all(wake);
+                return None;
+            }
         }
         if let Some(overdue) = give_up_why(st.conn.wire(), &self.node, now) {
             st.give_up(now);
@@ -330,36 +427,18 @@ impl<C: Link> Line<C> {
     pub(crate) fn pump(&self, ready: Option<C::Ready>) {
         let now = self.node.clock.now();
         let mut wake = Vec::new();
-        {
+        let closed = {
             let mut st = self.state.lock();
             if st.closed.is_some() {
                 return;
             }
-            let mut io = match ready {
-                Some(r) => st.conn.on_ready(r),
-                None => st.conn.read_all(),
-            }
-            .err();
-            loop {
-                match st.conn.next_reply() {
-                    Ok(Some(r)) => {
-                        if let Err(e) = st.route(&self.node, r, now, &mut wake) {
-                            io = Some(e);
-                            break;
-                        }
-                    }
-                    Ok(None) => break,
-                    Err(e) => {
-                        io = Some(e);
-                        break;
-                    }
-                }
-            }
-            if let Some(e) = io {
-                wake.extend(st.close(&e));
-            }
-        }
+            st.read(&self.node, ready, now, &mut wake);
+            st.closed.is_some()
+        };
         wake_all(wake);
+        if closed {
+            self.unslot();
+        }
     }
 
     /// Whether the connection has part of a command still to write.
@@ -432,6 +511,10 @@ impl<C: Link> Line<C> {
             wire.broken = true;
             return Err(error_of(c));
         }
+        #[cfg(test)]
+        if st.owners.iter().any(|o| o.id != id && o.owed > 0) {
+            count(&self.node.line_stats.batched);
+        }
         st.carry(id, wire);
         let r = if wire.broken {
             // The round gave the connection up: its reply was owed past
@@ -447,6 +530,9 @@ impl<C: Link> Line<C> {
         };
         drop(st);
         wake_all(wake);
+        if r.is_err() {
+            self.unslot();
+        }
         r
     }
 
@@ -454,7 +540,7 @@ impl<C: Link> Line<C> {
     fn leave(&self, id: u64, mut wire: Wire) {
         let now = self.node.clock.now();
         let mut wake = Vec::new();
-        {
+        let unslot = {
             let mut st = self.state.lock();
             st.resign(id, &mut wake);
             let Some(k) = st.owners.iter().position(|o| o.id == id) else {
@@ -471,6 +557,8 @@ impl<C: Link> Line<C> {
                 if let Some(f) = facts {
                     wire.adopt(f);
                 }
+                #[cfg(test)]
+                count(&self.node.line_stats.orphan_replies);
                 let r = wire.answered().and_then(|p| {
                     if !turned_away(&p, &v) {
                         self.node.replied();
@@ -503,8 +591,21 @@ impl<C: Link> Line<C> {
                     st.owners.retain(|o| o.id != id);
                 }
             }
-        }
+            // The last round out, leaving replies owed: the connection goes
+            // back to its pool, where the late replies are read (by the
+            // retry job, or the next checkout) even if no round comes.
+            if st.closed.is_none()
+                && st.owners.iter().all(|o| o.orphan.is_some())
+                && !st.owners.is_empty()
+            {
+                st.retired = true;
+            }
+            st.closed.is_some() || st.retired
+        };
         wake_all(wake);
+        if unslot {
+            self.unslot();
+        }
     }
 }
 
@@ -513,6 +614,10 @@ impl<C: Link> Drop for Line<C> {
     /// the rounds that left are owed, each entry its owner's own.
     fn drop(&mut self) {
         let st = self.state.get_mut();
+        #[cfg(test)]
+        if st.closed_batches {
+            count(&self.node.line_stats.closed_batches);
+        }
         if st.closed.is_some() {
             return;
         }
@@ -597,25 +702,32 @@ impl<C: Link> Link for Share<C> {
     }
 }
 
-/// Round `waker`'s place on node `node`'s current line (`slot`), or on a
-/// new line over a connection `fresh` gives.
+/// Round `waker`'s place on node `node`'s current line (kept in `slot`),
+/// or on a new line over a connection `fresh` gives.
 pub(crate) fn join<C: Link>(
-    slot: &Mutex<Weak<Line<C>>>,
+    slot: &Arc<Slot<C>>,
     node: &Arc<NodeShared>,
     waker: Option<Arc<dyn Wake>>,
     now: Instant,
     fresh: impl FnOnce() -> Option<C>,
 ) -> Option<Share<C>> {
     let mut current = slot.lock();
-    if let Some(line) = current.upgrade() {
+    if let Some(line) = current.as_ref() {
         if let Some(share) = line.admit(waker.clone(), now) {
             return Some(share);
         }
     }
-    let line = Line::new(fresh()?, node.clone());
-    let share = line.admit(waker, now)?;
-    *current = Arc::downgrade(&line);
-    Some(share)
+    // Closed, given up or retired: it goes when its last round does.
+    let old = current.take();
+    let share = fresh().and_then(|conn| {
+        let line = Line::new(conn, node.clone(), Arc::downgrade(slot));
+        let share = line.admit(waker, now)?;
+        *current = Some(line);
+        Some(share)
+    });
+    drop(current);
+    drop(old);
+    share
 }
 
 /// How a client's threads block while their rounds wait on lines.
@@ -687,3 +799,7 @@ pub(crate) fn wait_ready<C: Link>(
         }
     }
 }
+
+#[cfg(test)]
+#[path = "line_tests.rs"]
+mod tests;

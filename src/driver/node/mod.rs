@@ -142,7 +142,7 @@ impl RedisTransport {
                 inner: Arc::new(NodeInner {
                     shared,
                     pool,
-                    line: parking_lot::Mutex::default(),
+                    line: Arc::default(),
                 }),
                 target: spec.target,
                 threads,

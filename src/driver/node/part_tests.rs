@@ -324,7 +324,7 @@ fn a_connections_info_caps_the_age_and_names_the_history() {
         reply.facts.expect("facts")
     };
     let mut w = Wire::new(now);
-    w.run_id = Some("8a3f".to_owned());
+    w.run_id = Some("8a3f".into());
     // Up for 3 s (INFO said 4, less its one-second resolution), read now.
     w.uptime = Some((Duration::from_secs(3), now));
     let f = facts(&mut w, 3_600_000);

@@ -5,6 +5,7 @@ use crate::driver::node::encode::acquired_any;
 use crate::driver::node::shared::NodeShared;
 
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use log::debug;
@@ -247,9 +248,9 @@ pub(crate) fn setup_reply(
             c.uptime = info
                 .uptime
                 .map(|up| (Duration::from_secs(up.saturating_sub(1)), node.clock.now()));
-            if c.run_id != info.run_id {
+            if c.run_id.as_deref() != info.run_id.as_deref() {
                 c.history_key = None;
-                c.run_id = info.run_id.clone();
+                c.run_id = info.run_id.as_deref().map(Arc::from);
             }
             c.server.kind = info.kind();
             node.servers.learn_info(node.index, &Ok(info));

@@ -64,6 +64,10 @@ pub(crate) struct NodeShared {
     /// Defects the simulation puts back, to show its checkers find them.
     #[cfg(test)]
     pub(crate) defects: Defects,
+    /// What the shared connections did (the simulation checks that its
+    /// schedules cover each case).
+    #[cfg(test)]
+    pub(crate) line_stats: Arc<crate::driver::node::line::LineStats>,
 }
 
 /// Defects fixed in the node engine that the simulation can put back, one
@@ -114,6 +118,8 @@ impl NodeShared {
             clock,
             #[cfg(test)]
             defects: Defects::default(),
+            #[cfg(test)]
+            line_stats: Arc::default(),
         }
     }
 
@@ -234,8 +240,7 @@ pub(crate) struct NodeInner {
     pub(crate) pool: Pool<Manager>,
     /// The connection this client's rounds share now (see
     /// [`crate::driver::node::line`]).
-    pub(crate) line:
-        Mutex<std::sync::Weak<crate::driver::node::line::Line<super::sockets::Pooled>>>,
+    pub(crate) line: Arc<crate::driver::node::line::Slot<super::sockets::Pooled>>,
 }
 
 pub(crate) struct Node {

@@ -27,10 +27,10 @@ pub(crate) type Pooled = PooledConnection<Manager>;
 
 impl Link for Pooled {
     type Ready = PollFlags;
-    type Handle = std::net::TcpStream;
+    type Handle = Arc<std::net::TcpStream>;
 
-    fn handle(&self) -> Option<std::net::TcpStream> {
-        self.poll_handle().ok()
+    fn handle(&self) -> Option<Arc<std::net::TcpStream>> {
+        self.poll_handle()
     }
 
     fn wire(&self) -> &Wire {
@@ -183,7 +183,7 @@ impl Await<Pooled> for RedisTransport {
                     if writes && l.wants_write() {
                         flags |= PollFlags::OUT;
                     }
-                    fds.push(conn::PollFd::new(h, flags));
+                    fds.push(conn::PollFd::new(&**h, flags));
                     polled.push(*l);
                 }
                 None => {

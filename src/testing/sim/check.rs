@@ -136,6 +136,12 @@ pub(crate) struct Stats {
     pub(crate) writes: u64,
     pub(crate) refused: u64,
     pub(crate) lapsed: u64,
+    /// Shared connections: commands carried behind another round's, lines
+    /// that ended owing two rounds or more, late replies of rounds that
+    /// had left (summed over the clients at the end of the run).
+    pub(crate) batched: u64,
+    pub(crate) closed_batches: u64,
+    pub(crate) orphan_replies: u64,
 }
 
 /// Every checker's state.

@@ -201,7 +201,7 @@ pub(crate) struct SimLinks {
     entries: Vec<usize>,
     nodes: Vec<Arc<NodeShared>>,
     /// Per entry, the connection its rounds share now.
-    lines: Vec<Mutex<Weak<Line<SimConn>>>>,
+    lines: Vec<Arc<line::Slot<SimConn>>>,
     servers: Arc<Servers>,
     rules: VoteRules,
     timeout: Duration,
@@ -230,6 +230,8 @@ impl SimLinks {
             (core.world.names.clone(), core.world.entries.clone())
         };
         let servers = Arc::new(Servers::new(names.clone()));
+        let line_stats = Arc::new(crate::driver::node::line::LineStats::default());
+        sched.lock().world.line_stats.push(line_stats.clone());
         Arc::new_cyclic(|me| SimLinks {
             sched: sched.clone(),
             nodes: names
@@ -245,10 +247,11 @@ impl SimLinks {
                         clock.clone(),
                     );
                     shared.defects = defects;
+                    shared.line_stats = line_stats.clone();
                     Arc::new(shared)
                 })
                 .collect(),
-            lines: names.iter().map(|_| Mutex::default()).collect(),
+            lines: names.iter().map(|_| Arc::default()).collect(),
             pools: names.iter().map(|_| Arc::default()).collect(),
             retrying: names.iter().map(|_| AtomicBool::new(false)).collect(),
 

@@ -254,6 +254,13 @@ pub(crate) fn simulate(plan: Plan, main: Script) -> Report {
     sched.run(main, Duration::from_secs(60));
     let mut core = sched.lock();
     let at = sched.nanos();
+    let world = &mut core.world;
+    for l in &world.line_stats {
+        let stats = &mut world.check.stats;
+        stats.batched += l.batched.load(Ordering::Relaxed);
+        stats.closed_batches += l.closed_batches.load(Ordering::Relaxed);
+        stats.orphan_replies += l.orphan_replies.load(Ordering::Relaxed);
+    }
     if let Some(why) = core.aborted.take() {
         core.world.check.fail(at, Kind::Crash, why);
     } else {

@@ -158,6 +158,8 @@ pub(crate) struct World {
     pub(crate) nodes: Vec<SimNode>,
     pub(crate) net: Net,
     pub(crate) check: Checker,
+    /// Each client's shared-connection counts.
+    pub(crate) line_stats: Vec<Arc<crate::driver::node::line::LineStats>>,
     pub(crate) events: BTreeMap<(u64, u64), Event>,
     seq: u64,
     pub(crate) rng: SimRng,
@@ -213,6 +215,7 @@ impl World {
             nodes,
             net,
             check,
+            line_stats: Vec::new(),
             events: BTreeMap::new(),
             seq: 0,
             rng,

@@ -1,0 +1,277 @@
+//! The line's rules on a scripted connection: replies paired with their
+//! owners, late replies of rounds that left, the close and the timeout for
+//! every owner, the reader's hand-over, and the connection given back.
+
+use std::sync::atomic::AtomicUsize;
+use std::time::Instant;
+
+use super::*;
+
+/// What a scripted connection was sent, what it will read, and what it
+/// owed when it was given back.
+#[derive(Default)]
+struct Script {
+    written: Vec<u8>,
+    replies: VecDeque<Value>,
+    closed: bool,
+    given_back: Option<Vec<Pending>>,
+}
+
+struct Scripted {
+    wire: Wire,
+    script: Arc<Mutex<Script>>,
+}
+
+impl Drop for Scripted {
+    fn drop(&mut self) {
+        let owed = self.wire.pending().iter().cloned().collect();
+        self.script.lock().given_back = Some(owed);
+    }
+}
+
+impl Link for Scripted {
+    type Ready = ();
+    type Handle = ();
+
+    fn handle(&self) -> Option<()> {
+        None
+    }
+
+    fn wire(&self) -> &Wire {
+        &self.wire
+    }
+
+    fn wire_mut(&mut self) -> &mut Wire {
+        &mut self.wire
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        let out = self.wire.output().to_vec();
+        self.script.lock().written.extend_from_slice(&out);
+        self.wire.written(out.len());
+        Ok(())
+    }
+
+    fn on_ready(&mut self, (): ()) -> io::Result<()> {
+        self.read_all()
+    }
+
+    fn next_reply(&mut self) -> io::Result<Option<(Pending, Value)>> {
+        let v = self.script.lock().replies.pop_front();
+        match v {
+            Some(v) => self.wire.answer(v).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn wants_write(&self) -> bool {
+        false
+    }
+
+    fn read_all(&mut self) -> io::Result<()> {
+        // Like a socket: what arrived before the close is read, then the
+        // close is the read's error.
+        if self.script.lock().closed {
+            return Err(io::Error::new(
+                io::ErrorKind::ConnectionReset,
+                "connection reset",
+            ));
+        }
+        Ok(())
+    }
+
+    fn abandon(&mut self) {
+        if self.wire.give_up(Instant::now()) {
+            let _ = self.flush();
+        }
+        self.wire.broken = true;
+    }
+}
+
+#[derive(Default)]
+struct Count(AtomicUsize);
+
+impl Wake for Count {
+    fn wake(&self) {
+        self.0.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
+fn line() -> (Arc<Line<Scripted>>, Arc<Mutex<Script>>, Arc<NodeShared>) {
+    let script = Arc::new(Mutex::new(Script::default()));
+    let node = Arc::new(NodeShared::for_tests());
+    let conn = Scripted {
+        wire: Wire::new(Instant::now()),
+        script: script.clone(),
+    };
+    (Line::new(conn, node.clone(), Weak::new()), script, node)
+}
+
+fn int(n: i64) -> Value {
+    Value::Int(n)
+}
+
+fn send(s: &mut Share<Scripted>, cmd: &[u8]) {
+    s.wire_mut().queue(cmd, Instant::now(), true);
+    s.flush().expect("sent");
+}
+
+fn reply(s: &mut Share<Scripted>) -> Option<Value> {
+    s.next_reply().expect("no error").map(|(_, v)| v)
+}
+
+#[test]
+fn rounds_on_one_line_get_their_own_replies_in_order() {
+    let (line, script, _) = line();
+    let mut a = line.admit(None, Instant::now()).expect("open");
+    let mut b = line.admit(None, Instant::now()).expect("open");
+    send(&mut a, b"A1");
+    send(&mut b, b"B1");
+    send(&mut a, b"A2");
+    assert_eq!(script.lock().written, b"A1B1A2", "one stream, in order");
+    script.lock().replies.extend([int(1), int(2), int(3)]);
+    line.pump(None);
+    assert_eq!(reply(&mut b), Some(int(2)));
+    assert_eq!(reply(&mut a), Some(int(1)));
+    assert_eq!(reply(&mut a), Some(int(3)));
+    assert_eq!(reply(&mut a), None);
+    assert!(!a.wire().awaits_wanted() && !b.wire().awaits_wanted());
+}
+
+#[test]
+fn a_late_reply_of_a_round_that_left_is_taken_by_the_late_reply_rules() {
+    let (line, script, _) = line();
+    let mut a = line.admit(None, Instant::now()).expect("open");
+    let b = line.admit(None, Instant::now()).expect("open");
+    send(&mut a, b"RELEASE");
+    // The round ended before the reply: a release is sent again as EVAL
+    // if it met NOSCRIPT.
+    a.wire_mut().unwant(None, &[], Some(b"EVAL-RELEASE"));
+    drop(a);
+    let noscript = redis::parse_redis_value(b"-NOSCRIPT No matching script.\r\n").expect("RESP");
+    script.lock().replies.push_back(noscript);
+    line.pump(None);
+    let written = script.lock().written.clone();
+    assert!(
+        written.starts_with(b"RELEASEEVAL-RELEASE"),
+        "the resend follows on the same connection: {:?}",
+        String::from_utf8_lossy(&written)
+    );
+    drop(b);
+    drop(line);
+    // The resend and the script loads are owed by the connection given back.
+    let owed = script.lock().given_back.clone().expect("given back");
+    assert!(owed.len() >= 2, "owed {owed:?}");
+    assert!(owed.iter().all(|p| p.owner == 0 && !p.wanted));
+}
+
+#[test]
+fn the_last_round_out_gives_the_connection_back_owing_what_it_owed() {
+    let (line, script, _) = line();
+    let mut a = line.admit(None, Instant::now()).expect("open");
+    send(&mut a, b"RELEASE");
+    a.wire_mut().unwant(None, &[], Some(b"EVAL-RELEASE"));
+    drop(a);
+    drop(line);
+    let owed = script.lock().given_back.clone().expect("given back");
+    assert_eq!(owed.len(), 1);
+    assert_eq!(owed[0].owner, 0, "the connection's own entry now");
+    assert_eq!(owed[0].resend.as_deref(), Some(&b"EVAL-RELEASE"[..]));
+}
+
+#[test]
+fn a_close_is_every_owed_rounds_answer_and_no_one_joins_the_line() {
+    let (line, script, _) = line();
+    let mut a = line.admit(None, Instant::now()).expect("open");
+    let mut b = line.admit(None, Instant::now()).expect("open");
+    send(&mut a, b"A1");
+    send(&mut b, b"B1");
+    {
+        let mut s = script.lock();
+        s.replies.push_back(int(1));
+        s.closed = true;
+    }
+    line.pump(None);
+    // What arrived before the close is read first.
+    assert_eq!(reply(&mut a), Some(int(1)));
+    let e = b.next_reply().expect_err("the close");
+    assert_eq!(e.kind(), io::ErrorKind::ConnectionReset);
+    assert!(a.next_reply().expect("nothing owed").is_none());
+    assert!(line.admit(None, Instant::now()).is_none());
+    assert!(
+        a.flush().is_err() && a.wire().broken,
+        "a closed line sends nothing"
+    );
+}
+
+#[test]
+fn a_reply_owed_past_the_node_timeout_ends_the_line_for_every_owner() {
+    let (line, _, node) = line();
+    let mut a = line.admit(None, Instant::now()).expect("open");
+    let long_ago = Instant::now()
+        .checked_sub(node.timeout * 2)
+        .expect("a monotonic clock this old");
+    a.wire_mut().queue(b"A1", long_ago, true);
+    a.flush().expect("sent");
+    assert!(node.is_healthy());
+    assert!(line.admit(None, Instant::now()).is_none(), "given up");
+    let e = a.next_reply().expect_err("the timeout");
+    assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+    // The node's own doing: observed.
+    assert!(matches!(
+        *node.health.lock(),
+        crate::algorithm::health::NodeHealth::Failing {
+            last: Outcome::TimedOut,
+            ..
+        }
+    ));
+}
+
+#[test]
+fn the_reader_role_passes_to_a_waiting_round_when_the_reader_leaves() {
+    let (line, _, _) = line();
+    let woken = Arc::new(Count::default());
+    let mut a = line.admit(None, Instant::now()).expect("open");
+    let mut b = line
+        .admit(Some(woken.clone() as Arc<dyn Wake>), Instant::now())
+        .expect("open");
+    send(&mut a, b"A1");
+    send(&mut b, b"B1");
+    assert!(matches!(line.watch(a.id), Watch::Reader));
+    assert!(matches!(line.watch(b.id), Watch::Follower));
+    assert!(matches!(line.watch(a.id), Watch::Reader), "still its");
+    drop(a);
+    assert_eq!(
+        woken.0.load(Ordering::Acquire),
+        1,
+        "the waiting round is woken"
+    );
+    assert!(matches!(line.watch(b.id), Watch::Reader));
+}
+
+#[test]
+fn a_reply_wakes_its_owner_only_while_it_waits() {
+    let (line, script, _) = line();
+    let woken = Arc::new(Count::default());
+    let mut a = line.admit(None, Instant::now()).expect("open");
+    let mut b = line
+        .admit(Some(woken.clone() as Arc<dyn Wake>), Instant::now())
+        .expect("open");
+    send(&mut a, b"A1");
+    send(&mut b, b"B1");
+    send(&mut b, b"B2");
+    script.lock().replies.push_back(int(1));
+    line.pump(None);
+    assert_eq!(woken.0.load(Ordering::Acquire), 0, "not waiting: not woken");
+    assert_eq!(reply(&mut a), Some(int(1)));
+    assert!(matches!(line.watch(a.id), Watch::Reader));
+    assert!(matches!(line.watch(b.id), Watch::Follower));
+    script.lock().replies.push_back(int(2));
+    line.pump(None);
+    assert_eq!(woken.0.load(Ordering::Acquire), 1);
+    assert!(
+        matches!(line.watch(b.id), Watch::News),
+        "its reply is there"
+    );
+    assert_eq!(reply(&mut b), Some(int(2)));
+}
