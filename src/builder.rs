@@ -137,10 +137,11 @@ impl Builder {
 
     /// Sets the most connections this client opens to each node (1 to 1,024).
     ///
-    /// A round holds one connection per node for about one round trip, so
-    /// this bounds how many threads can talk to the nodes at the same moment
-    /// without waiting: size it to the number of threads that lock at once.
-    /// Connections are opened on demand (two are kept idle) and closed after
+    /// Rounds that overlap in time share one connection per node (their
+    /// commands are carried on it together, and one of them reads the
+    /// replies for all), so a few connections serve many threads; the pool
+    /// also gives connections to the background retries and replaces a
+    /// connection given up after a timeout. Connections are opened on demand (two are kept idle) and closed after
     /// 10 minutes unused. A round that finds no free connection in time
     /// reports [`NodeErrorKind::NoConnection`](crate::NodeErrorKind::NoConnection)
     /// for that node; it never counts against the node's health.

@@ -107,6 +107,9 @@ pub(crate) struct Wire {
     pub owing: Option<Arc<AtomicUsize>>,
     /// Commands queued on this wire so far.
     pushed: u64,
+    /// Of those, the ones carried onto a shared connection (see
+    /// [`take_uncarried`](Self::take_uncarried)).
+    carried: u64,
     /// Bumped by each reply that changes what the connection knows of its
     /// server ([`Facts`]).
     pub facts_seq: u64,
@@ -166,6 +169,7 @@ impl Wire {
             history_key: None,
             owing: None,
             pushed: 0,
+            carried: 0,
             facts_seq: 0,
         }
     }
@@ -203,22 +207,33 @@ impl Wire {
         w
     }
 
-    /// Commands queued on this wire so far.
-    pub(crate) fn pushed(&self) -> u64 {
-        self.pushed
+    /// Hands over what was queued since the last call, for a shared
+    /// connection to carry: the bytes (appended to `bytes`) and, per
+    /// command, when it was queued (pushed on `sents`). Returns how many
+    /// commands.
+    pub(crate) fn take_uncarried(
+        &mut self,
+        bytes: &mut Vec<u8>,
+        sents: &mut Vec<Instant>,
+    ) -> usize {
+        let n = usize::try_from(self.pushed.saturating_sub(self.carried)).unwrap_or(usize::MAX);
+        let skip = self.pending.len().saturating_sub(n);
+        sents.extend(self.pending.iter().skip(skip).map(|p| p.sent));
+        bytes.extend_from_slice(&self.out);
+        self.out.clear();
+        self.carried = self.pushed;
+        n
     }
 
-    /// Carries a round's commands onto this shared connection's wire:
-    /// their bytes, and one entry per command (sent at `sents`) that says
-    /// whose reply it is.
-    pub(crate) fn carry(&mut self, bytes: &[u8], sents: impl Iterator<Item = Instant>, owner: u64) {
+    /// Carries rounds' commands onto this shared connection's wire: their
+    /// bytes, and one entry per command (its owner, and when it was
+    /// queued) that says whose reply it is.
+    pub(crate) fn carry(&mut self, bytes: &[u8], cmds: impl Iterator<Item = (u64, Instant)>) {
         self.out.extend_from_slice(bytes);
-        for sent in sents {
-            self.pending
-                .push_back(Pending::new(sent, false, Setup::None));
-            if let Some(p) = self.pending.back_mut() {
-                p.owner = owner;
-            }
+        for (owner, sent) in cmds {
+            let mut p = Pending::new(sent, false, Setup::None);
+            p.owner = owner;
+            self.pending.push_back(p);
         }
     }
 

@@ -281,9 +281,18 @@ pub(crate) fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPo
             .then(|| node.pool.try_get())
             .flatten()
     });
+    // Late replies on the rounds' shared connection (a retried release's
+    // answer, a late SET) are read too, and the releases are sent on it:
+    // it may hold the pool's only connection.
+    let current = node.line.lock().clone();
+    if let Some(line) = current {
+        line.pump(None);
+    }
     resend_releases(shared, now, RETRY_BATCH, || {
-        let mut c = node.pool.try_get()?;
-        catch_up(&mut c, shared, Instant::now()).then_some(c)
+        crate::driver::node::line::join(&node.line, shared, None, now, || {
+            let mut c = node.pool.try_get()?;
+            catch_up(&mut c, shared, Instant::now()).then_some(c)
+        })
     });
     shared.retry_scheduled.store(false, Ordering::Release);
     let more = owed || !shared.retries.lock().is_empty();

@@ -16,9 +16,11 @@
 //!   reads the socket itself.
 //! - A round that ends with replies owed leaves its wire to the line: the
 //!   line reads those late replies for it, by the node layer's late-reply
-//!   rules, as the next user of a pooled connection would. When the last
-//!   round leaves, the connection goes back to its pool owing exactly what
-//!   it owed, each entry its owner's own.
+//!   rules, as the next user of a pooled connection would (a line no round
+//!   uses reads what arrived before it takes the next). A line stays
+//!   between rounds; when it goes (the client is dropped), the connection
+//!   goes back to its pool owing exactly what it owed, each entry its
+//!   owner's own.
 //! - A close, or a reply owed past the node timeout, ends the line for every
 //!   owner at once: each gets the close (or the timeout) as its answer, and
 //!   nothing is sent again but by the node layer's rules for a close.
@@ -40,14 +42,14 @@ use crate::clock::after;
 use crate::driver::node::link::Link;
 use crate::driver::node::part::Part;
 use crate::driver::node::replies::{ask_info_when_due, give_up_why, late_reply, turned_away};
-use crate::driver::node::shared::NodeShared;
+use crate::driver::node::shared::{HeldEvents, NodeShared};
 use crate::driver::wire::{Facts, Pending, Wire};
 
 /// What lines did, for the simulation's coverage check.
 #[cfg(test)]
 #[derive(Debug, Default)]
 pub(crate) struct LineStats {
-    /// Commands carried while another round was owed a reply on the line.
+    /// Writes that carried two rounds' commands or more.
     pub(crate) batched: std::sync::atomic::AtomicU64,
     /// Lines that ended with replies owed to two rounds or more.
     pub(crate) closed_batches: std::sync::atomic::AtomicU64,
@@ -82,8 +84,6 @@ struct Owner {
     facts_seq: u64,
     /// Its commands on the connection whose replies have not been read.
     owed: usize,
-    /// Its commands carried onto the connection so far.
-    moved: u64,
     waker: Option<Arc<dyn Wake>>,
     /// Blocked waiting for the reader.
     waiting: bool,
@@ -97,10 +97,7 @@ struct State<C> {
     next_id: u64,
     reader: Option<u64>,
     /// Why the line ended, for every owner still owed a reply.
-    closed: Option<(io::ErrorKind, String)>,
-    /// Its last round left owing replies: it takes no new round, and its
-    /// connection goes back to the pool owing them.
-    retired: bool,
+    closed: Option<(io::ErrorKind, String, bool)>,
     /// It ended with replies owed to two rounds or more.
     #[cfg(test)]
     closed_batches: bool,
@@ -109,9 +106,20 @@ struct State<C> {
 /// A node's current line, kept between rounds.
 pub(crate) type Slot<C> = Mutex<Option<Arc<Line<C>>>>;
 
+/// Commands rounds queued for the line's next write, in order: their
+/// bytes, and per command its owner and when it was queued.
+#[derive(Default)]
+struct Staged {
+    bytes: Vec<u8>,
+    cmds: Vec<(u64, Instant)>,
+}
+
 /// One connection shared by rounds.
 pub(crate) struct Line<C: Link> {
     state: Mutex<State<C>>,
+    /// What rounds queued while another round wrote (or read): the next
+    /// writer sends it all in one write.
+    staged: Mutex<Staged>,
     node: Arc<NodeShared>,
     /// What its reader waits on.
     pub(crate) handle: Option<C::Handle>,
@@ -138,16 +146,35 @@ enum Watch {
     Follower,
 }
 
-fn error_of((kind, text): &(io::ErrorKind, String)) -> io::Error {
+fn error_of((kind, text, given_up): &(io::ErrorKind, String, bool)) -> io::Error {
+    if *given_up {
+        return timed_out();
+    }
     io::Error::new(*kind, text.clone())
 }
 
-/// The connection a line ends with when one of its rounds gave it up.
+/// Why a line was given up: a reply on it was owed past the node timeout
+/// (observed once, by whoever gave it up).
+#[derive(Debug)]
+struct GivenUp;
+
+impl std::fmt::Display for GivenUp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the connection was given up: a reply on it was owed past the node timeout")
+    }
+}
+
+impl std::error::Error for GivenUp {}
+
+/// The error a line ends with when it is given up.
 fn timed_out() -> io::Error {
-    io::Error::new(
-        io::ErrorKind::TimedOut,
-        "the connection was given up: a reply on it was owed past the node timeout",
-    )
+    io::Error::new(io::ErrorKind::TimedOut, GivenUp)
+}
+
+/// Whether `e` says a shared connection was given up after a timeout (not
+/// the node's close, nor a socket error).
+pub(crate) fn is_given_up(e: &io::Error) -> bool {
+    e.get_ref().is_some_and(|r| r.is::<GivenUp>())
 }
 
 impl<C> State<C>
@@ -160,22 +187,39 @@ where
 
     /// Carries what `wire` (owner `id`'s) has queued onto the connection.
     fn carry(&mut self, id: u64, wire: &mut Wire) {
-        let Some(o) = self.owners.iter_mut().find(|o| o.id == id) else {
-            return;
-        };
-        let n = usize::try_from(wire.pushed().saturating_sub(o.moved)).unwrap_or(usize::MAX);
-        if n == 0 && wire.output().is_empty() {
-            return;
+        let mut bytes = Vec::new();
+        let mut sents = Vec::new();
+        if wire.take_uncarried(&mut bytes, &mut sents) > 0 || !bytes.is_empty() {
+            self.carry_staged(&bytes, sents.into_iter().map(|t| (id, t)));
         }
-        let skip = wire.pending().len().saturating_sub(n);
-        let sents: Vec<Instant> = wire.pending().iter().skip(skip).map(|p| p.sent).collect();
-        o.owed += sents.len();
-        o.moved = wire.pushed();
-        self.conn
-            .wire_mut()
-            .carry(wire.output(), sents.into_iter(), id);
-        let len = wire.output().len();
-        wire.written(len);
+    }
+
+    /// Carries commands onto the connection: their bytes, and per command
+    /// its owner and when it was queued.
+    fn carry_staged(&mut self, bytes: &[u8], cmds: impl Iterator<Item = (u64, Instant)>) {
+        let mut entries = Vec::new();
+        for (id, sent) in cmds {
+            if let Some(o) = self.owners.iter_mut().find(|o| o.id == id) {
+                o.owed += 1;
+            }
+            entries.push((id, sent));
+        }
+        self.conn.wire_mut().carry(bytes, entries.into_iter());
+    }
+
+    /// Carries what rounds staged (see [`Line::send`]). Whether anything
+    /// was.
+    fn drain(&mut self, staged: &Mutex<Staged>, _node: &NodeShared) -> bool {
+        let Staged { bytes, cmds } = std::mem::take(&mut *staged.lock());
+        if bytes.is_empty() && cmds.is_empty() {
+            return false;
+        }
+        #[cfg(test)]
+        if cmds.iter().any(|c| c.0 != cmds[0].0) {
+            count(&_node.line_stats.batched);
+        }
+        self.carry_staged(&bytes, cmds.into_iter());
+        true
     }
 
     /// Ends the line: every owner still owed a reply gets `e`; wakers of
@@ -186,7 +230,7 @@ where
             self.closed_batches = true;
         }
         if self.closed.is_none() {
-            self.closed = Some((e.kind(), e.to_string()));
+            self.closed = Some((e.kind(), e.to_string(), is_given_up(e)));
         }
         self.conn.wire_mut().broken = true;
         self.reader = None;
@@ -292,6 +336,10 @@ where
             None => self.conn.read_all(),
         }
         .err();
+        if io.is_none() && self.conn.wants_write() {
+            // What a full socket left unwritten goes on.
+            io = self.conn.flush().err();
+        }
         loop {
             match self.conn.next_reply() {
                 Ok(Some(r)) => {
@@ -316,7 +364,9 @@ where
     fn resign(&mut self, id: u64, wake: &mut Vec<Arc<dyn Wake>>) {
         if self.reader == Some(id) {
             self.reader = None;
-            if let Some(o) = self.owners.iter().find(|o| o.waiting) {
+            // Every round that waits: one of them takes the role (one
+            // woken alone may be about to return with its own reply).
+            for o in self.owners.iter().filter(|o| o.waiting) {
                 wake.extend(o.waker.clone());
             }
         }
@@ -341,12 +391,12 @@ impl<C: Link> Line<C> {
                 next_id: 1,
                 reader: None,
                 closed: None,
-                retired: false,
                 #[cfg(test)]
                 closed_batches: false,
             }),
             node,
             slot,
+            staged: Mutex::default(),
         })
     }
 
@@ -370,17 +420,28 @@ impl<C: Link> Line<C> {
     /// too many owed).
     fn admit(self: &Arc<Self>, waker: Option<Arc<dyn Wake>>, now: Instant) -> Option<Share<C>> {
         let mut st = self.state.lock();
-        if st.closed.is_some() || st.retired {
+        if st.closed.is_some() {
             return None;
         }
-        if st.owners.iter().all(|o| o.orphan.is_some()) {
-            // No round reads it: what arrived meanwhile is read first (late
-            // replies, a close while idle: no answer, so not charged).
+        // What arrived is read first when no round reads the line (late
+        // replies; a close while idle, which is no answer: not charged), and
+        // before a reply is taken as overdue (it may be there, unread).
+        let idle = st.owners.iter().all(|o| o.orphan.is_some());
+        if idle || give_up_why(st.conn.wire(), &self.node, now).is_some() {
             let mut wake = Vec::new();
             st.read(&self.node, None, now, &mut wake);
-            if st.closed.is_some() {
+            let closed = st.closed.is_some();
+            if closed {
                 drop(st);
                 wake_all(wake);
+                return None;
+            }
+            // Rounds whose replies this read took.
+            let wakers = std::mem::take(&mut wake);
+            drop(st);
+            wake_all(wakers);
+            st = self.state.lock();
+            if st.closed.is_some() {
                 return None;
             }
         }
@@ -408,7 +469,6 @@ impl<C: Link> Line<C> {
             replies: VecDeque::new(),
             facts_seq,
             owed: 0,
-            moved: 0,
             waker,
             waiting: false,
             orphan: None,
@@ -425,6 +485,7 @@ impl<C: Link> Line<C> {
     /// Reads what arrived (what `ready` reports, or all there is) and hands
     /// each reply to its owner.
     pub(crate) fn pump(&self, ready: Option<C::Ready>) {
+        let _held = HeldEvents::new();
         let now = self.node.clock.now();
         let mut wake = Vec::new();
         let closed = {
@@ -504,25 +565,52 @@ impl<C: Link> Line<C> {
         }
     }
 
+    /// Sends what `wire` (round `id`'s) queued. Its commands are staged
+    /// first; whichever round takes the line next writes everything staged
+    /// in one write, so rounds that send while another writes share its
+    /// next write (and the server reads them in one read).
     fn send(&self, id: u64, wire: &mut Wire) -> io::Result<()> {
+        let _held = HeldEvents::new();
+        {
+            let mut sg = self.staged.lock();
+            let Staged { bytes, cmds } = &mut *sg;
+            let mut sents = Vec::new();
+            wire.take_uncarried(bytes, &mut sents);
+            cmds.extend(sents.into_iter().map(|t| (id, t)));
+        }
+        // The simulation lets other threads run here, as a scheduler may.
+        #[cfg(test)]
+        if let Some(y) = &self.node.stage_yield {
+            y();
+        }
         let now = self.node.clock.now();
         let mut st = self.state.lock();
         if let Some(c) = &st.closed {
             wire.broken = true;
             return Err(error_of(c));
         }
-        #[cfg(test)]
-        if st.owners.iter().any(|o| o.id != id && o.owed > 0) {
-            count(&self.node.line_stats.batched);
-        }
-        st.carry(id, wire);
+        let drained = st.drain(&self.staged, &self.node);
         let r = if wire.broken {
             // The round gave the connection up: its reply was owed past
             // the node timeout (observed by the round).
             st.give_up(now);
             Err(timed_out())
+        } else if drained || st.conn.wants_write() {
+            let r = st.conn.flush();
+            if r.is_ok() && st.conn.wants_write() {
+                // The socket took part: the reader polls for the rest.
+                let reader = st.reader;
+                if let Some(o) = st.owners.iter().find(|o| Some(o.id) == reader) {
+                    let w = o.waker.clone();
+                    drop(st);
+                    wake_all(w.into_iter().collect());
+                    return Ok(());
+                }
+            }
+            r
         } else {
-            st.conn.flush()
+            // Written by a round that took the line first.
+            Ok(())
         };
         let wake = match &r {
             Err(e) => st.close(e),
@@ -538,6 +626,7 @@ impl<C: Link> Line<C> {
 
     /// Round `id` leaves, its wire as the round left it.
     fn leave(&self, id: u64, mut wire: Wire) {
+        let _held = HeldEvents::new();
         let now = self.node.clock.now();
         let mut wake = Vec::new();
         let unslot = {
@@ -570,6 +659,7 @@ impl<C: Link> Line<C> {
                     break;
                 }
             }
+            st.drain(&self.staged, &self.node);
             st.carry(id, &mut wire);
             let r = match failed {
                 Some(e) => Err(e),
@@ -591,16 +681,9 @@ impl<C: Link> Line<C> {
                     st.owners.retain(|o| o.id != id);
                 }
             }
-            // The last round out, leaving replies owed: the connection goes
-            // back to its pool, where the late replies are read (by the
-            // retry job, or the next checkout) even if no round comes.
-            if st.closed.is_none()
-                && st.owners.iter().all(|o| o.orphan.is_some())
-                && !st.owners.is_empty()
-            {
-                st.retired = true;
-            }
-            st.closed.is_some() || st.retired
+            // Late replies of rounds that left are read by the next round
+            // on the line (which reads what arrived before it joins).
+            st.closed.is_some()
         };
         wake_all(wake);
         if unslot {
@@ -619,6 +702,11 @@ impl<C: Link> Drop for Line<C> {
             count(&self.node.line_stats.closed_batches);
         }
         if st.closed.is_some() {
+            return;
+        }
+        if st.conn.wants_write() {
+            // A command half-written: the connection cannot be reused.
+            st.conn.wire_mut().broken = true;
             return;
         }
         let owners = &mut st.owners;
@@ -711,13 +799,14 @@ pub(crate) fn join<C: Link>(
     now: Instant,
     fresh: impl FnOnce() -> Option<C>,
 ) -> Option<Share<C>> {
+    let _held = HeldEvents::new();
     let mut current = slot.lock();
     if let Some(line) = current.as_ref() {
         if let Some(share) = line.admit(waker.clone(), now) {
             return Some(share);
         }
     }
-    // Closed, given up or retired: it goes when its last round does.
+    // Closed or given up: it goes when its last round does.
     let old = current.take();
     let share = fresh().and_then(|conn| {
         let line = Line::new(conn, node.clone(), Arc::downgrade(slot));

@@ -275,3 +275,56 @@ fn a_reply_wakes_its_owner_only_while_it_waits() {
     );
     assert_eq!(reply(&mut b), Some(int(2)));
 }
+
+#[test]
+fn the_reader_leaving_wakes_every_waiting_round() {
+    let (line, _, _) = line();
+    let (wb, wc) = (Arc::new(Count::default()), Arc::new(Count::default()));
+    let mut a = line.admit(None, Instant::now()).expect("open");
+    let mut b = line
+        .admit(Some(wb.clone() as Arc<dyn Wake>), Instant::now())
+        .expect("open");
+    let mut c = line
+        .admit(Some(wc.clone() as Arc<dyn Wake>), Instant::now())
+        .expect("open");
+    send(&mut a, b"A1");
+    send(&mut b, b"B1");
+    send(&mut c, b"C1");
+    assert!(matches!(line.watch(a.id), Watch::Reader));
+    assert!(matches!(line.watch(b.id), Watch::Follower));
+    assert!(matches!(line.watch(c.id), Watch::Follower));
+    drop(a);
+    // One of them may be about to return with a reply of its own: both
+    // are woken, and the first to look takes the role.
+    assert_eq!(wb.0.load(Ordering::Acquire), 1);
+    assert_eq!(wc.0.load(Ordering::Acquire), 1);
+}
+
+#[test]
+fn a_reply_that_arrived_unread_is_read_before_it_is_taken_as_overdue() {
+    let (line, script, node) = line();
+    let mut a = line.admit(None, Instant::now()).expect("open");
+    let long_ago = Instant::now()
+        .checked_sub(node.timeout * 2)
+        .expect("a monotonic clock this old");
+    a.wire_mut().queue(b"A1", long_ago, true);
+    a.flush().expect("sent");
+    // It arrived; no round read it.
+    script.lock().replies.push_back(int(1));
+    let b = line.admit(None, Instant::now());
+    assert!(b.is_some(), "the line was given up for a reply it had");
+    assert!(node.is_healthy(), "a timeout was charged");
+    assert_eq!(reply(&mut a), Some(int(1)));
+}
+
+#[test]
+fn a_line_given_up_says_so_apart_from_a_socket_timeout() {
+    assert!(is_given_up(&timed_out()));
+    let socket = io::Error::new(io::ErrorKind::TimedOut, "connection timed out");
+    assert!(!is_given_up(&socket));
+    let closed = (io::ErrorKind::TimedOut, timed_out().to_string(), true);
+    assert!(
+        is_given_up(&error_of(&closed)),
+        "kept through the line's end"
+    );
+}

@@ -180,6 +180,16 @@ pub(crate) fn lose_connection<C: Link>(
         );
         return;
     }
+    if crate::driver::node::line::is_given_up(&e) {
+        // A shared connection another round gave up: a reply on it was
+        // owed past the node timeout (observed once, by that round).
+        results[i] = Some(Err(NodeError::new(
+            &ballot.names[i],
+            NodeErrorKind::Timeout,
+            e.to_string(),
+        )));
+        return;
+    }
     let kind = match e.kind() {
         std::io::ErrorKind::InvalidData => {
             shared.observe(Outcome::Answered);
@@ -188,9 +198,6 @@ pub(crate) fn lose_connection<C: Link>(
         // The server turned the connection away (its answer, already
         // observed): say so, in its words.
         std::io::ErrorKind::ConnectionRefused => NodeErrorKind::Unavailable,
-        // A shared connection another round gave up: a reply on it was
-        // owed past the node timeout (observed once, by that round).
-        std::io::ErrorKind::TimedOut => NodeErrorKind::Timeout,
         _ => {
             shared.observe(Outcome::Refused);
             NodeErrorKind::Io

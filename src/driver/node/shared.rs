@@ -21,6 +21,69 @@ use crate::driver::conn::{self, Conn, ConnectError, Target};
 use crate::error::{NodeError, NodeErrorKind};
 use crate::events::{Events, NodeChange, NodeEvent};
 
+thread_local! {
+    /// How many [`HeldEvents`] this thread has, and the node events they
+    /// hold back.
+    static HELD: std::cell::RefCell<(u32, Vec<(Events, String, NodeChange)>)> =
+        const { std::cell::RefCell::new((0, Vec::new())) };
+}
+
+/// While it lives, this thread's node events wait (a shared connection's
+/// lock is held): they reach the handler when the last one is dropped, with
+/// none of the client's mutexes held (see [`crate::events`]). Declare it
+/// before the lock guards, so that it drops after them.
+pub(crate) struct HeldEvents(());
+
+impl HeldEvents {
+    pub(crate) fn new() -> Self {
+        let _ = HELD.try_with(|h| h.borrow_mut().0 += 1);
+        HeldEvents(())
+    }
+}
+
+impl Drop for HeldEvents {
+    fn drop(&mut self) {
+        let held = HELD
+            .try_with(|h| {
+                let mut h = h.borrow_mut();
+                h.0 = h.0.saturating_sub(1);
+                if h.0 == 0 {
+                    std::mem::take(&mut h.1)
+                } else {
+                    Vec::new()
+                }
+            })
+            .unwrap_or_default();
+        for (events, name, change) in held {
+            emit(&events, &name, change);
+        }
+    }
+}
+
+fn emit(events: &Events, node: &str, change: NodeChange) {
+    if let Some(h) = events.get() {
+        h.on_node(&NodeEvent { node, change });
+    }
+}
+
+/// Sends a node event to the handler now, or holds it (see [`HeldEvents`]).
+fn emit_or_hold(events: &Events, node: &str, change: NodeChange) {
+    let held = HELD
+        .try_with(|h| {
+            let mut h = h.borrow_mut();
+            if h.0 > 0 {
+                h.1.push((events.clone(), node.to_owned(), change));
+                true
+            } else {
+                false
+            }
+        })
+        .unwrap_or(false);
+    if !held {
+        emit(events, node, change);
+    }
+}
+
 /// What one node's connections, rounds and background jobs share.
 pub(crate) struct NodeShared {
     /// The node's place in the node list.
@@ -68,6 +131,10 @@ pub(crate) struct NodeShared {
     /// schedules cover each case).
     #[cfg(test)]
     pub(crate) line_stats: Arc<crate::driver::node::line::LineStats>,
+    /// Lets other simulated threads run between a round's staging of its
+    /// commands and its write (see `line::Line::send`).
+    #[cfg(test)]
+    pub(crate) stage_yield: Option<Arc<dyn Fn() + Send + Sync>>,
 }
 
 /// Defects fixed in the node engine that the simulation can put back, one
@@ -120,6 +187,8 @@ impl NodeShared {
             defects: Defects::default(),
             #[cfg(test)]
             line_stats: Arc::default(),
+            #[cfg(test)]
+            stage_yield: None,
         }
     }
 
@@ -213,11 +282,8 @@ impl NodeShared {
                     }
                 }
             };
-            if let Some(h) = self.events.get() {
-                h.on_node(&NodeEvent {
-                    node: &self.name,
-                    change,
-                });
+            if self.events.get().is_some() {
+                emit_or_hold(&self.events, &self.name, change);
             }
         }
     }
@@ -332,5 +398,38 @@ impl r2d2::HandleError<ConnectError> for ConnectErrors {
         } else {
             debug!("node {}: cannot connect: {error}", self.node);
         }
+    }
+}
+
+#[cfg(test)]
+mod held_tests {
+    use super::*;
+    use std::sync::atomic::Ordering;
+
+    #[derive(Default)]
+    struct Count(AtomicUsize);
+
+    impl crate::EventHandler for Count {
+        fn on_node(&self, _: &NodeEvent<'_>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// A node event raised while a shared connection's lock is held reaches
+    /// the handler only once no such lock is (a handler may call the client).
+    #[test]
+    fn node_events_wait_until_no_lock_is_held() {
+        let count = Arc::new(Count::default());
+        let mut node = NodeShared::for_tests();
+        node.events = Events(Some(count.clone()));
+        let outer = HeldEvents::new();
+        let inner = HeldEvents::new();
+        node.observe(Outcome::TimedOut);
+        drop(inner);
+        assert_eq!(count.0.load(Ordering::SeqCst), 0, "emitted under a lock");
+        drop(outer);
+        assert_eq!(count.0.load(Ordering::SeqCst), 1);
+        node.observe(Outcome::Answered);
+        assert_eq!(count.0.load(Ordering::SeqCst), 2, "none held: at once");
     }
 }

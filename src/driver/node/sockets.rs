@@ -127,13 +127,16 @@ impl PipeWaker {
 
     /// Takes the wakes that arrived.
     fn drain(&self) {
-        self.armed.store(false, Ordering::Release);
+        // Read first, then disarm: a wake after this sends a byte again,
+        // and one before it is seen by the caller's look at its mailboxes
+        // (made after every wait).
         let mut buf = [0u8; 64];
         while let Ok(n) = (&self.rx).read(&mut buf) {
-            if n < buf.len() {
+            if n == 0 {
                 break;
             }
         }
+        self.armed.store(false, Ordering::Release);
     }
 }
 
@@ -153,7 +156,8 @@ thread_local! {
 }
 
 fn thread_waker() -> Option<Arc<PipeWaker>> {
-    WAKER.with(Clone::clone)
+    // None while the thread's locals are torn down (a guard dropped then).
+    WAKER.try_with(Clone::clone).ok().flatten()
 }
 
 /// How often a thread that cannot be woken (or reads a line it cannot
@@ -284,5 +288,29 @@ impl Links for RedisTransport {
         start: Instant,
     ) {
         RedisTransport::write_later(self, i, k, ttl, known_max, start);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn readable(w: &PipeWaker) -> bool {
+        let mut fds = [conn::PollFd::new(&w.rx, PollFlags::IN)];
+        conn::poll(&mut fds, Duration::ZERO).is_ok() && !fds[0].revents().is_empty()
+    }
+
+    /// Wakes are coalesced into one byte, a drain takes it, and a wake
+    /// after the drain reaches the thread again.
+    #[test]
+    fn a_drained_waker_wakes_again() {
+        let w = PipeWaker::new().expect("a socket pair");
+        w.wake();
+        w.wake();
+        assert!(readable(&w));
+        w.drain();
+        assert!(!readable(&w), "drained");
+        w.wake();
+        assert!(readable(&w), "a wake after the drain is lost");
     }
 }

@@ -248,6 +248,8 @@ impl SimLinks {
                     );
                     shared.defects = defects;
                     shared.line_stats = line_stats.clone();
+                    let sched = sched.clone();
+                    shared.stage_yield = Some(Arc::new(move || sched.yield_now()));
                     Arc::new(shared)
                 })
                 .collect(),
