@@ -18,6 +18,30 @@ use redis::Value;
 
 use crate::algorithm::round::ServerTag;
 
+/// Why a line was given up: a reply on it was owed past the node timeout
+/// (observed once, by whoever gave it up).
+#[derive(Debug)]
+struct GivenUp;
+
+impl std::fmt::Display for GivenUp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the connection was given up: a reply on it was owed past the node timeout")
+    }
+}
+
+impl std::error::Error for GivenUp {}
+
+/// The error a line ends with when it is given up.
+pub(crate) fn timed_out() -> io::Error {
+    io::Error::new(io::ErrorKind::TimedOut, GivenUp)
+}
+
+/// Whether `e` says a shared connection was given up after a timeout (not
+/// the node's close, nor a socket error).
+pub(crate) fn is_given_up(e: &io::Error) -> bool {
+    e.get_ref().is_some_and(|r| r.is::<GivenUp>())
+}
+
 /// What a command sent at connect asks, for its reply to be understood.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Setup {

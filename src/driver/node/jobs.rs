@@ -2,11 +2,12 @@
 //! that missed their round, and what is owed when the client goes.
 
 use crate::driver::node::encode::Encoded;
+use crate::driver::node::inner::NodeInner;
 use crate::driver::node::link::Link;
 use crate::driver::node::queries::release_once;
 use crate::driver::node::replies::catch_up;
 use crate::driver::node::retries::Retry;
-use crate::driver::node::shared::{NodeInner, NodeShared};
+use crate::driver::node::shared::NodeShared;
 use crate::driver::node::{RedisTransport, CONN_RECHECK, MIN_IDLE};
 
 use std::collections::HashSet;

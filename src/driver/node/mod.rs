@@ -13,10 +13,11 @@
 //! (see [`crate::algorithm::health`]). Replies still in flight when a round ends stay on
 //! their connection and are read by its next user.
 
+use crate::driver::node::inner::{Node, NodeInner};
 use crate::driver::node::queries::{inspect_one, probe_one};
 use crate::driver::node::replies::catch_up;
 use crate::driver::node::servers::Servers;
-use crate::driver::node::shared::{ConnectErrors, Manager, Node, NodeInner, NodeShared};
+use crate::driver::node::shared::{ConnectErrors, Manager, NodeShared};
 
 use std::fmt;
 use std::sync::atomic::Ordering;
@@ -36,6 +37,7 @@ use crate::events::Events;
 use crate::lock::transport::{Decided, Stored, Transport, Undo};
 
 pub(crate) mod encode;
+pub(crate) mod inner;
 pub(crate) mod jobs;
 pub(crate) mod line;
 pub(crate) mod link;

@@ -180,7 +180,7 @@ pub(crate) fn lose_connection<C: Link>(
         );
         return;
     }
-    if crate::driver::node::line::is_given_up(&e) {
+    if crate::driver::wire::is_given_up(&e) {
         // A shared connection another round gave up: a reply on it was
         // owed past the node timeout (observed once, by that round).
         results[i] = Some(Err(NodeError::new(

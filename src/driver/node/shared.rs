@@ -12,8 +12,7 @@ use std::time::{Duration, Instant};
 
 use log::{debug, info, warn};
 use parking_lot::Mutex;
-use r2d2::{ManageConnection, Pool};
-use scheduled_thread_pool::ScheduledThreadPool;
+use r2d2::ManageConnection;
 
 use crate::algorithm::health::{Admit, NodeHealth, Outcome};
 use crate::clock::{Clock, Throttle, WARN_EVERY};
@@ -83,6 +82,9 @@ fn emit_or_hold(events: &Events, node: &str, change: NodeChange) {
         emit(events, node, change);
     }
 }
+
+/// A pooled connection to a node.
+pub(crate) type Pooled = r2d2::PooledConnection<Manager>;
 
 /// What one node's connections, rounds and background jobs share.
 pub(crate) struct NodeShared {
@@ -298,24 +300,6 @@ impl NodeShared {
     pub(crate) fn is_healthy(&self) -> bool {
         self.health.lock().is_healthy()
     }
-}
-
-/// A node: its shared state and pool.
-pub(crate) struct NodeInner {
-    pub(crate) shared: Arc<NodeShared>,
-    pub(crate) pool: Pool<Manager>,
-    /// The connection this client's rounds share now (see
-    /// [`crate::driver::node::line`]).
-    pub(crate) line: Arc<crate::driver::node::line::Slot<super::sockets::Pooled>>,
-}
-
-pub(crate) struct Node {
-    pub(crate) inner: Arc<NodeInner>,
-    /// Where to connect outside the pool (status queries).
-    pub(crate) target: Target,
-    /// This node's own background thread: connects and release retries, so
-    /// that a node that is slow to connect delays no other node.
-    pub(crate) threads: Arc<ScheduledThreadPool>,
 }
 
 /// Our r2d2 connection manager: connect with a timeout, non-blocking

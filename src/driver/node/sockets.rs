@@ -22,8 +22,7 @@ use crate::driver::node::shared::{Manager, NodeShared};
 use crate::driver::node::{RedisTransport, CONN_RECHECK};
 use crate::driver::wire::{Pending, Wire};
 
-/// A pooled connection to a node.
-pub(crate) type Pooled = PooledConnection<Manager>;
+pub(crate) use crate::driver::node::shared::Pooled;
 
 impl Link for Pooled {
     type Ready = PollFlags;

@@ -136,9 +136,7 @@ pub(crate) struct Stats {
     pub(crate) writes: u64,
     pub(crate) refused: u64,
     pub(crate) lapsed: u64,
-    /// Shared connections: commands carried behind another round's, lines
-    /// that ended owing two rounds or more, late replies of rounds that
-    /// had left (summed over the clients at the end of the run).
+    /// Shared connections (see `line::LineStats`), summed over clients.
     pub(crate) batched: u64,
     pub(crate) closed_batches: u64,
     pub(crate) orphan_replies: u64,

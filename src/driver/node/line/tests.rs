@@ -2,10 +2,11 @@
 //! owners, late replies of rounds that left, the close and the timeout for
 //! every owner, the reader's hand-over, and the connection given back.
 
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use super::*;
+use crate::driver::wire::{is_given_up, Pending};
 
 /// What a scripted connection was sent, what it will read, and what it
 /// owed when it was given back.

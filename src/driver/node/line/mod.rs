@@ -30,20 +30,18 @@
 
 use std::collections::VecDeque;
 use std::io;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Weak};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use parking_lot::Mutex;
 use redis::Value;
 
 use crate::algorithm::health::Outcome;
-use crate::clock::after;
 use crate::driver::node::link::Link;
-use crate::driver::node::part::Part;
 use crate::driver::node::replies::{ask_info_when_due, give_up_why, late_reply, turned_away};
 use crate::driver::node::shared::{HeldEvents, NodeShared};
-use crate::driver::wire::{Facts, Pending, Wire};
+use crate::driver::wire::{timed_out, Facts, Wire};
 
 /// What lines did, for the simulation's coverage check.
 #[cfg(test)]
@@ -59,7 +57,7 @@ pub(crate) struct LineStats {
 
 #[cfg(test)]
 fn count(n: &std::sync::atomic::AtomicU64) {
-    n.fetch_add(1, Ordering::Relaxed);
+    n.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// Wakes a round that waits on its mailbox.
@@ -151,226 +149,6 @@ fn error_of((kind, text, given_up): &(io::ErrorKind, String, bool)) -> io::Error
         return timed_out();
     }
     io::Error::new(*kind, text.clone())
-}
-
-/// Why a line was given up: a reply on it was owed past the node timeout
-/// (observed once, by whoever gave it up).
-#[derive(Debug)]
-struct GivenUp;
-
-impl std::fmt::Display for GivenUp {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("the connection was given up: a reply on it was owed past the node timeout")
-    }
-}
-
-impl std::error::Error for GivenUp {}
-
-/// The error a line ends with when it is given up.
-fn timed_out() -> io::Error {
-    io::Error::new(io::ErrorKind::TimedOut, GivenUp)
-}
-
-/// Whether `e` says a shared connection was given up after a timeout (not
-/// the node's close, nor a socket error).
-pub(crate) fn is_given_up(e: &io::Error) -> bool {
-    e.get_ref().is_some_and(|r| r.is::<GivenUp>())
-}
-
-impl<C> State<C>
-where
-    C: Link,
-{
-    fn owner(&mut self, id: u64) -> Option<&mut Owner> {
-        self.owners.iter_mut().find(|o| o.id == id)
-    }
-
-    /// Carries what `wire` (owner `id`'s) has queued onto the connection.
-    fn carry(&mut self, id: u64, wire: &mut Wire) {
-        let mut bytes = Vec::new();
-        let mut sents = Vec::new();
-        if wire.take_uncarried(&mut bytes, &mut sents) > 0 || !bytes.is_empty() {
-            self.carry_staged(&bytes, sents.into_iter().map(|t| (id, t)));
-        }
-    }
-
-    /// Carries commands onto the connection: their bytes, and per command
-    /// its owner and when it was queued.
-    fn carry_staged(&mut self, bytes: &[u8], cmds: impl Iterator<Item = (u64, Instant)>) {
-        let mut entries = Vec::new();
-        for (id, sent) in cmds {
-            if let Some(o) = self.owners.iter_mut().find(|o| o.id == id) {
-                o.owed += 1;
-            }
-            entries.push((id, sent));
-        }
-        self.conn.wire_mut().carry(bytes, entries.into_iter());
-    }
-
-    /// Carries what rounds staged (see [`Line::send`]). Whether anything
-    /// was.
-    fn drain(&mut self, staged: &Mutex<Staged>, _node: &NodeShared) -> bool {
-        let Staged { bytes, cmds } = std::mem::take(&mut *staged.lock());
-        if bytes.is_empty() && cmds.is_empty() {
-            return false;
-        }
-        #[cfg(test)]
-        if cmds.iter().any(|c| c.0 != cmds[0].0) {
-            count(&_node.line_stats.batched);
-        }
-        self.carry_staged(&bytes, cmds.into_iter());
-        true
-    }
-
-    /// Ends the line: every owner still owed a reply gets `e`; wakers of
-    /// every round on it are returned.
-    fn close(&mut self, e: &io::Error) -> Vec<Arc<dyn Wake>> {
-        #[cfg(test)]
-        if self.closed.is_none() && self.owners.iter().filter(|o| o.owed > 0).count() >= 2 {
-            self.closed_batches = true;
-        }
-        if self.closed.is_none() {
-            self.closed = Some((e.kind(), e.to_string(), is_given_up(e)));
-        }
-        self.conn.wire_mut().broken = true;
-        self.reader = None;
-        // Late replies of rounds that left will not come.
-        self.owners.retain(|o| o.orphan.is_none());
-        self.owners.iter().filter_map(|o| o.waker.clone()).collect()
-    }
-
-    /// Gives the connection up (a reply owed past the node timeout): the
-    /// undos and resends the node layer queues then go out first.
-    fn give_up(&mut self, now: Instant) {
-        let ids: Vec<u64> = self
-            .owners
-            .iter()
-            .filter(|o| o.orphan.is_some())
-            .map(|o| o.id)
-            .collect();
-        for id in ids {
-            let Some(mut w) = self.owner(id).and_then(|o| o.orphan.take()) else {
-                continue;
-            };
-            if w.give_up(now) {
-                self.carry(id, &mut w);
-            }
-            if let Some(o) = self.owner(id) {
-                o.orphan = Some(w);
-            }
-        }
-        self.conn.abandon();
-    }
-
-    /// Hands a reply read off the connection to its owner (a round that
-    /// left: its late reply, taken here).
-    fn route(
-        &mut self,
-        node: &NodeShared,
-        (p, v): (Pending, Value),
-        now: Instant,
-        wake: &mut Vec<Arc<dyn Wake>>,
-    ) -> io::Result<()> {
-        if p.owner == 0 {
-            // The connection's own: sent at connect, or queued since by it.
-            if !turned_away(&p, &v) {
-                node.replied();
-            }
-            if late_reply(self.conn.wire_mut(), node, p, &v, now)? {
-                self.conn.flush()?;
-            }
-            return Ok(());
-        }
-        let Some(k) = self.owners.iter().position(|o| o.id == p.owner) else {
-            return Err(self.conn.wire_mut().protocol_error("reply for no round"));
-        };
-        let o = &mut self.owners[k];
-        o.owed = o.owed.saturating_sub(1);
-        let Some(mut w) = o.orphan.take() else {
-            let seq = self.conn.wire().facts_seq;
-            let facts = (seq != o.facts_seq).then(|| self.conn.wire().facts());
-            let o = &mut self.owners[k];
-            o.facts_seq = seq;
-            o.replies.push_back((v, facts));
-            if o.waiting {
-                wake.extend(o.waker.clone());
-            }
-            return Ok(());
-        };
-        let own = w.answered()?;
-        #[cfg(test)]
-        count(&node.line_stats.orphan_replies);
-        if !turned_away(&own, &v) {
-            node.replied();
-        }
-        let queued = late_reply(&mut w, node, own, &v, now)?;
-        let id = p.owner;
-        if queued {
-            self.carry(id, &mut w);
-        }
-        let done = w.pending().is_empty();
-        if let Some(o) = self.owner(id) {
-            if done && o.owed == 0 {
-                self.owners.retain(|o| o.id != id);
-            } else {
-                o.orphan = Some(w);
-            }
-        }
-        if queued {
-            self.conn.flush()?;
-        }
-        Ok(())
-    }
-
-    /// Reads what arrived (what `ready` reports, or all there is), hands
-    /// each reply to its owner, and ends the line on an error.
-    fn read(
-        &mut self,
-        node: &NodeShared,
-        ready: Option<C::Ready>,
-        now: Instant,
-        wake: &mut Vec<Arc<dyn Wake>>,
-    ) {
-        let mut io = match ready {
-            Some(r) => self.conn.on_ready(r),
-            None => self.conn.read_all(),
-        }
-        .err();
-        if io.is_none() && self.conn.wants_write() {
-            // What a full socket left unwritten goes on.
-            io = self.conn.flush().err();
-        }
-        loop {
-            match self.conn.next_reply() {
-                Ok(Some(r)) => {
-                    if let Err(e) = self.route(node, r, now, wake) {
-                        io = Some(e);
-                        break;
-                    }
-                }
-                Ok(None) => break,
-                Err(e) => {
-                    io = Some(e);
-                    break;
-                }
-            }
-        }
-        if let Some(e) = io {
-            wake.extend(self.close(&e));
-        }
-    }
-
-    /// The reader left: a round that waits takes over.
-    fn resign(&mut self, id: u64, wake: &mut Vec<Arc<dyn Wake>>) {
-        if self.reader == Some(id) {
-            self.reader = None;
-            // Every round that waits: one of them takes the role (one
-            // woken alone may be about to return with its own reply).
-            for o in self.owners.iter().filter(|o| o.waiting) {
-                wake.extend(o.waker.clone());
-            }
-        }
-    }
 }
 
 fn wake_all(wake: Vec<Arc<dyn Wake>>) {
@@ -723,73 +501,6 @@ impl<C: Link> Drop for Line<C> {
     }
 }
 
-impl<C: Link> Drop for Share<C> {
-    fn drop(&mut self) {
-        let made = self.wire.made;
-        let wire = std::mem::replace(&mut self.wire, Wire::new(made));
-        self.line.leave(self.id, wire);
-    }
-}
-
-impl<C: Link> Link for Share<C> {
-    type Ready = ();
-    type Handle = ();
-
-    fn handle(&self) -> Option<()> {
-        None
-    }
-
-    fn wire(&self) -> &Wire {
-        &self.wire
-    }
-
-    fn wire_mut(&mut self) -> &mut Wire {
-        &mut self.wire
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        self.line.send(self.id, &mut self.wire)
-    }
-
-    fn on_ready(&mut self, (): ()) -> io::Result<()> {
-        // The reader read for it; a close comes with the replies.
-        Ok(())
-    }
-
-    fn next_reply(&mut self) -> io::Result<Option<(Pending, Value)>> {
-        match self.line.take(self.id) {
-            Some(Ok((v, facts))) => {
-                if let Some(f) = facts {
-                    self.wire.adopt(f);
-                }
-                self.wire.answer(v).map(Some)
-            }
-            Some(Err(e)) => {
-                self.wire.broken = true;
-                Err(e)
-            }
-            None => Ok(None),
-        }
-    }
-
-    fn wants_write(&self) -> bool {
-        // Its bytes are the line's once flushed.
-        false
-    }
-
-    fn read_all(&mut self) -> io::Result<()> {
-        self.line.pump(None);
-        Ok(())
-    }
-
-    fn abandon(&mut self) {
-        let now = self.line.node.clock.now();
-        self.wire.give_up(now);
-        self.wire.broken = true;
-        let _ = self.flush();
-    }
-}
-
 /// Round `waker`'s place on node `node`'s current line (kept in `slot`),
 /// or on a new line over a connection `fresh` gives.
 pub(crate) fn join<C: Link>(
@@ -819,76 +530,11 @@ pub(crate) fn join<C: Link>(
     share
 }
 
-/// How a client's threads block while their rounds wait on lines.
-pub(crate) trait Await<C: Link> {
-    /// Now.
-    fn clock_now(&self) -> Instant;
-    /// A mark taken before looking at the mailboxes: a wake after it ends
-    /// the next [`block`](Self::block).
-    fn mark(&self) -> u64;
-    /// Blocks until one of `lines` (which this thread reads) has something
-    /// to read, or this thread is woken, or `until`; reads what arrived on
-    /// each of `lines` ([`Line::pump`]).
-    fn block(&self, lines: &[&Line<C>], until: Instant, writes: bool, mark: u64);
-}
+mod share;
+mod state;
+mod wait;
 
-/// [`Links::wait_ready`](crate::driver::node::links::Links::wait_ready) for
-/// rounds on lines: waits at most `wait` until a part awaiting a reply has
-/// one (or its line's end) in its mailbox, reading the socket of each line
-/// no other round reads.
-pub(crate) fn wait_ready<C: Link>(
-    a: &impl Await<C>,
-    parts: &[Part<Share<C>>],
-    wait: Duration,
-    writes: bool,
-    ready: &mut Vec<(usize, ())>,
-) {
-    let until = after(a.clock_now(), wait);
-    let mut mine: Vec<&Line<C>> = Vec::with_capacity(parts.len());
-    let mut following: Vec<&Share<C>> = Vec::with_capacity(parts.len());
-    loop {
-        let mark = a.mark();
-        let last = wait.is_zero() || a.clock_now() >= until;
-        mine.clear();
-        following.clear();
-        for (i, s) in parts.iter().enumerate() {
-            let Some(c) = s.conn.as_ref() else { continue };
-            if !c.wire.awaits_wanted() {
-                // It waits for nothing here: another round reads.
-                if c.reading.swap(false, Ordering::AcqRel) {
-                    c.line.resign(c.id);
-                }
-                continue;
-            }
-            if last {
-                // At its deadline a round reads for itself.
-                c.line.pump(None);
-                if c.line.has_news(c.id) {
-                    ready.push((i, ()));
-                }
-                continue;
-            }
-            match c.line.watch(c.id) {
-                Watch::News => ready.push((i, ())),
-                Watch::Reader => {
-                    c.reading.store(true, Ordering::Release);
-                    mine.push(&c.line);
-                }
-                Watch::Follower => following.push(c),
-            }
-        }
-        if ready.is_empty() && !last {
-            a.block(&mine, until, writes, mark);
-        }
-        for c in &following {
-            c.line.unwatch(c.id);
-        }
-        if last || !ready.is_empty() {
-            return;
-        }
-    }
-}
+pub(crate) use wait::{wait_ready, Await};
 
 #[cfg(test)]
-#[path = "line_tests.rs"]
 mod tests;

@@ -1,0 +1,29 @@
+//! A node as the client holds it: its shared state, its pool, the
+//! connection its rounds share, and its background thread.
+
+use std::sync::Arc;
+
+use r2d2::Pool;
+use scheduled_thread_pool::ScheduledThreadPool;
+
+use crate::driver::conn::Target;
+use crate::driver::node::line::Slot;
+use crate::driver::node::shared::{Manager, NodeShared, Pooled};
+
+/// A node: its shared state and pool.
+pub(crate) struct NodeInner {
+    pub(crate) shared: Arc<NodeShared>,
+    pub(crate) pool: Pool<Manager>,
+    /// The connection this client's rounds share now (see
+    /// [`crate::driver::node::line`]).
+    pub(crate) line: Arc<Slot<Pooled>>,
+}
+
+pub(crate) struct Node {
+    pub(crate) inner: Arc<NodeInner>,
+    /// Where to connect outside the pool (status queries).
+    pub(crate) target: Target,
+    /// This node's own background thread: connects and release retries, so
+    /// that a node that is slow to connect delays no other node.
+    pub(crate) threads: Arc<ScheduledThreadPool>,
+}

@@ -1,0 +1,217 @@
+//! What a line does under its lock: carry commands onto the connection,
+//! read and route replies, end, give up, pass the reader role on.
+
+use std::io;
+use std::sync::Arc;
+use std::time::Instant;
+
+use parking_lot::Mutex;
+use redis::Value;
+
+#[cfg(test)]
+use super::count;
+use super::{Owner, Staged, State, Wake};
+use crate::driver::node::link::Link;
+use crate::driver::node::replies::{late_reply, turned_away};
+use crate::driver::node::shared::NodeShared;
+use crate::driver::wire::{is_given_up, Pending, Wire};
+
+impl<C> State<C>
+where
+    C: Link,
+{
+    pub(super) fn owner(&mut self, id: u64) -> Option<&mut Owner> {
+        self.owners.iter_mut().find(|o| o.id == id)
+    }
+
+    /// Carries what `wire` (owner `id`'s) has queued onto the connection.
+    pub(super) fn carry(&mut self, id: u64, wire: &mut Wire) {
+        let mut bytes = Vec::new();
+        let mut sents = Vec::new();
+        if wire.take_uncarried(&mut bytes, &mut sents) > 0 || !bytes.is_empty() {
+            self.carry_staged(&bytes, sents.into_iter().map(|t| (id, t)));
+        }
+    }
+
+    /// Carries commands onto the connection: their bytes, and per command
+    /// its owner and when it was queued.
+    pub(super) fn carry_staged(
+        &mut self,
+        bytes: &[u8],
+        cmds: impl Iterator<Item = (u64, Instant)>,
+    ) {
+        let mut entries = Vec::new();
+        for (id, sent) in cmds {
+            if let Some(o) = self.owners.iter_mut().find(|o| o.id == id) {
+                o.owed += 1;
+            }
+            entries.push((id, sent));
+        }
+        self.conn.wire_mut().carry(bytes, entries.into_iter());
+    }
+
+    /// Carries what rounds staged (see [`Line::send`]). Whether anything
+    /// was.
+    pub(super) fn drain(&mut self, staged: &Mutex<Staged>, _node: &NodeShared) -> bool {
+        let Staged { bytes, cmds } = std::mem::take(&mut *staged.lock());
+        if bytes.is_empty() && cmds.is_empty() {
+            return false;
+        }
+        #[cfg(test)]
+        if cmds.iter().any(|c| c.0 != cmds[0].0) {
+            count(&_node.line_stats.batched);
+        }
+        self.carry_staged(&bytes, cmds.into_iter());
+        true
+    }
+
+    /// Ends the line: every owner still owed a reply gets `e`; wakers of
+    /// every round on it are returned.
+    pub(super) fn close(&mut self, e: &io::Error) -> Vec<Arc<dyn Wake>> {
+        #[cfg(test)]
+        if self.closed.is_none() && self.owners.iter().filter(|o| o.owed > 0).count() >= 2 {
+            self.closed_batches = true;
+        }
+        if self.closed.is_none() {
+            self.closed = Some((e.kind(), e.to_string(), is_given_up(e)));
+        }
+        self.conn.wire_mut().broken = true;
+        self.reader = None;
+        // Late replies of rounds that left will not come.
+        self.owners.retain(|o| o.orphan.is_none());
+        self.owners.iter().filter_map(|o| o.waker.clone()).collect()
+    }
+
+    /// Gives the connection up (a reply owed past the node timeout): the
+    /// undos and resends the node layer queues then go out first.
+    pub(super) fn give_up(&mut self, now: Instant) {
+        let ids: Vec<u64> = self
+            .owners
+            .iter()
+            .filter(|o| o.orphan.is_some())
+            .map(|o| o.id)
+            .collect();
+        for id in ids {
+            let Some(mut w) = self.owner(id).and_then(|o| o.orphan.take()) else {
+                continue;
+            };
+            if w.give_up(now) {
+                self.carry(id, &mut w);
+            }
+            if let Some(o) = self.owner(id) {
+                o.orphan = Some(w);
+            }
+        }
+        self.conn.abandon();
+    }
+
+    /// Hands a reply read off the connection to its owner (a round that
+    /// left: its late reply, taken here).
+    pub(super) fn route(
+        &mut self,
+        node: &NodeShared,
+        (p, v): (Pending, Value),
+        now: Instant,
+        wake: &mut Vec<Arc<dyn Wake>>,
+    ) -> io::Result<()> {
+        if p.owner == 0 {
+            // The connection's own: sent at connect, or queued since by it.
+            if !turned_away(&p, &v) {
+                node.replied();
+            }
+            if late_reply(self.conn.wire_mut(), node, p, &v, now)? {
+                self.conn.flush()?;
+            }
+            return Ok(());
+        }
+        let Some(k) = self.owners.iter().position(|o| o.id == p.owner) else {
+            return Err(self.conn.wire_mut().protocol_error("reply for no round"));
+        };
+        let o = &mut self.owners[k];
+        o.owed = o.owed.saturating_sub(1);
+        let Some(mut w) = o.orphan.take() else {
+            let seq = self.conn.wire().facts_seq;
+            let facts = (seq != o.facts_seq).then(|| self.conn.wire().facts());
+            let o = &mut self.owners[k];
+            o.facts_seq = seq;
+            o.replies.push_back((v, facts));
+            if o.waiting {
+                wake.extend(o.waker.clone());
+            }
+            return Ok(());
+        };
+        let own = w.answered()?;
+        #[cfg(test)]
+        count(&node.line_stats.orphan_replies);
+        if !turned_away(&own, &v) {
+            node.replied();
+        }
+        let queued = late_reply(&mut w, node, own, &v, now)?;
+        let id = p.owner;
+        if queued {
+            self.carry(id, &mut w);
+        }
+        let done = w.pending().is_empty();
+        if let Some(o) = self.owner(id) {
+            if done && o.owed == 0 {
+                self.owners.retain(|o| o.id != id);
+            } else {
+                o.orphan = Some(w);
+            }
+        }
+        if queued {
+            self.conn.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Reads what arrived (what `ready` reports, or all there is), hands
+    /// each reply to its owner, and ends the line on an error.
+    pub(super) fn read(
+        &mut self,
+        node: &NodeShared,
+        ready: Option<C::Ready>,
+        now: Instant,
+        wake: &mut Vec<Arc<dyn Wake>>,
+    ) {
+        let mut io = match ready {
+            Some(r) => self.conn.on_ready(r),
+            None => self.conn.read_all(),
+        }
+        .err();
+        if io.is_none() && self.conn.wants_write() {
+            // What a full socket left unwritten goes on.
+            io = self.conn.flush().err();
+        }
+        loop {
+            match self.conn.next_reply() {
+                Ok(Some(r)) => {
+                    if let Err(e) = self.route(node, r, now, wake) {
+                        io = Some(e);
+                        break;
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    io = Some(e);
+                    break;
+                }
+            }
+        }
+        if let Some(e) = io {
+            wake.extend(self.close(&e));
+        }
+    }
+
+    /// The reader left: a round that waits takes over.
+    pub(super) fn resign(&mut self, id: u64, wake: &mut Vec<Arc<dyn Wake>>) {
+        if self.reader == Some(id) {
+            self.reader = None;
+            // Every round that waits: one of them takes the role (one
+            // woken alone may be about to return with its own reply).
+            for o in self.owners.iter().filter(|o| o.waiting) {
+                wake.extend(o.waker.clone());
+            }
+        }
+    }
+}
