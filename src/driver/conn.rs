@@ -360,6 +360,9 @@ impl Conn {
             let _ = self.flush();
         }
         self.wire.broken = true;
+        // Closed now (after what was just sent), not when the last of the
+        // rounds that shared it lets it go.
+        let _ = self.stream.tcp().shutdown(std::net::Shutdown::Write);
     }
 
     /// Writes what the socket takes now. An error marks the connection broken.
