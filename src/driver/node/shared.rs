@@ -20,10 +20,13 @@ use crate::driver::conn::{self, Conn, ConnectError, Target};
 use crate::error::{NodeError, NodeErrorKind};
 use crate::events::{Events, NodeChange, NodeEvent};
 
+/// A node event held back: the handler, the node's name, the change.
+type Held = (Events, String, NodeChange);
+
 thread_local! {
     /// How many [`HeldEvents`] this thread has, and the node events they
     /// hold back.
-    static HELD: std::cell::RefCell<(u32, Vec<(Events, String, NodeChange)>)> =
+    static HELD: std::cell::RefCell<(u32, Vec<Held>)> =
         const { std::cell::RefCell::new((0, Vec::new())) };
 }
 
