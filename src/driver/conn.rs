@@ -360,8 +360,7 @@ impl Conn {
             let _ = self.flush();
         }
         self.wire.broken = true;
-        // Closed now (after what was just sent), not when the last of the
-        // rounds that shared it lets it go.
+        // Closed now, after what was just sent (not when the last round lets go).
         let _ = self.stream.tcp().shutdown(std::net::Shutdown::Write);
     }
 

@@ -50,7 +50,7 @@ where
         self.conn.wire_mut().carry(bytes, entries.into_iter());
     }
 
-    /// Carries what rounds staged (see [`Line::send`]). Whether anything
+    /// Carries what rounds staged (see [`Line::send`](super::Line::send)). Whether anything
     /// was.
     pub(super) fn drain(&mut self, staged: &Mutex<Staged>, _node: &NodeShared) -> bool {
         let Staged { bytes, cmds } = std::mem::take(&mut *staged.lock());
