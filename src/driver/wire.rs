@@ -233,16 +233,20 @@ impl Wire {
 
     /// Hands over what was queued since the last call, for a shared
     /// connection to carry: the bytes (appended to `bytes`) and, per
-    /// command, when it was queued (pushed on `sents`). Returns how many
-    /// commands.
+    /// command, when it was queued (given to `sent`, oldest first). Returns
+    /// how many commands.
     pub(crate) fn take_uncarried(
         &mut self,
         bytes: &mut Vec<u8>,
-        sents: &mut Vec<Instant>,
+        sent: impl FnMut(Instant),
     ) -> usize {
         let n = usize::try_from(self.pushed.saturating_sub(self.carried)).unwrap_or(usize::MAX);
         let skip = self.pending.len().saturating_sub(n);
-        sents.extend(self.pending.iter().skip(skip).map(|p| p.sent));
+        self.pending
+            .iter()
+            .skip(skip)
+            .map(|p| p.sent)
+            .for_each(sent);
         bytes.extend_from_slice(&self.out);
         self.out.clear();
         self.carried = self.pushed;

@@ -352,9 +352,7 @@ impl<C: Link> Line<C> {
         {
             let mut sg = self.staged.lock();
             let Staged { bytes, cmds } = &mut *sg;
-            let mut sents = Vec::new();
-            wire.take_uncarried(bytes, &mut sents);
-            cmds.extend(sents.into_iter().map(|t| (id, t)));
+            wire.take_uncarried(bytes, |t| cmds.push((id, t)));
         }
         // The simulation lets other threads run here, as a scheduler may.
         #[cfg(test)]

@@ -27,9 +27,9 @@ where
     /// Carries what `wire` (owner `id`'s) has queued onto the connection.
     pub(super) fn carry(&mut self, id: u64, wire: &mut Wire) {
         let mut bytes = Vec::new();
-        let mut sents = Vec::new();
-        if wire.take_uncarried(&mut bytes, &mut sents) > 0 || !bytes.is_empty() {
-            self.carry_staged(&bytes, sents.into_iter().map(|t| (id, t)));
+        let mut cmds = Vec::new();
+        if wire.take_uncarried(&mut bytes, |t| cmds.push((id, t))) > 0 || !bytes.is_empty() {
+            self.carry_staged(&bytes, cmds.into_iter());
         }
     }
 
@@ -40,28 +40,30 @@ where
         bytes: &[u8],
         cmds: impl Iterator<Item = (u64, Instant)>,
     ) {
-        let mut entries = Vec::new();
-        for (id, sent) in cmds {
-            if let Some(o) = self.owners.iter_mut().find(|o| o.id == id) {
+        let owners = &mut self.owners;
+        let counted = cmds.inspect(|&(id, _)| {
+            if let Some(o) = owners.iter_mut().find(|o| o.id == id) {
                 o.owed += 1;
             }
-            entries.push((id, sent));
-        }
-        self.conn.wire_mut().carry(bytes, entries.into_iter());
+        });
+        self.conn.wire_mut().carry(bytes, counted);
     }
 
-    /// Carries what rounds staged (see [`Line::send`](super::Line::send)). Whether anything
-    /// was.
+    /// Carries what rounds staged (see [`Line::send`](super::Line::send)).
+    /// Whether anything was.
     pub(super) fn drain(&mut self, staged: &Mutex<Staged>, _node: &NodeShared) -> bool {
-        let Staged { bytes, cmds } = std::mem::take(&mut *staged.lock());
-        if bytes.is_empty() && cmds.is_empty() {
+        // Under the stage's lock (a copy), so that its buffers are reused.
+        let mut sg = staged.lock();
+        if sg.bytes.is_empty() && sg.cmds.is_empty() {
             return false;
         }
         #[cfg(test)]
-        if cmds.iter().any(|c| c.0 != cmds[0].0) {
+        if sg.cmds.iter().any(|c| c.0 != sg.cmds[0].0) {
             count(&_node.line_stats.batched);
         }
-        self.carry_staged(&bytes, cmds.into_iter());
+        let Staged { bytes, cmds } = &mut *sg;
+        self.carry_staged(bytes, cmds.drain(..));
+        bytes.clear();
         true
     }
 
