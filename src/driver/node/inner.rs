@@ -17,6 +17,11 @@ pub(crate) struct NodeInner {
     /// The connection this client's rounds share now (see
     /// [`crate::driver::node::line`]).
     pub(crate) line: Arc<Slot<Pooled>>,
+    /// When a connection for the line was last started (a checkout found
+    /// none idle): for a node timeout after it, rounds take only idle
+    /// connections and wait on the pool for none (each failed checkout and
+    /// each pool wait starts one), and join the line once it is made.
+    pub(crate) line_started: parking_lot::Mutex<Option<std::time::Instant>>,
 }
 
 pub(crate) struct Node {

@@ -145,6 +145,7 @@ impl RedisTransport {
                     shared,
                     pool,
                     line: Arc::default(),
+                    line_started: Default::default(),
                 }),
                 target: spec.target,
                 threads,

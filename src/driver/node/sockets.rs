@@ -100,7 +100,29 @@ impl RedisTransport {
     ) -> Option<Share<Pooled>> {
         let node = &self.nodes[i].inner;
         let waker = thread_waker().map(|w| w as Arc<dyn Wake>);
-        line::join(&node.line, &node.shared, waker, now, fresh)
+        line::join(&node.line, &node.shared, waker, now, || {
+            if self.line_starting(i, now) {
+                // A connection for the line is on its way: an idle one is
+                // taken, none is started.
+                let mut c = node.pool.try_get()?;
+                return catch_up(&mut c, &node.shared, now).then_some(c);
+            }
+            let c = fresh();
+            if c.is_none() {
+                *node.line_started.lock() = Some(now);
+            }
+            c
+        })
+    }
+
+    /// Whether a connection for node `i`'s line was started less than a
+    /// node timeout ago.
+    fn line_starting(&self, i: usize, now: Instant) -> bool {
+        self.nodes[i]
+            .inner
+            .line_started
+            .lock()
+            .is_some_and(|t| now.saturating_duration_since(t) < self.timeout)
     }
 }
 
@@ -255,6 +277,23 @@ impl Links for RedisTransport {
     }
 
     fn wait_for_free(&self, i: usize, deadline: Instant) -> Option<Share<Pooled>> {
+        if self.line_starting(i, Instant::now()) {
+            // A connection for the line is on its way: waited for (in node
+            // order, as a pool wait is) without starting one more.
+            loop {
+                if !self.nodes[i].inner.shared.is_healthy() {
+                    return None;
+                }
+                let now = Instant::now();
+                if let Some(s) = self.share(i, now, || None) {
+                    return Some(s);
+                }
+                if now >= deadline {
+                    return None;
+                }
+                std::thread::sleep(CONN_RECHECK.min(deadline.saturating_duration_since(now)));
+            }
+        }
         let c = self.wait_pooled(i, deadline)?;
         self.share(i, Instant::now(), || Some(c))
     }
