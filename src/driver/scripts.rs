@@ -31,7 +31,7 @@ pub(crate) use crate::algorithm::round::META_KEY;
 pub(crate) static ACQUIRE: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(ACQUIRE_LUA));
 
-/// The head shared by [`ACQUIRE_LUA`] and [`SWAP_LUA`]: the node's lock
+/// The head of [`ACQUIRE_LUA`]: the node's lock
 /// history, read and updated, and the reply's first five elements: `epoch`,
 /// `age`, `max_ttl`, `prev_max` and `after` (see `raise_lua!`). One `TIME`
 /// and one `HMGET`; an `HSET` only when the history begins or the longest
@@ -203,21 +203,31 @@ pub(crate) fn history_id_command() -> Vec<u8> {
 /// swaps), it gets token `ARGV[4]`, atomically, keeping its expiry
 /// (`KEEPTTL` by hand, for Redis before 6), and for a fenced lock its
 /// counter becomes at least `ARGV[3]`, the new section's fencing token (`0`:
-/// not fenced). `KEYS[2]` is [`META_KEY`]; `ARGV[1..2]` and the reply's head
-/// as [`ACQUIRE`], then one element: `1` (swapped), `0` (absent) or `-1`
-/// (another owner).
+/// not fenced). `KEYS[2]` is [`META_KEY`], where the TTL is recorded as
+/// [`EXTEND`] records it; `ARGV[1..2]` as for [`ACQUIRE`]. Answers one
+/// element: `1` (swapped), `0` (absent) or `-1` (another owner).
+///
+/// No `TIME` and no history head, unlike an acquire: a swap counts only
+/// where the key still holds a token of our lineage, so the node kept our
+/// lock since we acquired it and its vote needs no restart rule (as an
+/// extension's does not); the key keeps its expiry, so no longer TTL is
+/// used than the acquire recorded.
 pub(crate) static SWAP: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(SWAP_LUA));
 
 /// Source of [`SWAP`].
 pub(crate) const SWAP_LUA: &str = concat!(
     ours_lua!(),
-    history_lua!(),
-    r"local v = redis.call('GET', KEYS[1])
+    r"local meta = KEYS[#KEYS]
+local known = tonumber(redis.call('HGET', meta, 'max_ttl')) or 0
+",
+    raise_lua!(),
+    r"local out = {}
+local v = redis.call('GET', KEYS[1])
 local left = redis.call('PTTL', KEYS[1])
-out[6] = v and -1 or 0
+out[1] = v and -1 or 0
 if v == ARGV[4] then
   -- This swap, sent again after its connection closed before the reply.
-  out[6] = 1
+  out[1] = 1
 elseif left > 0 and ours(v, ARGV[5]) then
   redis.call('SET', KEYS[1], ARGV[4], 'PX', left)
   if ARGV[3] ~= '0' then
@@ -226,7 +236,7 @@ elseif left > 0 and ours(v, ARGV[5]) then
       redis.call('HSET', meta, f, ARGV[3])
     end
   end
-  out[6] = 1
+  out[1] = 1
 end
 return out"
 );

@@ -152,7 +152,10 @@ impl Store {
                 ..
             } => Some(self.history((ttl, known_max, after), now, base)),
             Op::Swap { ttl, known_max, .. } => {
-                Some(self.history((ttl, known_max, After::NONE), now, base))
+                // As an extension: the TTL recorded, no history read.
+                let meta = self.meta.get_or_insert(Meta::new(None));
+                meta.raise(ttl, known_max, After::NONE);
+                None
             }
             Op::Extend {
                 ttl,

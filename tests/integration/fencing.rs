@@ -94,6 +94,60 @@ fn a_hand_over_between_threads_gives_the_next_token() {
     assert!(g.fencing_token().unwrap() > t + 1);
 }
 
+/// Calls of `command` node `i` has run (`INFO commandstats`).
+fn calls(c: &Cluster, i: usize, command: &str) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query(&mut c.conn(i))
+        .expect("INFO commandstats");
+    let head = format!("cmdstat_{command}:calls=");
+    info.lines()
+        .find_map(|l| l.strip_prefix(&head))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A fenced hand-over sends only what its safety needs: its swap runs no
+/// `TIME` (nor the history read that goes with it) on the nodes; only
+/// acquisitions do. Nodes of its own, so that no other test's locks count.
+#[test]
+fn a_fenced_hand_over_reads_no_node_clock() {
+    let c = Cluster::start(3);
+    let locks = fenced(&c.urls());
+    let key = unique_key("fence-swap-cost");
+    let mut g = locks.lock(&key, TTL).expect("free key");
+    let before: Vec<u64> = (0..c.len()).map(|i| calls(&c, i, "time")).collect();
+    let (mut handed, mut fresh) = (0, 0);
+    for _ in 0..10 {
+        let section = g.section();
+        g = std::thread::scope(|s| {
+            let w = s.spawn(|| {
+                locks
+                    .lock_timeout(&key, TTL, Duration::from_secs(2))
+                    .expect("handed over or locked anew")
+            });
+            std::thread::sleep(Duration::from_millis(5)); // let it queue
+            g.release().expect("hand over");
+            w.join().expect("waiter")
+        });
+        if g.section() == section + 1 {
+            handed += 1;
+        } else {
+            fresh += 1;
+        }
+    }
+    drop(g);
+    assert!(handed >= 5, "only {handed} of 10 were hand-overs");
+    for (i, b) in before.iter().enumerate() {
+        let time = calls(&c, i, "time") - b;
+        assert!(
+            time <= fresh,
+            "node {i}: {time} TIME calls for {handed} hand-overs and {fresh} acquisitions"
+        );
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // The fault suite. Each scenario runs with and without the protection it is about; the
 // unprotected run must show the failure, so that the test can fail.

@@ -166,7 +166,7 @@ impl Encoded {
             _ => None,
         };
         let (facts, rest) = match self.op {
-            Op::Acquire { .. } | Op::Swap { .. } => {
+            Op::Acquire { .. } => {
                 if items.len() != self.n + FACTS {
                     return Err(unexpected(Value::Array(items)));
                 }
@@ -229,9 +229,17 @@ impl Encoded {
 }
 
 /// Whether an acquire or swap reply says some key was set: `1`, or a
-/// fenced acquire's counter.
+/// fenced acquire's counter. An acquire's answers follow its [`FACTS`]
+/// (so it has more than `FACTS` elements); a swap's one answer is all its
+/// reply.
 pub(crate) fn acquired_any(v: &Value) -> bool {
-    matches!(v, Value::Array(items) if items.iter().skip(FACTS).any(|x| matches!(x, Value::Int(c) if *c > 0)))
+    let Value::Array(items) = v else {
+        return false;
+    };
+    let head = if items.len() > FACTS { FACTS } else { 0 };
+    items[head..]
+        .iter()
+        .any(|x| matches!(x, Value::Int(c) if *c > 0))
 }
 
 pub(crate) fn unexpected(v: Value) -> (NodeErrorKind, String) {
@@ -310,7 +318,11 @@ mod tests {
         assert!(acquired_any(&reply(1)));
         assert!(acquired_any(&reply(1_796_000_000_000_000)));
         assert!(!acquired_any(&reply(0)), "exists");
-        assert!(!acquired_any(&reply(-1)), "another owner (swap)");
+        // A swap answers alone, without the history's facts.
+        let swap = |r: i64| Value::Array(vec![Value::Int(r)]);
+        assert!(acquired_any(&swap(1)), "swapped");
+        assert!(!acquired_any(&swap(0)), "absent");
+        assert!(!acquired_any(&swap(-1)), "another owner");
     }
 
     #[test]

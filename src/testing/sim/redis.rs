@@ -297,7 +297,7 @@ pub(crate) fn reply(op: Op, r: Result<Reply, &str>) -> Value {
         (Answer::Other, false) => -1,
     };
     let mut items = Vec::new();
-    if let (Op::Acquire { .. } | Op::Swap { .. }, Some(f)) = (op, reply.facts) {
+    if let (Op::Acquire { .. }, Some(f)) = (op, reply.facts) {
         // The history's key is the reading connection's to make.
         let NodeFacts {
             epoch,
