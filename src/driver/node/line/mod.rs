@@ -193,9 +193,10 @@ impl<C: Link> Line<C> {
     }
 
     /// A new round on the line, woken by `waker`; None when the line cannot
-    /// take a command (it closed, or is given up now by the node layer's
-    /// rules for a connection in use: a reply owed past the node timeout,
-    /// too many owed).
+    /// take a command: it closed, or is given up now by the node layer's
+    /// rule for a connection in use (a reply owed past the node timeout),
+    /// or it owes as many replies as a connection may (it goes on for its
+    /// rounds; the new one takes another connection).
     fn admit(self: &Arc<Self>, waker: Option<Arc<dyn Wake>>, now: Instant) -> Option<Share<C>> {
         let mut st = self.state.lock();
         if st.closed.is_some() {
@@ -223,15 +224,17 @@ impl<C: Link> Line<C> {
                 return None;
             }
         }
-        if let Some(overdue) = give_up_why(st.conn.wire(), &self.node, now) {
-            st.give_up(now);
-            if overdue {
+        match give_up_why(st.conn.wire(), &self.node, now) {
+            None => {}
+            Some(false) => return None,
+            Some(true) => {
+                st.give_up(now);
                 self.node.observe(Outcome::TimedOut);
+                let wake = st.close(&timed_out());
+                drop(st);
+                wake_all(wake);
+                return None;
             }
-            let wake = st.close(&timed_out());
-            drop(st);
-            wake_all(wake);
-            return None;
         }
         if let Err(e) = ask_info_when_due(&mut st.conn, now) {
             let wake = st.close(&e);

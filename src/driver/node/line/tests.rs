@@ -329,3 +329,26 @@ fn a_line_given_up_says_so_apart_from_a_socket_timeout() {
         "kept through the line's end"
     );
 }
+
+/// A line owing as many replies as a connection may owe takes no new round,
+/// but stays for the rounds on it: their replies still come (too many
+/// owed is no failure of theirs, nor of the node).
+#[test]
+fn a_full_line_refuses_new_rounds_and_keeps_its_own() {
+    let (line, script, node) = line();
+    let mut a = line.admit(None, Instant::now()).expect("open");
+    for _ in 0..crate::driver::conn::MAX_PENDING {
+        a.wire_mut().queue(b"A", Instant::now(), true);
+    }
+    a.flush().expect("sent");
+    assert!(line.admit(None, Instant::now()).is_none(), "full");
+    assert!(node.is_healthy(), "too many owed is not the node's doing");
+    script.lock().replies.push_back(int(7));
+    line.pump(None);
+    assert_eq!(
+        reply(&mut a),
+        Some(int(7)),
+        "the line went on for its rounds"
+    );
+    assert!(!a.wire().broken);
+}
