@@ -140,6 +140,7 @@ pub(crate) struct Stats {
     pub(crate) batched: u64,
     pub(crate) closed_batches: u64,
     pub(crate) orphan_replies: u64,
+    pub(crate) deferred: u64,
 }
 
 /// Every checker's state.

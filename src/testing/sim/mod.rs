@@ -260,6 +260,7 @@ pub(crate) fn simulate(plan: Plan, main: Script) -> Report {
         stats.batched += l.batched.load(Ordering::Relaxed);
         stats.closed_batches += l.closed_batches.load(Ordering::Relaxed);
         stats.orphan_replies += l.orphan_replies.load(Ordering::Relaxed);
+        stats.deferred += l.deferred.load(Ordering::Relaxed);
     }
     if let Some(why) = core.aborted.take() {
         core.world.check.fail(at, Kind::Crash, why);

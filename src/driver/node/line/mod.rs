@@ -53,6 +53,8 @@ pub(crate) struct LineStats {
     pub(crate) closed_batches: std::sync::atomic::AtomicU64,
     /// Late replies taken for rounds that had left.
     pub(crate) orphan_replies: std::sync::atomic::AtomicU64,
+    /// Sends left staged for the reader's next write.
+    pub(crate) deferred: std::sync::atomic::AtomicU64,
 }
 
 #[cfg(test)]
@@ -82,6 +84,9 @@ struct Owner {
     facts_seq: u64,
     /// Its commands on the connection whose replies have not been read.
     owed: usize,
+    /// Its commands left staged for the reader to write (see
+    /// [`State::defers`]): owed too, should the line end first.
+    staged: usize,
     waker: Option<Arc<dyn Wake>>,
     /// Blocked waiting for the reader.
     waiting: bool,
@@ -105,12 +110,18 @@ struct State<C> {
 pub(crate) type Slot<C> = Mutex<Option<Arc<Line<C>>>>;
 
 /// Commands rounds queued for the line's next write, in order: their
-/// bytes, and per command its owner and when it was queued.
+/// bytes, per command its owner and when it was queued, and since when the
+/// oldest waits.
 #[derive(Default)]
 struct Staged {
     bytes: Vec<u8>,
     cmds: Vec<(u64, Instant)>,
+    since: Option<Instant>,
 }
+
+/// Longest a round's commands wait staged for the line's reader to write
+/// them with the replies it reads; then the round writes them itself.
+pub(crate) const STAGE_MAX: std::time::Duration = std::time::Duration::from_micros(300);
 
 /// One connection shared by rounds.
 pub(crate) struct Line<C: Link> {
@@ -142,6 +153,13 @@ enum Watch {
     Reader,
     /// Another round reads: it waits to be woken.
     Follower,
+}
+
+impl Owner {
+    /// Whether a reply is owed to it (read or not, written or staged).
+    fn owes(&self) -> bool {
+        self.owed > 0 || self.staged > 0
+    }
 }
 
 fn error_of((kind, text, given_up): &(io::ErrorKind, String, bool)) -> io::Error {
@@ -250,6 +268,7 @@ impl<C: Link> Line<C> {
             replies: VecDeque::new(),
             facts_seq,
             owed: 0,
+            staged: 0,
             waker,
             waiting: false,
             orphan: None,
@@ -275,12 +294,40 @@ impl<C: Link> Line<C> {
                 return;
             }
             st.read(&self.node, ready, now, &mut wake);
+            if st.closed.is_none() {
+                st.write_staged(&self.staged, &self.node, &mut wake);
+            }
             st.closed.is_some()
         };
         wake_all(wake);
         if closed {
             self.unslot();
         }
+    }
+
+    /// Writes what rounds staged if the oldest has waited [`STAGE_MAX`]
+    /// (the reader did not get to it). When, if anything is staged, it is
+    /// due.
+    fn write_stale(&self, now: Instant) -> Option<Instant> {
+        let since = self.staged.lock().since?;
+        let due = crate::clock::after(since, STAGE_MAX);
+        if now < due {
+            return Some(due);
+        }
+        let _held = HeldEvents::new();
+        let mut wake = Vec::new();
+        let closed = {
+            let mut st = self.state.lock();
+            if st.closed.is_none() {
+                st.write_staged(&self.staged, &self.node, &mut wake);
+            }
+            st.closed.is_some()
+        };
+        wake_all(wake);
+        if closed {
+            self.unslot();
+        }
+        None
     }
 
     /// Whether the connection has part of a command still to write.
@@ -295,7 +342,7 @@ impl<C: Link> Line<C> {
         let Some(o) = st.owner(id) else {
             return Watch::News;
         };
-        if !o.replies.is_empty() || (closed && o.owed > 0) {
+        if !o.replies.is_empty() || (closed && o.owes()) {
             return Watch::News;
         }
         if closed {
@@ -304,7 +351,14 @@ impl<C: Link> Line<C> {
         }
         if reader.is_none() || reader == Some(id) {
             st.reader = Some(id);
-            return Watch::Reader;
+            // What waits staged for a reader goes out before it waits.
+            let mut wake = Vec::new();
+            st.write_staged(&self.staged, &self.node, &mut wake);
+            let closed = st.closed.is_some();
+            drop(st);
+            wake_all(wake);
+            // The write failed: the close is the news.
+            return if closed { Watch::News } else { Watch::Reader };
         }
         o.waiting = true;
         Watch::Follower
@@ -318,7 +372,14 @@ impl<C: Link> Line<C> {
 
     fn resign(&self, id: u64) {
         let mut wake = Vec::new();
-        self.state.lock().resign(id, &mut wake);
+        {
+            let mut st = self.state.lock();
+            st.resign(id, &mut wake);
+            // Nothing staged waits for a reader that left.
+            if st.closed.is_none() {
+                st.write_staged(&self.staged, &self.node, &mut wake);
+            }
+        }
         wake_all(wake);
     }
 
@@ -326,7 +387,7 @@ impl<C: Link> Line<C> {
         let mut st = self.state.lock();
         let closed = st.closed.is_some();
         st.owner(id)
-            .is_some_and(|o| !o.replies.is_empty() || (closed && o.owed > 0))
+            .is_some_and(|o| !o.replies.is_empty() || (closed && o.owes()))
     }
 
     /// Owner `id`'s next reply, or the line's end.
@@ -338,8 +399,9 @@ impl<C: Link> Line<C> {
             return Some(Ok(v));
         }
         match closed {
-            Some(c) if o.owed > 0 => {
+            Some(c) if o.owes() => {
                 o.owed = 0;
+                o.staged = 0;
                 Some(Err(error_of(&c)))
             }
             _ => None,
@@ -349,24 +411,37 @@ impl<C: Link> Line<C> {
     /// Sends what `wire` (round `id`'s) queued. Its commands are staged
     /// first; whichever round takes the line next writes everything staged
     /// in one write, so rounds that send while another writes share its
-    /// next write (and the server reads them in one read).
+    /// next write (and the server reads them in one read). While another
+    /// round reads the line and replies are on their way, they stay staged:
+    /// the reader writes them as soon as it has read what arrived (see
+    /// [`State::defers`]), with every command staged meanwhile.
     fn send(&self, id: u64, wire: &mut Wire) -> io::Result<()> {
         let _held = HeldEvents::new();
+        let now = self.node.clock.now();
         {
             let mut sg = self.staged.lock();
-            let Staged { bytes, cmds } = &mut *sg;
+            let Staged { bytes, cmds, since } = &mut *sg;
             wire.take_uncarried(bytes, |t| cmds.push((id, t)));
+            since.get_or_insert(now);
         }
         // The simulation lets other threads run here, as a scheduler may.
         #[cfg(test)]
         if let Some(y) = &self.node.stage_yield {
             y();
         }
-        let now = self.node.clock.now();
         let mut st = self.state.lock();
         if let Some(c) = &st.closed {
             wire.broken = true;
             return Err(error_of(c));
+        }
+        if !wire.broken && st.defers(id) {
+            let staged = self.staged.lock().cmds.iter().filter(|c| c.0 == id).count();
+            if let Some(o) = st.owner(id) {
+                o.staged = staged;
+            }
+            #[cfg(test)]
+            count(&self.node.line_stats.deferred);
+            return Ok(());
         }
         let drained = st.drain(&self.staged, &self.node);
         let r = if wire.broken {

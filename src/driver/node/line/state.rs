@@ -61,17 +61,50 @@ where
         if sg.cmds.iter().any(|c| c.0 != sg.cmds[0].0) {
             count(&_node.line_stats.batched);
         }
-        let Staged { bytes, cmds } = &mut *sg;
+        let Staged { bytes, cmds, since } = &mut *sg;
+        for (id, _) in cmds.iter() {
+            if let Some(o) = self.owners.iter_mut().find(|o| o.id == *id) {
+                o.staged = o.staged.saturating_sub(1);
+            }
+        }
         self.carry_staged(bytes, cmds.drain(..));
         bytes.clear();
+        *since = None;
         true
+    }
+
+    /// Writes what rounds staged (and what a full socket left unwritten);
+    /// ends the line on an error.
+    pub(super) fn write_staged(
+        &mut self,
+        staged: &Mutex<Staged>,
+        node: &NodeShared,
+        wake: &mut Vec<Arc<dyn Wake>>,
+    ) {
+        if self.drain(staged, node) || self.conn.wants_write() {
+            if let Err(e) = self.conn.flush() {
+                wake.extend(self.close(&e));
+            }
+        }
+    }
+
+    /// Whether round `id`'s commands may wait staged for the reader: another
+    /// round reads the line and replies are owed on it, so the reader's
+    /// poll returns when they arrive, and it then writes what is staged.
+    /// Rounds that send while a batch is in flight then share one write,
+    /// and the server reads them in one read. A round alone on the line
+    /// never waits.
+    pub(super) fn defers(&self, id: u64) -> bool {
+        self.reader.is_some_and(|r| r != id)
+            && !self.conn.wire().pending().is_empty()
+            && !self.conn.wants_write()
     }
 
     /// Ends the line: every owner still owed a reply gets `e`; wakers of
     /// every round on it are returned.
     pub(super) fn close(&mut self, e: &io::Error) -> Vec<Arc<dyn Wake>> {
         #[cfg(test)]
-        if self.closed.is_none() && self.owners.iter().filter(|o| o.owed > 0).count() >= 2 {
+        if self.closed.is_none() && self.owners.iter().filter(|o| o.owes()).count() >= 2 {
             self.closed_batches = true;
         }
         if self.closed.is_none() {

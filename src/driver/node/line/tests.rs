@@ -352,3 +352,57 @@ fn a_full_line_refuses_new_rounds_and_keeps_its_own() {
     );
     assert!(!a.wire().broken);
 }
+
+/// While another round reads the line and replies are owed, a round's
+/// commands wait staged for the reader's next write: nothing is written
+/// until the reader has read, then all of it at once. A close before that
+/// is the staged round's answer too.
+#[test]
+fn commands_staged_behind_a_batch_in_flight_go_out_with_the_readers_next_write() {
+    let (line, script, _) = line();
+    let mut a = line.admit(None, Instant::now()).expect("open");
+    let mut b = line.admit(None, Instant::now()).expect("open");
+    let mut c = line.admit(None, Instant::now()).expect("open");
+    send(&mut a, b"A1");
+    assert!(matches!(line.watch(a.id), Watch::Reader));
+    send(&mut b, b"B1");
+    send(&mut c, b"C1");
+    assert_eq!(script.lock().written, b"A1", "staged while A1 is in flight");
+    script.lock().replies.push_back(int(1));
+    line.pump(None);
+    assert_eq!(script.lock().written, b"A1B1C1", "one write after the read");
+    assert_eq!(reply(&mut a), Some(int(1)));
+    script.lock().replies.extend([int(2), int(3)]);
+    line.pump(None);
+    assert_eq!(reply(&mut b), Some(int(2)));
+    assert_eq!(reply(&mut c), Some(int(3)));
+
+    // Staged, then the line closes before the reader wrote it.
+    send(&mut a, b"A2");
+    send(&mut b, b"B2");
+    script.lock().closed = true;
+    line.pump(None);
+    let e = b
+        .next_reply()
+        .expect_err("the close, for a staged command too");
+    assert_eq!(e.kind(), io::ErrorKind::ConnectionReset);
+}
+
+/// A round whose commands the reader did not write within [`STAGE_MAX`]
+/// writes them itself.
+#[test]
+fn a_staged_command_the_reader_does_not_write_is_written_by_its_round() {
+    let (line, script, _) = line();
+    let mut a = line.admit(None, Instant::now()).expect("open");
+    let mut b = line.admit(None, Instant::now()).expect("open");
+    send(&mut a, b"A1");
+    assert!(matches!(line.watch(a.id), Watch::Reader));
+    send(&mut b, b"B1");
+    let now = Instant::now();
+    assert!(line.write_stale(now).is_some(), "due later");
+    assert_eq!(script.lock().written, b"A1");
+    assert!(line
+        .write_stale(crate::clock::after(now, STAGE_MAX))
+        .is_none());
+    assert_eq!(script.lock().written, b"A1B1", "written by its round");
+}

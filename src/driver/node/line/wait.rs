@@ -68,7 +68,16 @@ pub(crate) fn wait_ready<C: Link>(
             }
         }
         if ready.is_empty() && !last {
-            a.block(&mine, until, writes, mark);
+            // A follower's commands staged too long go out now; the wait
+            // ends when the next would be due.
+            let mut wake_at = until;
+            let now = a.clock_now();
+            for c in &following {
+                if let Some(due) = c.line.write_stale(now) {
+                    wake_at = wake_at.min(due);
+                }
+            }
+            a.block(&mine, wake_at, writes, mark);
         }
         for c in &following {
             c.line.unwatch(c.id);
