@@ -546,37 +546,6 @@ impl<C: Link> Line<C> {
     }
 }
 
-impl<C: Link> Drop for Line<C> {
-    /// No round left on it: the connection goes back to its pool owing what
-    /// the rounds that left are owed, each entry its owner's own.
-    fn drop(&mut self) {
-        let st = self.state.get_mut();
-        #[cfg(test)]
-        if st.closed_batches {
-            count(&self.node.line_stats.closed_batches);
-        }
-        if st.closed.is_some() {
-            return;
-        }
-        if st.conn.wants_write() {
-            // A command half-written: the connection cannot be reused.
-            st.conn.wire_mut().broken = true;
-            return;
-        }
-        let owners = &mut st.owners;
-        let unshared = st.conn.wire_mut().unshare(|id| {
-            owners
-                .iter_mut()
-                .find(|o| o.id == id)
-                .and_then(|o| o.orphan.as_mut())
-                .and_then(|w| w.answered().ok())
-        });
-        if !unshared {
-            st.conn.wire_mut().broken = true;
-        }
-    }
-}
-
 /// Round `waker`'s place on node `node`'s current line (kept in `slot`),
 /// or on a new line over a connection `fresh` gives.
 pub(crate) fn join<C: Link>(

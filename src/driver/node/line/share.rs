@@ -1,10 +1,13 @@
-//! A round's place on a line, as the round sees it: its connection.
+//! A round's place on a line, as the round sees it: its connection; and
+//! the line's connection given back when the last round leaves.
 
 use std::io;
 
 use redis::Value;
 
-use super::Share;
+#[cfg(test)]
+use super::count;
+use super::{Line, Share};
 use crate::driver::node::link::Link;
 use crate::driver::wire::{Pending, Wire};
 
@@ -72,5 +75,36 @@ impl<C: Link> Link for Share<C> {
         self.wire.give_up(now);
         self.wire.broken = true;
         let _ = self.flush();
+    }
+}
+
+impl<C: Link> Drop for Line<C> {
+    /// No round left on it: the connection goes back to its pool owing what
+    /// the rounds that left are owed, each entry its owner's own.
+    fn drop(&mut self) {
+        let st = self.state.get_mut();
+        #[cfg(test)]
+        if st.closed_batches {
+            count(&self.node.line_stats.closed_batches);
+        }
+        if st.closed.is_some() {
+            return;
+        }
+        if st.conn.wants_write() {
+            // A command half-written: the connection cannot be reused.
+            st.conn.wire_mut().broken = true;
+            return;
+        }
+        let owners = &mut st.owners;
+        let unshared = st.conn.wire_mut().unshare(|id| {
+            owners
+                .iter_mut()
+                .find(|o| o.id == id)
+                .and_then(|o| o.orphan.as_mut())
+                .and_then(|w| w.answered().ok())
+        });
+        if !unshared {
+            st.conn.wire_mut().broken = true;
+        }
     }
 }
