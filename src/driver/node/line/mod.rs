@@ -285,24 +285,13 @@ impl<C: Link> Line<C> {
     /// Reads what arrived (what `ready` reports, or all there is) and hands
     /// each reply to its owner.
     pub(crate) fn pump(&self, ready: Option<C::Ready>) {
-        let _held = HeldEvents::new();
         let now = self.node.clock.now();
-        let mut wake = Vec::new();
-        let closed = {
-            let mut st = self.state.lock();
-            if st.closed.is_some() {
-                return;
-            }
-            st.read(&self.node, ready, now, &mut wake);
+        self.act(|st, wake| {
+            st.read(&self.node, ready, now, wake);
             if st.closed.is_none() {
-                st.write_staged(&self.staged, &self.node, &mut wake);
+                st.write_staged(&self.staged, &self.node, wake);
             }
-            st.closed.is_some()
-        };
-        wake_all(wake);
-        if closed {
-            self.unslot();
-        }
+        });
     }
 
     /// Writes what rounds staged if the oldest has waited [`STAGE_MAX`]
@@ -314,20 +303,27 @@ impl<C: Link> Line<C> {
         if now < due {
             return Some(due);
         }
+        self.act(|st, wake| st.write_staged(&self.staged, &self.node, wake));
+        None
+    }
+
+    /// Runs `f` on the state of the line unless it ended; then wakes the
+    /// rounds `f` woke, and takes the line out of its slot if it ended.
+    fn act(&self, f: impl FnOnce(&mut State<C>, &mut Vec<Arc<dyn Wake>>)) {
         let _held = HeldEvents::new();
         let mut wake = Vec::new();
         let closed = {
             let mut st = self.state.lock();
-            if st.closed.is_none() {
-                st.write_staged(&self.staged, &self.node, &mut wake);
+            if st.closed.is_some() {
+                return;
             }
+            f(&mut st, &mut wake);
             st.closed.is_some()
         };
         wake_all(wake);
         if closed {
             self.unslot();
         }
-        None
     }
 
     /// Whether the connection has part of a command still to write.
