@@ -227,6 +227,11 @@ impl<C: Link> Line<C> {
         if idle || give_up_why(st.conn.wire(), &self.node, now).is_some() {
             let mut wake = Vec::new();
             st.read(&self.node, None, now, &mut wake);
+            // The reply read may be the last owed: nothing else would get
+            // the reader to write what waits staged.
+            if st.closed.is_none() {
+                st.write_staged(&self.staged, &self.node, &mut wake);
+            }
             let closed = st.closed.is_some();
             if closed {
                 drop(st);

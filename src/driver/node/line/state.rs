@@ -55,6 +55,7 @@ where
         // Under the stage's lock (a copy), so that its buffers are reused.
         let mut sg = staged.lock();
         if sg.bytes.is_empty() && sg.cmds.is_empty() {
+            sg.since = None;
             return false;
         }
         #[cfg(test)]
@@ -170,7 +171,10 @@ where
             let o = &mut self.owners[k];
             o.facts_seq = seq;
             o.replies.push_back((v, facts));
-            if o.waiting {
+            // The reader too: another thread read its reply (the retry job,
+            // a round at its deadline, one joining), and its poll would
+            // find the socket empty.
+            if o.waiting || self.reader == Some(o.id) {
                 wake.extend(o.waker.clone());
             }
             return Ok(());

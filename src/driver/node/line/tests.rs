@@ -406,3 +406,46 @@ fn a_staged_command_the_reader_does_not_write_is_written_by_its_round() {
         .is_none());
     assert_eq!(script.lock().written, b"A1B1", "written by its round");
 }
+
+/// A reply for the line's reader that another thread read (the retry job,
+/// a round at its deadline, a round joining) wakes the reader: its poll
+/// would find the socket empty and sleep to its deadline.
+#[test]
+fn a_reply_read_for_the_reader_by_another_thread_wakes_it() {
+    let (line, script, _) = line();
+    let woken = Arc::new(Count::default());
+    let mut a = line
+        .admit(Some(woken.clone() as Arc<dyn Wake>), Instant::now())
+        .expect("open");
+    send(&mut a, b"A1");
+    assert!(matches!(line.watch(a.id), Watch::Reader));
+    script.lock().replies.push_back(int(1));
+    // Not the reader's own read.
+    line.pump(None);
+    assert_eq!(woken.0.load(Ordering::Acquire), 1, "the reader sleeps on");
+    assert_eq!(reply(&mut a), Some(int(1)));
+}
+
+/// A joining round's read of what arrived also writes what waits staged
+/// (the reply it read may be the last owed: nothing else would wake the
+/// reader to write it).
+#[test]
+fn a_joining_rounds_read_writes_what_waits_staged() {
+    let (line, script, node) = line();
+    let mut a = line.admit(None, Instant::now()).expect("open");
+    let mut b = line.admit(None, Instant::now()).expect("open");
+    let long_ago = Instant::now()
+        .checked_sub(node.timeout / 2)
+        .expect("a monotonic clock this old");
+    a.wire_mut().queue(b"A1", long_ago, true);
+    a.flush().expect("sent");
+    assert!(matches!(line.watch(a.id), Watch::Reader));
+    send(&mut b, b"B1");
+    assert_eq!(script.lock().written, b"A1", "staged");
+    script.lock().replies.push_back(int(1));
+    // Joining at A1's node timeout: it reads first, then writes B1.
+    let _c = line
+        .admit(None, crate::clock::after(long_ago, node.timeout))
+        .or_else(|| panic!("the reply was there: not given up"));
+    assert_eq!(script.lock().written, b"A1B1");
+}
