@@ -43,6 +43,8 @@ where
         let owners = &mut self.owners;
         let counted = cmds.inspect(|&(id, _)| {
             if let Some(o) = owners.iter_mut().find(|o| o.id == id) {
+                // Staged until now, if it was (see `State::defers`).
+                o.staged = o.staged.saturating_sub(1);
                 o.owed += 1;
             }
         });
@@ -63,11 +65,6 @@ where
             count(&_node.line_stats.batched);
         }
         let Staged { bytes, cmds, since } = &mut *sg;
-        for (id, _) in cmds.iter() {
-            if let Some(o) = self.owners.iter_mut().find(|o| o.id == *id) {
-                o.staged = o.staged.saturating_sub(1);
-            }
-        }
         self.carry_staged(bytes, cmds.drain(..));
         bytes.clear();
         *since = None;
