@@ -167,6 +167,12 @@ impl Wake for PipeWaker {
             let _ = (&self.tx).write(&[1]);
         }
     }
+
+    fn is_current(&self) -> bool {
+        WAKER
+            .try_with(|w| w.as_ref().is_some_and(|w| std::ptr::eq(&**w, self)))
+            .unwrap_or(false)
+    }
 }
 
 thread_local! {
@@ -336,6 +342,18 @@ mod tests {
     fn readable(w: &PipeWaker) -> bool {
         let mut fds = [conn::PollFd::new(&w.rx, PollFlags::IN)];
         conn::poll(&mut fds, Duration::ZERO).is_ok() && !fds[0].revents().is_empty()
+    }
+
+    /// A thread's own waker is its own; another thread's is not (a thread
+    /// that reads its own reply sends itself no wake).
+    #[test]
+    fn a_waker_knows_its_own_thread() {
+        let mine = thread_waker().expect("a waker");
+        assert!(mine.is_current());
+        let theirs = std::thread::spawn(|| thread_waker().expect("a waker"))
+            .join()
+            .expect("thread");
+        assert!(!theirs.is_current());
     }
 
     /// Wakes are coalesced into one byte, a drain takes it, and a wake

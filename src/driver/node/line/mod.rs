@@ -66,6 +66,11 @@ fn count(n: &std::sync::atomic::AtomicU64) {
 pub(crate) trait Wake: Send + Sync {
     /// Wakes it (a wake while it is not waiting makes its next wait return).
     fn wake(&self);
+    /// Whether it wakes the calling thread, which is awake and looks at its
+    /// mailboxes before it waits again: no wake is sent.
+    fn is_current(&self) -> bool {
+        false
+    }
 }
 
 impl Wake for crate::clock::Signal {
@@ -171,7 +176,9 @@ fn error_of((kind, text, given_up): &(io::ErrorKind, String, bool)) -> io::Error
 
 fn wake_all(wake: Vec<Arc<dyn Wake>>) {
     for w in wake {
-        w.wake();
+        if !w.is_current() {
+            w.wake();
+        }
     }
 }
 

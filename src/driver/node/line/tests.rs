@@ -449,3 +449,34 @@ fn a_joining_rounds_read_writes_what_waits_staged() {
         .or_else(|| panic!("the reply was there: not given up"));
     assert_eq!(script.lock().written, b"A1B1");
 }
+
+/// A waker that is the calling thread's own.
+#[derive(Default)]
+struct Mine(AtomicUsize);
+
+impl Wake for Mine {
+    fn wake(&self) {
+        self.0.fetch_add(1, Ordering::AcqRel);
+    }
+    fn is_current(&self) -> bool {
+        true
+    }
+}
+
+/// The reader reading its own reply sends itself no wake: it is awake, and
+/// looks at its mailbox before it waits again.
+#[test]
+fn a_reader_reading_its_own_reply_does_not_wake_itself() {
+    let (line, script, _) = line();
+    let mine = Arc::new(Mine::default());
+    let mut a = line
+        .admit(Some(mine.clone() as Arc<dyn Wake>), Instant::now())
+        .expect("open");
+    send(&mut a, b"A1");
+    assert!(matches!(line.watch(a.id), Watch::Reader));
+    script.lock().replies.push_back(int(1));
+    line.pump(None);
+    assert_eq!(mine.0.load(Ordering::Acquire), 0, "woke itself");
+    assert!(matches!(line.watch(a.id), Watch::News));
+    assert_eq!(reply(&mut a), Some(int(1)));
+}
