@@ -30,6 +30,9 @@ pub(crate) const MIN_TIMEOUT: Duration = Duration::from_millis(1);
 /// (so this only bounds memory: a few hundred bytes a reply).
 pub(crate) const MAX_PENDING: usize = 1024;
 
+/// The most one read takes off a socket.
+const READ_CHUNK: usize = 8192;
+
 /// Where and how to connect: address, credentials, database, TLS.
 #[derive(Clone)]
 pub(crate) struct Target {
@@ -106,6 +109,9 @@ impl Stream {
 pub(crate) struct Conn {
     stream: Stream,
     rbuf: Vec<u8>,
+    /// Where a read lands before `rbuf` takes it: made (zeroed) once, not
+    /// per read.
+    chunk: Box<[u8]>,
     /// How much of `wire`'s output the socket took.
     wpos: usize,
     /// The commands sent and the replies owed; the bytes to write.
@@ -233,6 +239,7 @@ impl Conn {
             poll: stream.tcp().try_clone().ok().map(std::sync::Arc::new),
             stream,
             rbuf: Vec::with_capacity(512),
+            chunk: vec![0; READ_CHUNK].into_boxed_slice(),
             wpos: 0,
             wire: Wire::new(Instant::now()),
         };
@@ -413,9 +420,9 @@ impl Conn {
     }
 
     fn read_available(&mut self, to_end: bool) -> io::Result<()> {
-        let mut chunk = [0u8; 8192];
+        let chunk = &mut self.chunk;
         loop {
-            match self.stream.read(&mut chunk) {
+            match self.stream.read(chunk) {
                 Ok(0) => {
                     self.wire.broken = true;
                     return Err(io::Error::new(
@@ -462,7 +469,7 @@ impl Conn {
         // The frame answers the oldest command owed, whether or not it
         // parses: a garbled reply still says that command ran.
         let p = self.wire.answered()?;
-        let value = redis::parse_redis_value(&self.rbuf[..len]);
+        let value = crate::driver::resp::parse(&self.rbuf[..len]);
         self.rbuf.drain(..len);
         match value {
             Ok(v) => Ok(Some((p, v))),
