@@ -501,6 +501,12 @@ impl<C: Link> Line<C> {
                 st.owners.swap_remove(k);
                 return;
             }
+            // The history's key the round worked out (a hash), for the
+            // next rounds on the line (see `NodeFacts::seen_by`).
+            let line_wire = st.conn.wire_mut();
+            if wire.history_key.is_some() && line_wire.run_id == wire.run_id {
+                line_wire.history_key = wire.history_key;
+            }
             // Replies read for it and not taken are late replies now.
             let replies = std::mem::take(&mut st.owners[k].replies);
             let mut failed = None;
