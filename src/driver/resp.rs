@@ -225,20 +225,39 @@ mod tests {
         }
     }
 
-    /// The decoding this module does itself is the common case: a lock
-    /// reply never reaches the general parser (whose errors it would
-    /// otherwise share).
+    /// The decoding this module does itself is the common case: the lock's
+    /// replies never reach the general parser, up to [`FAST_DEPTH`] arrays
+    /// deep.
     #[test]
     fn the_lock_replies_are_decoded_here() {
-        for f in [
-            &b"*6\r\n:1\r\n:2\r\n:3\r\n:1\r\n$0\r\n\r\n:1\r\n"[..],
-            b"*1\r\n:-1\r\n",
-            b"+OK\r\n",
-            b"$-1\r\n",
-        ] {
-            assert!(fast(f, 0, 0).is_some_and(|(_, end)| end == f.len()));
+        let nested = |depth: usize| {
+            let mut f = b"*1\r\n".repeat(depth);
+            f.extend_from_slice(b":7\r\n");
+            f
+        };
+        let frames: Vec<Vec<u8>> = vec![
+            b"*6\r\n:1\r\n:2\r\n:3\r\n:1\r\n$0\r\n\r\n:1\r\n".to_vec(),
+            b"*1\r\n:-1\r\n".to_vec(),
+            b"+OK\r\n".to_vec(),
+            b"+QUEUED\r\n".to_vec(),
+            b": 12 \r\n".to_vec(),
+            b"$-1\r\n".to_vec(),
+            b"*2\r\n*2\r\n$1\r\n1\r\n$1\r\n2\r\n$2\r\nab\r\n".to_vec(),
+            nested(FAST_DEPTH),
+        ];
+        for f in &frames {
+            let here = fast(f, 0, 0).map(|(v, end)| (format!("{v:?}"), end));
+            let want = redis::parse_redis_value(f).map(|v| format!("{v:?}")).ok();
+            assert_eq!(
+                here,
+                want.map(|v| (v, f.len())),
+                "{}",
+                String::from_utf8_lossy(f)
+            );
         }
+        assert!(fast(&nested(FAST_DEPTH + 1), 0, 0).is_none(), "too deep");
         assert!(fast(b"-ERR x\r\n", 0, 0).is_none());
+        assert!(fast(b"*2\r\n:1\r\n_\r\n", 0, 0).is_none(), "RESP3 inside");
     }
 
     #[test]

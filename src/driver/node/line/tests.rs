@@ -480,3 +480,23 @@ fn a_reader_reading_its_own_reply_does_not_wake_itself() {
     assert!(matches!(line.watch(a.id), Watch::News));
     assert_eq!(reply(&mut a), Some(int(1)));
 }
+
+/// A round that worked out the lock history's key (a hash of the server's
+/// run id and the epoch) leaves it to the line, so the next round starts
+/// with it; one that read its replies against another server's run id does
+/// not.
+#[test]
+fn the_history_key_a_round_worked_out_stays_with_the_line() {
+    let (line, _, _) = line();
+    let mut a = line.admit(None, Instant::now()).expect("open");
+    assert_eq!(a.wire().history_key, None);
+    a.wire_mut().history_key = Some((7, 99));
+    drop(a);
+    let mut b = line.admit(None, Instant::now()).expect("open");
+    assert_eq!(b.wire().history_key, Some((7, 99)), "kept by the line");
+    b.wire_mut().run_id = Some("another".into());
+    b.wire_mut().history_key = Some((8, 5));
+    drop(b);
+    let c = line.admit(None, Instant::now()).expect("open");
+    assert_eq!(c.wire().history_key, Some((7, 99)), "another server's key");
+}
