@@ -129,9 +129,10 @@ fn fast(buf: &[u8], pos: usize, depth: usize) -> Option<(Value, usize)> {
     }
 }
 
-/// An integer line, read as the `redis` crate reads it (trimmed).
+/// An integer line, trimmed as the `redis` crate trims it (a line only
+/// Unicode whitespace would trim goes to that parser).
 fn int(line: &[u8]) -> Option<i64> {
-    std::str::from_utf8(line).ok()?.trim().parse().ok()
+    parse_int(line.trim_ascii()).ok()
 }
 
 fn find_crlf(buf: &[u8], from: usize) -> Option<usize> {
