@@ -21,6 +21,9 @@ mod common;
 
 use common::Cluster;
 
+#[path = "across/processes.rs"]
+mod processes;
+
 const TTL: Duration = Duration::from_secs(10);
 static CYCLES: std::sync::LazyLock<usize> =
     std::sync::LazyLock::new(|| common::bench_count(3000, 20));
@@ -194,6 +197,8 @@ fn contention(locks: &Redlock, key: &str, ttl: Duration, run_for: Duration) -> C
 }
 
 fn main() {
+    // A child process of the cross-process scenario runs only that.
+    processes::child_main();
     let mut criterion = Criterion::default()
         .configure_from_args()
         .sample_size(if common::bench_smoke() { 10 } else { 20 })
@@ -350,6 +355,25 @@ fn main() {
             r.per_sec / naive.per_sec.max(f64::MIN_POSITIVE),
             r.per_sec / tight.per_sec.max(f64::MIN_POSITIVE),
         ));
+    }
+
+    // Waiting across processes (issue 22's baseline): 4 processes × 1
+    // thread, then 3 × 4 with a short TTL, one key, 2 ms holds.
+    let smoke = common::bench_smoke();
+    let span = |full: u64| Duration::from_millis(if smoke { 600 } else { full });
+    for (name, procs, threads, secs, ttl) in [
+        ("4 processes x 1 thread", 4, 1, span(10_000), TTL),
+        (
+            "3 processes x 4 threads",
+            3,
+            4,
+            span(4_000),
+            Duration::from_millis(500),
+        ),
+    ] {
+        let key = format!("bench:across:{procs}x{threads}");
+        let r = processes::run(&c.urls(), &key, procs, threads, secs, ttl);
+        rows.push(r.row(name));
     }
 
     criterion.final_summary();
