@@ -184,10 +184,15 @@ fn a_release_sent_again_after_a_close_says_what_it_cannot_tell() {
     let p0 = CutProxy::start(&c.url(0), Cut::after_running(RELEASE_1, 1));
     let p1 = CutProxy::start(&c.url(1), Cut::after_running(RELEASE_1, 1));
     // Nodes 0 and 1 answer first, so the lock round reads their SETs' replies (a reply
-    // read later, during the release, queues an undo whose delete counts as ours).
-    let d2 = DelayProxy::start(&c.url(2), Duration::from_millis(30));
+    // read later, during the release, queues an undo whose delete counts as ours, and
+    // the release is then rightly Ok). Node 2 is 200 ms late, within a 1 s node
+    // timeout: a loaded machine once let it answer the lock round before node 1 with
+    // 30 ms.
+    let d2 = DelayProxy::start(&c.url(2), Duration::from_millis(200));
     let changes = Arc::new(Changes::default());
-    let locks = client(vec![p0.url(), p1.url(), d2.url()], &changes);
+    let locks = connected(vec![p0.url(), p1.url(), d2.url()], &changes, |b| {
+        b.pool_size(32).node_timeout(Duration::from_secs(1))
+    });
     let key = unique_key("resent-release");
     let g = locks.lock(&key, Duration::from_secs(20)).expect("lock");
     landed_everywhere(&c, &key, g.token());
@@ -234,11 +239,14 @@ fn a_release_sent_again_does_not_count_a_node_that_lost_the_key() {
     };
     let p0 = CutProxy::start(&c.url(0), cut);
     // Node 0 answers first, so the lock round reads its SET's reply (a reply read later,
-    // during the release, queues an undo whose delete counts as ours).
-    let d1 = DelayProxy::start(&c.url(1), Duration::from_millis(30));
-    let d2 = DelayProxy::start(&c.url(2), Duration::from_millis(30));
+    // during the release, queues an undo whose delete counts as ours). 200 ms late
+    // within a 1 s node timeout, as above: 30 ms is not "first" on a loaded machine.
+    let d1 = DelayProxy::start(&c.url(1), Duration::from_millis(200));
+    let d2 = DelayProxy::start(&c.url(2), Duration::from_millis(200));
     let changes = Arc::new(Changes::default());
-    let locks = client(vec![p0.url(), d1.url(), d2.url()], &changes);
+    let locks = connected(vec![p0.url(), d1.url(), d2.url()], &changes, |b| {
+        b.pool_size(32).node_timeout(Duration::from_secs(1))
+    });
     let key = unique_key("resent-lost-key");
     let g = locks.lock(&key, Duration::from_secs(20)).expect("lock");
     landed_everywhere(&c, &key, g.token());
