@@ -281,7 +281,9 @@ impl LockGuard {
                 && !self.state.is_lost()
                 && !self.state.is_released()
                 && left >= t.ttl / 2
-                && turn.has_waiters();
+                && turn.has_waiters()
+                // Other clients wait too: they get it by the nodes.
+                && !self.engine().others_wait(&self.state.resource);
             if handable {
                 // With nobody left waiting, the lock and the turn come back:
                 // released below, the turn passing on after.

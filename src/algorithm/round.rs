@@ -321,6 +321,9 @@ pub(crate) struct Reply {
     pub fence: Option<u64>,
     /// Who answered, when known.
     pub server: Option<ServerTag>,
+    /// A release's: how many subscribers on the node its freed-key message
+    /// reached (waiters of any client, this one's included).
+    pub woke: u32,
 }
 
 impl Reply {
@@ -331,6 +334,7 @@ impl Reply {
             facts: None,
             fence: None,
             server: None,
+            woke: 0,
         }
     }
 }

@@ -477,6 +477,21 @@ impl Conn {
         }
     }
 
+    /// Takes the next complete frame off the buffer without pairing it with
+    /// a command owed (a subscriber connection's pushes and answers).
+    pub(crate) fn next_frame(&mut self) -> io::Result<Option<Value>> {
+        let len = match frame_len(&self.rbuf) {
+            Ok(Some(len)) => len,
+            Ok(None) => return Ok(None),
+            Err(()) => return Err(self.wire.protocol_error("malformed frame")),
+        };
+        let value = crate::driver::resp::parse(&self.rbuf[..len]);
+        self.rbuf.drain(..len);
+        value
+            .map(Some)
+            .map_err(|e| self.wire.protocol_error(&e.to_string()))
+    }
+
     /// A handle to poll this connection's socket by while the connection
     /// itself is in use elsewhere (the same socket, duplicated at connect).
     pub(crate) fn poll_handle(&self) -> Option<std::sync::Arc<TcpStream>> {

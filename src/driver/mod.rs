@@ -3,6 +3,7 @@
 
 pub(crate) mod conn;
 pub(crate) mod node;
+pub(crate) mod notify;
 pub(crate) mod poll;
 pub(crate) mod resp;
 pub(crate) mod scripts;

@@ -131,6 +131,10 @@ return out"
 
 pub(crate) use crate::algorithm::round::FENCE_LIMIT;
 
+/// The channel a release publishes a freed key on is this prefix and the
+/// key (written out in [`RELEASE_LUA`]).
+pub(crate) const FREED_PREFIX: &str = "quorumlock:free:";
+
 /// Source of [`ACQUIRE`]. A resource's fencing counter is the field
 /// `fence:<resource>` of [`META_KEY`], so that counters disappear exactly
 /// with the lock history (a node that lost its data is held back, and its
@@ -269,6 +273,12 @@ local meta = KEYS[#KEYS]
 /// Compare-and-delete. `ARGV[1]` is unused (kept so both scripts share one
 /// argument layout). A handed-over lock's token also deletes the earlier
 /// tokens of its lineage, which a node that missed a swap may still hold.
+///
+/// A deleted key is published on [`FREED_PREFIX`]`<key>` (waiters in other
+/// clients wake and try; see `crate::driver::notify`), and its answer is `1
+/// +` the number of subscribers the message reached, so that the releaser
+/// knows others wait (the fairness rule). The `PUBLISH` is a `pcall`: an
+/// ACL user without channel rights still releases (its waiters poll).
 pub(crate) static RELEASE: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(RELEASE_LUA));
 
@@ -280,6 +290,8 @@ for i, key in ipairs(KEYS) do
   local v = redis.call('GET', key)
   if ours(v, ARGV[i + 1]) then
     out[i] = redis.call('DEL', key)
+    local r = redis.pcall('PUBLISH', 'quorumlock:free:' .. key, '')
+    if type(r) == 'number' then out[i] = out[i] + r end
   elseif v then
     out[i] = -1
   else

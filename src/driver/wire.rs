@@ -321,6 +321,12 @@ impl Wire {
         io::Error::new(io::ErrorKind::InvalidData, what.to_owned())
     }
 
+    /// Appends bytes no reply is paired with (a subscriber connection's
+    /// commands, whose answers are read as frames: see `Conn::next_frame`).
+    pub(crate) fn queue_unpaired(&mut self, cmd: &[u8]) {
+        self.out.extend_from_slice(cmd);
+    }
+
     /// Appends a command; its reply is expected in order after the others.
     pub(crate) fn queue(&mut self, cmd: &[u8], now: Instant, wanted: bool) {
         self.push(cmd, now, wanted, Setup::None);

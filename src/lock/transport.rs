@@ -33,6 +33,15 @@ pub(crate) enum AfterRound {
 /// Called with an acquire round's results: what to do next.
 pub(crate) type Undo<'a> = &'a dyn Fn(&[NodeResult]) -> AfterRound;
 
+/// One thread's wait for a resource to be freed by another client (see
+/// [`crate::driver::notify`]): a hint to try again, never a grant.
+pub(crate) trait Watch: Send {
+    /// Wake-ups so far: read before an attempt, waited past after it.
+    fn seen(&self) -> u64;
+    /// Waits until a wake-up after `seen`, or `until`; whether one came.
+    fn wait(&self, seen: u64, until: Instant) -> bool;
+}
+
 /// Access to the N nodes.
 pub(crate) trait Transport: Send + Sync + 'static {
     /// Display names of the nodes (no credentials), in node order.
@@ -51,6 +60,21 @@ pub(crate) trait Transport: Send + Sync + 'static {
         decided: Option<Decided<'_>>,
         undo: Option<Undo<'_>>,
     ) -> Vec<NodeResult>;
+
+    /// Subscribes to `resource`'s releases, waiting until `confirm_by` at
+    /// most for the nodes to confirm. `None`: not supported (doubles, the
+    /// simulation) or no room: the caller polls.
+    fn watch(&self, resource: &str, confirm_by: Instant) -> Option<Box<dyn Watch>> {
+        let _ = (resource, confirm_by);
+        None
+    }
+
+    /// Whether this client's own subscriber listens to `resource`'s
+    /// releases (a release's subscriber count includes it then).
+    fn watching(&self, resource: &str) -> bool {
+        let _ = resource;
+        false
+    }
 
     /// Waits until every node has a connection whose server is known, or is
     /// failing, at most until `deadline`; returns how many nodes have a

@@ -186,6 +186,7 @@ impl Store {
             facts,
             fence,
             server: None,
+            woke: 0,
         })
     }
 

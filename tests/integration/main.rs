@@ -20,6 +20,7 @@ mod nodes;
 mod sharing;
 #[cfg(feature = "tls-rustls")]
 mod tls;
+mod wakeups;
 mod watchdog;
 
 use std::time::Duration;

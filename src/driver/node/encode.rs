@@ -203,11 +203,18 @@ impl Encoded {
         let acquire = matches!(self.op, Op::Acquire { .. });
         let fenced = matches!(self.op, Op::Acquire { fenced: true, .. });
         let restore = matches!(self.op, Op::Restore { .. });
+        let release = matches!(self.op, Op::Release { .. });
         let mut fence = None;
+        let mut woke = 0u32;
         let answers = rest
             .iter()
             .map(|v| match (int(v), acquire) {
                 (Some(2), false) if restore => Ok(Answer::Restored),
+                // A release's `1 + subscribers reached` (see `RELEASE_LUA`).
+                (Some(c), false) if release && c >= 1 => {
+                    woke = woke.max(u32::try_from(c - 1).unwrap_or(u32::MAX));
+                    Ok(Answer::Ok)
+                }
                 (Some(1), _) if !fenced => Ok(Answer::Ok),
                 (Some(c), true) if fenced && c > 0 && c.unsigned_abs() <= scripts::FENCE_LIMIT => {
                     fence = fence.max(u64::try_from(c).ok());
@@ -224,6 +231,7 @@ impl Encoded {
             facts,
             fence,
             server: None,
+            woke,
         })
     }
 }

@@ -89,6 +89,9 @@ pub(crate) struct RedisTransport {
     timeout: Duration,
     rules: VoteRules,
     servers: Arc<Servers>,
+    /// The wake-ups' subscriber connections, made with the first wait
+    /// (`None`: the thread could not start; waiters poll).
+    notifier: std::sync::OnceLock<Option<crate::driver::notify::Notifier>>,
 }
 
 impl fmt::Debug for RedisTransport {
@@ -157,7 +160,25 @@ impl RedisTransport {
             timeout,
             rules: config.rules,
             servers,
+            notifier: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The wake-ups, started on first use.
+    fn notifier(&self) -> Option<&crate::driver::notify::Notifier> {
+        self.notifier
+            .get_or_init(|| {
+                let targets = self
+                    .names
+                    .iter()
+                    .cloned()
+                    .zip(self.nodes.iter().map(|n| n.target.clone()))
+                    .collect();
+                crate::driver::notify::Notifier::start(targets, self.timeout)
+                    .map_err(|e| log::warn!("no wake-up thread ({e}); waiters poll"))
+                    .ok()
+            })
+            .as_ref()
     }
 
     /// A connection to node `i` if one is idle (a new one is started in the
@@ -195,6 +216,21 @@ impl RedisTransport {
 impl Transport for RedisTransport {
     fn node_names(&self) -> &[String] {
         &self.names
+    }
+
+    fn watch(
+        &self,
+        resource: &str,
+        confirm_by: Instant,
+    ) -> Option<Box<dyn crate::lock::transport::Watch>> {
+        self.notifier()?.watch(resource, confirm_by)
+    }
+
+    fn watching(&self, resource: &str) -> bool {
+        self.notifier
+            .get()
+            .and_then(Option::as_ref)
+            .is_some_and(|n| n.watching(resource))
     }
 
     fn wait_connected(&self, deadline: Instant) -> Result<usize, InvalidInput> {

@@ -255,12 +255,14 @@ fn merge_restored(
                     facts: None,
                     fence: None,
                     server: None,
+                    woke: 0,
                 }),
                 (Some(a), _) => Ok(Reply {
                     answers: vec![a],
                     facts: None,
                     fence: None,
                     server: None,
+                    woke: 0,
                 }),
                 (None, _) => match ext {
                     Err(e) => Err(e.clone()),
@@ -269,6 +271,7 @@ fn merge_restored(
                         facts: None,
                         fence: None,
                         server: None,
+                        woke: 0,
                     }),
                 },
             }

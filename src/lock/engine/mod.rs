@@ -24,7 +24,7 @@ use crate::error::{Error, InvalidInput};
 use crate::lock::queue::{Queues, Turn};
 use crate::lock::settings::Settings;
 use crate::lock::state::{Callbacks, LockState, LostCallback, Timing};
-use crate::lock::transport::{AfterRound, Transport};
+use crate::lock::transport::{AfterRound, Transport, Watch};
 use crate::lock::watchdog::{Renew, Watchdog};
 use crate::Result;
 use crate::MAX_TTL;
@@ -36,6 +36,7 @@ mod handover;
 mod history;
 #[cfg(test)]
 mod node_rules;
+mod remote;
 mod report;
 #[cfg(test)]
 mod report_tests;
@@ -76,6 +77,8 @@ pub(crate) struct Engine {
     watchdog: OnceLock<Watchdog>,
     /// Notified when a renewal round ends (a release may wait for one).
     pub(crate) renewal_done: Arc<crate::clock::Signal>,
+    /// The keys whose last release reached other clients' waiters.
+    remote: remote::Remote,
 }
 
 impl Engine {
@@ -123,6 +126,7 @@ impl Engine {
             me: me.clone(),
             watchdog: OnceLock::new(),
             renewal_done: Arc::default(),
+            remote: remote::Remote::default(),
         })
     }
 
@@ -154,8 +158,19 @@ impl Engine {
                 }
             }
         }
+        let waits = !matches!(budget, Budget::Attempts(1));
+        if waits {
+            self.yield_to_others(resource, until);
+        }
         let mut attempt = 1u32;
+        // Wake-ups by the releases of other clients (see
+        // `crate::driver::notify`), from the first failed attempt on.
+        let mut watch: Option<Box<dyn Watch>> = None;
+        let mut seen = 0;
         loop {
+            if let Some(w) = &watch {
+                seen = w.seen();
+            }
             let err = match self.attempt(resource, ttl, drift) {
                 Ok(state) => return Ok((Arc::new(state), turn.take())),
                 Err(e) if e.is_retryable() => e,
@@ -168,15 +183,59 @@ impl Engine {
                     return Err(err);
                 }
             }
-            let left = until.saturating_duration_since(self.clock.now());
+            let now = self.clock.now();
+            let left = until.saturating_duration_since(now);
             if left.is_zero() {
                 return Err(err);
             }
-            pause = pause.min(left);
-            debug!("lock {resource:?}: attempt {attempt} failed ({err}); retrying in {pause:?}");
-            self.clock.sleep(pause);
             attempt = attempt.saturating_add(1);
+            if watch.is_none() && waits {
+                // Subscribed, then tried again at once: the release may
+                // have come before the subscription.
+                let confirm_by = after(now, self.settings.node_timeout.min(left));
+                watch = self.transport.watch(resource, confirm_by);
+                if watch.is_some() {
+                    debug!("lock {resource:?}: attempt failed ({err}); waiting for its release");
+                    continue;
+                }
+            }
+            pause = pause.min(left);
+            debug!("lock {resource:?}: attempt failed ({err}); retrying within {pause:?}");
+            match &watch {
+                // The retry pause is the fallback: a lost message costs no
+                // more than polling did.
+                Some(w) => {
+                    let woken = w.wait(seen, after(self.clock.now(), pause));
+                    trace!(
+                        "lock {resource:?}: {}",
+                        if woken { "woken" } else { "fallback" }
+                    );
+                }
+                None => self.clock.sleep(pause),
+            }
         }
+    }
+
+    /// After this client's release of `resource` reached waiters of other
+    /// clients, its next attempt on it waits as long as that release took
+    /// (about one round trip), so that they, woken by it, go first: the
+    /// releaser, which could try again at once, kept winning.
+    fn yield_to_others(&self, resource: &str, until: Instant) {
+        let Some(end) = self.remote.yield_until(resource) else {
+            return;
+        };
+        let wait = end.min(until).saturating_duration_since(self.clock.now());
+        if !wait.is_zero() {
+            trace!("lock {resource:?}: yielding {wait:?} to the waiters of other clients");
+            self.clock.sleep(wait);
+        }
+    }
+
+    /// Whether the last release of `resource` reached waiters of other
+    /// clients: a release then goes to the nodes rather than to the next
+    /// local thread (see [`crate::lock::queue`]).
+    pub(crate) fn others_wait(&self, resource: &str) -> bool {
+        self.remote.others_wait(resource)
     }
 
     /// Waits for this thread's turn among the threads of this process that
@@ -412,8 +471,26 @@ impl Engine {
     pub(crate) fn release_round(&self, state: &LockState) -> (Result<()>, Vec<NodeResult>) {
         self.await_renewal(state);
         let keep_until = self.keep_until(state);
+        let start = self.clock.now();
         let results = self.round(Op::Release { keep_until }, &[state.key()]);
-        (quorum::decide_release(Tally::of(&results, 0)), results)
+        let outcome = quorum::decide_release(Tally::of(&results, 0));
+        if outcome.is_ok() {
+            // Subscribers reached, less this client's own.
+            let own = u32::from(self.transport.watching(&state.resource));
+            let woke = results
+                .iter()
+                .filter_map(|r| r.as_ref().ok())
+                .map(|r| r.woke.saturating_sub(own))
+                .max()
+                .unwrap_or(0);
+            let now = self.clock.now();
+            let took = now
+                .saturating_duration_since(start)
+                .min(self.settings.node_timeout);
+            self.remote
+                .released(&state.resource, woke > 0, after(now, took));
+        }
+        (outcome, results)
     }
 
     /// Waits (for at most the bound of a renewal's two rounds, the

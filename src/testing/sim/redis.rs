@@ -436,6 +436,7 @@ mod tests {
             facts: Some(facts),
             fence: None,
             server: None,
+            woke: 0,
         };
         let enc = Encoded::new(op, &keys);
         let got = enc.decode(reply(op, Ok(said.clone()))).expect("decodes");
@@ -458,6 +459,7 @@ mod tests {
             facts: None,
             fence: None,
             server: None,
+            woke: 0,
         };
         assert_eq!(
             enc.decode(reply(release, Ok(said)))

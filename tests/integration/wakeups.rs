@@ -1,0 +1,223 @@
+//! Waiting across clients (issue 22): a release wakes the waiters of other clients by
+//! pub/sub, a hint to try at once, never a grant. Two clients of one process stand for two
+//! processes here: they share no queue, connection or subscription. Each waiter's retry
+//! pause is made long, so that a wake-up is told apart from polling by a wide margin.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use quorumlock::Redlock;
+
+use crate::common::{shared, unique_key, wait_until, Cluster};
+
+const TTL: Duration = Duration::from_secs(10);
+
+/// A client whose retry pause is `pause` (no jitter).
+fn client(urls: Vec<String>, pause: Duration) -> Redlock {
+    let locks = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(urls)
+        .node_timeout(Duration::from_millis(250))
+        .retry_delay(pause)
+        .retry_jitter(Duration::ZERO)
+        .build()
+        .expect("valid config");
+    assert_eq!(locks.wait_connected(Duration::from_secs(5)).ok(), Some(3));
+    locks
+}
+
+/// Starts a thread that waits for `key` on `locks` (up to 20 s) and returns when it got
+/// it, and the guard's token.
+fn waiter(locks: Arc<Redlock>, key: &str) -> std::thread::JoinHandle<(Instant, String)> {
+    let key = key.to_owned();
+    std::thread::spawn(move || {
+        let g = locks
+            .lock_timeout(&key, TTL, Duration::from_secs(20))
+            .expect("the waiter gets the lock");
+        let got = (Instant::now(), g.token().to_owned());
+        g.release().expect("release");
+        got
+    })
+}
+
+/// The waiter's first attempt failed and it subscribed: its retry pause is long, so this
+/// only waits for the subscriptions to be made.
+fn let_it_subscribe() {
+    std::thread::sleep(Duration::from_millis(500));
+}
+
+#[test]
+fn a_release_wakes_a_waiter_of_another_client_at_once() {
+    let c = shared();
+    let holder = client(c.urls(), Duration::from_millis(100));
+    let key = unique_key("woken");
+    let g = holder.lock(&key, TTL).expect("lock");
+    let w = waiter(Arc::new(client(c.urls(), Duration::from_secs(5))), &key);
+    let_it_subscribe();
+    let released = Instant::now();
+    g.release().expect("release");
+    let (got, _) = w.join().expect("waiter");
+    let after = got.saturating_duration_since(released);
+    // Polling would take the rest of the 5 s pause.
+    assert!(
+        after < Duration::from_secs(1),
+        "the waiter got the lock {after:?} after the release"
+    );
+}
+
+/// A message on the channel that no release sent (or one sent twice) changes nothing but
+/// a retry: the lock is still held, the waiter keeps waiting, and the real release wakes it.
+#[test]
+fn a_forged_message_costs_a_retry_and_nothing_else() {
+    let c = shared();
+    let holder = client(c.urls(), Duration::from_millis(100));
+    let key = unique_key("forged");
+    let g = holder.lock(&key, TTL).expect("lock");
+    let w = waiter(Arc::new(client(c.urls(), Duration::from_secs(5))), &key);
+    let_it_subscribe();
+    for i in 0..3 {
+        let _: i64 = redis::cmd("PUBLISH")
+            .arg(format!("quorumlock:free:{key}"))
+            .arg("")
+            .query(&mut c.conn(i))
+            .expect("PUBLISH");
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(g.is_held(), "the holder still holds it");
+    assert!(!w.is_finished(), "a forged message granted the lock");
+    assert_eq!(c.holders(&key, g.token()), 3, "the holder's keys stay");
+    let released = Instant::now();
+    g.release().expect("release");
+    let (got, _) = w.join().expect("waiter");
+    assert!(got.saturating_duration_since(released) < Duration::from_secs(1));
+}
+
+/// A waiter whose subscriber connections are killed (`CLIENT KILL TYPE pubsub`) just
+/// before the release misses its message: it still gets the lock, by its fallback (the
+/// retry pause, 400 ms here) or by the subscription made again, which wakes it to try.
+#[test]
+fn a_waiter_whose_subscription_was_killed_still_gets_the_lock() {
+    let c = Cluster::start(3);
+    let holder = client(c.urls(), Duration::from_millis(100));
+    let key = unique_key("killed-sub");
+    let g = holder.lock(&key, TTL).expect("lock");
+    let waiting = Arc::new(client(c.urls(), Duration::from_millis(400)));
+    let w = waiter(waiting.clone(), &key);
+    let_it_subscribe();
+    for i in 0..3 {
+        let killed: i64 = redis::cmd("CLIENT")
+            .arg(&["KILL", "TYPE", "pubsub"])
+            .query(&mut c.conn(i))
+            .expect("CLIENT KILL");
+        assert!(killed >= 1, "node {i}: no subscriber to kill");
+    }
+    let released = Instant::now();
+    g.release().expect("release");
+    let (got, _) = w.join().expect("waiter");
+    let after = got.saturating_duration_since(released);
+    assert!(
+        after < Duration::from_secs(3),
+        "got it {after:?} after the release"
+    );
+    // And it subscribed again (the client still lives): the next wait is woken.
+    assert!(
+        wait_until(Duration::from_secs(2), || (0..3)
+            .all(|i| subscribers(&c, i, &key) >= 1)),
+        "not subscribed again"
+    );
+    drop(waiting);
+}
+
+fn subscribers(c: &Cluster, i: usize, key: &str) -> i64 {
+    let v: Vec<redis::Value> = redis::cmd("PUBSUB")
+        .arg("NUMSUB")
+        .arg(format!("quorumlock:free:{key}"))
+        .query(&mut c.conn(i))
+        .unwrap_or_default();
+    match v.get(1) {
+        Some(redis::Value::Int(n)) => *n,
+        _ => 0,
+    }
+}
+
+/// An ACL user without channel rights (`resetchannels`, Redis 7's default for new users)
+/// locks and releases as before (the release's `PUBLISH` is refused inside the script,
+/// which goes on), and waits by polling.
+#[test]
+fn an_acl_user_without_channel_rights_still_locks_and_waits_by_polling() {
+    let c = Cluster::start(3);
+    let mut urls = Vec::new();
+    for i in 0..3 {
+        let _: () = redis::cmd("ACL")
+            .arg(&[
+                "SETUSER",
+                "nochan",
+                "on",
+                ">secret",
+                "~*",
+                "resetchannels",
+                "+@all",
+            ])
+            .query(&mut c.conn(i))
+            .expect("ACL SETUSER");
+        urls.push(c.url(i).replace("redis://", "redis://nochan:secret@"));
+    }
+    let key = unique_key("no-channels");
+    let limited = client(urls.clone(), Duration::from_millis(100));
+    let g = limited.lock(&key, TTL).expect("lock");
+    g.release()
+        .expect("a release whose PUBLISH is refused is still a release");
+    let holder = client(c.urls(), Duration::from_millis(100));
+    let g = holder.lock(&key, TTL).expect("lock");
+    let w = waiter(Arc::new(client(urls, Duration::from_millis(100))), &key);
+    std::thread::sleep(Duration::from_millis(300));
+    g.release().expect("release");
+    let (got, _) = w.join().expect("the polling waiter");
+    assert!(got.elapsed() < Duration::from_secs(20));
+    assert!(c.gone_everywhere(&key, Duration::from_secs(2)));
+}
+
+/// Two clients, three threads each, all wanting one key for a second and a half: the
+/// client that releases yields to the other's woken waiters, and neither starves. (Before,
+/// one client's local queue kept the key: 351 / 0 / 0 in the issue's run.)
+#[test]
+fn two_clients_with_local_queues_share_one_key() {
+    let c = shared();
+    let key = unique_key("two-queues");
+    let run = Duration::from_millis(1500);
+    let counts: Vec<_> = (0..2)
+        .map(|_| Arc::new(std::sync::atomic::AtomicUsize::new(0)))
+        .collect();
+    let start = Instant::now();
+    let mut threads = Vec::new();
+    for count in &counts {
+        let locks = Arc::new(client(c.urls(), Duration::from_millis(100)));
+        for _ in 0..3 {
+            let (locks, count, key) = (locks.clone(), count.clone(), key.clone());
+            threads.push(std::thread::spawn(move || {
+                while start.elapsed() < run {
+                    if let Ok(g) =
+                        locks.lock_timeout(&key, Duration::from_millis(500), Duration::from_secs(1))
+                    {
+                        std::thread::sleep(Duration::from_millis(2));
+                        count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let _ = g.release();
+                    }
+                }
+            }));
+        }
+    }
+    for t in threads {
+        t.join().expect("worker");
+    }
+    let n: Vec<usize> = counts
+        .iter()
+        .map(|c| c.load(std::sync::atomic::Ordering::Relaxed))
+        .collect();
+    let total: usize = n.iter().sum();
+    assert!(total >= 20, "only {total} sections in {run:?}");
+    assert!(
+        n.iter().all(|&k| k * 10 >= total),
+        "sections per client {n:?}: one starved"
+    );
+}
