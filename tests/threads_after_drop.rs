@@ -11,7 +11,8 @@ mod common;
 use common::faults::threads_named;
 use common::{unique_key, Cluster};
 
-/// The client's threads: one `quorumlock-n{i}` per node and the `qlock-watchdog`.
+/// The client's threads: one `quorumlock-n{i}` per node, the `qlock-watchdog` and, once it
+/// waited for a key, the `qlock-notify`.
 fn client_threads() -> (usize, usize) {
     (threads_named("quorumlock-"), threads_named("qlock-"))
 }
@@ -66,6 +67,25 @@ fn every_client_thread_ends_soon_after_the_client_is_dropped() {
     drop(guards);
     drop(locks);
     assert_threads_end(before, "healthy nodes");
+
+    // A client that waited for a key another holds: its wake-up thread (`qlock-notify`,
+    // one subscriber connection per node) ends with it too.
+    let holder = build();
+    let locks = build();
+    let key = unique_key("threads-waited");
+    let held = holder.lock(&key, ttl).expect("lock");
+    let before_wait = client_threads();
+    assert!(locks
+        .lock_timeout(&key, ttl, Duration::from_millis(300))
+        .is_err());
+    assert!(
+        client_threads().1 > before_wait.1,
+        "the waiter's wake-up thread runs"
+    );
+    drop(held);
+    drop(holder);
+    drop(locks);
+    assert_threads_end(before, "a client that waited");
 
     // A dead node: the releases meant for it wait in its retry queue (sent again every
     // 100 ms until the keys' TTL has passed) when the client is dropped.

@@ -85,8 +85,12 @@ pub(crate) enum Op {
     },
     /// Delete the key if it holds our token. A node that does not answer is
     /// asked again in the background until `keep_until` (when every key of
-    /// the round has expired anyway).
-    Release { keep_until: Instant },
+    /// the round has expired anyway). `notice`: where not 0, a deleted key
+    /// is published with it (the wake-ups of other clients' waiters; one
+    /// release's messages on every node carry the same notice, so that a
+    /// waiter counts them once). An undo or a retry sends 0: a failed
+    /// attempt's undo woke its own waiter into a loop of attempts.
+    Release { keep_until: Instant, notice: u64 },
     /// Make the key live at least `ttl` more if it holds our token (its
     /// expiry never moves back). `linger`: once the outcome is settled, the
     /// round keeps reading the replies of the nodes it waits for, for as

@@ -270,15 +270,16 @@ local meta = KEYS[#KEYS]
     )
 );
 
-/// Compare-and-delete. `ARGV[1]` is unused (kept so both scripts share one
-/// argument layout). A handed-over lock's token also deletes the earlier
+/// Compare-and-delete. A handed-over lock's token also deletes the earlier
 /// tokens of its lineage, which a node that missed a swap may still hold.
 ///
-/// A deleted key is published on [`FREED_PREFIX`]`<key>` (waiters in other
-/// clients wake and try; see `crate::driver::notify`), and its answer is `1
-/// +` the number of subscribers the message reached, so that the releaser
-/// knows others wait (the fairness rule). The `PUBLISH` is a `pcall`: an
-/// ACL user without channel rights still releases (its waiters poll).
+/// Where `ARGV[1]` (the release's notice) is not `0`, a deleted key is
+/// published on [`FREED_PREFIX`]`<key>` with the notice as the message
+/// (waiters in other clients wake and try; see `crate::driver::notify`),
+/// and its answer is `1 +` the number of subscribers the message reached,
+/// so that the releaser knows others wait (the fairness rule). The
+/// `PUBLISH` is a `pcall`: an ACL user without channel rights still
+/// releases (its waiters poll).
 pub(crate) static RELEASE: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(RELEASE_LUA));
 
@@ -290,8 +291,10 @@ for i, key in ipairs(KEYS) do
   local v = redis.call('GET', key)
   if ours(v, ARGV[i + 1]) then
     out[i] = redis.call('DEL', key)
-    local r = redis.pcall('PUBLISH', 'quorumlock:free:' .. key, '')
-    if type(r) == 'number' then out[i] = out[i] + r end
+    if ARGV[1] ~= '0' then
+      local r = redis.pcall('PUBLISH', 'quorumlock:free:' .. key, ARGV[1])
+      if type(r) == 'number' then out[i] = out[i] + r end
+    end
   elseif v then
     out[i] = -1
   else

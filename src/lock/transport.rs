@@ -69,11 +69,19 @@ pub(crate) trait Transport: Send + Sync + 'static {
         None
     }
 
-    /// Whether this client's own subscriber listens to `resource`'s
-    /// releases (a release's subscriber count includes it then).
-    fn watching(&self, resource: &str) -> bool {
+    /// [`watch`](Self::watch), only where `resource` is subscribed already
+    /// (then without waiting).
+    fn watch_existing(&self, resource: &str) -> Option<Box<dyn Watch>> {
         let _ = resource;
-        false
+        None
+    }
+
+    /// Per node, whether this client's own subscriber listens to
+    /// `resource`'s releases there (a release's subscriber count includes
+    /// it then); empty when it does not listen.
+    fn watching(&self, resource: &str) -> Vec<bool> {
+        let _ = resource;
+        Vec::new()
     }
 
     /// Waits until every node has a connection whose server is known, or is

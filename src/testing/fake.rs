@@ -276,6 +276,7 @@ impl Transport for Shared {
             if undo(&results) == AfterRound::Undo {
                 let release = Op::Release {
                     keep_until: after(now, ttl),
+                    notice: 0,
                 };
                 let written = crate::algorithm::round::written(op, keys);
                 f.apply_all(&modes, release, &written, f.clock.now(), rules);

@@ -16,7 +16,8 @@ const TTL: Duration = Duration::from_secs(5);
 const NODE_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// The minimal ACL the README documents (keys restricted to the locks'
-/// prefix, here `test:lock:*`, and the crate's own `quorumlock:meta`).
+/// prefix, here `test:lock:*`, and the crate's own `quorumlock:meta`; the release
+/// channels of those keys for the wake-ups).
 const MINIMAL_ACL: &[&str] = &[
     "locker",
     "on",
@@ -25,6 +26,7 @@ const MINIMAL_ACL: &[&str] = &[
     "~test:lock:*",
     "~quorumlock:meta",
     "resetchannels",
+    "&quorumlock:free:test:lock:*",
     "-@all",
     "+ping",
     "+eval",
@@ -39,6 +41,9 @@ const MINIMAL_ACL: &[&str] = &[
     "+hmget",
     "+hset",
     "+time",
+    "+publish",
+    "+subscribe",
+    "+unsubscribe",
 ];
 
 /// Throwaway CA, server and client certificates in a temporary directory.
@@ -353,6 +358,40 @@ fn an_acl_user_with_only_the_lock_commands_works_and_its_password_stays_hidden()
         assert!(on >= 2, "{n:?}");
         guard.release().expect("release");
     }
+    // The user's release wakes a waiter of another client over TLS (the README's ACL
+    // grants the channels): within a second, where its 5 s retry pause would poll.
+    let user_client = |pause: Duration| {
+        Redlock::builder()
+            .fresh_cluster(true)
+            .nodes(nodes.iter().map(|n| n.url("locker:lock-pass@")))
+            .node_timeout(NODE_TIMEOUT)
+            .retry_delay(pause)
+            .retry_jitter(Duration::ZERO)
+            .tls(ca(&certs, "ca"))
+            .build()
+            .expect("valid config")
+    };
+    let holder = user_client(Duration::from_millis(100));
+    let guard = lock_soon(&holder, &key, Duration::from_secs(10)).expect("lock");
+    let waiting = user_client(Duration::from_secs(5));
+    let wait_key = key.clone();
+    let waiter = std::thread::spawn(move || {
+        let g = waiting
+            .lock_timeout(&wait_key, TTL, Duration::from_secs(20))
+            .expect("the waiter locks");
+        let got = std::time::Instant::now();
+        g.release().expect("release");
+        got
+    });
+    std::thread::sleep(Duration::from_millis(700));
+    let released = std::time::Instant::now();
+    guard.release().expect("release");
+    let got = waiter.join().expect("waiter");
+    assert!(
+        got.saturating_duration_since(released) < Duration::from_secs(1),
+        "woken {:?} after the release",
+        got.saturating_duration_since(released)
+    );
     // Outside the user's keys: refused by the nodes, said so.
     let locks = client(
         nodes.iter().map(|n| n.url("locker:lock-pass@")).collect(),

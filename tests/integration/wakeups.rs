@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use quorumlock::Redlock;
+use quorumlock::{AttemptEvent, EventHandler, Redlock};
 
 use crate::common::{shared, unique_key, wait_until, Cluster};
 
@@ -24,6 +24,38 @@ fn client(urls: Vec<String>, pause: Duration) -> Redlock {
         .expect("valid config");
     assert_eq!(locks.wait_connected(Duration::from_secs(5)).ok(), Some(3));
     locks
+}
+
+/// Counts the attempts a client makes.
+#[derive(Default)]
+struct Attempts(std::sync::atomic::AtomicUsize);
+
+impl EventHandler for Attempts {
+    fn on_attempt(&self, _: &AttemptEvent<'_>) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Attempts {
+    fn get(&self) -> usize {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// [`client`], its attempts counted.
+fn counted(urls: Vec<String>, pause: Duration) -> (Redlock, Arc<Attempts>) {
+    let attempts = Arc::new(Attempts::default());
+    let locks = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(urls)
+        .node_timeout(Duration::from_millis(250))
+        .retry_delay(pause)
+        .retry_jitter(Duration::ZERO)
+        .events(attempts.clone())
+        .build()
+        .expect("valid config");
+    assert_eq!(locks.wait_connected(Duration::from_secs(5)).ok(), Some(3));
+    (locks, attempts)
 }
 
 /// Starts a thread that waits for `key` on `locks` (up to 20 s) and returns when it got
@@ -65,24 +97,33 @@ fn a_release_wakes_a_waiter_of_another_client_at_once() {
     );
 }
 
-/// A message on the channel that no release sent (or one sent twice) changes nothing but
-/// a retry: the lock is still held, the waiter keeps waiting, and the real release wakes it.
+/// A message on the channel that no release sent changes nothing but one retry, however
+/// many nodes it comes from (one notice, one wake-up: a release's copies from every node
+/// used to wake a loser again and again, using up `lock()`'s attempts): the lock is still
+/// held, the waiter keeps waiting, and the real release wakes it.
 #[test]
-fn a_forged_message_costs_a_retry_and_nothing_else() {
+fn a_forged_message_costs_one_retry_and_nothing_else() {
     let c = shared();
     let holder = client(c.urls(), Duration::from_millis(100));
     let key = unique_key("forged");
     let g = holder.lock(&key, TTL).expect("lock");
-    let w = waiter(Arc::new(client(c.urls(), Duration::from_secs(5))), &key);
+    let (waiting, attempts) = counted(c.urls(), Duration::from_secs(5));
+    let w = waiter(Arc::new(waiting), &key);
     let_it_subscribe();
+    let before = attempts.get();
     for i in 0..3 {
         let _: i64 = redis::cmd("PUBLISH")
             .arg(format!("quorumlock:free:{key}"))
-            .arg("")
+            .arg("forged-notice")
             .query(&mut c.conn(i))
             .expect("PUBLISH");
     }
-    std::thread::sleep(Duration::from_millis(300));
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        attempts.get(),
+        before + 1,
+        "one forged notice from 3 nodes: one retry"
+    );
     assert!(g.is_held(), "the holder still holds it");
     assert!(!w.is_finished(), "a forged message granted the lock");
     assert_eq!(c.holders(&key, g.token()), 3, "the holder's keys stay");
@@ -90,6 +131,32 @@ fn a_forged_message_costs_a_retry_and_nothing_else() {
     g.release().expect("release");
     let (got, _) = w.join().expect("waiter");
     assert!(got.saturating_duration_since(released) < Duration::from_secs(1));
+}
+
+/// A waiter whose attempt fails after its SET landed on a node the holder lacks undoes it
+/// there: that delete wakes nobody (it freed nothing). It woke the waiter itself, which
+/// then tried again at once, round after round, for as long as the holder held.
+#[test]
+fn a_failed_attempts_undo_wakes_nobody() {
+    let c = shared();
+    let holder = client(c.urls(), Duration::from_millis(100));
+    let key = unique_key("undo-quiet");
+    let g = holder.lock(&key, TTL).expect("lock");
+    assert!(wait_until(Duration::from_secs(2), || c
+        .holders(&key, g.token())
+        == 3));
+    c.del(2, &key);
+    let (waiting, attempts) = counted(c.urls(), Duration::from_millis(300));
+    let r = waiting.lock_timeout(&key, TTL, Duration::from_millis(1500));
+    assert!(r.is_err(), "the holder holds it on 2 of 3 nodes");
+    // 1.5 s of 300 ms pauses, and the retry after subscribing: about 7.
+    let n = attempts.get();
+    assert!(n <= 12, "{n} attempts in 1.5 s with a 300 ms retry pause");
+    assert!(
+        c.get(2, &key).is_none(),
+        "the waiter's SET on node 2 was undone"
+    );
+    drop(g);
 }
 
 /// A waiter whose subscriber connections are killed (`CLIENT KILL TYPE pubsub`) just

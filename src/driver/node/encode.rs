@@ -50,7 +50,7 @@ impl Encoded {
                 scripts::SWAP_LUA,
                 vec![millis_ceil(ttl), millis_ceil(known_max), fence.unwrap_or(0)],
             ),
-            Op::Release { .. } => (&scripts::RELEASE, scripts::RELEASE_LUA, vec![0]),
+            Op::Release { notice, .. } => (&scripts::RELEASE, scripts::RELEASE_LUA, vec![notice]),
             Op::Extend { ttl, known_max, .. } => (
                 &scripts::EXTEND,
                 scripts::EXTEND_LUA,
@@ -298,6 +298,7 @@ mod tests {
             },
             Op::Release {
                 keep_until: Instant::now(),
+                notice: 0,
             },
         ];
         for op in ops {

@@ -113,7 +113,13 @@ impl Drop for RedisTransport {
                             .iter()
                             .map(|r| Key::new(&r.resource, &r.token))
                             .collect();
-                        let enc = Encoded::new(Op::Release { keep_until: now }, &keys);
+                        let enc = Encoded::new(
+                            Op::Release {
+                                keep_until: now,
+                                notice: 0,
+                            },
+                            &keys,
+                        );
                         match release_once(&node.target, &enc.fallback(), timeout) {
                             Ok(()) => debug!(
                                 "node {name}: client dropped; {} owed release(s) sent",
@@ -188,6 +194,7 @@ pub(crate) fn late_write(
             let undo = Encoded::new(
                 Op::Release {
                     keep_until: after(w.start, w.ttl),
+                    notice: 0,
                 },
                 &[key],
             )
@@ -366,7 +373,13 @@ pub(crate) fn resend_releases<L: Link>(
             .iter()
             .map(|r| Key::new(&r.resource, &r.token))
             .collect();
-        let enc = Encoded::new(Op::Release { keep_until: now }, &keys);
+        let enc = Encoded::new(
+            Op::Release {
+                keep_until: now,
+                notice: 0,
+            },
+            &keys,
+        );
         // Sent, not waited for: its reply is read as a late reply (by the
         // next run, or a round), which takes the batch off the queue. Until
         // then it stays queued, and is sent again if no reply comes. Never

@@ -79,6 +79,8 @@ pub(crate) struct DriverConfig {
 
 /// Idle connections kept open per node.
 const MIN_IDLE: u32 = 2;
+/// A wake-up thread that failed to start is tried again after this.
+const NOTIFIER_RETRY: Duration = Duration::from_secs(10);
 /// How often a round looks again for a connection it is still missing.
 const CONN_RECHECK: Duration = Duration::from_micros(200);
 
@@ -89,9 +91,11 @@ pub(crate) struct RedisTransport {
     timeout: Duration,
     rules: VoteRules,
     servers: Arc<Servers>,
-    /// The wake-ups' subscriber connections, made with the first wait
-    /// (`None`: the thread could not start; waiters poll).
-    notifier: std::sync::OnceLock<Option<crate::driver::notify::Notifier>>,
+    /// The wake-ups' subscriber connections, made with the first wait.
+    notifier: std::sync::OnceLock<crate::driver::notify::Notifier>,
+    /// When the wake-up thread last failed to start (tried again after
+    /// [`NOTIFIER_RETRY`]; waiters poll meanwhile).
+    notifier_failed: parking_lot::Mutex<Option<Instant>>,
 }
 
 impl fmt::Debug for RedisTransport {
@@ -161,24 +165,36 @@ impl RedisTransport {
             rules: config.rules,
             servers,
             notifier: std::sync::OnceLock::new(),
+            notifier_failed: parking_lot::Mutex::new(None),
         }
     }
 
     /// The wake-ups, started on first use.
     fn notifier(&self) -> Option<&crate::driver::notify::Notifier> {
-        self.notifier
-            .get_or_init(|| {
-                let targets = self
-                    .names
-                    .iter()
-                    .cloned()
-                    .zip(self.nodes.iter().map(|n| n.target.clone()))
-                    .collect();
-                crate::driver::notify::Notifier::start(targets, self.timeout)
-                    .map_err(|e| log::warn!("no wake-up thread ({e}); waiters poll"))
-                    .ok()
-            })
-            .as_ref()
+        if let Some(n) = self.notifier.get() {
+            return Some(n);
+        }
+        let mut failed = self.notifier_failed.lock();
+        if let Some(n) = self.notifier.get() {
+            return Some(n);
+        }
+        if failed.is_some_and(|t| t.elapsed() < NOTIFIER_RETRY) {
+            return None;
+        }
+        let targets = self
+            .names
+            .iter()
+            .cloned()
+            .zip(self.nodes.iter().map(|n| n.target.clone()))
+            .collect();
+        match crate::driver::notify::Notifier::start(targets, self.timeout) {
+            Ok(n) => Some(self.notifier.get_or_init(|| n)),
+            Err(e) => {
+                log::warn!("no wake-up thread ({e}); waiters poll");
+                *failed = Some(Instant::now());
+                None
+            }
+        }
     }
 
     /// A connection to node `i` if one is idle (a new one is started in the
@@ -226,11 +242,15 @@ impl Transport for RedisTransport {
         self.notifier()?.watch(resource, confirm_by)
     }
 
-    fn watching(&self, resource: &str) -> bool {
+    fn watch_existing(&self, resource: &str) -> Option<Box<dyn crate::lock::transport::Watch>> {
+        self.notifier.get()?.watch_existing(resource)
+    }
+
+    fn watching(&self, resource: &str) -> Vec<bool> {
         self.notifier
             .get()
-            .and_then(Option::as_ref)
-            .is_some_and(|n| n.watching(resource))
+            .map(|n| n.watching(resource))
+            .unwrap_or_default()
     }
 
     fn wait_connected(&self, deadline: Instant) -> Result<usize, InvalidInput> {

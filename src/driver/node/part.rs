@@ -253,7 +253,10 @@ impl Leftovers {
         let unsettled_until = enc.writes().filter(|_| owed).map(|ttl| after(start, ttl));
         let undo = match (enc.op, unsettled_until) {
             (Op::Acquire { .. } | Op::Swap { .. }, Some(until)) => {
-                let rel = Op::Release { keep_until: until };
+                let rel = Op::Release {
+                    keep_until: until,
+                    notice: 0,
+                };
                 Some(Encoded::new(rel, &written).packed)
             }
             _ => None,

@@ -65,7 +65,8 @@ fn a_reply_past_the_node_timeout_gives_its_connection_up_with_the_undo_sent() {
     assert!(wire.output().ends_with(
         &Encoded::new(
             Op::Release {
-                keep_until: start + Duration::from_secs(10)
+                keep_until: start + Duration::from_secs(10),
+                notice: 0,
             },
             &keys
         )

@@ -15,6 +15,7 @@ pub(super) fn node() -> NodeShared {
 pub(super) fn release() -> Encoded {
     let op = Op::Release {
         keep_until: Instant::now() + Duration::from_secs(10),
+        notice: 0,
     };
     Encoded::new(op, &[Key::new("r", "t")])
 }

@@ -143,6 +143,7 @@ pub(crate) fn probe_one(
     let release = Encoded::new(
         Op::Release {
             keep_until: Instant::now(),
+            notice: 0,
         },
         &[k],
     );

@@ -84,6 +84,7 @@ pub(crate) trait Round: Links + Sized {
                 let now = self.now();
                 let rel = Op::Release {
                     keep_until: after(start, ttl),
+                    notice: 0,
                 };
                 for (i, (s, r)) in parts.iter_mut().zip(&results).enumerate() {
                     // Only where our SET left this client, on the same
@@ -265,7 +266,7 @@ pub(crate) trait Round: Links + Sized {
         }
 
         // Releases a node did not answer are kept and sent again later.
-        if let Op::Release { keep_until } = enc.op {
+        if let Op::Release { keep_until, .. } = enc.op {
             for (i, r) in results.iter().enumerate() {
                 // Skip here means "our SET never reached it": nothing to undo.
                 // A delete still in flight is kept too: its connection may be

@@ -24,7 +24,7 @@ use crate::error::{Error, InvalidInput};
 use crate::lock::queue::{Queues, Turn};
 use crate::lock::settings::Settings;
 use crate::lock::state::{Callbacks, LockState, LostCallback, Timing};
-use crate::lock::transport::{AfterRound, Transport, Watch};
+use crate::lock::transport::{AfterRound, Transport};
 use crate::lock::watchdog::{Renew, Watchdog};
 use crate::Result;
 use crate::MAX_TTL;
@@ -164,34 +164,37 @@ impl Engine {
         }
         let mut attempt = 1u32;
         // Wake-ups by the releases of other clients (see
-        // `crate::driver::notify`), from the first failed attempt on.
-        let mut watch: Option<Box<dyn Watch>> = None;
+        // `crate::driver::notify`): from the first failed attempt on, or
+        // from the start where this client is subscribed already.
+        let mut watch = if waits {
+            self.transport.watch_existing(resource)
+        } else {
+            None
+        };
         let mut seen = 0;
         loop {
             if let Some(w) = &watch {
                 seen = w.seen();
             }
+            let tried = self.clock.now();
             let err = match self.attempt(resource, ttl, drift) {
                 Ok(state) => return Ok((Arc::new(state), turn.take())),
                 Err(e) if e.is_retryable() => e,
                 Err(e) => return Err(e),
             };
+            // Drawn first, as always (the simulation's schedules rest on the
+            // order of the draws).
             let s = &self.settings;
-            let mut pause = quorum::retry_delay(s.retry_delay, s.retry_jitter, self.rng.next_u64());
-            if let Budget::Attempts(n) = budget {
-                if attempt >= n {
-                    return Err(err);
-                }
-            }
+            let pause = quorum::retry_delay(s.retry_delay, s.retry_jitter, self.rng.next_u64());
             let now = self.clock.now();
             let left = until.saturating_duration_since(now);
             if left.is_zero() {
                 return Err(err);
             }
-            attempt = attempt.saturating_add(1);
             if watch.is_none() && waits {
-                // Subscribed, then tried again at once: the release may
-                // have come before the subscription.
+                // Subscribed, then tried again at once (not counted as an
+                // attempt): the release may have come before the
+                // subscription.
                 let confirm_by = after(now, self.settings.node_timeout.min(left));
                 watch = self.transport.watch(resource, confirm_by);
                 if watch.is_some() {
@@ -199,43 +202,33 @@ impl Engine {
                     continue;
                 }
             }
-            pause = pause.min(left);
+            if let Budget::Attempts(n) = budget {
+                if attempt >= n {
+                    return Err(err);
+                }
+            }
+            attempt = attempt.saturating_add(1);
+            let pause = pause.min(left);
             debug!("lock {resource:?}: attempt failed ({err}); retrying within {pause:?}");
             match &watch {
                 // The retry pause is the fallback: a lost message costs no
                 // more than polling did.
                 Some(w) => {
-                    let woken = w.wait(seen, after(self.clock.now(), pause));
-                    trace!(
-                        "lock {resource:?}: {}",
-                        if woken { "woken" } else { "fallback" }
-                    );
+                    if w.wait(seen, after(self.clock.now(), pause)) {
+                        // Every woken waiter tries at once: a random part
+                        // of one attempt's time apart, fewer split votes.
+                        let took = now.saturating_duration_since(tried);
+                        let spread = quorum::retry_delay(took / 2, took / 2, self.rng.next_u64());
+                        let wait = spread.min(until.saturating_duration_since(self.clock.now()));
+                        trace!("lock {resource:?}: woken; trying in {wait:?}");
+                        self.clock.sleep(wait);
+                    } else {
+                        trace!("lock {resource:?}: not woken; trying again");
+                    }
                 }
                 None => self.clock.sleep(pause),
             }
         }
-    }
-
-    /// After this client's release of `resource` reached waiters of other
-    /// clients, its next attempt on it waits as long as that release took
-    /// (about one round trip), so that they, woken by it, go first: the
-    /// releaser, which could try again at once, kept winning.
-    fn yield_to_others(&self, resource: &str, until: Instant) {
-        let Some(end) = self.remote.yield_until(resource) else {
-            return;
-        };
-        let wait = end.min(until).saturating_duration_since(self.clock.now());
-        if !wait.is_zero() {
-            trace!("lock {resource:?}: yielding {wait:?} to the waiters of other clients");
-            self.clock.sleep(wait);
-        }
-    }
-
-    /// Whether the last release of `resource` reached waiters of other
-    /// clients: a release then goes to the nodes rather than to the next
-    /// local thread (see [`crate::lock::queue`]).
-    pub(crate) fn others_wait(&self, resource: &str) -> bool {
-        self.remote.others_wait(resource)
     }
 
     /// Waits for this thread's turn among the threads of this process that
@@ -472,23 +465,12 @@ impl Engine {
         self.await_renewal(state);
         let keep_until = self.keep_until(state);
         let start = self.clock.now();
-        let results = self.round(Op::Release { keep_until }, &[state.key()]);
+        // Nonzero: the freed key is published (see `Op::Release`).
+        let notice = remote::notice_of(&state.key());
+        let results = self.round(Op::Release { keep_until, notice }, &[state.key()]);
         let outcome = quorum::decide_release(Tally::of(&results, 0));
         if outcome.is_ok() {
-            // Subscribers reached, less this client's own.
-            let own = u32::from(self.transport.watching(&state.resource));
-            let woke = results
-                .iter()
-                .filter_map(|r| r.as_ref().ok())
-                .map(|r| r.woke.saturating_sub(own))
-                .max()
-                .unwrap_or(0);
-            let now = self.clock.now();
-            let took = now
-                .saturating_duration_since(start)
-                .min(self.settings.node_timeout);
-            self.remote
-                .released(&state.resource, woke > 0, after(now, took));
+            self.note_woken(&state.resource, &results, start);
         }
         (outcome, results)
     }
@@ -524,9 +506,16 @@ impl Engine {
             .map(|s| self.keep_until(s))
             .max()
             .unwrap_or(deadline);
-        let results = self
-            .transport
-            .run(Op::Release { keep_until }, &keys, deadline, None, None);
+        let results = self.transport.run(
+            Op::Release {
+                keep_until,
+                notice: keys.first().map_or(1, remote::notice_of),
+            },
+            &keys,
+            deadline,
+            None,
+            None,
+        );
         self.note_failures(&results);
     }
 

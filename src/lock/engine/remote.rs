@@ -15,7 +15,13 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
+use log::trace;
 use parking_lot::Mutex;
+
+use crate::algorithm::round::{Key, NodeResult};
+use crate::clock::after;
+
+use super::Engine;
 
 /// Keys remembered at most; the oldest mark goes first.
 const MAX_KEYS: usize = 4096;
@@ -67,6 +73,66 @@ impl Remote {
     pub(crate) fn others_wait(&self, resource: &str) -> bool {
         self.any.load(Ordering::Acquire) && self.marks.lock().contains_key(resource)
     }
+}
+
+impl Engine {
+    /// After this client's release of `resource` reached waiters of other
+    /// clients, its next attempt on it waits as long as that release took
+    /// (about one round trip), so that they, woken by it, go first: the
+    /// releaser, which could try again at once, kept winning.
+    pub(super) fn yield_to_others(&self, resource: &str, until: Instant) {
+        let Some(end) = self.remote.yield_until(resource) else {
+            return;
+        };
+        let wait = end.min(until).saturating_duration_since(self.clock.now());
+        if !wait.is_zero() {
+            trace!("lock {resource:?}: yielding {wait:?} to the waiters of other clients");
+            self.clock.sleep(wait);
+        }
+    }
+
+    /// Whether the last release of `resource` reached waiters of other
+    /// clients: a release then goes to the nodes rather than to the next
+    /// local thread (see [`crate::lock::queue`]).
+    pub(crate) fn others_wait(&self, resource: &str) -> bool {
+        self.remote.others_wait(resource)
+    }
+
+    /// After a release of `resource` that began at `start` succeeded: marks
+    /// the key where it reached subscribers of other clients (the count
+    /// less this client's own on each node), clears it where it reached
+    /// nobody else.
+    pub(super) fn note_woken(&self, resource: &str, results: &[NodeResult], start: Instant) {
+        let any = results.iter().any(|r| r.as_ref().is_ok_and(|r| r.woke > 0));
+        let woke = if any {
+            let own = self.transport.watching(resource);
+            results
+                .iter()
+                .enumerate()
+                .filter_map(|(i, r)| r.as_ref().ok().map(|r| (i, r.woke)))
+                .map(|(i, w)| w.saturating_sub(u32::from(own.get(i) == Some(&true))))
+                .max()
+                .unwrap_or(0)
+        } else {
+            0
+        };
+        let now = self.clock.now();
+        let took = now
+            .saturating_duration_since(start)
+            .min(self.settings.node_timeout);
+        self.remote.released(resource, woke > 0, after(now, took));
+    }
+}
+
+/// A release's notice (see `Op::Release`): nonzero, one per lock token, so
+/// that the copies of one release, and its repeats, wake a waiter once. (A
+/// hash, not a random draw: the simulation's schedules stay as they were.)
+pub(super) fn notice_of(key: &Key<'_>) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in key.token.bytes() {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    h | 1
 }
 
 #[cfg(test)]

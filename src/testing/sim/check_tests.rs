@@ -89,7 +89,14 @@ fn each_checker_reports_the_violation_it_is_about() {
 
     let mut c = Checker::new(base, 0);
     c.landed("b", 0, 0, 0);
-    c.sent(Op::Release { keep_until: base }, &[b.key()], MS);
+    c.sent(
+        Op::Release {
+            keep_until: base,
+            notice: 0,
+        },
+        &[b.key()],
+        MS,
+    );
     c.landed("b.1", 0, 2 * MS, 2 * MS); // a later write of the lineage
     c.finish_with(3 * MS, &[] as &[SimNode]);
     assert_eq!(kinds(&c), [Kind::Leaked]);

@@ -367,7 +367,13 @@ impl Drop for SimLinks {
                 .iter()
                 .map(|r| Key::new(&r.resource, &r.token))
                 .collect();
-            let enc = Encoded::new(Op::Release { keep_until: now }, &keys);
+            let enc = Encoded::new(
+                Op::Release {
+                    keep_until: now,
+                    notice: 0,
+                },
+                &keys,
+            );
             if let Some(mut c) = self.connect(i, now) {
                 c.wire_mut().queue(&enc.fallback(), now, false);
                 let _ = c.flush();

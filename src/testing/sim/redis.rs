@@ -228,6 +228,7 @@ pub(crate) fn command(v: &Value) -> Command {
         // The delete's keep-until is the client's, not sent.
         "release" => Op::Release {
             keep_until: std::time::Instant::now(),
+            notice: 0,
         },
         "extend" => {
             let (known_max, after) = known(arg(1));
@@ -376,6 +377,7 @@ mod tests {
         let release = Encoded::new(
             Op::Release {
                 keep_until: Instant::now(),
+                notice: 0,
             },
             &keys,
         );
@@ -452,6 +454,7 @@ mod tests {
         );
         let release = Op::Release {
             keep_until: Instant::now(),
+            notice: 0,
         };
         let enc = Encoded::new(release, &keys);
         let said = Reply {

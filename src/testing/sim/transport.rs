@@ -229,6 +229,7 @@ impl Transport for SimTransport {
                 let written = crate::algorithm::round::written(op, keys);
                 let rel = Op::Release {
                     keep_until: after(start, ttl),
+                    notice: 0,
                 };
                 let health = self.health.lock().clone();
                 let admits: Vec<Admit> = (0..n)

@@ -1,0 +1,323 @@
+//! Wake-ups for waiters: a released key reaches the clients waiting for it
+//! by pub/sub, as a hint to try again at once.
+//!
+//! A release publishes every key it deletes on [`FREED_PREFIX`]`<key>`,
+//! with its notice, one random number per release (see
+//! `scripts::RELEASE_LUA`). A client that waits for a key subscribes to its
+//! channel on every node, through one subscriber connection per node that
+//! every key it waits for shares, read by one thread (`qlock-notify`,
+//! started with the first wait) that polls them all. A message with a
+//! notice not seen yet, or a subscription made again after its connection
+//! was lost (messages may have been lost meanwhile), wakes the key's
+//! waiters; they try, and the quorum `SET NX` decides. A lost, late,
+//! duplicated or forged message costs at most latency: a waiter never
+//! waits longer than its retry pause, as it did before.
+//!
+//! Bounded: at most [`MAX_CHANNELS`] keys are subscribed at once, and a key
+//! nobody has waited for in [`LINGER`] is unsubscribed. Past that bound,
+//! or where a node refuses a channel (an ACL without channel rights:
+//! `&quorumlock:free:*` grants them), waiters poll, and the log says so
+//! once. A connection that stops answering (no reply to a `PING` sent
+//! after [`KEEPALIVE`] of silence) is made again, with a growing pause.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{self, Write};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use log::warn;
+use parking_lot::{Condvar, Mutex, MutexGuard};
+
+use crate::driver::conn::Target;
+pub(crate) use crate::driver::scripts::FREED_PREFIX;
+use crate::lock::transport::Watch;
+
+mod thread;
+
+/// The most keys one client is subscribed to at once.
+pub(crate) const MAX_CHANNELS: usize = 4096;
+/// A key nobody waited for this long is unsubscribed (a process that waits
+/// for a key again and again keeps its subscription).
+pub(crate) const LINGER: Duration = Duration::from_secs(1);
+/// A connection silent this long is sent a `PING`.
+pub(crate) const KEEPALIVE: Duration = Duration::from_secs(2);
+/// The first pause before a lost connection is made again; it doubles up
+/// to [`RECONNECT_MAX`] while the node keeps failing.
+const RECONNECT: Duration = Duration::from_millis(100);
+const RECONNECT_MAX: Duration = Duration::from_secs(5);
+/// The longest a connect may keep the thread (the node timeout, at most this).
+const CONNECT_MAX: Duration = Duration::from_millis(250);
+/// Notices remembered per key (one release's messages, one per node, carry
+/// one notice; releases closer together than this many are told apart).
+const RECENT: usize = 8;
+
+/// The client's wake-ups: the subscriptions, and the thread that reads them.
+pub(crate) struct Notifier {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    st: Mutex<St>,
+    /// Wakes the thread for new subscriptions, and to stop.
+    wake: UnixStream,
+    stop: AtomicBool,
+    nodes: usize,
+}
+
+#[derive(Default)]
+struct St {
+    chans: HashMap<String, Chan>,
+    /// Unsubscribed, to tell the nodes (at most [`MAX_CHANNELS`]).
+    dropped: Vec<String>,
+    /// Subscriptions or unsubscriptions to write.
+    dirty: bool,
+    /// Per node: its subscriber connection is up.
+    up: Vec<bool>,
+    /// Per node: its first connect was tried (until then it may still
+    /// confirm: the first wait waits for it).
+    tried: Vec<bool>,
+    warned_full: bool,
+    warned_refused: bool,
+}
+
+struct Chan {
+    /// Notified on a message, a confirmation, and a connection lost or made.
+    cv: Arc<Condvar>,
+    /// Wake-ups so far.
+    count: u64,
+    /// The last notices seen (a release's copies from other nodes wake
+    /// nobody again).
+    recent: VecDeque<Vec<u8>>,
+    /// Per node: the node confirmed the subscription.
+    confirmed: Vec<bool>,
+    /// Per node: the `SUBSCRIBE` was written on its current connection.
+    sent: Vec<bool>,
+    /// Per node: the node refused it (an ACL).
+    refused: Vec<bool>,
+    /// Threads waiting on it now.
+    users: usize,
+    last_used: Instant,
+}
+
+impl Chan {
+    fn new(nodes: usize) -> Chan {
+        Chan {
+            cv: Arc::new(Condvar::new()),
+            count: 0,
+            recent: VecDeque::with_capacity(RECENT),
+            confirmed: vec![false; nodes],
+            sent: vec![false; nodes],
+            refused: vec![false; nodes],
+            users: 0,
+            last_used: Instant::now(),
+        }
+    }
+
+    fn wake(&mut self) {
+        self.count = self.count.wrapping_add(1);
+        self.cv.notify_all();
+    }
+}
+
+impl Notifier {
+    /// Starts the thread for `targets` (name and address, one per node),
+    /// each connection made within `timeout` (at most [`CONNECT_MAX`]).
+    pub(crate) fn start(targets: Vec<(String, Target)>, timeout: Duration) -> io::Result<Notifier> {
+        let (rx, tx) = UnixStream::pair()?;
+        rx.set_nonblocking(true)?;
+        tx.set_nonblocking(true)?;
+        let nodes = targets.len();
+        let shared = Arc::new(Shared {
+            st: Mutex::new(St {
+                up: vec![false; nodes],
+                tried: vec![false; nodes],
+                ..St::default()
+            }),
+            wake: tx,
+            stop: AtomicBool::new(false),
+            nodes,
+        });
+        let s = shared.clone();
+        let timeout = timeout.min(CONNECT_MAX);
+        std::thread::Builder::new()
+            .name("qlock-notify".into())
+            .spawn(move || thread::run(&s, targets, timeout, rx))?;
+        Ok(Notifier { shared })
+    }
+
+    /// Subscribes to `resource`'s channel (where not yet) and waits, until
+    /// `confirm_by` at most, until enough nodes confirmed it that every
+    /// majority holds one (a release that succeeds then reaches us), or no
+    /// more nodes can. `None` when no room is left (the caller polls).
+    pub(crate) fn watch(&self, resource: &str, confirm_by: Instant) -> Option<Box<dyn Watch>> {
+        let sh = &self.shared;
+        let mut st = sh.st.lock();
+        if !st.chans.contains_key(resource) {
+            if st.chans.len() >= MAX_CHANNELS && !st.make_room() {
+                if !std::mem::replace(&mut st.warned_full, true) {
+                    warn!(
+                        "waiting for more than {MAX_CHANNELS} keys at once: the others poll \
+                         (retry_delay) instead of being woken by their release"
+                    );
+                }
+                return None;
+            }
+            st.dropped.retain(|k| k != resource);
+            st.chans.insert(resource.to_owned(), Chan::new(sh.nodes));
+            st.dirty = true;
+            let _ = (&sh.wake).write(&[1]);
+        }
+        let cv = {
+            let c = st.chans.get_mut(resource)?;
+            c.users += 1;
+            c.cv.clone()
+        };
+        // Every majority meets `needed` nodes.
+        let needed = sh.nodes - sh.nodes / 2;
+        while !confirmed_enough(&st, resource, needed) {
+            if cv.wait_until(&mut st, confirm_by).timed_out() {
+                break;
+            }
+        }
+        Some(Box::new(Waiting {
+            shared: self.shared.clone(),
+            cv,
+            resource: resource.to_owned(),
+        }))
+    }
+
+    /// [`watch`](Self::watch), only where `resource` is subscribed already
+    /// (the wake-ups from before an attempt then count), without waiting.
+    pub(crate) fn watch_existing(&self, resource: &str) -> Option<Box<dyn Watch>> {
+        let has = self.shared.st.lock().chans.contains_key(resource);
+        if has {
+            self.watch(resource, Instant::now())
+        } else {
+            None
+        }
+    }
+
+    /// Per node, whether this client's own subscriber listens to
+    /// `resource`'s releases there (a release's subscriber count includes
+    /// it then). Empty when not subscribed.
+    pub(crate) fn watching(&self, resource: &str) -> Vec<bool> {
+        let st = self.shared.st.lock();
+        st.chans
+            .get(resource)
+            .map(|c| c.confirmed.clone())
+            .unwrap_or_default()
+    }
+}
+
+/// Whether `resource` is confirmed on `needed` nodes, or on every node that
+/// still may (up or not tried yet, and not refusing it).
+fn confirmed_enough(st: &St, resource: &str, needed: usize) -> bool {
+    let Some(c) = st.chans.get(resource) else {
+        return true;
+    };
+    let confirmed = c.confirmed.iter().filter(|&&b| b).count();
+    let may = (0..st.up.len())
+        .filter(|&i| (st.up[i] || !st.tried[i]) && !c.refused[i])
+        .count();
+    confirmed >= needed.min(may)
+}
+
+impl Drop for Notifier {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        let _ = (&self.shared.wake).write(&[0]);
+    }
+}
+
+impl St {
+    /// Unsubscribes the least recently used channel nobody waits on.
+    fn make_room(&mut self) -> bool {
+        let victim = self
+            .chans
+            .iter()
+            .filter(|(_, c)| c.users == 0)
+            .min_by_key(|(_, c)| c.last_used)
+            .map(|(k, _)| k.clone());
+        match victim {
+            Some(k) => {
+                self.unsubscribe(k);
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn unsubscribe(&mut self, key: String) {
+        if let Some(c) = self.chans.remove(&key) {
+            c.cv.notify_all();
+        }
+        if self.dropped.len() < MAX_CHANNELS {
+            self.dropped.push(key);
+        }
+        self.dirty = true;
+    }
+
+    /// Unsubscribes the channels nobody waited for in [`LINGER`].
+    fn expire(&mut self, now: Instant) {
+        let idle: Vec<String> = self
+            .chans
+            .iter()
+            .filter(|(_, c)| c.users == 0 && now.saturating_duration_since(c.last_used) >= LINGER)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in idle {
+            self.unsubscribe(k);
+        }
+    }
+
+    fn notify_all(&self) {
+        for c in self.chans.values() {
+            c.cv.notify_all();
+        }
+    }
+}
+
+/// One thread's wait for one key.
+struct Waiting {
+    shared: Arc<Shared>,
+    cv: Arc<Condvar>,
+    resource: String,
+}
+
+impl Waiting {
+    fn count(&self, st: &MutexGuard<'_, St>) -> Option<u64> {
+        st.chans.get(&self.resource).map(|c| c.count)
+    }
+}
+
+impl Watch for Waiting {
+    fn seen(&self) -> u64 {
+        self.count(&self.shared.st.lock()).unwrap_or(0)
+    }
+
+    fn wait(&self, seen: u64, until: Instant) -> bool {
+        let mut st = self.shared.st.lock();
+        loop {
+            match self.count(&st) {
+                Some(c) if c != seen => return true,
+                Some(_) => {}
+                None => return false,
+            }
+            if self.cv.wait_until(&mut st, until).timed_out() {
+                return self.count(&st).is_some_and(|c| c != seen);
+            }
+        }
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        let mut st = self.shared.st.lock();
+        if let Some(c) = st.chans.get_mut(&self.resource) {
+            c.users = c.users.saturating_sub(1);
+            c.last_used = Instant::now();
+        }
+    }
+}
