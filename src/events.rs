@@ -221,6 +221,15 @@ pub struct AttemptEvent<'a> {
     pub(crate) elapsed: Duration,
     pub(crate) outcome: Result<Duration, &'a Error>,
     pub(crate) nodes: Nodes<'a>,
+    pub(crate) begun: Begun,
+}
+
+/// What an attempt followed: how long its call had waited, and whether a
+/// release woke it.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Begun {
+    pub waited: Duration,
+    pub woken: bool,
 }
 
 impl<'a> AttemptEvent<'a> {
@@ -260,6 +269,20 @@ impl<'a> AttemptEvent<'a> {
     /// What each node answered (after the delayed-restart rule).
     pub fn nodes(&self) -> Nodes<'a> {
         self.nodes
+    }
+
+    /// How long the call had been waiting when this attempt began: zero
+    /// for its first attempt, and for a lock handed over by a thread of
+    /// this process.
+    pub fn waited(&self) -> Duration {
+        self.begun.waited
+    }
+
+    /// Whether this attempt was made because a release woke it (another
+    /// client's release of the resource, by pub/sub), rather than after its
+    /// retry pause or as the call's first.
+    pub fn woken(&self) -> bool {
+        self.begun.woken
     }
 }
 

@@ -26,19 +26,38 @@ fn client(urls: Vec<String>, pause: Duration) -> Redlock {
     locks
 }
 
-/// Counts the attempts a client makes.
+/// Counts the attempts a client makes; keeps what the one that acquired says of its wait.
 #[derive(Default)]
-struct Attempts(std::sync::atomic::AtomicUsize);
+struct Attempts(
+    std::sync::atomic::AtomicUsize,
+    parking_lot::Mutex<Option<(bool, Duration)>>,
+    parking_lot::Mutex<Vec<String>>,
+);
 
 impl EventHandler for Attempts {
-    fn on_attempt(&self, _: &AttemptEvent<'_>) {
+    fn on_attempt(&self, e: &AttemptEvent<'_>) {
         self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.2.lock().push(format!(
+            "woken {} waited {:?} took {:?} {:?}",
+            e.woken(),
+            e.waited(),
+            e.elapsed(),
+            e.error().map(|e| e.to_string())
+        ));
+        if e.acquired() {
+            *self.1.lock() = Some((e.woken(), e.waited()));
+        }
     }
 }
 
 impl Attempts {
     fn get(&self) -> usize {
         self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Whether the attempt that acquired was woken, and how long its call had waited.
+    fn acquired(&self) -> Option<(bool, Duration)> {
+        *self.1.lock()
     }
 }
 
@@ -84,7 +103,8 @@ fn a_release_wakes_a_waiter_of_another_client_at_once() {
     let holder = client(c.urls(), Duration::from_millis(100));
     let key = unique_key("woken");
     let g = holder.lock(&key, TTL).expect("lock");
-    let w = waiter(Arc::new(client(c.urls(), Duration::from_secs(5))), &key);
+    let (waiting, attempts) = counted(c.urls(), Duration::from_secs(5));
+    let w = waiter(Arc::new(waiting), &key);
     let_it_subscribe();
     let released = Instant::now();
     g.release().expect("release");
@@ -95,6 +115,10 @@ fn a_release_wakes_a_waiter_of_another_client_at_once() {
         after < Duration::from_secs(1),
         "the waiter got the lock {after:?} after the release"
     );
+    // Its events say so.
+    let (woken, waited) = attempts.acquired().expect("an acquiring attempt");
+    assert!(woken, "the acquiring attempt was woken");
+    assert!(waited >= Duration::from_millis(400), "waited {waited:?}");
 }
 
 /// A message on the channel that no release sent changes nothing but one retry, however
@@ -122,7 +146,8 @@ fn a_forged_message_costs_one_retry_and_nothing_else() {
     assert_eq!(
         attempts.get(),
         before + 1,
-        "one forged notice from 3 nodes: one retry"
+        "one forged notice from 3 nodes: one retry; attempts: {:#?}",
+        attempts.2.lock()
     );
     assert!(g.is_held(), "the holder still holds it");
     assert!(!w.is_finished(), "a forged message granted the lock");

@@ -80,6 +80,10 @@ struct St {
     tried: Vec<bool>,
     warned_full: bool,
     warned_refused: bool,
+    /// The next channel's generation (a key unsubscribed and subscribed
+    /// again is a new channel: answers to the old one's commands are not
+    /// its own).
+    next_gen: u64,
 }
 
 struct Chan {
@@ -96,14 +100,20 @@ struct Chan {
     sent: Vec<bool>,
     /// Per node: the node refused it (an ACL).
     refused: Vec<bool>,
+    /// Per node: confirmed on a connection since lost (what was published
+    /// meanwhile is lost: its confirmation again wakes the waiters).
+    lost: Vec<bool>,
+    gen: u64,
     /// Threads waiting on it now.
     users: usize,
     last_used: Instant,
 }
 
 impl Chan {
-    fn new(nodes: usize) -> Chan {
+    fn new(nodes: usize, gen: u64) -> Chan {
         Chan {
+            lost: vec![false; nodes],
+            gen,
             cv: Arc::new(Condvar::new()),
             count: 0,
             recent: VecDeque::with_capacity(RECENT),
@@ -152,8 +162,22 @@ impl Notifier {
     /// majority holds one (a release that succeeds then reaches us), or no
     /// more nodes can. `None` when no room is left (the caller polls).
     pub(crate) fn watch(&self, resource: &str, confirm_by: Instant) -> Option<Box<dyn Watch>> {
+        self.watch_if(resource, confirm_by, false)
+    }
+
+    /// [`watch`](Self::watch), or with `existing` only where `resource` is
+    /// subscribed already (checked under the same lock).
+    fn watch_if(
+        &self,
+        resource: &str,
+        confirm_by: Instant,
+        existing: bool,
+    ) -> Option<Box<dyn Watch>> {
         let sh = &self.shared;
         let mut st = sh.st.lock();
+        if existing && !st.chans.contains_key(resource) {
+            return None;
+        }
         if !st.chans.contains_key(resource) {
             if st.chans.len() >= MAX_CHANNELS && !st.make_room() {
                 if !std::mem::replace(&mut st.warned_full, true) {
@@ -165,7 +189,10 @@ impl Notifier {
                 return None;
             }
             st.dropped.retain(|k| k != resource);
-            st.chans.insert(resource.to_owned(), Chan::new(sh.nodes));
+            st.next_gen = st.next_gen.wrapping_add(1);
+            let gen = st.next_gen;
+            st.chans
+                .insert(resource.to_owned(), Chan::new(sh.nodes, gen));
             st.dirty = true;
             let _ = (&sh.wake).write(&[1]);
         }
@@ -191,22 +218,24 @@ impl Notifier {
     /// [`watch`](Self::watch), only where `resource` is subscribed already
     /// (the wake-ups from before an attempt then count), without waiting.
     pub(crate) fn watch_existing(&self, resource: &str) -> Option<Box<dyn Watch>> {
-        let has = self.shared.st.lock().chans.contains_key(resource);
-        if has {
-            self.watch(resource, Instant::now())
-        } else {
-            None
-        }
+        self.watch_if(resource, Instant::now(), true)
     }
 
-    /// Per node, whether this client's own subscriber listens to
-    /// `resource`'s releases there (a release's subscriber count includes
-    /// it then). Empty when not subscribed.
+    /// Per node, whether this client's own subscriber may listen to
+    /// `resource`'s releases there (subscribed, or its `SUBSCRIBE` written:
+    /// a release's subscriber count may include it then). Empty when not
+    /// subscribed (an `UNSUBSCRIBE` still on its way is not seen).
     pub(crate) fn watching(&self, resource: &str) -> Vec<bool> {
         let st = self.shared.st.lock();
         st.chans
             .get(resource)
-            .map(|c| c.confirmed.clone())
+            .map(|c| {
+                c.confirmed
+                    .iter()
+                    .zip(&c.sent)
+                    .map(|(&a, &b)| a || b)
+                    .collect()
+            })
             .unwrap_or_default()
     }
 }
@@ -300,10 +329,10 @@ impl Watch for Waiting {
     fn wait(&self, seen: u64, until: Instant) -> bool {
         let mut st = self.shared.st.lock();
         loop {
-            match self.count(&st) {
-                Some(c) if c != seen => return true,
-                Some(_) => {}
-                None => return false,
+            // (Never without its channel while this wait lives; if it were,
+            // the wait would still last until `until`.)
+            if self.count(&st).is_some_and(|c| c != seen) {
+                return true;
             }
             if self.cv.wait_until(&mut st, until).timed_out() {
                 return self.count(&st).is_some_and(|c| c != seen);

@@ -1,6 +1,14 @@
 //! The wake-up thread: one subscriber connection per node, polled
 //! together; subscriptions written one channel per command; messages read
 //! and told to the keys' waiters (see [`super`]).
+//!
+//! Every command's answer is paired with it, in order ([`Owed`]): a
+//! `subscribe` confirms the channel generation that sent it (not a channel
+//! of the same name made since), a refusal names its own channel, and a
+//! `PING` is answered by `pong` in subscribed mode and `+PONG` outside it.
+//! A frame owed to nothing, or of the wrong kind, makes the connection
+//! anew. With no channel left the connections close (made again with the
+//! next wait).
 
 use std::collections::VecDeque;
 use std::io::{self, Read};
@@ -11,15 +19,16 @@ use std::time::{Duration, Instant};
 use log::{debug, warn};
 use redis::Value;
 
-use super::{Shared, FREED_PREFIX, KEEPALIVE, LINGER, RECENT, RECONNECT, RECONNECT_MAX};
+use super::{Shared, St, FREED_PREFIX, KEEPALIVE, LINGER, RECENT, RECONNECT, RECONNECT_MAX};
 use crate::clock::after;
 use crate::driver::conn::{Conn, For, Target};
 use crate::driver::poll::{poll, PollFd, PollFlags};
 
 /// What a subscriber connection owes an answer to, in order.
 enum Owed {
-    Subscribe(String),
-    Other,
+    /// `SUBSCRIBE` of this key's channel, of this generation.
+    Subscribe(String, u64),
+    Unsubscribe,
     Ping,
 }
 
@@ -31,9 +40,6 @@ struct Link {
     owed: VecDeque<Owed>,
     retry_at: Instant,
     backoff: Duration,
-    /// Connected before: a subscription confirmed again wakes its waiters
-    /// (what was published meanwhile is lost).
-    was_up: bool,
     last_heard: Instant,
     /// When the `PING` still unanswered was sent.
     pinged: Option<Instant>,
@@ -57,7 +63,6 @@ pub(super) fn run(
             owed: VecDeque::new(),
             retry_at: now,
             backoff: RECONNECT,
-            was_up: false,
             last_heard: now,
             pinged: None,
         })
@@ -65,46 +70,38 @@ pub(super) fn run(
     // A node silent this long after a `PING` is gone.
     let ping_wait = timeout.saturating_mul(4).max(Duration::from_secs(1));
     while !sh.stop.load(Ordering::Acquire) {
-        for (i, l) in links.iter_mut().enumerate() {
-            if l.conn.is_none() && Instant::now() >= l.retry_at {
-                connect(sh, i, l, timeout);
-                if sh.stop.load(Ordering::Acquire) {
-                    return;
-                }
-            }
-        }
-        let now = Instant::now();
-        sh.st.lock().expire(now);
-        for (i, l) in links.iter_mut().enumerate() {
-            if l.conn.is_none() {
-                continue;
-            }
-            if l.pinged
-                .is_some_and(|t| now.saturating_duration_since(t) >= ping_wait)
-            {
-                debug!("node {}: subscriber connection silent; made again", l.name);
-                down(sh, i, l);
-            } else if l.pinged.is_none() && now.saturating_duration_since(l.last_heard) >= KEEPALIVE
-            {
-                if let Some(c) = l.conn.as_mut() {
-                    c.wire
-                        .queue_unpaired(&redis::cmd("PING").get_packed_command());
-                    l.owed.push_back(Owed::Ping);
-                    l.pinged = Some(now);
+        let idle = {
+            let mut st = sh.st.lock();
+            st.expire(Instant::now());
+            st.chans.is_empty() && st.dropped.is_empty()
+        };
+        if idle {
+            close_all(sh, &mut links);
+        } else {
+            for (i, l) in links.iter_mut().enumerate() {
+                if l.conn.is_none() && Instant::now() >= l.retry_at {
+                    connect(sh, i, l, timeout);
+                    if sh.stop.load(Ordering::Acquire) {
+                        return;
+                    }
                 }
             }
         }
         write_subscriptions(sh, &mut links);
-        let wait = links
-            .iter()
-            .map(|l| match (&l.conn, l.pinged) {
-                (None, _) => l.retry_at,
-                (Some(_), Some(t)) => after(t, ping_wait),
-                (Some(_), None) => after(l.last_heard, KEEPALIVE),
-            })
-            .min()
-            .map_or(LINGER, |t| t.saturating_duration_since(Instant::now()))
-            .clamp(Duration::from_millis(1), LINGER);
+        let wait = if idle {
+            LINGER
+        } else {
+            links
+                .iter()
+                .map(|l| match (&l.conn, l.pinged) {
+                    (None, _) => l.retry_at,
+                    (Some(_), Some(t)) => after(t, ping_wait),
+                    (Some(_), None) => after(l.last_heard, KEEPALIVE),
+                })
+                .min()
+                .map_or(LINGER, |t| t.saturating_duration_since(Instant::now()))
+                .clamp(Duration::from_millis(1), LINGER)
+        };
         let mut ready = vec![PollFlags::empty(); links.len()];
         {
             let mut fds = vec![PollFd::new(&wake, PollFlags::IN)];
@@ -133,6 +130,36 @@ pub(super) fn run(
                 debug!("node {}: subscriber connection lost: {e}", l.name);
                 down(sh, i, l);
             }
+        }
+        // Judged after reading (a connect that kept the thread must not
+        // make an answer waiting in the socket look late).
+        keep_alive(sh, &mut links, ping_wait);
+    }
+}
+
+/// Sends a `PING` on a connection silent for [`KEEPALIVE`]; makes anew one
+/// that did not answer it within `ping_wait`.
+fn keep_alive(sh: &Shared, links: &mut [Link], ping_wait: Duration) {
+    let now = Instant::now();
+    for (i, l) in links.iter_mut().enumerate() {
+        let Some(c) = l.conn.as_mut() else {
+            continue;
+        };
+        match l.pinged {
+            Some(t) if now.saturating_duration_since(t) >= ping_wait => {
+                debug!("node {}: subscriber connection silent; made again", l.name);
+                down(sh, i, l);
+            }
+            None if now.saturating_duration_since(l.last_heard) >= KEEPALIVE => {
+                c.wire
+                    .queue_unpaired(&redis::cmd("PING").get_packed_command());
+                l.owed.push_back(Owed::Ping);
+                l.pinged = Some(now);
+                if c.flush().is_err() {
+                    down(sh, i, l);
+                }
+            }
+            _ => {}
         }
     }
 }
@@ -166,12 +193,11 @@ fn connect(sh: &Shared, i: usize, l: &mut Link, timeout: Duration) {
     st.notify_all();
 }
 
-/// Node `i`'s connection is gone: its confirmations with it. Made again
-/// after a pause that doubles while the node keeps failing.
+/// Node `i`'s connection is gone: its confirmations with it (those
+/// channels lost what was published meanwhile). Made again after a pause
+/// that doubles while the node keeps failing.
 fn down(sh: &Shared, i: usize, l: &mut Link) {
-    if l.conn.take().is_some() {
-        l.was_up = true;
-    }
+    l.conn = None;
     l.owed.clear();
     l.pinged = None;
     l.retry_at = after(Instant::now(), l.backoff);
@@ -179,62 +205,85 @@ fn down(sh: &Shared, i: usize, l: &mut Link) {
     let mut st = sh.st.lock();
     st.up[i] = false;
     for c in st.chans.values_mut() {
-        c.confirmed[i] = false;
+        if std::mem::replace(&mut c.confirmed[i], false) {
+            c.lost[i] = true;
+        }
         c.sent[i] = false;
     }
     st.notify_all();
 }
 
-/// Writes the subscriptions (one channel per command, so that a refusal
-/// names its channel) and unsubscriptions the connections lack.
+/// Nobody waits for anything: every connection closes, and the next wait
+/// waits for them to be made again.
+fn close_all(sh: &Shared, links: &mut [Link]) {
+    let mut st = sh.st.lock();
+    for (i, l) in links.iter_mut().enumerate() {
+        if l.conn.take().is_some() {
+            debug!(
+                "node {}: no key waited for; subscriber connection closed",
+                l.name
+            );
+        }
+        l.owed.clear();
+        l.pinged = None;
+        l.retry_at = Instant::now();
+        st.up[i] = false;
+        st.tried[i] = false;
+    }
+}
+
+/// Writes the subscriptions (one channel per command, so that each answer
+/// names its own) and unsubscriptions the connections lack.
 fn write_subscriptions(sh: &Shared, links: &mut [Link]) {
     let mut failed = Vec::new();
     {
         let mut st = sh.st.lock();
-        let dirty = std::mem::replace(&mut st.dirty, false);
-        let dropped = if dirty {
-            std::mem::take(&mut st.dropped)
-        } else {
-            Vec::new()
-        };
+        if !std::mem::replace(&mut st.dirty, false) {
+            return;
+        }
+        let dropped = std::mem::take(&mut st.dropped);
         for (i, l) in links.iter_mut().enumerate() {
             let Some(conn) = l.conn.as_mut() else {
                 continue;
             };
-            if dirty {
-                for k in &dropped {
-                    let cmd = redis::cmd("UNSUBSCRIBE")
+            for k in &dropped {
+                let cmd = redis::cmd("UNSUBSCRIBE")
+                    .arg(format!("{FREED_PREFIX}{k}"))
+                    .get_packed_command();
+                conn.wire.queue_unpaired(&cmd);
+                l.owed.push_back(Owed::Unsubscribe);
+            }
+            for (k, c) in st.chans.iter_mut() {
+                if !c.sent[i] && !c.refused[i] {
+                    c.sent[i] = true;
+                    let cmd = redis::cmd("SUBSCRIBE")
                         .arg(format!("{FREED_PREFIX}{k}"))
                         .get_packed_command();
                     conn.wire.queue_unpaired(&cmd);
-                    l.owed.push_back(Owed::Other);
-                }
-                for (k, c) in st.chans.iter_mut() {
-                    if !c.sent[i] {
-                        c.sent[i] = true;
-                        let cmd = redis::cmd("SUBSCRIBE")
-                            .arg(format!("{FREED_PREFIX}{k}"))
-                            .get_packed_command();
-                        conn.wire.queue_unpaired(&cmd);
-                        l.owed.push_back(Owed::Subscribe(k.clone()));
-                    }
+                    l.owed.push_back(Owed::Subscribe(k.clone(), c.gen));
                 }
             }
-            if conn.wants_write() {
-                if let Err(e) = conn.flush() {
-                    debug!("node {}: subscriber connection lost: {e}", l.name);
-                    failed.push(i);
-                }
+            if conn.flush().is_err() {
+                failed.push(i);
             }
         }
     }
     for i in failed {
+        debug!("node {}: subscriber connection lost writing", links[i].name);
         down(sh, i, &mut links[i]);
     }
 }
 
-/// Reads what node `i` sent: messages wake their key's waiters,
-/// confirmations the threads waiting to subscribe.
+/// The bulk string at `j` of a push or an answer.
+fn word(items: &[Value], j: usize) -> &[u8] {
+    match items.get(j) {
+        Some(Value::BulkString(b)) => b.as_slice(),
+        _ => &[],
+    }
+}
+
+/// Reads what node `i` sent: messages wake their key's waiters, answers
+/// are paired with the commands they answer.
 fn read_frames(sh: &Shared, i: usize, l: &mut Link, ready: PollFlags) -> io::Result<()> {
     let Some(conn) = l.conn.as_mut() else {
         return Ok(());
@@ -242,80 +291,102 @@ fn read_frames(sh: &Shared, i: usize, l: &mut Link, ready: PollFlags) -> io::Res
     conn.on_ready(ready)?;
     while let Some(v) = conn.next_frame()? {
         l.last_heard = Instant::now();
-        let items = match v {
-            Value::Array(items) => items,
-            Value::ServerError(e) => {
-                let what = l.owed.pop_front();
-                let why = e.to_string();
-                let mut st = sh.st.lock();
-                match what {
-                    Some(Owed::Subscribe(k)) if why.to_ascii_uppercase().contains("NOPERM") => {
-                        if let Some(c) = st.chans.get_mut(&k) {
-                            c.refused[i] = true;
-                            c.cv.notify_all();
-                        }
-                        if !std::mem::replace(&mut st.warned_refused, true) {
-                            warn!(
-                                "node {}: subscribing to a key's releases refused ({why}); its \
-                                 waiters poll instead of being woken (an ACL user needs \
-                                 `&{FREED_PREFIX}*`, `+subscribe`, `+unsubscribe`)",
-                                l.name
-                            );
-                        }
-                        continue;
-                    }
-                    _ => {
-                        return Err(io::Error::other(format!("refused: {why}")));
-                    }
-                }
-            }
-            _ => continue,
-        };
-        let word = |j: usize| match items.get(j) {
-            Some(Value::BulkString(b)) => Some(b.as_slice()),
-            _ => None,
-        };
-        let kind = word(0).unwrap_or_default().to_ascii_lowercase();
-        if kind != b"message" {
-            // Answers come in the order of the commands.
-            if l.owed.pop_front().is_some_and(|o| matches!(o, Owed::Ping)) {
-                l.pinged = None;
+        if let Value::Array(items) = &v {
+            if word(items, 0).eq_ignore_ascii_case(b"message") {
+                message(sh, items);
+                continue;
             }
         }
-        let key = word(1)
-            .and_then(|c| c.strip_prefix(FREED_PREFIX.as_bytes()))
-            .and_then(|c| std::str::from_utf8(c).ok());
-        let Some(key) = key else {
-            continue;
+        let Some(owed) = l.owed.pop_front() else {
+            return Err(io::Error::other("a subscriber answer owed to no command"));
         };
-        let mut st = sh.st.lock();
-        let Some(c) = st.chans.get_mut(key) else {
-            continue;
-        };
-        match kind.as_slice() {
-            b"message" => {
-                let notice = word(2).unwrap_or_default();
-                if !c.recent.iter().any(|n| n == notice) {
-                    if c.recent.len() >= RECENT {
-                        c.recent.pop_front();
-                    }
-                    c.recent
-                        .push_back(notice.iter().take(32).copied().collect());
-                    c.wake();
-                }
-            }
-            b"subscribe" => {
-                c.confirmed[i] = true;
+        match (owed, v) {
+            (Owed::Subscribe(k, gen), Value::Array(items))
+                if word(&items, 0).eq_ignore_ascii_case(b"subscribe") =>
+            {
                 l.backoff = RECONNECT;
-                if l.was_up {
-                    // Messages may have been lost while the link was down.
-                    c.wake();
-                } else {
-                    c.cv.notify_all();
+                let mut st = sh.st.lock();
+                if let Some(c) = st.chans.get_mut(&k).filter(|c| c.gen == gen) {
+                    c.confirmed[i] = true;
+                    if std::mem::replace(&mut c.lost[i], false) {
+                        // Messages may have been lost while it was down.
+                        c.wake();
+                    } else {
+                        c.cv.notify_all();
+                    }
                 }
             }
-            _ => {}
+            (Owed::Subscribe(k, gen), Value::ServerError(e)) => {
+                refused(&mut sh.st.lock(), i, &l.name, &k, gen, &e.to_string());
+            }
+            (Owed::Unsubscribe, Value::Array(items))
+                if word(&items, 0).eq_ignore_ascii_case(b"unsubscribe") => {}
+            (Owed::Unsubscribe, Value::ServerError(e)) => {
+                debug!("node {}: unsubscribing refused: {e}", l.name);
+            }
+            (Owed::Ping, Value::Array(items)) if word(&items, 0).eq_ignore_ascii_case(b"pong") => {
+                l.pinged = None;
+            }
+            (Owed::Ping, Value::SimpleString(s)) if s.eq_ignore_ascii_case("PONG") => {
+                l.pinged = None;
+            }
+            (Owed::Ping, Value::ServerError(e)) => {
+                // Refused (an ACL without `+ping`), but answered.
+                debug!("node {}: keepalive PING refused: {e}", l.name);
+                l.pinged = None;
+            }
+            (_, v) => {
+                return Err(io::Error::other(format!(
+                    "a subscriber answer out of step: {v:?}"
+                )));
+            }
         }
     }
     Ok(())
 }
+
+/// A message on a key's channel: a notice not seen lately wakes its waiters.
+fn message(sh: &Shared, items: &[Value]) {
+    let Some(key) = word(items, 1)
+        .strip_prefix(FREED_PREFIX.as_bytes())
+        .and_then(|c| std::str::from_utf8(c).ok())
+    else {
+        return;
+    };
+    let mut st = sh.st.lock();
+    let Some(c) = st.chans.get_mut(key) else {
+        return;
+    };
+    // A forged message's notice is kept short.
+    let notice = word(items, 2);
+    let notice = &notice[..notice.len().min(64)];
+    if !c.recent.iter().any(|n| n == notice) {
+        if c.recent.len() >= RECENT {
+            c.recent.pop_front();
+        }
+        c.recent.push_back(notice.to_vec());
+        c.wake();
+    }
+}
+
+/// Node `i` refused key `k`'s subscription (generation `gen`), an ACL most
+/// likely: that key's waiters poll, and the log says so once.
+fn refused(st: &mut St, i: usize, node: &str, k: &str, gen: u64, why: &str) {
+    if let Some(c) = st.chans.get_mut(k).filter(|c| c.gen == gen) {
+        c.refused[i] = true;
+        c.cv.notify_all();
+    }
+    if !std::mem::replace(&mut st.warned_refused, true) {
+        warn!(
+            "node {node}: subscribing to a key's releases refused ({why}); its waiters poll \
+             instead of being woken (an ACL user needs `&{FREED_PREFIX}*`, `+subscribe`, \
+             `+unsubscribe` and `+ping`)"
+        );
+    } else {
+        debug!("node {node}: subscription refused: {why}");
+    }
+}
+
+#[cfg(test)]
+#[path = "thread_tests.rs"]
+mod tests;

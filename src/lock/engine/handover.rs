@@ -13,7 +13,7 @@ use crate::algorithm::quorum::{self, Tally};
 use crate::algorithm::round::{Key, NodeResult, Op};
 use crate::clock::after;
 use crate::error::Error;
-use crate::events::{AttemptEvent, Nodes};
+use crate::events::{AttemptEvent, Begun, Nodes};
 use crate::lock::state::LockState;
 use crate::lock::transport::AfterRound;
 use crate::Result;
@@ -168,6 +168,7 @@ impl Engine {
                     .as_ref()
                     .map(|_| timing.deadline.saturating_duration_since(now)),
                 nodes: Nodes::new(self.transport.node_names(), &results, 0),
+                begun: Begun::default(),
             });
         }
         outcome?;
@@ -217,6 +218,7 @@ impl Engine {
                 elapsed: now.saturating_duration_since(start),
                 outcome: Ok(state.deadline().saturating_duration_since(now)),
                 nodes: Nodes::new(self.transport.node_names(), &[], 0),
+                begun: Begun::default(),
             });
         }
         state

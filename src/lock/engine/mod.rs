@@ -21,6 +21,7 @@ use crate::algorithm::restart::{self, RestartRule, TtlHistory};
 use crate::algorithm::round::{Key, NodeFacts, NodeResult, Op};
 use crate::clock::{after, new_token, Clock, Rng, Throttle};
 use crate::error::{Error, InvalidInput};
+use crate::events::Begun;
 use crate::lock::queue::{Queues, Turn};
 use crate::lock::settings::Settings;
 use crate::lock::state::{Callbacks, LockState, LostCallback, Timing};
@@ -29,6 +30,7 @@ use crate::lock::watchdog::{Renew, Watchdog};
 use crate::Result;
 use crate::MAX_TTL;
 
+mod acquire;
 mod extend;
 #[cfg(test)]
 mod fencing_tests;
@@ -130,107 +132,6 @@ impl Engine {
         })
     }
 
-    /// Locks `resource` within `budget`: this thread's turn in the local
-    /// queue first (taking over a lock handed to it), then attempts with a
-    /// jittered pause between them. Returns the lock and the turn it holds.
-    pub(crate) fn acquire(
-        &self,
-        resource: &str,
-        ttl: Duration,
-        budget: Budget,
-    ) -> Result<(Arc<LockState>, Option<Turn>)> {
-        let drift = self.validate(resource, ttl)?;
-        // One deadline for the whole call, local wait and attempts alike.
-        let until = self.wait_deadline(budget);
-        let mut turn = self.queue_turn(resource, budget, until);
-        if let Some(handed) = turn.as_ref().and_then(Turn::take_hand_over) {
-            match self.accept_hand_over(&handed, ttl) {
-                Ok(state) => {
-                    debug!("lock {resource:?}: taken over from a local holder");
-                    return Ok((Arc::new(state), turn));
-                }
-                Err(e) if self.clock.now() >= until => {
-                    debug!("lock {resource:?}: not taken over ({e}) and no time left");
-                    return Err(e);
-                }
-                Err(e) => {
-                    debug!("lock {resource:?}: not taken over ({e}); locking anew");
-                }
-            }
-        }
-        let waits = !matches!(budget, Budget::Attempts(1));
-        if waits {
-            self.yield_to_others(resource, until);
-        }
-        let mut attempt = 1u32;
-        // Wake-ups by the releases of other clients (see
-        // `crate::driver::notify`): from the first failed attempt on, or
-        // from the start where this client is subscribed already.
-        let mut watch = if waits {
-            self.transport.watch_existing(resource)
-        } else {
-            None
-        };
-        let mut seen = 0;
-        loop {
-            if let Some(w) = &watch {
-                seen = w.seen();
-            }
-            let tried = self.clock.now();
-            let err = match self.attempt(resource, ttl, drift) {
-                Ok(state) => return Ok((Arc::new(state), turn.take())),
-                Err(e) if e.is_retryable() => e,
-                Err(e) => return Err(e),
-            };
-            // Drawn first, as always (the simulation's schedules rest on the
-            // order of the draws).
-            let s = &self.settings;
-            let pause = quorum::retry_delay(s.retry_delay, s.retry_jitter, self.rng.next_u64());
-            let now = self.clock.now();
-            let left = until.saturating_duration_since(now);
-            if left.is_zero() {
-                return Err(err);
-            }
-            if watch.is_none() && waits {
-                // Subscribed, then tried again at once (not counted as an
-                // attempt): the release may have come before the
-                // subscription.
-                let confirm_by = after(now, self.settings.node_timeout.min(left));
-                watch = self.transport.watch(resource, confirm_by);
-                if watch.is_some() {
-                    debug!("lock {resource:?}: attempt failed ({err}); waiting for its release");
-                    continue;
-                }
-            }
-            if let Budget::Attempts(n) = budget {
-                if attempt >= n {
-                    return Err(err);
-                }
-            }
-            attempt = attempt.saturating_add(1);
-            let pause = pause.min(left);
-            debug!("lock {resource:?}: attempt failed ({err}); retrying within {pause:?}");
-            match &watch {
-                // The retry pause is the fallback: a lost message costs no
-                // more than polling did.
-                Some(w) => {
-                    if w.wait(seen, after(self.clock.now(), pause)) {
-                        // Every woken waiter tries at once: a random part
-                        // of one attempt's time apart, fewer split votes.
-                        let took = now.saturating_duration_since(tried);
-                        let spread = quorum::retry_delay(took / 2, took / 2, self.rng.next_u64());
-                        let wait = spread.min(until.saturating_duration_since(self.clock.now()));
-                        trace!("lock {resource:?}: woken; trying in {wait:?}");
-                        self.clock.sleep(wait);
-                    } else {
-                        trace!("lock {resource:?}: not woken; trying again");
-                    }
-                }
-                None => self.clock.sleep(pause),
-            }
-        }
-    }
-
     /// Waits for this thread's turn among the threads of this process that
     /// want `resource` (see [`crate::lock::queue`]). One attempt never waits; when
     /// the wait runs out the caller still makes its attempts at the nodes,
@@ -287,7 +188,14 @@ impl Engine {
     /// One acquisition round: SET NX PX on every node, then the decision.
     /// On failure, releases wherever our SET may have landed, on the same
     /// connections as the SET.
-    fn attempt(&self, resource: &str, ttl: Duration, drift: Duration) -> Result<LockState> {
+    fn attempt(
+        &self,
+        resource: &str,
+        ttl: Duration,
+        drift: Duration,
+        begun: Begun,
+        ours: &mut usize,
+    ) -> Result<LockState> {
         let token = new_token();
         let key = Key::new(resource, &token);
         let start = self.clock.now();
@@ -425,8 +333,15 @@ impl Engine {
                         })
                 })
                 .collect();
-            self.attempt_event(resource, start, result.as_ref(), &judged, &holds);
+            self.attempt_event(resource, start, result.as_ref(), &judged, &holds, begun);
         }
+        *ours = judged
+            .iter()
+            .filter(|r| {
+                r.as_ref()
+                    .is_ok_and(|r| r.answers.first() == Some(&crate::algorithm::round::Answer::Ok))
+            })
+            .count();
         result
     }
 

@@ -9,7 +9,7 @@ use log::{debug, trace, warn};
 use crate::algorithm::round::NodeResult;
 use crate::clock::WARN_EVERY;
 use crate::error::Error;
-use crate::events::{AttemptEvent, LostEvent, NodeChange, NodeEvent, Nodes, ReleaseEvent};
+use crate::events::{AttemptEvent, Begun, LostEvent, NodeChange, NodeEvent, Nodes, ReleaseEvent};
 use crate::lock::state::LockState;
 use crate::Result;
 
@@ -55,6 +55,7 @@ impl Engine {
         outcome: Result<&LockState, &Error>,
         judged: &[NodeResult],
         holds: &[Duration],
+        begun: Begun,
     ) {
         let Some(h) = self.settings.events.get() else {
             return;
@@ -67,6 +68,7 @@ impl Engine {
             elapsed: now.saturating_duration_since(start),
             outcome: outcome.map(|s| s.deadline().saturating_duration_since(now)),
             nodes: Nodes::new(self.transport.node_names(), judged, 0),
+            begun,
         });
         let names = self.transport.node_names();
         for (i, r) in judged.iter().enumerate() {

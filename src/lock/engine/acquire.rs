@@ -1,0 +1,163 @@
+//! A call's attempts at the nodes, and its waits between them: the local
+//! queue's turn first, then attempts, each failure followed by a wait for a
+//! release's wake-up (see [`crate::driver::notify`]) or the retry pause.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use log::{debug, trace};
+
+use crate::algorithm::quorum;
+use crate::clock::after;
+use crate::error::Error;
+use crate::events::Begun;
+use crate::lock::queue::Turn;
+use crate::lock::state::LockState;
+use crate::Result;
+
+use super::{Budget, Engine};
+
+/// Quick retries in a row after an attempt that found the key not held
+/// everywhere (see `Engine::acquire`).
+const QUICK_RETRIES: u32 = 2;
+
+impl Engine {
+    /// Locks `resource` within `budget`: this thread's turn in the local
+    /// queue first (taking over a lock handed to it), then attempts with a
+    /// jittered pause between them. Returns the lock and the turn it holds.
+    pub(crate) fn acquire(
+        &self,
+        resource: &str,
+        ttl: Duration,
+        budget: Budget,
+    ) -> Result<(Arc<LockState>, Option<Turn>)> {
+        let called = self.clock.now();
+        let drift = self.validate(resource, ttl)?;
+        // One deadline for the whole call, local wait and attempts alike.
+        let until = self.wait_deadline(budget);
+        let mut turn = self.queue_turn(resource, budget, until);
+        if let Some(handed) = turn.as_ref().and_then(Turn::take_hand_over) {
+            match self.accept_hand_over(&handed, ttl) {
+                Ok(state) => {
+                    debug!("lock {resource:?}: taken over from a local holder");
+                    return Ok((Arc::new(state), turn));
+                }
+                Err(e) if self.clock.now() >= until => {
+                    debug!("lock {resource:?}: not taken over ({e}) and no time left");
+                    return Err(e);
+                }
+                Err(e) => {
+                    debug!("lock {resource:?}: not taken over ({e}); locking anew");
+                }
+            }
+        }
+        let waits = !matches!(budget, Budget::Attempts(1));
+        if waits {
+            self.yield_to_others(resource, until);
+        }
+        let mut attempt = 1u32;
+        // Wake-ups by the releases of other clients (see
+        // `crate::driver::notify`): from the first failed attempt on, or
+        // from the start where this client is subscribed already.
+        let mut watch = if waits {
+            self.transport.watch_existing(resource)
+        } else {
+            None
+        };
+        let mut seen = 0;
+        let mut woken = false;
+        // Wake-ups this call lost (the last one woken is not lost yet).
+        let mut lost = 0u32;
+        let mut quick = 0;
+        loop {
+            if let Some(w) = &watch {
+                seen = w.seen();
+            }
+            let tried = self.clock.now();
+            let begun = Begun {
+                waited: tried.saturating_duration_since(called),
+                woken,
+            };
+            let mut ours = 0;
+            let err = match self.attempt(resource, ttl, drift, begun, &mut ours) {
+                Ok(state) => return Ok((Arc::new(state), turn.take())),
+                Err(e) if e.is_retryable() => e,
+                Err(e) => return Err(e),
+            };
+            // Drawn first, as always (the simulation's schedules rest on the
+            // order of the draws).
+            let s = &self.settings;
+            let pause = quorum::retry_delay(s.retry_delay, s.retry_jitter, self.rng.next_u64());
+            let now = self.clock.now();
+            let left = until.saturating_duration_since(now);
+            if left.is_zero() {
+                return Err(err);
+            }
+            if watch.is_none() && waits {
+                // Subscribed, then tried again at once (not counted as an
+                // attempt): the release may have come before the
+                // subscription.
+                let confirm_by = after(now, self.settings.node_timeout.min(left));
+                watch = self.transport.watch(resource, confirm_by);
+                if watch.is_some() {
+                    debug!("lock {resource:?}: attempt failed ({err}); waiting for its release");
+                    continue;
+                }
+            }
+            if let Budget::Attempts(n) = budget {
+                if attempt >= n {
+                    return Err(err);
+                }
+            }
+            attempt = attempt.saturating_add(1);
+            let took = now.saturating_duration_since(tried);
+            // A woken attempt that set the key on some nodes and still
+            // lost: maybe waiters woken together split the votes and each
+            // undid its own, which frees the key without a message. Tried
+            // again soon (half to twice an attempt's time, at random),
+            // twice in a row at most, then the retry pause.
+            let split = watch.is_some()
+                && (woken || quick > 0)
+                && quick < QUICK_RETRIES
+                && ours > 0
+                && matches!(err, Error::Taken { .. });
+            let pause = if split {
+                quick += 1;
+                quorum::retry_delay(took * 5 / 4, took * 3 / 4, self.rng.next_u64()).min(pause)
+            } else {
+                quick = 0;
+                pause
+            }
+            .min(left);
+            debug!("lock {resource:?}: attempt failed ({err}); retrying within {pause:?}");
+            match &watch {
+                // The retry pause is the fallback: a lost message costs no
+                // more than polling did.
+                Some(w) => {
+                    woken = w.wait(seen, after(self.clock.now(), pause));
+                    if woken {
+                        // Every woken waiter would try at once. Each waits
+                        // one attempt's time over one more than the
+                        // wake-ups it lost (less up to a quarter, at
+                        // random): who lost more rounds goes first, close
+                        // to first come, first served, and the votes
+                        // rarely split.
+                        lost = lost.saturating_add(1);
+                        let ahead = took / lost;
+                        let spread = ahead.saturating_sub(quorum::retry_delay(
+                            ahead / 8,
+                            ahead / 8,
+                            self.rng.next_u64(),
+                        ));
+                        let wait = spread.min(until.saturating_duration_since(self.clock.now()));
+                        trace!("lock {resource:?}: woken; trying in {wait:?}");
+                        self.clock.sleep(wait);
+                    } else {
+                        trace!("lock {resource:?}: not woken; trying again");
+                    }
+                }
+                None => self.clock.sleep(pause),
+            }
+        }
+    }
+}
