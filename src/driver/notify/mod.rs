@@ -87,8 +87,13 @@ struct St {
 }
 
 struct Chan {
-    /// Notified on a message, a confirmation, and a connection lost or made.
+    /// Wakes one waiter per message (a release lets one in: the client's
+    /// other threads that wait for the key stay asleep, no herd), every
+    /// waiter when messages may have been lost.
     cv: Arc<Condvar>,
+    /// Notified on a confirmation or refusal, and a connection lost or
+    /// made (for the threads waiting to subscribe).
+    confirm: Arc<Condvar>,
     /// Wake-ups so far.
     count: u64,
     /// The last notices seen (a release's copies from other nodes wake
@@ -115,6 +120,7 @@ impl Chan {
             lost: vec![false; nodes],
             gen,
             cv: Arc::new(Condvar::new()),
+            confirm: Arc::new(Condvar::new()),
             count: 0,
             recent: VecDeque::with_capacity(RECENT),
             confirmed: vec![false; nodes],
@@ -125,9 +131,21 @@ impl Chan {
         }
     }
 
+    /// A release's message: one waiter tries.
     fn wake(&mut self) {
         self.count = self.count.wrapping_add(1);
+        self.cv.notify_one();
+    }
+
+    /// Messages may have been lost: every waiter tries.
+    fn wake_all(&mut self) {
+        self.count = self.count.wrapping_add(1);
         self.cv.notify_all();
+    }
+
+    fn notify_all(&self) {
+        self.cv.notify_all();
+        self.confirm.notify_all();
     }
 }
 
@@ -196,15 +214,15 @@ impl Notifier {
             st.dirty = true;
             let _ = (&sh.wake).write(&[1]);
         }
-        let cv = {
+        let (cv, confirm) = {
             let c = st.chans.get_mut(resource)?;
             c.users += 1;
-            c.cv.clone()
+            (c.cv.clone(), c.confirm.clone())
         };
         // Every majority meets `needed` nodes.
         let needed = sh.nodes - sh.nodes / 2;
         while !confirmed_enough(&st, resource, needed) {
-            if cv.wait_until(&mut st, confirm_by).timed_out() {
+            if confirm.wait_until(&mut st, confirm_by).timed_out() {
                 break;
             }
         }
@@ -280,7 +298,7 @@ impl St {
 
     fn unsubscribe(&mut self, key: String) {
         if let Some(c) = self.chans.remove(&key) {
-            c.cv.notify_all();
+            c.notify_all();
         }
         if self.dropped.len() < MAX_CHANNELS {
             self.dropped.push(key);
@@ -303,7 +321,7 @@ impl St {
 
     fn notify_all(&self) {
         for c in self.chans.values() {
-            c.cv.notify_all();
+            c.notify_all();
         }
     }
 }
@@ -335,7 +353,9 @@ impl Watch for Waiting {
                 return true;
             }
             if self.cv.wait_until(&mut st, until).timed_out() {
-                return self.count(&st).is_some_and(|c| c != seen);
+                // Not chosen: another thread of this client took the
+                // wake-up (or none came). Its retry pause ran out.
+                return false;
             }
         }
     }

@@ -310,10 +310,9 @@ fn read_frames(sh: &Shared, i: usize, l: &mut Link, ready: PollFlags) -> io::Res
                     c.confirmed[i] = true;
                     if std::mem::replace(&mut c.lost[i], false) {
                         // Messages may have been lost while it was down.
-                        c.wake();
-                    } else {
-                        c.cv.notify_all();
+                        c.wake_all();
                     }
+                    c.confirm.notify_all();
                 }
             }
             (Owed::Subscribe(k, gen), Value::ServerError(e)) => {
@@ -374,7 +373,7 @@ fn message(sh: &Shared, items: &[Value]) {
 fn refused(st: &mut St, i: usize, node: &str, k: &str, gen: u64, why: &str) {
     if let Some(c) = st.chans.get_mut(k).filter(|c| c.gen == gen) {
         c.refused[i] = true;
-        c.cv.notify_all();
+        c.confirm.notify_all();
     }
     if !std::mem::replace(&mut st.warned_refused, true) {
         warn!(

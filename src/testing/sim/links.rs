@@ -505,6 +505,7 @@ pub(crate) struct SimEngine {
     sched: Arc<Sched>,
     /// Yield to the scheduler before every round.
     preempt: bool,
+    watches: crate::testing::sim::wakeups::Watches,
 }
 
 impl SimEngine {
@@ -520,6 +521,7 @@ impl SimEngine {
             links: SimLinks::new(sched, clock, timeout, rules, defects),
             sched: sched.clone(),
             preempt,
+            watches: Default::default(),
         }
     }
 }
@@ -527,6 +529,22 @@ impl SimEngine {
 impl Transport for SimEngine {
     fn node_names(&self) -> &[String] {
         &self.links.names
+    }
+
+    fn watch(
+        &self,
+        resource: &str,
+        _confirm_by: Instant,
+    ) -> Option<Box<dyn crate::lock::transport::Watch>> {
+        self.watches.watch(&self.sched, resource, false)
+    }
+
+    fn watch_existing(&self, resource: &str) -> Option<Box<dyn crate::lock::transport::Watch>> {
+        self.watches.watch(&self.sched, resource, true)
+    }
+
+    fn watching(&self, resource: &str) -> Vec<bool> {
+        self.watches.watching(resource, self.links.names.len())
     }
 
     fn run(

@@ -25,6 +25,7 @@ use crate::testing::sim::plan::Mix;
 use crate::testing::sim::plan::Plan;
 use crate::testing::sim::plan::Report;
 
+pub(crate) mod chan;
 pub(crate) mod check;
 pub(crate) mod links;
 pub(crate) mod observe;
@@ -34,6 +35,7 @@ pub(crate) mod rng;
 pub(crate) mod sched;
 pub(crate) mod serve;
 pub(crate) mod transport;
+pub(crate) mod wakeups;
 pub(crate) mod workload;
 pub(crate) mod world;
 
@@ -76,6 +78,23 @@ pub(crate) fn run_defective(
     mix: Mix,
     defects: crate::driver::node::shared::Defects,
 ) -> Report {
+    run_plan(engine_plan(seed, mix, defects))
+}
+
+/// [`run`] (or, `engine`, [`run_engine`]) with releases waking the waiters
+/// of other clients (see [`wakeups`]).
+pub(crate) fn run_wakeups(seed: u64, mix: Mix, engine: bool) -> Report {
+    let mut plan = if engine {
+        engine_plan(seed, mix, Default::default())
+    } else {
+        Plan::new(seed, mix)
+    };
+    plan.wakeups = true;
+    run_plan(plan)
+}
+
+/// The plan of `seed` under `mix`, over the node engine with `defects`.
+fn engine_plan(seed: u64, mix: Mix, defects: crate::driver::node::shared::Defects) -> Plan {
     let mut plan = Plan::new(seed, mix);
     plan.engine = true;
     plan.defects = defects;
@@ -92,7 +111,7 @@ pub(crate) fn run_defective(
         let node = r.below(plan.nodes as u64) as usize;
         plan.faults.push((at, Fault::FlushScripts(node)));
     }
-    run_plan(plan)
+    plan
 }
 
 /// A shared view of the run for the workload threads.
@@ -233,6 +252,7 @@ pub(crate) fn simulate(plan: Plan, main: Script) -> Report {
     for (node, &evicting) in world.nodes.iter_mut().zip(&plan.evicting) {
         node.evicting = evicting;
     }
+    world.subs = plan.wakeups.then(Default::default);
     let sched = Sched::new(plan.seed, world, base);
     {
         let mut core = sched.lock();
@@ -272,6 +292,7 @@ pub(crate) fn simulate(plan: Plan, main: Script) -> Report {
         plan,
         violations: core.world.check.violations.clone(),
         stats: core.world.check.stats,
+        wakes: core.world.wakes,
         steps: core.steps,
         virtual_ns: sched.nanos(),
         trace: core.trace,

@@ -173,6 +173,9 @@ pub(crate) struct Plan {
     pub(crate) engine: bool,
     /// Engine defects put back (with `engine`), to show they are found.
     pub(crate) defects: crate::driver::node::shared::Defects,
+    /// Releases wake the waiters of other clients (see
+    /// [`crate::testing::sim::wakeups`]); off, they poll.
+    pub(crate) wakeups: bool,
 }
 
 impl Plan {
@@ -317,6 +320,7 @@ impl Plan {
             preempt: r.chance(0.5),
             engine: false,
             defects: Default::default(),
+            wakeups: false,
         };
         match mix {
             Mix::Releases => {
@@ -367,6 +371,7 @@ impl Plan {
             preempt: false,
             engine: false,
             defects: Default::default(),
+            wakeups: false,
         }
     }
 }
@@ -377,6 +382,7 @@ pub(crate) struct Report {
     pub(crate) plan: Plan,
     pub(crate) violations: Vec<Violation>,
     pub(crate) stats: Stats,
+    pub(crate) wakes: crate::testing::sim::chan::WakeStats,
     pub(crate) steps: u64,
     /// Virtual time the run covered (ns).
     pub(crate) virtual_ns: u64,

@@ -29,6 +29,7 @@ pub(crate) struct SimTransport {
     /// Yield to the scheduler before every round.
     preempt: bool,
     rules: VoteRules,
+    watches: crate::testing::sim::wakeups::Watches,
 }
 
 impl SimTransport {
@@ -50,6 +51,7 @@ impl SimTransport {
             timeout,
             preempt,
             rules,
+            watches: Default::default(),
         }
     }
 
@@ -156,6 +158,22 @@ impl SimTransport {
 impl Transport for SimTransport {
     fn node_names(&self) -> &[String] {
         &self.names
+    }
+
+    fn watch(
+        &self,
+        resource: &str,
+        _confirm_by: Instant,
+    ) -> Option<Box<dyn crate::lock::transport::Watch>> {
+        self.watches.watch(&self.sched, resource, false)
+    }
+
+    fn watch_existing(&self, resource: &str) -> Option<Box<dyn crate::lock::transport::Watch>> {
+        self.watches.watch(&self.sched, resource, true)
+    }
+
+    fn watching(&self, resource: &str) -> Vec<bool> {
+        self.watches.watching(resource, self.names.len())
     }
 
     fn run(

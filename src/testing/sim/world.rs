@@ -146,6 +146,8 @@ pub(crate) enum Event {
     Wire(Arc<Inbox>, redis::Value),
     /// A simulated connection is reset (a lost packet, as TCP shows it).
     Reset(Arc<Inbox>),
+    /// A release's message reaches a client waiting for its key.
+    Notify(Arc<crate::testing::sim::chan::SimChan>, u64),
 }
 
 /// Nodes, network and checkers, guarded by the scheduler's lock.
@@ -172,6 +174,9 @@ pub(crate) struct World {
     /// Those of them that reset (a loss, not a node cut off or muted):
     /// what the client writes there was sent in vain, but it was sent.
     pub(crate) resetting: std::collections::BTreeSet<u64>,
+    /// Who waits for which key (`None`: no wake-ups in this run).
+    pub(crate) subs: crate::testing::sim::chan::Subscribers,
+    pub(crate) wakes: crate::testing::sim::chan::WakeStats,
 }
 
 impl World {
@@ -223,6 +228,8 @@ impl World {
             next_lane: 0,
             dead: std::collections::BTreeSet::new(),
             resetting: std::collections::BTreeSet::new(),
+            subs: None,
+            wakes: Default::default(),
         }
     }
 
@@ -295,6 +302,11 @@ impl World {
                 Event::Fault(f) => self.fault(f, at),
                 Event::Wire(inbox, v) => inbox.push(v),
                 Event::Reset(inbox) => inbox.close(),
+                Event::Notify(chan, notice) => {
+                    if chan.deliver(notice) {
+                        self.wakes.woken += 1;
+                    }
+                }
             }
         }
     }
@@ -501,9 +513,12 @@ impl World {
         let node_now = self.instant(local);
         let micros = 1_700_000_000_000_000 + local / 1_000;
         let keys: Vec<Key<'_>> = keys.iter().map(OwnedKey::key).collect();
-        let reply = self.nodes[i]
+        let mut reply = self.nodes[i]
             .store
             .round(op, &keys, node_now, self.base, micros);
+        if let (Ok(r), Op::Release { notice, .. }) = (reply.as_mut(), op) {
+            self.publish(i, r, &keys, notice, now);
+        }
         if let (
             Ok(r),
             Op::Acquire { .. } | Op::Extend { .. } | Op::Swap { .. } | Op::Restore { .. },

@@ -1,0 +1,46 @@
+//! What a simulated release's message reaches: one client's wake-ups for
+//! one key (see [`crate::testing::sim::wakeups`]), and their counts.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::clock::Signal;
+
+/// One client's wake-ups for one key.
+#[derive(Default)]
+pub(crate) struct SimChan {
+    pub(crate) signal: Arc<Signal>,
+    /// The last notices delivered (a release's copies wake once).
+    recent: Mutex<VecDeque<u64>>,
+}
+
+impl SimChan {
+    /// A message arrives: whether it woke the waiters.
+    pub(crate) fn deliver(&self, notice: u64) -> bool {
+        let mut recent = self.recent.lock();
+        if recent.contains(&notice) {
+            return false;
+        }
+        if recent.len() >= 8 {
+            recent.pop_front();
+        }
+        recent.push_back(notice);
+        drop(recent);
+        self.signal.notify();
+        true
+    }
+}
+
+/// Who waits for which key, per world: `None` when the run has no
+/// wake-ups (the clients poll, as before).
+pub(crate) type Subscribers = Option<BTreeMap<String, Vec<Arc<SimChan>>>>;
+
+/// A run's wake-ups delivered, and release messages lost and doubled.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct WakeStats {
+    pub(crate) woken: u64,
+    pub(crate) lost: u64,
+    pub(crate) doubled: u64,
+}

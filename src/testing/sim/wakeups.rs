@@ -1,0 +1,129 @@
+//! Wake-ups in the simulation (see `crate::driver::notify`): a release
+//! that deletes a key publishes it to the clients that wait for it, each
+//! message lost and duplicated as the network loses and duplicates
+//! requests, and delayed as replies are. The production engine waits on
+//! them through [`Watch`]; the quorum decides, so the checkers hold
+//! whatever the messages do, and the workload's bounds on every call's
+//! wait (`check_wait`) bound the waits.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use parking_lot::Mutex;
+
+use crate::algorithm::round::{Answer, Key, Reply};
+use crate::lock::transport::Watch;
+use crate::testing::sim::chan::SimChan;
+use crate::testing::sim::sched::Sched;
+use crate::testing::sim::world::{Event, World};
+
+impl World {
+    /// Node `node` ran a release with `notice` (0: silent): each key it
+    /// deleted reaches that key's subscribers, and the reply counts them.
+    pub(crate) fn publish(
+        &mut self,
+        node: usize,
+        reply: &mut Reply,
+        keys: &[Key<'_>],
+        notice: u64,
+        now: u64,
+    ) {
+        let Some(subs) = &self.subs else {
+            return;
+        };
+        if notice == 0 {
+            return;
+        }
+        let mut to = Vec::new();
+        for (k, a) in keys.iter().zip(&reply.answers) {
+            if *a != Answer::Ok {
+                continue;
+            }
+            if let Some(list) = subs.get(k.resource) {
+                reply.woke = reply
+                    .woke
+                    .max(u32::try_from(list.len()).unwrap_or(u32::MAX));
+                to.extend(list.iter().cloned());
+            }
+        }
+        if self.nodes[node].isolated || self.nodes[node].muted {
+            return;
+        }
+        for chan in to {
+            if self.rng.chance(self.net.loss) {
+                self.wakes.lost += 1;
+                continue;
+            }
+            let at = now + self.delay();
+            self.push(at, Event::Notify(chan.clone(), notice));
+            if self.rng.chance(self.net.dup) {
+                self.wakes.doubled += 1;
+                let later = at + self.delay();
+                self.push(later, Event::Notify(chan, notice));
+            }
+        }
+    }
+}
+
+/// One client's subscriptions (shared by its threads, as the driver's one
+/// subscriber connection per node is).
+#[derive(Default)]
+pub(crate) struct Watches {
+    chans: Mutex<HashMap<String, Arc<SimChan>>>,
+}
+
+impl Watches {
+    /// Subscribes to `resource` (or, `existing`, only where subscribed
+    /// already). `None` when the run has no wake-ups.
+    pub(crate) fn watch(
+        &self,
+        sched: &Arc<Sched>,
+        resource: &str,
+        existing: bool,
+    ) -> Option<Box<dyn Watch>> {
+        let mut core = sched.lock();
+        let subs = core.world.subs.as_mut()?;
+        let mut chans = self.chans.lock();
+        let chan = match chans.get(resource) {
+            Some(c) => c.clone(),
+            None if existing => return None,
+            None => {
+                let c = Arc::new(SimChan::default());
+                chans.insert(resource.to_owned(), c.clone());
+                subs.entry(resource.to_owned()).or_default().push(c.clone());
+                c
+            }
+        };
+        Some(Box::new(SimWatch {
+            chan,
+            sched: sched.clone(),
+        }))
+    }
+
+    /// Per node, whether this client listens to `resource` (on every node
+    /// once subscribed).
+    pub(crate) fn watching(&self, resource: &str, nodes: usize) -> Vec<bool> {
+        if self.chans.lock().contains_key(resource) {
+            vec![true; nodes]
+        } else {
+            Vec::new()
+        }
+    }
+}
+
+struct SimWatch {
+    chan: Arc<SimChan>,
+    sched: Arc<Sched>,
+}
+
+impl Watch for SimWatch {
+    fn seen(&self) -> u64 {
+        self.chan.signal.seen()
+    }
+
+    fn wait(&self, seen: u64, until: Instant) -> bool {
+        self.sched.wait_signal(&self.chan.signal, seen, Some(until));
+        self.chan.signal.seen() != seen
+    }
+}
