@@ -76,6 +76,12 @@ pub(crate) trait Transport: Send + Sync + 'static {
         None
     }
 
+    /// This client is about to release `resource` with `notice`: its own
+    /// message wakes none of its waiters.
+    fn releasing(&self, resource: &str, notice: u64) {
+        let _ = (resource, notice);
+    }
+
     /// Per node, whether this client's own subscriber listens to
     /// `resource`'s releases there (a release's subscriber count includes
     /// it then); empty when it does not listen.

@@ -246,6 +246,12 @@ impl Transport for RedisTransport {
         self.notifier.get()?.watch_existing(resource)
     }
 
+    fn releasing(&self, resource: &str, notice: u64) {
+        if let Some(n) = self.notifier.get() {
+            n.releasing(resource, notice);
+        }
+    }
+
     fn watching(&self, resource: &str) -> Vec<bool> {
         self.notifier
             .get()

@@ -131,6 +131,19 @@ impl Chan {
         }
     }
 
+    /// Remembers `notice` as seen: its messages wake nobody; whether it was
+    /// new.
+    fn seen_notice(&mut self, notice: Vec<u8>) -> bool {
+        if self.recent.contains(&notice) {
+            return false;
+        }
+        if self.recent.len() >= RECENT {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(notice);
+        true
+    }
+
     /// A release's message: one waiter tries.
     fn wake(&mut self) {
         self.count = self.count.wrapping_add(1);
@@ -237,6 +250,15 @@ impl Notifier {
     /// (the wake-ups from before an attempt then count), without waiting.
     pub(crate) fn watch_existing(&self, resource: &str) -> Option<Box<dyn Watch>> {
         self.watch_if(resource, Instant::now(), true)
+    }
+
+    /// This client releases `resource` with `notice`: its message (the
+    /// decimal notice, as the script publishes it) wakes nobody here.
+    pub(crate) fn releasing(&self, resource: &str, notice: u64) {
+        let mut st = self.shared.st.lock();
+        if let Some(c) = st.chans.get_mut(resource) {
+            c.seen_notice(notice.to_string().into_bytes());
+        }
     }
 
     /// Per node, whether this client's own subscriber may listen to

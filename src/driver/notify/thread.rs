@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use log::{debug, warn};
 use redis::Value;
 
-use super::{Shared, St, FREED_PREFIX, KEEPALIVE, LINGER, RECENT, RECONNECT, RECONNECT_MAX};
+use super::{Shared, St, FREED_PREFIX, KEEPALIVE, LINGER, RECONNECT, RECONNECT_MAX};
 use crate::clock::after;
 use crate::driver::conn::{Conn, For, Target};
 use crate::driver::poll::{poll, PollFd, PollFlags};
@@ -359,11 +359,7 @@ fn message(sh: &Shared, items: &[Value]) {
     // A forged message's notice is kept short.
     let notice = word(items, 2);
     let notice = &notice[..notice.len().min(64)];
-    if !c.recent.iter().any(|n| n == notice) {
-        if c.recent.len() >= RECENT {
-            c.recent.pop_front();
-        }
-        c.recent.push_back(notice.to_vec());
+    if c.seen_notice(notice.to_vec()) {
         c.wake();
     }
 }

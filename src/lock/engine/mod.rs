@@ -382,6 +382,10 @@ impl Engine {
         let start = self.clock.now();
         // Nonzero: the freed key is published (see `Op::Release`).
         let notice = remote::notice_of(&state.key());
+        // This client's own waiters are not woken by it: its local queue
+        // hands the key on, and threads without one poll, as before (woken
+        // together with the releaser's next attempt, they split the votes).
+        self.transport.releasing(&state.resource, notice);
         let results = self.round(Op::Release { keep_until, notice }, &[state.key()]);
         let outcome = quorum::decide_release(Tally::of(&results, 0));
         if outcome.is_ok() {
@@ -421,11 +425,12 @@ impl Engine {
             .map(|s| self.keep_until(s))
             .max()
             .unwrap_or(deadline);
+        let notice = keys.first().map_or(1, remote::notice_of);
+        for k in &keys {
+            self.transport.releasing(k.resource, notice);
+        }
         let results = self.transport.run(
-            Op::Release {
-                keep_until,
-                notice: keys.first().map_or(1, remote::notice_of),
-            },
+            Op::Release { keep_until, notice },
             &keys,
             deadline,
             None,

@@ -19,6 +19,16 @@ pub(crate) struct SimChan {
 impl SimChan {
     /// A message arrives: whether it woke the waiters.
     pub(crate) fn deliver(&self, notice: u64) -> bool {
+        let new = self.seen(notice);
+        if new {
+            self.signal.notify();
+        }
+        new
+    }
+
+    /// Remembers `notice` (its messages wake nobody again); whether it was
+    /// new.
+    pub(crate) fn seen(&self, notice: u64) -> bool {
         let mut recent = self.recent.lock();
         if recent.contains(&notice) {
             return false;
@@ -27,8 +37,6 @@ impl SimChan {
             recent.pop_front();
         }
         recent.push_back(notice);
-        drop(recent);
-        self.signal.notify();
         true
     }
 }

@@ -172,6 +172,10 @@ impl Transport for SimTransport {
         self.watches.watch(&self.sched, resource, true)
     }
 
+    fn releasing(&self, resource: &str, notice: u64) {
+        self.watches.releasing(resource, notice);
+    }
+
     fn watching(&self, resource: &str) -> Vec<bool> {
         self.watches.watching(resource, self.names.len())
     }

@@ -101,6 +101,14 @@ impl Watches {
         }))
     }
 
+    /// This client releases `resource` with `notice`: its own message wakes
+    /// none of its waiters (as in the driver).
+    pub(crate) fn releasing(&self, resource: &str, notice: u64) {
+        if let Some(c) = self.chans.lock().get(resource) {
+            c.seen(notice);
+        }
+    }
+
     /// Per node, whether this client listens to `resource` (on every node
     /// once subscribed).
     pub(crate) fn watching(&self, resource: &str, nodes: usize) -> Vec<bool> {
