@@ -315,14 +315,28 @@ fn main() {
         run_for,
     );
     let queued_fenced = contention(&fenced_client(&c), "bench:hot:queued-fenced", TTL, run_for);
+    // The yardstick: a plain retry loop (no queue, no wake-ups).
     let naive = contention(
+        &Redlock::builder()
+            .fresh_cluster(true)
+            .nodes(c.urls())
+            .local_queue(false)
+            .wake_ups(false)
+            .build()
+            .expect("client"),
+        "bench:hot:naive",
+        TTL,
+        run_for,
+    );
+    // No queue, wake-ups on (the default): what `local_queue(false)` costs.
+    let unqueued = contention(
         &Redlock::builder()
             .fresh_cluster(true)
             .nodes(c.urls())
             .local_queue(false)
             .build()
             .expect("client"),
-        "bench:hot:naive",
+        "bench:hot:unqueued",
         TTL,
         run_for,
     );
@@ -331,6 +345,7 @@ fn main() {
             .fresh_cluster(true)
             .nodes(c.urls())
             .local_queue(false)
+            .wake_ups(false)
             .retry_delay(Duration::from_millis(1))
             .retry_jitter(Duration::from_millis(1))
             .build()
@@ -343,6 +358,7 @@ fn main() {
         ("hot key, local queue", &queued),
         ("hot key, queue, ttl 200 ms", &queued_short),
         ("hot key, queue, fenced", &queued_fenced),
+        ("hot key, no queue, woken", &unqueued),
         ("hot key, naive 100±100 ms", &naive),
         ("hot key, naive 1±1 ms", &tight),
     ] {

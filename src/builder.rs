@@ -118,7 +118,8 @@ impl Builder {
         self
     }
 
-    /// Sets the mean pause between attempts (at most 60 s).
+    /// Sets the mean pause between attempts (at most 60 s): how long a
+    /// waiter waits at most for another client's release to wake it.
     ///
     /// Defaults to 100 ms (with the default jitter: a random pause of 0–200 ms).
     pub fn retry_delay(mut self, delay: Duration) -> Self {
@@ -169,6 +170,18 @@ impl Builder {
     /// Defaults to true.
     pub fn local_queue(mut self, on: bool) -> Self {
         self.settings.local_queue = on;
+        self
+    }
+
+    /// Whether a waiting call is woken by another client's release of its
+    /// key (pub/sub: one subscriber connection per node, a thread that
+    /// reads them; see the README's "Waiting across processes"). Off, it
+    /// polls with its retry pause. This client's releases wake the others'
+    /// waiters either way.
+    ///
+    /// Defaults to true.
+    pub fn wake_ups(mut self, on: bool) -> Self {
+        self.settings.wake_ups = on;
         self
     }
 

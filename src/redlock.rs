@@ -137,7 +137,11 @@ impl Redlock {
 
     /// Takes `resource` for `ttl`, making up to
     /// [`retry_count`](crate::Builder::retry_count) attempts with a jittered pause
-    /// between them. Returns the last attempt's error when all fail.
+    /// between them, cut short when another client's release of `resource`
+    /// wakes it (after its first failed attempt it subscribes to the key's
+    /// releases and tries once more, an attempt not counted; see the
+    /// README's "Waiting across processes"). Returns the last attempt's
+    /// error when all fail.
     ///
     /// Waits at most `retry_count × (retry_delay + retry_jitter +
     /// node_timeout)` in all (750 ms with the defaults), queueing behind
@@ -156,7 +160,8 @@ impl Redlock {
         )
     }
 
-    /// Takes `resource` for `ttl`, retrying with jittered pauses until it
+    /// Takes `resource` for `ttl`, retrying with jittered pauses (cut short,
+    /// as [`lock`](Self::lock)'s, by another client's release) until it
     /// succeeds or `wait` has passed (at least one attempt is made). Returns
     /// the last attempt's error when time runs out, within `wait` plus the
     /// node timeouts [`lock`](Self::lock) adds to its own bound.

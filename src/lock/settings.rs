@@ -16,6 +16,7 @@ pub(crate) struct Settings {
     pub auto_renew: bool,
     pub renew_fraction: f64,
     pub local_queue: bool,
+    pub wake_ups: bool,
     /// Apply the delayed-restart rule to acquire votes.
     pub restart_protection: bool,
     /// The simulation's broken variant of the rule (see
@@ -57,6 +58,7 @@ impl Default for Settings {
             auto_renew: false,
             renew_fraction: 1.0 / 3.0,
             local_queue: true,
+            wake_ups: true,
             restart_protection: true,
             loose_restart_rule: false,
             fresh_cluster: false,

@@ -313,3 +313,66 @@ fn two_clients_with_local_queues_share_one_key() {
         "sections per client {n:?}: one starved"
     );
 }
+
+/// A node that accepts TCP and never answers, present from the client's start (one of
+/// three): a majority still confirms the subscriptions, the waiters are woken through
+/// the two that answer, and no wait costs more than the other nodes' answers.
+#[test]
+fn a_node_that_never_answers_does_not_hold_the_wake_ups_back() {
+    let c = shared();
+    let hole = crate::common::faults::Blackhole::start();
+    let urls = vec![c.url(0), c.url(1), hole.url()];
+    let client = |pause: Duration| {
+        Redlock::builder()
+            .fresh_cluster(true)
+            .nodes(urls.clone())
+            .node_timeout(Duration::from_millis(250))
+            .retry_delay(pause)
+            .retry_jitter(Duration::ZERO)
+            .build()
+            .expect("valid config")
+    };
+    let holder = client(Duration::from_millis(100));
+    let key = unique_key("woken-past-a-hole");
+    let g = holder
+        .lock_timeout(&key, TTL, Duration::from_secs(5))
+        .expect("lock on 2 of 3");
+    let w = waiter(Arc::new(client(Duration::from_secs(5))), &key);
+    std::thread::sleep(Duration::from_millis(800));
+    let released = Instant::now();
+    g.release().expect("release");
+    let (got, _) = w.join().expect("waiter");
+    let after = got.saturating_duration_since(released);
+    assert!(
+        after < Duration::from_secs(2),
+        "woken {after:?} after the release"
+    );
+}
+
+/// `wake_ups(false)`: the waiter polls (its 2 s retry pause), whatever the release says.
+#[test]
+fn a_client_without_wake_ups_polls() {
+    let c = shared();
+    let holder = client(c.urls(), Duration::from_millis(100));
+    let key = unique_key("not-woken");
+    let g = holder.lock(&key, TTL).expect("lock");
+    let polling = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(c.urls())
+        .node_timeout(Duration::from_millis(250))
+        .retry_delay(Duration::from_secs(2))
+        .retry_jitter(Duration::ZERO)
+        .wake_ups(false)
+        .build()
+        .expect("valid config");
+    let w = waiter(Arc::new(polling), &key);
+    std::thread::sleep(Duration::from_millis(300));
+    let released = Instant::now();
+    g.release().expect("release");
+    let (got, _) = w.join().expect("waiter");
+    let after = got.saturating_duration_since(released);
+    assert!(
+        after >= Duration::from_millis(1200),
+        "woken {after:?} after the release"
+    );
+}

@@ -52,6 +52,7 @@ impl Engine {
             }
         }
         let waits = !matches!(budget, Budget::Attempts(1));
+        let wakes = waits && self.settings.wake_ups;
         if waits {
             self.yield_to_others(resource, until);
         }
@@ -59,7 +60,7 @@ impl Engine {
         // Wake-ups by the releases of other clients (see
         // `crate::driver::notify`): from the first failed attempt on, or
         // from the start where this client is subscribed already.
-        let mut watch = if waits {
+        let mut watch = if wakes {
             self.transport.watch_existing(resource)
         } else {
             None
@@ -93,7 +94,7 @@ impl Engine {
             if left.is_zero() {
                 return Err(err);
             }
-            if watch.is_none() && waits {
+            if watch.is_none() && wakes {
                 // Subscribed, then tried again at once (not counted as an
                 // attempt): the release may have come before the
                 // subscription.
