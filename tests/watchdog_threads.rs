@@ -23,7 +23,10 @@ fn threads_named(prefix: &str) -> usize {
 #[test]
 fn one_thread_renews_a_thousand_locks_and_ends_with_the_client() {
     let c = Cluster::start(3);
-    let ttl = Duration::from_millis(1500);
+    // 3 s: with 1.5 s a debug build on a loaded 2-core machine lost a renewal of the
+    // batch now and then (1 run in 3 here, on the code of the last landing too); the
+    // subject is one renewal thread for them all, not the margin.
+    let ttl = Duration::from_secs(3);
     let locks = Redlock::builder()
         .fresh_cluster(true)
         .nodes(c.urls())
@@ -40,9 +43,16 @@ fn one_thread_renews_a_thousand_locks_and_ends_with_the_client() {
     let started = Instant::now();
     while started.elapsed() < ttl * 3 {
         std::thread::sleep(ttl / 3);
+        let dropped: Vec<_> = guards
+            .iter()
+            .enumerate()
+            .filter(|(_, g)| !g.is_held())
+            .map(|(i, g)| (i, g.is_lost(), g.lost().try_recv().ok()))
+            .take(3)
+            .collect();
         assert!(
-            guards.iter().all(|g| g.is_held()),
-            "all held after {:?}",
+            dropped.is_empty(),
+            "all held after {:?}: not held {dropped:?}",
             started.elapsed()
         );
     }

@@ -549,15 +549,7 @@ mod tests {
     /// A connection to a local listener that answers with `reply`.
     fn answered_with(reply: &[u8]) -> Conn {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-        let target = Target {
-            host: "127.0.0.1".into(),
-            port: listener.local_addr().expect("addr").port(),
-            username: None,
-            password: None,
-            db: 0,
-            #[cfg(feature = "tls-rustls")]
-            tls: None,
-        };
+        let target = Target::local(listener.local_addr().expect("addr").port());
         let mut c =
             Conn::connect_for(&target, Duration::from_secs(2), For::Query).expect("connect");
         let (mut server, _) = listener.accept().expect("accept");

@@ -167,6 +167,22 @@ pub(crate) fn redact(url: &str) -> String {
     }
 }
 
+impl crate::driver::conn::Target {
+    /// `127.0.0.1:port`, in the clear, no credentials (the tests' listeners).
+    #[cfg(test)]
+    pub(crate) fn local(port: u16) -> Self {
+        Self {
+            host: "127.0.0.1".into(),
+            port,
+            username: None,
+            password: None,
+            db: 0,
+            #[cfg(feature = "tls-rustls")]
+            tls: None,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -18,15 +18,7 @@ use crate::driver::poll::PollFlags;
 /// one node with the channel of key `k` (generation 1).
 fn linked() -> (Shared, Link, std::net::TcpStream) {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-    let target = Target {
-        host: "127.0.0.1".into(),
-        port: listener.local_addr().expect("addr").port(),
-        username: None,
-        password: None,
-        db: 0,
-        #[cfg(feature = "tls-rustls")]
-        tls: None,
-    };
+    let target = Target::local(listener.local_addr().expect("addr").port());
     let conn = Conn::connect_for(&target, Duration::from_secs(2), For::Query).expect("connect");
     let (server, _) = listener.accept().expect("accept");
     let (_, tx) = UnixStream::pair().expect("pair");

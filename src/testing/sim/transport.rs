@@ -160,25 +160,7 @@ impl Transport for SimTransport {
         &self.names
     }
 
-    fn watch(
-        &self,
-        resource: &str,
-        _confirm_by: Instant,
-    ) -> Option<Box<dyn crate::lock::transport::Watch>> {
-        self.watches.watch(&self.sched, resource, false)
-    }
-
-    fn watch_existing(&self, resource: &str) -> Option<Box<dyn crate::lock::transport::Watch>> {
-        self.watches.watch(&self.sched, resource, true)
-    }
-
-    fn releasing(&self, resource: &str, notice: u64) {
-        self.watches.releasing(resource, notice);
-    }
-
-    fn watching(&self, resource: &str) -> Vec<bool> {
-        self.watches.watching(resource, self.names.len())
-    }
+    crate::testing::sim::wakeups::wake_ups_of!(names);
 
     fn run(
         &self,
