@@ -53,6 +53,26 @@ const CONNECT_MAX: Duration = Duration::from_millis(250);
 /// one notice; releases closer together than this many are told apart).
 const RECENT: usize = 8;
 
+/// The last [`RECENT`] notices a key's waiters saw: the rule that one
+/// release wakes them once, whichever node its message comes from (the
+/// simulation keeps its clients' notices in one too).
+#[derive(Debug, Default)]
+pub(crate) struct Notices<T>(VecDeque<T>);
+
+impl<T: PartialEq> Notices<T> {
+    /// Remembers `notice`; whether it was new (only then does it wake).
+    pub(crate) fn first_time(&mut self, notice: T) -> bool {
+        if self.0.contains(&notice) {
+            return false;
+        }
+        if self.0.len() >= RECENT {
+            self.0.pop_front();
+        }
+        self.0.push_back(notice);
+        true
+    }
+}
+
 /// The client's wake-ups: the subscriptions, and the thread that reads them.
 pub(crate) struct Notifier {
     shared: Arc<Shared>,
@@ -98,7 +118,7 @@ struct Chan {
     count: u64,
     /// The last notices seen (a release's copies from other nodes wake
     /// nobody again).
-    recent: VecDeque<Vec<u8>>,
+    recent: Notices<Vec<u8>>,
     /// Per node: the node confirmed the subscription.
     confirmed: Vec<bool>,
     /// Per node: the `SUBSCRIBE` was written on its current connection.
@@ -122,7 +142,7 @@ impl Chan {
             cv: Arc::new(Condvar::new()),
             confirm: Arc::new(Condvar::new()),
             count: 0,
-            recent: VecDeque::with_capacity(RECENT),
+            recent: Notices::default(),
             confirmed: vec![false; nodes],
             sent: vec![false; nodes],
             refused: vec![false; nodes],
@@ -134,14 +154,7 @@ impl Chan {
     /// Remembers `notice` as seen: its messages wake nobody; whether it was
     /// new.
     fn seen_notice(&mut self, notice: Vec<u8>) -> bool {
-        if self.recent.contains(&notice) {
-            return false;
-        }
-        if self.recent.len() >= RECENT {
-            self.recent.pop_front();
-        }
-        self.recent.push_back(notice);
-        true
+        self.recent.first_time(notice)
     }
 
     /// A release's message: one waiter tries.

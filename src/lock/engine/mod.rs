@@ -335,13 +335,9 @@ impl Engine {
                 .collect();
             self.attempt_event(resource, start, result.as_ref(), &judged, &holds, begun);
         }
-        *ours = judged
-            .iter()
-            .filter(|r| {
-                r.as_ref()
-                    .is_ok_and(|r| r.answers.first() == Some(&crate::algorithm::round::Answer::Ok))
-            })
-            .count();
+        if result.is_err() {
+            *ours = Tally::of(&judged, 0).ok;
+        }
         result
     }
 

@@ -1,7 +1,7 @@
 //! What a simulated release's message reaches: one client's wake-ups for
 //! one key (see [`crate::testing::sim::wakeups`]), and their counts.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -13,7 +13,7 @@ use crate::clock::Signal;
 pub(crate) struct SimChan {
     pub(crate) signal: Arc<Signal>,
     /// The last notices delivered (a release's copies wake once).
-    recent: Mutex<VecDeque<u64>>,
+    recent: Mutex<crate::driver::notify::Notices<u64>>,
 }
 
 impl SimChan {
@@ -29,15 +29,7 @@ impl SimChan {
     /// Remembers `notice` (its messages wake nobody again); whether it was
     /// new.
     pub(crate) fn seen(&self, notice: u64) -> bool {
-        let mut recent = self.recent.lock();
-        if recent.contains(&notice) {
-            return false;
-        }
-        if recent.len() >= 8 {
-            recent.pop_front();
-        }
-        recent.push_back(notice);
-        true
+        self.recent.lock().first_time(notice)
     }
 }
 
