@@ -175,8 +175,11 @@ impl Builder {
 
     /// Whether a waiting call is woken by another client's release of its
     /// key (pub/sub: one subscriber connection per node, a thread that
-    /// reads them; see the README's "Waiting across processes"). Off, it
-    /// polls with its retry pause. This client's releases wake the others'
+    /// reads them; see the README's "Waiting across processes"). Without a
+    /// message it tries again when the owner's keys expire on a majority
+    /// (as its failed attempt saw them), or after its retry pause where
+    /// that is unknown, at most a second later. Off, it polls with its
+    /// retry pause. This client's releases wake the others'
     /// waiters either way.
     ///
     /// Defaults to true.

@@ -233,6 +233,29 @@ pub(crate) fn holding(results: &[NodeResult], index: usize) -> usize {
         .count()
 }
 
+/// After a failed acquire, how long until a majority of the nodes could
+/// take the key (by the owners' remaining TTLs the answers reported; a
+/// node where our SET landed is free once undone): the bound of a waiter's
+/// fallback (see `Engine::acquire`). `None`: unknown (too many nodes failed
+/// or hold keys that never expire).
+pub(crate) fn free_in(results: &[NodeResult], index: usize) -> Option<Duration> {
+    let mut free: Vec<Duration> = results
+        .iter()
+        .map(|r| match r {
+            Ok(rep) => match rep.answers.get(index) {
+                Some(Answer::Other) => rep.held.unwrap_or(Duration::MAX),
+                Some(_) => Duration::ZERO,
+                None => Duration::MAX,
+            },
+            Err(_) => Duration::MAX,
+        })
+        .collect();
+    free.sort_unstable();
+    free.get(quorum(results.len()) - 1)
+        .copied()
+        .filter(|d| *d != Duration::MAX)
+}
+
 impl Tally {
     /// The error to report when fewer than a majority said OK. Failures take
     /// precedence only when they could have changed the outcome.
@@ -583,5 +606,48 @@ mod tests {
         assert_eq!(retry_delay(base, Duration::ZERO, 12345), base);
         // No overflow for absurd settings.
         let _ = retry_delay(Duration::MAX, Duration::MAX, u64::MAX);
+    }
+    /// The fallback's bound: a majority is free once the quorum-th
+    /// soonest owner's key expires; a node our SET landed on is free now;
+    /// failures and keys without expiry are "never".
+    #[test]
+    fn free_in_is_the_quorum_th_soonest_expiry() {
+        use crate::algorithm::round::Reply;
+        let held = |ms: Option<u64>| -> NodeResult {
+            let mut r = Reply::new(vec![Answer::Other]);
+            r.held = Some(ms.map_or(Duration::MAX, Duration::from_millis));
+            Ok(r)
+        };
+        let ours = || -> NodeResult { Ok(Reply::new(vec![Answer::Ok])) };
+        let ms = |n| Some(Duration::from_millis(n));
+        assert_eq!(
+            free_in(&[held(Some(300)), held(Some(100)), held(Some(200))], 0),
+            ms(200)
+        );
+        assert_eq!(
+            free_in(&[ours(), held(Some(900)), held(Some(400))], 0),
+            ms(400)
+        );
+        assert_eq!(free_in(&[fail("a"), held(Some(900)), held(None)], 0), None);
+        assert_eq!(
+            free_in(&[fail("a"), held(Some(900)), held(Some(5))], 0),
+            ms(900)
+        );
+        assert_eq!(
+            free_in(
+                &[
+                    held(Some(1)),
+                    held(Some(2)),
+                    fail("c"),
+                    fail("d"),
+                    held(Some(3))
+                ],
+                0
+            ),
+            ms(3)
+        );
+        assert_eq!(free_in(&[], 0), None);
+        // A reply without that key's answer says nothing.
+        assert_eq!(free_in(&[ours(), ours(), ours()], 1), None);
     }
 }

@@ -328,6 +328,10 @@ pub(crate) struct Reply {
     /// A release's: how many subscribers on the node its freed-key message
     /// reached (waiters of any client, this one's included).
     pub woke: u32,
+    /// An acquire's: how long the key, held by another owner, has left on
+    /// the node (the longest over the keys; `Duration::MAX` where it never
+    /// expires). `None`: no key held by another.
+    pub held: Option<Duration>,
 }
 
 impl Reply {
@@ -339,6 +343,7 @@ impl Reply {
             fence: None,
             server: None,
             woke: 0,
+            held: None,
         }
     }
 }

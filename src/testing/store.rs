@@ -173,11 +173,19 @@ impl Store {
             Op::Release { .. } | Op::Fence { .. } | Op::Restore { .. } => None,
         };
         let mut fence = None;
+        let mut held = None;
         let answers: Vec<Answer> = keys
             .iter()
             .map(|k| {
+                let left = self
+                    .keys
+                    .get(k.resource)
+                    .map(|(_, exp)| exp.saturating_duration_since(now));
                 let (a, f) = self.apply(op, k, now, micros);
                 fence = fence.max(f);
+                if matches!((op, a), (Op::Acquire { .. }, Answer::Other)) {
+                    held = held.max(left);
+                }
                 a
             })
             .collect();
@@ -187,6 +195,7 @@ impl Store {
             fence,
             server: None,
             woke: 0,
+            held,
         })
     }
 

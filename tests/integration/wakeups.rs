@@ -220,6 +220,73 @@ fn a_waiter_whose_subscription_was_killed_still_gets_the_lock() {
     drop(waiting);
 }
 
+/// Sets `key` on every node of `c` for `ttl` with a token no client holds: a holder that
+/// stopped (a killed process), whose key nobody releases.
+fn dead_holder(c: &Cluster, key: &str, ttl: Duration) {
+    for i in 0..3 {
+        let _: () = redis::cmd("SET")
+            .arg(key)
+            .arg("a-dead-holder")
+            .arg("PX")
+            .arg(ttl.as_millis() as u64)
+            .query(&mut c.conn(i))
+            .expect("SET");
+    }
+}
+
+/// A holder that stops without a release sends no message: its waiter's fallback is the
+/// moment its keys expire, as the failed attempt read them, not the retry pause (5 s).
+#[test]
+fn a_waiter_follows_a_dead_holder_at_its_expiry() {
+    let c = shared();
+    let key = unique_key("dead-holder");
+    let (waiting, attempts) = counted(c.urls(), Duration::from_secs(5));
+    dead_holder(&c, &key, Duration::from_millis(800));
+    let start = Instant::now();
+    let g = waiting
+        .lock_timeout(&key, TTL, Duration::from_secs(20))
+        .expect("the waiter gets the lock");
+    let took = start.elapsed();
+    assert!(
+        took >= Duration::from_millis(700) && took < Duration::from_millis(2500),
+        "got it {took:?} after it began, the dead holder's keys lasting 800 ms; attempts: {:#?}",
+        attempts.2.lock()
+    );
+    assert_eq!(attempts.acquired().map(|(woken, _)| woken), Some(false));
+    drop(g);
+}
+
+/// A key freed without a message (deleted by hand here; a release whose messages were
+/// all lost alike) costs a subscribed waiter at most its fallback cap, 1 s, however long
+/// the owner's TTL and the retry pause (20 s and 5 s here).
+#[test]
+fn a_freed_key_without_a_message_costs_at_most_the_fallback_cap() {
+    let c = shared();
+    let key = unique_key("silent-free");
+    let (waiting, attempts) = counted(c.urls(), Duration::from_secs(5));
+    dead_holder(&c, &key, Duration::from_secs(20));
+    let w = std::thread::spawn({
+        let key = key.clone();
+        move || {
+            let g = waiting.lock_timeout(&key, TTL, Duration::from_secs(20));
+            (Instant::now(), g.map(|g| g.release()).is_ok())
+        }
+    });
+    let_it_subscribe();
+    for i in 0..3 {
+        c.del(i, &key);
+    }
+    let freed = Instant::now();
+    let (got, ok) = w.join().expect("waiter");
+    assert!(ok, "the waiter got the lock");
+    let after = got.saturating_duration_since(freed);
+    assert!(
+        after < Duration::from_millis(2000),
+        "got it {after:?} after the key was freed; attempts: {:#?}",
+        attempts.2.lock()
+    );
+}
+
 fn subscribers(c: &Cluster, i: usize, key: &str) -> i64 {
     let v: Vec<redis::Value> = redis::cmd("PUBSUB")
         .arg("NUMSUB")

@@ -198,7 +198,7 @@ impl Encoded {
                 (None, &items[..])
             }
         };
-        // An acquire's 0 is "exists"; everyone else's "absent". A fenced
+        // An acquire's 0 or less is "exists"; everyone else's 0 "absent". A fenced
         // acquire answers a set key with its counter.
         let acquire = matches!(self.op, Op::Acquire { .. });
         let fenced = matches!(self.op, Op::Acquire { fenced: true, .. });
@@ -206,6 +206,7 @@ impl Encoded {
         let release = matches!(self.op, Op::Release { .. });
         let mut fence = None;
         let mut woke = 0u32;
+        let mut held = None;
         let answers = rest
             .iter()
             .map(|v| match (int(v), acquire) {
@@ -220,7 +221,15 @@ impl Encoded {
                     fence = fence.max(u64::try_from(c).ok());
                     Ok(Answer::Ok)
                 }
-                (Some(0), true) => Ok(Answer::Other),
+                // Held by another owner: `-1 - PTTL`, or 0 (no expiry).
+                (Some(c), true) if c <= 0 => {
+                    let left = match u64::try_from(-1 - c) {
+                        Ok(ms) => Duration::from_millis(ms),
+                        Err(_) => Duration::MAX,
+                    };
+                    held = held.max(Some(left));
+                    Ok(Answer::Other)
+                }
                 (Some(0), false) => Ok(Answer::Absent),
                 (Some(-1), false) => Ok(Answer::Other),
                 _ => Err(unexpected(v.clone())),
@@ -232,6 +241,7 @@ impl Encoded {
             fence,
             server: None,
             woke,
+            held,
         })
     }
 }
@@ -332,6 +342,41 @@ mod tests {
         assert!(acquired_any(&swap(1)), "swapped");
         assert!(!acquired_any(&swap(0)), "absent");
         assert!(!acquired_any(&swap(-1)), "another owner");
+    }
+
+    /// An acquire that found the key held reports the owner's remaining
+    /// TTL (`-1 - PTTL`; 0: no expiry), fenced or not; a fenced counter is
+    /// still "set".
+    #[test]
+    fn an_acquire_reports_how_long_the_owner_holds() {
+        let keys = [Key::new("a", "t1"), Key::new("b", "t2")];
+        for fenced in [false, true] {
+            let op = Op::Acquire {
+                ttl: Duration::from_secs(1),
+                known_max: Duration::ZERO,
+                fenced,
+                after: After::NONE,
+            };
+            let e = Encoded::new(op, &keys);
+            let reply = |a: i64, b: i64| {
+                let mut v = vec![Value::Int(1), Value::Int(2), Value::Int(3), Value::Int(1)];
+                v.push(Value::BulkString(Vec::new()));
+                v.extend([Value::Int(a), Value::Int(b)]);
+                e.decode(Value::Array(v)).expect("decoded")
+            };
+            let r = reply(-1 - 250, -1 - 900);
+            assert_eq!(r.answers, [Answer::Other, Answer::Other]);
+            assert_eq!(r.held, Some(Duration::from_millis(900)), "the longest");
+            let r = reply(-1, 1);
+            assert_eq!(r.answers, [Answer::Other, Answer::Ok], "fenced {fenced}");
+            assert_eq!(r.held, Some(Duration::ZERO));
+            assert_eq!(reply(0, -5).held, Some(Duration::MAX), "no expiry");
+            assert_eq!(
+                reply(i64::MIN, 1).held.map(|d| d.as_millis()),
+                Some(i64::MAX as u128)
+            );
+            assert_eq!(reply(1, 1).held, None);
+        }
     }
 
     #[test]

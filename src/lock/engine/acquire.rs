@@ -21,6 +21,21 @@ use super::{Budget, Engine};
 /// everywhere (see `Engine::acquire`).
 const QUICK_RETRIES: u32 = 2;
 
+/// The longest a subscribed waiter waits for a wake-up before it tries
+/// again: a lost message costs at most this (or the holder's remaining
+/// TTL, where shorter).
+pub(crate) const FALLBACK_CAP: Duration = Duration::from_secs(1);
+
+/// What a failed attempt saw, for the wait after it.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct Failed {
+    /// Nodes where its SET landed (undone since).
+    pub ours: usize,
+    /// How long until a majority could take the key, by the owners'
+    /// remaining TTLs (see [`quorum::free_in`]).
+    pub free_in: Option<Duration>,
+}
+
 impl Engine {
     /// Locks `resource` within `budget`: this thread's turn in the local
     /// queue first (taking over a lock handed to it), then attempts with a
@@ -79,8 +94,8 @@ impl Engine {
                 waited: tried.saturating_duration_since(called),
                 woken,
             };
-            let mut ours = 0;
-            let err = match self.attempt(resource, ttl, drift, begun, &mut ours) {
+            let mut failed = Failed::default();
+            let err = match self.attempt(resource, ttl, drift, begun, &mut failed) {
                 Ok(state) => return Ok((Arc::new(state), turn.take())),
                 Err(e) if e.is_retryable() => e,
                 Err(e) => return Err(e),
@@ -120,23 +135,39 @@ impl Engine {
             let split = watch.is_some()
                 && (woken || quick > 0)
                 && quick < QUICK_RETRIES
-                && ours > 0
+                && failed.ours > 0
                 && matches!(err, Error::Taken { .. });
+            // A subscribed waiter's fallback, should no wake-up come: the
+            // moment the owners' keys expire on a majority (a holder that
+            // stopped without a release), or the retry pause where that is
+            // unknown, never more than `FALLBACK_CAP`. Not where this
+            // attempt set some nodes: the owners elsewhere may be waiters
+            // that split the votes with it, whose undo sends nothing.
+            let expiry = watch
+                .as_ref()
+                .and(failed.free_in)
+                .filter(|_| failed.ours == 0)
+                .map(|f| f.saturating_add(Duration::from_millis(1)));
             let pause = if split {
                 quick += 1;
                 quorum::retry_delay(took * 5 / 4, took * 3 / 4, self.rng.next_u64()).min(pause)
             } else {
                 quick = 0;
-                pause
+                match (&watch, expiry) {
+                    (Some(_), Some(e)) => e.min(FALLBACK_CAP),
+                    (Some(_), None) => pause.min(FALLBACK_CAP),
+                    (None, _) => pause,
+                }
             }
             .min(left);
+            let at_expiry = !split && expiry.is_some_and(|e| e <= pause);
             debug!("lock {resource:?}: attempt failed ({err}); retrying within {pause:?}");
             match &watch {
-                // The retry pause is the fallback: a lost message costs no
-                // more than polling did.
                 Some(w) => {
                     woken = w.wait(seen, after(self.clock.now(), pause));
-                    if woken {
+                    // Woken, or at the owners' expiry: every waiter would
+                    // try at once.
+                    if woken || at_expiry {
                         // Every woken waiter would try at once. Each waits
                         // one attempt's time over one more than the
                         // wake-ups it lost (less up to a quarter, at
@@ -151,7 +182,7 @@ impl Engine {
                             self.rng.next_u64(),
                         ));
                         let wait = spread.min(until.saturating_duration_since(self.clock.now()));
-                        trace!("lock {resource:?}: woken; trying in {wait:?}");
+                        trace!("lock {resource:?}: woken ({woken}); trying in {wait:?}");
                         self.clock.sleep(wait);
                     } else {
                         trace!("lock {resource:?}: not woken; trying again");

@@ -256,6 +256,7 @@ fn merge_restored(
                     fence: None,
                     server: None,
                     woke: 0,
+                    held: None,
                 }),
                 (Some(a), _) => Ok(Reply {
                     answers: vec![a],
@@ -263,6 +264,7 @@ fn merge_restored(
                     fence: None,
                     server: None,
                     woke: 0,
+                    held: None,
                 }),
                 (None, _) => match ext {
                     Err(e) => Err(e.clone()),
@@ -272,6 +274,7 @@ fn merge_restored(
                         fence: None,
                         server: None,
                         woke: 0,
+                        held: None,
                     }),
                 },
             }

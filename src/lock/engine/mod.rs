@@ -194,7 +194,7 @@ impl Engine {
         ttl: Duration,
         drift: Duration,
         begun: Begun,
-        ours: &mut usize,
+        seen: &mut acquire::Failed,
     ) -> Result<LockState> {
         let token = new_token();
         let key = Key::new(resource, &token);
@@ -336,7 +336,10 @@ impl Engine {
             self.attempt_event(resource, start, result.as_ref(), &judged, &holds, begun);
         }
         if result.is_err() {
-            *ours = Tally::of(&judged, 0).ok;
+            *seen = acquire::Failed {
+                ours: Tally::of(&judged, 0).ok,
+                free_in: quorum::free_in(&judged, 0),
+            };
         }
         result
     }

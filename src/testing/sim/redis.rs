@@ -294,7 +294,12 @@ pub(crate) fn reply(op: Op, r: Result<Reply, &str>) -> Value {
         (Answer::Ok, true) if fenced => i64::try_from(reply.fence.unwrap_or(1)).unwrap_or(1),
         (Answer::Ok, _) => 1,
         (Answer::Restored, _) => 2,
-        (Answer::Other, true) | (Answer::Absent, _) => 0,
+        // As the script: `-1 - PTTL` (0: no expiry).
+        (Answer::Other, true) => match reply.held {
+            Some(left) if left != Duration::MAX => (-1i64).saturating_sub(millis(left)),
+            _ => 0,
+        },
+        (Answer::Absent, _) => 0,
         (Answer::Other, false) => -1,
     };
     let mut items = Vec::new();
@@ -439,6 +444,7 @@ mod tests {
             fence: None,
             server: None,
             woke: 0,
+            held: None,
         };
         let enc = Encoded::new(op, &keys);
         let got = enc.decode(reply(op, Ok(said.clone()))).expect("decodes");
@@ -463,6 +469,7 @@ mod tests {
             fence: None,
             server: None,
             woke: 0,
+            held: None,
         };
         assert_eq!(
             enc.decode(reply(release, Ok(said)))
