@@ -356,6 +356,20 @@ impl Cluster {
             .unwrap_or_else(|e| panic!("PTTL {key} on node {i}: {e}"))
     }
 
+    /// Subscribers to the channel a release of `key` publishes on, on node
+    /// `i` (`PUBSUB NUMSUB`; 0 where it cannot tell).
+    pub fn subscribers(&self, i: usize, key: &str) -> i64 {
+        let v: Vec<redis::Value> = redis::cmd("PUBSUB")
+            .arg("NUMSUB")
+            .arg(format!("quorumlock:free:{key}"))
+            .query(&mut self.conn(i))
+            .unwrap_or_default();
+        match v.get(1) {
+            Some(redis::Value::Int(n)) => *n,
+            _ => 0,
+        }
+    }
+
     fn node(&self, i: usize) -> &Node {
         self.nodes.get(i).unwrap_or_else(|| {
             panic!(

@@ -357,6 +357,56 @@ fn wait_takes_the_lock_once_the_other_run_ends() {
     assert_gone(&c, &key, Duration::from_secs(1));
 }
 
+/// `--wait` waits as the library does (issue 22): subscribed to the key's release on
+/// every node, woken by it. Another process's holder here (a client of the test); the
+/// run's command starts once it releases.
+#[test]
+fn wait_is_woken_by_the_release() {
+    let c = shared();
+    let dir = Scratch::new("cli-woken");
+    let key = unique_key("cli-woken");
+    let holder = quorumlock::Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(c.urls())
+        .node_timeout(Duration::from_millis(250))
+        .build()
+        .expect("valid config");
+    let g = holder
+        .lock(&key, Duration::from_secs(30))
+        .expect("the holder locks");
+    let mut b = Proc::spawn(
+        run_cmd(&c, &dir, "b", &key, &["--wait", "30s"], r#"touch "$D/b""#),
+        &dir,
+        "b",
+    );
+    let subscribed = wait_until(SOON, || {
+        !b.running() || (0..c.len()).all(|i| c.subscribers(i, &key) >= 1)
+    });
+    assert!(
+        subscribed && b.running(),
+        "the waiting run did not subscribe on every node: {:?}; stderr:\n{}",
+        (0..c.len())
+            .map(|i| c.subscribers(i, &key))
+            .collect::<Vec<_>>(),
+        b.stderr()
+    );
+    assert!(dir.read("b").is_none(), "ran while the lock was held");
+    let released = Instant::now();
+    g.release().expect("release");
+    assert!(
+        wait_until(SOON, || dir.path("b").exists()),
+        "b stderr:\n{}",
+        b.stderr()
+    );
+    let after = released.elapsed();
+    assert_eq!(b.exit_code(SOON), 0, "b stderr:\n{}", b.stderr());
+    assert!(
+        after < Duration::from_secs(3),
+        "ran {after:?} after the release"
+    );
+    assert_gone(&c, &key, Duration::from_secs(1));
+}
+
 /// A command that records SIGTERM in `$D/term` and exits 143 on it.
 const TRAPS_TERM: &str = r#"trap 'echo term > "$D/term"; kill $! 2>/dev/null; exit 143' TERM
     touch "$D/started"

@@ -214,7 +214,7 @@ fn a_waiter_whose_subscription_was_killed_still_gets_the_lock() {
     // And it subscribed again (the client still lives): the next wait is woken.
     assert!(
         wait_until(Duration::from_secs(2), || (0..3)
-            .all(|i| subscribers(&c, i, &key) >= 1)),
+            .all(|i| c.subscribers(i, &key) >= 1)),
         "not subscribed again"
     );
     drop(waiting);
@@ -285,18 +285,6 @@ fn a_freed_key_without_a_message_costs_at_most_the_fallback_cap() {
         "got it {after:?} after the key was freed; attempts: {:#?}",
         attempts.2.lock()
     );
-}
-
-fn subscribers(c: &Cluster, i: usize, key: &str) -> i64 {
-    let v: Vec<redis::Value> = redis::cmd("PUBSUB")
-        .arg("NUMSUB")
-        .arg(format!("quorumlock:free:{key}"))
-        .query(&mut c.conn(i))
-        .unwrap_or_default();
-    match v.get(1) {
-        Some(redis::Value::Int(n)) => *n,
-        _ => 0,
-    }
 }
 
 /// An ACL user without channel rights (`resetchannels`, Redis 7's default for new users)
