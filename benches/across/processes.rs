@@ -11,7 +11,9 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use quorumlock::Redlock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use quorumlock::{AttemptEvent, EventHandler, Redlock};
 
 const CHILD: &str = "QUORUMLOCK_BENCH_CHILD";
 const HOLD: Duration = Duration::from_millis(2);
@@ -38,9 +40,11 @@ pub fn child_main() {
     let threads: usize = threads.parse().unwrap_or(1);
     let run_for = Duration::from_millis(run_ms.parse().unwrap_or(1000));
     let ttl = Duration::from_millis(ttl_ms.parse().unwrap_or(30_000));
+    let attempts = std::sync::Arc::new(Attempts::default());
     let locks = Redlock::builder()
         .fresh_cluster(true)
         .nodes(urls)
+        .events(attempts.clone())
         .build()
         .expect("client");
     let pid = std::process::id();
@@ -72,7 +76,35 @@ pub fn child_main() {
     for l in lines {
         println!("{l}");
     }
+    let n = |a: &AtomicUsize| a.load(Ordering::Relaxed);
+    println!(
+        "# {} {} {}",
+        n(&attempts.all),
+        n(&attempts.woken),
+        n(&attempts.split)
+    );
     std::process::exit(0);
+}
+
+/// A child's attempts: all, woken, and failed with some nodes set (votes
+/// split between waiters, or the releaser's copies not yet deleted).
+#[derive(Default)]
+struct Attempts {
+    all: AtomicUsize,
+    woken: AtomicUsize,
+    split: AtomicUsize,
+}
+
+impl EventHandler for Attempts {
+    fn on_attempt(&self, e: &AttemptEvent<'_>) {
+        self.all.fetch_add(1, Ordering::Relaxed);
+        if e.woken() {
+            self.woken.fetch_add(1, Ordering::Relaxed);
+        }
+        if !e.acquired() && e.nodes().agreed() > 0 {
+            self.split.fetch_add(1, Ordering::Relaxed);
+        }
+    }
 }
 
 /// What the parent measured.
@@ -89,16 +121,19 @@ pub struct Across {
     /// The longest any process went without the key while asking for it
     /// (a process that got nothing: the whole run).
     pub starved: Duration,
+    /// Attempts per section: all, woken, and failed with some nodes set.
+    pub attempts: [f64; 3],
 }
 
-/// Runs `procs` processes of `threads` threads each on `key` for `run_for`.
+/// Runs `procs` processes of `threads` threads each on `key` for `run_for`;
+/// `during` runs beside them (a fault to inject), from their start.
 pub fn run(
     urls: &[String],
     key: &str,
     procs: usize,
     threads: usize,
-    run_for: Duration,
-    ttl: Duration,
+    (run_for, ttl): (Duration, Duration),
+    during: impl FnOnce() + Send,
 ) -> Across {
     let exe = std::env::current_exe().expect("the bench's own path");
     let spec = format!(
@@ -116,22 +151,55 @@ pub fn run(
                 .expect("spawn a child process")
         })
         .collect();
-    let mut secs: Vec<(u128, u128, u32)> = Vec::new();
-    let mut per_process = Vec::new();
+    let mut got = Got::default();
+    std::thread::scope(|s| {
+        s.spawn(during);
+        got = read(children);
+    });
+    measure(got, run_for)
+}
+
+/// What the children wrote: every section (`start end pid`), how many each
+/// had, and the sums of their attempt counts (all, woken, split).
+#[derive(Default)]
+struct Got {
+    secs: Vec<(u128, u128, u32)>,
+    per_process: Vec<usize>,
+    attempts: [usize; 3],
+}
+
+fn read(children: Vec<std::process::Child>) -> Got {
+    let mut got = Got::default();
     for mut c in children {
         let mut n = 0;
         if let Some(out) = c.stdout.take() {
             for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if let Some(counts) = line.strip_prefix("# ") {
+                    let c = counts.split(' ').filter_map(|x| x.parse::<usize>().ok());
+                    for (sum, c) in got.attempts.iter_mut().zip(c) {
+                        *sum += c;
+                    }
+                    continue;
+                }
                 let f: Vec<u128> = line.split(' ').filter_map(|x| x.parse().ok()).collect();
                 if let [a, b, p] = f[..] {
-                    secs.push((a, b, u32::try_from(p).unwrap_or(0)));
+                    got.secs.push((a, b, u32::try_from(p).unwrap_or(0)));
                     n += 1;
                 }
             }
         }
         let _ = c.wait();
-        per_process.push(n);
+        got.per_process.push(n);
     }
+    got
+}
+
+fn measure(got: Got, run_for: Duration) -> Across {
+    let Got {
+        mut secs,
+        per_process,
+        attempts,
+    } = got;
     secs.sort_unstable();
     let overlaps = secs.windows(2).filter(|w| w[1].0 < w[0].1).count();
     let same = secs.windows(2).filter(|w| w[1].2 == w[0].2).count();
@@ -190,6 +258,7 @@ pub fn run(
         per_process,
         overlaps,
         starved,
+        attempts: attempts.map(|a| a as f64 / secs.len().max(1) as f64),
     }
 }
 
@@ -198,7 +267,7 @@ impl Across {
     pub fn row(&self, name: &str) -> String {
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         format!(
-            "{name:<28} {:>6.0} sections/s  busy {:>3.0} %  wait p50 {:.1} ms p99 {:.1} ms max {:.1} ms  same process next {:>3.0} %  Jain {:.2}  per process {:?}  longest starved {:.0} ms  overlaps {}",
+            "{name:<28} {:>6.0} sections/s  busy {:>3.0} %  wait p50 {:.1} ms p99 {:.1} ms max {:.1} ms  same process next {:>3.0} %  Jain {:.2}  per process {:?}  longest starved {:.0} ms  overlaps {}  attempts/section {:.2} (woken {:.2}, split {:.2})",
             self.sections_per_sec,
             self.busy * 100.0,
             ms(self.wait_p50),
@@ -208,7 +277,10 @@ impl Across {
             self.jain,
             self.per_process,
             ms(self.starved),
-            self.overlaps
+            self.overlaps,
+            self.attempts[0],
+            self.attempts[1],
+            self.attempts[2]
         )
     }
 }
