@@ -118,8 +118,9 @@ impl Builder {
         self
     }
 
-    /// Sets the mean pause between attempts (at most 60 s): how long a
-    /// waiter waits at most for another client's release to wake it.
+    /// Sets the mean pause between attempts (at most 60 s). A waiter woken
+    /// by releases (see [`wake_ups`](Self::wake_ups)) waits for a wake-up
+    /// at most this long, and at most a second.
     ///
     /// Defaults to 100 ms (with the default jitter: a random pause of 0–200 ms).
     pub fn retry_delay(mut self, delay: Duration) -> Self {
@@ -176,10 +177,9 @@ impl Builder {
     /// Whether a waiting call is woken by another client's release of its
     /// key (pub/sub: one subscriber connection per node, a thread that
     /// reads them; see the README's "Waiting across processes"). Without a
-    /// message it tries again when the owner's keys expire on a majority
-    /// (as its failed attempt saw them), or after its retry pause where
-    /// that is unknown, at most a second later. Off, it polls with its
-    /// retry pause. This client's releases wake the others'
+    /// message it tries again after its retry pause (at most a second), or
+    /// sooner when the owner's keys expire on a majority (as its failed
+    /// attempt saw them). Off, it polls with its retry pause. This client's releases wake the others'
     /// waiters either way.
     ///
     /// Defaults to true.

@@ -280,7 +280,8 @@ impl<'a> AttemptEvent<'a> {
 
     /// Whether this attempt was made because a release woke it (another
     /// client's release of the resource, by pub/sub), rather than after its
-    /// retry pause or as the call's first.
+    /// fallback (the retry pause, or the owner's expiry where sooner) or as
+    /// the call's first.
     pub fn woken(&self) -> bool {
         self.begun.woken
     }

@@ -16,8 +16,9 @@ pub(crate) use crate::algorithm::round::META_KEY;
 /// fenced lock (else `0`), `ARGV[4..]` the tokens. Answers `{epoch, age_ms,
 /// max_ttl, prev_max, after, r1, …}`: the node's history before this
 /// command (see `history_lua!`), then `ri`: where held by another owner,
-/// `-1 - PTTL` (or 0 where it never expires); where set, 1 or (fenced)
-/// the key's new fencing counter (see [`ACQUIRE_LUA`]).
+/// `-1 - PTTL` (0 where it never expires, or where the ACL refuses
+/// `PTTL`: a `pcall`); where set, 1 or (fenced) the key's new fencing
+/// counter (see [`ACQUIRE_LUA`]).
 /// The epoch is rounded up and the current time down, so that the age is
 /// never more than the time the node has really kept its data; an epoch in
 /// the node's future (its clock was stepped back) starts again now.
@@ -176,9 +177,14 @@ for i = 1, n do
     end
   else
     -- Held by another owner: how long it still holds it, for the waiter's
-    -- fallback (`-1 - ms`; 0 where the key never expires).
-    local left = redis.call('PTTL', KEYS[i])
-    out[i + 5] = left >= 0 and -1 - left or 0
+    -- fallback (`-1 - ms`; 0 where the key never expires or an ACL
+    -- refuses PTTL).
+    local left = redis.pcall('PTTL', KEYS[i])
+    if type(left) ~= 'number' or left == -1 then
+      out[i + 5] = 0
+    else
+      out[i + 5] = -1 - math.max(left, 0)
+    end
   end
 end
 return out"

@@ -5,6 +5,7 @@
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use quorumlock::{Error, InvalidInput, NodeErrorKind, Redlock, Tls};
@@ -359,8 +360,10 @@ fn an_acl_user_with_only_the_lock_commands_works_and_its_password_stays_hidden()
         guard.release().expect("release");
     }
     // The user's release wakes a waiter of another client over TLS (the README's ACL
-    // grants the channels): within a second, where its 5 s retry pause would poll.
-    let user_client = |pause: Duration| {
+    // grants the channels): within a second, and by the release (its events say so),
+    // where its 5 s retry pause would poll.
+    let woken = Arc::new(WokenWin::default());
+    let user_client = |pause: Duration, events: Arc<WokenWin>| {
         Redlock::builder()
             .fresh_cluster(true)
             .nodes(nodes.iter().map(|n| n.url("locker:lock-pass@")))
@@ -368,12 +371,13 @@ fn an_acl_user_with_only_the_lock_commands_works_and_its_password_stays_hidden()
             .retry_delay(pause)
             .retry_jitter(Duration::ZERO)
             .tls(ca(&certs, "ca"))
+            .events(events)
             .build()
             .expect("valid config")
     };
-    let holder = user_client(Duration::from_millis(100));
+    let holder = user_client(Duration::from_millis(100), Arc::default());
     let guard = lock_soon(&holder, &key, Duration::from_secs(10)).expect("lock");
-    let waiting = user_client(Duration::from_secs(5));
+    let waiting = user_client(Duration::from_secs(5), woken.clone());
     let wait_key = key.clone();
     let waiter = std::thread::spawn(move || {
         let g = waiting
@@ -391,6 +395,11 @@ fn an_acl_user_with_only_the_lock_commands_works_and_its_password_stays_hidden()
         got.saturating_duration_since(released) < Duration::from_secs(1),
         "woken {:?} after the release",
         got.saturating_duration_since(released)
+    );
+    // By the release, not by its fallback (1 s after it began), which the bound allows.
+    assert!(
+        woken.0.load(std::sync::atomic::Ordering::SeqCst),
+        "the acquiring attempt was not woken"
     );
     // Outside the user's keys: refused by the nodes, said so.
     let locks = client(
@@ -485,4 +494,16 @@ fn a_tls_url_to_a_plain_node_and_a_plain_url_to_a_tls_node_fail_clearly() {
         "{:?}",
         start.elapsed()
     );
+}
+
+/// Whether an attempt that acquired was woken by a release.
+#[derive(Default)]
+struct WokenWin(std::sync::atomic::AtomicBool);
+
+impl quorumlock::EventHandler for WokenWin {
+    fn on_attempt(&self, e: &quorumlock::AttemptEvent<'_>) {
+        if e.acquired() && e.woken() {
+            self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
 }

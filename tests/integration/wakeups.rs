@@ -1,7 +1,8 @@
 //! Waiting across clients (issue 22): a release wakes the waiters of other clients by
 //! pub/sub, a hint to try at once, never a grant. Two clients of one process stand for two
 //! processes here: they share no queue, connection or subscription. Each waiter's retry
-//! pause is made long, so that a wake-up is told apart from polling by a wide margin.
+//! pause is made long, so that a wake-up is told apart from polling by a wide margin (a
+//! subscribed waiter's fallback is then its cap, 1 s, or the owner's expiry where sooner).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -53,6 +54,15 @@ impl EventHandler for Attempts {
 impl Attempts {
     fn get(&self) -> usize {
         self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// The attempts a release woke (not a fallback's).
+    fn woken(&self) -> usize {
+        self.2
+            .lock()
+            .iter()
+            .filter(|l| l.starts_with("woken true"))
+            .count()
     }
 
     /// Whether the attempt that acquired was woken, and how long its call had waited.
@@ -110,7 +120,7 @@ fn a_release_wakes_a_waiter_of_another_client_at_once() {
     g.release().expect("release");
     let (got, _) = w.join().expect("waiter");
     let after = got.saturating_duration_since(released);
-    // Polling would take the rest of the 5 s pause.
+    // Its fallback would come 1 s after it began (the cap; its pause is 5 s).
     assert!(
         after < Duration::from_secs(1),
         "the waiter got the lock {after:?} after the release"
@@ -134,7 +144,7 @@ fn a_forged_message_costs_one_retry_and_nothing_else() {
     let (waiting, attempts) = counted(c.urls(), Duration::from_secs(5));
     let w = waiter(Arc::new(waiting), &key);
     let_it_subscribe();
-    let before = attempts.get();
+    let before = attempts.woken();
     for i in 0..3 {
         let _: i64 = redis::cmd("PUBLISH")
             .arg(format!("quorumlock:free:{key}"))
@@ -144,9 +154,9 @@ fn a_forged_message_costs_one_retry_and_nothing_else() {
     }
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(
-        attempts.get(),
+        attempts.woken(),
         before + 1,
-        "one forged notice from 3 nodes: one retry; attempts: {:#?}",
+        "one forged notice from 3 nodes: one woken retry; attempts: {:#?}",
         attempts.2.lock()
     );
     assert!(g.is_held(), "the holder still holds it");
@@ -185,7 +195,7 @@ fn a_failed_attempts_undo_wakes_nobody() {
 }
 
 /// A waiter whose subscriber connections are killed (`CLIENT KILL TYPE pubsub`) just
-/// before the release misses its message: it still gets the lock, by its fallback (the
+/// before the release misses its message: it still gets the lock, by its fallback (its
 /// retry pause, 400 ms here) or by the subscription made again, which wakes it to try.
 #[test]
 fn a_waiter_whose_subscription_was_killed_still_gets_the_lock() {
@@ -235,21 +245,23 @@ fn dead_holder(c: &Cluster, key: &str, ttl: Duration) {
 }
 
 /// A holder that stops without a release sends no message: its waiter's fallback is the
-/// moment its keys expire, as the failed attempt read them, not the retry pause (5 s).
+/// moment its keys expire, as the failed attempt read them, not the retry pause (5 s) nor
+/// the fallback's cap (1 s).
 #[test]
 fn a_waiter_follows_a_dead_holder_at_its_expiry() {
     let c = shared();
     let key = unique_key("dead-holder");
     let (waiting, attempts) = counted(c.urls(), Duration::from_secs(5));
-    dead_holder(&c, &key, Duration::from_millis(800));
+    dead_holder(&c, &key, Duration::from_millis(300));
     let start = Instant::now();
     let g = waiting
         .lock_timeout(&key, TTL, Duration::from_secs(20))
         .expect("the waiter gets the lock");
     let took = start.elapsed();
+    // Below the fallback's cap (1 s), so that only the expiry explains it.
     assert!(
-        took >= Duration::from_millis(700) && took < Duration::from_millis(2500),
-        "got it {took:?} after it began, the dead holder's keys lasting 800 ms; attempts: {:#?}",
+        took < Duration::from_millis(800),
+        "got it {took:?} after it began, the dead holder's keys lasting 300 ms; attempts: {:#?}",
         attempts.2.lock()
     );
     assert_eq!(attempts.acquired().map(|(woken, _)| woken), Some(false));
@@ -285,6 +297,68 @@ fn a_freed_key_without_a_message_costs_at_most_the_fallback_cap() {
         "got it {after:?} after the key was freed; attempts: {:#?}",
         attempts.2.lock()
     );
+}
+
+/// Threads of one client without a local queue are not woken by each other's releases
+/// (a client's own releases wake none of its waiters): they poll at their retry pause,
+/// 100 ms here, even behind a holder with a long TTL (the owner's expiry, 10 s away, must
+/// not stretch the wait to the fallback's cap).
+#[test]
+fn threads_of_one_client_without_a_queue_poll_at_their_pause() {
+    let c = shared();
+    let key = unique_key("own-poll");
+    let locks = Arc::new(
+        Redlock::builder()
+            .fresh_cluster(true)
+            .nodes(c.urls())
+            .node_timeout(Duration::from_millis(250))
+            .local_queue(false)
+            .retry_delay(Duration::from_millis(100))
+            .retry_jitter(Duration::ZERO)
+            .build()
+            .expect("valid config"),
+    );
+    let g = locks.lock(&key, TTL).expect("lock");
+    let w = waiter(locks.clone(), &key);
+    std::thread::sleep(Duration::from_millis(300));
+    let released = Instant::now();
+    g.release().expect("release");
+    let (got, _) = w.join().expect("waiter");
+    let after = got.saturating_duration_since(released);
+    assert!(
+        after < Duration::from_millis(600),
+        "got it {after:?} after the release, polling every 100 ms"
+    );
+}
+
+/// A live holder whose renewals keep moving its expiry does not make its waiter try at
+/// every expiry it read (every 100-300 ms here): once one such try found the key still
+/// held, the waiter goes back to its retry pause (1 s here).
+#[test]
+fn a_renewed_holder_does_not_make_its_waiter_poll_faster() {
+    let c = shared();
+    let key = unique_key("renewed-holder");
+    let holder = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(c.urls())
+        .node_timeout(Duration::from_millis(100))
+        .auto_renew(true)
+        .build()
+        .expect("valid config");
+    let g = holder.lock(&key, Duration::from_millis(300)).expect("lock");
+    let (waiting, attempts) = counted(c.urls(), Duration::from_secs(1));
+    let r = waiting.lock_timeout(&key, TTL, Duration::from_millis(2500));
+    assert!(r.is_err(), "the holder renews its lock");
+    assert!(g.is_held(), "the holder lost its lock");
+    // The first attempt, the one after subscribing, one at the expiry it read, then one
+    // a second (1.2 s, 2.2 s) and one at the deadline: 6. At every expiry: about 12.
+    let n = attempts.get();
+    assert!(
+        n <= 7,
+        "{n} attempts in 2.5 s with a 1 s retry pause; attempts: {:#?}",
+        attempts.2.lock()
+    );
+    drop(g);
 }
 
 /// An ACL user without channel rights (`resetchannels`, Redis 7's default for new users)
@@ -377,22 +451,30 @@ fn a_node_that_never_answers_does_not_hold_the_wake_ups_back() {
     let c = shared();
     let hole = crate::common::faults::Blackhole::start();
     let urls = vec![c.url(0), c.url(1), hole.url()];
-    let client = |pause: Duration| {
-        Redlock::builder()
+    let client = |pause: Duration, events: Option<Arc<Attempts>>| {
+        let b = Redlock::builder()
             .fresh_cluster(true)
             .nodes(urls.clone())
             .node_timeout(Duration::from_millis(250))
             .retry_delay(pause)
-            .retry_jitter(Duration::ZERO)
-            .build()
-            .expect("valid config")
+            .retry_jitter(Duration::ZERO);
+        match events {
+            Some(e) => b.events(e),
+            None => b,
+        }
+        .build()
+        .expect("valid config")
     };
-    let holder = client(Duration::from_millis(100));
+    let holder = client(Duration::from_millis(100), None);
     let key = unique_key("woken-past-a-hole");
     let g = holder
         .lock_timeout(&key, TTL, Duration::from_secs(5))
         .expect("lock on 2 of 3");
-    let w = waiter(Arc::new(client(Duration::from_secs(5))), &key);
+    let attempts = Arc::new(Attempts::default());
+    let w = waiter(
+        Arc::new(client(Duration::from_secs(5), Some(attempts.clone()))),
+        &key,
+    );
     std::thread::sleep(Duration::from_millis(800));
     let released = Instant::now();
     g.release().expect("release");
@@ -401,6 +483,13 @@ fn a_node_that_never_answers_does_not_hold_the_wake_ups_back() {
     assert!(
         after < Duration::from_secs(2),
         "woken {after:?} after the release"
+    );
+    // Woken, not its fallback (1 s after it began), which the bound alone allows.
+    assert_eq!(
+        attempts.acquired().map(|(woken, _)| woken),
+        Some(true),
+        "attempts: {:#?}",
+        attempts.2.lock()
     );
 }
 

@@ -11,7 +11,9 @@
 //! was lost (messages may have been lost meanwhile), wakes the key's
 //! waiters; they try, and the quorum `SET NX` decides. A lost, late,
 //! duplicated or forged message costs at most latency: a waiter never
-//! waits longer than its retry pause, as it did before.
+//! waits longer than its retry pause (nor a second), as it did before,
+//! and tries sooner where the owner's keys expire sooner (see
+//! `Engine::acquire`).
 //!
 //! Bounded: at most [`MAX_CHANNELS`] keys are subscribed at once, and a key
 //! nobody has waited for in [`LINGER`] is unsubscribed. Past that bound,

@@ -1,6 +1,8 @@
 //! A call's attempts at the nodes, and its waits between them: the local
 //! queue's turn first, then attempts, each failure followed by a wait for a
-//! release's wake-up (see [`crate::driver::notify`]) or the retry pause.
+//! release's wake-up (see [`crate::driver::notify`]) or a fallback: the
+//! retry pause, or the owner's expiry where sooner, at most
+//! [`FALLBACK_CAP`].
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,8 +24,8 @@ use super::{Budget, Engine};
 const QUICK_RETRIES: u32 = 2;
 
 /// The longest a subscribed waiter waits for a wake-up before it tries
-/// again: a lost message costs at most this (or the holder's remaining
-/// TTL, where shorter).
+/// again (its retry pause or the owner's expiry, where shorter): a lost
+/// message costs at most this.
 pub(crate) const FALLBACK_CAP: Duration = Duration::from_secs(1);
 
 /// What a failed attempt saw, for the wait after it.
@@ -82,6 +84,15 @@ impl Engine {
         };
         let mut seen = 0;
         let mut woken = false;
+        // Whether this attempt was made with the other waiters at once:
+        // woken, or at the owners' expiry.
+        let mut together = false;
+        // Whether an owner's expiry may end a wait: not after an attempt at
+        // an expiry found the key still held (a live holder renews it; its
+        // waiters would try at every expiry they read), until a wake-up
+        // (a new owner).
+        let mut trust_expiry = true;
+        let mut at_expiry = false;
         // Wake-ups this call lost (the last one woken is not lost yet).
         let mut lost = 0u32;
         let mut quick = 0;
@@ -133,20 +144,23 @@ impl Engine {
             // again soon (half to twice an attempt's time, at random),
             // twice in a row at most, then the retry pause.
             let split = watch.is_some()
-                && (woken || quick > 0)
+                && (together || quick > 0)
                 && quick < QUICK_RETRIES
                 && failed.ours > 0
                 && matches!(err, Error::Taken { .. });
             // A subscribed waiter's fallback, should no wake-up come: the
-            // moment the owners' keys expire on a majority (a holder that
-            // stopped without a release), or the retry pause where that is
-            // unknown, never more than `FALLBACK_CAP`. Not where this
+            // retry pause, or sooner the moment the owners' keys expire on
+            // a majority (a holder that stopped without a release), never
+            // more than `FALLBACK_CAP`. The expiry is not used where this
             // attempt set some nodes: the owners elsewhere may be waiters
             // that split the votes with it, whose undo sends nothing.
+            if at_expiry && failed.ours == 0 {
+                trust_expiry = false;
+            }
             let expiry = watch
                 .as_ref()
                 .and(failed.free_in)
-                .filter(|_| failed.ours == 0)
+                .filter(|_| failed.ours == 0 && trust_expiry)
                 .map(|f| f.saturating_add(Duration::from_millis(1)));
             let pause = if split {
                 quick += 1;
@@ -154,20 +168,25 @@ impl Engine {
             } else {
                 quick = 0;
                 match (&watch, expiry) {
-                    (Some(_), Some(e)) => e.min(FALLBACK_CAP),
+                    (Some(_), Some(e)) => e.min(pause).min(FALLBACK_CAP),
                     (Some(_), None) => pause.min(FALLBACK_CAP),
                     (None, _) => pause,
                 }
             }
             .min(left);
-            let at_expiry = !split && expiry.is_some_and(|e| e <= pause);
+            at_expiry = !split && expiry.is_some_and(|e| e <= pause);
             debug!("lock {resource:?}: attempt failed ({err}); retrying within {pause:?}");
             match &watch {
                 Some(w) => {
                     woken = w.wait(seen, after(self.clock.now(), pause));
                     // Woken, or at the owners' expiry: every waiter would
                     // try at once.
-                    if woken || at_expiry {
+                    together = woken || at_expiry;
+                    if woken {
+                        at_expiry = false;
+                        trust_expiry = true;
+                    }
+                    if together {
                         // Every woken waiter would try at once. Each waits
                         // one attempt's time over one more than the
                         // wake-ups it lost (less up to a quarter, at
@@ -188,7 +207,10 @@ impl Engine {
                         trace!("lock {resource:?}: not woken; trying again");
                     }
                 }
-                None => self.clock.sleep(pause),
+                None => {
+                    (together, at_expiry) = (false, false);
+                    self.clock.sleep(pause);
+                }
             }
         }
     }

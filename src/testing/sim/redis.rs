@@ -444,11 +444,13 @@ mod tests {
             fence: None,
             server: None,
             woke: 0,
-            held: None,
+            held: Some(Duration::from_millis(800)),
         };
         let enc = Encoded::new(op, &keys);
         let got = enc.decode(reply(op, Ok(said.clone()))).expect("decodes");
         assert_eq!(got.answers, said.answers);
+        // The owner's remaining TTL, as the script answers it.
+        assert_eq!(got.held, said.held);
         // The history's key is not in the reply: the reading connection
         // makes it (`NodeFacts::seen_by`).
         assert_eq!(
