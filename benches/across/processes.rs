@@ -123,6 +123,9 @@ pub struct Across {
     pub starved: Duration,
     /// Attempts per section: all, woken, and failed with some nodes set.
     pub attempts: [f64; 3],
+    /// The lock's idle time from one section's end to the next's start:
+    /// median and 99th percentile.
+    pub gap: [Duration; 2],
 }
 
 /// Runs `procs` processes of `threads` threads each on `key` for `run_for`;
@@ -202,6 +205,16 @@ fn measure(got: Got, run_for: Duration) -> Across {
     } = got;
     secs.sort_unstable();
     let overlaps = secs.windows(2).filter(|w| w[1].0 < w[0].1).count();
+    // The lock's idle time between one section and the next (any process).
+    let mut gaps: Vec<u128> = secs
+        .windows(2)
+        .map(|w| w[1].0.saturating_sub(w[0].1))
+        .collect();
+    gaps.sort_unstable();
+    let gap = |q: f64| {
+        let i = ((gaps.len().max(1) - 1) as f64 * q).round() as usize;
+        Duration::from_nanos(u64::try_from(gaps.get(i).copied().unwrap_or(0)).unwrap_or(u64::MAX))
+    };
     let same = secs.windows(2).filter(|w| w[1].2 == w[0].2).count();
     let held: u128 = secs.iter().map(|s| s.1.saturating_sub(s.0)).sum();
     let span = match (secs.first(), secs.last()) {
@@ -259,6 +272,7 @@ fn measure(got: Got, run_for: Duration) -> Across {
         overlaps,
         starved,
         attempts: attempts.map(|a| a as f64 / secs.len().max(1) as f64),
+        gap: [gap(0.5), gap(0.99)],
     }
 }
 
@@ -267,7 +281,7 @@ impl Across {
     pub fn row(&self, name: &str) -> String {
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         format!(
-            "{name:<28} {:>6.0} sections/s  busy {:>3.0} %  wait p50 {:.1} ms p99 {:.1} ms max {:.1} ms  same process next {:>3.0} %  Jain {:.2}  per process {:?}  longest starved {:.0} ms  overlaps {}  attempts/section {:.2} (woken {:.2}, split {:.2})",
+            "{name:<28} {:>6.0} sections/s  busy {:>3.0} %  wait p50 {:.1} ms p99 {:.1} ms max {:.1} ms  same process next {:>3.0} %  Jain {:.2}  per process {:?}  longest starved {:.0} ms  overlaps {}  attempts/section {:.2} (woken {:.2}, split {:.2})  idle between sections p50 {:.2} ms p99 {:.2} ms",
             self.sections_per_sec,
             self.busy * 100.0,
             ms(self.wait_p50),
@@ -280,7 +294,9 @@ impl Across {
             self.overlaps,
             self.attempts[0],
             self.attempts[1],
-            self.attempts[2]
+            self.attempts[2],
+            ms(self.gap[0]),
+            ms(self.gap[1])
         )
     }
 }

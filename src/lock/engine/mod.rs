@@ -196,6 +196,7 @@ impl Engine {
         begun: Begun,
         seen: &mut acquire::Failed,
     ) -> Result<LockState> {
+        let waiter = seen.waiter;
         let token = new_token();
         let key = Key::new(resource, &token);
         let start = self.clock.now();
@@ -267,6 +268,7 @@ impl Engine {
                 known_max: known.max,
                 fenced: self.settings.fencing,
                 after: first,
+                waiter,
             },
             &[key],
             after(start, budget),
@@ -339,6 +341,7 @@ impl Engine {
             *seen = acquire::Failed {
                 ours: Tally::of(&judged, 0).ok,
                 free_in: quorum::free_in(&judged, 0),
+                waiter,
             };
         }
         result
