@@ -287,9 +287,8 @@ impl Floor {
                     .get_packed_command(),
                 redis::cmd("EVALSHA")
                     .arg(self.release.get_hash())
-                    .arg(2)
+                    .arg(1)
                     .arg(key)
-                    .arg(META_KEY)
                     .arg(0)
                     .arg(TOKEN)
                     .get_packed_command(),

@@ -82,11 +82,6 @@ pub(crate) enum Op {
         /// The lock histories the client knows to have begun, recorded with
         /// `ttl` where it is first used (empty otherwise).
         after: After,
-        /// A waiting call's client id (0: none): where the key is held, the
-        /// client joins the key's waiting line on the node (or stays in
-        /// it), and leaves it where set; a release names the line's head in
-        /// its message (see `scripts::RELEASE_LUA`).
-        waiter: u64,
     },
     /// Delete the key if it holds our token. A node that does not answer is
     /// asked again in the background until `keep_until` (when every key of

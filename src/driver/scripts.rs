@@ -133,52 +133,6 @@ return out"
 
 pub(crate) use crate::algorithm::round::FENCE_LIMIT;
 
-/// A key's waiting line (see [`ACQUIRE_LUA`] and [`RELEASE_LUA`]): the
-/// field `line:<key>` of [`META_KEY`] (`meta`), `id:seen id:seen …`,
-/// oldest first: the waiters' ids (one per client) and the node time (ms)
-/// of their last failed attempt. `line_of(key, now)` reads it without the
-/// entries older than [`LINE_STALE_MS`] (a waiter that gave up);
-/// `line_save(f, line)` writes it back (deletes it when empty). Only
-/// commands the README's minimal ACL allowed before (`HGET`, `HSET`,
-/// `TIME`) are required: the line is a hint, it must never fail a lock.
-macro_rules! line_lua {
-    () => {
-        r"local function line_of(key, now)
-  local f = 'line:' .. key
-  local raw = redis.call('HGET', meta, f)
-  local line = {}
-  if raw then
-    for id, seen in string.gmatch(raw, '(%w+):(%d+)') do
-      if tonumber(seen) + 2000 >= now then line[#line + 1] = {id, seen} end
-    end
-  end
-  return f, line, raw
-end
-local function line_save(f, line)
-  if #line == 0 then
-    -- An ACL without HDEL (the line came later than the README's ACL
-    -- line of earlier releases) leaves it empty.
-    if type(redis.pcall('HDEL', meta, f)) ~= 'number' then redis.call('HSET', meta, f, '') end
-    return
-  end
-  local parts = {}
-  for j, e in ipairs(line) do parts[j] = e[1] .. ':' .. e[2] end
-  redis.call('HSET', meta, f, table.concat(parts, ' '))
-end
-"
-    };
-}
-
-/// How long a waiter stays in a key's line after its last failed attempt
-/// (written out in `line_lua!`): longer than a subscribed waiter's longest
-/// fallback, so that only a waiter that gave up leaves it this way.
-#[cfg_attr(not(test), allow(dead_code))] // the fake nodes' copy of the rule
-pub(crate) const LINE_STALE_MS: u64 = 2000;
-
-/// The most waiters a key's line holds (written out in [`ACQUIRE_LUA`]).
-#[cfg_attr(not(test), allow(dead_code))]
-pub(crate) const LINE_MAX: usize = 16;
-
 /// The channel a release publishes a freed key on is this prefix and the
 /// key (written out in [`RELEASE_LUA`]).
 pub(crate) const FREED_PREFIX: &str = "quorumlock:free:";
@@ -192,11 +146,8 @@ pub(crate) const FREED_PREFIX: &str = "quorumlock:free:";
 /// passes [`FENCE_LIMIT`] (the script refuses first, before any SET).
 pub(crate) const ACQUIRE_LUA: &str = concat!(
     history_lua!(),
-    line_lua!(),
     r"local micros = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local fenced = string.sub(ARGV[3], 1, 1) == '1'
-local waiter = string.match(ARGV[3], '^%d (%w+)$')
-if fenced then
+if ARGV[3] == '1' then
   if micros >= 9007199254740991 - 1099511627776 then
     return redis.error_reply('ERR quorumlock: the node clock is past the year 2255; fencing tokens must stay below 2^53')
   end
@@ -208,18 +159,7 @@ if fenced then
 end
 for i = 1, n do
   if redis.call('SET', KEYS[i], ARGV[i + 3], 'NX', 'PX', ARGV[1]) then
-    if waiter then
-      -- Out of the line, if in it.
-      local f, line, raw = line_of(KEYS[i], now)
-      if raw then
-        local kept = {}
-        for _, e in ipairs(line) do
-          if e[1] ~= waiter then kept[#kept + 1] = e end
-        end
-        line_save(f, kept)
-      end
-    end
-    if fenced then
+    if ARGV[3] == '1' then
       local f = 'fence:' .. KEYS[i]
       local c = math.max((tonumber(redis.call('HGET', meta, f)) or 0) + 1, micros)
       redis.call('HSET', meta, f, string.format('%.0f', c))
@@ -230,7 +170,7 @@ for i = 1, n do
   elseif redis.call('GET', KEYS[i]) == ARGV[i + 3] then
     -- This attempt's own SET (tokens are one per attempt), sent again after
     -- its connection closed before the reply: set, with its counter.
-    if fenced then
+    if ARGV[3] == '1' then
       out[i + 5] = tonumber(redis.call('HGET', meta, 'fence:' .. KEYS[i])) or 0
     else
       out[i + 5] = 1
@@ -244,19 +184,6 @@ for i = 1, n do
       out[i + 5] = 0
     else
       out[i + 5] = -1 - math.max(left, 0)
-    end
-    if waiter then
-      -- In the line (at its end, the first time), seen now.
-      local f, line = line_of(KEYS[i], now)
-      local found = false
-      for _, e in ipairs(line) do
-        if e[1] == waiter then
-          e[2] = now
-          found = true
-        end
-      end
-      if not found and #line < 16 then line[#line + 1] = {waiter, now} end
-      line_save(f, line)
     end
   end
 end
@@ -370,26 +297,12 @@ pub(crate) static RELEASE: LazyLock<redis::Script> =
 pub(crate) const RELEASE_LUA: &str = concat!(
     ours_lua!(),
     r"local out = {}
-local meta = KEYS[#KEYS]
-",
-    line_lua!(),
-    r"for i = 1, #KEYS - 1 do
-  local key = KEYS[i]
+for i, key in ipairs(KEYS) do
   local v = redis.call('GET', key)
   if ours(v, ARGV[i + 1]) then
     out[i] = redis.call('DEL', key)
     if ARGV[1] ~= '0' then
-      local msg = ARGV[1]
-      local queued = redis.call('HGET', meta, 'line:' .. key)
-      if queued and queued ~= '' then
-        -- The head of the line is named: it tries first.
-        local t = redis.call('TIME')
-        local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-        local f, line = line_of(key, now)
-        if line[1] then msg = msg .. ' ' .. line[1][1] end
-        line_save(f, line)
-      end
-      local r = redis.pcall('PUBLISH', 'quorumlock:free:' .. key, msg)
+      local r = redis.pcall('PUBLISH', 'quorumlock:free:' .. key, ARGV[1])
       if type(r) == 'number' then out[i] = out[i] + r end
     end
   elseif v then
@@ -468,19 +381,4 @@ pub(crate) fn load_commands() -> [Vec<u8>; 6] {
             .arg(code)
             .get_packed_command()
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The line's bounds are written out in the Lua; the simulation's nodes
-    /// use the constants: both say the same.
-    #[test]
-    fn the_lines_bounds_in_the_scripts_are_the_constants() {
-        let stale = format!("tonumber(seen) + {LINE_STALE_MS} >= now");
-        let max = format!("#line < {LINE_MAX} then");
-        assert!(ACQUIRE_LUA.contains(&stale) && RELEASE_LUA.contains(&stale));
-        assert!(ACQUIRE_LUA.contains(&max));
-    }
 }

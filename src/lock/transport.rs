@@ -40,35 +40,6 @@ pub(crate) trait Watch: Send {
     fn seen(&self) -> u64;
     /// Waits until a wake-up after `seen`, or `until`; whether one came.
     fn wait(&self, seen: u64, until: Instant) -> bool;
-    /// Whom the last wake-up's release named as the head of the key's
-    /// waiting line (see `scripts::RELEASE_LUA`).
-    fn head(&self) -> Head {
-        Head::Nobody
-    }
-}
-
-/// Whom a release named as the next to try.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub(crate) enum Head {
-    /// Nobody (no line, or the wake-up was not a release's).
-    #[default]
-    Nobody,
-    /// This client.
-    Us,
-    /// Another client.
-    Other,
-}
-
-impl Head {
-    /// Whom the head `named` in a release's message is, for the client
-    /// `us` (0: none named).
-    pub(crate) fn of(named: u64, us: u64) -> Head {
-        match named {
-            0 => Head::Nobody,
-            n if n == us => Head::Us,
-            _ => Head::Other,
-        }
-    }
 }
 
 /// Access to the N nodes.
@@ -103,12 +74,6 @@ pub(crate) trait Transport: Send + Sync + 'static {
     fn watch_existing(&self, resource: &str) -> Option<Box<dyn Watch>> {
         let _ = resource;
         None
-    }
-
-    /// This client's id in the nodes' waiting lines (0: it waits by
-    /// polling, so it stays out of them).
-    fn waiter_id(&self) -> u64 {
-        0
     }
 
     /// This client is about to release `resource` with `notice`: its own

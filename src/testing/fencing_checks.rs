@@ -114,7 +114,6 @@ fn commands_sent_again_count_what_they_did_the_first_time() {
         known_max: TTL,
         fenced: true,
         after: crate::algorithm::round::After::NONE,
-        waiter: 0,
     };
     let first = store
         .round(acquire, &[Key::new("r", "t1")], now, now, 5)

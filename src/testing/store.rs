@@ -9,7 +9,6 @@ use crate::algorithm::round::NodeFacts;
 use crate::algorithm::round::Op;
 use crate::algorithm::round::Reply;
 use crate::clock::after;
-use crate::driver::scripts;
 use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering;
@@ -27,9 +26,6 @@ pub(crate) struct Store {
     /// The metadata's id: unique per store, new when its data is lost
     /// (what the connect-time script writes on a real node).
     pub(crate) id: u64,
-    /// Per resource, its waiting line: client ids and when each last
-    /// failed, oldest first (see `scripts::line_lua!`).
-    pub(crate) lines: HashMap<String, Vec<(u64, Instant)>>,
 }
 
 /// A node's lock history, as the scripts keep it in `quorumlock:meta`.
@@ -77,7 +73,6 @@ impl Default for Store {
             meta: None,
             fences: HashMap::new(),
             id: NEXT.fetch_add(1, Ordering::Relaxed),
-            lines: HashMap::new(),
         }
     }
 }
@@ -179,10 +174,6 @@ impl Store {
         };
         let mut fence = None;
         let mut held = None;
-        let waiter = match op {
-            Op::Acquire { waiter, .. } => waiter,
-            _ => 0,
-        };
         let answers: Vec<Answer> = keys
             .iter()
             .map(|k| {
@@ -195,9 +186,6 @@ impl Store {
                 if matches!((op, a), (Op::Acquire { .. }, Answer::Other)) {
                     held = held.max(left);
                 }
-                if waiter != 0 {
-                    self.queue(k.resource, waiter, a == Answer::Other, now);
-                }
                 a
             })
             .collect();
@@ -209,43 +197,6 @@ impl Store {
             woke: 0,
             held,
         })
-    }
-
-    /// A waiting call's acquire of `resource` by client `waiter`: held
-    /// (`join`), it joins the line or is seen again there; set, it leaves
-    /// the line.
-    fn queue(&mut self, resource: &str, waiter: u64, join: bool, now: Instant) {
-        let line = self.line(resource, now);
-        let at = line.iter().position(|(w, _)| *w == waiter);
-        match at {
-            Some(i) if join => line[i].1 = now,
-            Some(i) => {
-                line.remove(i);
-            }
-            None if join && line.len() < scripts::LINE_MAX => line.push((waiter, now)),
-            None => {}
-        }
-        if line.is_empty() {
-            self.lines.remove(resource);
-        }
-    }
-
-    /// `resource`'s line, without the waiters that gave up.
-    fn line(&mut self, resource: &str, now: Instant) -> &mut Vec<(u64, Instant)> {
-        let line = self.lines.entry(resource.to_owned()).or_default();
-        let stale = Duration::from_millis(scripts::LINE_STALE_MS);
-        line.retain(|(_, seen)| now.saturating_duration_since(*seen) <= stale);
-        line
-    }
-
-    /// The head of `resource`'s line, as a release that freed it names it
-    /// (0: none).
-    pub(crate) fn head(&mut self, resource: &str, now: Instant) -> u64 {
-        let head = self.line(resource, now).first().map_or(0, |(w, _)| *w);
-        if head == 0 {
-            self.lines.remove(resource);
-        }
-        head
     }
 
     /// The metadata's id.

@@ -361,48 +361,6 @@ fn a_renewed_holder_does_not_make_its_waiter_poll_faster() {
     drop(g);
 }
 
-/// Waiters of three clients that began waiting one after another get the lock in that
-/// order: each release names the head of the key's waiting line on the nodes (the
-/// longest waiter), which tries first while the others give it one attempt's time. (Before,
-/// the three woken by the first release had lost one wake-up each and drew their turn.)
-/// Three rounds.
-#[test]
-fn waiters_of_other_clients_get_the_lock_in_the_order_they_came() {
-    let c = shared();
-    for round in 0..3 {
-        let key = unique_key("line");
-        let holder = client(c.urls(), Duration::from_millis(100));
-        let waiting: Vec<_> = (0..3)
-            .map(|_| client(c.urls(), Duration::from_secs(5)))
-            .collect();
-        let g = holder.lock(&key, TTL).expect("lock");
-        let order = Arc::new(parking_lot::Mutex::new(Vec::new()));
-        let mut ws = Vec::new();
-        for (i, locks) in waiting.into_iter().enumerate() {
-            let (key, order) = (key.clone(), order.clone());
-            ws.push(std::thread::spawn(move || {
-                let g = locks
-                    .lock_timeout(&key, TTL, Duration::from_secs(20))
-                    .expect("a waiter gets the lock");
-                order.lock().push(i);
-                std::thread::sleep(Duration::from_millis(20));
-                g.release().expect("release");
-            }));
-            // Its first attempt failed and it joined the line before the next comes.
-            std::thread::sleep(Duration::from_millis(300));
-        }
-        g.release().expect("release");
-        for w in ws {
-            w.join().expect("waiter");
-        }
-        assert_eq!(
-            *order.lock(),
-            [0, 1, 2],
-            "round {round}: the order they got it in"
-        );
-    }
-}
-
 /// An ACL user without channel rights (`resetchannels`, Redis 7's default for new users)
 /// locks and releases as before (the release's `PUBLISH` is refused inside the script,
 /// which goes on), and waits by polling.

@@ -63,18 +63,14 @@ impl Encoded {
             ),
             Op::Fence { value } => (&scripts::FENCE, scripts::FENCE_LUA, vec![value]),
         };
-        let waiter = match op {
-            Op::Acquire { waiter, .. } if waiter != 0 => Some(waiter),
-            _ => None,
-        };
         let begun = match op {
             Op::Acquire { after, .. } | Op::Extend { after, .. } if !after.is_empty() => {
                 Some(after)
             }
             _ => None,
         };
-        // All but restore also take the node's lock-history key.
-        let meta = !matches!(op, Op::Restore { .. });
+        // All but release and restore also take the node's lock-history key.
+        let meta = !matches!(op, Op::Release { .. } | Op::Restore { .. });
         let swap = matches!(op, Op::Swap { .. });
         // A swap names one key, its new token, then the tokens it may hold.
         let named = if swap {
@@ -92,13 +88,10 @@ impl Encoded {
                 cmd.arg(scripts::META_KEY);
             }
             for (j, a) in args.iter().enumerate() {
-                match (begun, waiter) {
+                match begun {
                     // A first use: the longest TTL known, and the histories
                     // it comes after (see `raise_lua!`).
-                    (Some(b), _) if j == 1 => cmd.arg(format!("{a};{}", b.to_text())),
-                    // A waiting call's: the fenced flag, then who waits (see
-                    // `line_lua!`).
-                    (_, Some(w)) if j == 2 => cmd.arg(format!("{a} {w:x}")),
+                    Some(b) if j == 1 => cmd.arg(format!("{a};{}", b.to_text())),
                     _ => cmd.arg(*a),
                 };
             }
@@ -300,7 +293,6 @@ mod tests {
                     a.insert(42);
                     a
                 },
-                waiter: 0,
             },
             Op::Swap {
                 ttl: Duration::from_millis(1500),
@@ -364,7 +356,6 @@ mod tests {
                 known_max: Duration::ZERO,
                 fenced,
                 after: After::NONE,
-                waiter: 0,
             };
             let e = Encoded::new(op, &keys);
             let reply = |a: i64, b: i64| {

@@ -190,7 +190,6 @@ pub(crate) fn late_write(
                 known_max: w.known_max,
                 fenced: false,
                 after: After::NONE,
-                waiter: 0,
             };
             let undo = Encoded::new(
                 Op::Release {

@@ -246,10 +246,6 @@ impl Transport for RedisTransport {
         self.notifier.get()?.watch_existing(resource)
     }
 
-    fn waiter_id(&self) -> u64 {
-        self.notifier.get().map_or(0, |n| n.id())
-    }
-
     fn releasing(&self, resource: &str, notice: u64) {
         if let Some(n) = self.notifier.get() {
             n.releasing(resource, notice);

@@ -194,7 +194,6 @@ pub(super) fn acquire() -> Encoded {
         known_max: Duration::from_secs(10),
         fenced: false,
         after: crate::algorithm::round::After::NONE,
-        waiter: 0,
     };
     Encoded::new(op, &[Key::new("r", "t")])
 }

@@ -137,7 +137,6 @@ pub(crate) fn probe_one(
             known_max: ttl,
             fenced: false,
             after: After::NONE,
-            waiter: 0,
         },
         &[k],
     );

@@ -34,7 +34,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::driver::conn::Target;
 pub(crate) use crate::driver::scripts::FREED_PREFIX;
-use crate::lock::transport::{Head, Watch};
+use crate::lock::transport::Watch;
 
 mod thread;
 
@@ -81,8 +81,6 @@ pub(crate) struct Notifier {
 }
 
 struct Shared {
-    /// This client's id in the nodes' waiting lines (random, nonzero).
-    id: u64,
     st: Mutex<St>,
     /// Wakes the thread for new subscriptions, and to stop.
     wake: UnixStream,
@@ -120,8 +118,6 @@ struct Chan {
     confirm: Arc<Condvar>,
     /// Wake-ups so far.
     count: u64,
-    /// Whom the last wake-up named as the head of the key's line.
-    head: Head,
     /// The last notices seen (a release's copies from other nodes wake
     /// nobody again).
     recent: Notices<Vec<u8>>,
@@ -148,7 +144,6 @@ impl Chan {
             cv: Arc::new(Condvar::new()),
             confirm: Arc::new(Condvar::new()),
             count: 0,
-            head: Head::Nobody,
             recent: Notices::default(),
             confirmed: vec![false; nodes],
             sent: vec![false; nodes],
@@ -164,18 +159,15 @@ impl Chan {
         self.recent.first_time(notice)
     }
 
-    /// A release's message, naming `head` as the line's head: one waiter
-    /// tries.
-    fn wake(&mut self, head: Head) {
+    /// A release's message: one waiter tries.
+    fn wake(&mut self) {
         self.count = self.count.wrapping_add(1);
-        self.head = head;
         self.cv.notify_one();
     }
 
     /// Messages may have been lost: every waiter tries.
     fn wake_all(&mut self) {
         self.count = self.count.wrapping_add(1);
-        self.head = Head::Nobody;
         self.cv.notify_all();
     }
 
@@ -194,7 +186,6 @@ impl Notifier {
         tx.set_nonblocking(true)?;
         let nodes = targets.len();
         let shared = Arc::new(Shared {
-            id: uuid::Uuid::new_v4().as_u64_pair().0 | 1,
             st: Mutex::new(St {
                 up: vec![false; nodes],
                 tried: vec![false; nodes],
@@ -278,11 +269,6 @@ impl Notifier {
 
     /// This client releases `resource` with `notice`: its message (the
     /// decimal notice, as the script publishes it) wakes nobody here.
-    /// This client's id in the nodes' waiting lines.
-    pub(crate) fn id(&self) -> u64 {
-        self.shared.id
-    }
-
     pub(crate) fn releasing(&self, resource: &str, notice: u64) {
         let mut st = self.shared.st.lock();
         if let Some(c) = st.chans.get_mut(resource) {
@@ -393,13 +379,6 @@ impl Waiting {
 impl Watch for Waiting {
     fn seen(&self) -> u64 {
         self.count(&self.shared.st.lock()).unwrap_or(0)
-    }
-
-    fn head(&self) -> Head {
-        let st = self.shared.st.lock();
-        st.chans
-            .get(&self.resource)
-            .map_or(Head::Nobody, |c| c.head)
     }
 
     fn wait(&self, seen: u64, until: Instant) -> bool {

@@ -23,7 +23,6 @@ use super::{Shared, St, FREED_PREFIX, KEEPALIVE, LINGER, RECONNECT, RECONNECT_MA
 use crate::clock::after;
 use crate::driver::conn::{Conn, For, Target};
 use crate::driver::poll::{poll, PollFd, PollFlags};
-use crate::lock::transport::Head;
 
 /// What a subscriber connection owes an answer to, in order.
 enum Owed {
@@ -357,21 +356,11 @@ fn message(sh: &Shared, items: &[Value]) {
     let Some(c) = st.chans.get_mut(key) else {
         return;
     };
-    // `notice[ head]`: the release's notice (kept short: a forged one may
-    // be long), then the line's head, where it has one (see
-    // `scripts::RELEASE_LUA`).
-    let payload = word(items, 2);
-    let (notice, head) = match payload.iter().position(|&b| b == b' ') {
-        Some(at) => (&payload[..at], &payload[at + 1..]),
-        None => (payload, &b""[..]),
-    };
+    // A forged message's notice is kept short.
+    let notice = word(items, 2);
     let notice = &notice[..notice.len().min(64)];
-    let named = std::str::from_utf8(head)
-        .ok()
-        .and_then(|h| u64::from_str_radix(h, 16).ok())
-        .unwrap_or(0);
     if c.seen_notice(notice.to_vec()) {
-        c.wake(Head::of(named, sh.id));
+        c.wake();
     }
 }
 

@@ -29,7 +29,6 @@ fn linked() -> (Shared, Link, std::net::TcpStream) {
     };
     st.chans.insert("k".into(), Chan::new(1, 1));
     let sh = Shared {
-        id: 1,
         st: Mutex::new(st),
         wake: tx,
         stop: AtomicBool::new(false),

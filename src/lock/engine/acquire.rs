@@ -15,7 +15,6 @@ use crate::error::Error;
 use crate::events::Begun;
 use crate::lock::queue::Turn;
 use crate::lock::state::LockState;
-use crate::lock::transport::Head;
 use crate::Result;
 
 use super::{Budget, Engine};
@@ -29,13 +28,9 @@ const QUICK_RETRIES: u32 = 2;
 /// message costs at most this.
 pub(crate) const FALLBACK_CAP: Duration = Duration::from_secs(1);
 
-/// What a failed attempt saw, for the wait after it (and, going in, who
-/// waits: see `Op::Acquire`).
+/// What a failed attempt saw, for the wait after it.
 #[derive(Debug, Default, Clone, Copy)]
 pub(super) struct Failed {
-    /// This client's id in the key's waiting line, for a subscribed
-    /// waiter (0: it stays out).
-    pub waiter: u64,
     /// Nodes where its SET landed (undone since).
     pub ours: usize,
     /// How long until a majority could take the key, by the owners'
@@ -110,14 +105,7 @@ impl Engine {
                 waited: tried.saturating_duration_since(called),
                 woken,
             };
-            let mut failed = Failed {
-                waiter: if watch.is_some() {
-                    self.transport.waiter_id()
-                } else {
-                    0
-                },
-                ..Failed::default()
-            };
+            let mut failed = Failed::default();
             let err = match self.attempt(resource, ttl, drift, begun, &mut failed) {
                 Ok(state) => return Ok((Arc::new(state), turn.take())),
                 Err(e) if e.is_retryable() => e,
@@ -198,32 +186,19 @@ impl Engine {
                         at_expiry = false;
                         trust_expiry = true;
                     }
-                    let head = if woken { w.head() } else { Head::Nobody };
-                    if head == Head::Us {
-                        // The release named this client, the head of the
-                        // key's line (the longest waiter on that node):
-                        // it tries at once.
-                        lost = lost.saturating_add(1);
-                        trace!("lock {resource:?}: woken first in line; trying");
-                    } else if together {
+                    if together {
                         // Every woken waiter would try at once. Each waits
                         // one attempt's time over one more than the
                         // wake-ups it lost (less up to a quarter, at
                         // random): who lost more rounds goes first, close
                         // to first come, first served, and the votes
-                        // rarely split. Behind a head the release named,
-                        // one attempt's time more: the head's votes land
-                        // first (it is only a hint: a head that left the
-                        // line costs that time).
+                        // rarely split.
                         lost = lost.saturating_add(1);
-                        let behind = if head == Head::Other {
-                            took
-                        } else {
-                            Duration::ZERO
-                        };
                         let ahead = took / lost;
-                        let spread = behind.saturating_add(ahead.saturating_sub(
-                            quorum::retry_delay(ahead / 8, ahead / 8, self.rng.next_u64()),
+                        let spread = ahead.saturating_sub(quorum::retry_delay(
+                            ahead / 8,
+                            ahead / 8,
+                            self.rng.next_u64(),
                         ));
                         let wait = spread.min(until.saturating_duration_since(self.clock.now()));
                         trace!("lock {resource:?}: woken ({woken}); trying in {wait:?}");

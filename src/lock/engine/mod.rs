@@ -196,7 +196,6 @@ impl Engine {
         begun: Begun,
         seen: &mut acquire::Failed,
     ) -> Result<LockState> {
-        let waiter = seen.waiter;
         let token = new_token();
         let key = Key::new(resource, &token);
         let start = self.clock.now();
@@ -268,7 +267,6 @@ impl Engine {
                 known_max: known.max,
                 fenced: self.settings.fencing,
                 after: first,
-                waiter,
             },
             &[key],
             after(start, budget),
@@ -341,7 +339,6 @@ impl Engine {
             *seen = acquire::Failed {
                 ours: Tally::of(&judged, 0).ok,
                 free_in: quorum::free_in(&judged, 0),
-                waiter,
             };
         }
         result

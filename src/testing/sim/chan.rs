@@ -7,44 +7,23 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use crate::clock::Signal;
-use crate::lock::transport::Head;
 
 /// One client's wake-ups for one key.
+#[derive(Default)]
 pub(crate) struct SimChan {
     pub(crate) signal: Arc<Signal>,
     /// The last notices delivered (a release's copies wake once).
     recent: Mutex<crate::driver::notify::Notices<u64>>,
-    /// The client's id in the nodes' waiting lines.
-    id: u64,
-    /// Whom the last wake-up named as the head of the line.
-    head: Mutex<Head>,
 }
 
 impl SimChan {
-    /// Client `id`'s channel.
-    pub(crate) fn new(id: u64) -> SimChan {
-        SimChan {
-            signal: Arc::default(),
-            recent: Mutex::default(),
-            id,
-            head: Mutex::new(Head::Nobody),
-        }
-    }
-
-    /// A message arrives, naming `head` (0: nobody): whether it woke the
-    /// waiters.
-    pub(crate) fn deliver(&self, notice: u64, head: u64) -> bool {
+    /// A message arrives: whether it woke the waiters.
+    pub(crate) fn deliver(&self, notice: u64) -> bool {
         let new = self.seen(notice);
         if new {
-            *self.head.lock() = Head::of(head, self.id);
             self.signal.notify();
         }
         new
-    }
-
-    /// Whom the last wake-up named.
-    pub(crate) fn head(&self) -> Head {
-        *self.head.lock()
     }
 
     /// Remembers `notice` (its messages wake nobody again); whether it was

@@ -216,13 +216,8 @@ pub(crate) fn command(v: &Value) -> Command {
             Op::Acquire {
                 ttl: ms(arg(0)),
                 known_max,
-                // The fenced flag, then, for a waiting call, who waits.
-                fenced: arg(2).starts_with('1'),
+                fenced: arg(2) == "1",
                 after,
-                waiter: arg(2)
-                    .split_once(' ')
-                    .and_then(|(_, w)| u64::from_str_radix(w, 16).ok())
-                    .unwrap_or(0),
             }
         }
         "swap" => Op::Swap {
@@ -351,7 +346,6 @@ mod tests {
                 known_max: Duration::from_millis(7000),
                 fenced: true,
                 after,
-                waiter: 0,
             },
             Op::Extend {
                 ttl: Duration::from_millis(3000),
@@ -443,7 +437,6 @@ mod tests {
             known_max: Duration::from_millis(5000),
             fenced: false,
             after: After::NONE,
-            waiter: 0,
         };
         let said = Reply {
             answers: vec![Answer::Ok, Answer::Other],

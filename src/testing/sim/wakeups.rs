@@ -19,15 +19,14 @@ use crate::testing::sim::sched::Sched;
 use crate::testing::sim::world::{Event, World};
 
 impl World {
-    /// Node `node` ran a release with `notice` (0: silent) at its time
-    /// `node_now`: each key it deleted reaches that key's subscribers, with
-    /// the head of the key's line on that node, and the reply counts them.
+    /// Node `node` ran a release with `notice` (0: silent): each key it
+    /// deleted reaches that key's subscribers, and the reply counts them.
     pub(crate) fn publish(
         &mut self,
         node: usize,
         reply: &mut Reply,
         keys: &[Key<'_>],
-        (notice, node_now): (u64, Instant),
+        notice: u64,
         now: u64,
     ) {
         let Some(subs) = &self.subs else {
@@ -41,28 +40,27 @@ impl World {
             if *a != Answer::Ok {
                 continue;
             }
-            let head = self.nodes[node].store.head(k.resource, node_now);
             if let Some(list) = subs.get(k.resource) {
                 reply.woke = reply
                     .woke
                     .max(u32::try_from(list.len()).unwrap_or(u32::MAX));
-                to.extend(list.iter().map(|c| (c.clone(), head)));
+                to.extend(list.iter().cloned());
             }
         }
         if self.nodes[node].isolated || self.nodes[node].muted {
             return;
         }
-        for (chan, head) in to {
+        for chan in to {
             if self.rng.chance(self.net.loss) {
                 self.wakes.lost += 1;
                 continue;
             }
             let at = now + self.delay();
-            self.push(at, Event::Notify(chan.clone(), notice, head));
+            self.push(at, Event::Notify(chan.clone(), notice));
             if self.rng.chance(self.net.dup) {
                 self.wakes.doubled += 1;
                 let later = at + self.delay();
-                self.push(later, Event::Notify(chan, notice, head));
+                self.push(later, Event::Notify(chan, notice));
             }
         }
     }
@@ -88,10 +86,6 @@ macro_rules! wake_ups_of {
             self.watches.watch(&self.sched, resource, true)
         }
 
-        fn waiter_id(&self) -> u64 {
-            self.watches.id()
-        }
-
         fn releasing(&self, resource: &str, notice: u64) {
             self.watches.releasing(resource, notice);
         }
@@ -105,31 +99,12 @@ pub(crate) use wake_ups_of;
 
 /// One client's subscriptions (shared by its threads, as the driver's one
 /// subscriber connection per node is).
+#[derive(Default)]
 pub(crate) struct Watches {
     chans: Mutex<HashMap<String, Arc<SimChan>>>,
-    /// The client's id in the nodes' waiting lines.
-    id: u64,
-}
-
-impl Default for Watches {
-    fn default() -> Self {
-        // Unique per client; only equality matters, so schedules do not
-        // depend on the values.
-        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-        Watches {
-            chans: Mutex::default(),
-            id: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-        }
-    }
 }
 
 impl Watches {
-    /// The client's id in the nodes' waiting lines, once it waits by
-    /// wake-ups (0 in a run without them).
-    pub(crate) fn id(&self) -> u64 {
-        self.id
-    }
-
     /// Subscribes to `resource` (or, `existing`, only where subscribed
     /// already). `None` when the run has no wake-ups.
     pub(crate) fn watch(
@@ -145,7 +120,7 @@ impl Watches {
             Some(c) => c.clone(),
             None if existing => return None,
             None => {
-                let c = Arc::new(SimChan::new(self.id));
+                let c = Arc::new(SimChan::default());
                 chans.insert(resource.to_owned(), c.clone());
                 subs.entry(resource.to_owned()).or_default().push(c.clone());
                 c
@@ -189,9 +164,5 @@ impl Watch for SimWatch {
     fn wait(&self, seen: u64, until: Instant) -> bool {
         self.sched.wait_signal(&self.chan.signal, seen, Some(until));
         self.chan.signal.seen() != seen
-    }
-
-    fn head(&self) -> crate::lock::transport::Head {
-        self.chan.head()
     }
 }

@@ -147,8 +147,7 @@ pub(crate) enum Event {
     /// A simulated connection is reset (a lost packet, as TCP shows it).
     Reset(Arc<Inbox>),
     /// A release's message reaches a client waiting for its key.
-    /// A release's message: its notice, and the line's head it names.
-    Notify(Arc<crate::testing::sim::chan::SimChan>, u64, u64),
+    Notify(Arc<crate::testing::sim::chan::SimChan>, u64),
 }
 
 /// Nodes, network and checkers, guarded by the scheduler's lock.
@@ -303,8 +302,8 @@ impl World {
                 Event::Fault(f) => self.fault(f, at),
                 Event::Wire(inbox, v) => inbox.push(v),
                 Event::Reset(inbox) => inbox.close(),
-                Event::Notify(chan, notice, head) => {
-                    if chan.deliver(notice, head) {
+                Event::Notify(chan, notice) => {
+                    if chan.deliver(notice) {
                         self.wakes.woken += 1;
                     }
                 }
@@ -518,7 +517,7 @@ impl World {
             .store
             .round(op, &keys, node_now, self.base, micros);
         if let (Ok(r), Op::Release { notice, .. }) = (reply.as_mut(), op) {
-            self.publish(i, r, &keys, (notice, node_now), now);
+            self.publish(i, r, &keys, notice, now);
         }
         if let (
             Ok(r),
