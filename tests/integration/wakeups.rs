@@ -101,6 +101,17 @@ fn waiter(locks: Arc<Redlock>, key: &str) -> std::thread::JoinHandle<(Instant, S
     })
 }
 
+/// Releases `g`, then waits for the waiter `w`: how long after the release it got the lock.
+fn release_then_join(
+    g: quorumlock::LockGuard,
+    w: std::thread::JoinHandle<(Instant, String)>,
+) -> Duration {
+    let released = Instant::now();
+    g.release().expect("release");
+    let (got, _) = w.join().expect("waiter");
+    got.saturating_duration_since(released)
+}
+
 /// The waiter's first attempt failed and it subscribed: its retry pause is long, so this
 /// only waits for the subscriptions to be made.
 fn let_it_subscribe() {
@@ -116,10 +127,7 @@ fn a_release_wakes_a_waiter_of_another_client_at_once() {
     let (waiting, attempts) = counted(c.urls(), Duration::from_secs(5));
     let w = waiter(Arc::new(waiting), &key);
     let_it_subscribe();
-    let released = Instant::now();
-    g.release().expect("release");
-    let (got, _) = w.join().expect("waiter");
-    let after = got.saturating_duration_since(released);
+    let after = release_then_join(g, w);
     // Its fallback would come 1 s after it began (the cap; its pause is 5 s).
     assert!(
         after < Duration::from_secs(1),
@@ -162,10 +170,7 @@ fn a_forged_message_costs_one_retry_and_nothing_else() {
     assert!(g.is_held(), "the holder still holds it");
     assert!(!w.is_finished(), "a forged message granted the lock");
     assert_eq!(c.holders(&key, g.token()), 3, "the holder's keys stay");
-    let released = Instant::now();
-    g.release().expect("release");
-    let (got, _) = w.join().expect("waiter");
-    assert!(got.saturating_duration_since(released) < Duration::from_secs(1));
+    assert!(release_then_join(g, w) < Duration::from_secs(1));
 }
 
 /// A waiter whose attempt fails after its SET landed on a node the holder lacks undoes it
@@ -213,10 +218,7 @@ fn a_waiter_whose_subscription_was_killed_still_gets_the_lock() {
             .expect("CLIENT KILL");
         assert!(killed >= 1, "node {i}: no subscriber to kill");
     }
-    let released = Instant::now();
-    g.release().expect("release");
-    let (got, _) = w.join().expect("waiter");
-    let after = got.saturating_duration_since(released);
+    let after = release_then_join(g, w);
     assert!(
         after < Duration::from_secs(3),
         "got it {after:?} after the release"
@@ -321,10 +323,7 @@ fn threads_of_one_client_without_a_queue_poll_at_their_pause() {
     let g = locks.lock(&key, TTL).expect("lock");
     let w = waiter(locks.clone(), &key);
     std::thread::sleep(Duration::from_millis(300));
-    let released = Instant::now();
-    g.release().expect("release");
-    let (got, _) = w.join().expect("waiter");
-    let after = got.saturating_duration_since(released);
+    let after = release_then_join(g, w);
     assert!(
         after < Duration::from_millis(600),
         "got it {after:?} after the release, polling every 100 ms"
@@ -476,10 +475,7 @@ fn a_node_that_never_answers_does_not_hold_the_wake_ups_back() {
         &key,
     );
     std::thread::sleep(Duration::from_millis(800));
-    let released = Instant::now();
-    g.release().expect("release");
-    let (got, _) = w.join().expect("waiter");
-    let after = got.saturating_duration_since(released);
+    let after = release_then_join(g, w);
     assert!(
         after < Duration::from_secs(2),
         "woken {after:?} after the release"
@@ -511,10 +507,7 @@ fn a_client_without_wake_ups_polls() {
         .expect("valid config");
     let w = waiter(Arc::new(polling), &key);
     std::thread::sleep(Duration::from_millis(300));
-    let released = Instant::now();
-    g.release().expect("release");
-    let (got, _) = w.join().expect("waiter");
-    let after = got.saturating_duration_since(released);
+    let after = release_then_join(g, w);
     assert!(
         after >= Duration::from_millis(1200),
         "woken {after:?} after the release"

@@ -1,0 +1,303 @@
+//! Tests of the Redlock decisions (`algorithm::quorum`).
+use super::*;
+use crate::error::NodeErrorKind;
+
+const MS: Duration = Duration::from_millis(1);
+
+fn fail(n: &str) -> NodeResult {
+    Err(NodeError::new(n, NodeErrorKind::Timeout, ""))
+}
+
+fn tally(answers: &[Option<Answer>]) -> Tally {
+    let results: Vec<NodeResult> = answers
+        .iter()
+        .enumerate()
+        .map(|(i, a)| match a {
+            Some(a) => Ok(crate::algorithm::round::Reply::new(vec![*a])),
+            None => fail(&format!("n{i}")),
+        })
+        .collect();
+    Tally::of(&results, 0)
+}
+
+#[test]
+fn a_round_is_settled_by_a_majority_either_way() {
+    let ok = || Some(Ok(crate::algorithm::round::Reply::new(vec![Answer::Ok])));
+    let other = || Some(Ok(crate::algorithm::round::Reply::new(vec![Answer::Other])));
+    let failed = || Some(fail("x"));
+    assert!(!settled(&[ok(), None, None]));
+    assert!(settled(&[ok(), ok(), None]));
+    assert!(!settled(&[ok(), other(), None]));
+    assert!(settled(&[other(), failed(), None]));
+    assert!(!settled(&[ok(), ok(), None, None, None]));
+    assert!(settled(&[ok(), ok(), ok(), None, None]));
+    assert!(settled(&[other(), other(), other(), None, None]));
+}
+
+/// One vote per server: of two entries' answers for one server, the
+/// one that did more counts (a release's second delete finds the key
+/// gone), whatever order they arrive in; replicas never vote, evicting
+/// nodes only when not refused.
+#[test]
+fn each_server_votes_once_and_unfit_nodes_not_at_all() {
+    use crate::algorithm::round::{Reply, ServerTag};
+    let names: Vec<String> = ["a", "a2", "b"].iter().map(|s| s.to_string()).collect();
+    let tagged = |answer: Answer, run: u64, kind: ServerKind| -> NodeResult {
+        let mut r = Reply::new(vec![answer]);
+        r.server = Some(ServerTag {
+            run: Some(run),
+            history: None,
+            kind,
+        });
+        Ok(r)
+    };
+    let rules = VoteRules::default();
+    for order in [[0, 1], [1, 0]] {
+        let mut results: Vec<Option<NodeResult>> = vec![None; 3];
+        let answers = [Answer::Ok, Answer::Absent];
+        for &i in &order {
+            insert_vote(
+                &mut results,
+                &names,
+                i,
+                tagged(answers[i], 1, ServerKind::Fit),
+                rules,
+            );
+        }
+        insert_vote(
+            &mut results,
+            &names,
+            2,
+            tagged(Answer::Ok, 2, ServerKind::Fit),
+            rules,
+        );
+        let t = Tally::of(&results.iter().flatten().cloned().collect::<Vec<_>>(), 0);
+        assert_eq!((t.ok, t.absent), (2, 0), "{order:?}: {results:?}");
+        assert_eq!(t.failures[0].kind(), NodeErrorKind::SameServer);
+        assert_eq!(t.failures[0].node(), "a2");
+    }
+    let mut results: Vec<Option<NodeResult>> = vec![None; 3];
+    insert_vote(
+        &mut results,
+        &names,
+        0,
+        tagged(Answer::Ok, 1, ServerKind::Replica),
+        rules,
+    );
+    insert_vote(
+        &mut results,
+        &names,
+        1,
+        tagged(Answer::Ok, 2, ServerKind::Evicting("volatile-lru")),
+        rules,
+    );
+    assert!(matches!(&results[0], Some(Err(e)) if e.kind() == NodeErrorKind::Unsuitable));
+    assert!(matches!(&results[1], Some(Ok(_))), "warned of, counted");
+    let strict = VoteRules {
+        refuse_evicting: true,
+        ..rules
+    };
+    insert_vote(
+        &mut results,
+        &names,
+        1,
+        tagged(Answer::Ok, 2, ServerKind::Evicting("volatile-lru")),
+        strict,
+    );
+    assert!(matches!(&results[1], Some(Err(e)) if e.kind() == NodeErrorKind::Unsuitable));
+    // Without tags (fake or old transports), nothing changes.
+    let mut results: Vec<Option<NodeResult>> = vec![None; 2];
+    insert_vote(
+        &mut results,
+        &names,
+        0,
+        Ok(Reply::new(vec![Answer::Ok])),
+        rules,
+    );
+    insert_vote(
+        &mut results,
+        &names,
+        1,
+        Ok(Reply::new(vec![Answer::Ok])),
+        rules,
+    );
+    assert!(results.iter().all(|r| matches!(r, Some(Ok(_)))));
+}
+
+#[test]
+fn quorum_is_a_strict_majority() {
+    let table = [(1, 1), (2, 2), (3, 2), (4, 3), (5, 3), (6, 4), (7, 4)];
+    for (n, q) in table {
+        assert_eq!(quorum(n), q, "n = {n}");
+    }
+}
+
+#[test]
+fn drift_is_ttl_times_factor_plus_two_ms() {
+    assert_eq!(drift_allowance(Duration::from_secs(10), 0.01), 102 * MS);
+    assert_eq!(drift_allowance(Duration::ZERO, 0.01), 2 * MS);
+    assert_eq!(drift_allowance(Duration::from_secs(1), 0.0), 2 * MS);
+    // Extreme values saturate instead of panicking.
+    assert!(drift_allowance(Duration::MAX, 0.5) > Duration::from_secs(u64::MAX / 4));
+    assert_eq!(drift_allowance(Duration::MAX, 2.0), Duration::MAX);
+}
+
+#[test]
+fn validity_saturates_at_zero() {
+    assert_eq!(validity(100 * MS, 10 * MS, 3 * MS), 87 * MS);
+    assert_eq!(validity(3 * MS, 10 * MS, 3 * MS), Duration::ZERO);
+    assert_eq!(
+        validity(Duration::ZERO, Duration::MAX, Duration::MAX),
+        Duration::ZERO
+    );
+}
+
+#[test]
+fn acquire_needs_a_majority_and_positive_validity() {
+    use Answer::*;
+    let ttl = 1000 * MS;
+    let drift = 12 * MS;
+    let ok = decide_acquire(tally(&[Some(Ok), Some(Ok), None]), ttl, 5 * MS, drift);
+    assert_eq!(ok.unwrap(), 983 * MS);
+
+    let late = decide_acquire(tally(&[Some(Ok), Some(Ok), Some(Ok)]), ttl, 990 * MS, drift);
+    assert!(
+        matches!(late, Err(Error::ValidityExhausted { .. })),
+        "{late:?}"
+    );
+
+    let taken = decide_acquire(tally(&[Some(Ok), Some(Other), Some(Other)]), ttl, MS, drift);
+    assert!(
+        matches!(taken, Err(Error::Taken { held: 2, nodes: 3 })),
+        "{taken:?}"
+    );
+
+    // One OK, one taken, one failed: the failed node could have made a
+    // majority, so the failure is what is reported.
+    let noq = decide_acquire(tally(&[Some(Ok), Some(Other), None]), ttl, MS, drift);
+    match noq {
+        Err(Error::NoQuorum {
+            agreed: 1,
+            quorum: 2,
+            failures,
+        }) => {
+            assert_eq!(failures.len(), 1);
+            assert_eq!(failures[0].node(), "n2");
+        }
+        other => panic!("{other:?}"),
+    }
+
+    // Two of three down.
+    let down = decide_acquire(tally(&[Some(Ok), None, None]), ttl, MS, drift);
+    assert!(
+        matches!(down, Err(Error::NoQuorum { agreed: 1, .. })),
+        "{down:?}"
+    );
+}
+
+#[test]
+fn release_tells_expired_from_stolen() {
+    use Answer::*;
+    assert!(decide_release(tally(&[Some(Ok), Some(Ok), Some(Absent)])).is_ok());
+    assert!(matches!(
+        decide_release(tally(&[Some(Absent), Some(Absent), Some(Ok)])),
+        Err(Error::Expired)
+    ));
+    assert!(matches!(
+        decide_release(tally(&[Some(Other), Some(Other), Some(Absent)])),
+        Err(Error::NotOwner { nodes: 2 })
+    ));
+    assert!(matches!(
+        decide_release(tally(&[Some(Ok), None, None])),
+        Err(Error::NoQuorum { .. })
+    ));
+}
+
+#[test]
+fn extend_must_finish_inside_the_old_validity() {
+    use Answer::*;
+    let t = || tally(&[Some(Ok), Some(Ok), Some(Ok)]);
+    let ttl = 100 * MS;
+    assert_eq!(
+        decide_extend(t(), ttl, 4 * MS, 3 * MS, 50 * MS).unwrap(),
+        93 * MS
+    );
+    assert!(matches!(
+        decide_extend(t(), ttl, 60 * MS, 3 * MS, 50 * MS),
+        Err(Error::Expired)
+    ));
+    assert!(matches!(
+        decide_extend(
+            tally(&[Some(Other), Some(Absent), Some(Absent)]),
+            ttl,
+            MS,
+            MS,
+            50 * MS
+        ),
+        Err(Error::NotOwner { nodes: 1 })
+    ));
+}
+
+#[test]
+fn retry_delay_stays_in_its_band() {
+    let base = 100 * MS;
+    let jitter = 100 * MS;
+    let rng = crate::clock::Rng::new(7);
+    let mut lo = Duration::MAX;
+    let mut hi = Duration::ZERO;
+    for _ in 0..10_000 {
+        let d = retry_delay(base, jitter, rng.next_u64());
+        lo = lo.min(d);
+        hi = hi.max(d);
+    }
+    assert!(
+        hi <= 200 * MS && lo < 10 * MS && hi > 190 * MS,
+        "{lo:?}..{hi:?}"
+    );
+    assert_eq!(retry_delay(base, Duration::ZERO, 12345), base);
+    // No overflow for absurd settings.
+    let _ = retry_delay(Duration::MAX, Duration::MAX, u64::MAX);
+}
+/// The fallback's bound: a majority is free once the quorum-th
+/// soonest owner's key expires; a node our SET landed on is free now;
+/// failures and keys without expiry are "never".
+#[test]
+fn free_in_is_the_quorum_th_soonest_expiry() {
+    use crate::algorithm::round::Reply;
+    let held = |ms: Option<u64>| -> NodeResult {
+        let mut r = Reply::new(vec![Answer::Other]);
+        r.held = Some(ms.map_or(Duration::MAX, Duration::from_millis));
+        Ok(r)
+    };
+    let ours = || -> NodeResult { Ok(Reply::new(vec![Answer::Ok])) };
+    let ms = |n| Some(Duration::from_millis(n));
+    assert_eq!(
+        free_in(&[held(Some(300)), held(Some(100)), held(Some(200))], 0),
+        ms(200)
+    );
+    assert_eq!(
+        free_in(&[ours(), held(Some(900)), held(Some(400))], 0),
+        ms(400)
+    );
+    assert_eq!(free_in(&[fail("a"), held(Some(900)), held(None)], 0), None);
+    assert_eq!(
+        free_in(&[fail("a"), held(Some(900)), held(Some(5))], 0),
+        ms(900)
+    );
+    assert_eq!(
+        free_in(
+            &[
+                held(Some(1)),
+                held(Some(2)),
+                fail("c"),
+                fail("d"),
+                held(Some(3))
+            ],
+            0
+        ),
+        ms(3)
+    );
+    assert_eq!(free_in(&[], 0), None);
+    // A reply without that key's answer says nothing.
+    assert_eq!(free_in(&[ours(), ours(), ours()], 1), None);
+}
