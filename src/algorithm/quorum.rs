@@ -118,13 +118,10 @@ pub(crate) fn settled(results: &[Option<NodeResult>]) -> bool {
     settled_by(results, |_, _| true)
 }
 
-/// Whether a round of many keys is settled for every key (see [`settled`]).
-pub(crate) fn settled_all(results: &[Option<NodeResult>]) -> bool {
-    let keys = results
-        .iter()
-        .filter_map(|r| r.as_ref()?.as_ref().ok().map(|rep| rep.answers.len()))
-        .max()
-        .unwrap_or(0);
+/// Whether a round of `keys` keys is settled for every key (see
+/// [`settled`]). The count is the round's, not the replies': before any
+/// reply, no key is settled.
+pub(crate) fn settled_all(results: &[Option<NodeResult>], keys: usize) -> bool {
     let q = quorum(results.len());
     let pending = results.iter().filter(|r| r.is_none()).count();
     (0..keys).all(|k| {

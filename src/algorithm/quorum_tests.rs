@@ -301,3 +301,34 @@ fn free_in_is_the_quorum_th_soonest_expiry() {
     // A reply without that key's answer says nothing.
     assert_eq!(free_in(&[ours(), ours(), ours()], 1), None);
 }
+
+/// A round of many keys is not settled before any node answered: with no
+/// reply yet, no key has its majority, and every node may still give one.
+/// (It counted the keys among the replies, so zero replies meant zero keys,
+/// all settled: renewal rounds of several locks ended before their replies
+/// and, on nodes a few milliseconds away, failed every time.)
+#[test]
+fn a_round_of_many_keys_waits_for_its_replies() {
+    use crate::algorithm::round::Reply;
+    let ok2 = || Some(Ok(Reply::new(vec![Answer::Ok, Answer::Ok])));
+    let half = || Some(Ok(Reply::new(vec![Answer::Ok, Answer::Other])));
+    assert!(!settled_all(&[None, None, None], 2), "nothing answered");
+    assert!(
+        !settled_all(&[Some(fail("a")), None, None], 2),
+        "one failure"
+    );
+    assert!(!settled_all(&[ok2(), None, None], 2), "one of a majority");
+    assert!(
+        settled_all(&[ok2(), ok2(), None], 2),
+        "both keys at a majority"
+    );
+    assert!(
+        !settled_all(&[ok2(), half(), None], 2),
+        "the second key is short"
+    );
+    assert!(settled_all(&[half(), half(), half()], 2), "all in: decided");
+    assert!(
+        settled_all(&[Some(fail("a")), Some(fail("b")), None], 2),
+        "no majority left"
+    );
+}

@@ -68,11 +68,10 @@ impl Engine {
             // is restored (the renewal thread's time, not a caller's; a slow
             // node that answers within the node timeout but after the lock's
             // validity no longer costs the lock).
-            let settled: crate::lock::transport::Decided<'_> = if keys.len() == 1 {
-                &quorum::settled
-            } else {
-                &quorum::settled_all
-            };
+            let n = keys.len();
+            let all = move |r: &[Option<NodeResult>]| quorum::settled_all(r, n);
+            let settled: crate::lock::transport::Decided<'_> =
+                if n == 1 { &quorum::settled } else { &all };
             let op = Op::Extend {
                 ttl,
                 linger: loud,
