@@ -140,8 +140,10 @@ impl Redlock {
     /// between them, cut short when another client's release of `resource`
     /// wakes it (after its first failed attempt it subscribes to the key's
     /// releases and tries once more, an attempt not counted; see the
-    /// README's "Waiting across processes"). Returns the last attempt's
-    /// error when all fail.
+    /// README's "Waiting across processes"). A subscribed waiter also tries
+    /// in between, at the moment the owner's keys expire and at least once
+    /// a second (a lost message costs at most that); those tries are not
+    /// counted. Returns the last attempt's error when all fail.
     ///
     /// Waits at most `retry_count × (retry_delay + retry_jitter +
     /// node_timeout)` in all (750 ms with the defaults), queueing behind

@@ -270,6 +270,119 @@ fn a_waiter_follows_a_dead_holder_at_its_expiry() {
     drop(g);
 }
 
+/// A dead holder whose keys are on a bare majority (a node was down when it locked, or
+/// restarted empty since): the waiter's SET lands on the free node and is undone, and it
+/// still follows the owners' expiry (the shorter of it and the pause never waits longer).
+/// It waited for the fallback's cap, 1 s.
+#[test]
+fn a_waiter_follows_a_dead_holder_on_a_bare_majority_at_its_expiry() {
+    let c = shared();
+    let key = unique_key("dead-majority");
+    let (waiting, attempts) = counted(c.urls(), Duration::from_secs(5));
+    for i in 0..2 {
+        let _: () = redis::cmd("SET")
+            .arg(&key)
+            .arg("a-dead-holder")
+            .arg("PX")
+            .arg(300)
+            .query(&mut c.conn(i))
+            .expect("SET");
+    }
+    let start = Instant::now();
+    let g = waiting
+        .lock_timeout(&key, TTL, Duration::from_secs(20))
+        .expect("the waiter gets the lock");
+    let took = start.elapsed();
+    assert!(
+        took < Duration::from_millis(800),
+        "got it {took:?} after it began, the dead holder's keys lasting 300 ms on 2 of 3 \
+         nodes; attempts: {:#?}",
+        attempts.2.lock()
+    );
+    drop(g);
+}
+
+/// `lock()` makes `retry_count` attempts a retry pause apart: a subscribed waiter's
+/// shorter fallbacks (the 1 s cap, the owner's expiry) are extra tries, not counted
+/// among them. With 3 attempts 5 s apart it gave up after 2 s, before a release at 3 s.
+#[test]
+fn lock_keeps_its_attempts_a_retry_pause_apart() {
+    let c = shared();
+    let key = unique_key("counted-attempts");
+    let holder = client(c.urls(), Duration::from_millis(100));
+    let g = holder.lock(&key, TTL).expect("lock");
+    let waiting = Arc::new(
+        Redlock::builder()
+            .fresh_cluster(true)
+            .nodes(c.urls())
+            .node_timeout(Duration::from_millis(250))
+            .retry_delay(Duration::from_secs(5))
+            .retry_jitter(Duration::ZERO)
+            .retry_count(3)
+            .build()
+            .expect("valid config"),
+    );
+    let w = std::thread::spawn({
+        let (waiting, key) = (waiting.clone(), key.clone());
+        move || waiting.lock(&key, TTL).map(|g| g.release())
+    });
+    std::thread::sleep(Duration::from_secs(3));
+    g.release().expect("release");
+    let r = w.join().expect("waiter");
+    assert!(
+        matches!(r, Ok(Ok(()))),
+        "lock() with 3 attempts 5 s apart gave up before a release at 3 s: {r:?}"
+    );
+}
+
+/// A forged message, behind a renewed holder whose expiry the waiter has stopped
+/// trusting, costs one retry: the woken try does not make it trust the expiry again (it
+/// tried at the expiry it read next, a second retry per forged message).
+#[test]
+fn a_forged_message_behind_a_renewed_holder_costs_one_retry() {
+    let c = shared();
+    let key = unique_key("forged-renewed");
+    let holder = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(c.urls())
+        .node_timeout(Duration::from_millis(250))
+        .auto_renew(true)
+        .build()
+        .expect("valid config");
+    let g = holder.lock(&key, Duration::from_millis(600)).expect("lock");
+    let (waiting, attempts) = counted(c.urls(), Duration::from_secs(5));
+    let w = std::thread::spawn({
+        let key = key.clone();
+        move || {
+            waiting
+                .lock_timeout(&key, TTL, Duration::from_secs(3))
+                .is_err()
+        }
+    });
+    // Its first attempts and its try at the expiry it read (within 0.6 s) are made; its
+    // next is the fallback's cap, 1 s after that.
+    std::thread::sleep(Duration::from_millis(1200));
+    let before = attempts.get();
+    for i in 0..3 {
+        let _: i64 = redis::cmd("PUBLISH")
+            .arg(format!("quorumlock:free:{key}"))
+            .arg("forged-notice")
+            .query(&mut c.conn(i))
+            .expect("PUBLISH");
+    }
+    std::thread::sleep(Duration::from_millis(800));
+    let n = attempts.get() - before;
+    assert_eq!(
+        n,
+        1,
+        "attempts in the 800 ms after one forged message; attempts: {:#?}",
+        attempts.2.lock()
+    );
+    assert!(w.join().expect("waiter"), "the holder renews its lock");
+    assert!(g.is_held());
+    drop(g);
+}
+
 /// A key freed without a message (deleted by hand here; a release whose messages were
 /// all lost alike) costs a subscribed waiter at most its fallback cap, 1 s, however long
 /// the owner's TTL and the retry pause (20 s and 5 s here).

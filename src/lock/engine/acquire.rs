@@ -5,7 +5,7 @@
 //! [`FALLBACK_CAP`].
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use log::{debug, trace};
 
@@ -74,6 +74,11 @@ impl Engine {
             self.yield_to_others(resource, until);
         }
         let mut attempt = 1u32;
+        // When the next counted attempt is due (the retry pause after the
+        // last): a subscribed waiter's tries at a shorter fallback (the cap,
+        // the owner's expiry) come in between, not counted, so that
+        // `lock()`'s attempts stay a retry pause apart.
+        let mut due: Option<Instant> = None;
         // Wake-ups by the releases of other clients (see
         // `crate::driver::notify`): from the first failed attempt on, or
         // from the start where this client is subscribed already.
@@ -89,8 +94,8 @@ impl Engine {
         let mut together = false;
         // Whether an owner's expiry may end a wait: not after an attempt at
         // an expiry found the key still held (a live holder renews it; its
-        // waiters would try at every expiry they read), until a wake-up
-        // (a new owner).
+        // waiters would try at every expiry they read), for the rest of the
+        // call.
         let mut trust_expiry = true;
         let mut at_expiry = false;
         // Wake-ups this call lost (the last one woken is not lost yet).
@@ -131,12 +136,17 @@ impl Engine {
                     continue;
                 }
             }
-            if let Budget::Attempts(n) = budget {
-                if attempt >= n {
-                    return Err(err);
+            if woken || due.is_none_or(|d| now >= d) {
+                if let Budget::Attempts(n) = budget {
+                    if attempt >= n {
+                        return Err(err);
+                    }
                 }
+                attempt = attempt.saturating_add(1);
+                due = Some(after(now, pause));
             }
-            attempt = attempt.saturating_add(1);
+            // What is left of the retry pause.
+            let pause = due.map_or(pause, |d| d.saturating_duration_since(now));
             let took = now.saturating_duration_since(tried);
             // A woken attempt that set the key on some nodes and still
             // lost: maybe waiters woken together split the votes and each
@@ -151,16 +161,17 @@ impl Engine {
             // A subscribed waiter's fallback, should no wake-up come: the
             // retry pause, or sooner the moment the owners' keys expire on
             // a majority (a holder that stopped without a release), never
-            // more than `FALLBACK_CAP`. The expiry is not used where this
-            // attempt set some nodes: the owners elsewhere may be waiters
-            // that split the votes with it, whose undo sends nothing.
-            if at_expiry && failed.ours == 0 {
+            // more than `FALLBACK_CAP`. (Where this attempt set some nodes,
+            // the owners elsewhere may be waiters that split the votes with
+            // it: their keys' expiry is a whole TTL, and the shorter of it
+            // and the pause never waits longer.)
+            if at_expiry && !split {
                 trust_expiry = false;
             }
             let expiry = watch
                 .as_ref()
                 .and(failed.free_in)
-                .filter(|_| failed.ours == 0 && trust_expiry)
+                .filter(|_| trust_expiry)
                 .map(|f| f.saturating_add(Duration::from_millis(1)));
             let pause = if split {
                 quick += 1;
@@ -183,8 +194,11 @@ impl Engine {
                     // try at once.
                     together = woken || at_expiry;
                     if woken {
+                        // (The expiry stays untrusted where it was: a woken
+                        // try that fails may meet the same renewed holder,
+                        // after a forged or duplicated message; a new owner
+                        // that dies costs at most the cap.)
                         at_expiry = false;
-                        trust_expiry = true;
                     }
                     if together {
                         // Every woken waiter would try at once. Each waits
