@@ -85,6 +85,49 @@ fn cycles(locks: &Redlock, tag: &str) -> Vec<Duration> {
         .collect()
 }
 
+/// Locks of several resources (issue 23): a set of `k` keys taken and
+/// released as one lock (one round each way) against `k` single locks taken
+/// one after another, then released; a set of one is the healthy cycle.
+fn sets(locks: &Redlock, healthy: &Stats, rows: &mut Vec<String>) {
+    for k in [4usize, 16] {
+        let names = |tag: &str, i: usize| -> Vec<String> {
+            (0..k).map(|j| format!("bench:{tag}{k}:{i}:{j}")).collect()
+        };
+        let set: Vec<Duration> = (0..*CYCLES)
+            .map(|i| {
+                let keys = names("set", i);
+                let t = Instant::now();
+                let g = locks.try_lock_all(&keys, TTL).expect("lock_all");
+                g.release().expect("unlock");
+                t.elapsed()
+            })
+            .collect();
+        let singles: Vec<Duration> = (0..*CYCLES)
+            .map(|i| {
+                let keys = names("singles", i);
+                let t = Instant::now();
+                let held: Vec<_> = keys
+                    .iter()
+                    .map(|key| locks.try_lock(key, TTL).expect("lock"))
+                    .collect();
+                for g in held {
+                    g.release().expect("unlock");
+                }
+                t.elapsed()
+            })
+            .collect();
+        let (set, singles) = (stats(set), stats(singles));
+        rows.push(format!(
+            "5 nodes set of {k:<2} keys       median {:>8.1} us  p99 {:>8.1} us  vs {k} locks one by one {:>6.2}x ({:.1} us)  vs one lock {:>6.2}x",
+            us(set.median),
+            us(set.p99),
+            set.median.as_secs_f64() / singles.median.as_secs_f64(),
+            us(singles.median),
+            set.median.as_secs_f64() / healthy.median.as_secs_f64()
+        ));
+    }
+}
+
 /// The bare algorithm by hand: one plain connection per node, SET NX PX to
 /// all, then the unlock script to all (scatter/gather, no pool, no checks).
 fn baseline(c: &Cluster, tag: &str) -> Vec<Duration> {
@@ -279,6 +322,10 @@ fn main() {
             Some(healthy.median),
             Some(bare.median),
         );
+
+        if n == 5 {
+            sets(&locks, &healthy, &mut rows);
+        }
 
         c.stop(n - 1);
         let dead = stats(cycles(&client(&c), &format!("dead{n}")));

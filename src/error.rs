@@ -159,6 +159,19 @@ pub enum InvalidInput {
     },
     /// The resource name is a key this crate keeps on every node.
     ReservedResource(&'static str),
+    /// A lock of several resources ([`Redlock::try_lock_all`](crate::Redlock::try_lock_all))
+    /// was given none.
+    NoResources,
+    /// A lock of several resources names this one more than once.
+    DuplicateResource(String),
+    /// The names of a lock of several resources are longer, together, than
+    /// [`MAX_RESOURCES_LEN`](crate::MAX_RESOURCES_LEN) bytes.
+    ResourcesTooLong {
+        /// Their total length in bytes.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
     /// A count setting is above the bound this crate accepts.
     CountTooLarge {
         /// Which setting.
@@ -226,6 +239,14 @@ impl fmt::Display for InvalidInput {
             InvalidInput::ReservedResource(name) => {
                 write!(f, "resource name {name:?} is reserved by quorumlock")
             }
+            InvalidInput::NoResources => f.write_str("no resources to lock"),
+            InvalidInput::DuplicateResource(name) => {
+                write!(f, "resource {name:?} is listed twice in one lock")
+            }
+            InvalidInput::ResourcesTooLong { len, max } => write!(
+                f,
+                "the resources' names are {len} bytes long in all; at most {max} are accepted"
+            ),
             InvalidInput::CountTooLarge { what, value, max } => {
                 write!(f, "{what} {value} is above the largest accepted, {max}")
             }

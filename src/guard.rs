@@ -54,7 +54,6 @@ impl LockGuard {
         }
     }
 
-    #[cfg(test)]
     pub(crate) fn state(&self) -> &Arc<LockState> {
         &self.state
     }
@@ -63,9 +62,25 @@ impl LockGuard {
         &self.engine
     }
 
-    /// The locked resource (the Redis key).
+    /// The locked resource (the Redis key); for a lock of several
+    /// ([`Redlock::try_lock_all`](crate::Redlock::try_lock_all)), the first.
     pub fn resource(&self) -> &str {
         &self.state.resource
+    }
+
+    /// Every resource of the lock, in the order given: one, or those of a
+    /// lock of several.
+    ///
+    /// ```no_run
+    /// # use std::time::Duration;
+    /// # let locks = quorumlock::Redlock::builder().node("redis://127.0.0.1:6379").build()?;
+    /// let guard = locks.try_lock_all(&["a", "b"], Duration::from_secs(5))?;
+    /// assert_eq!(guard.resources().collect::<Vec<_>>(), ["a", "b"]);
+    /// # Ok::<(), quorumlock::Error>(())
+    /// ```
+    pub fn resources(&self) -> impl Iterator<Item = &str> {
+        std::iter::once(self.state.resource.as_str())
+            .chain(self.state.also.iter().map(String::as_str))
     }
 
     /// The random token stored under the key. An unfenced lock handed over

@@ -64,6 +64,11 @@ pub use redlock::{KeyInfo, NodeKey, Redlock};
 /// identifiers before using them as a resource.
 pub const MAX_RESOURCE_LEN: usize = 1024;
 
+/// Longest total length, in bytes, of the names of one lock of several
+/// resources ([`Redlock::try_lock_all`]): sixteen times
+/// [`MAX_RESOURCE_LEN`]. Every round sends them all to every node.
+pub const MAX_RESOURCES_LEN: usize = 16 * MAX_RESOURCE_LEN;
+
 /// Longest TTL accepted for a lock (and for `Builder::max_ttl`): one hour.
 ///
 /// With renewal ([`LockGuard::auto_renew`]) a TTL need only cover the

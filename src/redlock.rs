@@ -208,26 +208,82 @@ impl Redlock {
         ttl: Duration,
         f: impl FnOnce(&LockGuard) -> T,
     ) -> Result<T> {
-        let guard = self.lock(resource, ttl)?;
-        guard.auto_renew();
-        let out = f(&guard);
-        let lost = guard.lost().try_recv().ok();
-        // Judged by the deadline itself, whatever the watchdog has seen yet:
-        // work that ended past it ran without the lock's guarantee (the keys
-        // may still be ours on the nodes: they outlive validity by the drift
-        // allowance).
-        let in_time = guard.is_held();
-        match (guard.release(), lost) {
-            (_, Some(reason)) => Err(reason),
-            (_, None) if !in_time => Err(Error::Expired),
-            (Ok(()), None) => Ok(out),
-            (Err(e @ (Error::Expired | Error::NotOwner { .. })), None) => Err(e),
-            (Err(e), None) => {
-                // Held to the end; the keys left behind expire with the TTL.
-                debug!("with_lock {resource:?}: release: {e}");
-                Ok(out)
-            }
-        }
+        run_with(self.lock(resource, ttl)?, f)
+    }
+
+    /// Makes one attempt to take every one of `resources` for `ttl`, as one
+    /// lock: all of them or none.
+    ///
+    /// On each node one script sets every resource's key or none (a node
+    /// where any is taken sets nothing), so each node votes for the whole
+    /// set, and the lock is held, as any lock, with a majority of votes. The
+    /// guard releases, extends, renews and loses them together; its
+    /// [`resource`](LockGuard::resource) is the first. Locks of
+    /// overlapping sets exclude each other and never deadlock: nobody ever
+    /// holds part of a set. With [`fencing`](crate::Builder::fencing), the
+    /// guard's one token is above the last token of every resource in the
+    /// set, and is written back to each (so a store guarded by any one of
+    /// them can refuse older writers).
+    ///
+    /// A lock of several has no place in this client's local queue (its
+    /// threads meet at the nodes) and its waiters poll, unwoken by
+    /// releases; a lock of one resource is [`try_lock`](Self::try_lock)'s.
+    ///
+    /// ```no_run
+    /// # use std::time::Duration;
+    /// # let locks = quorumlock::Redlock::builder().node("redis://127.0.0.1:6379").build()?;
+    /// let both = locks.lock_all(&["sku:1042", "sku:2210"], Duration::from_secs(10))?;
+    /// // ... move stock from one to the other ...
+    /// both.release()?;
+    /// # Ok::<(), quorumlock::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`try_lock`](Self::try_lock) ([`Error::Taken`] where a majority
+    /// had any of them taken), and [`Error::InvalidInput`] for no
+    /// resources, one listed twice, or names longer in all than
+    /// [`MAX_RESOURCES_LEN`](crate::MAX_RESOURCES_LEN).
+    pub fn try_lock_all<S: AsRef<str>>(&self, resources: &[S], ttl: Duration) -> Result<LockGuard> {
+        self.acquire_all(resources, ttl, Budget::Attempts(1))
+    }
+
+    /// [`try_lock_all`](Self::try_lock_all), retried as [`lock`](Self::lock)
+    /// retries (with polls: a release does not wake a lock of several).
+    ///
+    /// # Errors
+    /// As [`try_lock_all`](Self::try_lock_all).
+    pub fn lock_all<S: AsRef<str>>(&self, resources: &[S], ttl: Duration) -> Result<LockGuard> {
+        let attempts = self.engine.settings.retry_count;
+        self.acquire_all(resources, ttl, Budget::Attempts(attempts))
+    }
+
+    /// [`try_lock_all`](Self::try_lock_all), retried until `wait` has
+    /// passed, as [`lock_timeout`](Self::lock_timeout) retries.
+    ///
+    /// # Errors
+    /// As [`try_lock_all`](Self::try_lock_all).
+    pub fn lock_all_timeout<S: AsRef<str>>(
+        &self,
+        resources: &[S],
+        ttl: Duration,
+        wait: Duration,
+    ) -> Result<LockGuard> {
+        let until = after(self.engine.clock.now(), wait);
+        self.acquire_all(resources, ttl, Budget::Until(until))
+    }
+
+    /// [`with_lock`](Self::with_lock) over every one of `resources`, taken
+    /// as [`lock_all`](Self::lock_all) takes them.
+    ///
+    /// # Errors
+    /// As [`lock_all`](Self::lock_all), then as [`with_lock`](Self::with_lock).
+    pub fn with_lock_all<S: AsRef<str>, T>(
+        &self,
+        resources: &[S],
+        ttl: Duration,
+        f: impl FnOnce(&LockGuard) -> T,
+    ) -> Result<T> {
+        run_with(self.lock_all(resources, ttl)?, f)
     }
 
     /// Waits until every node has a pooled connection (and the client has
@@ -376,7 +432,46 @@ impl Redlock {
     }
 
     fn acquire(&self, resource: &str, ttl: Duration, budget: Budget) -> Result<LockGuard> {
-        let (state, turn) = self.engine.acquire(resource, ttl, budget)?;
+        let (state, turn) = self.engine.acquire(resource, &[], ttl, budget)?;
         Ok(self.guard(state, turn))
+    }
+
+    fn acquire_all<S: AsRef<str>>(
+        &self,
+        resources: &[S],
+        ttl: Duration,
+        budget: Budget,
+    ) -> Result<LockGuard> {
+        let names = crate::lock::engine::validate_resources(resources)?;
+        let Some((first, also)) = names.split_first() else {
+            return Err(crate::InvalidInput::NoResources.into());
+        };
+        let (state, turn) = self.engine.acquire(first, also, ttl, budget)?;
+        Ok(self.guard(state, turn))
+    }
+}
+
+/// Runs `f` under `guard`, renewed, then releases it (see
+/// [`Redlock::with_lock`]).
+fn run_with<T>(guard: LockGuard, f: impl FnOnce(&LockGuard) -> T) -> Result<T> {
+    guard.auto_renew();
+    let state = guard.state().clone();
+    let out = f(&guard);
+    let lost = guard.lost().try_recv().ok();
+    // Judged by the deadline itself, whatever the watchdog has seen yet:
+    // work that ended past it ran without the lock's guarantee (the keys
+    // may still be ours on the nodes: they outlive validity by the drift
+    // allowance).
+    let in_time = guard.is_held();
+    match (guard.release(), lost) {
+        (_, Some(reason)) => Err(reason),
+        (_, None) if !in_time => Err(Error::Expired),
+        (Ok(()), None) => Ok(out),
+        (Err(e @ (Error::Expired | Error::NotOwner { .. })), None) => Err(e),
+        (Err(e), None) => {
+            // Held to the end; the keys left behind expire with the TTL.
+            debug!("with_lock {:?}: release: {e}", state.resource);
+            Ok(out)
+        }
     }
 }

@@ -351,9 +351,106 @@ impl Reply {
 /// One node's reply, or why the node gave none.
 pub(crate) type NodeResult = Result<Reply, NodeError>;
 
+/// Folds one node's answers for a round of locks that may each have several
+/// keys (`sizes[i]` consecutive keys for the `i`-th lock; see
+/// `Redlock::try_lock_all`) into one answer per lock: the node holds a lock
+/// only where it holds every key of it. `Other` where any key has another
+/// owner; a release's `Ok` where any key of ours was deleted (else
+/// `Absent`); anything else's `Ok` only where every key answered it
+/// (`Absent` where one is missing, `Restored` where one was restored).
+pub(crate) fn fold_answers(op: Op, answers: &[Answer]) -> Answer {
+    if answers.contains(&Answer::Other) {
+        return Answer::Other;
+    }
+    let has = |a: Answer| answers.contains(&a);
+    match op {
+        Op::Release { .. } if has(Answer::Ok) => Answer::Ok,
+        Op::Release { .. } => Answer::Absent,
+        _ if has(Answer::Absent) || answers.is_empty() => Answer::Absent,
+        _ if has(Answer::Restored) => Answer::Restored,
+        _ => Answer::Ok,
+    }
+}
+
+/// [`fold_answers`] for every lock of one node's result (errors stay as
+/// they are). `sizes`: keys per lock, in key order, summing to the round's
+/// keys.
+pub(crate) fn fold(op: Op, result: &NodeResult, sizes: &[usize]) -> NodeResult {
+    let reply = result.as_ref().map_err(Clone::clone)?;
+    let mut answers = Vec::with_capacity(sizes.len());
+    let mut at = 0usize;
+    for &n in sizes {
+        let end = at.saturating_add(n).min(reply.answers.len());
+        let own = &reply.answers[at.min(end)..end];
+        // (A reply short of answers has none for the rest: no hold.)
+        answers.push(if own.len() < n {
+            Answer::Absent
+        } else {
+            fold_answers(op, own)
+        });
+        at = end;
+    }
+    Ok(Reply {
+        answers,
+        ..reply.clone()
+    })
+}
+
+/// Whether any lock of a round has more than one key (its results need
+/// [`fold`]ing).
+pub(crate) fn grouped(sizes: &[usize]) -> bool {
+    sizes.iter().any(|&n| n != 1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::ours;
+
+    #[test]
+    fn a_lock_of_several_keys_is_held_on_a_node_only_with_every_key() {
+        use super::{fold, fold_answers, Answer::*, Op, Reply};
+        use std::time::{Duration, Instant};
+        let extend = Op::Extend {
+            ttl: Duration::from_secs(1),
+            linger: false,
+            known_max: Duration::ZERO,
+            after: super::After::NONE,
+        };
+        let release = Op::Release {
+            keep_until: Instant::now(),
+            notice: 0,
+        };
+        let restore = Op::Restore {
+            ttl: Duration::from_secs(1),
+        };
+        assert_eq!(fold_answers(extend, &[Ok, Ok, Ok]), Ok);
+        assert_eq!(fold_answers(extend, &[Ok, Absent, Ok]), Absent);
+        assert_eq!(fold_answers(extend, &[Ok, Absent, Other]), Other);
+        assert_eq!(fold_answers(extend, &[]), Absent, "no answer is no hold");
+        assert_eq!(fold_answers(restore, &[Ok, Restored]), Restored);
+        assert_eq!(fold_answers(restore, &[Restored, Other]), Other);
+        assert_eq!(
+            fold_answers(release, &[Absent, Ok]),
+            Ok,
+            "something of ours deleted"
+        );
+        assert_eq!(fold_answers(release, &[Absent, Absent]), Absent);
+        assert_eq!(
+            fold_answers(release, &[Ok, Other]),
+            Other,
+            "taken over: not ours"
+        );
+        // Locks of 1, 2 and 3 keys in one round; a short reply folds what
+        // it has and never panics.
+        let r = Result::Ok(Reply::new(vec![Ok, Ok, Absent, Ok, Ok, Ok]));
+        let folded = fold(extend, &r, &[1, 2, 3]).unwrap();
+        assert_eq!(folded.answers, vec![Ok, Absent, Ok]);
+        let short = Result::Ok(Reply::new(vec![Ok, Ok]));
+        assert_eq!(
+            fold(extend, &short, &[1, 2, 3]).unwrap().answers,
+            vec![Ok, Absent, Absent]
+        );
+    }
 
     #[test]
     fn a_section_token_owns_its_lineage_and_nothing_else() {

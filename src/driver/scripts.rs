@@ -18,7 +18,8 @@ pub(crate) use crate::algorithm::round::META_KEY;
 /// command (see `history_lua!`), then `ri`: where held by another owner,
 /// `-1 - PTTL` (0 where it never expires, or where the ACL refuses
 /// `PTTL`: a `pcall`); where set, 1 or (fenced) the key's new fencing
-/// counter (see [`ACQUIRE_LUA`]).
+/// counter (see [`ACQUIRE_LUA`]). The keys of one round are one lock (a
+/// round acquires one): with several, all are set or none is.
 /// The epoch is rounded up and the current time down, so that the age is
 /// never more than the time the node has really kept its data; an epoch in
 /// the node's future (its clock was stepped back) starts again now.
@@ -157,8 +158,18 @@ if ARGV[3] == '1' then
     end
   end
 end
+-- Several keys are one lock (`try_lock_all`): all or nothing. Where any
+-- has another owner, none is set (a free one answers as held with no time
+-- left: its PTTL is -2).
+local taken = false
+if n > 1 then
+  for i = 1, n do
+    local v = redis.call('GET', KEYS[i])
+    if v and v ~= ARGV[i + 3] then taken = true end
+  end
+end
 for i = 1, n do
-  if redis.call('SET', KEYS[i], ARGV[i + 3], 'NX', 'PX', ARGV[1]) then
+  if not taken and redis.call('SET', KEYS[i], ARGV[i + 3], 'NX', 'PX', ARGV[1]) then
     if ARGV[3] == '1' then
       local f = 'fence:' .. KEYS[i]
       local c = math.max((tonumber(redis.call('HGET', meta, f)) or 0) + 1, micros)

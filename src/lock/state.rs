@@ -56,6 +56,9 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 pub(crate) struct LockState {
     pub(crate) id: u64,
     pub(crate) resource: String,
+    /// A lock of several resources (`try_lock_all`): the others, after
+    /// `resource`, all with the same token and held as one.
+    pub(crate) also: Vec<String>,
     pub(crate) token: String,
     /// The fencing token, for a client with fencing on.
     pub(crate) fence: Option<u64>,
@@ -109,6 +112,7 @@ impl LockState {
         LockState {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             resource: resource.to_owned(),
+            also: Vec::new(),
             token,
             fence,
             section: 1,
@@ -141,6 +145,22 @@ impl LockState {
     /// The key and token, as the transport takes them.
     pub(crate) fn key(&self) -> Key<'_> {
         Key::new(&self.resource, &self.token)
+    }
+
+    /// The lock with the other resources of a lock of several.
+    pub(crate) fn with_also(mut self, also: Vec<String>) -> Self {
+        self.also = also;
+        self
+    }
+
+    /// How many keys the lock has on each node.
+    pub(crate) fn size(&self) -> usize {
+        self.also.len().saturating_add(1)
+    }
+
+    /// Every key of the lock, its first resource's first.
+    pub(crate) fn keys(&self) -> impl Iterator<Item = Key<'_>> {
+        std::iter::once(self.key()).chain(self.also.iter().map(|r| Key::new(r, &self.token)))
     }
 
     pub(crate) fn timing(&self) -> Timing {

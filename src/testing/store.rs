@@ -174,6 +174,15 @@ impl Store {
         };
         let mut fence = None;
         let mut held = None;
+        // The keys of an acquire are one lock: all set or none (see
+        // `ACQUIRE_LUA`), none where any has another owner.
+        let taken = matches!(op, Op::Acquire { .. })
+            && keys.len() > 1
+            && keys.iter().any(|k| {
+                self.keys
+                    .get(k.resource)
+                    .is_some_and(|(t, exp)| *exp > now && t != k.token)
+            });
         let answers: Vec<Answer> = keys
             .iter()
             .map(|k| {
@@ -181,7 +190,13 @@ impl Store {
                     .keys
                     .get(k.resource)
                     .map(|(_, exp)| exp.saturating_duration_since(now));
-                let (a, f) = self.apply(op, k, now, micros);
+                let (a, f) = match self.keys.get(k.resource) {
+                    Some((t, exp)) if taken && (t != k.token || *exp <= now) => {
+                        (Answer::Other, None)
+                    }
+                    None if taken => (Answer::Other, None),
+                    _ => self.apply(op, k, now, micros),
+                };
                 fence = fence.max(f);
                 if matches!((op, a), (Op::Acquire { .. }, Answer::Other)) {
                     held = held.max(left);

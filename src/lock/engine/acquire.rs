@@ -42,9 +42,15 @@ impl Engine {
     /// Locks `resource` within `budget`: this thread's turn in the local
     /// queue first (taking over a lock handed to it), then attempts with a
     /// jittered pause between them. Returns the lock and the turn it holds.
+    ///
+    /// `also`: the other resources of a lock of several (see `several`),
+    /// validated by the caller. Such a lock has no turn in a local queue
+    /// (its threads meet at the nodes) and its waiters poll: a release of
+    /// one of its resources wakes nobody's lock of several.
     pub(crate) fn acquire(
         &self,
         resource: &str,
+        also: &[String],
         ttl: Duration,
         budget: Budget,
     ) -> Result<(Arc<LockState>, Option<Turn>)> {
@@ -52,7 +58,12 @@ impl Engine {
         let drift = self.validate(resource, ttl)?;
         // One deadline for the whole call, local wait and attempts alike.
         let until = self.wait_deadline(budget);
-        let mut turn = self.queue_turn(resource, budget, until);
+        let single = also.is_empty();
+        let mut turn = if single {
+            self.queue_turn(resource, budget, until)
+        } else {
+            None
+        };
         if let Some(handed) = turn.as_ref().and_then(Turn::take_hand_over) {
             match self.accept_hand_over(&handed, ttl) {
                 Ok(state) => {
@@ -69,7 +80,7 @@ impl Engine {
             }
         }
         let waits = !matches!(budget, Budget::Attempts(1));
-        let wakes = waits && self.settings.wake_ups;
+        let wakes = waits && single && self.settings.wake_ups;
         if waits {
             self.yield_to_others(resource, until);
         }
@@ -111,7 +122,7 @@ impl Engine {
                 woken,
             };
             let mut failed = Failed::default();
-            let err = match self.attempt(resource, ttl, drift, begun, &mut failed) {
+            let err = match self.attempt(resource, also, ttl, drift, begun, &mut failed) {
                 Ok(state) => return Ok((Arc::new(state), turn.take())),
                 Err(e) if e.is_retryable() => e,
                 Err(e) => return Err(e),

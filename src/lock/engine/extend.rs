@@ -47,7 +47,8 @@ impl Engine {
             *ttls = ttls.used(ttl, begun);
             (known.max, begun)
         };
-        let keys: Vec<Key<'_>> = states.iter().map(|s| s.key()).collect();
+        let keys: Vec<Key<'_>> = states.iter().flat_map(|s| s.keys()).collect();
+        let sizes: Vec<usize> = states.iter().map(|s| s.size()).collect();
         let mut deadline = self.batch_deadline(start, keys.len());
         if let [only] = states {
             // A lone extension need not wait past its lock's validity.
@@ -68,7 +69,8 @@ impl Engine {
             // is restored (the renewal thread's time, not a caller's; a slow
             // node that answers within the node timeout but after the lock's
             // validity no longer costs the lock).
-            let n = keys.len();
+            // (Each lock's answers folded into one: see `several`.)
+            let n = states.len();
             let all = move |r: &[Option<NodeResult>]| quorum::settled_all(r, n);
             let settled: crate::lock::transport::Decided<'_> =
                 if n == 1 { &quorum::settled } else { &all };
@@ -78,7 +80,7 @@ impl Engine {
                 known_max: known,
                 after: begun,
             };
-            self.transport.run(op, &keys, deadline, Some(settled), None)
+            self.run_keys(op, &keys, &sizes, deadline, Some(settled), None)
         } else {
             Vec::new()
         };
@@ -139,7 +141,7 @@ impl Engine {
         let restored = if missing.is_empty() {
             Vec::new()
         } else {
-            let keys: Vec<Key<'_>> = missing.iter().map(|&i| states[i].key()).collect();
+            let locks: Vec<&LockState> = missing.iter().map(|&i| states[i]).collect();
             // A caller's extension waits for its restore no longer than the
             // lock's old validity (it returns within it, as it would have
             // without the restore); the renewal thread waits the whole bound.
@@ -151,7 +153,7 @@ impl Engine {
                     .unwrap_or(start);
                 old.checked_sub(Duration::from_millis(1)).unwrap_or(old)
             });
-            self.restore(&keys, ttl, by)
+            self.restore(&locks, ttl, by)
         };
         states
             .iter()
@@ -206,16 +208,15 @@ impl Engine {
     /// token stays unsettled, and the release's retries delete it.
     pub(super) fn restore(
         &self,
-        keys: &[Key<'_>],
+        locks: &[&LockState],
         ttl: Duration,
         by: Option<Instant>,
     ) -> Vec<NodeResult> {
         let now = self.clock.now();
-        let bound = self.batch_deadline(now, keys.len());
+        let keys = locks.iter().map(|s| s.size()).sum();
+        let bound = self.batch_deadline(now, keys);
         let deadline = by.map_or(bound, |by| by.min(bound));
-        let results = self
-            .transport
-            .run(Op::Restore { ttl }, keys, deadline, None, None);
+        let results = self.run_locks(Op::Restore { ttl }, locks, deadline, None);
         if by.is_none() {
             // (A caller's restore may be cut short by its lock's validity:
             // a reply not waited for then is no node's failure.)
@@ -223,10 +224,10 @@ impl Engine {
         }
         debug!(
             "restored {} missing cop(ies) of {} lock(s)",
-            (0..keys.len())
+            (0..locks.len())
                 .map(|k| Tally::of(&results, k).restored)
                 .sum::<usize>(),
-            keys.len()
+            locks.len()
         );
         results
     }

@@ -38,9 +38,7 @@ impl Engine {
                 .deadline
                 .min(after(start, self.settings.node_timeout));
             let op = Op::Fence { value: fence };
-            let results =
-                self.transport
-                    .run(op, &[state.key()], deadline, Some(&quorum::settled), None);
+            let results = self.run_locks(op, &[state], deadline, Some(&quorum::settled));
             self.note_failures(&results);
             results
         };

@@ -40,6 +40,8 @@ mod history;
 mod node_rules;
 mod remote;
 mod report;
+mod several;
+pub(crate) use several::validate_resources;
 #[cfg(test)]
 mod report_tests;
 #[cfg(test)]
@@ -191,13 +193,19 @@ impl Engine {
     fn attempt(
         &self,
         resource: &str,
+        also: &[String],
         ttl: Duration,
         drift: Duration,
         begun: Begun,
         seen: &mut acquire::Failed,
     ) -> Result<LockState> {
         let token = new_token();
-        let key = Key::new(resource, &token);
+        // One key per resource, all with this token (a lock of several:
+        // one vote per node for them all; see `several`).
+        let keys: Vec<Key<'_>> = std::iter::once(resource)
+            .chain(also.iter().map(String::as_str))
+            .map(|r| Key::new(r, &token))
+            .collect();
         let start = self.clock.now();
         let known = *self.ttls.lock();
         let first = self.first_use(ttl, &known);
@@ -261,14 +269,15 @@ impl Engine {
             decision.set(Some((end, outcome, judged)));
             next
         };
-        let results = self.transport.run(
+        let results = self.run_keys(
             Op::Acquire {
                 ttl,
                 known_max: known.max,
                 fenced: self.settings.fencing,
                 after: first,
             },
-            &[key],
+            &keys,
+            &[keys.len()],
             after(start, budget),
             Some(&settled),
             Some(&decide),
@@ -298,7 +307,8 @@ impl Engine {
                     ttl,
                 };
                 if !self.settings.fencing {
-                    let state = LockState::new(resource, token, None, timing);
+                    let state =
+                        LockState::new(resource, token, None, timing).with_also(also.to_vec());
                     state.set_holding(holding);
                     return Ok(state);
                 }
@@ -308,7 +318,8 @@ impl Engine {
                     .filter_map(|r| r.as_ref().ok()?.fence)
                     .max()
                     .unwrap_or(0);
-                let state = LockState::new(resource, token, Some(fence), timing);
+                let state =
+                    LockState::new(resource, token, Some(fence), timing).with_also(also.to_vec());
                 state.set_holding(holding);
                 self.write_back(&state, fence)?;
                 Ok(state)
@@ -345,11 +356,9 @@ impl Engine {
     }
 
     /// Runs a release of one lock on every node, bounded by the node timeout.
-    fn round(&self, op: Op, keys: &[Key<'_>]) -> Vec<NodeResult> {
+    fn round(&self, op: Op, state: &LockState) -> Vec<NodeResult> {
         let deadline = after(self.clock.now(), self.settings.node_timeout);
-        let results = self
-            .transport
-            .run(op, keys, deadline, Some(&quorum::settled), None);
+        let results = self.run_locks(op, &[state], deadline, Some(&quorum::settled));
         self.note_failures(&results);
         results
     }
@@ -384,8 +393,10 @@ impl Engine {
         // This client's own waiters are not woken by it: its local queue
         // hands the key on, and threads without one poll, as before (woken
         // together with the releaser's next attempt, they split the votes).
-        self.transport.releasing(&state.resource, notice);
-        let results = self.round(Op::Release { keep_until, notice }, &[state.key()]);
+        for k in state.keys() {
+            self.transport.releasing(k.resource, notice);
+        }
+        let results = self.round(Op::Release { keep_until, notice }, state);
         let outcome = quorum::decide_release(Tally::of(&results, 0));
         if outcome.is_ok() {
             self.note_woken(&state.resource, &results, start);
@@ -417,7 +428,7 @@ impl Engine {
 
     /// Best-effort release of many locks in one round trip per node.
     pub(crate) fn release_many(&self, states: &[&LockState]) {
-        let keys: Vec<Key<'_>> = states.iter().map(|s| s.key()).collect();
+        let keys: Vec<Key<'_>> = states.iter().flat_map(|s| s.keys()).collect();
         let deadline = self.batch_deadline(self.clock.now(), keys.len());
         let keep_until = states
             .iter()

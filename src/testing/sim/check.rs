@@ -6,7 +6,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::algorithm::round::{written, Key, Op};
+use crate::algorithm::round::Op;
 use crate::lock::state::LockState;
 pub(crate) use crate::testing::sim::observe::{traced, Observed};
 
@@ -133,6 +133,8 @@ struct Protected {
 #[derive(Debug, Default, Clone, Copy)]
 pub(crate) struct Stats {
     pub(crate) grants: u64,
+    /// Grants of locks of several resources.
+    pub(crate) sets: u64,
     pub(crate) writes: u64,
     pub(crate) refused: u64,
     pub(crate) lapsed: u64,
@@ -216,14 +218,16 @@ impl Checker {
     }
 
     /// A critical section starts: returns its handle for [`end`](Self::end).
+    /// A lock of several resources is one section over all of them.
     pub(crate) fn grant(&mut self, now: u64, state: &Arc<LockState>, who: &str) -> usize {
         self.stats.grants += 1;
+        self.stats.sets += u64::from(!state.also.is_empty());
         let mut overlap = None;
         for s in self.sections.values() {
-            if s.state.resource == state.resource && self.held(s, now) {
+            if shares(&s.state, state) && self.held(s, now) {
                 overlap = Some(format!(
                     "{who} granted {:?} while {} (granted at {:.3} ms) still holds it until {:.3} ms",
-                    state.resource,
+                    names(state),
                     s.who,
                     s.granted as f64 / 1e6,
                     self.nanos(s.state.deadline()) as f64 / 1e6
@@ -234,13 +238,17 @@ impl Checker {
             self.fail(now, Kind::TwoHolders, what);
         }
         if let Some(f) = state.fence {
-            let max = self.max_fence.entry(state.resource.clone()).or_default();
-            if f <= *max {
-                let what = format!("{who} got fencing token {f}, not above {max}");
-                self.fail(now, Kind::FenceOrder, what);
+            // A lock of several: one token above every resource's last.
+            for r in names(state) {
+                let r: &str = r;
+                let max = *self.max_fence.entry(r.to_owned()).or_default();
+                if f <= max {
+                    let what = format!("{who} got fencing token {f} for {r:?}, not above {max}");
+                    self.fail(now, Kind::FenceOrder, what);
+                }
+                let max = self.max_fence.entry(r.to_owned()).or_default();
+                *max = (*max).max(f);
             }
-            let max = self.max_fence.entry(state.resource.clone()).or_default();
-            *max = (*max).max(f);
         }
         self.next_section += 1;
         let id = self.next_section;
@@ -312,82 +320,6 @@ impl Checker {
             self.fail(now, Kind::LostUpdate, what);
         }
         true
-    }
-
-    /// A round of `op` leaves the client.
-    pub(crate) fn sent(&mut self, op: Op, keys: &[Key<'_>], now: u64) {
-        if let Op::Acquire { ttl, .. }
-        | Op::Swap { ttl, .. }
-        | Op::Extend { ttl, .. }
-        | Op::Restore { ttl } = op
-        {
-            let until = now.saturating_add(u64::try_from(ttl.as_nanos()).unwrap_or(u64::MAX));
-            for k in written(op, keys) {
-                let w = self.last_write.entry(k.token.to_owned()).or_default();
-                *w = (w.0.max(until), w.1.max(ttl));
-            }
-        }
-        if std::env::var_os("QUORUMLOCK_SIM_TRACE").is_some() {
-            println!("{:10.3} ms send {}", now as f64 / 1e6, traced(op, keys));
-        }
-        if let (Op::Release { .. }, false) = (op, self.per_node) {
-            for k in keys {
-                self.deleted_at(k.token, Place::Any, now);
-            }
-        }
-    }
-
-    fn place(&self, node: usize) -> Place {
-        if self.per_node {
-            Place::Node(node)
-        } else {
-            Place::Any
-        }
-    }
-
-    fn deleted_at(&mut self, token: &str, place: Place, now: u64) {
-        let d = self
-            .deleted
-            .entry((lineage(token).to_owned(), place))
-            .or_default();
-        *d = (*d).max(now);
-    }
-
-    /// A delete of `token` left the client at `now` on a connection to
-    /// `node` that could carry it there (the node was up or paused, not cut
-    /// off): the client did its part, even if the connection resets.
-    pub(crate) fn delete_sent(&mut self, token: &str, node: usize, now: u64) {
-        if self.per_node {
-            self.deleted_at(token, Place::Node(node), now);
-        }
-    }
-
-    /// The client lets go of `lineage` at `now` with nothing of it left on
-    /// any node and no write of it in flight (its key expired first): no
-    /// delete is owed for its earlier writes.
-    pub(crate) fn nothing_left(&mut self, lineage: &str, now: u64) {
-        self.owed(lineage, now, Vec::new());
-    }
-
-    /// The client lets go of `lineage` at `now` with live copies left on
-    /// `copies` (node, until when): a delete is owed to each, unless no
-    /// connection to that node could be made before its copy expired.
-    pub(crate) fn owed(&mut self, lineage: &str, now: u64, copies: Vec<(usize, u64)>) {
-        self.owed
-            .entry(lineage.to_owned())
-            .or_default()
-            .push((now, copies));
-    }
-
-    /// Node `node` applied a command that set or kept our key, sent at
-    /// `sent`, at `now`.
-    pub(crate) fn landed(&mut self, token: &str, node: usize, sent: u64, now: u64) {
-        let place = self.place(node);
-        let t = self
-            .landed
-            .entry((lineage(token).to_owned(), place))
-            .or_default();
-        *t = (t.0.max(sent), t.1.max(now));
     }
 
     /// At the end of a run: every key of ours that landed on a node had a
@@ -504,10 +436,13 @@ impl Checker {
                     two.get_or_insert((Kind::DeadlineBeyondTtl, what));
                 }
                 for b in &live[i + 1..] {
-                    if b.state.resource == a.state.resource && self.held(b, now) {
+                    if shares(&a.state, &b.state) && self.held(b, now) {
                         let what = format!(
-                            "{} and {} both valid for {:?}",
-                            a.who, b.who, a.state.resource
+                            "{} and {} both valid for {:?} and {:?}",
+                            a.who,
+                            b.who,
+                            names(&a.state),
+                            names(&b.state)
                         );
                         two.get_or_insert((Kind::TwoHolders, what));
                     }
@@ -525,15 +460,20 @@ impl Checker {
                 continue;
             }
             let own = lineage(&a.state.token);
+            // A node counts only with every key of the lock (all or
+            // nothing per node: its vote was for the whole set).
             let holding = nodes
                 .iter()
-                .filter(|n| n.wiped_since(a.since) || n.holds(base, now, &a.state.resource, own))
+                .filter(|n| {
+                    n.wiped_since(a.since)
+                        || names(&a.state).iter().all(|r| n.holds(base, now, r, own))
+                })
                 .count();
             if holding < quorum {
                 short.get_or_insert(format!(
-                    "{} holds {:?} until {:.3} ms, but its key is on {holding} of {} nodes",
+                    "{} holds {:?} until {:.3} ms, but its keys are on {holding} of {} nodes",
                     a.who,
-                    a.state.resource,
+                    names(&a.state),
                     self.nanos(a.state.deadline()) as f64 / 1e6,
                     nodes.len()
                 ));
@@ -595,6 +535,21 @@ impl Checker {
     }
 }
 
+#[path = "check_leaks.rs"]
+mod leaks;
 #[cfg(test)]
 #[path = "check_tests.rs"]
 mod tests;
+
+/// Every resource of a lock (one, or those of a lock of several).
+fn names(s: &LockState) -> Vec<&str> {
+    std::iter::once(s.resource.as_str())
+        .chain(s.also.iter().map(String::as_str))
+        .collect()
+}
+
+/// Whether two locks share a resource (so that they exclude each other).
+fn shares(a: &LockState, b: &LockState) -> bool {
+    let b = names(b);
+    names(a).iter().any(|r| b.contains(r))
+}

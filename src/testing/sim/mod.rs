@@ -93,6 +93,18 @@ pub(crate) fn run_wakeups(seed: u64, mix: Mix, engine: bool) -> Report {
     run_plan(plan)
 }
 
+/// [`run`] (or, `engine`, [`run_engine`]) with some sections locks of
+/// several resources.
+pub(crate) fn run_sets(seed: u64, mix: Mix, engine: bool) -> Report {
+    let mut plan = if engine {
+        engine_plan(seed, mix, Default::default())
+    } else {
+        Plan::new(seed, mix)
+    };
+    plan.sets = true;
+    run_plan(plan)
+}
+
 /// The plan of `seed` under `mix`, over the node engine with `defects`.
 fn engine_plan(seed: u64, mix: Mix, defects: crate::driver::node::shared::Defects) -> Plan {
     let mut plan = Plan::new(seed, mix);

@@ -176,6 +176,8 @@ pub(crate) struct Plan {
     /// Releases wake the waiters of other clients (see
     /// [`crate::testing::sim::wakeups`]); off, they poll.
     pub(crate) wakeups: bool,
+    /// Some sections are locks of several resources (`lock_all`).
+    pub(crate) sets: bool,
 }
 
 impl Plan {
@@ -321,6 +323,7 @@ impl Plan {
             engine: false,
             defects: Default::default(),
             wakeups: false,
+            sets: false,
         };
         match mix {
             Mix::Releases => {
@@ -372,6 +375,7 @@ impl Plan {
             engine: false,
             defects: Default::default(),
             wakeups: false,
+            sets: false,
         }
     }
 }

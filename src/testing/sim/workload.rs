@@ -22,6 +22,31 @@ pub(crate) fn worker(ctx: &Ctx, locks: &Redlock, mut rng: SimRng, who: &str) {
         let resource = format!("r{}", rng.below(plan.resources as u64));
         let ttl = Duration::from_millis(plan.ttls[rng.below(plan.ttls.len() as u64) as usize]);
         let start = clock.now();
+        if plan.sets && rng.chance(0.4) {
+            // A lock of two or three resources, in a random order (sets
+            // that overlap in a cycle deadlock when taken one by one).
+            let mut set = vec![resource];
+            for _ in 0..1 + rng.below(2) {
+                let r = format!("r{}", rng.below(plan.resources as u64));
+                if !set.contains(&r) {
+                    set.push(r);
+                }
+            }
+            let wait = Duration::from_millis(rng.below(300));
+            let got = locks.lock_all_timeout(&set, ttl, wait);
+            ctx.trace(who, || {
+                format!(
+                    "lock_all({set:?}, {ttl:?}, {wait:?}) -> {:?}",
+                    got.as_ref().err()
+                )
+            });
+            check_wait(ctx, "lock_all_timeout", clock.now() - start, wait);
+            if let Ok(g) = got {
+                manual(ctx, &clock, &mut rng, g, ttl, who);
+            }
+            clock.sleep(Duration::from_millis(rng.below(30)));
+            continue;
+        }
         match rng.below(10) {
             0..=3 => {
                 let mut acquired = None;
@@ -156,14 +181,20 @@ fn manual(ctx: &Ctx, clock: &SimClock, rng: &mut SimRng, g: LockGuard, ttl: Dura
     }
     work(ctx, clock, rng, &g, ttl, stall);
     let told = g.is_held() && g.lost().try_recv().is_err();
-    let (resource, token) = (g.resource().to_owned(), g.token().to_owned());
-    // A release may hand the lock to a local waiter instead (the key stays).
-    let may_hand =
-        ctx.plan.settings.local_queue && !g.state().is_renewing() && g.validity() >= g.ttl() / 2;
+    let resources: Vec<String> = g.resources().map(str::to_owned).collect();
+    let token = g.token().to_owned();
+    // A release may hand the lock to a local waiter instead (the key stays;
+    // never a lock of several, which has no place in the queue).
+    let may_hand = ctx.plan.settings.local_queue
+        && resources.len() == 1
+        && !g.state().is_renewing()
+        && g.validity() >= g.ttl() / 2;
     let released = if rng.chance(0.5) {
         let r = g.release();
         if r.is_ok() && !may_hand {
-            ctx.check_released(&resource, &token);
+            for resource in &resources {
+                ctx.check_released(resource, &token);
+            }
         }
         r
     } else {
@@ -212,14 +243,19 @@ fn extend(ctx: &Ctx, clock: &SimClock, rng: &mut SimRng, g: &LockGuard) {
 /// only fencing can stop that write.
 fn work(ctx: &Ctx, clock: &SimClock, rng: &mut SimRng, g: &LockGuard, ttl: Duration, stall: bool) {
     let fence = g.fencing_token();
-    let resource = g.resource().to_owned();
-    let read = ctx.with(|c| c.read(&resource, fence));
+    let resources: Vec<String> = g.resources().map(str::to_owned).collect();
+    let reads: Vec<u64> = resources
+        .iter()
+        .map(|r| ctx.with(|c| c.read(r, fence)))
+        .collect();
     if stall {
         let checked = g.is_held();
         clock.sleep(ttl + ttl * (1 + rng.below(3) as u32) / 2);
         if checked {
             let now = ctx.now();
-            ctx.with(|c| c.write(now, &resource, read, fence, "a stalled holder"));
+            for (r, read) in resources.iter().zip(&reads) {
+                ctx.with(|c| c.write(now, r, *read, fence, "a stalled holder"));
+            }
         }
         return;
     }
@@ -240,6 +276,8 @@ fn work(ctx: &Ctx, clock: &SimClock, rng: &mut SimRng, g: &LockGuard, ttl: Durat
     }
     if g.is_held() {
         let now = ctx.now();
-        ctx.with(|c| c.write(now, &resource, read, fence, "a holder"));
+        for (r, read) in resources.iter().zip(&reads) {
+            ctx.with(|c| c.write(now, r, *read, fence, "a holder"));
+        }
     }
 }

@@ -1,0 +1,143 @@
+//! Locks of several resources (`Redlock::try_lock_all`): one token, one key
+//! per resource on every node, held as one lock.
+//!
+//! On a node, the acquire script sets every key of the lock or none (see
+//! [`ACQUIRE_LUA`](crate::driver::scripts::ACQUIRE_LUA)), so each node votes
+//! for the whole set. Every other round sends each key on its own (a
+//! release, an extension, a restore and the retries the driver owes a node
+//! are per key), and each node's answers are folded back into one per lock
+//! ([`round::fold`]) before anything counts them: a node holds the lock
+//! only where it holds every key of it.
+
+use std::collections::HashSet;
+use std::time::Instant;
+
+use crate::algorithm::round::{self, Key, NodeResult, Op};
+use crate::error::InvalidInput;
+use crate::lock::state::LockState;
+use crate::lock::transport::{AfterRound, Decided, Undo};
+use crate::Result;
+use crate::MAX_RESOURCES_LEN;
+
+use super::{validate_resource, Engine};
+
+/// Checks the resources of a lock of several: at least one, each a valid
+/// name, none twice, at most [`MAX_RESOURCES_LEN`] bytes in all. Returns
+/// them as owned names, in the order given.
+pub(crate) fn validate_resources<S: AsRef<str>>(resources: &[S]) -> Result<Vec<String>> {
+    if resources.is_empty() {
+        return Err(InvalidInput::NoResources.into());
+    }
+    let total = resources
+        .iter()
+        .fold(0usize, |n, r| n.saturating_add(r.as_ref().len()));
+    if total > MAX_RESOURCES_LEN {
+        return Err(InvalidInput::ResourcesTooLong {
+            len: total,
+            max: MAX_RESOURCES_LEN,
+        }
+        .into());
+    }
+    let mut seen = HashSet::with_capacity(resources.len());
+    for r in resources {
+        let r = r.as_ref();
+        validate_resource(r)?;
+        if !seen.insert(r) {
+            return Err(InvalidInput::DuplicateResource(r.to_owned()).into());
+        }
+    }
+    Ok(resources.iter().map(|r| r.as_ref().to_owned()).collect())
+}
+
+impl Engine {
+    /// Runs `op` on every key of `locks` (as the transport's `run`), with
+    /// each node's answers folded into one per lock, for `decided` and
+    /// `undo` as for the caller.
+    pub(super) fn run_locks(
+        &self,
+        op: Op,
+        locks: &[&LockState],
+        deadline: Instant,
+        decided: Option<Decided<'_>>,
+    ) -> Vec<NodeResult> {
+        let keys: Vec<Key<'_>> = locks.iter().flat_map(|s| s.keys()).collect();
+        let sizes: Vec<usize> = locks.iter().map(|s| s.size()).collect();
+        self.run_keys(op, &keys, &sizes, deadline, decided, None)
+    }
+
+    /// [`run_locks`](Self::run_locks) for keys already laid out: `sizes[i]`
+    /// consecutive keys are the `i`-th lock. Without a lock of several keys,
+    /// exactly the transport's `run`.
+    pub(super) fn run_keys(
+        &self,
+        op: Op,
+        keys: &[Key<'_>],
+        sizes: &[usize],
+        deadline: Instant,
+        decided: Option<Decided<'_>>,
+        undo: Option<Undo<'_>>,
+    ) -> Vec<NodeResult> {
+        if !round::grouped(sizes) {
+            return self.transport.run(op, keys, deadline, decided, undo);
+        }
+        let fold_all = |results: &[NodeResult]| -> Vec<NodeResult> {
+            results.iter().map(|r| round::fold(op, r, sizes)).collect()
+        };
+        let folded_decided = decided.map(|d| {
+            move |partial: &[Option<NodeResult>]| {
+                let view: Vec<Option<NodeResult>> = partial
+                    .iter()
+                    .map(|r| r.as_ref().map(|r| round::fold(op, r, sizes)))
+                    .collect();
+                d(&view)
+            }
+        });
+        let folded_undo =
+            undo.map(|u| move |results: &[NodeResult]| -> AfterRound { u(&fold_all(results)) });
+        let decided: Option<Decided<'_>> = folded_decided.as_ref().map(|d| d as _);
+        let undo: Option<Undo<'_>> = folded_undo.as_ref().map(|u| u as _);
+        let results = self.transport.run(op, keys, deadline, decided, undo);
+        fold_all(&results)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::Error;
+
+    fn invalid(r: Result<Vec<String>>) -> InvalidInput {
+        match r {
+            Err(Error::InvalidInput(i)) => i,
+            other => panic!("expected invalid input, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn resources_of_one_lock_are_named_once_and_bounded() {
+        let none: [&str; 0] = [];
+        assert!(matches!(
+            invalid(validate_resources(&none)),
+            InvalidInput::NoResources
+        ));
+        assert!(matches!(
+            invalid(validate_resources(&["a", "b", "a"])),
+            InvalidInput::DuplicateResource(d) if d == "a"
+        ));
+        assert!(matches!(
+            invalid(validate_resources(&["a", ""])),
+            InvalidInput::EmptyResource
+        ));
+        let long = "x".repeat(crate::MAX_RESOURCE_LEN);
+        let many: Vec<String> = (0..17)
+            .map(|i| format!("{i}{long}")[..1024].to_owned())
+            .collect();
+        assert!(matches!(
+            invalid(validate_resources(&many)),
+            InvalidInput::ResourcesTooLong { len, max } if len > max && max == MAX_RESOURCES_LEN
+        ));
+        let fine: Vec<String> = (0..16).map(|i| format!("{i:04}{}", &long[4..])).collect();
+        assert_eq!(validate_resources(&fine).unwrap(), fine);
+        assert_eq!(validate_resources(&["b", "a"]).unwrap(), ["b", "a"]);
+    }
+}

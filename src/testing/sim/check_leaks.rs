@@ -1,0 +1,84 @@
+//! The leak account of [`Checker`]: every write of ours that a round sent or
+//! that landed on a node, and the deletes sent after it.
+
+use crate::algorithm::round::{written, Key, Op};
+
+use super::{lineage, traced, Checker, Place};
+
+impl Checker {
+    /// A round of `op` leaves the client.
+    pub(crate) fn sent(&mut self, op: Op, keys: &[Key<'_>], now: u64) {
+        if let Op::Acquire { ttl, .. }
+        | Op::Swap { ttl, .. }
+        | Op::Extend { ttl, .. }
+        | Op::Restore { ttl } = op
+        {
+            let until = now.saturating_add(u64::try_from(ttl.as_nanos()).unwrap_or(u64::MAX));
+            for k in written(op, keys) {
+                let w = self.last_write.entry(k.token.to_owned()).or_default();
+                *w = (w.0.max(until), w.1.max(ttl));
+            }
+        }
+        if std::env::var_os("QUORUMLOCK_SIM_TRACE").is_some() {
+            println!("{:10.3} ms send {}", now as f64 / 1e6, traced(op, keys));
+        }
+        if let (Op::Release { .. }, false) = (op, self.per_node) {
+            for k in keys {
+                self.deleted_at(k.token, Place::Any, now);
+            }
+        }
+    }
+
+    fn place(&self, node: usize) -> Place {
+        if self.per_node {
+            Place::Node(node)
+        } else {
+            Place::Any
+        }
+    }
+
+    fn deleted_at(&mut self, token: &str, place: Place, now: u64) {
+        let d = self
+            .deleted
+            .entry((lineage(token).to_owned(), place))
+            .or_default();
+        *d = (*d).max(now);
+    }
+
+    /// A delete of `token` left the client at `now` on a connection to
+    /// `node` that could carry it there (the node was up or paused, not cut
+    /// off): the client did its part, even if the connection resets.
+    pub(crate) fn delete_sent(&mut self, token: &str, node: usize, now: u64) {
+        if self.per_node {
+            self.deleted_at(token, Place::Node(node), now);
+        }
+    }
+
+    /// The client lets go of `lineage` at `now` with nothing of it left on
+    /// any node and no write of it in flight (its key expired first): no
+    /// delete is owed for its earlier writes.
+    pub(crate) fn nothing_left(&mut self, lineage: &str, now: u64) {
+        self.owed(lineage, now, Vec::new());
+    }
+
+    /// The client lets go of `lineage` at `now` with live copies left on
+    /// `copies` (node, until when): a delete is owed to each, unless no
+    /// connection to that node could be made before its copy expired.
+    pub(crate) fn owed(&mut self, lineage: &str, now: u64, copies: Vec<(usize, u64)>) {
+        self.owed
+            .entry(lineage.to_owned())
+            .or_default()
+            .push((now, copies));
+    }
+
+    /// Node `node` applied a command that set or kept our key, sent at
+    /// `sent`, at `now`.
+    pub(crate) fn landed(&mut self, token: &str, node: usize, sent: u64, now: u64) {
+        let place = self.place(node);
+        let t = self
+            .landed
+            .entry((lineage(token).to_owned(), place))
+            .or_default();
+        *t = (t.0.max(sent), t.1.max(now));
+    }
+}

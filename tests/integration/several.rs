@@ -1,0 +1,305 @@
+//! Locks of several resources (issue 23): `try_lock_all` and its forms take every
+//! resource or none, each node voting for the whole set. Clients use `fresh_cluster(true)`
+//! on the shared throwaway nodes (the restart test starts its own).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use quorumlock::{Error, InvalidInput, Redlock};
+
+use crate::common::{shared, unique_key, wait_until, Cluster};
+
+const TTL: Duration = Duration::from_secs(10);
+
+fn client(urls: Vec<String>) -> Redlock {
+    let locks = crate::client_with(urls, Duration::from_millis(250));
+    assert_eq!(locks.wait_connected(Duration::from_secs(5)).ok(), Some(3));
+    locks
+}
+
+/// Keys `name-0` … `name-(n-1)`, unique to this test.
+fn keys(name: &str, n: usize) -> Vec<String> {
+    let base = unique_key(name);
+    (0..n).map(|i| format!("{base}-{i}")).collect()
+}
+
+/// A node where one key of the set has another owner sets none of the set: its vote is
+/// for the whole set. The lock is held on the other two nodes, and the first node has no
+/// key of ours (a script setting each key on its own left the free ones set there).
+#[test]
+fn a_node_where_one_key_is_taken_sets_none_of_the_set() {
+    let c = shared();
+    let locks = client(c.urls());
+    let set = keys("aon", 3);
+    let _: () = redis::cmd("SET")
+        .arg(&set[1])
+        .arg("someone-else")
+        .arg("PX")
+        .arg(30_000)
+        .query(&mut c.conn(0))
+        .expect("SET");
+    let g = locks
+        .try_lock_all(&set, TTL)
+        .expect("held on nodes 1 and 2");
+    assert_eq!(g.nodes_held(), 2);
+    for k in [&set[0], &set[2]] {
+        assert_eq!(c.get(0, k), None, "node 0 set {k} of a set it refused");
+        assert_eq!(c.holders(k, g.token()), 2);
+    }
+    assert_eq!(c.get(0, &set[1]).as_deref(), Some("someone-else"));
+    assert_eq!(g.resources().collect::<Vec<_>>(), set);
+    assert_eq!(g.resource(), set[0]);
+    g.release().expect("release");
+    for k in &set {
+        assert!(k == &set[1] || c.gone_everywhere(k, Duration::from_secs(1)));
+    }
+}
+
+/// A set with one key held by another client on a majority is refused, and leaves
+/// nothing behind on any node.
+#[test]
+fn a_set_with_one_key_held_elsewhere_is_refused_and_leaves_nothing() {
+    let c = shared();
+    let (a, b) = (client(c.urls()), client(c.urls()));
+    let set = keys("refused", 4);
+    let held = a.try_lock(&set[2], TTL).expect("lock one of them");
+    match b.try_lock_all(&set, TTL) {
+        Err(Error::Taken { .. }) => {}
+        other => panic!("expected Taken, got {other:?}"),
+    }
+    for (j, k) in set.iter().enumerate().filter(|(j, _)| *j != 2) {
+        for i in 0..3 {
+            assert_eq!(c.get(i, k), None, "node {i} kept key {j} of a refused set");
+        }
+    }
+    assert_eq!(c.holders(&set[2], held.token()), 3);
+}
+
+/// Three clients take sets that overlap in a cycle ({x, y}, {y, z}, {z, x}: taken one key
+/// at a time, the classic deadlock). Every pair shares a key, so at most one may hold at a
+/// time; each gets its turns, and no call waits for ever.
+#[test]
+fn overlapping_sets_never_both_hold_and_never_deadlock() {
+    let c = shared();
+    let k = keys("cycle", 3);
+    let sets = [
+        vec![k[0].clone(), k[1].clone()],
+        vec![k[1].clone(), k[2].clone()],
+        vec![k[2].clone(), k[0].clone()],
+    ];
+    let inside = Arc::new(AtomicUsize::new(0));
+    let most = Arc::new(AtomicUsize::new(0));
+    let start = Instant::now();
+    let workers: Vec<_> = sets
+        .into_iter()
+        .map(|set| {
+            let locks = Redlock::builder()
+                .fresh_cluster(true)
+                .nodes(c.urls())
+                .node_timeout(Duration::from_millis(250))
+                .retry_delay(Duration::from_millis(5))
+                .retry_jitter(Duration::from_millis(5))
+                .build()
+                .expect("valid config");
+            let (inside, most) = (inside.clone(), most.clone());
+            std::thread::spawn(move || {
+                for _ in 0..15 {
+                    let g = locks
+                        .lock_all_timeout(&set, TTL, Duration::from_secs(20))
+                        .expect("a set is taken in time");
+                    let now = inside.fetch_add(1, Ordering::SeqCst) + 1;
+                    most.fetch_max(now, Ordering::SeqCst);
+                    std::thread::sleep(Duration::from_millis(2));
+                    inside.fetch_sub(1, Ordering::SeqCst);
+                    g.release().expect("release");
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().expect("worker");
+    }
+    assert_eq!(
+        most.load(Ordering::SeqCst),
+        1,
+        "two overlapping sets held at once"
+    );
+    assert!(start.elapsed() < Duration::from_secs(60));
+    for key in &k {
+        assert!(
+            c.gone_everywhere(key, Duration::from_secs(1)),
+            "{key} left behind"
+        );
+    }
+}
+
+/// A set is extended (and lost) as one: with one key gone from a majority, the extension
+/// fails, although every other key is still there (a count of the first key alone said
+/// held).
+#[test]
+fn a_set_missing_one_key_on_a_majority_is_not_extended() {
+    let c = shared();
+    let locks = client(c.urls());
+    let set = keys("extend", 3);
+    let g = locks.try_lock_all(&set, TTL).expect("lock");
+    assert_eq!(g.extend(TTL).ok().map(|v| v > Duration::ZERO), Some(true));
+    c.del(0, &set[1]);
+    c.del(1, &set[1]);
+    match g.extend(TTL) {
+        Err(Error::Expired | Error::NotOwner { .. }) => {}
+        other => panic!("a set missing a key on 2 of 3 nodes was extended: {other:?}"),
+    }
+}
+
+/// With fencing, the set's one token is above every resource's last token and is written
+/// back to each: a later lock of any one of them gets a larger token. The first key's
+/// counter is raised far above the clock here, so that only the write-back to the second
+/// explains its next token.
+#[test]
+fn a_fenced_set_orders_every_resource_after_it() {
+    let c = shared();
+    let locks = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(c.urls())
+        .node_timeout(Duration::from_millis(250))
+        .fencing(true)
+        .build()
+        .expect("valid config");
+    let set = keys("fenced", 2);
+    let high: u64 = 1 << 52;
+    for i in 0..3 {
+        let _: i64 = redis::cmd("HSET")
+            .arg("quorumlock:meta")
+            .arg(format!("fence:{}", set[0]))
+            .arg(high)
+            .query(&mut c.conn(i))
+            .expect("HSET");
+    }
+    let g = locks.try_lock_all(&set, TTL).expect("lock");
+    let t = g.fencing_token().expect("fenced");
+    assert!(
+        t > high,
+        "the set's token {t} is not above the first key's counter"
+    );
+    g.release().expect("release");
+    let second = locks.try_lock(&set[1], TTL).expect("lock the second alone");
+    let t2 = second.fencing_token().expect("fenced");
+    assert!(
+        t2 > t,
+        "the second resource's next token {t2} is not above the set's {t}"
+    );
+}
+
+/// A held set whose node restarts empty gets every key back there from its renewal (a
+/// copy, not a vote), and stays held; a fresh client meeting the restarted node cannot
+/// take any key of it.
+#[test]
+fn a_renewed_set_gets_its_keys_back_on_a_node_restarted_empty() {
+    let c = Cluster::start(3);
+    let locks = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(c.urls())
+        .node_timeout(Duration::from_millis(250))
+        .auto_renew(true)
+        .build()
+        .expect("valid config");
+    let set = keys("restarted", 3);
+    let g = locks
+        .try_lock_all(&set, Duration::from_secs(2))
+        .expect("lock");
+    c.stop(2);
+    c.restart(2);
+    assert_eq!(c.get(2, &set[0]), None, "node 2 came back empty");
+    let back = wait_until(Duration::from_secs(5), || {
+        set.iter()
+            .all(|k| c.get(2, k).as_deref() == Some(g.token()))
+    });
+    assert!(
+        back,
+        "the renewal did not restore every key of the set on node 2"
+    );
+    assert!(g.is_held());
+    let fresh = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(c.urls())
+        .node_timeout(Duration::from_millis(250))
+        .build()
+        .expect("valid config");
+    for k in &set {
+        assert!(
+            fresh.try_lock(k, TTL).is_err(),
+            "a fresh client took {k} of a held set"
+        );
+    }
+    g.release().expect("release");
+}
+
+/// Bad input gets a typed error naming the problem, before any round.
+#[test]
+fn bad_sets_are_refused_with_what_is_wrong() {
+    let c = shared();
+    let locks = client(c.urls());
+    let none: [&str; 0] = [];
+    let invalid = |r: quorumlock::Result<quorumlock::LockGuard>| match r {
+        Err(Error::InvalidInput(i)) => i,
+        other => panic!("expected invalid input, got {other:?}"),
+    };
+    assert!(matches!(
+        invalid(locks.try_lock_all(&none, TTL)),
+        InvalidInput::NoResources
+    ));
+    let k = unique_key("bad");
+    assert!(matches!(
+        invalid(locks.lock_all(&[k.as_str(), "other", k.as_str()], TTL)),
+        InvalidInput::DuplicateResource(d) if d == k
+    ));
+    assert!(matches!(
+        invalid(locks.try_lock_all(&[k.as_str(), ""], TTL)),
+        InvalidInput::EmptyResource
+    ));
+    let long: Vec<String> = (0..17)
+        .map(|i| format!("{i:02}{}", "x".repeat(quorumlock::MAX_RESOURCE_LEN - 2)))
+        .collect();
+    assert!(matches!(
+        invalid(locks.try_lock_all(&long, TTL)),
+        InvalidInput::ResourcesTooLong { .. }
+    ));
+    assert!(matches!(
+        invalid(locks.try_lock_all(&[k.as_str(), "quorumlock:meta"], TTL)),
+        InvalidInput::ReservedResource(_)
+    ));
+    assert!(matches!(
+        invalid(locks.try_lock_all(&[k.as_str()], Duration::ZERO)),
+        InvalidInput::ZeroTtl
+    ));
+    assert!(matches!(
+        invalid(locks.lock_all_timeout(&[k.as_str(), "b"], Duration::MAX, Duration::MAX)),
+        InvalidInput::TtlTooLong(_)
+    ));
+    // Nothing was sent: no key exists.
+    assert_eq!(c.get(0, &k), None);
+}
+
+/// `with_lock_all` renews the set while the closure runs and releases every key after.
+#[test]
+fn with_lock_all_releases_every_key() {
+    let c = shared();
+    let locks = client(c.urls());
+    let set = keys("with", 3);
+    let held = locks
+        .with_lock_all(&set, TTL, |g| {
+            assert!(g.is_auto_renewed());
+            set.iter()
+                .map(|k| c.holders(k, g.token()))
+                .collect::<Vec<_>>()
+        })
+        .expect("with_lock_all");
+    assert_eq!(held, [3, 3, 3]);
+    for k in &set {
+        assert!(
+            c.gone_everywhere(k, Duration::from_secs(1)),
+            "{k} left behind"
+        );
+    }
+}
