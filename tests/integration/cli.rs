@@ -264,6 +264,33 @@ fn passes_the_exit_status_through_and_exports_the_lock() {
     assert_gone(&c, &key, Duration::from_secs(1));
 }
 
+/// `--and` holds several keys as one lock: the command sees them all in
+/// QUORUMLOCK_KEYS, each is held with the one token, another run on any of them is busy
+/// (exit 75), and every key is released after.
+#[test]
+fn run_with_and_holds_every_key_as_one_lock() {
+    let c = shared();
+    let dir = Scratch::new("cli-and");
+    let (k1, k2) = (unique_key("cli-and-1"), unique_key("cli-and-2"));
+    let script = r#"printf '%s\n' "$QUORUMLOCK_KEYS" > "$D/keys.tmp"; mv "$D/keys.tmp" "$D/keys"
+        while [ ! -e "$D/go" ]; do sleep 0.05; done"#;
+    let mut p = Proc::spawn(
+        run_cmd(&c, &dir, "run", &k1, &["--and", &k2], script),
+        &dir,
+        "run",
+    );
+    until_started(&c, &dir, &mut p, "keys", &k1);
+    assert_eq!(dir.read("keys").unwrap().trim_end(), format!("{k1}\n{k2}"));
+    let token = (0..c.len()).find_map(|i| c.get(i, &k1)).expect("k1 stored");
+    assert!(c.holders(&k2, &token) >= 2, "k2 is not held with k1's token");
+    let (code, err) = finish(run_cmd(&c, &dir, "second", &k2, &[], "true"), &dir, "second");
+    assert_eq!(code, EX_TEMPFAIL, "a run on k2 while the set holds it: {err}");
+    dir.touch("go");
+    assert_eq!(p.exit_code(SOON), 0, "stderr:\n{}", p.stderr());
+    assert_gone(&c, &k1, Duration::from_secs(1));
+    assert_gone(&c, &k2, Duration::from_secs(1));
+}
+
 #[test]
 fn busy_lock_exits_75_without_running_the_command() {
     let c = shared();

@@ -93,10 +93,14 @@ const RUN_ABOUT: &str = "\
 Run a command while holding a lock on a majority of Redis nodes.
 
 Takes KEY with one attempt (or retries for up to --wait), renews it in the
-background while the command runs, then releases it. The command inherits
+background while the command runs, then releases it. With --and KEY2 (and
+more), all the keys are one lock: taken all or none, renewed and released
+together. The command inherits
 stdin, stdout and stderr (quorumlock writes only to stderr, lines starting
 with `quorumlock: `) and gets in its environment:
   QUORUMLOCK_KEY            the lock's key (KEY)
+  QUORUMLOCK_KEYS           every key held (KEY and each --and KEY), one
+                            per line
   QUORUMLOCK_TOKEN          the lock's random token, as stored on the nodes:
                             the lock's identity; treat it as a secret (it
                             lets its holder release or extend the lock)
@@ -169,7 +173,7 @@ enum Cmd {
     #[command(
         long_about = RUN_ABOUT,
         after_help = EXIT_CODES,
-        override_usage = "quorumlock run [OPTIONS] <KEY> -- <CMD> [ARGS]..."
+        override_usage = "quorumlock run [OPTIONS] <KEY> [--and <KEY>]... -- <CMD> [ARGS]..."
     )]
     Run(RunArgs),
     /// Show KEY's state on every node.
@@ -253,6 +257,10 @@ struct RunArgs {
     /// The lock's name (the Redis key).
     #[arg(value_name = "KEY")]
     key: String,
+    /// Another key to hold with KEY, as one lock: all of them or none (a
+    /// lock of several resources). Repeat for more.
+    #[arg(long = "and", value_name = "KEY")]
+    and: Vec<String>,
     /// The command and its arguments (after `--`).
     #[arg(
         value_name = "CMD",
@@ -505,7 +513,10 @@ fn run(args: RunArgs) -> u8 {
         Ok(l) => l,
         Err(code) => return code,
     };
-    let key = args.key.as_str();
+    let keys: Vec<&str> = std::iter::once(args.key.as_str())
+        .chain(args.and.iter().map(String::as_str))
+        .collect();
+    let key = keys.join(" and ");
     let wait = if args.no_wait { None } else { args.wait };
     // A new client's pools connect in the background, and a round does not
     // wait for a node still connecting: a lock taken at once may land on a
@@ -517,7 +528,7 @@ fn run(args: RunArgs) -> u8 {
         say!("{e}");
         return exit_code(&e);
     }
-    let guard = match acquire(&locks, key, args.ttl, wait, &signals) {
+    let guard = match acquire(&locks, &keys, args.ttl, wait, &signals) {
         Ok(g) => g,
         Err(Stop::Signal(sig)) => return signal_exit(sig),
         Err(Stop::Failed(e)) => {
@@ -558,6 +569,7 @@ fn run(args: RunArgs) -> u8 {
     }
     cmd.args(&args.command[1..])
         .env("QUORUMLOCK_KEY", guard.resource())
+        .env("QUORUMLOCK_KEYS", guard.resources().collect::<Vec<_>>().join("\n"))
         .env("QUORUMLOCK_TOKEN", guard.token())
         .env("QUORUMLOCK_TTL_MS", args.ttl.as_millis().to_string());
     match guard.fencing_token() {
@@ -599,18 +611,18 @@ enum Stop {
 /// signals between slices of the wait.
 fn acquire(
     locks: &Redlock,
-    key: &str,
+    keys: &[&str],
     ttl: Duration,
     wait: Option<Duration>,
     signals: &Signals,
 ) -> Result<LockGuard, Stop> {
     let Some(wait) = wait else {
-        return locks.try_lock(key, ttl).map_err(Stop::Failed);
+        return locks.try_lock_all(keys, ttl).map_err(Stop::Failed);
     };
     let until = Instant::now() + wait;
     loop {
         let left = until.saturating_duration_since(Instant::now());
-        let e = match locks.lock_timeout(key, ttl, left.min(WAIT_SLICE)) {
+        let e = match locks.lock_all_timeout(keys, ttl, left.min(WAIT_SLICE)) {
             Ok(g) => return Ok(g),
             Err(e) => e,
         };
@@ -625,7 +637,7 @@ fn acquire(
 
 /// Releases the lock, reporting a failure on stderr.
 fn release(guard: LockGuard) {
-    let key = guard.resource().to_owned();
+    let key = guard.resources().collect::<Vec<_>>().join(" and ");
     if let Err(e) = guard.release() {
         say!("releasing {key}: {e}");
     }
