@@ -219,11 +219,13 @@ impl Redlock {
     /// set, and the lock is held, as any lock, with a majority of votes. The
     /// guard releases, extends, renews and loses them together; its
     /// [`resource`](LockGuard::resource) is the first. Locks of
-    /// overlapping sets exclude each other and never deadlock: nobody ever
-    /// holds part of a set. With [`fencing`](crate::Builder::fencing), the
-    /// guard's one token is above the last token of every resource in the
-    /// set, and is written back to each (so a store guarded by any one of
-    /// them can refuse older writers).
+    /// overlapping sets exclude each other and never deadlock: no client
+    /// ever holds part of a set as its lock (a node may keep a stray copy
+    /// of some keys, which counts for nobody but the set's holder). With
+    /// [`fencing`](crate::Builder::fencing), the guard's one token is above
+    /// the last token of every resource in the set, and is written back to
+    /// each (so a store guarded by any one of them can refuse older
+    /// writers).
     ///
     /// A lock of several has no place in this client's local queue (its
     /// threads meet at the nodes) and its waiters poll, unwoken by

@@ -232,7 +232,21 @@ fn tick(engine: &dyn Renew, entries: &mut Vec<Entry>) {
     due.sort_unstable();
 
     for group in due.chunk_by(|a, b| a.0 == b.0) {
-        for batch in group.chunks(MAX_BATCH) {
+        // Batches of at most `MAX_BATCH` keys (a lock of several resources
+        // has one per resource), at least one lock each.
+        let mut rest = group;
+        while !rest.is_empty() {
+            let mut keys = 0usize;
+            let n = rest
+                .iter()
+                .take_while(|&&(_, i)| {
+                    keys = keys.saturating_add(entries[i].state.size());
+                    keys <= MAX_BATCH
+                })
+                .count()
+                .max(1);
+            let (batch, tail) = rest.split_at(n.min(rest.len()));
+            rest = tail;
             let Some(&(ttl, _)) = batch.first() else {
                 continue;
             };
@@ -517,6 +531,30 @@ mod tests {
         wait_for("the thread to end with the client", || {
             exited.load(std::sync::atomic::Ordering::Acquire)
         });
+    }
+
+    /// A batch holds at most `MAX_BATCH` keys, counting every key of a lock
+    /// of several resources: 400 sets of 16 (6,400 keys) take two rounds.
+    /// Counted by locks, one round sent them all, over the bound each
+    /// node's script and a release's wait for it rest on.
+    #[test]
+    fn batches_count_every_key_of_a_set() {
+        let (locks, nodes, clock) = client(3);
+        let ttl = 30_000 * MS;
+        let guards: Vec<_> = (0..400)
+            .map(|i| {
+                let set: Vec<String> = (0..16).map(|j| format!("s{i}-{j}")).collect();
+                locks.try_lock_all(&set, ttl).unwrap()
+            })
+            .collect();
+        let mut entries: Vec<Entry> = guards.iter().map(|g| entry(g, 1.0 / 3.0)).collect();
+        let before = nodes.rounds.load(Ordering::SeqCst);
+        clock.advance(10_500 * MS);
+        tick(&*locks.engine, &mut entries);
+        assert_eq!(nodes.rounds.load(Ordering::SeqCst), before + 2);
+        assert!(guards
+            .iter()
+            .all(|g| g.is_held() && g.deadline() > clock.now() + 20_000 * MS));
     }
 
     #[test]

@@ -282,9 +282,19 @@ fn run_with_and_holds_every_key_as_one_lock() {
     until_started(&c, &dir, &mut p, "keys", &k1);
     assert_eq!(dir.read("keys").unwrap().trim_end(), format!("{k1}\n{k2}"));
     let token = (0..c.len()).find_map(|i| c.get(i, &k1)).expect("k1 stored");
-    assert!(c.holders(&k2, &token) >= 2, "k2 is not held with k1's token");
-    let (code, err) = finish(run_cmd(&c, &dir, "second", &k2, &[], "true"), &dir, "second");
-    assert_eq!(code, EX_TEMPFAIL, "a run on k2 while the set holds it: {err}");
+    assert!(
+        c.holders(&k2, &token) >= 2,
+        "k2 is not held with k1's token"
+    );
+    let (code, err) = finish(
+        run_cmd(&c, &dir, "second", &k2, &[], "true"),
+        &dir,
+        "second",
+    );
+    assert_eq!(
+        code, EX_TEMPFAIL,
+        "a run on k2 while the set holds it: {err}"
+    );
     dir.touch("go");
     assert_eq!(p.exit_code(SOON), 0, "stderr:\n{}", p.stderr());
     assert_gone(&c, &k1, Duration::from_secs(1));

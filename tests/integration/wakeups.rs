@@ -342,14 +342,7 @@ fn lock_keeps_its_attempts_a_retry_pause_apart() {
 fn a_forged_message_behind_a_renewed_holder_costs_one_retry() {
     let c = shared();
     let key = unique_key("forged-renewed");
-    let holder = Redlock::builder()
-        .fresh_cluster(true)
-        .nodes(c.urls())
-        .node_timeout(Duration::from_millis(250))
-        .auto_renew(true)
-        .build()
-        .expect("valid config");
-    let g = holder.lock(&key, Duration::from_millis(600)).expect("lock");
+    let (_holder, g) = renewed_holder(&c, &key);
     let (waiting, attempts) = counted(c.urls(), Duration::from_secs(5));
     let w = std::thread::spawn({
         let key = key.clone();
@@ -443,13 +436,8 @@ fn threads_of_one_client_without_a_queue_poll_at_their_pause() {
     );
 }
 
-/// A live holder whose renewals keep moving its expiry does not make its waiter try at
-/// every expiry it read (every 200-600 ms here): once one such try found the key still
-/// held, the waiter goes back to its retry pause (1 s here).
-#[test]
-fn a_renewed_holder_does_not_make_its_waiter_poll_faster() {
-    let c = shared();
-    let key = unique_key("renewed-holder");
+/// A client holding `key` with a 600 ms TTL, renewed (every 200 ms), and its guard.
+fn renewed_holder(c: &Cluster, key: &str) -> (Redlock, quorumlock::LockGuard) {
     let holder = Redlock::builder()
         .fresh_cluster(true)
         .nodes(c.urls())
@@ -457,7 +445,18 @@ fn a_renewed_holder_does_not_make_its_waiter_poll_faster() {
         .auto_renew(true)
         .build()
         .expect("valid config");
-    let g = holder.lock(&key, Duration::from_millis(600)).expect("lock");
+    let g = holder.lock(key, Duration::from_millis(600)).expect("lock");
+    (holder, g)
+}
+
+/// A live holder whose renewals keep moving its expiry does not make its waiter try at
+/// every expiry it read (every 200-600 ms here): once one such try found the key still
+/// held, the waiter goes back to its retry pause (1 s here).
+#[test]
+fn a_renewed_holder_does_not_make_its_waiter_poll_faster() {
+    let c = shared();
+    let key = unique_key("renewed-holder");
+    let (_holder, g) = renewed_holder(&c, &key);
     let (waiting, attempts) = counted(c.urls(), Duration::from_secs(1));
     let r = waiting.lock_timeout(&key, TTL, Duration::from_secs(3));
     assert!(r.is_err(), "the holder renews its lock");

@@ -569,7 +569,10 @@ fn run(args: RunArgs) -> u8 {
     }
     cmd.args(&args.command[1..])
         .env("QUORUMLOCK_KEY", guard.resource())
-        .env("QUORUMLOCK_KEYS", guard.resources().collect::<Vec<_>>().join("\n"))
+        .env(
+            "QUORUMLOCK_KEYS",
+            guard.resources().collect::<Vec<_>>().join("\n"),
+        )
         .env("QUORUMLOCK_TOKEN", guard.token())
         .env("QUORUMLOCK_TTL_MS", args.ttl.as_millis().to_string());
     match guard.fencing_token() {

@@ -49,20 +49,35 @@ impl Retries {
         }
     }
 
-    /// Up to `n` live releases, owed ones first, taken off the queue.
+    /// Up to `n` live releases, owed ones first, taken off the queue; more
+    /// where the last one's token has more keys next (a lock of several
+    /// resources): a batch never splits a token, since the node's answer
+    /// settles every release of the tokens it names.
     pub(crate) fn take(&mut self, n: usize, now: Instant) -> Vec<Retry> {
         self.owed.retain(|r| r.until > now);
         self.watched.retain(|r| r.until > now);
-        let k = self.owed.len().min(n);
-        let mut batch: Vec<Retry> = self.owed.drain(..k).collect();
-        let k = self.watched.len().min(n - batch.len());
-        batch.extend(self.watched.drain(..k));
+        let mut batch = Vec::new();
+        take_whole(&mut self.owed, n, &mut batch);
+        take_whole(&mut self.watched, n.saturating_sub(batch.len()), &mut batch);
         batch
     }
 
     pub(crate) fn is_empty(&self) -> bool {
         self.owed.is_empty() && self.watched.is_empty()
     }
+}
+
+/// Moves up to `n` entries from the front of `q` to `batch`, and then those
+/// right behind with the last one's token.
+fn take_whole(q: &mut VecDeque<Retry>, n: usize, batch: &mut Vec<Retry>) {
+    let mut k = q.len().min(n);
+    if let Some(last) = k.checked_sub(1).and_then(|i| q.get(i)) {
+        let token = last.token.clone();
+        while q.get(k).is_some_and(|r| r.token == token) {
+            k += 1;
+        }
+    }
+    batch.extend(q.drain(..k));
 }
 
 #[cfg(test)]
@@ -76,6 +91,30 @@ mod tests {
             token: token.into(),
             until,
         }
+    }
+
+    /// A batch never splits the releases of one token (the keys of a lock of
+    /// several resources): a node's answer to a batch settles its tokens,
+    /// and a key of the set left for the next batch was dropped with them,
+    /// its key left on the node for its TTL.
+    #[test]
+    fn a_batch_takes_every_key_of_a_token() {
+        let now = Instant::now();
+        let later = now + Duration::from_secs(30);
+        let mut q = Retries::default();
+        for (resource, token) in [("a", "T"), ("b", "T"), ("c", "T"), ("d", "U")] {
+            let r = Retry {
+                resource: resource.into(),
+                token: token.into(),
+                until: later,
+            };
+            q.push(r, false, "n");
+        }
+        let batch = q.take(1, now);
+        let keys: Vec<&str> = batch.iter().map(|r| r.resource.as_str()).collect();
+        assert_eq!(keys, ["a", "b", "c"]);
+        assert_eq!(q.take(1, now).len(), 1);
+        assert!(q.is_empty());
     }
 
     /// Releases the node never answered go first, and are the last to be

@@ -69,7 +69,10 @@ pub(crate) trait Round: Links + Sized {
                     && s.sent.is_none()
                     && !s.lost
                     && matches!(r, Err(e) if e.kind() == NodeErrorKind::NoConnection);
-                if unreached && self.node(i).is_healthy() {
+                // Not for a lock of several resources: each key's write is
+                // settled on its own, and the node could end up with part
+                // of the set (the renewal restores copies of a held set).
+                if unreached && self.node(i).is_healthy() && keys.len() == 1 {
                     for k in keys {
                         // Not a first use (the round recorded it).
                         self.write_later(i, k, ttl, known_max.max(ttl), start);

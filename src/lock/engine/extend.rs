@@ -48,7 +48,7 @@ impl Engine {
             (known.max, begun)
         };
         let keys: Vec<Key<'_>> = states.iter().flat_map(|s| s.keys()).collect();
-        let sizes: Vec<usize> = states.iter().map(|s| s.size()).collect();
+        let sizes = super::several::sizes_of(states);
         let mut deadline = self.batch_deadline(start, keys.len());
         if let [only] = states {
             // A lone extension need not wait past its lock's validity.

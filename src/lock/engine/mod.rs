@@ -202,10 +202,17 @@ impl Engine {
         let token = new_token();
         // One key per resource, all with this token (a lock of several:
         // one vote per node for them all; see `several`).
-        let keys: Vec<Key<'_>> = std::iter::once(resource)
-            .chain(also.iter().map(String::as_str))
-            .map(|r| Key::new(r, &token))
-            .collect();
+        let one = [Key::new(resource, &token)];
+        let several: Vec<Key<'_>>;
+        let keys: &[Key<'_>] = if also.is_empty() {
+            &one
+        } else {
+            several = one
+                .into_iter()
+                .chain(also.iter().map(|r| Key::new(r, &token)))
+                .collect();
+            &several
+        };
         let start = self.clock.now();
         let known = *self.ttls.lock();
         let first = self.first_use(ttl, &known);
@@ -276,7 +283,7 @@ impl Engine {
                 fenced: self.settings.fencing,
                 after: first,
             },
-            &keys,
+            keys,
             &[keys.len()],
             after(start, budget),
             Some(&settled),
@@ -398,7 +405,9 @@ impl Engine {
         }
         let results = self.round(Op::Release { keep_until, notice }, state);
         let outcome = quorum::decide_release(Tally::of(&results, 0));
-        if outcome.is_ok() {
+        // (Not for a lock of several: its answers are folded over keys that
+        // other waiters of this client may watch one by one.)
+        if outcome.is_ok() && state.also.is_empty() {
             self.note_woken(&state.resource, &results, start);
         }
         (outcome, results)

@@ -60,14 +60,22 @@ impl Engine {
         deadline: Instant,
         decided: Option<Decided<'_>>,
     ) -> Vec<NodeResult> {
+        if let [one] = locks {
+            if one.also.is_empty() {
+                // The common case, without allocating.
+                return self
+                    .transport
+                    .run(op, &[one.key()], deadline, decided, None);
+            }
+        }
         let keys: Vec<Key<'_>> = locks.iter().flat_map(|s| s.keys()).collect();
-        let sizes: Vec<usize> = locks.iter().map(|s| s.size()).collect();
+        let sizes = sizes_of(locks);
         self.run_keys(op, &keys, &sizes, deadline, decided, None)
     }
 
     /// [`run_locks`](Self::run_locks) for keys already laid out: `sizes[i]`
-    /// consecutive keys are the `i`-th lock. Without a lock of several keys,
-    /// exactly the transport's `run`.
+    /// consecutive keys are the `i`-th lock (empty: one key each). Without
+    /// a lock of several keys, exactly the transport's `run`.
     pub(super) fn run_keys(
         &self,
         op: Op,
@@ -99,6 +107,15 @@ impl Engine {
         let results = self.transport.run(op, keys, deadline, decided, undo);
         fold_all(&results)
     }
+}
+
+/// Keys per lock, for [`Engine::run_keys`]; empty (no folding) where every
+/// lock has one.
+pub(super) fn sizes_of(locks: &[&LockState]) -> Vec<usize> {
+    if locks.iter().all(|s| s.also.is_empty()) {
+        return Vec::new();
+    }
+    locks.iter().map(|s| s.size()).collect()
 }
 
 #[cfg(test)]

@@ -84,23 +84,25 @@ pub(crate) fn run_defective(
 /// [`run`] (or, `engine`, [`run_engine`]) with releases waking the waiters
 /// of other clients (see [`wakeups`]).
 pub(crate) fn run_wakeups(seed: u64, mix: Mix, engine: bool) -> Report {
-    let mut plan = if engine {
+    let mut plan = plan_of(seed, mix, engine);
+    plan.wakeups = true;
+    run_plan(plan)
+}
+
+/// The plan of `seed` under `mix`, over the node engine (without defects)
+/// where `engine`, else over the simulation's transport.
+fn plan_of(seed: u64, mix: Mix, engine: bool) -> Plan {
+    if engine {
         engine_plan(seed, mix, Default::default())
     } else {
         Plan::new(seed, mix)
-    };
-    plan.wakeups = true;
-    run_plan(plan)
+    }
 }
 
 /// [`run`] (or, `engine`, [`run_engine`]) with some sections locks of
 /// several resources.
 pub(crate) fn run_sets(seed: u64, mix: Mix, engine: bool) -> Report {
-    let mut plan = if engine {
-        engine_plan(seed, mix, Default::default())
-    } else {
-        Plan::new(seed, mix)
-    };
+    let mut plan = plan_of(seed, mix, engine);
     plan.sets = true;
     run_plan(plan)
 }
