@@ -228,8 +228,9 @@ impl Redlock {
     /// writers).
     ///
     /// A lock of several has no place in this client's local queue (its
-    /// threads meet at the nodes) and its waiters poll, unwoken by
-    /// releases; a lock of one resource is [`try_lock`](Self::try_lock)'s.
+    /// threads meet at the nodes); its waiters are woken by another
+    /// client's release of any of its resources. A lock of one resource is
+    /// [`try_lock`](Self::try_lock)'s.
     ///
     /// ```no_run
     /// # use std::time::Duration;
@@ -250,7 +251,7 @@ impl Redlock {
     }
 
     /// [`try_lock_all`](Self::try_lock_all), retried as [`lock`](Self::lock)
-    /// retries (with polls: a release does not wake a lock of several).
+    /// retries, woken by another client's release of any of the resources.
     ///
     /// # Errors
     /// As [`try_lock_all`](Self::try_lock_all).

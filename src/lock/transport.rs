@@ -69,6 +69,14 @@ pub(crate) trait Transport: Send + Sync + 'static {
         None
     }
 
+    /// [`watch`](Self::watch) for every one of `resources` at once (a lock
+    /// of several): woken by a release of any. `None`: not supported (the
+    /// simulation's sets poll) or no room.
+    fn watch_all(&self, resources: &[&str], confirm_by: Instant) -> Option<Box<dyn Watch>> {
+        let _ = (resources, confirm_by);
+        None
+    }
+
     /// [`watch`](Self::watch), only where `resource` is subscribed already
     /// (then without waiting).
     fn watch_existing(&self, resource: &str) -> Option<Box<dyn Watch>> {

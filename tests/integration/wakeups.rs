@@ -270,6 +270,40 @@ fn a_waiter_follows_a_dead_holder_at_its_expiry() {
     drop(g);
 }
 
+/// A lock of several resources waits for a release of any of them: another client's
+/// release of one key of the set wakes it at once, not after its retry pause (5 s) or the
+/// fallback's cap (1 s). Its waiters polled at the retry pause.
+#[test]
+fn a_set_waiter_is_woken_by_the_release_of_one_of_its_keys() {
+    let c = shared();
+    let holder = client(c.urls(), Duration::from_millis(100));
+    let (a, b) = (unique_key("set-woken-a"), unique_key("set-woken-b"));
+    let g = holder.lock(&b, TTL).expect("lock");
+    let (waiting, attempts) = counted(c.urls(), Duration::from_secs(5));
+    let w = std::thread::spawn({
+        let set = [a.clone(), b.clone()];
+        move || {
+            let g = waiting
+                .lock_all_timeout(&set, TTL, Duration::from_secs(20))
+                .expect("the set's waiter gets it");
+            let got = Instant::now();
+            g.release().expect("release");
+            got
+        }
+    });
+    let_it_subscribe();
+    let released = Instant::now();
+    g.release().expect("release");
+    let got = w.join().expect("waiter");
+    let after = got.saturating_duration_since(released);
+    assert!(
+        after < Duration::from_millis(500),
+        "the set's waiter got it {after:?} after the release; attempts: {:#?}",
+        attempts.2.lock()
+    );
+    assert_eq!(attempts.acquired().map(|(woken, _)| woken), Some(true));
+}
+
 /// A dead holder whose keys are on a bare majority (a node was down when it locked, or
 /// restarted empty since): the waiter's SET lands on the free node and is undone, and it
 /// still follows the owners' expiry (the shorter of it and the pause never waits longer).

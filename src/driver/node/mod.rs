@@ -242,6 +242,14 @@ impl Transport for RedisTransport {
         self.notifier()?.watch(resource, confirm_by)
     }
 
+    fn watch_all(
+        &self,
+        resources: &[&str],
+        confirm_by: Instant,
+    ) -> Option<Box<dyn crate::lock::transport::Watch>> {
+        self.notifier()?.watch_all(resources, confirm_by)
+    }
+
     fn watch_existing(&self, resource: &str) -> Option<Box<dyn crate::lock::transport::Watch>> {
         self.notifier.get()?.watch_existing(resource)
     }

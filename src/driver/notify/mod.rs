@@ -106,6 +106,9 @@ struct St {
     /// again is a new channel: answers to the old one's commands are not
     /// its own).
     next_gen: u64,
+    /// Notified at every wake-up of any channel: the waits for one of
+    /// several keys (a lock of several resources, [`Notifier::watch_all`]).
+    any: Arc<Condvar>,
 }
 
 struct Chan {
@@ -208,17 +211,30 @@ impl Notifier {
     /// majority holds one (a release that succeeds then reaches us), or no
     /// more nodes can. `None` when no room is left (the caller polls).
     pub(crate) fn watch(&self, resource: &str, confirm_by: Instant) -> Option<Box<dyn Watch>> {
-        self.watch_if(resource, confirm_by, false)
+        let w = self.watch_if(resource, confirm_by, false)?;
+        Some(Box::new(w))
+    }
+
+    /// [`watch`](Self::watch) for every one of `resources` (each confirmed
+    /// by `confirm_by` at most): one wait, woken by a release of any of
+    /// them (a lock of several resources waits for them all to be free; a
+    /// release of one is a hint to try). `None` when any has no room.
+    pub(crate) fn watch_all(
+        &self,
+        resources: &[&str],
+        confirm_by: Instant,
+    ) -> Option<Box<dyn Watch>> {
+        let parts = resources
+            .iter()
+            .map(|r| self.watch_if(r, confirm_by, false))
+            .collect::<Option<Vec<Waiting>>>()?;
+        let any = self.shared.st.lock().any.clone();
+        Some(Box::new(WaitingAll { parts, any }))
     }
 
     /// [`watch`](Self::watch), or with `existing` only where `resource` is
     /// subscribed already (checked under the same lock).
-    fn watch_if(
-        &self,
-        resource: &str,
-        confirm_by: Instant,
-        existing: bool,
-    ) -> Option<Box<dyn Watch>> {
+    fn watch_if(&self, resource: &str, confirm_by: Instant, existing: bool) -> Option<Waiting> {
         let sh = &self.shared;
         let mut st = sh.st.lock();
         if existing && !st.chans.contains_key(resource) {
@@ -254,17 +270,18 @@ impl Notifier {
                 break;
             }
         }
-        Some(Box::new(Waiting {
+        Some(Waiting {
             shared: self.shared.clone(),
             cv,
             resource: resource.to_owned(),
-        }))
+        })
     }
 
     /// [`watch`](Self::watch), only where `resource` is subscribed already
     /// (the wake-ups from before an attempt then count), without waiting.
     pub(crate) fn watch_existing(&self, resource: &str) -> Option<Box<dyn Watch>> {
-        self.watch_if(resource, Instant::now(), true)
+        let w = self.watch_if(resource, Instant::now(), true)?;
+        Some(Box::new(w))
     }
 
     /// This client releases `resource` with `notice`: its message (the
@@ -360,6 +377,7 @@ impl St {
         for c in self.chans.values() {
             c.notify_all();
         }
+        self.any.notify_all();
     }
 }
 
@@ -393,6 +411,44 @@ impl Watch for Waiting {
                 // Not chosen: another thread of this client took the
                 // wake-up (or none came). Its retry pause ran out.
                 return false;
+            }
+        }
+    }
+}
+
+/// One thread's wait for any of several keys (see [`Notifier::watch_all`]).
+struct WaitingAll {
+    parts: Vec<Waiting>,
+    any: Arc<Condvar>,
+}
+
+impl WaitingAll {
+    fn count(&self, st: &MutexGuard<'_, St>) -> u64 {
+        self.parts
+            .iter()
+            .fold(0u64, |n, w| n.wrapping_add(w.count(st).unwrap_or(0)))
+    }
+}
+
+impl Watch for WaitingAll {
+    fn seen(&self) -> u64 {
+        let Some(first) = self.parts.first() else {
+            return 0;
+        };
+        self.count(&first.shared.st.lock())
+    }
+
+    fn wait(&self, seen: u64, until: Instant) -> bool {
+        let Some(first) = self.parts.first() else {
+            return false;
+        };
+        let mut st = first.shared.st.lock();
+        loop {
+            if self.count(&st) != seen {
+                return true;
+            }
+            if self.any.wait_until(&mut st, until).timed_out() {
+                return self.count(&st) != seen;
             }
         }
     }

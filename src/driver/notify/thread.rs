@@ -306,13 +306,18 @@ fn read_frames(sh: &Shared, i: usize, l: &mut Link, ready: PollFlags) -> io::Res
             {
                 l.backoff = RECONNECT;
                 let mut st = sh.st.lock();
+                let mut woke = false;
                 if let Some(c) = st.chans.get_mut(&k).filter(|c| c.gen == gen) {
                     c.confirmed[i] = true;
                     if std::mem::replace(&mut c.lost[i], false) {
                         // Messages may have been lost while it was down.
                         c.wake_all();
+                        woke = true;
                     }
                     c.confirm.notify_all();
+                }
+                if woke {
+                    st.any.notify_all();
                 }
             }
             (Owed::Subscribe(k, gen), Value::ServerError(e)) => {
@@ -361,6 +366,7 @@ fn message(sh: &Shared, items: &[Value]) {
     let notice = &notice[..notice.len().min(64)];
     if c.seen_notice(notice.to_vec()) {
         c.wake();
+        st.any.notify_all();
     }
 }
 

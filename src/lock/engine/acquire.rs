@@ -45,8 +45,8 @@ impl Engine {
     ///
     /// `also`: the other resources of a lock of several (see `several`),
     /// validated by the caller. Such a lock has no turn in a local queue
-    /// (its threads meet at the nodes) and its waiters poll: a release of
-    /// one of its resources wakes nobody's lock of several.
+    /// (its threads meet at the nodes); its waiters wait for a release of
+    /// any of its resources.
     pub(crate) fn acquire(
         &self,
         resource: &str,
@@ -80,7 +80,7 @@ impl Engine {
             }
         }
         let waits = !matches!(budget, Budget::Attempts(1));
-        let wakes = waits && single && self.settings.wake_ups;
+        let wakes = waits && self.settings.wake_ups;
         if waits {
             self.yield_to_others(resource, until);
         }
@@ -93,7 +93,7 @@ impl Engine {
         // Wake-ups by the releases of other clients (see
         // `crate::driver::notify`): from the first failed attempt on, or
         // from the start where this client is subscribed already.
-        let mut watch = if wakes {
+        let mut watch = if wakes && single {
             self.transport.watch_existing(resource)
         } else {
             None
@@ -141,7 +141,14 @@ impl Engine {
                 // attempt): the release may have come before the
                 // subscription.
                 let confirm_by = after(now, self.settings.node_timeout.min(left));
-                watch = self.transport.watch(resource, confirm_by);
+                watch = if single {
+                    self.transport.watch(resource, confirm_by)
+                } else {
+                    let names: Vec<&str> = std::iter::once(resource)
+                        .chain(also.iter().map(String::as_str))
+                        .collect();
+                    self.transport.watch_all(&names, confirm_by)
+                };
                 if watch.is_some() {
                     debug!("lock {resource:?}: attempt failed ({err}); waiting for its release");
                     continue;

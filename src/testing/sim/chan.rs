@@ -12,6 +12,9 @@ use crate::clock::Signal;
 #[derive(Default)]
 pub(crate) struct SimChan {
     pub(crate) signal: Arc<Signal>,
+    /// The waits for any of several keys (locks of several resources)
+    /// this key's wake-ups also reach.
+    pub(crate) also: Mutex<Vec<std::sync::Weak<Signal>>>,
     /// The last notices delivered (a release's copies wake once).
     recent: Mutex<crate::driver::notify::Notices<u64>>,
 }
@@ -22,6 +25,13 @@ impl SimChan {
         let new = self.seen(notice);
         if new {
             self.signal.notify();
+            self.also.lock().retain(|s| match s.upgrade() {
+                Some(s) => {
+                    s.notify();
+                    true
+                }
+                None => false,
+            });
         }
         new
     }

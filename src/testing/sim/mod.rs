@@ -100,10 +100,11 @@ fn plan_of(seed: u64, mix: Mix, engine: bool) -> Plan {
 }
 
 /// [`run`] (or, `engine`, [`run_engine`]) with some sections locks of
-/// several resources.
-pub(crate) fn run_sets(seed: u64, mix: Mix, engine: bool) -> Report {
+/// several resources (and, `wakeups`, releases waking waiters).
+pub(crate) fn run_sets(seed: u64, mix: Mix, engine: bool, wakeups: bool) -> Report {
     let mut plan = plan_of(seed, mix, engine);
     plan.sets = true;
+    plan.wakeups = wakeups;
     run_plan(plan)
 }
 

@@ -398,7 +398,8 @@ fn wake_ups_lost_and_doubled_keep_every_check() {
 
 /// Schedules where some sections are locks of two or three resources (in
 /// random orders, overlapping other sets and single locks), over the
-/// simulation's transport and the production node engine, keep every
+/// simulation's transport and the production node engine, half of them
+/// with wake-ups (lost and doubled among them), keep every
 /// check: never two valid holders of one resource (a set against a set or
 /// a single lock), every node of a held set's majority holding every key of
 /// it (all or nothing per node), every resource's fencing tokens rising, no
@@ -409,7 +410,7 @@ fn locks_of_several_resources_keep_every_check() {
     let mut sets = 0;
     for seed in 0..seeds {
         let mix = within_assumptions(seed);
-        let r = super::run_sets(seed, mix, seed % 4 == 3);
+        let r = super::run_sets(seed, mix, seed % 4 == 3, seed % 2 == 1);
         assert!(r.violations.is_empty(), "{}", describe(&r));
         sets += r.stats.sets;
     }

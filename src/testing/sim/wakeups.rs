@@ -86,6 +86,14 @@ macro_rules! wake_ups_of {
             self.watches.watch(&self.sched, resource, true)
         }
 
+        fn watch_all(
+            &self,
+            resources: &[&str],
+            _confirm_by: std::time::Instant,
+        ) -> Option<Box<dyn crate::lock::transport::Watch>> {
+            self.watches.watch_all(&self.sched, resources)
+        }
+
         fn releasing(&self, resource: &str, notice: u64) {
             self.watches.releasing(resource, notice);
         }
@@ -132,6 +140,29 @@ impl Watches {
         }))
     }
 
+    /// Subscribes to every one of `resources`: one wait, woken by a
+    /// message for any (as the driver's `Notifier::watch_all`).
+    pub(crate) fn watch_all(
+        &self,
+        sched: &Arc<Sched>,
+        resources: &[&str],
+    ) -> Option<Box<dyn Watch>> {
+        let signal = Arc::new(crate::clock::Signal::default());
+        for r in resources {
+            // (Subscribed as a lone waiter would be; its watch is dropped.)
+            let _ = self.watch(sched, r, false)?;
+            if let Some(c) = self.chans.lock().get(*r) {
+                let mut also = c.also.lock();
+                also.retain(|s| s.strong_count() > 0);
+                also.push(Arc::downgrade(&signal));
+            }
+        }
+        Some(Box::new(SimWatchAll {
+            signal,
+            sched: sched.clone(),
+        }))
+    }
+
     /// This client releases `resource` with `notice`: its own message wakes
     /// none of its waiters (as in the driver).
     pub(crate) fn releasing(&self, resource: &str, notice: u64) {
@@ -164,5 +195,23 @@ impl Watch for SimWatch {
     fn wait(&self, seen: u64, until: Instant) -> bool {
         self.sched.wait_signal(&self.chan.signal, seen, Some(until));
         self.chan.signal.seen() != seen
+    }
+}
+
+/// A wait for any of several keys: its own signal, which each key's
+/// channel also notifies.
+struct SimWatchAll {
+    signal: Arc<crate::clock::Signal>,
+    sched: Arc<Sched>,
+}
+
+impl Watch for SimWatchAll {
+    fn seen(&self) -> u64 {
+        self.signal.seen()
+    }
+
+    fn wait(&self, seen: u64, until: Instant) -> bool {
+        self.sched.wait_signal(&self.signal, seen, Some(until));
+        self.signal.seen() != seen
     }
 }
