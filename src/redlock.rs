@@ -228,9 +228,9 @@ impl Redlock {
     /// writers).
     ///
     /// A lock of several has no place in this client's local queue (its
-    /// threads meet at the nodes); its waiters are woken by another
-    /// client's release of any of its resources. A lock of one resource is
-    /// [`try_lock`](Self::try_lock)'s.
+    /// threads meet at the nodes); its waiters are woken by a release of
+    /// any of its resources (of a set of at most 64). A lock of one
+    /// resource is [`try_lock`](Self::try_lock)'s.
     ///
     /// ```no_run
     /// # use std::time::Duration;
@@ -251,7 +251,8 @@ impl Redlock {
     }
 
     /// [`try_lock_all`](Self::try_lock_all), retried as [`lock`](Self::lock)
-    /// retries, woken by another client's release of any of the resources.
+    /// retries, woken by a release of any of the resources (those tries
+    /// are not counted: they are hints).
     ///
     /// # Errors
     /// As [`try_lock_all`](Self::try_lock_all).

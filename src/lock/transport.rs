@@ -90,6 +90,12 @@ pub(crate) trait Transport: Send + Sync + 'static {
         let _ = (resource, notice);
     }
 
+    /// This client's release of `resources` ended: its own waiters for
+    /// locks of several resources, which no local queue serves, try again.
+    fn released(&self, resources: &[&str]) {
+        let _ = resources;
+    }
+
     /// Per node, whether this client's own subscriber listens to
     /// `resource`'s releases there (a release's subscriber count includes
     /// it then); empty when it does not listen.

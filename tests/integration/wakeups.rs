@@ -278,7 +278,8 @@ fn a_set_waiter_is_woken_by_the_release_of_one_of_its_keys() {
     let c = shared();
     let holder = client(c.urls(), Duration::from_millis(100));
     let (a, b) = (unique_key("set-woken-a"), unique_key("set-woken-b"));
-    let g = holder.lock(&b, TTL).expect("lock");
+    // Its first key (a wait on the last alone is not enough).
+    let g = holder.lock(&a, TTL).expect("lock");
     let (waiting, attempts) = counted(c.urls(), Duration::from_secs(5));
     let w = std::thread::spawn({
         let set = [a.clone(), b.clone()];
@@ -299,6 +300,87 @@ fn a_set_waiter_is_woken_by_the_release_of_one_of_its_keys() {
     assert!(
         after < Duration::from_millis(500),
         "the set's waiter got it {after:?} after the release; attempts: {:#?}",
+        attempts.2.lock()
+    );
+    assert_eq!(attempts.acquired().map(|(woken, _)| woken), Some(true));
+}
+
+/// A lock of several is woken by a release of any of its keys, a hint: those tries do not
+/// use up `lock_all`'s attempts, which stay a retry pause apart. Behind a long holder of
+/// one key and a stream of releases of the other, 3 attempts 2 s apart gave up after a
+/// few of those releases (about 150 ms).
+#[test]
+fn lock_all_is_not_used_up_by_releases_of_one_of_its_keys() {
+    let c = shared();
+    let (a, b) = (unique_key("set-count-a"), unique_key("set-count-b"));
+    let holder = client(c.urls(), Duration::from_millis(100));
+    let g = holder.lock(&a, TTL).expect("lock");
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let churn = std::thread::spawn({
+        let (stop, b, urls) = (stop.clone(), b.clone(), c.urls());
+        move || {
+            let other = client(urls, Duration::from_millis(10));
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                if let Ok(g) = other.lock(&b, TTL) {
+                    g.release().expect("release");
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    });
+    let waiting = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(c.urls())
+        .node_timeout(Duration::from_millis(250))
+        .retry_delay(Duration::from_secs(2))
+        .retry_jitter(Duration::ZERO)
+        .retry_count(3)
+        .build()
+        .expect("valid config");
+    let start = Instant::now();
+    let r = waiting.lock_all(&[a.as_str(), b.as_str()], TTL);
+    let took = start.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    churn.join().expect("churn");
+    assert!(r.is_err(), "a is held throughout");
+    assert!(
+        took >= Duration::from_millis(3500),
+        "lock_all with 3 attempts 2 s apart gave up after {took:?}"
+    );
+    drop(g);
+}
+
+/// A lock of several has no place in its client's local queue, so that client's own
+/// release of one of its keys wakes it (a lone lock's waiters here are served by the
+/// queue instead). It waited for its fallback.
+#[test]
+fn a_set_waiter_is_woken_by_its_own_clients_release() {
+    let c = shared();
+    let (a, b) = (unique_key("set-own-a"), unique_key("set-own-b"));
+    let (locks, attempts) = counted(c.urls(), Duration::from_secs(5));
+    let locks = Arc::new(locks);
+    let g = locks.lock(&b, TTL).expect("lock");
+    let w = std::thread::spawn({
+        let (locks, set) = (locks.clone(), [a.clone(), b.clone()]);
+        move || {
+            let g = locks
+                .lock_all_timeout(&set, TTL, Duration::from_secs(20))
+                .expect("the set's waiter gets it");
+            let got = Instant::now();
+            g.release().expect("release");
+            got
+        }
+    });
+    let_it_subscribe();
+    let released = Instant::now();
+    g.release().expect("release");
+    let after = w
+        .join()
+        .expect("waiter")
+        .saturating_duration_since(released);
+    assert!(
+        after < Duration::from_millis(300),
+        "the set's waiter got it {after:?} after its own client's release; attempts: {:#?}",
         attempts.2.lock()
     );
     assert_eq!(attempts.acquired().map(|(woken, _)| woken), Some(true));

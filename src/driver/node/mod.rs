@@ -254,6 +254,12 @@ impl Transport for RedisTransport {
         self.notifier.get()?.watch_existing(resource)
     }
 
+    fn released(&self, resources: &[&str]) {
+        if let Some(n) = self.notifier.get() {
+            n.released(resources);
+        }
+    }
+
     fn releasing(&self, resource: &str, notice: u64) {
         if let Some(n) = self.notifier.get() {
             n.releasing(resource, notice);

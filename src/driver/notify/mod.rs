@@ -40,6 +40,10 @@ mod thread;
 
 /// The most keys one client is subscribed to at once.
 pub(crate) const MAX_CHANNELS: usize = 4096;
+
+/// Most resources a lock of several waits for by wake-ups; a larger set
+/// polls.
+pub(crate) const MAX_SET_CHANNELS: usize = 64;
 /// A key nobody waited for this long is unsubscribed (a process that waits
 /// for a key again and again keeps its subscription).
 pub(crate) const LINGER: Duration = Duration::from_secs(1);
@@ -121,6 +125,9 @@ struct Chan {
     confirm: Arc<Condvar>,
     /// Wake-ups so far.
     count: u64,
+    /// Wake-ups so far for the waits for several keys: every wake-up, and
+    /// this client's own releases (see [`Notifier::released`]).
+    sets: u64,
     /// The last notices seen (a release's copies from other nodes wake
     /// nobody again).
     recent: Notices<Vec<u8>>,
@@ -147,6 +154,7 @@ impl Chan {
             cv: Arc::new(Condvar::new()),
             confirm: Arc::new(Condvar::new()),
             count: 0,
+            sets: 0,
             recent: Notices::default(),
             confirmed: vec![false; nodes],
             sent: vec![false; nodes],
@@ -165,12 +173,14 @@ impl Chan {
     /// A release's message: one waiter tries.
     fn wake(&mut self) {
         self.count = self.count.wrapping_add(1);
+        self.sets = self.sets.wrapping_add(1);
         self.cv.notify_one();
     }
 
     /// Messages may have been lost: every waiter tries.
     fn wake_all(&mut self) {
         self.count = self.count.wrapping_add(1);
+        self.sets = self.sets.wrapping_add(1);
         self.cv.notify_all();
     }
 
@@ -219,24 +229,68 @@ impl Notifier {
     /// by `confirm_by` at most): one wait, woken by a release of any of
     /// them (a lock of several resources waits for them all to be free; a
     /// release of one is a hint to try). `None` when any has no room.
+    ///
+    /// All are subscribed first, then confirmed together (one round trip,
+    /// not one per key). A set of more than [`MAX_SET_CHANNELS`] resources
+    /// gets `None` (it polls): it would crowd out every other wait.
     pub(crate) fn watch_all(
         &self,
         resources: &[&str],
         confirm_by: Instant,
     ) -> Option<Box<dyn Watch>> {
-        let parts = resources
-            .iter()
-            .map(|r| self.watch_if(r, confirm_by, false))
-            .collect::<Option<Vec<Waiting>>>()?;
-        let any = self.shared.st.lock().any.clone();
+        if resources.len() > MAX_SET_CHANNELS {
+            return None;
+        }
+        let mut st = self.shared.st.lock();
+        let mut parts = Vec::with_capacity(resources.len());
+        for r in resources {
+            match self.join(&mut st, r, false) {
+                Some(w) => parts.push(w),
+                None => {
+                    // (Each part leaves its channel on drop, which locks.)
+                    drop(st);
+                    return None;
+                }
+            }
+        }
+        self.await_confirmed(&mut st, resources, confirm_by);
+        let any = st.any.clone();
+        drop(st);
         Some(Box::new(WaitingAll { parts, any }))
+    }
+
+    /// This client's own release of `resources` ended: its waiters for a
+    /// lock of several, which no local queue serves, try again (a single
+    /// lock's waiters here are not woken by it: see
+    /// [`releasing`](Self::releasing)).
+    pub(crate) fn released(&self, resources: &[&str]) {
+        let mut st = self.shared.st.lock();
+        let mut any = false;
+        for r in resources {
+            if let Some(c) = st.chans.get_mut(*r) {
+                c.sets = c.sets.wrapping_add(1);
+                any = true;
+            }
+        }
+        if any {
+            st.any.notify_all();
+        }
     }
 
     /// [`watch`](Self::watch), or with `existing` only where `resource` is
     /// subscribed already (checked under the same lock).
     fn watch_if(&self, resource: &str, confirm_by: Instant, existing: bool) -> Option<Waiting> {
+        let mut st = self.shared.st.lock();
+        let w = self.join(&mut st, resource, existing)?;
+        self.await_confirmed(&mut st, &[resource], confirm_by);
+        Some(w)
+    }
+
+    /// Subscribes to `resource`'s channel where not yet (or, `existing`,
+    /// only where it is), as one more waiter of it; `None` when no room is
+    /// left. Does not wait for the nodes.
+    fn join(&self, st: &mut MutexGuard<'_, St>, resource: &str, existing: bool) -> Option<Waiting> {
         let sh = &self.shared;
-        let mut st = sh.st.lock();
         if existing && !st.chans.contains_key(resource) {
             return None;
         }
@@ -258,23 +312,40 @@ impl Notifier {
             st.dirty = true;
             let _ = (&sh.wake).write(&[1]);
         }
-        let (cv, confirm) = {
+        let cv = {
             let c = st.chans.get_mut(resource)?;
             c.users += 1;
-            (c.cv.clone(), c.confirm.clone())
+            c.cv.clone()
         };
-        // Every majority meets `needed` nodes.
-        let needed = sh.nodes - sh.nodes / 2;
-        while !confirmed_enough(&st, resource, needed) {
-            if confirm.wait_until(&mut st, confirm_by).timed_out() {
-                break;
-            }
-        }
         Some(Waiting {
             shared: self.shared.clone(),
             cv,
             resource: resource.to_owned(),
         })
+    }
+
+    /// Waits, until `confirm_by` at most, until each of `resources` is
+    /// confirmed by enough nodes that every majority holds one (a release
+    /// that succeeds then reaches us), or by every node that still may.
+    fn await_confirmed(
+        &self,
+        st: &mut MutexGuard<'_, St>,
+        resources: &[&str],
+        confirm_by: Instant,
+    ) {
+        // Every majority meets `needed` nodes.
+        let needed = self.shared.nodes - self.shared.nodes / 2;
+        loop {
+            let Some(r) = resources.iter().find(|r| !confirmed_enough(st, r, needed)) else {
+                return;
+            };
+            let Some(confirm) = st.chans.get(*r).map(|c| c.confirm.clone()) else {
+                return;
+            };
+            if confirm.wait_until(st, confirm_by).timed_out() {
+                return;
+            }
+        }
     }
 
     /// [`watch`](Self::watch), only where `resource` is subscribed already
@@ -424,9 +495,9 @@ struct WaitingAll {
 
 impl WaitingAll {
     fn count(&self, st: &MutexGuard<'_, St>) -> u64 {
-        self.parts
-            .iter()
-            .fold(0u64, |n, w| n.wrapping_add(w.count(st).unwrap_or(0)))
+        self.parts.iter().fold(0u64, |n, w| {
+            n.wrapping_add(st.chans.get(&w.resource).map_or(0, |c| c.sets))
+        })
     }
 }
 

@@ -82,8 +82,10 @@ impl Engine {
         let waits = !matches!(budget, Budget::Attempts(1));
         let wakes = waits && self.settings.wake_ups;
         if waits {
-            self.yield_to_others(resource, until);
+            self.yield_to_others(resource, also, until);
         }
+        // This client's own releases wake its waiters for locks of several.
+        let _set_waiting = (waits && !single).then(|| self.remote.set_waiting());
         let mut attempt = 1u32;
         // When the next counted attempt is due (the retry pause after the
         // last): a subscribed waiter's tries at a shorter fallback (the cap,
@@ -154,7 +156,10 @@ impl Engine {
                     continue;
                 }
             }
-            if woken || due.is_none_or(|d| now >= d) {
+            // (A woken try counts for a lone lock: its key was released. A
+            // lock of several is woken by a release of any of its keys,
+            // a hint that must not use up its attempts.)
+            if (woken && single) || due.is_none_or(|d| now >= d) {
                 if let Budget::Attempts(n) = budget {
                     if attempt >= n {
                         return Err(err);

@@ -405,10 +405,8 @@ impl Engine {
         }
         let results = self.round(Op::Release { keep_until, notice }, state);
         let outcome = quorum::decide_release(Tally::of(&results, 0));
-        // (Not for a lock of several: its answers are folded over keys that
-        // other waiters of this client may watch one by one.)
-        if outcome.is_ok() && state.also.is_empty() {
-            self.note_woken(&state.resource, &results, start);
+        if outcome.is_ok() {
+            self.note_woken(state, &results, start);
         }
         (outcome, results)
     }

@@ -20,6 +20,7 @@ use parking_lot::Mutex;
 
 use crate::algorithm::round::{Key, NodeResult};
 use crate::clock::after;
+use crate::lock::state::LockState;
 
 use super::Engine;
 
@@ -33,6 +34,9 @@ pub(crate) struct Remote {
     any: AtomicBool,
     /// Key → until when this client's next attempt yields.
     marks: Mutex<HashMap<String, Instant>>,
+    /// Calls of this client waiting for a lock of several resources now
+    /// (its own releases wake them: see `Engine::note_woken`).
+    set_waiters: std::sync::atomic::AtomicUsize,
 }
 
 impl Remote {
@@ -73,6 +77,27 @@ impl Remote {
     pub(crate) fn others_wait(&self, resource: &str) -> bool {
         self.any.load(Ordering::Acquire) && self.marks.lock().contains_key(resource)
     }
+
+    /// Whether no call of this client waits for a lock of several now.
+    pub(crate) fn no_sets_wait(&self) -> bool {
+        self.set_waiters.load(Ordering::Acquire) == 0
+    }
+
+    /// A call waits for a lock of several until the returned mark drops.
+    pub(crate) fn set_waiting(&self) -> SetWaiting<'_> {
+        self.set_waiters.fetch_add(1, Ordering::AcqRel);
+        SetWaiting(&self.set_waiters)
+    }
+}
+
+/// A call waiting for a lock of several resources (see
+/// [`Remote::set_waiting`]).
+pub(crate) struct SetWaiting<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl Drop for SetWaiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl Engine {
@@ -80,8 +105,13 @@ impl Engine {
     /// clients, its next attempt on it waits as long as that release took
     /// (about one round trip), so that they, woken by it, go first: the
     /// releaser, which could try again at once, kept winning.
-    pub(super) fn yield_to_others(&self, resource: &str, until: Instant) {
-        let Some(end) = self.remote.yield_until(resource) else {
+    ///
+    /// A lock of several yields for the longest mark of its resources.
+    pub(super) fn yield_to_others(&self, resource: &str, also: &[String], until: Instant) {
+        let marks = std::iter::once(resource)
+            .chain(also.iter().map(String::as_str))
+            .filter_map(|r| self.remote.yield_until(r));
+        let Some(end) = marks.max() else {
             return;
         };
         let wait = end.min(until).saturating_duration_since(self.clock.now());
@@ -98,19 +128,30 @@ impl Engine {
         self.remote.others_wait(resource)
     }
 
-    /// After a release of `resource` that began at `start` succeeded: marks
-    /// the key where it reached subscribers of other clients (the count
-    /// less this client's own on each node), clears it where it reached
-    /// nobody else.
-    pub(super) fn note_woken(&self, resource: &str, results: &[NodeResult], start: Instant) {
+    /// After a release of `state` that began at `start` succeeded: marks
+    /// its keys where it reached subscribers of other clients (the count
+    /// less this client's own on each node), clears them where it reached
+    /// nobody else. This client's own waiters for locks of several
+    /// resources try again.
+    ///
+    /// (A lock of several: its reply counts the most subscribers of any of
+    /// its keys on a node, less one where this client listens to any of
+    /// them; so it may miss others that wait, never invent them.)
+    pub(super) fn note_woken(&self, state: &LockState, results: &[NodeResult], start: Instant) {
         let any = results.iter().any(|r| r.as_ref().is_ok_and(|r| r.woke > 0));
         let woke = if any {
-            let own = self.transport.watching(resource);
+            let own: Vec<Vec<bool>> = state
+                .keys()
+                .map(|k| self.transport.watching(k.resource))
+                .collect();
             results
                 .iter()
                 .enumerate()
                 .filter_map(|(i, r)| r.as_ref().ok().map(|r| (i, r.woke)))
-                .map(|(i, w)| w.saturating_sub(u32::from(own.get(i) == Some(&true))))
+                .map(|(i, w)| {
+                    let mine = own.iter().any(|o| o.get(i) == Some(&true));
+                    w.saturating_sub(u32::from(mine))
+                })
                 .max()
                 .unwrap_or(0)
         } else {
@@ -120,7 +161,13 @@ impl Engine {
         let took = now
             .saturating_duration_since(start)
             .min(self.settings.node_timeout);
-        self.remote.released(resource, woke > 0, after(now, took));
+        for k in state.keys() {
+            self.remote.released(k.resource, woke > 0, after(now, took));
+        }
+        if !self.remote.no_sets_wait() {
+            let names: Vec<&str> = state.keys().map(|k| k.resource).collect();
+            self.transport.released(&names);
+        }
     }
 }
 

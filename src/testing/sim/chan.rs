@@ -25,15 +25,20 @@ impl SimChan {
         let new = self.seen(notice);
         if new {
             self.signal.notify();
-            self.also.lock().retain(|s| match s.upgrade() {
-                Some(s) => {
-                    s.notify();
-                    true
-                }
-                None => false,
-            });
+            self.wake_sets();
         }
         new
+    }
+
+    /// Wakes the waits for several keys this key is one of.
+    pub(crate) fn wake_sets(&self) {
+        self.also.lock().retain(|s| match s.upgrade() {
+            Some(s) => {
+                s.notify();
+                true
+            }
+            None => false,
+        });
     }
 
     /// Remembers `notice` (its messages wake nobody again); whether it was

@@ -98,6 +98,10 @@ macro_rules! wake_ups_of {
             self.watches.releasing(resource, notice);
         }
 
+        fn released(&self, resources: &[&str]) {
+            self.watches.released(resources);
+        }
+
         fn watching(&self, resource: &str) -> Vec<bool> {
             self.watches.watching(resource, self.$($names).+.len())
         }
@@ -161,6 +165,17 @@ impl Watches {
             signal,
             sched: sched.clone(),
         }))
+    }
+
+    /// This client's release of `resources` ended: its waits for several
+    /// keys try again (as the driver's `Notifier::released`).
+    pub(crate) fn released(&self, resources: &[&str]) {
+        let chans = self.chans.lock();
+        for r in resources {
+            if let Some(c) = chans.get(*r) {
+                c.wake_sets();
+            }
+        }
     }
 
     /// This client releases `resource` with `notice`: its own message wakes
