@@ -112,6 +112,21 @@ fn release_then_join(
     got.saturating_duration_since(released)
 }
 
+/// [`waiter`] for a lock of several resources: starts a thread that waits for `set` on
+/// `locks` (up to 20 s), lets it subscribe, and returns it.
+fn set_waiter(locks: Arc<Redlock>, set: [String; 2]) -> std::thread::JoinHandle<(Instant, String)> {
+    let w = std::thread::spawn(move || {
+        let g = locks
+            .lock_all_timeout(&set, TTL, Duration::from_secs(20))
+            .expect("the set's waiter gets it");
+        let got = (Instant::now(), g.token().to_owned());
+        g.release().expect("release");
+        got
+    });
+    let_it_subscribe();
+    w
+}
+
 /// The waiter's first attempt failed and it subscribed: its retry pause is long, so this
 /// only waits for the subscriptions to be made.
 fn let_it_subscribe() {
@@ -281,22 +296,8 @@ fn a_set_waiter_is_woken_by_the_release_of_one_of_its_keys() {
     // Its first key (a wait on the last alone is not enough).
     let g = holder.lock(&a, TTL).expect("lock");
     let (waiting, attempts) = counted(c.urls(), Duration::from_secs(5));
-    let w = std::thread::spawn({
-        let set = [a.clone(), b.clone()];
-        move || {
-            let g = waiting
-                .lock_all_timeout(&set, TTL, Duration::from_secs(20))
-                .expect("the set's waiter gets it");
-            let got = Instant::now();
-            g.release().expect("release");
-            got
-        }
-    });
-    let_it_subscribe();
-    let released = Instant::now();
-    g.release().expect("release");
-    let got = w.join().expect("waiter");
-    let after = got.saturating_duration_since(released);
+    let w = set_waiter(Arc::new(waiting), [a, b]);
+    let after = release_then_join(g, w);
     assert!(
         after < Duration::from_millis(500),
         "the set's waiter got it {after:?} after the release; attempts: {:#?}",
@@ -360,24 +361,8 @@ fn a_set_waiter_is_woken_by_its_own_clients_release() {
     let (locks, attempts) = counted(c.urls(), Duration::from_secs(5));
     let locks = Arc::new(locks);
     let g = locks.lock(&b, TTL).expect("lock");
-    let w = std::thread::spawn({
-        let (locks, set) = (locks.clone(), [a.clone(), b.clone()]);
-        move || {
-            let g = locks
-                .lock_all_timeout(&set, TTL, Duration::from_secs(20))
-                .expect("the set's waiter gets it");
-            let got = Instant::now();
-            g.release().expect("release");
-            got
-        }
-    });
-    let_it_subscribe();
-    let released = Instant::now();
-    g.release().expect("release");
-    let after = w
-        .join()
-        .expect("waiter")
-        .saturating_duration_since(released);
+    let w = set_waiter(locks.clone(), [a, b]);
+    let after = release_then_join(g, w);
     assert!(
         after < Duration::from_millis(300),
         "the set's waiter got it {after:?} after its own client's release; attempts: {:#?}",
