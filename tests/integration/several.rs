@@ -73,7 +73,8 @@ fn a_set_with_one_key_held_elsewhere_is_refused_and_leaves_nothing() {
             assert_eq!(c.get(i, k), None, "node {i} kept key {j} of a refused set");
         }
     }
-    assert_eq!(c.holders(&set[2], held.token()), 3);
+    // (A round ends at a majority: the third node's SET may still be on its way.)
+    assert!(c.holders(&set[2], held.token()) >= 2);
 }
 
 /// Three clients take sets that overlap in a cycle ({x, y}, {y, z}, {z, x}: taken one key
@@ -282,7 +283,8 @@ fn with_lock_all_releases_every_key() {
                 .collect::<Vec<_>>()
         })
         .expect("with_lock_all");
-    assert_eq!(held, [3, 3, 3]);
+    // Every key held with the set's token on a majority (a round ends at one).
+    assert!(held.iter().all(|&n| n >= 2), "{held:?}");
     for k in &set {
         assert!(
             c.gone_everywhere(k, Duration::from_secs(1)),
