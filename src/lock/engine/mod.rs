@@ -313,11 +313,13 @@ impl Engine {
                     deadline: after(end, validity),
                     ttl,
                 };
-                if !self.settings.fencing {
-                    let state =
-                        LockState::new(resource, token, None, timing).with_also(also.to_vec());
+                let lock = |fence| {
+                    let state = LockState::new(resource, token, fence, timing);
                     state.set_holding(holding);
-                    return Ok(state);
+                    state.with_also(also.to_vec())
+                };
+                if !self.settings.fencing {
+                    return Ok(lock(None));
                 }
                 // The token: the largest counter among the granting nodes.
                 let fence = judged
@@ -325,9 +327,7 @@ impl Engine {
                     .filter_map(|r| r.as_ref().ok()?.fence)
                     .max()
                     .unwrap_or(0);
-                let state =
-                    LockState::new(resource, token, Some(fence), timing).with_also(also.to_vec());
-                state.set_holding(holding);
+                let state = lock(Some(fence));
                 self.write_back(&state, fence)?;
                 Ok(state)
             }
