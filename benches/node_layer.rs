@@ -283,6 +283,7 @@ impl Floor {
                     .arg(ttl)
                     .arg(ttl)
                     .arg(0) // unfenced
+                    .arg(0) // no writer's intent
                     .arg(TOKEN)
                     .get_packed_command(),
                 redis::cmd("EVALSHA")

@@ -121,6 +121,12 @@ pub(crate) fn new_token() -> String {
     uuid::Uuid::new_v4().simple().to_string()
 }
 
+/// A reader's token: `r` and 128 random bits in hex (see
+/// [`crate::algorithm::round::is_reader`]).
+pub(crate) fn new_reader_token() -> String {
+    format!("r{}", uuid::Uuid::new_v4().simple())
+}
+
 /// The token of a new critical section of a handed-over lock: the lock's
 /// lineage (the token it was acquired with), a dot, 64 fresh random bits.
 /// The release script deletes any token of a lineage, so a node that missed

@@ -83,6 +83,13 @@ impl LockGuard {
             .chain(self.state.also.iter().map(String::as_str))
     }
 
+    /// Whether it is a read lock ([`Redlock::try_read_lock`](crate::Redlock::try_read_lock)
+    /// and its kin), shared with other readers; else it excludes every
+    /// other holder.
+    pub fn is_read(&self) -> bool {
+        self.state.is_read()
+    }
+
     /// The random token stored under the key. An unfenced lock handed over
     /// to another thread of this process keeps it (tell its sections apart
     /// by [`section`](Self::section)); a fenced one gets a new token at

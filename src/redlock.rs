@@ -11,7 +11,7 @@ use crate::algorithm::quorum;
 use crate::clock::{after, Clock, Rng};
 use crate::error::{Error, NodeError};
 use crate::guard::LockGuard;
-use crate::lock::engine::{validate_resource, Budget, Engine};
+use crate::lock::engine::{validate_resource, Budget, Engine, Want};
 use crate::lock::queue::Turn;
 use crate::lock::settings::Settings;
 use crate::lock::state::{LockState, LostCallback};
@@ -290,6 +290,126 @@ impl Redlock {
         run_with(self.lock_all(resources, ttl)?, f)
     }
 
+    /// Makes one attempt to take `resource` for reading, for `ttl`: shared
+    /// with other readers, excluded by a writer.
+    ///
+    /// A writer is any exclusive lock of the resource: [`try_lock`](Self::try_lock),
+    /// [`lock`](Self::lock) and the other exclusive calls, of which
+    /// [`write_lock`](Self::write_lock) and its kin are other names. On each
+    /// node a reader enters the key's set of readers, each with its own
+    /// expiry (a reader that crashed drops out at its TTL), unless a writer
+    /// holds the key or waits for it: a writer that waits (every call but
+    /// `try_lock`) keeps new readers out until it gets in, so that a
+    /// stream of readers cannot starve it. A read lock is held, as any
+    /// lock, with a majority of such votes within its validity; any reader
+    /// majority and any writer majority share a node, where the two
+    /// cannot be at once. The guard releases, extends, renews and loses it
+    /// as any guard; it has no fencing token and no place in this client's
+    /// local queue (readers share: each meets the nodes).
+    ///
+    /// ```no_run
+    /// # use std::time::Duration;
+    /// # let locks = quorumlock::Redlock::builder().node("redis://127.0.0.1:6379").build()?;
+    /// let a = locks.try_read_lock("report:2026", Duration::from_secs(10))?;
+    /// let b = locks.try_read_lock("report:2026", Duration::from_secs(10))?; // shared
+    /// assert!(a.is_read() && b.is_read());
+    /// assert!(locks.try_write_lock("report:2026", Duration::from_secs(10)).is_err());
+    /// # Ok::<(), quorumlock::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`try_lock`](Self::try_lock): [`Error::Taken`] where a writer
+    /// holds the resource, or waits for it, on a majority.
+    pub fn try_read_lock(&self, resource: &str, ttl: Duration) -> Result<LockGuard> {
+        self.acquire_read(resource, ttl, Budget::Attempts(1))
+    }
+
+    /// [`try_read_lock`](Self::try_read_lock), retried as [`lock`](Self::lock)
+    /// retries, woken by a writer's release (every reader of this client
+    /// that waits at once; those tries are hints, not counted as attempts).
+    ///
+    /// # Errors
+    /// As [`try_read_lock`](Self::try_read_lock).
+    pub fn read_lock(&self, resource: &str, ttl: Duration) -> Result<LockGuard> {
+        let attempts = self.engine.settings.retry_count;
+        self.acquire_read(resource, ttl, Budget::Attempts(attempts))
+    }
+
+    /// [`try_read_lock`](Self::try_read_lock), retried until `wait` has
+    /// passed, as [`lock_timeout`](Self::lock_timeout) retries.
+    ///
+    /// # Errors
+    /// As [`try_read_lock`](Self::try_read_lock).
+    pub fn read_lock_timeout(
+        &self,
+        resource: &str,
+        ttl: Duration,
+        wait: Duration,
+    ) -> Result<LockGuard> {
+        let until = after(self.engine.clock.now(), wait);
+        self.acquire_read(resource, ttl, Budget::Until(until))
+    }
+
+    /// [`with_lock`](Self::with_lock) for a reader: takes `resource` as
+    /// [`read_lock`](Self::read_lock) does, renews it while `f` runs,
+    /// releases it afterwards.
+    ///
+    /// # Errors
+    /// As [`read_lock`](Self::read_lock), then as [`with_lock`](Self::with_lock).
+    pub fn with_read_lock<T>(
+        &self,
+        resource: &str,
+        ttl: Duration,
+        f: impl FnOnce(&LockGuard) -> T,
+    ) -> Result<T> {
+        run_with(self.read_lock(resource, ttl)?, f)
+    }
+
+    /// [`try_lock`](Self::try_lock) by the name a reader-writer pair reads
+    /// best with: every exclusive lock excludes readers, and readers
+    /// exclude it (see [`try_read_lock`](Self::try_read_lock)).
+    ///
+    /// # Errors
+    /// As [`try_lock`](Self::try_lock).
+    pub fn try_write_lock(&self, resource: &str, ttl: Duration) -> Result<LockGuard> {
+        self.try_lock(resource, ttl)
+    }
+
+    /// [`lock`](Self::lock), by its reader-writer name: while it waits, no
+    /// new reader gets in (see [`try_read_lock`](Self::try_read_lock)).
+    ///
+    /// # Errors
+    /// As [`lock`](Self::lock).
+    pub fn write_lock(&self, resource: &str, ttl: Duration) -> Result<LockGuard> {
+        self.lock(resource, ttl)
+    }
+
+    /// [`lock_timeout`](Self::lock_timeout), by its reader-writer name.
+    ///
+    /// # Errors
+    /// As [`lock_timeout`](Self::lock_timeout).
+    pub fn write_lock_timeout(
+        &self,
+        resource: &str,
+        ttl: Duration,
+        wait: Duration,
+    ) -> Result<LockGuard> {
+        self.lock_timeout(resource, ttl, wait)
+    }
+
+    /// [`with_lock`](Self::with_lock), by its reader-writer name.
+    ///
+    /// # Errors
+    /// As [`with_lock`](Self::with_lock).
+    pub fn with_write_lock<T>(
+        &self,
+        resource: &str,
+        ttl: Duration,
+        f: impl FnOnce(&LockGuard) -> T,
+    ) -> Result<T> {
+        self.with_lock(resource, ttl, f)
+    }
+
     /// Waits until every node has a pooled connection (and the client has
     /// read who its server is) or has failed to connect, for at most
     /// `within`; returns how many nodes are connected.
@@ -436,7 +556,18 @@ impl Redlock {
     }
 
     fn acquire(&self, resource: &str, ttl: Duration, budget: Budget) -> Result<LockGuard> {
-        let (state, turn) = self.engine.acquire(resource, &[], ttl, budget)?;
+        let (state, turn) = self
+            .engine
+            .acquire(Want::write(resource, &[], ttl), budget)?;
+        Ok(self.guard(state, turn))
+    }
+
+    fn acquire_read(&self, resource: &str, ttl: Duration, budget: Budget) -> Result<LockGuard> {
+        let want = Want {
+            read: true,
+            ..Want::write(resource, &[], ttl)
+        };
+        let (state, turn) = self.engine.acquire(want, budget)?;
         Ok(self.guard(state, turn))
     }
 
@@ -450,7 +581,7 @@ impl Redlock {
         let Some((first, also)) = names.split_first() else {
             return Err(crate::InvalidInput::NoResources.into());
         };
-        let (state, turn) = self.engine.acquire(first, also, ttl, budget)?;
+        let (state, turn) = self.engine.acquire(Want::write(first, also, ttl), budget)?;
         Ok(self.guard(state, turn))
     }
 }

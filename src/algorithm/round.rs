@@ -68,6 +68,15 @@ pub(crate) fn ours(v: &str, t: &str) -> bool {
     }
 }
 
+/// Whether `token` is a reader's (a read lock, shared with other readers:
+/// see `Redlock::try_read_lock`): it begins with `r`, where a writer's
+/// token is hexadecimal. Every script decides by it what the key must be
+/// (a reader set, or a writer's value), so that every round, its retries
+/// and undo, a renewal batch and a restore carry readers and writers alike.
+pub(crate) fn is_reader(token: &str) -> bool {
+    token.as_bytes().first() == Some(&b'r')
+}
+
 /// What to do to every key of a round, on every node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Op {
@@ -82,6 +91,10 @@ pub(crate) enum Op {
         /// The lock histories the client knows to have begun, recorded with
         /// `ttl` where it is first used (empty otherwise).
         after: After,
+        /// A writer that will try again: where live readers hold a key,
+        /// no new reader enters it for this long (zero: none; see
+        /// [`is_reader`]).
+        intent: Duration,
     },
     /// Delete the key if it holds our token. A node that does not answer is
     /// asked again in the background until `keep_until` (when every key of

@@ -13,7 +13,8 @@ pub(crate) use crate::algorithm::round::META_KEY;
 /// the lock keys then [`META_KEY`]; `ARGV[1]` the TTL in ms, `ARGV[2]` the
 /// longest TTL the client knew of before this command (and, for a first
 /// use, the lock histories it knows: see `raise_lua!`), `ARGV[3]` `1` for a
-/// fenced lock (else `0`), `ARGV[4..]` the tokens. Answers `{epoch, age_ms,
+/// fenced lock (else `0`), `ARGV[4]` the writers' intent in ms (`0`: none;
+/// see [`ACQUIRE_LUA`]), `ARGV[5..]` the tokens. Answers `{epoch, age_ms,
 /// max_ttl, prev_max, after, r1, …}`: the node's history before this
 /// command (see `history_lua!`), then `ri`: where held by another owner,
 /// `-1 - PTTL` (0 where it never expires, or where the ACL refuses
@@ -90,11 +91,13 @@ end
 }
 
 /// `ours(v, t)`: whether value `v` is token `t` or, for a handed-over
-/// lock's token `L.S`, any token of the same lineage (`L` or `L.*`).
+/// lock's token `L.S`, any token of the same lineage (`L` or `L.*`). A
+/// value that is no string (a reader set, see [`readers_lua!`]) is nobody's
+/// token.
 macro_rules! ours_lua {
     () => {
         r"local function ours(v, t)
-  if not v then return false end
+  if type(v) ~= 'string' then return false end
   if v == t then return true end
   local dot = string.find(t, '.', 1, true)
   if not dot then return false end
@@ -104,17 +107,66 @@ end
     };
 }
 
+/// Read locks. A reader's token begins with `r` (a writer's is hex, see
+/// [`crate::algorithm::round::is_reader`]). A resource that readers hold is
+/// a sorted set of their tokens, each scored by its expiry (the node's time
+/// in ms), and perhaps `w`, the waiting writers' intent, scored likewise:
+/// the key lives as long as its last entry, and an entry counts only until
+/// its score. A writer's key (a string) and a live reader's entry are never
+/// on one node at once. Expects `clock_ms` declared: the node's time in ms,
+/// or `false` until first needed.
+///
+/// `value(k)`: `false` (absent), `true` (a reader set) or the writer's
+/// token; `live(k)`: the live readers of reader set `k` (expired entries
+/// dropped); `enter(k, m, ms)`: entry `m` lives at least `ms` more, and the
+/// key with it; `last_entry(k)`: the key lives exactly as long as its last
+/// entry.
+macro_rules! readers_lua {
+    () => {
+        r"local function reader(t) return string.byte(t, 1) == 114 end
+local function value(k)
+  local v = redis.pcall('GET', k)
+  if type(v) == 'table' then return true end
+  return v
+end
+local function ms_now()
+  if not clock_ms then
+    local c = redis.call('TIME')
+    clock_ms = tonumber(c[1]) * 1000 + math.floor(tonumber(c[2]) / 1000)
+  end
+  return clock_ms
+end
+local function live(k)
+  redis.call('ZREMRANGEBYSCORE', k, '-inf', ms_now())
+  local c = redis.call('ZCARD', k)
+  if redis.call('ZSCORE', k, 'w') then c = c - 1 end
+  return c
+end
+local function enter(k, m, ms)
+  local at = ms_now() + ms
+  local s = tonumber(redis.call('ZSCORE', k, m))
+  if not s or s < at then redis.call('ZADD', k, at, m) end
+  if redis.call('PTTL', k) < ms then redis.call('PEXPIRE', k, ms) end
+end
+local function last_entry(k)
+  local top = redis.call('ZREVRANGE', k, 0, 0, 'WITHSCORES')
+  if top[2] then redis.call('PEXPIRE', k, math.max(tonumber(top[2]) - ms_now(), 1)) end
+end
+"
+    };
+}
+
 /// The loop shared by the scripts that act on keys holding exactly our
 /// token (`KEYS[i]`, token `ARGV[i + $tok]`, [`META_KEY`] last): runs `$own`
-/// where the key is ours (it sets `out[i]`), answers `-1` (another owner)
-/// elsewhere, and runs `$absent` where the key does not exist (it sets
+/// where the key is ours (it sets `out[i]`), answers `-1` (another owner,
+/// or readers) elsewhere, and runs `$absent` where the key does not exist (it sets
 /// `out[i]`); returns `out`.
 macro_rules! each_own_key_lua {
     ($tok:literal, $own:expr, $absent:expr) => {
         concat!(
             r"for i = 1, #KEYS - 1 do
   local key = KEYS[i]
-  local v = redis.call('GET', key)
+  local v = redis.pcall('GET', key)
   if v == ARGV[i + ",
             $tok,
             r"] then
@@ -145,8 +197,19 @@ pub(crate) const FREED_PREFIX: &str = "quorumlock:free:";
 /// `max(counter + 1, node time in µs)`: it never goes backwards, not even
 /// on a node that lost its data (the floor is the node's clock), and never
 /// passes [`FENCE_LIMIT`] (the script refuses first, before any SET).
+///
+/// A reader's token (one key, never fenced) enters the key's reader set
+/// (see [`readers_lua!`]) unless a writer holds the key (answered as any
+/// owner) or the writers' intent is on it (answered `0`: no end known).
+/// A writer takes a reader set with no live reader left (expired entries
+/// and the intent go with it); where readers live it answers how long the
+/// last one has left, and, with `ARGV[4]` (ms, `0`: none) the intent gets
+/// at least that long: a waiting writer keeps new readers out.
 pub(crate) const ACQUIRE_LUA: &str = concat!(
     history_lua!(),
+    r"local clock_ms = now
+",
+    readers_lua!(),
     r"local micros = tonumber(t[1]) * 1000000 + tonumber(t[2])
 if ARGV[3] == '1' then
   if micros >= 9007199254740991 - 1099511627776 then
@@ -158,44 +221,91 @@ if ARGV[3] == '1' then
     end
   end
 end
+-- Held by another owner: how long it still holds it, for the waiter's
+-- fallback (`-1 - ms`; 0 where the key never expires or an ACL refuses
+-- PTTL).
+local function held(k)
+  local left = redis.pcall('PTTL', k)
+  if type(left) ~= 'number' or left == -1 then return 0 end
+  return -1 - math.max(left, 0)
+end
+if reader(ARGV[5]) then
+  local k, tok = KEYS[1], ARGV[5]
+  local v = value(k)
+  if v == true then
+    live(k)
+    -- (This attempt's own entry, sent again: set.)
+    if redis.call('ZSCORE', k, tok) then out[6] = 1 return out end
+    if redis.call('ZSCORE', k, 'w') then out[6] = 0 return out end
+  elseif v then
+    out[6] = held(k)
+    return out
+  end
+  enter(k, tok, ttl)
+  out[6] = 1
+  return out
+end
+local life = tonumber(ARGV[4]) or 0
 -- Several keys are one lock (`try_lock_all`): all or nothing. Where any
--- has another owner, none is set (a free one answers as held with no time
--- left: its PTTL is -2).
+-- has another owner or live readers, none is set (a free one answers as
+-- held with no time left: its PTTL is -2).
 local taken = false
 if n > 1 then
   for i = 1, n do
-    local v = redis.call('GET', KEYS[i])
-    if v and v ~= ARGV[i + 3] then taken = true end
+    local v = value(KEYS[i])
+    if v == true then
+      if live(KEYS[i]) > 0 then taken = true end
+    elseif v and v ~= ARGV[i + 4] then
+      taken = true
+    end
   end
 end
 for i = 1, n do
-  if not taken and redis.call('SET', KEYS[i], ARGV[i + 3], 'NX', 'PX', ARGV[1]) then
+  local k, tok = KEYS[i], ARGV[i + 4]
+  local set = not taken and redis.call('SET', k, tok, 'NX', 'PX', ARGV[1])
+  local v = false
+  if not set then
+    v = value(k)
+    if v == true and not taken and live(k) == 0 then
+      -- Readers all gone: the intent is served, the set goes.
+      redis.call('DEL', k)
+      set = redis.call('SET', k, tok, 'NX', 'PX', ARGV[1])
+    end
+  end
+  if set then
     if ARGV[3] == '1' then
-      local f = 'fence:' .. KEYS[i]
+      local f = 'fence:' .. k
       local c = math.max((tonumber(redis.call('HGET', meta, f)) or 0) + 1, micros)
       redis.call('HSET', meta, f, string.format('%.0f', c))
       out[i + 5] = c
     else
       out[i + 5] = 1
     end
-  elseif redis.call('GET', KEYS[i]) == ARGV[i + 3] then
+  elseif v == tok then
     -- This attempt's own SET (tokens are one per attempt), sent again after
     -- its connection closed before the reply: set, with its counter.
     if ARGV[3] == '1' then
-      out[i + 5] = tonumber(redis.call('HGET', meta, 'fence:' .. KEYS[i])) or 0
+      out[i + 5] = tonumber(redis.call('HGET', meta, 'fence:' .. k)) or 0
     else
       out[i + 5] = 1
     end
-  else
-    -- Held by another owner: how long it still holds it, for the waiter's
-    -- fallback (`-1 - ms`; 0 where the key never expires or an ACL
-    -- refuses PTTL).
-    local left = redis.pcall('PTTL', KEYS[i])
-    if type(left) ~= 'number' or left == -1 then
-      out[i + 5] = 0
-    else
-      out[i + 5] = -1 - math.max(left, 0)
+  elseif v == true then
+    -- Readers: where any lives, the intent, and when the last one's
+    -- entry ends.
+    local last = 0
+    if live(k) > 0 then
+      if life > 0 then enter(k, 'w', life) end
+      local top = redis.call('ZREVRANGE', k, 0, 1, 'WITHSCORES')
+      for j = 1, #top, 2 do
+        if top[j] ~= 'w' then
+          last = tonumber(top[j + 1]) - ms_now()
+          break
+        end
+      end
     end
+    out[i + 5] = -1 - math.max(last, 0)
+  else
+    out[i + 5] = held(k)
   end
 end
 return out"
@@ -247,7 +357,7 @@ local known = tonumber(redis.call('HGET', meta, 'max_ttl')) or 0
 ",
     raise_lua!(),
     r"local out = {}
-local v = redis.call('GET', KEYS[1])
+local v = redis.pcall('GET', KEYS[1])
 local left = redis.call('PTTL', KEYS[1])
 out[1] = v and -1 or 0
 if v == ARGV[4] then
@@ -304,22 +414,44 @@ local meta = KEYS[#KEYS]
 pub(crate) static RELEASE: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(RELEASE_LUA));
 
-/// Source of [`RELEASE`].
+/// Source of [`RELEASE`]. A reader's token leaves its reader set; the
+/// last live reader out frees the key for writers, and publishes it as a
+/// delete does.
 pub(crate) const RELEASE_LUA: &str = concat!(
     ours_lua!(),
+    r"local clock_ms = false
+",
+    readers_lua!(),
     r"local out = {}
 for i, key in ipairs(KEYS) do
-  local v = redis.call('GET', key)
-  if ours(v, ARGV[i + 1]) then
-    out[i] = redis.call('DEL', key)
-    if ARGV[1] ~= '0' then
-      local r = redis.pcall('PUBLISH', 'quorumlock:free:' .. key, ARGV[1])
-      if type(r) == 'number' then out[i] = out[i] + r end
+  local tok = ARGV[i + 1]
+  local freed = false
+  if reader(tok) then
+    local s = redis.pcall('ZSCORE', key, tok)
+    if type(s) == 'table' then
+      out[i] = -1
+    elseif s then
+      redis.call('ZREM', key, tok)
+      out[i] = tonumber(s) > ms_now() and 1 or 0
+      freed = out[i] == 1 and live(key) == 0
+      last_entry(key)
+    else
+      out[i] = 0
     end
-  elseif v then
-    out[i] = -1
   else
-    out[i] = 0
+    local v = value(key)
+    if ours(v, tok) then
+      out[i] = redis.call('DEL', key)
+      freed = true
+    elseif v then
+      out[i] = -1
+    else
+      out[i] = 0
+    end
+  end
+  if freed and ARGV[1] ~= '0' then
+    local r = redis.pcall('PUBLISH', 'quorumlock:free:' .. key, ARGV[1])
+    if type(r) == 'number' then out[i] = out[i] + r end
   end
 end
 return out"
@@ -334,23 +466,43 @@ return out"
 pub(crate) static EXTEND: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(EXTEND_LUA));
 
-/// Source of [`EXTEND`].
+/// Source of [`EXTEND`]. A reader's entry is extended while it lives
+/// (its score is the node's time in ms: an expired one is absent).
 pub(crate) const EXTEND_LUA: &str = concat!(
     r"local out = {}
 local meta = KEYS[#KEYS]
 local known = tonumber(redis.call('HGET', meta, 'max_ttl')) or 0
+local clock_ms = false
 ",
     raise_lua!(),
-    each_own_key_lua!(
-        2,
-        r"    if redis.call('PTTL', key) < tonumber(ARGV[1]) then
-      redis.call('PEXPIRE', key, ARGV[1])
+    readers_lua!(),
+    r"for i = 1, #KEYS - 1 do
+  local key, tok = KEYS[i], ARGV[i + 2]
+  if reader(tok) then
+    local s = redis.pcall('ZSCORE', key, tok)
+    if type(s) == 'table' then
+      out[i] = -1
+    elseif s and tonumber(s) > ms_now() then
+      enter(key, tok, ttl)
+      out[i] = 1
+    else
+      out[i] = 0
     end
-    out[i] = 1
-",
-        r"    out[i] = 0
-"
-    )
+  else
+    local v = value(key)
+    if v == tok then
+      if redis.call('PTTL', key) < ttl then
+        redis.call('PEXPIRE', key, ARGV[1])
+      end
+      out[i] = 1
+    elseif v then
+      out[i] = -1
+    else
+      out[i] = 0
+    end
+  end
+end
+return out"
 );
 
 /// Sets a held lock's key again where it is missing (its node restarted
@@ -363,18 +515,35 @@ local known = tonumber(redis.call('HGET', meta, 'max_ttl')) or 0
 pub(crate) static RESTORE: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(RESTORE_LUA));
 
-/// Source of [`RESTORE`].
-pub(crate) const RESTORE_LUA: &str = r"local out = {}
+/// Source of [`RESTORE`]. A reader's entry is entered again where it is
+/// missing or expired, never where a writer holds the key.
+pub(crate) const RESTORE_LUA: &str = concat!(
+    r"local clock_ms = false
+",
+    readers_lua!(),
+    r"local out = {}
 for i, key in ipairs(KEYS) do
-  if redis.call('SET', key, ARGV[i + 1], 'NX', 'PX', ARGV[1]) then
+  local tok = ARGV[i + 1]
+  if reader(tok) then
+    local s = redis.pcall('ZSCORE', key, tok)
+    if type(s) == 'table' then
+      out[i] = -1
+    elseif s and tonumber(s) > ms_now() then
+      out[i] = 1
+    else
+      enter(key, tok, tonumber(ARGV[1]))
+      out[i] = 2
+    end
+  elseif redis.call('SET', key, tok, 'NX', 'PX', ARGV[1]) then
     out[i] = 2
-  elseif redis.call('GET', key) == ARGV[i + 1] then
+  elseif value(key) == tok then
     out[i] = 1
   else
     out[i] = -1
   end
 end
-return out";
+return out"
+);
 
 /// `SCRIPT LOAD` for every script, packed.
 pub(crate) fn load_commands() -> [Vec<u8>; 6] {

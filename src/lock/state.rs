@@ -142,6 +142,11 @@ impl LockState {
         next
     }
 
+    /// Whether it is a read lock (shared with other readers).
+    pub(crate) fn is_read(&self) -> bool {
+        crate::algorithm::round::is_reader(&self.token)
+    }
+
     /// The key and token, as the transport takes them.
     pub(crate) fn key(&self) -> Key<'_> {
         Key::new(&self.resource, &self.token)

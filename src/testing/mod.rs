@@ -3,5 +3,6 @@
 pub(crate) mod fake;
 mod fencing_checks;
 pub(crate) mod logs;
+mod scripts_agree;
 pub(crate) mod sim;
 pub(crate) mod store;

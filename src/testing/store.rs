@@ -2,6 +2,7 @@
 //! the scripts' semantics on them (the Lua in [`crate::driver::scripts`],
 //! in Rust).
 
+use crate::algorithm::round::is_reader;
 use crate::algorithm::round::After;
 use crate::algorithm::round::Answer;
 use crate::algorithm::round::Key;
@@ -18,7 +19,11 @@ use std::time::Instant;
 /// One node's data, as the scripts keep it (shared with the simulation).
 #[derive(Debug)]
 pub(crate) struct Store {
+    /// Writers' keys: token and expiry.
     pub(crate) keys: HashMap<String, (String, Instant)>,
+    /// Reader sets (never a key of `keys` too; see `readers_lua!` in
+    /// [`crate::driver::scripts`]).
+    pub(crate) readers: HashMap<String, Readers>,
     /// Lock history: when it began, and the TTLs recorded.
     pub(crate) meta: Option<Meta>,
     /// Fencing counters, per resource (they go with the lock history).
@@ -26,6 +31,28 @@ pub(crate) struct Store {
     /// The metadata's id: unique per store, new when its data is lost
     /// (what the connect-time script writes on a real node).
     pub(crate) id: u64,
+}
+
+/// A resource read-locked on a node: each reader's token and expiry, and
+/// the waiting writers' intent (the sorted set `readers_lua!` keeps).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Readers {
+    pub(crate) entries: std::collections::BTreeMap<String, Instant>,
+    pub(crate) intent: Option<Instant>,
+}
+
+impl Readers {
+    /// When the last reader's entry ends (none: no reader).
+    pub(crate) fn last(&self) -> Option<Instant> {
+        self.entries.values().max().copied()
+    }
+
+    /// Drops what ended by `now`; whether anything is left.
+    fn prune(&mut self, now: Instant) -> bool {
+        self.entries.retain(|_, exp| *exp > now);
+        self.intent = self.intent.filter(|i| *i > now);
+        !self.entries.is_empty() || self.intent.is_some()
+    }
 }
 
 /// A node's lock history, as the scripts keep it in `quorumlock:meta`.
@@ -70,6 +97,7 @@ impl Default for Store {
         static NEXT: AtomicU64 = AtomicU64::new(1);
         Store {
             keys: HashMap::new(),
+            readers: HashMap::new(),
             meta: None,
             fences: HashMap::new(),
             id: NEXT.fetch_add(1, Ordering::Relaxed),
@@ -174,26 +202,36 @@ impl Store {
         };
         let mut fence = None;
         let mut held = None;
+        self.prune(now);
         // The keys of an acquire are one lock: all set or none (see
-        // `ACQUIRE_LUA`), none where any has another owner.
+        // `ACQUIRE_LUA`), none where any has another owner or live readers.
         let taken = matches!(op, Op::Acquire { .. })
             && keys.len() > 1
             && keys.iter().any(|k| {
-                self.keys
-                    .get(k.resource)
-                    .is_some_and(|(t, exp)| *exp > now && t != k.token)
+                self.keys.get(k.resource).is_some_and(|(t, _)| t != k.token)
+                    || self.live_readers(k.resource) > 0
             });
         let answers: Vec<Answer> = keys
             .iter()
             .map(|k| {
-                let left = self
-                    .keys
-                    .get(k.resource)
-                    .map(|(_, exp)| exp.saturating_duration_since(now));
+                // How long the owner has left: a writer's key, or the last
+                // reader's entry (a reader refused by an intent: no end
+                // known, as the script's `0`).
+                let left = match (self.keys.get(k.resource), self.readers.get(k.resource)) {
+                    (Some((_, exp)), _) => Some(exp.saturating_duration_since(now)),
+                    (None, Some(_)) if is_reader(k.token) => Some(Duration::MAX),
+                    (None, Some(r)) => Some(
+                        r.last()
+                            .map_or(Duration::ZERO, |l| l.saturating_duration_since(now)),
+                    ),
+                    (None, None) => None,
+                };
                 let (a, f) = match self.keys.get(k.resource) {
-                    Some((t, exp)) if taken && (t != k.token || *exp <= now) => {
+                    _ if taken && self.live_readers(k.resource) > 0 => {
+                        self.mark_intent(op, k.resource, now);
                         (Answer::Other, None)
                     }
+                    Some((t, _)) if taken && t != k.token => (Answer::Other, None),
                     None if taken => (Answer::Other, None),
                     _ => self.apply(op, k, now, micros),
                 };
@@ -238,6 +276,9 @@ impl Store {
         now: Instant,
         micros: u64,
     ) -> (Answer, Option<u64>) {
+        if is_reader(k.token) {
+            return (self.apply_reader(op, k, now), None);
+        }
         if let (Op::Acquire { fenced, .. }, Some((t, exp))) = (op, self.keys.get(k.resource)) {
             if t == k.token && *exp > now {
                 // This attempt's own SET, sent again: set, with its counter.
@@ -256,9 +297,121 @@ impl Store {
         (answer, fence)
     }
 
+    /// Drops the keys and reader entries that ended by `now`.
+    pub(crate) fn prune(&mut self, now: Instant) {
+        self.keys.retain(|_, (_, exp)| *exp > now);
+        self.readers.retain(|_, r| r.prune(now));
+    }
+
+    /// The live readers of `resource` (after [`prune`](Self::prune)).
+    pub(crate) fn live_readers(&self, resource: &str) -> usize {
+        self.readers.get(resource).map_or(0, |r| r.entries.len())
+    }
+
+    /// Until when (live or not) `resource` holds a copy of lineage
+    /// `lineage` (see [`ours`](crate::algorithm::round::ours)): a writer's
+    /// key, or a reader's entry (a reader's token is its own lineage).
+    pub(crate) fn expiry(&self, resource: &str, lineage: &str) -> Option<Instant> {
+        match self.keys.get(resource) {
+            Some((t, exp)) if t.split('.').next() == Some(lineage) => Some(*exp),
+            _ => self
+                .readers
+                .get(resource)
+                .and_then(|r| r.entries.get(lineage).copied()),
+        }
+    }
+
+    /// Every writer's key and reader's entry: resource, token, expiry.
+    pub(crate) fn entries(&self) -> impl Iterator<Item = (&str, &str, Instant)> {
+        let writers = self
+            .keys
+            .iter()
+            .map(|(r, (t, exp))| (r.as_str(), t.as_str(), *exp));
+        let readers = self.readers.iter().flat_map(|(r, rs)| {
+            rs.entries
+                .iter()
+                .map(move |(t, exp)| (r.as_str(), t.as_str(), *exp))
+        });
+        writers.chain(readers)
+    }
+
+    /// A writer's acquire that found live readers: with an intent, no new
+    /// reader enters for that long.
+    fn mark_intent(&mut self, op: Op, resource: &str, now: Instant) {
+        if let (Op::Acquire { intent, .. }, Some(r)) = (op, self.readers.get_mut(resource)) {
+            if !intent.is_zero() {
+                let until = after(now, intent);
+                r.intent = Some(r.intent.map_or(until, |i| i.max(until)));
+            }
+        }
+    }
+
+    /// What `op` does to a reader's entry (see `readers_lua!`).
+    fn apply_reader(&mut self, op: Op, k: &Key<'_>, now: Instant) -> Answer {
+        self.prune(now);
+        if self.keys.contains_key(k.resource) {
+            // A writer's key.
+            return Answer::Other;
+        }
+        let set = self.readers.get(k.resource);
+        let mine = set.is_some_and(|r| r.entries.contains_key(k.token));
+        let exists = set.is_some();
+        let waits = set.is_some_and(|r| r.intent.is_some());
+        let mut enter = |ttl: Duration| {
+            let r = self.readers.entry(k.resource.to_owned()).or_default();
+            let until = after(now, ttl);
+            let e = r.entries.entry(k.token.to_owned()).or_insert(until);
+            *e = (*e).max(until);
+        };
+        match op {
+            // This attempt's own entry, sent again.
+            Op::Acquire { .. } if mine => Answer::Ok,
+            // A writer waits: no new reader.
+            Op::Acquire { .. } if waits => Answer::Other,
+            Op::Acquire { ttl, .. } => {
+                enter(ttl);
+                Answer::Ok
+            }
+            Op::Extend { ttl, .. } if mine => {
+                enter(ttl);
+                Answer::Ok
+            }
+            Op::Restore { .. } if mine => Answer::Ok,
+            Op::Restore { ttl } => {
+                enter(ttl);
+                Answer::Restored
+            }
+            Op::Release { .. } if mine => {
+                if let Some(r) = self.readers.get_mut(k.resource) {
+                    r.entries.remove(k.token);
+                }
+                self.prune(now);
+                Answer::Ok
+            }
+            Op::Release { .. } | Op::Extend { .. } => Answer::Absent,
+            // Never a reader's round: as the scripts meet a set.
+            Op::Swap { .. } | Op::Fence { .. } if exists => Answer::Other,
+            Op::Swap { .. } | Op::Fence { .. } => Answer::Absent,
+        }
+    }
+
     /// What `op` does to one key.
     pub(crate) fn apply_key(&mut self, op: Op, k: &Key<'_>, now: Instant) -> Answer {
-        self.keys.retain(|_, (_, exp)| *exp > now);
+        self.prune(now);
+        if self.readers.contains_key(k.resource) {
+            // A reader set: a writer's acquire takes it where no reader
+            // lives (the intent served); every other round of a writer
+            // meets another owner.
+            match op {
+                Op::Acquire { .. } if self.live_readers(k.resource) == 0 => {
+                    self.readers.remove(k.resource);
+                }
+                _ => {
+                    self.mark_intent(op, k.resource, now);
+                    return Answer::Other;
+                }
+            }
+        }
         match (op, self.keys.get(k.resource)) {
             (Op::Acquire { ttl, .. }, None) => {
                 self.keys

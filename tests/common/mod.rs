@@ -331,6 +331,43 @@ impl Cluster {
             .count()
     }
 
+    /// The live readers of `key` on node `i`: the members of its reader set whose expiry
+    /// (the score, in the node's ms) is still ahead, the writers' intent `w` left out.
+    /// Empty where the key is absent or a writer's.
+    pub fn readers(&self, i: usize, key: &str) -> Vec<String> {
+        self.reader_set(i, key)
+            .into_iter()
+            .filter(|m| m != "w")
+            .collect()
+    }
+
+    /// Whether a waiting writer's intent is live on `key` on node `i`.
+    pub fn intent(&self, i: usize, key: &str) -> bool {
+        self.reader_set(i, key).iter().any(|m| m == "w")
+    }
+
+    /// The live members of `key`'s reader set on node `i` (none where it is no set).
+    fn reader_set(&self, i: usize, key: &str) -> Vec<String> {
+        let mut c = self.conn(i);
+        let (secs, micros): (u64, u64) = redis::cmd("TIME")
+            .query(&mut c)
+            .unwrap_or_else(|e| panic!("TIME on node {i}: {e}"));
+        let now = secs * 1000 + micros / 1000;
+        let kind: String = redis::cmd("TYPE")
+            .arg(key)
+            .query(&mut c)
+            .unwrap_or_else(|e| panic!("TYPE {key} on node {i}: {e}"));
+        if kind != "zset" {
+            return Vec::new();
+        }
+        redis::cmd("ZRANGEBYSCORE")
+            .arg(key)
+            .arg(format!("({now}"))
+            .arg("+inf")
+            .query(&mut c)
+            .unwrap_or_else(|e| panic!("ZRANGEBYSCORE {key} on node {i}: {e}"))
+    }
+
     /// The fencing counter of `key` on node `i` (`HGET quorumlock:meta fence:<key>`).
     pub fn fence(&self, i: usize, key: &str) -> Option<u64> {
         redis::cmd("HGET")

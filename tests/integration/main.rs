@@ -17,6 +17,7 @@ mod hostile;
 mod lock;
 mod node_layer;
 mod nodes;
+mod rw;
 mod several;
 mod sharing;
 #[cfg(feature = "tls-rustls")]

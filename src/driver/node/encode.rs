@@ -35,11 +35,22 @@ impl Encoded {
                 ttl,
                 known_max,
                 fenced,
+                intent,
                 ..
             } => (
                 &scripts::ACQUIRE,
                 scripts::ACQUIRE_LUA,
-                vec![millis_ceil(ttl), millis_ceil(known_max), u64::from(fenced)],
+                vec![
+                    millis_ceil(ttl),
+                    millis_ceil(known_max),
+                    u64::from(fenced),
+                    // (Zero is none: not rounded up.)
+                    if intent.is_zero() {
+                        0
+                    } else {
+                        millis_ceil(intent)
+                    },
+                ],
             ),
             Op::Swap {
                 ttl,
@@ -284,6 +295,7 @@ mod tests {
         let keys = [Key::new("a", "t1"), Key::new("b", "t2")];
         let ops = [
             Op::Acquire {
+                intent: std::time::Duration::ZERO,
                 ttl: Duration::from_millis(1500),
                 known_max: Duration::from_secs(3),
                 fenced: true,
@@ -352,6 +364,7 @@ mod tests {
         let keys = [Key::new("a", "t1"), Key::new("b", "t2")];
         for fenced in [false, true] {
             let op = Op::Acquire {
+                intent: std::time::Duration::ZERO,
                 ttl: Duration::from_secs(1),
                 known_max: Duration::ZERO,
                 fenced,

@@ -190,6 +190,7 @@ pub(crate) fn late_write(
                 known_max: w.known_max,
                 fenced: false,
                 after: After::NONE,
+                intent: Duration::ZERO,
             };
             let undo = Encoded::new(
                 Op::Release {

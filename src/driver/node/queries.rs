@@ -137,6 +137,7 @@ pub(crate) fn probe_one(
             known_max: ttl,
             fenced: false,
             after: After::NONE,
+            intent: Duration::ZERO,
         },
         &[k],
     );

@@ -17,7 +17,7 @@ use crate::lock::queue::Turn;
 use crate::lock::state::LockState;
 use crate::Result;
 
-use super::{Budget, Engine};
+use super::{Budget, Engine, Want};
 
 /// Quick retries in a row after an attempt that found the key not held
 /// everywhere (see `Engine::acquire`).
@@ -43,22 +43,28 @@ impl Engine {
     /// queue first (taking over a lock handed to it), then attempts with a
     /// jittered pause between them. Returns the lock and the turn it holds.
     ///
-    /// `also`: the other resources of a lock of several (see `several`),
-    /// validated by the caller. Such a lock has no turn in a local queue
-    /// (its threads meet at the nodes); its waiters wait for a release of
-    /// any of its resources.
+    /// `want.also`: the other resources of a lock of several (see
+    /// `several`), validated by the caller. Such a lock, and a read lock,
+    /// has no turn in a local queue (its threads meet at the nodes); their
+    /// waiters are woken together, by a release of any of their resources.
+    /// A writer that waits (not `try_lock`) keeps new readers out while it
+    /// does (see [`Op::Acquire`](crate::algorithm::round::Op::Acquire)).
     pub(crate) fn acquire(
         &self,
-        resource: &str,
-        also: &[String],
-        ttl: Duration,
+        want: Want<'_>,
         budget: Budget,
     ) -> Result<(Arc<LockState>, Option<Turn>)> {
+        let Want {
+            resource,
+            also,
+            ttl,
+            ..
+        } = want;
         let called = self.clock.now();
         let drift = self.validate(resource, ttl)?;
         // One deadline for the whole call, local wait and attempts alike.
         let until = self.wait_deadline(budget);
-        let single = also.is_empty();
+        let single = want.alone();
         let mut turn = if single {
             self.queue_turn(resource, budget, until)
         } else {
@@ -84,8 +90,20 @@ impl Engine {
         if waits {
             self.yield_to_others(resource, also, until);
         }
-        // This client's own releases wake its waiters for locks of several.
+        // This client's own releases wake its waiters for locks of several
+        // and its readers.
         let _set_waiting = (waits && !single).then(|| self.remote.set_waiting());
+        // A waiting writer's intent outlives the longest wait between its
+        // tries: the retry pause, and the round and undo before it.
+        let intent = if waits {
+            let s = &self.settings;
+            s.retry_delay
+                .saturating_add(s.retry_jitter)
+                .saturating_add(s.node_timeout.saturating_mul(3))
+                .min(ttl)
+        } else {
+            Duration::ZERO
+        };
         let mut attempt = 1u32;
         // When the next counted attempt is due (the retry pause after the
         // last): a subscribed waiter's tries at a shorter fallback (the cap,
@@ -124,7 +142,7 @@ impl Engine {
                 woken,
             };
             let mut failed = Failed::default();
-            let err = match self.attempt(resource, also, ttl, drift, begun, &mut failed) {
+            let err = match self.attempt(want, drift, intent, begun, &mut failed) {
                 Ok(state) => return Ok((Arc::new(state), turn.take())),
                 Err(e) if e.is_retryable() => e,
                 Err(e) => return Err(e),

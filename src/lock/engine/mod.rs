@@ -18,8 +18,8 @@ use parking_lot::Mutex;
 
 use crate::algorithm::quorum::{self, Tally};
 use crate::algorithm::restart::{self, RestartRule, TtlHistory};
-use crate::algorithm::round::{Key, NodeFacts, NodeResult, Op};
-use crate::clock::{after, new_token, Clock, Rng, Throttle};
+use crate::algorithm::round::{is_reader, Key, NodeFacts, NodeResult, Op};
+use crate::clock::{after, new_reader_token, new_token, Clock, Rng, Throttle};
 use crate::error::{Error, InvalidInput};
 use crate::events::Begun;
 use crate::lock::queue::{Queues, Turn};
@@ -56,6 +56,39 @@ type Decision = (Instant, Result<Duration>, Vec<NodeResult>);
 pub(crate) enum Budget {
     Attempts(u32),
     Until(Instant),
+}
+
+/// What a lock call asks for.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Want<'a> {
+    /// The resource (the first of a lock of several).
+    pub resource: &'a str,
+    /// A lock of several: the other resources (see `several`).
+    pub also: &'a [String],
+    pub ttl: Duration,
+    /// A read lock: shared with other readers, one resource, never fenced
+    /// (see [`crate::algorithm::round::is_reader`]).
+    pub read: bool,
+}
+
+impl<'a> Want<'a> {
+    /// An exclusive lock of `resource` (and `also`).
+    pub(crate) fn write(resource: &'a str, also: &'a [String], ttl: Duration) -> Self {
+        Want {
+            resource,
+            also,
+            ttl,
+            read: false,
+        }
+    }
+
+    /// Whether the call takes part in the local queue and waits for one key's
+    /// wake-ups, one thread of this client at a time: an exclusive lock of
+    /// one resource. (Readers share, and a lock of several waits for any of
+    /// its keys: every such waiter of this client is woken together.)
+    pub(crate) fn alone(&self) -> bool {
+        self.also.is_empty() && !self.read
+    }
 }
 
 pub(crate) struct Engine {
@@ -190,16 +223,28 @@ impl Engine {
     /// One acquisition round: SET NX PX on every node, then the decision.
     /// On failure, releases wherever our SET may have landed, on the same
     /// connections as the SET.
+    ///
+    /// `intent`: for a writer that will try again, how long live readers
+    /// keep new readers out (see [`Op::Acquire`]).
     fn attempt(
         &self,
-        resource: &str,
-        also: &[String],
-        ttl: Duration,
+        want: Want<'_>,
         drift: Duration,
+        intent: Duration,
         begun: Begun,
         seen: &mut acquire::Failed,
     ) -> Result<LockState> {
-        let token = new_token();
+        let Want {
+            resource,
+            also,
+            ttl,
+            read,
+        } = want;
+        let token = if read {
+            new_reader_token()
+        } else {
+            new_token()
+        };
         // One key per resource, all with this token (a lock of several:
         // one vote per node for them all; see `several`).
         let one = [Key::new(resource, &token)];
@@ -280,8 +325,10 @@ impl Engine {
             Op::Acquire {
                 ttl,
                 known_max: known.max,
-                fenced: self.settings.fencing,
+                // A reader orders nothing: storage is guarded by its writers.
+                fenced: self.settings.fencing && !read,
                 after: first,
+                intent: if read { Duration::ZERO } else { intent },
             },
             keys,
             &[keys.len()],
@@ -318,7 +365,7 @@ impl Engine {
                     state.set_holding(holding);
                     state.with_also(also.to_vec())
                 };
-                if !self.settings.fencing {
+                if !self.settings.fencing || read {
                     return Ok(lock(None));
                 }
                 // The token: the largest counter among the granting nodes.
@@ -400,8 +447,12 @@ impl Engine {
         // This client's own waiters are not woken by it: its local queue
         // hands the key on, and threads without one poll, as before (woken
         // together with the releaser's next attempt, they split the votes).
-        for k in state.keys() {
-            self.transport.releasing(k.resource, notice);
+        // A reader's release is no hand-over: the last reader out wakes this
+        // client's writer too.
+        if !state.is_read() {
+            for k in state.keys() {
+                self.transport.releasing(k.resource, notice);
+            }
         }
         let results = self.round(Op::Release { keep_until, notice }, state);
         let outcome = quorum::decide_release(Tally::of(&results, 0));
@@ -443,7 +494,7 @@ impl Engine {
             .max()
             .unwrap_or(deadline);
         let notice = keys.first().map_or(1, remote::notice_of);
-        for k in &keys {
+        for k in keys.iter().filter(|k| !is_reader(k.token)) {
             self.transport.releasing(k.resource, notice);
         }
         let results = self.transport.run(

@@ -511,8 +511,8 @@ impl Checker {
                 continue;
             }
             let local = node.local(base, now);
-            for (resource, (token, expiry)) in &node.store().keys {
-                if *expiry <= local {
+            for (resource, token, expiry) in node.store().entries() {
+                if expiry <= local {
                     continue;
                 }
                 let Some(&(until, ttl)) = self.last_write.get(token) else {
@@ -526,7 +526,7 @@ impl Checker {
                     let what = format!(
                         "node {i} still holds {resource:?} {:.3} ms past its last write's TTL ({ttl:?}; {:?} left)",
                         (now - until) as f64 / 1e6,
-                        *expiry - local,
+                        expiry - local,
                     );
                     self.fail(now, Kind::KeyOutlived, what);
                 }

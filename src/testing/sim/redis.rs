@@ -145,7 +145,7 @@ fn text(v: &Value) -> Option<String> {
 /// takes before the tokens.
 fn script(name: &str, by_sha: bool) -> Option<(&'static str, usize)> {
     let all: [(&redis::Script, &'static str, &'static str, usize); 6] = [
-        (&scripts::ACQUIRE, scripts::ACQUIRE_LUA, "acquire", 3),
+        (&scripts::ACQUIRE, scripts::ACQUIRE_LUA, "acquire", 4),
         (&scripts::SWAP, scripts::SWAP_LUA, "swap", 4),
         (&scripts::RELEASE, scripts::RELEASE_LUA, "release", 1),
         (&scripts::EXTEND, scripts::EXTEND_LUA, "extend", 2),
@@ -214,6 +214,7 @@ pub(crate) fn command(v: &Value) -> Command {
         "acquire" => {
             let (known_max, after) = known(arg(1));
             Op::Acquire {
+                intent: ms(arg(3)),
                 ttl: ms(arg(0)),
                 known_max,
                 fenced: arg(2) == "1",
@@ -342,6 +343,7 @@ mod tests {
         let keys = [Key::new("r1", "t1"), Key::new("r2", "t2")];
         let ops = [
             Op::Acquire {
+                intent: Duration::from_millis(350),
                 ttl: Duration::from_millis(5000),
                 known_max: Duration::from_millis(7000),
                 fenced: true,
@@ -433,6 +435,7 @@ mod tests {
             prev_max: Duration::from_millis(1000),
         };
         let op = Op::Acquire {
+            intent: std::time::Duration::ZERO,
             ttl: Duration::from_millis(5000),
             known_max: Duration::from_millis(5000),
             fenced: false,

@@ -100,7 +100,7 @@ impl World {
                 .filter(|(_, n)| n.holds(self.base, now, k.resource, l))
                 .filter_map(|(i, n)| {
                     let local = n.local(self.base, now);
-                    let (_, exp) = n.store.keys.get(k.resource)?;
+                    let exp = n.store.expiry(k.resource, l)?;
                     let left = exp.saturating_duration_since(local).as_nanos() as f64 / n.rate();
                     Some((i, now.saturating_add(left as u64)))
                 })
@@ -210,9 +210,9 @@ impl Observed for SimNode {
 
     fn holds(&self, base: Instant, now: u64, resource: &str, lineage: &str) -> bool {
         let local = self.local(base, now);
-        self.store.keys.get(resource).is_some_and(|(t, exp)| {
-            *exp > local && crate::testing::sim::check::lineage(t) == lineage
-        })
+        self.store
+            .expiry(resource, lineage)
+            .is_some_and(|exp| exp > local)
     }
 
     fn judged(&self) -> bool {

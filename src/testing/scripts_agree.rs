@@ -1,0 +1,288 @@
+//! The scripts' two forms agree: the Lua a real `redis-server` runs
+//! ([`crate::driver::scripts`]) and the Rust the fake nodes and the
+//! simulation run ([`Store`]). Seeded random rounds of every kind, by
+//! readers and writers, on a few keys, go to both, encoded and decoded by
+//! the driver's own code; every answer and, after each round, what each key
+//! holds must be the same.
+//!
+//! Needs `redis-server` on the `PATH` (CI installs it): without one the test
+//! says so and passes, except under `CI`, where it fails.
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use redis::Value;
+
+use crate::algorithm::round::{After, Answer, Key, Op};
+use crate::driver::node::encode::Encoded;
+use crate::driver::scripts;
+use crate::testing::sim::rng::SimRng;
+use crate::testing::store::Store;
+
+/// A `redis-server` of this test's own, killed on drop.
+struct Server {
+    child: Child,
+    conn: redis::Connection,
+}
+
+impl Server {
+    fn start() -> Option<Server> {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .ok()?
+            .local_addr()
+            .ok()?
+            .port();
+        let mut child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .ok()?;
+        let out = child.stdout.take()?;
+        let ready = BufReader::new(out)
+            .lines()
+            .map_while(Result::ok)
+            .any(|l| l.contains("Ready to accept connections"));
+        let conn = redis::Client::open(format!("redis://127.0.0.1:{port}/"))
+            .and_then(|c| c.get_connection_with_timeout(Duration::from_secs(5)));
+        match (ready, conn) {
+            (true, Ok(conn)) => Some(Server { child, conn }),
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                None
+            }
+        }
+    }
+
+    fn run(&mut self, packed: &[u8]) -> Value {
+        self.conn
+            .send_packed_command(packed)
+            .and_then(|()| self.conn.recv_response())
+            .unwrap_or_else(|e| panic!("redis-server: {e}"))
+    }
+
+    fn query(&mut self, cmd: &redis::Cmd) -> Value {
+        self.run(&cmd.get_packed_command())
+    }
+
+    /// The node's time, ms.
+    fn now_ms(&mut self) -> u64 {
+        match self.query(&redis::cmd("TIME")) {
+            Value::Array(v) => {
+                let num = |x: &Value| match x {
+                    Value::BulkString(b) => String::from_utf8_lossy(b).parse::<u64>().unwrap_or(0),
+                    _ => 0,
+                };
+                num(&v[0]) * 1000 + num(&v[1]) / 1000
+            }
+            v => panic!("TIME answered {v:?}"),
+        }
+    }
+
+    /// What `key` holds, as [`held`] describes it.
+    fn held(&mut self, key: &str) -> String {
+        let now = self.now_ms();
+        match self.query(redis::cmd("TYPE").arg(key)) {
+            Value::SimpleString(t) if t == "none" => "free".into(),
+            Value::SimpleString(t) if t == "string" => match self.query(redis::cmd("GET").arg(key))
+            {
+                Value::BulkString(b) => format!("writer {}", String::from_utf8_lossy(&b)),
+                v => panic!("GET answered {v:?}"),
+            },
+            Value::SimpleString(t) if t == "zset" => {
+                let live = self.query(
+                    redis::cmd("ZRANGEBYSCORE")
+                        .arg(key)
+                        .arg(format!("({now}"))
+                        .arg("+inf"),
+                );
+                let Value::Array(live) = live else {
+                    panic!("ZRANGEBYSCORE answered {live:?}");
+                };
+                let mut names: Vec<String> = live
+                    .iter()
+                    .map(|v| match v {
+                        Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+                        v => panic!("member {v:?}"),
+                    })
+                    .collect();
+                names.sort();
+                describe_set(
+                    names.iter().filter(|n| *n != "w").cloned(),
+                    names.iter().any(|n| n == "w"),
+                )
+            }
+            v => panic!("TYPE answered {v:?}"),
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A reader set as text: its live readers, sorted, and whether a writer's
+/// intent is on it (an empty, intent-less set is no key at all).
+fn describe_set(readers: impl Iterator<Item = String>, intent: bool) -> String {
+    let readers: Vec<String> = readers.collect();
+    if readers.is_empty() && !intent {
+        return "free".into();
+    }
+    format!("readers {} intent {intent}", readers.join(","))
+}
+
+/// What `key` holds in the model, as the server's is described.
+fn model_held(store: &mut Store, key: &str, now: Instant) -> String {
+    store.prune(now);
+    if let Some((t, _)) = store.keys.get(key) {
+        return format!("writer {t}");
+    }
+    match store.readers.get(key) {
+        Some(r) => describe_set(r.entries.keys().cloned(), r.intent.is_some()),
+        None => "free".into(),
+    }
+}
+
+/// Whether any expiry the model keeps is within `margin` of `now`: a round
+/// then might meet the entry alive on one side and expired on the other.
+fn near_an_expiry(store: &Store, now: Instant, margin: Duration) -> bool {
+    let near = |t: Instant| {
+        let gap = if t > now { t - now } else { now - t };
+        gap < margin
+    };
+    store.entries().any(|(_, _, exp)| near(exp))
+        || store.readers.values().filter_map(|r| r.intent).any(near)
+}
+
+#[test]
+fn the_lua_scripts_and_the_rust_model_agree() {
+    let Some(mut server) = Server::start() else {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "no redis-server to run the scripts on (CI installs one)"
+        );
+        eprintln!("skipped: no redis-server on the PATH");
+        return;
+    };
+    for load in scripts::load_commands() {
+        server.run(&load);
+    }
+    let mut store = Store::default();
+    let base = Instant::now();
+    let mut rng = SimRng::new(0x5c21_7a9e);
+    let resources = ["agree:a", "agree:b"];
+    // Writers' tokens are hex, readers' begin with `r` (one of the lineage
+    // form, for the release's lineage rule).
+    let tokens = ["a1", "b2", "c3", "a1.5", "r1", "r2", "r3"];
+    let mut checked = 0;
+    let rounds: u64 = 4000;
+    for n in 0..rounds {
+        let ttl = [30, 60, 400, 3000][rng.below(4) as usize];
+        let ttl = Duration::from_millis(ttl);
+        let token = tokens[rng.below(tokens.len() as u64) as usize];
+        let reader = token.starts_with('r');
+        let mut keys = vec![Key::new(resources[rng.below(2) as usize], token)];
+        let op = match rng.below(6) {
+            0 | 1 => {
+                if !reader && rng.chance(0.25) {
+                    // A lock of several: both keys.
+                    keys = resources.iter().map(|r| Key::new(r, token)).collect();
+                }
+                Op::Acquire {
+                    ttl,
+                    known_max: ttl,
+                    fenced: !reader && rng.chance(0.3),
+                    after: After::NONE,
+                    intent: if rng.chance(0.5) {
+                        Duration::ZERO
+                    } else {
+                        Duration::from_millis([40, 500][rng.below(2) as usize])
+                    },
+                }
+            }
+            2 => Op::Release {
+                keep_until: Instant::now(),
+                notice: rng.below(2),
+            },
+            3 => Op::Extend {
+                ttl,
+                linger: false,
+                known_max: ttl,
+                after: After::NONE,
+            },
+            4 => Op::Restore { ttl },
+            _ if !reader && rng.chance(0.5) => Op::Fence {
+                value: 1 + rng.below(100),
+            },
+            _ => {
+                // Several keys of one round, readers and writers mixed (a
+                // renewal batch).
+                let other = tokens[rng.below(tokens.len() as u64) as usize];
+                keys.push(Key::new(resources[rng.below(2) as usize], other));
+                Op::Extend {
+                    ttl,
+                    linger: false,
+                    known_max: ttl,
+                    after: After::NONE,
+                }
+            }
+        };
+        // Away from any expiry, so that both sides meet the same entries.
+        let margin = Duration::from_millis(8);
+        let mut now = Instant::now();
+        while near_an_expiry(&store, now, margin) {
+            std::thread::sleep(Duration::from_millis(2));
+            now = Instant::now();
+        }
+        let enc = Encoded::new(op, &keys);
+        let got = enc.decode(server.run(&enc.packed));
+        let micros = u64::try_from(now.duration_since(base).as_micros()).unwrap_or(0) + 1;
+        let want = store.round(op, &keys, now, base, micros);
+        let (got, want) = match (got, want) {
+            (Ok(g), Ok(w)) => (g, w),
+            (g, w) => panic!("round {n}: {op:?} {keys:?}: server {g:?}, model {w:?}"),
+        };
+        assert_eq!(
+            got.answers, want.answers,
+            "round {n}: {op:?} {keys:?}: the server and the model answer differently"
+        );
+        if matches!(op, Op::Acquire { .. }) {
+            // How long the owner has left: both none, both no end known, or
+            // close (the two clocks are read a moment apart).
+            let far = |h: Option<Duration>| h.map(|d| d.min(Duration::from_secs(3600)));
+            let (g, w) = (far(got.held), far(want.held));
+            let close = match (g, w) {
+                (Some(a), Some(b)) => a.abs_diff(b) <= Duration::from_millis(6),
+                (a, b) => a == b,
+            };
+            assert!(
+                close,
+                "round {n}: {op:?} {keys:?}: held {g:?} against {w:?}"
+            );
+            if got.answers.contains(&Answer::Ok) {
+                checked += 1;
+            }
+        }
+        let now = Instant::now();
+        if !near_an_expiry(&store, now, margin) {
+            for r in resources {
+                assert_eq!(
+                    server.held(r),
+                    model_held(&mut store, r, now),
+                    "round {n}: after {op:?} {keys:?}, {r} differs"
+                );
+            }
+        }
+    }
+    assert!(
+        checked > 100,
+        "too few granted acquires ({checked}) to compare"
+    );
+}

@@ -1,0 +1,418 @@
+//! Read-write locks (issue 23): readers share a resource, a writer (any exclusive lock)
+//! excludes readers and writers, and a waiting writer keeps new readers out. Clients use
+//! `fresh_cluster(true)` on the shared throwaway nodes (the restart test starts its own).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use quorumlock::{Error, InvalidInput, Redlock};
+
+use crate::common::{shared, unique_key, wait_until, Cluster};
+
+const TTL: Duration = Duration::from_secs(10);
+
+fn client(urls: Vec<String>) -> Redlock {
+    let locks = crate::client_with(urls, Duration::from_millis(250));
+    assert_eq!(locks.wait_connected(Duration::from_secs(5)).ok(), Some(3));
+    locks
+}
+
+fn taken<T: std::fmt::Debug>(r: quorumlock::Result<T>, what: &str) {
+    match r {
+        Err(Error::Taken { .. }) => {}
+        other => panic!("{what}: expected Taken, got {other:?}"),
+    }
+}
+
+/// Readers share; a writer (`try_write_lock`, or a plain `try_lock`) is refused while
+/// they hold, and readers are refused while it holds. Each node keeps every reader in
+/// the key's reader set, never beside a writer's value.
+#[test]
+fn readers_share_and_a_writer_excludes_them() {
+    let c = shared();
+    let (a, b) = (client(c.urls()), client(c.urls()));
+    let key = unique_key("rw-share");
+    let r1 = a.try_read_lock(&key, TTL).expect("first reader");
+    let r2 = b.try_read_lock(&key, TTL).expect("second reader shares");
+    assert!(r1.is_read() && r2.is_read());
+    assert!(r1.nodes_held() >= 2 && r2.nodes_held() >= 2);
+    assert!(wait_until(Duration::from_secs(1), || {
+        (0..3)
+            .filter(|&i| {
+                let r = c.readers(i, &key);
+                r.contains(&r1.token().to_owned()) && r.contains(&r2.token().to_owned())
+            })
+            .count()
+            >= 2
+    }));
+    taken(a.try_write_lock(&key, TTL), "a writer beside two readers");
+    taken(b.try_lock(&key, TTL), "a plain lock beside two readers");
+    r1.release().expect("first reader's release");
+    taken(a.try_lock(&key, TTL), "a writer beside one reader");
+    r2.release().expect("second reader's release");
+    let w = a
+        .try_write_lock(&key, TTL)
+        .expect("the writer, once readers left");
+    assert!(!w.is_read());
+    taken(b.try_read_lock(&key, TTL), "a reader beside a writer");
+    w.release().expect("writer's release");
+    assert!(c.gone_everywhere(&key, Duration::from_secs(1)));
+}
+
+/// A reader's release, extension and loss: it is extended while its entry lives, and a
+/// release of an entry that a writer's key replaced (the reader was lost) reports
+/// `NotOwner` instead of failing the script on the key's type. The writer's own rounds on
+/// a reader set answer "another owner" likewise.
+#[test]
+fn rounds_of_one_kind_meet_the_other_kind_as_another_owner() {
+    let c = shared();
+    let locks = client(c.urls());
+    let key = unique_key("rw-kinds");
+    let r = locks.try_read_lock(&key, TTL).expect("reader");
+    assert!(r.extend(TTL).expect("a reader extends") > Duration::ZERO);
+    // The reader set replaced by another writer's value on every node.
+    for i in 0..3 {
+        c.del(i, &key);
+        let _: () = redis::cmd("SET")
+            .arg(&key)
+            .arg("someone-else")
+            .arg("PX")
+            .arg(30_000)
+            .query(&mut c.conn(i))
+            .expect("SET");
+    }
+    match r.extend(TTL) {
+        Err(Error::NotOwner { .. }) => {}
+        other => panic!("a reader whose key is a writer's now: {other:?}"),
+    }
+    match r.release() {
+        Err(Error::NotOwner { .. }) => {}
+        other => panic!("released over a writer: {other:?}"),
+    }
+    for i in 0..3 {
+        c.del(i, &key);
+    }
+    let w = locks.try_lock(&key, TTL).expect("writer");
+    let other = client(c.urls());
+    let r2 = other.try_read_lock(&key, TTL);
+    taken(r2, "a reader beside a writer");
+    // The writer's key replaced by a reader set: its extension is refused, not an error.
+    for i in 0..3 {
+        c.del(i, &key);
+        let _: i64 = redis::cmd("ZADD")
+            .arg(&key)
+            .arg(u64::MAX >> 12)
+            .arg("rsomeone")
+            .query(&mut c.conn(i))
+            .expect("ZADD");
+    }
+    match w.extend(TTL) {
+        Err(Error::NotOwner { .. }) => {}
+        other => panic!("a writer whose key is a reader set now: {other:?}"),
+    }
+    for i in 0..3 {
+        c.del(i, &key);
+    }
+}
+
+/// A writer that waits keeps new readers out: while one reader holds, a `write_lock`
+/// call marks its intent on the nodes; a new reader is refused from then on, although
+/// only a reader holds; the writer gets in when that reader leaves (woken by its
+/// release), and the intent is gone with the reader set.
+#[test]
+fn a_waiting_writer_keeps_new_readers_out() {
+    let c = shared();
+    let (a, b, w) = (client(c.urls()), client(c.urls()), client(c.urls()));
+    let key = unique_key("rw-intent");
+    let r1 = a.try_read_lock(&key, TTL).expect("first reader");
+    let writer = {
+        let key = key.clone();
+        std::thread::spawn(move || {
+            let t = Instant::now();
+            let g = w.write_lock_timeout(&key, TTL, Duration::from_secs(8));
+            (g.map(|g| g.release()), t.elapsed())
+        })
+    };
+    assert!(
+        wait_until(Duration::from_secs(3), || (0..3)
+            .filter(|&i| c.intent(i, &key))
+            .count()
+            >= 2),
+        "the waiting writer's intent never reached a majority"
+    );
+    taken(
+        b.try_read_lock(&key, TTL),
+        "a new reader behind a waiting writer",
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let released = Instant::now();
+    r1.release().expect("the reader leaves");
+    let (got, waited) = writer.join().expect("writer thread");
+    assert!(
+        matches!(got, Ok(Ok(()))),
+        "the writer did not get in: {got:?}"
+    );
+    assert!(
+        released.elapsed() < Duration::from_millis(900),
+        "the writer got in {:?} after the last reader left (waited {waited:?})",
+        released.elapsed()
+    );
+    // Free again: a reader gets in (the intent went with the reader set).
+    let r = b
+        .try_read_lock(&key, TTL)
+        .expect("a reader after the writer");
+    r.release().expect("release");
+}
+
+/// A `try_lock` never marks an intent (it does not wait): readers keep coming.
+#[test]
+fn a_writer_that_does_not_wait_leaves_no_intent() {
+    let c = shared();
+    let (a, b) = (client(c.urls()), client(c.urls()));
+    let key = unique_key("rw-no-intent");
+    let r1 = a.try_read_lock(&key, TTL).expect("reader");
+    taken(b.try_write_lock(&key, TTL), "a writer beside a reader");
+    for i in 0..3 {
+        assert!(!c.intent(i, &key), "node {i} got an intent from try_lock");
+    }
+    let r2 = b.try_read_lock(&key, TTL).expect("a new reader");
+    drop((r1, r2));
+}
+
+/// A stream of readers, each holding a little while and overlapping the next, never
+/// leaves the resource free; a writer still gets in within one reader TTL of its call.
+#[test]
+fn a_writer_is_not_starved_by_a_stream_of_readers() {
+    let c = shared();
+    let key = unique_key("rw-stream");
+    let reader_ttl = Duration::from_secs(2);
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let granted = Arc::new(AtomicUsize::new(0));
+    let readers: Vec<_> = (0..4)
+        .map(|n| {
+            let (locks, key, stop, granted) =
+                (client(c.urls()), key.clone(), stop.clone(), granted.clone());
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(n * 60));
+                while !stop.load(Ordering::SeqCst) {
+                    if let Ok(g) = locks.try_read_lock(&key, reader_ttl) {
+                        granted.fetch_add(1, Ordering::SeqCst);
+                        std::thread::sleep(Duration::from_millis(250));
+                        drop(g);
+                    } else {
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                }
+            })
+        })
+        .collect();
+    // The stream is flowing: readers hold the key without a break.
+    assert!(wait_until(Duration::from_secs(5), || granted
+        .load(Ordering::SeqCst)
+        >= 8));
+    let w = client(c.urls());
+    let t = Instant::now();
+    let g = w
+        .write_lock_timeout(&key, TTL, Duration::from_secs(8))
+        .expect("the writer gets in despite the stream");
+    let waited = t.elapsed();
+    stop.store(true, Ordering::SeqCst);
+    drop(g);
+    for r in readers {
+        r.join().expect("reader thread");
+    }
+    assert!(
+        waited < reader_ttl,
+        "the writer waited {waited:?}, more than one reader TTL ({reader_ttl:?})"
+    );
+}
+
+/// A reader that crashed (its guard forgotten: no release, no renewal) drops out of the
+/// reader set at its own TTL, although another reader renews its entry all along: the
+/// writer gets in as soon as the live reader leaves.
+#[test]
+fn a_crashed_readers_entry_expires_on_its_own() {
+    let c = shared();
+    let (a, b, w) = (client(c.urls()), client(c.urls()), client(c.urls()));
+    let key = unique_key("rw-crash");
+    let crashed = a
+        .try_read_lock(&key, Duration::from_millis(600))
+        .expect("short reader");
+    let token = crashed.token().to_owned();
+    std::mem::forget(crashed);
+    let live = b
+        .try_read_lock(&key, Duration::from_millis(900))
+        .expect("reader");
+    live.auto_renew();
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(live.is_held(), "the renewed reader lapsed");
+    for i in 0..3 {
+        assert!(
+            !c.readers(i, &key).contains(&token),
+            "node {i} still counts the crashed reader"
+        );
+    }
+    taken(
+        w.try_write_lock(&key, TTL),
+        "a writer beside the live reader",
+    );
+    live.release().expect("release");
+    let g = w
+        .try_write_lock(&key, TTL)
+        .expect("writer after the live reader left");
+    g.release().expect("release");
+}
+
+/// A writer meets a reader set whose readers all expired (or whose only entry is a
+/// writer's intent left behind): the key is free, and the writer takes it at once.
+#[test]
+fn a_reader_set_without_live_readers_is_free_for_a_writer() {
+    let c = shared();
+    let locks = client(c.urls());
+    let key = unique_key("rw-stale");
+    for i in 0..3 {
+        let mut conn = c.conn(i);
+        let (secs, _): (u64, u64) = redis::cmd("TIME").query(&mut conn).expect("TIME");
+        let past = secs * 1000 - 5_000;
+        let future = secs * 1000 + 60_000;
+        let _: i64 = redis::cmd("ZADD")
+            .arg(&key)
+            .arg(past)
+            .arg("rexpired")
+            .arg(future)
+            .arg("w")
+            .query(&mut conn)
+            .expect("ZADD");
+        let _: i64 = redis::cmd("PEXPIRE")
+            .arg(&key)
+            .arg(60_000)
+            .query(&mut conn)
+            .expect("PEXPIRE");
+    }
+    let g = locks
+        .try_lock(&key, TTL)
+        .expect("a stale reader set is free");
+    assert!(c.holders(&key, g.token()) >= 2);
+    g.release().expect("release");
+}
+
+/// Every reader thread of one client that waits behind a writer gets in when the writer
+/// leaves, without waiting for the fallback (a release wakes one exclusive waiter per
+/// client, but every reader).
+#[test]
+fn waiting_readers_of_one_client_all_get_in_at_the_writers_release() {
+    let c = shared();
+    let key = unique_key("rw-wake");
+    let writer = client(c.urls());
+    let readers = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(c.urls())
+        .node_timeout(Duration::from_millis(250))
+        .retry_count(1000)
+        .retry_delay(Duration::from_secs(5))
+        .retry_jitter(Duration::ZERO)
+        .build()
+        .expect("valid config");
+    let w = writer.try_lock(&key, TTL).expect("writer");
+    let n = 6;
+    let start = Arc::new(Barrier::new(n + 1));
+    let threads: Vec<_> = (0..n)
+        .map(|_| {
+            let (locks, key, start) = (readers.clone(), key.clone(), start.clone());
+            std::thread::spawn(move || {
+                start.wait();
+                let g = locks.read_lock_timeout(&key, TTL, Duration::from_secs(10));
+                let at = Instant::now();
+                (g, at)
+            })
+        })
+        .collect();
+    start.wait();
+    // Every reader tried and waits (subscribed).
+    assert!(wait_until(Duration::from_secs(3), || (0..3)
+        .all(|i| c.subscribers(i, &key) >= 1)));
+    std::thread::sleep(Duration::from_millis(300));
+    let released = Instant::now();
+    w.release().expect("writer's release");
+    let mut held = Vec::new();
+    for t in threads {
+        let (g, at) = t.join().expect("reader thread");
+        let g = g.expect("each reader gets in");
+        assert!(
+            at.saturating_duration_since(released) < Duration::from_millis(800),
+            "a reader got in {:?} after the writer left (its fallback, not a wake-up)",
+            at.saturating_duration_since(released)
+        );
+        held.push(g);
+    }
+    assert!(held.iter().all(|g| g.is_held()), "readers share");
+    drop(held);
+    assert!(c.gone_everywhere(&key, Duration::from_secs(1)));
+}
+
+/// Bad input is refused by name, as for any lock.
+#[test]
+fn bad_input_to_a_read_lock_is_refused_by_name() {
+    let c = shared();
+    let locks = client(c.urls());
+    assert!(matches!(
+        locks.try_read_lock("", TTL),
+        Err(Error::InvalidInput(InvalidInput::EmptyResource))
+    ));
+    assert!(matches!(
+        locks.read_lock("k", Duration::ZERO),
+        Err(Error::InvalidInput(InvalidInput::ZeroTtl))
+    ));
+    assert!(matches!(
+        locks.read_lock_timeout("k", Duration::MAX, Duration::MAX),
+        Err(Error::InvalidInput(InvalidInput::TtlTooLong(_)))
+    ));
+    assert!(matches!(
+        locks.try_read_lock(&"x".repeat(quorumlock::MAX_RESOURCE_LEN + 1), TTL),
+        Err(Error::InvalidInput(InvalidInput::ResourceTooLong { .. }))
+    ));
+    assert!(matches!(
+        locks.try_read_lock("quorumlock:meta", TTL),
+        Err(Error::InvalidInput(InvalidInput::ReservedResource(_)))
+    ));
+}
+
+/// A renewed reader outlives many TTLs, and a node restarted empty under it gets its
+/// entry back from the renewal (a copy, not a vote): the reader stays held on every node,
+/// and a writer is refused throughout.
+#[test]
+fn a_renewed_reader_survives_and_gets_its_entry_back_after_a_restart() {
+    let c = Cluster::start(3);
+    let locks = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(c.urls())
+        .node_timeout(Duration::from_secs(1))
+        .build()
+        .expect("valid config");
+    assert_eq!(locks.wait_connected(Duration::from_secs(5)).ok(), Some(3));
+    let key = unique_key("rw-renew");
+    let ttl = Duration::from_secs(3);
+    let r = locks.try_read_lock(&key, ttl).expect("reader");
+    r.auto_renew();
+    c.restart(0);
+    assert!(
+        wait_until(Duration::from_secs(8), || c
+            .readers(0, &key)
+            .contains(&r.token().to_owned())),
+        "the restarted node never got the reader's entry back"
+    );
+    std::thread::sleep(ttl);
+    assert!(r.is_held(), "the renewed reader lapsed");
+    let other = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(c.urls())
+        .node_timeout(Duration::from_secs(1))
+        .build()
+        .expect("valid config");
+    taken(
+        other.try_write_lock(&key, ttl),
+        "a writer beside a renewed reader",
+    );
+    r.release().expect("release");
+}
