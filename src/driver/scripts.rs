@@ -232,7 +232,13 @@ end
 if reader(ARGV[5]) then
   local k, tok = KEYS[1], ARGV[5]
   local v = value(k)
-  if v == true then
+  if not v then
+    -- The first reader (the common case: two commands).
+    redis.call('ZADD', k, now + ttl, tok)
+    redis.call('PEXPIRE', k, ttl)
+    out[6] = 1
+    return out
+  elseif v == true then
     live(k)
     -- (This attempt's own entry, sent again: set.)
     if redis.call('ZSCORE', k, tok) then out[6] = 1 return out end
@@ -433,8 +439,13 @@ for i, key in ipairs(KEYS) do
     elseif s then
       redis.call('ZREM', key, tok)
       out[i] = tonumber(s) > ms_now() and 1 or 0
-      freed = out[i] == 1 and live(key) == 0
-      last_entry(key)
+      if redis.call('ZCARD', key) == 0 then
+        -- The last entry (the key went with it).
+        freed = out[i] == 1
+      else
+        freed = out[i] == 1 and live(key) == 0
+        last_entry(key)
+      end
     else
       out[i] = 0
     end
