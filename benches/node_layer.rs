@@ -282,8 +282,7 @@ impl Floor {
                     .arg(META_KEY)
                     .arg(ttl)
                     .arg(ttl)
-                    .arg(0) // unfenced
-                    .arg(0) // no writer's intent
+                    .arg(0) // unfenced, no writer's intent
                     .arg(TOKEN)
                     .get_packed_command(),
                 redis::cmd("EVALSHA")

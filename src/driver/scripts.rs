@@ -12,9 +12,9 @@ pub(crate) use crate::algorithm::round::META_KEY;
 /// `SET NX PX` for every lock key, plus the node's lock history. `KEYS` are
 /// the lock keys then [`META_KEY`]; `ARGV[1]` the TTL in ms, `ARGV[2]` the
 /// longest TTL the client knew of before this command (and, for a first
-/// use, the lock histories it knows: see `raise_lua!`), `ARGV[3]` `1` for a
-/// fenced lock (else `0`), `ARGV[4]` the writers' intent in ms (`0`: none;
-/// see [`ACQUIRE_LUA`]), `ARGV[5..]` the tokens. Answers `{epoch, age_ms,
+/// use, the lock histories it knows: see `raise_lua!`), `ARGV[3]` the mode:
+/// `1` for a fenced lock, plus twice the writers' intent in ms (`0`:
+/// unfenced, no intent; see [`ACQUIRE_LUA`]), `ARGV[4..]` the tokens. Answers `{epoch, age_ms,
 /// max_ttl, prev_max, after, r1, …}`: the node's history before this
 /// command (see `history_lua!`), then `ri`: where held by another owner,
 /// `-1 - PTTL` (0 where it never expires, or where the ACL refuses
@@ -203,7 +203,7 @@ pub(crate) const FREED_PREFIX: &str = "quorumlock:free:";
 /// owner) or the writers' intent is on it (answered `0`: no end known).
 /// A writer takes a reader set with no live reader left (expired entries
 /// and the intent go with it); where readers live it answers how long the
-/// last one has left, and, with `ARGV[4]` (ms, `0`: none) the intent gets
+/// last one has left, and, with an intent in the mode (ms, `0`: none) it gets
 /// at least that long: a waiting writer keeps new readers out.
 pub(crate) const ACQUIRE_LUA: &str = concat!(
     history_lua!(),
@@ -211,7 +211,10 @@ pub(crate) const ACQUIRE_LUA: &str = concat!(
 ",
     readers_lua!(),
     r"local micros = tonumber(t[1]) * 1000000 + tonumber(t[2])
-if ARGV[3] == '1' then
+local mode = tonumber(ARGV[3]) or 0
+local fenced = mode % 2 == 1
+local life = math.floor(mode / 2)
+if fenced then
   if micros >= 9007199254740991 - 1099511627776 then
     return redis.error_reply('ERR quorumlock: the node clock is past the year 2255; fencing tokens must stay below 2^53')
   end
@@ -229,8 +232,8 @@ local function held(k)
   if type(left) ~= 'number' or left == -1 then return 0 end
   return -1 - math.max(left, 0)
 end
-if reader(ARGV[5]) then
-  local k, tok = KEYS[1], ARGV[5]
+if reader(ARGV[4]) then
+  local k, tok = KEYS[1], ARGV[4]
   local v = value(k)
   if not v then
     -- The first reader (the common case: two commands).
@@ -251,7 +254,6 @@ if reader(ARGV[5]) then
   out[6] = 1
   return out
 end
-local life = tonumber(ARGV[4]) or 0
 -- Several keys are one lock (`try_lock_all`): all or nothing. Where any
 -- has another owner or live readers, none is set (a free one answers as
 -- held with no time left: its PTTL is -2).
@@ -261,13 +263,13 @@ if n > 1 then
     local v = value(KEYS[i])
     if v == true then
       if live(KEYS[i]) > 0 then taken = true end
-    elseif v and v ~= ARGV[i + 4] then
+    elseif v and v ~= ARGV[i + 3] then
       taken = true
     end
   end
 end
 for i = 1, n do
-  local k, tok = KEYS[i], ARGV[i + 4]
+  local k, tok = KEYS[i], ARGV[i + 3]
   local set = not taken and redis.call('SET', k, tok, 'NX', 'PX', ARGV[1])
   local v = false
   if not set then
@@ -279,7 +281,7 @@ for i = 1, n do
     end
   end
   if set then
-    if ARGV[3] == '1' then
+    if fenced then
       local f = 'fence:' .. k
       local c = math.max((tonumber(redis.call('HGET', meta, f)) or 0) + 1, micros)
       redis.call('HSET', meta, f, string.format('%.0f', c))
@@ -290,7 +292,7 @@ for i = 1, n do
   elseif v == tok then
     -- This attempt's own SET (tokens are one per attempt), sent again after
     -- its connection closed before the reply: set, with its counter.
-    if ARGV[3] == '1' then
+    if fenced then
       out[i + 5] = tonumber(redis.call('HGET', meta, 'fence:' .. k)) or 0
     else
       out[i + 5] = 1

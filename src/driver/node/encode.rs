@@ -43,13 +43,7 @@ impl Encoded {
                 vec![
                     millis_ceil(ttl),
                     millis_ceil(known_max),
-                    u64::from(fenced),
-                    // (Zero is none: not rounded up.)
-                    if intent.is_zero() {
-                        0
-                    } else {
-                        millis_ceil(intent)
-                    },
+                    acquire_mode(fenced, intent),
                 ],
             ),
             Op::Swap {
@@ -276,6 +270,20 @@ pub(crate) fn unexpected(v: Value) -> (NodeErrorKind, String) {
         Value::ServerError(e) => (NodeErrorKind::Server, e.to_string()),
         v => (NodeErrorKind::Protocol, format!("{v:?}")),
     }
+}
+
+/// An acquire's `ARGV[3]`: `1` for a fenced lock, plus twice the writers'
+/// intent in ms (zero: none, not rounded up; at most a day, far above any
+/// TTL, so that the sum stays exact in Lua's doubles). One argument, so
+/// that the command keeps its shape (its element count tells it from a
+/// swap's on the wire).
+pub(crate) fn acquire_mode(fenced: bool, intent: Duration) -> u64 {
+    let intent = if intent.is_zero() {
+        0
+    } else {
+        millis_ceil(intent).min(86_400_000)
+    };
+    intent * 2 + u64::from(fenced)
 }
 
 /// Whole milliseconds, rounded up (the server keeps the key at least as long

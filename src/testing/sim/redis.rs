@@ -145,7 +145,7 @@ fn text(v: &Value) -> Option<String> {
 /// takes before the tokens.
 fn script(name: &str, by_sha: bool) -> Option<(&'static str, usize)> {
     let all: [(&redis::Script, &'static str, &'static str, usize); 6] = [
-        (&scripts::ACQUIRE, scripts::ACQUIRE_LUA, "acquire", 4),
+        (&scripts::ACQUIRE, scripts::ACQUIRE_LUA, "acquire", 3),
         (&scripts::SWAP, scripts::SWAP_LUA, "swap", 4),
         (&scripts::RELEASE, scripts::RELEASE_LUA, "release", 1),
         (&scripts::EXTEND, scripts::EXTEND_LUA, "extend", 2),
@@ -213,11 +213,13 @@ pub(crate) fn command(v: &Value) -> Command {
     let op = match kind {
         "acquire" => {
             let (known_max, after) = known(arg(1));
+            // The mode: fenced in its low bit, the intent (ms) above.
+            let mode: u64 = arg(2).parse().unwrap_or(0);
             Op::Acquire {
-                intent: ms(arg(3)),
+                intent: Duration::from_millis(mode / 2),
                 ttl: ms(arg(0)),
                 known_max,
-                fenced: arg(2) == "1",
+                fenced: mode % 2 == 1,
                 after,
             }
         }
