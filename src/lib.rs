@@ -40,6 +40,7 @@ mod driver;
 mod error;
 mod events;
 mod guard;
+mod inspect;
 mod lock;
 mod redlock;
 
@@ -56,7 +57,8 @@ pub use events::{
     RenewalEvent,
 };
 pub use guard::LockGuard;
-pub use redlock::{KeyInfo, NodeKey, Redlock};
+pub use inspect::{KeyInfo, NodeKey, ReaderInfo};
+pub use redlock::Redlock;
 
 /// Longest resource name accepted, in bytes. A lock name is an identifier:
 /// 1 KiB leaves room for any structured name (tenant, table, row id) while a

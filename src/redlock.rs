@@ -9,8 +9,9 @@ use log::debug;
 
 use crate::algorithm::quorum;
 use crate::clock::{after, Clock, Rng};
-use crate::error::{Error, NodeError};
+use crate::error::Error;
 use crate::guard::LockGuard;
+use crate::inspect::NodeKey;
 use crate::lock::engine::{validate_resource, Budget, Engine, Want};
 use crate::lock::queue::Turn;
 use crate::lock::settings::Settings;
@@ -44,59 +45,6 @@ impl fmt::Debug for Redlock {
         f.debug_struct("Redlock")
             .field("nodes", &self.engine.transport.node_names())
             .field("settings", &self.engine.settings)
-            .finish()
-    }
-}
-
-/// One node's copy of a lock key, from [`Redlock::inspect`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NodeKey {
-    node: String,
-    key: std::result::Result<Option<KeyInfo>, NodeError>,
-}
-
-impl NodeKey {
-    /// The node's address, `host:port` (with `/db` when not 0).
-    pub fn node(&self) -> &str {
-        &self.node
-    }
-
-    /// The key on this node: `Ok(None)` when it does not exist, `Err` when
-    /// the node could not be asked.
-    pub fn key(&self) -> std::result::Result<Option<&KeyInfo>, &NodeError> {
-        self.key.as_ref().map(Option::as_ref)
-    }
-}
-
-/// A lock key as one node stores it.
-///
-/// `Debug` hides the token: it is what lets its owner release or extend the
-/// lock, so it is printed only when asked for ([`token`](Self::token)).
-#[derive(Clone, PartialEq, Eq)]
-pub struct KeyInfo {
-    token: String,
-    ttl: Option<Duration>,
-}
-
-impl KeyInfo {
-    /// The stored token (the value a holder's [`LockGuard::token`] starts
-    /// with; after a hand-over it carries a section suffix).
-    pub fn token(&self) -> &str {
-        &self.token
-    }
-
-    /// Remaining time to live on this node's clock; `None` for a key
-    /// without expiry (not one this crate wrote).
-    pub fn ttl(&self) -> Option<Duration> {
-        self.ttl
-    }
-}
-
-impl fmt::Debug for KeyInfo {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("KeyInfo")
-            .field("token", &"<hidden>")
-            .field("ttl", &self.ttl)
             .finish()
     }
 }
@@ -451,13 +399,20 @@ impl Redlock {
     }
 
     /// What every node stores for `resource` right now: whether the key
-    /// exists, its token and its remaining time to live. One entry per node,
-    /// in the builder's order.
+    /// exists, its token and its remaining time to live; for a resource
+    /// read-locked, its live readers (each reader's token and time left)
+    /// and whether a writer waits ([`KeyInfo::readers`](crate::KeyInfo::readers),
+    /// [`KeyInfo::writer_waiting`](crate::KeyInfo::writer_waiting)). One
+    /// entry per node, in the builder's order.
     ///
     /// For operators and status tools (`quorumlock status`): each node is
     /// asked on a connection of its own, all at once, each step within the
     /// node timeout (TCP connect, TLS handshake, `AUTH`, `SELECT`, then the
-    /// replies; name resolution is not bounded). It takes no lock
+    /// replies; name resolution is not bounded). One round trip of `GET`,
+    /// `PTTL`, `ZREVRANGE` and `TIME`, commands the lock's own scripts run,
+    /// so that the ACL of a read lock's user allows them (under one for
+    /// exclusive locks alone, without the sorted-set commands, a writer's
+    /// key still reads, and a reader set is the node's refusal). It takes no lock
     /// and changes no node's health. A node's copy says nothing on its own
     /// about who holds the lock: a lock is held only on a majority, within
     /// its validity.
@@ -468,6 +423,10 @@ impl Redlock {
     ///     .build()?;
     /// for node in locks.inspect("lock:nightly-report")? {
     ///     match node.key() {
+    ///         Ok(Some(k)) if k.is_read() => {
+    ///             let waits = if k.writer_waiting().is_some() { ", a writer waits" } else { "" };
+    ///             println!("{}: {} readers{waits}", node.node(), k.readers().len());
+    ///         }
     ///         Ok(Some(k)) => println!("{}: held, {:?} left", node.node(), k.ttl()),
     ///         Ok(None) => println!("{}: free", node.node()),
     ///         Err(e) => println!("{}: {e}", node.node()),
@@ -489,15 +448,7 @@ impl Redlock {
         Ok(names
             .iter()
             .zip(found)
-            .map(|(node, key)| NodeKey {
-                node: node.clone(),
-                key: key.map(|k| {
-                    k.map(|s| KeyInfo {
-                        token: s.value,
-                        ttl: s.ttl,
-                    })
-                }),
-            })
+            .map(|(node, key)| NodeKey::new(node.clone(), key))
             .collect())
     }
 

@@ -113,9 +113,6 @@ pub(crate) trait Transport: Send + Sync + 'static {
         Ok(self.node_names().len())
     }
 
-    /// Reads `resource`'s value and remaining time to live on every node,
-    /// each within `timeout`, outside of rounds and pools (an operator's
-    /// status query). Doubles that do not model it answer with an error.
     /// Gathers the facts of [`Redlock::check`](crate::Redlock::check) from
     /// every node. Doubles that do not model it report every node
     /// unreachable.
@@ -130,6 +127,10 @@ pub(crate) trait Transport: Send + Sync + 'static {
             .collect()
     }
 
+    /// Reads `resource`'s value (a writer's token, or its live readers and
+    /// a writer's intent) and remaining time to live on every node, each
+    /// within `timeout`, outside of rounds and pools (an operator's status
+    /// query). Doubles that do not model it answer with an error.
     fn inspect(&self, resource: &str, timeout: Duration) -> Vec<Result<Option<Stored>, NodeError>> {
         let _ = (resource, timeout);
         self.node_names()
@@ -145,12 +146,23 @@ pub(crate) trait Transport: Send + Sync + 'static {
     }
 }
 
-/// A key as one node stores it: its value and remaining time to live
-/// (`None`: no expiry).
+/// A key as one node stores it: its value (empty for a reader set) and
+/// remaining time to live (`None`: no expiry), and for a reader set its
+/// live entries.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Stored {
     pub value: String,
     pub ttl: Option<Duration>,
+    pub readers: Option<Readers>,
+}
+
+/// A reader set's live entries, as one node stores them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Readers {
+    /// Each live reader's token and time left, longest-lived first.
+    pub live: Vec<(String, Duration)>,
+    /// The time left of a waiting writer's intent, where it lives.
+    pub intent: Option<Duration>,
 }
 
 /// What the driver read from one node, on a connection of its own.

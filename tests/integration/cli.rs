@@ -174,9 +174,10 @@ fn finish(cmd: Command, dir: &Scratch, name: &str) -> (i32, String) {
     (code, p.stderr())
 }
 
-/// Whether `key` is stored on a majority of the nodes.
+/// Whether `key` is stored on a majority of the nodes (a writer's token or a
+/// set of readers: `PTTL` answers both).
 fn held(c: &Cluster, key: &str) -> bool {
-    (0..c.len()).filter(|&i| c.get(i, key).is_some()).count() > c.len() / 2
+    (0..c.len()).filter(|&i| c.pttl(i, key) != -2).count() > c.len() / 2
 }
 
 /// Waits until the run's command has started (`file` exists) and the key is
@@ -194,8 +195,9 @@ fn until_started(c: &Cluster, dir: &Scratch, p: &mut Proc, file: &str, key: &str
 }
 
 fn assert_gone(c: &Cluster, key: &str, limit: Duration) {
+    // `PTTL`, not `GET`: a reader set is gone too.
     assert!(
-        c.gone_everywhere(key, limit),
+        wait_until(limit, || (0..c.len()).all(|i| c.pttl(i, key) == -2)),
         "{key} left on the nodes: {:?}",
         (0..c.len()).map(|i| c.pttl(i, key)).collect::<Vec<_>>()
     );
@@ -1157,4 +1159,305 @@ fn a_short_ttl_run_keeps_its_command() {
         let (code, stderr) = finish(cmd, &dir, ttl);
         assert_eq!(code, 5, "--ttl {ttl}: stderr:\n{stderr}");
     }
+}
+
+// ---------------------------------------------------------------------------
+// run --read and status of readers (issue 23, item 4)
+// ---------------------------------------------------------------------------
+
+/// A `run --read` command: writes its token to `$D/<me>.tok`, signals it started
+/// (`$D/<me>`), waits up to 10 s for the other reader's start (`$D/<other>`) and
+/// records, in `$D/<me>.saw`, that it saw it while still running; then waits for
+/// `$D/go`.
+fn reader_script(me: &str, other: &str) -> String {
+    format!(
+        r#"printf '%s\n' "$QUORUMLOCK_TOKEN" > "$D/{me}.tok"; touch "$D/{me}"
+        i=0; while [ ! -e "$D/{other}" ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i+1)); done
+        if [ -e "$D/{other}" ]; then touch "$D/{me}.saw"; fi
+        while [ ! -e "$D/go" ]; do sleep 0.05; done"#
+    )
+}
+
+/// On how many nodes `token` is a live reader of `key`.
+fn reader_on(c: &Cluster, key: &str, token: &str) -> usize {
+    (0..c.len())
+        .filter(|&i| c.readers(i, key).iter().any(|r| r == token))
+        .count()
+}
+
+/// Two `run --read` of one key hold it at once, with or without `--wait`: each command
+/// sees the other's start while it runs (an exclusive run would be busy, exit 75, or
+/// wait for the other's end), each with a reader's token of its own on a majority; both
+/// exit 0 and nothing is left.
+#[test]
+fn two_read_runs_of_one_key_run_their_commands_at_once() {
+    let c = shared();
+    let dir = Scratch::new("cli-read");
+    let key = unique_key("cli-read");
+    let spawn = |me: &str, other: &str, extra: &[&str]| {
+        let script = reader_script(me, other);
+        Proc::spawn(run_cmd(&c, &dir, me, &key, extra, &script), &dir, me)
+    };
+    // One with --wait: a reader that waits waits for writers only.
+    let mut a = spawn("a", "b", &["--read"]);
+    let mut b = spawn("b", "a", &["--read", "--wait", "30s"]);
+    let overlapped = wait_until(SOON, || {
+        !a.running() || !b.running() || (dir.path("a.saw").exists() && dir.path("b.saw").exists())
+    });
+    assert!(
+        overlapped && a.running() && b.running(),
+        "the two readers did not run at once; a:\n{}\nb:\n{}",
+        a.stderr(),
+        b.stderr()
+    );
+    let tokens = [dir.read("a.tok").unwrap(), dir.read("b.tok").unwrap()];
+    assert_ne!(tokens[0], tokens[1]);
+    for t in &tokens {
+        assert!(t.starts_with('r'), "a reader's token: {t:?}");
+        assert!(
+            reader_on(&c, &key, t) >= 2,
+            "{t} not a reader on a majority"
+        );
+    }
+    dir.touch("go");
+    assert_eq!(a.exit_code(SOON), 0, "a stderr:\n{}", a.stderr());
+    assert_eq!(b.exit_code(SOON), 0, "b stderr:\n{}", b.stderr());
+    assert_gone(&c, &key, Duration::from_secs(1));
+}
+
+/// A run beside a `run --read` is busy (75) and its command never runs, while another
+/// reader gets in; a `run --read` beside a run is busy too, and with `--wait` it runs
+/// once the writer's run ends.
+#[test]
+fn a_run_beside_a_read_run_is_busy_and_a_read_run_waits_for_a_run() {
+    let c = shared();
+    let dir = Scratch::new("cli-read-busy");
+    let key = unique_key("cli-read-busy");
+    let mut a = Proc::spawn(
+        run_cmd(&c, &dir, "a", &key, &["--read"], &hold_until_go("a", 0)),
+        &dir,
+        "a",
+    );
+    until_started(&c, &dir, &mut a, "a", &key);
+    let (code, err) = finish(
+        run_cmd(&c, &dir, "w", &key, &[], r#"touch "$D/w-ran""#),
+        &dir,
+        "w",
+    );
+    assert_eq!(code, EX_TEMPFAIL, "a run beside a reader; stderr:\n{err}");
+    assert!(err.contains("busy"), "{err}");
+    assert!(!dir.path("w-ran").exists(), "the writer's command ran");
+    let (code, err) = finish(
+        run_cmd(&c, &dir, "r2", &key, &["--read"], r#"touch "$D/r2-ran""#),
+        &dir,
+        "r2",
+    );
+    assert_eq!(code, 0, "a second reader; stderr:\n{err}");
+    assert!(dir.path("r2-ran").exists());
+    dir.touch("a.go");
+    assert_eq!(a.exit_code(SOON), 0, "stderr:\n{}", a.stderr());
+    assert_gone(&c, &key, Duration::from_secs(1));
+
+    let w_script =
+        r#"touch "$D/w2"; while [ ! -e "$D/go" ]; do sleep 0.05; done; touch "$D/w2-done""#;
+    let mut w = Proc::spawn(run_cmd(&c, &dir, "w2", &key, &[], w_script), &dir, "w2");
+    until_started(&c, &dir, &mut w, "w2", &key);
+    let (code, err) = finish(
+        run_cmd(&c, &dir, "r3", &key, &["--read"], r#"touch "$D/r3-ran""#),
+        &dir,
+        "r3",
+    );
+    assert_eq!(code, EX_TEMPFAIL, "a reader beside a run; stderr:\n{err}");
+    assert!(!dir.path("r3-ran").exists());
+    let r4_script =
+        r#"if [ -e "$D/w2-done" ]; then echo after > "$D/r4"; else echo during > "$D/r4"; fi"#;
+    let mut r4 = Proc::spawn(
+        run_cmd(
+            &c,
+            &dir,
+            "r4",
+            &key,
+            &["--read", "--wait", "30s"],
+            r4_script,
+        ),
+        &dir,
+        "r4",
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(r4.running(), "r4 ended early; stderr:\n{}", r4.stderr());
+    dir.touch("go");
+    assert_eq!(w.exit_code(SOON), 0, "w2 stderr:\n{}", w.stderr());
+    assert_eq!(r4.exit_code(SOON), 0, "r4 stderr:\n{}", r4.stderr());
+    assert_eq!(dir.read("r4").as_deref(), Some("after"));
+    assert_gone(&c, &key, Duration::from_secs(1));
+}
+
+/// `status` of a key two `run --read` hold: each node shows its 2 readers and their
+/// TTLs, the verdict says 2 readers hold it on every node, tokens only with
+/// `--show-token`; a writer that waits shows as `writer waiting`; once all are gone the
+/// key is free.
+#[test]
+fn status_shows_the_readers_of_read_runs_and_a_waiting_writer() {
+    let c = shared();
+    let dir = Scratch::new("cli-status-read");
+    let key = unique_key("cli-status-read");
+    let status = |name: &str, extra: &[&str]| -> String {
+        let mut cmd = quorumlock(&dir, name);
+        cmd.arg("status")
+            .arg("--nodes")
+            .arg(c.urls().join(","))
+            .args(["--node-timeout", NODE_TIMEOUT])
+            .args(extra)
+            .arg(&key);
+        let (code, err) = finish(cmd, &dir, name);
+        let out = std::fs::read_to_string(dir.path(&format!("{name}.stdout"))).unwrap();
+        assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
+        out
+    };
+    let mut readers = Vec::new();
+    for name in ["a", "b"] {
+        let mut p = Proc::spawn(
+            run_cmd(
+                &c,
+                &dir,
+                name,
+                &key,
+                &["--read", "--ttl", "20s"],
+                &hold_until_go(name, 0),
+            ),
+            &dir,
+            name,
+        );
+        until_started(&c, &dir, &mut p, name, &key);
+        readers.push(p);
+    }
+    // `run` waits for its connections, so each reader lands on every node.
+    assert!(
+        wait_until(SOON, || (0..c.len()).all(|i| c.readers(i, &key).len() == 2)),
+        "{:?}",
+        (0..c.len()).map(|i| c.readers(i, &key)).collect::<Vec<_>>()
+    );
+    let tokens = c.readers(0, &key);
+
+    let out = status("s1", &[]);
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), c.len() + 1, "{out}");
+    for (line, url) in lines.iter().zip(c.urls()) {
+        assert!(
+            line.starts_with(url.trim_start_matches("redis://")),
+            "{line:?}"
+        );
+        let (_, rest) = line.split_once("  read  readers=2  ttl=").expect(line);
+        let ttls: Vec<&str> = rest.split(',').collect();
+        assert_eq!(ttls.len(), 2, "{line:?}");
+        for t in ttls {
+            let secs: f64 = t.trim_end_matches('s').parse().expect(line);
+            assert!(secs > 10.0 && secs <= 20.0, "{line:?}");
+        }
+    }
+    assert_eq!(
+        lines[c.len()],
+        format!("{key}: held for reading by 2 readers on 3 of 3 nodes"),
+        "{out}"
+    );
+    assert!(tokens.iter().all(|t| !out.contains(t.as_str())), "{out}");
+    let out = status("s2", &["--show-token"]);
+    for t in &tokens {
+        assert_eq!(out.matches(t.as_str()).count(), c.len(), "{out}");
+    }
+
+    // A writer that waits for them keeps new readers out, and says so.
+    let w = quorumlock::Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(c.urls())
+        .node_timeout(Duration::from_millis(250))
+        .build()
+        .expect("valid config");
+    let writer = {
+        let key = key.clone();
+        std::thread::spawn(move || {
+            w.write_lock_timeout(&key, Duration::from_secs(10), Duration::from_secs(30))
+                .map(|g| g.release())
+        })
+    };
+    assert!(wait_until(SOON, || (0..c.len())
+        .filter(|&i| c.intent(i, &key))
+        .count()
+        >= 2));
+    let out = status("s3", &[]);
+    let waiting = out
+        .lines()
+        .filter(|l| l.ends_with("  writer waiting"))
+        .count();
+    assert!(waiting >= 2, "{out}");
+    let verdict = out.lines().last().unwrap_or_default();
+    assert!(
+        verdict.starts_with(&format!(
+            "{key}: held for reading by 2 readers on 3 of 3 nodes; writer waiting on "
+        )) && verdict.ends_with(" of 3 nodes"),
+        "{out}"
+    );
+
+    for (name, mut p) in ["a", "b"].into_iter().zip(readers) {
+        dir.touch(&format!("{name}.go"));
+        assert_eq!(p.exit_code(SOON), 0, "{name} stderr:\n{}", p.stderr());
+    }
+    let released = writer.join().expect("writer thread");
+    assert!(matches!(released, Ok(Ok(()))), "{released:?}");
+    assert_gone(&c, &key, Duration::from_secs(1));
+    let out = status("s4", &[]);
+    assert_eq!(
+        out.lines().filter(|l| l.ends_with(" free")).count(),
+        c.len(),
+        "{out}"
+    );
+    assert!(
+        out.ends_with(&format!("{key}: free on every node that answered\n")),
+        "{out}"
+    );
+}
+
+/// `--read` is of one key and has no fencing token: with `--and` or `--fencing` it is
+/// a usage error (64) that says why, and nothing runs. `run --help` documents it.
+#[test]
+fn read_takes_one_key_and_no_fencing_token() {
+    let c = shared();
+    let dir = Scratch::new("cli-read-usage");
+    let (key, other) = (unique_key("cli-read-usage"), unique_key("cli-read-usage-2"));
+    let ok = r#"touch "$D/ran""#;
+    for (name, extra, why) in [
+        (
+            "and",
+            &["--read", "--and", other.as_str()][..],
+            "one resource",
+        ),
+        ("fencing", &["--read", "--fencing"][..], "no fencing token"),
+    ] {
+        let (code, err) = finish(run_cmd(&c, &dir, name, &key, extra, ok), &dir, name);
+        assert_eq!(code, EX_USAGE, "{name} stderr:\n{err}");
+        assert!(
+            err.starts_with("quorumlock: ") && err.contains(why),
+            "{err}"
+        );
+    }
+    assert!(!dir.path("ran").exists());
+    assert!(!held(&c, &key) && !held(&c, &other));
+    let mut cmd = quorumlock(&dir, "help");
+    cmd.args(["run", "--help"]);
+    let (code, _) = finish(cmd, &dir, "help");
+    assert_eq!(code, 0);
+    let help = std::fs::read_to_string(dir.path("help.stdout")).unwrap();
+    assert!(
+        help.contains("--read") && help.contains("read lock"),
+        "{help}"
+    );
+}
+
+/// A `run --read` whose reader entry is deleted on every node loses its lock as any
+/// run does: the command gets SIGTERM and quorumlock exits 70.
+#[test]
+fn a_lost_read_lock_terminates_the_command_and_exits_70() {
+    let (dir, _p, took) = lose_lock(&["--read", "--grace", "5s"], TRAPS_TERM, "cli-lost-read");
+    assert_eq!(dir.read("term").as_deref(), Some("term"), "no SIGTERM seen");
+    assert!(took < Duration::from_secs(10), "took {took:?}");
 }

@@ -18,6 +18,7 @@ mod lock;
 mod node_layer;
 mod nodes;
 mod rw;
+mod rw_inspect;
 mod several;
 mod sharing;
 #[cfg(feature = "tls-rustls")]

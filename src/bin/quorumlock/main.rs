@@ -120,6 +120,14 @@ foreground group, the command cannot read from the terminal (see
 quorumlock; on SIGCONT the command continues only if the lock is still
 valid, else it is terminated as on a lost lock (exit 70).
 
+With --read, the lock is a read lock of KEY: any number of `run --read` of
+KEY hold it at once, and a writer (a `run` without --read, or any exclusive
+lock of KEY) waits for them all to leave, as they wait for it. A writer that
+waits (--wait) keeps new readers out, so that a stream of readers cannot
+starve it: a `run --read` is then busy too. Everything else is as above
+(renewal, release, a lost lock, signals, exit codes); a reader's
+QUORUMLOCK_TOKEN begins with `r`.
+
 Without --nodes, the nodes come from REDLOCK_NODES (comma-separated). A
 brand-new cluster (or nodes restarted without their data) refuses votes for
 one TTL, the Redlock delayed-restart rule: runs then exit 69.";
@@ -146,14 +154,21 @@ Exit status: 0 safe (warnings aside), 2 not safe, 69 fewer than a majority of
 the nodes reachable, 64 and 78 as for run.";
 
 const STATUS_ABOUT: &str = "\
-Show, for each node, whether KEY exists and its remaining TTL.
+Show, for each node, whether KEY exists and its remaining TTL, or its
+readers.
 
-One line per node on stdout: `NODE  held  ttl=12.3s`, `NODE  free` or
-`NODE  error: MESSAGE`, then `KEY: held on N of M nodes` (N: the nodes
-holding the most common token; a lock on a bare majority is one node failure
-from loss) or `KEY: free on every node that answered`. A key's token is
-printed only with --show-token. A node's copy alone says nothing about who
-holds the lock: a lock is held only on a majority, within its validity.";
+One line per node on stdout: `NODE  held  ttl=12.3s` (a writer's lock),
+`NODE  read  readers=2  ttl=9.8s,9.1s` (a read lock's live readers on that
+node, each one's TTL), `NODE  free` or `NODE  error: MESSAGE`; a node where
+a writer waits for the readers to leave (no new reader gets in) adds
+`  writer waiting`. Then the verdict: `KEY: held on N of M nodes` (N: the
+nodes holding the most common token), `KEY: held for reading by K readers
+on N of M nodes` (K readers each on a majority; N: the fewest nodes any of
+them is on) or `KEY: free on every node that answered`, followed by
+`; writer waiting on W of M nodes` where a writer waits. A lock on a bare
+majority is one node failure from loss. Tokens are printed only with
+--show-token. A node's copy alone says nothing about who holds the lock: a
+lock is held only on a majority, within its validity.";
 
 #[derive(Parser, Debug)]
 #[command(
@@ -254,6 +269,12 @@ struct RunArgs {
     /// QUORUMLOCK_FENCING_TOKEN (one more round trip).
     #[arg(long)]
     fencing: bool,
+    /// Take KEY for reading: shared with every other `run --read` of KEY,
+    /// excluded by a writer (a `run` without --read, or any exclusive lock
+    /// of KEY). Busy (exit 75) while a writer holds KEY or waits for it.
+    /// Of one KEY only (not with --and), and without --fencing.
+    #[arg(long)]
+    read: bool,
     /// The lock's name (the Redis key).
     #[arg(value_name = "KEY")]
     key: String,
@@ -287,7 +308,8 @@ struct CheckArgs {
 struct StatusArgs {
     #[command(flatten)]
     nodes: NodeArgs,
-    /// Also print each node's stored token (the lock's secret identity).
+    /// Also print each node's stored token (the lock's secret identity),
+    /// or its readers' tokens.
     #[arg(long)]
     show_token: bool,
     /// The lock's name (the Redis key).
@@ -323,6 +345,11 @@ macro_rules! say {
         let _ = writeln!(io::stderr().lock(), "quorumlock: {}", format_args!($($arg)*));
     }};
 }
+
+// After `say!`, which it uses.
+mod status;
+
+use status::status;
 
 // ---------------------------------------------------------------------------
 // Durations
@@ -500,6 +527,14 @@ fn signal_exit(sig: Signal) -> u8 {
 // ---------------------------------------------------------------------------
 
 fn run(args: RunArgs) -> u8 {
+    if args.read && !args.and.is_empty() {
+        say!("--read takes one KEY: a read lock is of one resource, and --and makes a lock of several");
+        return EX_USAGE;
+    }
+    if args.read && args.fencing {
+        say!("--read and --fencing: a read lock has no fencing token (readers share KEY; fence the writers)");
+        return EX_USAGE;
+    }
     // Before anything else, so that a signal while waiting for the lock is
     // handled (the attempt in flight is cleaned up) rather than fatal.
     let signals = match Signals::install() {
@@ -528,7 +563,8 @@ fn run(args: RunArgs) -> u8 {
         say!("{e}");
         return exit_code(&e);
     }
-    let guard = match acquire(&locks, &keys, args.ttl, wait, &signals) {
+    let how = if args.read { How::Read } else { How::Write };
+    let guard = match acquire(&locks, &keys, how, args.ttl, wait, &signals) {
         Ok(g) => g,
         Err(Stop::Signal(sig)) => return signal_exit(sig),
         Err(Stop::Failed(e)) => {
@@ -610,22 +646,42 @@ enum Stop {
     Signal(Signal),
 }
 
+/// Which lock `run` takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum How {
+    /// Exclusive, of every key.
+    Write,
+    /// Shared with other readers, of the first key (`run` refuses more).
+    Read,
+}
+
 /// One attempt, or retries until `wait` has passed, looking at received
 /// signals between slices of the wait.
 fn acquire(
     locks: &Redlock,
     keys: &[&str],
+    how: How,
     ttl: Duration,
     wait: Option<Duration>,
     signals: &Signals,
 ) -> Result<LockGuard, Stop> {
+    let key = keys.first().copied().unwrap_or_default();
     let Some(wait) = wait else {
-        return locks.try_lock_all(keys, ttl).map_err(Stop::Failed);
+        return match how {
+            How::Write => locks.try_lock_all(keys, ttl),
+            How::Read => locks.try_read_lock(key, ttl),
+        }
+        .map_err(Stop::Failed);
     };
     let until = Instant::now() + wait;
     loop {
         let left = until.saturating_duration_since(Instant::now());
-        let e = match locks.lock_all_timeout(keys, ttl, left.min(WAIT_SLICE)) {
+        let slice = left.min(WAIT_SLICE);
+        let taken = match how {
+            How::Write => locks.lock_all_timeout(keys, ttl, slice),
+            How::Read => locks.read_lock_timeout(key, ttl, slice),
+        };
+        let e = match taken {
             Ok(g) => return Ok(g),
             Err(e) => e,
         };
@@ -845,81 +901,8 @@ fn terminate(job: &mut Job, grace: Duration, signals: &Signals) {
 }
 
 // ---------------------------------------------------------------------------
-// status
+// check (status is in status.rs)
 // ---------------------------------------------------------------------------
-
-fn status(args: StatusArgs) -> u8 {
-    let locks = match client(&args.nodes, false) {
-        Ok(l) => l,
-        Err(code) => return code,
-    };
-    let nodes = match locks.inspect(&args.key) {
-        Ok(n) => n,
-        Err(e) => {
-            say!("cannot inspect {}: {e}", args.key);
-            return exit_code(&e);
-        }
-    };
-    let width = nodes.iter().map(|n| n.node().len()).max().unwrap_or(0);
-    let mut out = io::stdout().lock();
-    let mut answered = 0;
-    for n in &nodes {
-        let line = match n.key() {
-            Ok(Some(k)) => {
-                answered += 1;
-                let ttl = k.ttl().map_or_else(|| "none".to_owned(), seconds);
-                if args.show_token {
-                    // Printed as stored, control characters escaped.
-                    format!("held  ttl={ttl}  token={}", k.token().escape_debug())
-                } else {
-                    format!("held  ttl={ttl}")
-                }
-            }
-            Ok(None) => {
-                answered += 1;
-                "free".to_owned()
-            }
-            Err(e) => {
-                // A server's error reply (WRONGTYPE: not a lock) is an answer.
-                if e.kind() == quorumlock::NodeErrorKind::Server {
-                    answered += 1;
-                }
-                format!("error: {}", error_detail(e))
-            }
-        };
-        if writeln!(out, "{:<width$}  {line}", n.node()).is_err() {
-            return EX_OSERR;
-        }
-    }
-    // On how many nodes one token holds the key: a lock lives on every node
-    // it can, and one on a bare majority is a node failure from loss.
-    let mut tokens: Vec<(&str, usize)> = Vec::new();
-    for n in &nodes {
-        if let Ok(Some(k)) = n.key() {
-            match tokens.iter_mut().find(|(t, _)| *t == k.token()) {
-                Some((_, count)) => *count += 1,
-                None => tokens.push((k.token(), 1)),
-            }
-        }
-    }
-    let summary = match tokens.iter().max_by_key(|(_, c)| *c) {
-        Some((_, held)) => format!("{}: held on {held} of {} nodes", args.key, nodes.len()),
-        None => format!("{}: free on every node that answered", args.key),
-    };
-    if writeln!(out, "{summary}").is_err() {
-        return EX_OSERR;
-    }
-    if answered >= locks.quorum() {
-        0
-    } else {
-        say!(
-            "only {answered} of {} nodes answered; {} needed",
-            nodes.len(),
-            locks.quorum()
-        );
-        EX_UNAVAILABLE
-    }
-}
 
 /// Exit status of `check` when the set is not safe for Redlock.
 const EX_NOT_SAFE: u8 = 2;

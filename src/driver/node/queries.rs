@@ -14,7 +14,7 @@ use crate::clock::after;
 use crate::driver::conn::{self, Conn, Target};
 use crate::driver::wire::Setup;
 use crate::error::NodeErrorKind;
-use crate::lock::transport::Stored;
+use crate::lock::transport::{Readers, Stored};
 
 /// Sends one release command (`EVAL`, so that no script cache is needed)
 /// on a new connection, and waits for its reply: within `timeout` to
@@ -162,8 +162,12 @@ pub(crate) fn probe_one(
     p
 }
 
-/// `GET` and `PTTL` of one key on a new connection, within `timeout` each
-/// for the connect and for the replies.
+/// `GET`, `PTTL`, `ZREVRANGE … WITHSCORES` and `TIME` of one key on a new
+/// connection, pipelined, within `timeout` each for the connect and for the
+/// replies. The last two matter only where `GET` answers `WRONGTYPE` (a
+/// reader set: see `readers_lua!`); elsewhere their answers, errors
+/// included (an ACL without them), are ignored. All are commands the
+/// lock's scripts run.
 pub(crate) fn inspect_one(
     target: &Target,
     resource: &str,
@@ -172,16 +176,20 @@ pub(crate) fn inspect_one(
     let mut c =
         Conn::connect_for(target, timeout, conn::For::Query).map_err(|e| (e.kind(), e.detail()))?;
     let now = Instant::now();
-    c.wire.queue(
-        &redis::cmd("GET").arg(resource).get_packed_command(),
-        now,
-        true,
-    );
-    c.wire.queue(
-        &redis::cmd("PTTL").arg(resource).get_packed_command(),
-        now,
-        true,
-    );
+    let cmds = [
+        redis::cmd("GET").arg(resource).get_packed_command(),
+        redis::cmd("PTTL").arg(resource).get_packed_command(),
+        redis::cmd("ZREVRANGE")
+            .arg(resource)
+            .arg(0)
+            .arg(-1)
+            .arg("WITHSCORES")
+            .get_packed_command(),
+        redis::cmd("TIME").get_packed_command(),
+    ];
+    for cmd in &cmds {
+        c.wire.queue(cmd, now, true);
+    }
     let io = |e: std::io::Error| {
         let kind = if e.kind() == std::io::ErrorKind::TimedOut {
             NodeErrorKind::Timeout
@@ -193,29 +201,256 @@ pub(crate) fn inspect_one(
     c.flush().map_err(io)?;
     let deadline = after(now, timeout);
     // Replies to the connect's script loads come first.
-    let mut replies = Vec::with_capacity(2);
-    while replies.len() < 2 {
+    let mut replies = Vec::with_capacity(cmds.len());
+    while replies.len() < cmds.len() {
         let wanted = c.wire.pending().front().is_some_and(|p| p.wanted);
         let v = c.wait_reply(deadline).map_err(io)?;
         if wanted {
             replies.push(v);
         }
     }
-    let pttl = replies.pop();
-    let value = replies.pop();
-    let value = match value {
-        Some(Value::Nil) => return Ok(None),
-        Some(Value::BulkString(b)) => String::from_utf8_lossy(&b).into_owned(),
-        Some(Value::ServerError(e)) => return Err((NodeErrorKind::Server, e.to_string())),
-        v => return Err((NodeErrorKind::Protocol, format!("GET answered {v:?}"))),
+    let mut replies = replies.into_iter();
+    let mut next = || replies.next().unwrap_or(Value::Nil);
+    stored_of(next(), next(), next(), next())
+}
+
+/// What [`inspect_one`]'s four replies say of the key.
+fn stored_of(
+    get: Value,
+    pttl: Value,
+    range: Value,
+    time: Value,
+) -> Result<Option<Stored>, (NodeErrorKind, String)> {
+    let server = |e: &redis::ServerError| (NodeErrorKind::Server, server_text(e));
+    let (value, readers) = match get {
+        Value::Nil => return Ok(None),
+        Value::BulkString(b) => (String::from_utf8_lossy(&b).into_owned(), None),
+        Value::ServerError(e) if e.code() == "WRONGTYPE" => {
+            // A reader set; or a key no lock of this crate wrote, which
+            // `ZREVRANGE` refuses as `GET` did (`WRONGTYPE`), or an ACL
+            // without it (`NOPERM`): its words.
+            let entries = match range {
+                Value::Array(a) => a,
+                Value::ServerError(z) => return Err(server(&z)),
+                _ => return Err(malformed_range()),
+            };
+            if entries.is_empty() {
+                // Gone between the commands: an existing set has members.
+                return Ok(None);
+            }
+            let now = match (node_ms(&time), &time) {
+                (Some(ms), _) => ms,
+                (None, Value::ServerError(t)) => {
+                    return Err((NodeErrorKind::Server, format!("TIME: {}", server_text(t))))
+                }
+                (None, v) => return Err(protocol("TIME", v)),
+            };
+            (String::new(), Some(readers_of(entries, now)?))
+        }
+        Value::ServerError(e) => return Err(server(&e)),
+        v => return Err(protocol("GET", &v)),
     };
     let ttl = match pttl {
-        Some(Value::Int(ms)) if ms >= 0 => Some(Duration::from_millis(ms.unsigned_abs())),
-        Some(Value::Int(-1)) => None,
-        // Expired between the two commands.
-        Some(Value::Int(_)) => return Ok(None),
-        Some(Value::ServerError(e)) => return Err((NodeErrorKind::Server, e.to_string())),
-        v => return Err((NodeErrorKind::Protocol, format!("PTTL answered {v:?}"))),
+        Value::Int(ms) if ms >= 0 => Some(Duration::from_millis(ms.unsigned_abs())),
+        Value::Int(-1) => None,
+        // Expired between the commands.
+        Value::Int(_) => return Ok(None),
+        Value::ServerError(e) => return Err(server(&e)),
+        v => return Err(protocol("PTTL", &v)),
     };
-    Ok(Some(Stored { value, ttl }))
+    Ok(Some(Stored {
+        value,
+        ttl,
+        readers,
+    }))
+}
+
+/// A reader set's live entries at the node's time `now` (ms): each
+/// member scored above it, longest-lived first (the range's order), `w`
+/// as the writers' intent. RESP2 answers `member, score, …`; RESP3 pairs.
+fn readers_of(entries: Vec<Value>, now: f64) -> Result<Readers, (NodeErrorKind, String)> {
+    let mut flat = Vec::with_capacity(entries.len());
+    for e in entries {
+        match e {
+            Value::Array(pair) => flat.extend(pair),
+            v => flat.push(v),
+        }
+    }
+    let mut out = Readers {
+        live: Vec::new(),
+        intent: None,
+    };
+    for pair in flat.chunks(2) {
+        let [member, score] = pair else {
+            return Err(malformed_range());
+        };
+        let (Some(member), Some(score)) = (text(member), score_of(score)) else {
+            return Err(malformed_range());
+        };
+        // An entry counts only until its score (the scripts drop it then).
+        if score <= now {
+            continue;
+        }
+        // `as` saturates: an entry scored at +inf lives "for ever".
+        let left = Duration::from_millis((score - now).ceil() as u64);
+        if member == "w" {
+            out.intent = Some(left);
+        } else {
+            out.live.push((member, left));
+        }
+    }
+    Ok(out)
+}
+
+/// A reply's text: a bulk, simple or verbatim string.
+fn text(v: &Value) -> Option<String> {
+    match v {
+        Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+        Value::SimpleString(s) => Some(s.clone()),
+        Value::VerbatimString { text, .. } => Some(text.clone()),
+        _ => None,
+    }
+}
+
+/// A sorted set's score: a string in RESP2 (`inf` and `-inf` too), a
+/// double in RESP3.
+fn score_of(v: &Value) -> Option<f64> {
+    match v {
+        Value::Double(d) => Some(*d),
+        Value::Int(i) => Some(*i as f64),
+        v => text(v)?.parse::<f64>().ok().filter(|s| !s.is_nan()),
+    }
+}
+
+/// The node's time in ms from `TIME`'s reply, rounded down as the
+/// scripts' `ms_now()` does.
+fn node_ms(v: &Value) -> Option<f64> {
+    let Value::Array(t) = v else { return None };
+    let num = |v: Option<&Value>| text(v?)?.parse::<u64>().ok();
+    let (secs, micros) = (num(t.first())?, num(t.get(1))?);
+    Some(secs.saturating_mul(1000).saturating_add(micros / 1000) as f64)
+}
+
+/// A `ZREVRANGE` reply that is no list of members and scores (never
+/// quoted: its members are tokens).
+fn malformed_range() -> (NodeErrorKind, String) {
+    (
+        NodeErrorKind::Protocol,
+        "ZREVRANGE answered something other than members and scores".to_owned(),
+    )
+}
+
+fn protocol(what: &str, v: &Value) -> (NodeErrorKind, String) {
+    (NodeErrorKind::Protocol, format!("{what} answered {v:?}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bulk(s: &str) -> Value {
+        Value::BulkString(s.as_bytes().to_vec())
+    }
+
+    fn wrongtype() -> Value {
+        let v = redis::parse_redis_value(
+            b"-WRONGTYPE Operation against a key holding the wrong kind of value\r\n",
+        );
+        v.unwrap_or(Value::Nil)
+    }
+
+    /// `TIME` at 1000.250 s: 1_000_250 ms.
+    fn time() -> Value {
+        Value::Array(vec![bulk("1000"), bulk("250999")])
+    }
+
+    #[test]
+    fn a_writers_key_is_its_value_whatever_the_set_commands_say() {
+        let s = stored_of(bulk("tok"), Value::Int(1500), wrongtype(), Value::Nil);
+        assert_eq!(
+            s,
+            Ok(Some(Stored {
+                value: "tok".into(),
+                ttl: Some(Duration::from_millis(1500)),
+                readers: None,
+            }))
+        );
+        assert_eq!(
+            stored_of(Value::Nil, Value::Int(-2), wrongtype(), time()),
+            Ok(None)
+        );
+    }
+
+    #[test]
+    fn a_reader_set_lists_its_live_entries() {
+        // RESP2: member, score, … by descending score; one entry dead.
+        let range = Value::Array(vec![
+            bulk("ra"),
+            bulk("1009250"),
+            bulk("w"),
+            bulk("1000550"),
+            bulk("rb"),
+            bulk("1000251"),
+            bulk("rdead"),
+            bulk("1000250"),
+        ]);
+        let s = stored_of(wrongtype(), Value::Int(9000), range, time());
+        let want = Stored {
+            value: String::new(),
+            ttl: Some(Duration::from_millis(9000)),
+            readers: Some(Readers {
+                live: vec![
+                    ("ra".into(), Duration::from_millis(9000)),
+                    ("rb".into(), Duration::from_millis(1)),
+                ],
+                intent: Some(Duration::from_millis(300)),
+            }),
+        };
+        assert_eq!(s, Ok(Some(want.clone())));
+        // RESP3: pairs, scores as doubles.
+        let pairs = Value::Array(vec![
+            Value::Array(vec![bulk("ra"), Value::Double(1_009_250.0)]),
+            Value::Array(vec![bulk("w"), Value::Double(1_000_550.0)]),
+            Value::Array(vec![bulk("rb"), Value::Double(1_000_251.0)]),
+        ]);
+        assert_eq!(
+            stored_of(wrongtype(), Value::Int(9000), pairs, time()),
+            Ok(Some(want))
+        );
+        // Scored at +inf: saturates.
+        let inf = Value::Array(vec![bulk("rx"), bulk("inf")]);
+        let s = stored_of(wrongtype(), Value::Int(-1), inf, time());
+        let live = s.ok().flatten().and_then(|s| s.readers).map(|r| r.live);
+        assert_eq!(
+            live,
+            Some(vec![("rx".into(), Duration::from_millis(u64::MAX))])
+        );
+    }
+
+    #[test]
+    fn other_keys_and_bad_replies_are_errors_that_quote_no_token() {
+        // A hash: `ZREVRANGE` refuses it too.
+        let s = stored_of(wrongtype(), Value::Int(-1), wrongtype(), time());
+        assert!(
+            matches!(&s, Err((NodeErrorKind::Server, m)) if m.contains("WRONGTYPE")),
+            "{s:?}"
+        );
+        // Gone between the commands.
+        let s = stored_of(wrongtype(), Value::Int(-2), Value::Array(vec![]), time());
+        assert_eq!(s, Ok(None));
+        // An odd entry count or a score that is no number.
+        for range in [
+            Value::Array(vec![bulk("rsecret")]),
+            Value::Array(vec![bulk("rsecret"), bulk("soon")]),
+        ] {
+            let s = stored_of(wrongtype(), Value::Int(10), range, time());
+            assert!(
+                matches!(&s, Err((NodeErrorKind::Protocol, m)) if !m.contains("rsecret")),
+                "{s:?}"
+            );
+        }
+        let range = Value::Array(vec![bulk("ra"), bulk("1009250")]);
+        let s = stored_of(wrongtype(), Value::Int(10), range, Value::Nil);
+        assert!(matches!(&s, Err((NodeErrorKind::Protocol, _))), "{s:?}");
+    }
 }
