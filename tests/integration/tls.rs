@@ -47,6 +47,17 @@ const MINIMAL_ACL: &[&str] = &[
     "+unsubscribe",
 ];
 
+/// What read locks add to [`MINIMAL_ACL`]: the sorted-set commands of their scripts
+/// (the README's list), for a second user, `reader`.
+const READ_COMMANDS: &[&str] = &[
+    "+zadd",
+    "+zrem",
+    "+zscore",
+    "+zcard",
+    "+zrevrange",
+    "+zremrangebyscore",
+];
+
 /// Throwaway CA, server and client certificates in a temporary directory.
 struct Certs {
     dir: PathBuf,
@@ -183,6 +194,10 @@ impl TlsNode {
                 ])
                 .arg("--user")
                 .args(MINIMAL_ACL)
+                .arg("--user")
+                .args(["reader", "on", ">read-pass"])
+                .args(&MINIMAL_ACL[3..])
+                .args(READ_COMMANDS)
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
@@ -421,6 +436,78 @@ fn an_acl_user_with_only_the_lock_commands_works_and_its_password_stays_hidden()
     assert_eq!(kind, NodeErrorKind::Server, "{msg}");
     assert!(msg.contains("WRONGPASS"), "{msg}");
     assert!(!msg.contains("not-the-pass"), "{msg}");
+}
+
+/// Read locks under an ACL: the README's minimal user plus the sorted-set commands takes
+/// them (readers share, a writer is refused beside them, the last reader out lets it in);
+/// the minimal user alone is refused by the nodes, and says so, on a read lock
+/// and on a write lock of a resource that readers hold.
+#[test]
+fn read_locks_need_the_sorted_set_commands_and_say_so_without_them() {
+    let certs = Certs::new();
+    let nodes: Vec<TlsNode> = (0..3).map(|_| TlsNode::start(&certs, false)).collect();
+    let key = unique_key("lock:acl-read");
+    let user = |who: &str| client(nodes.iter().map(|n| n.url(who)).collect(), ca(&certs, "ca"));
+    let (r1, r2, w) = (
+        user("reader:read-pass@"),
+        user("reader:read-pass@"),
+        user("reader:read-pass@"),
+    );
+    let a = lock_soon_with(|| r1.try_read_lock(&key, TTL)).expect("the reader user reads");
+    let b = lock_soon_with(|| r2.try_read_lock(&key, TTL)).expect("a second reader shares");
+    assert!(matches!(
+        w.try_write_lock(&key, TTL),
+        Err(Error::Taken { .. })
+    ));
+    let minimal = user("locker:lock-pass@");
+    for (what, r) in [
+        (
+            "a read lock",
+            lock_soon_with(|| minimal.try_read_lock(&key, TTL)),
+        ),
+        (
+            "a write lock beside readers",
+            lock_soon_with(|| minimal.try_lock(&key, TTL)),
+        ),
+    ] {
+        match r {
+            Err(Error::NoQuorum { failures, .. }) => assert!(
+                failures.iter().any(|f| f.kind() == NodeErrorKind::Server
+                    && f.to_string().contains("can't run this command")),
+                "{what}: {failures:?}"
+            ),
+            other => panic!("{what} under the minimal ACL: {other:?}"),
+        }
+    }
+    drop((a, b));
+    w.try_write_lock(&key, TTL)
+        .expect("the writer once the readers left")
+        .release()
+        .expect("release");
+}
+
+/// Retries `f` while it fails for want of a connection (connects run in the
+/// background), for 10 s at most.
+fn lock_soon_with(
+    f: impl Fn() -> Result<quorumlock::LockGuard, Error>,
+) -> Result<quorumlock::LockGuard, Error> {
+    let start = Instant::now();
+    loop {
+        match f() {
+            Err(Error::NoQuorum { failures, .. })
+                if start.elapsed() < Duration::from_secs(10)
+                    && failures.iter().all(|f| {
+                        matches!(
+                            f.kind(),
+                            NodeErrorKind::NoConnection | NodeErrorKind::NotAwaited
+                        )
+                    }) =>
+            {
+                std::thread::sleep(Duration::from_millis(50))
+            }
+            r => return r,
+        }
+    }
 }
 
 #[test]
