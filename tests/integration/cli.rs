@@ -28,16 +28,16 @@ const EX_NOT_FOUND: i32 = 127;
 const EX_CANNOT_EXECUTE: i32 = 126;
 
 /// A scratch directory, removed on drop.
-struct Scratch(PathBuf);
+pub(crate) struct Scratch(PathBuf);
 
 impl Scratch {
-    fn new(name: &str) -> Scratch {
+    pub(crate) fn new(name: &str) -> Scratch {
         let dir = std::env::temp_dir().join(unique_key(name).replace(':', "-"));
         std::fs::create_dir_all(&dir).expect("create scratch dir");
         Scratch(dir)
     }
 
-    fn path(&self, name: &str) -> PathBuf {
+    pub(crate) fn path(&self, name: &str) -> PathBuf {
         self.0.join(name)
     }
 
@@ -75,7 +75,7 @@ fn quorumlock(dir: &Scratch, name: &str) -> Command {
 }
 
 /// `quorumlock run --nodes … [extra] KEY -- sh -c SCRIPT`.
-fn run_cmd(
+pub(crate) fn run_cmd(
     c: &Cluster,
     dir: &Scratch,
     name: &str,
@@ -168,7 +168,7 @@ impl Drop for Proc {
 }
 
 /// Runs `cmd` to completion (within `SOON`); its exit code and stderr.
-fn finish(cmd: Command, dir: &Scratch, name: &str) -> (i32, String) {
+pub(crate) fn finish(cmd: Command, dir: &Scratch, name: &str) -> (i32, String) {
     let mut p = Proc::spawn(cmd, dir, name);
     let code = p.exit_code(SOON);
     (code, p.stderr())

@@ -17,6 +17,8 @@ mod hostile;
 mod lock;
 mod node_layer;
 mod nodes;
+#[cfg(feature = "cli")]
+mod processes;
 mod rw;
 mod rw_inspect;
 mod several;
