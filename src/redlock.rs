@@ -459,7 +459,9 @@ impl Redlock {
     /// (an evicting one drops lock keys), its persistence settings and what
     /// they mean for the restart rule, its clock against this machine's
     /// (measured in one round trip), its round trip against the node
-    /// timeout, and whether the lock's scripts run on `key` under its ACL.
+    /// timeout, and whether the lock's scripts run on `key` under its ACL
+    /// (and the read locks', two readers on `key`: a warning where the ACL
+    /// refuses them, read locks being optional).
     ///
     /// Each node is asked on a connection of its own, all at once, each
     /// step within the node timeout. The script test runs the acquire and

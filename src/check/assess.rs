@@ -233,6 +233,27 @@ pub(super) fn assess_node(name: &str, p: &Probe, timeout: Duration, key: &str) -
         )),
         None => {}
     }
+    match &p.read_scripts {
+        Some(Ok(true)) => f.push(Finding::new(
+            Verdict::Ok,
+            "read locks",
+            format!("not tried: a writer holds {key:?} now"),
+        )),
+        Some(Ok(false)) => f.push(Finding::new(
+            Verdict::Ok,
+            "read locks",
+            format!("the read locks' scripts run on {key:?}"),
+        )),
+        // Read locks are optional: a client without them locks as before.
+        Some(Err(why)) => f.push(Finding::new(
+            Verdict::Warn,
+            "read locks",
+            format!(
+                "the read locks' scripts fail on {key:?}: {why} (read locks need the README's sorted-set commands)"
+            ),
+        )),
+        None => {}
+    }
     out.findings = f;
     out
 }
@@ -327,6 +348,7 @@ mod tests {
             clock: Some((1_000, Duration::from_micros(200))),
             persistence: Some(Ok((String::new(), "no".into(), "everysec".into()))),
             scripts: Some(Ok(false)),
+            read_scripts: Some(Ok(false)),
             ..Probe::default()
         }
     }
@@ -409,6 +431,28 @@ mod tests {
         );
         assert!(c.is_safe(), "one node down of three: {c}");
         assert_eq!(c.reachable(), 2);
+    }
+
+    /// Read locks are optional: an ACL without their commands is warned of, never unsafe.
+    #[test]
+    fn read_locks_refused_by_the_acl_are_a_warning() {
+        let refused = Probe {
+            read_scripts: Some(Err("can't run this command".into())),
+            ..probe("a", "")
+        };
+        let c = assess(
+            &names(3),
+            vec![refused, probe("b", ""), probe("c", "")],
+            T,
+            2,
+            "k",
+        );
+        assert!(c.is_safe(), "{c}");
+        assert_eq!(c.nodes()[0].verdict(), Verdict::Warn, "{c}");
+        assert!(c.nodes()[0]
+            .findings()
+            .iter()
+            .any(|f| f.topic() == "read locks" && f.text().contains("sorted-set")));
     }
 
     #[test]

@@ -185,4 +185,8 @@ pub(crate) struct Probe {
     /// A lock and its release on the checked key, on this node alone:
     /// `Ok(held by another)` or the server's refusal.
     pub scripts: Option<Result<bool, String>>,
+    /// Two read locks and their releases on the checked key (every
+    /// sorted-set command their scripts use), as `scripts`: `Ok(true)`
+    /// where a writer held it (nothing tried).
+    pub read_scripts: Option<Result<bool, String>>,
 }

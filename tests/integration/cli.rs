@@ -1073,6 +1073,7 @@ fn check_audits_the_node_list() {
         out.contains("run_id") && out.contains("round trip"),
         "{out}"
     );
+    assert!(out.contains("the read locks' scripts run"), "{out}");
 
     let alias = urls[0].replace("127.0.0.1", "localhost");
     let (code, out) = check("twice", &format!("{},{alias},{}", urls[0], urls[1]));

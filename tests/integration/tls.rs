@@ -8,7 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use quorumlock::{Error, InvalidInput, NodeErrorKind, Redlock, Tls};
+use quorumlock::{Error, InvalidInput, NodeErrorKind, Redlock, Tls, Verdict};
 
 use crate::common::{pick_port, unique_key, THROWAWAY};
 
@@ -477,6 +477,20 @@ fn read_locks_need_the_sorted_set_commands_and_say_so_without_them() {
                 "{what}: {failures:?}"
             ),
             other => panic!("{what} under the minimal ACL: {other:?}"),
+        }
+    }
+    // `check` says so: a warning for the minimal user, fine for the reader user (on a key
+    // nobody holds: on a held one it cannot try).
+    let free = unique_key("lock:acl-check");
+    for (who, verdict) in [(&minimal, Verdict::Warn), (&w, Verdict::Ok)] {
+        let audit = who.check(&free).expect("check");
+        for n in audit.nodes() {
+            assert!(
+                n.findings()
+                    .iter()
+                    .any(|f| f.topic() == "read locks" && f.verdict() == verdict),
+                "{audit}"
+            );
         }
     }
     drop((a, b));

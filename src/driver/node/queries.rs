@@ -159,6 +159,26 @@ pub(crate) fn probe_one(
         let other = r.answers.first() == Some(&Answer::Other);
         run(&mut c, &release).map(|_| other)
     }));
+    // Read locks' scripts: two readers (the second meets a reader set)
+    // and their releases (the first leaves one behind), which between them
+    // run every sorted-set command a read lock needs.
+    let readers = [
+        crate::clock::new_reader_token(),
+        crate::clock::new_reader_token(),
+    ];
+    let keys = readers.each_ref().map(|t| Key::new(key, t));
+    let read = |k: Key<'_>| Encoded::new(acquire.op, &[k]);
+    let free = |k: Key<'_>| Encoded::new(release.op, &[k]);
+    p.read_scripts = Some((|| {
+        let mut other = false;
+        for k in keys {
+            other |= run(&mut c, &read(k))?.answers.first() == Some(&Answer::Other);
+        }
+        for k in keys {
+            run(&mut c, &free(k))?;
+        }
+        Ok(other)
+    })());
     p
 }
 
