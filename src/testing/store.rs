@@ -31,6 +31,22 @@ pub(crate) struct Store {
     /// The metadata's id: unique per store, new when its data is lost
     /// (what the connect-time script writes on a real node).
     pub(crate) id: u64,
+    /// Rules of the scripts broken on purpose (never, but where a
+    /// simulation test shows that its checkers find what that allows).
+    pub(crate) broken: Broken,
+}
+
+/// Rules of the reader-writer scripts that a simulation test breaks, one
+/// at a time, to show that its checkers find what each break allows.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Broken {
+    /// A writer's acquire takes a reader set that still has live readers
+    /// (as one with none left).
+    pub(crate) writer_over_readers: bool,
+    /// A reader enters a key a writer holds (beside the writer's value).
+    pub(crate) reader_beside_writer: bool,
+    /// New readers enter while a waiting writer's intent is on the set.
+    pub(crate) readers_ignore_intent: bool,
 }
 
 /// A resource read-locked on a node: each reader's token and expiry, and
@@ -101,6 +117,7 @@ impl Default for Store {
             meta: None,
             fences: HashMap::new(),
             id: NEXT.fetch_add(1, Ordering::Relaxed),
+            broken: Broken::default(),
         }
     }
 }
@@ -349,14 +366,14 @@ impl Store {
     /// What `op` does to a reader's entry (see `readers_lua!`).
     fn apply_reader(&mut self, op: Op, k: &Key<'_>, now: Instant) -> Answer {
         self.prune(now);
-        if self.keys.contains_key(k.resource) {
+        if self.keys.contains_key(k.resource) && !self.broken.reader_beside_writer {
             // A writer's key.
             return Answer::Other;
         }
         let set = self.readers.get(k.resource);
         let mine = set.is_some_and(|r| r.entries.contains_key(k.token));
         let exists = set.is_some();
-        let waits = set.is_some_and(|r| r.intent.is_some());
+        let waits = set.is_some_and(|r| r.intent.is_some()) && !self.broken.readers_ignore_intent;
         let mut enter = |ttl: Duration| {
             let r = self.readers.entry(k.resource.to_owned()).or_default();
             let until = after(now, ttl);
@@ -403,7 +420,9 @@ impl Store {
             // lives (the intent served); every other round of a writer
             // meets another owner.
             match op {
-                Op::Acquire { .. } if self.live_readers(k.resource) == 0 => {
+                Op::Acquire { .. }
+                    if self.live_readers(k.resource) == 0 || self.broken.writer_over_readers =>
+                {
                     self.readers.remove(k.resource);
                 }
                 _ => {

@@ -54,7 +54,8 @@ impl Place {
 /// What a violation is about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum Kind {
-    /// Two critical sections of one resource both within validity at once.
+    /// Two critical sections of one resource both within validity at once
+    /// (but two readers: see [`conflicts`]).
     TwoHolders,
     /// A section's write was based on a read another section's write had
     /// already made stale (two holders in effect).
@@ -79,6 +80,10 @@ pub(crate) enum Kind {
     WaitBound,
     /// With every node healthy and no contention, a lock was not granted.
     Liveness,
+    /// A writer waiting behind a stream of readers (calm network, healthy
+    /// nodes) did not get in within one reader TTL and a retry pause and a
+    /// few rounds of its call: new readers did not keep out of its way.
+    WriterStarved,
     /// A logical thread panicked, or the run deadlocked or hung.
     Crash,
 }
@@ -135,6 +140,13 @@ pub(crate) struct Stats {
     pub(crate) grants: u64,
     /// Grants of locks of several resources.
     pub(crate) sets: u64,
+    /// Grants of read locks, and of those while another reader of the
+    /// resource was valid (shared).
+    pub(crate) reads: u64,
+    pub(crate) shared_reads: u64,
+    /// Writers' calls made while readers held the resource (see
+    /// [`Kind::WriterStarved`]).
+    pub(crate) writes_behind_readers: u64,
     pub(crate) writes: u64,
     pub(crate) refused: u64,
     pub(crate) lapsed: u64,
@@ -222,18 +234,27 @@ impl Checker {
     pub(crate) fn grant(&mut self, now: u64, state: &Arc<LockState>, who: &str) -> usize {
         self.stats.grants += 1;
         self.stats.sets += u64::from(!state.also.is_empty());
+        self.stats.reads += u64::from(state.is_read());
         let mut overlap = None;
+        let mut shared = false;
         for s in self.sections.values() {
-            if shares(&s.state, state) && self.held(s, now) {
+            if !self.held(s, now) || !shares(&s.state, state) {
+                continue;
+            }
+            shared |= state.is_read() && s.state.is_read();
+            if conflicts(&s.state, state) {
                 overlap = Some(format!(
-                    "{who} granted {:?} while {} (granted at {:.3} ms) still holds it until {:.3} ms",
+                    "{who} granted {:?} {} while {} (granted at {:.3} ms {}) still holds it until {:.3} ms",
                     names(state),
+                    role(state),
                     s.who,
                     s.granted as f64 / 1e6,
+                    role(&s.state),
                     self.nanos(s.state.deadline()) as f64 / 1e6
                 ));
             }
         }
+        self.stats.shared_reads += u64::from(shared);
         if let Some(what) = overlap {
             self.fail(now, Kind::TwoHolders, what);
         }
@@ -436,13 +457,15 @@ impl Checker {
                     two.get_or_insert((Kind::DeadlineBeyondTtl, what));
                 }
                 for b in &live[i + 1..] {
-                    if shares(&a.state, &b.state) && self.held(b, now) {
+                    if conflicts(&a.state, &b.state) && self.held(b, now) {
                         let what = format!(
-                            "{} and {} both valid for {:?} and {:?}",
+                            "{} and {} both valid for {:?} {} and {:?} {}",
                             a.who,
                             b.who,
                             names(&a.state),
-                            names(&b.state)
+                            role(&a.state),
+                            names(&b.state),
+                            role(&b.state)
                         );
                         two.get_or_insert((Kind::TwoHolders, what));
                     }
@@ -548,8 +571,23 @@ fn names(s: &LockState) -> Vec<&str> {
         .collect()
 }
 
-/// Whether two locks share a resource (so that they exclude each other).
+/// Whether two locks share a resource.
 fn shares(a: &LockState, b: &LockState) -> bool {
     let b = names(b);
     names(a).iter().any(|r| b.contains(r))
+}
+
+/// How a lock holds its resources, for a violation's message.
+fn role(s: &LockState) -> &'static str {
+    if s.is_read() {
+        "to read"
+    } else {
+        "to write"
+    }
+}
+
+/// Whether two locks exclude each other: they share a resource, and one
+/// of them at least is a writer (two readers share).
+pub(crate) fn conflicts(a: &LockState, b: &LockState) -> bool {
+    shares(a, b) && !(a.is_read() && b.is_read())
 }

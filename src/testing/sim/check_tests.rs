@@ -207,3 +207,39 @@ fn the_longest_reachable_stretch_skips_dark_spans() {
     );
     assert_eq!(n.longest_reachable(61 * MS, 100 * MS), 0, "still dark");
 }
+
+/// Readers share: two read locks of one resource valid at once are
+/// lawful, but a writer valid beside a reader is two holders; and a held
+/// read lock's entries must be on a majority, as a writer's key.
+#[test]
+fn readers_share_but_not_with_a_writer_and_their_entries_count() {
+    let base = Instant::now();
+    let mut w = world(base, 3);
+    let (ra, rb) = (
+        lock(base, "ra", 0, 90, 100, None),
+        lock(base, "rb", 5, 90, 100, None),
+    );
+    assert!(ra.is_read() && rb.is_read());
+    w.check.grant(0, &ra, "reader a");
+    w.check.grant(5 * MS, &rb, "reader b");
+    let expiry = base + Duration::from_nanos(CLOCK_START) + Duration::from_secs(1);
+    for (node, reader) in [(0, "ra"), (1, "ra"), (1, "rb"), (2, "rb")] {
+        let set = w.nodes[node].store.readers.entry("r".into()).or_default();
+        set.entries.insert(reader.into(), expiry);
+    }
+    w.observe(6 * MS);
+    assert!(w.check.violations.is_empty(), "{:?}", w.check.violations);
+    assert_eq!(w.check.stats.shared_reads, 1);
+    // Reader a's entry leaves node 1: it is on 1 of 3 nodes.
+    if let Some(set) = w.nodes[1].store.readers.get_mut("r") {
+        set.entries.remove("ra");
+    }
+    w.observe(7 * MS);
+    assert_eq!(kinds(&w.check), [Kind::DeadlineBeyondKeys]);
+    let writer = lock(base, "feed", 8, 90, 100, None);
+    w.check.grant(8 * MS, &writer, "writer");
+    assert_eq!(
+        kinds(&w.check),
+        [Kind::TwoHolders, Kind::DeadlineBeyondKeys]
+    );
+}

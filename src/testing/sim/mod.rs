@@ -32,6 +32,7 @@ pub(crate) mod observe;
 pub(crate) mod plan;
 pub(crate) mod redis;
 pub(crate) mod rng;
+pub(crate) mod rw;
 pub(crate) mod sched;
 pub(crate) mod serve;
 pub(crate) mod transport;
@@ -41,6 +42,8 @@ pub(crate) mod world;
 
 #[cfg(test)]
 mod regressions;
+#[cfg(test)]
+mod rw_tests;
 #[cfg(test)]
 mod tests;
 
@@ -105,6 +108,15 @@ pub(crate) fn run_sets(seed: u64, mix: Mix, engine: bool, wakeups: bool) -> Repo
     let mut plan = plan_of(seed, mix, engine);
     plan.sets = true;
     plan.wakeups = wakeups;
+    run_plan(plan)
+}
+
+/// [`run`] (or, `engine`, [`run_engine`]) with the plan's flags set by `f`
+/// (wake-ups, locks of several resources, read locks: see [`Plan`]; and
+/// [`rw`] for the schedules of a writer behind a stream of readers).
+pub(crate) fn run_as(seed: u64, mix: Mix, engine: bool, f: impl FnOnce(&mut Plan)) -> Report {
+    let mut plan = plan_of(seed, mix, engine);
+    f(&mut plan);
     run_plan(plan)
 }
 
@@ -266,6 +278,7 @@ pub(crate) fn simulate(plan: Plan, main: Script) -> Report {
     );
     for (node, &evicting) in world.nodes.iter_mut().zip(&plan.evicting) {
         node.evicting = evicting;
+        node.store.broken = plan.broken;
     }
     world.subs = plan.wakeups.then(Default::default);
     let sched = Sched::new(plan.seed, world, base);
@@ -427,11 +440,11 @@ fn probe(ctx: &Ctx, clock: &SimClock) {
         .filter(|(_, n)| !n.clock.jumped_back)
         .flat_map(|(i, n)| {
             let local = n.local(core.world.base, now);
+            // Writers' keys and readers' entries alike.
             n.store
-                .keys
-                .iter()
-                .filter(move |(_, (_, exp))| *exp > local)
-                .map(move |(k, _)| format!("node {i}: {k}"))
+                .entries()
+                .filter(move |&(_, _, exp)| exp > local)
+                .map(move |(k, t, _)| format!("node {i}: {k} ({})", t.get(..8).unwrap_or(t)))
         })
         .collect();
     drop(core);

@@ -178,6 +178,12 @@ pub(crate) struct Plan {
     pub(crate) wakeups: bool,
     /// Some sections are locks of several resources (`lock_all`).
     pub(crate) sets: bool,
+    /// Some sections are read locks (`try_read_lock` and its kin), beside
+    /// writers of the same resources.
+    pub(crate) readers: bool,
+    /// The nodes' scripts with a reader-writer rule broken (see
+    /// [`Broken`](crate::testing::store::Broken)), to show it is found.
+    pub(crate) broken: crate::testing::store::Broken,
 }
 
 impl Plan {
@@ -324,6 +330,8 @@ impl Plan {
             defects: Default::default(),
             wakeups: false,
             sets: false,
+            readers: false,
+            broken: Default::default(),
         };
         match mix {
             Mix::Releases => {
@@ -376,6 +384,8 @@ impl Plan {
             defects: Default::default(),
             wakeups: false,
             sets: false,
+            readers: false,
+            broken: Default::default(),
         }
     }
 }
@@ -401,11 +411,21 @@ impl Report {
 
     /// The command that replays this run.
     pub(crate) fn replay(&self) -> String {
+        let p = &self.plan;
+        let flags: String = [
+            (p.engine, " QUORUMLOCK_SIM_ENGINE=1"),
+            (p.wakeups, " QUORUMLOCK_SIM_WAKEUPS=1"),
+            (p.sets, " QUORUMLOCK_SIM_SETS=1"),
+            (p.readers, " QUORUMLOCK_SIM_READERS=1"),
+        ]
+        .iter()
+        .filter(|(on, _)| *on)
+        .map(|(_, f)| *f)
+        .collect();
         format!(
-            "QUORUMLOCK_SIM_SEED={:#x} QUORUMLOCK_SIM_MIX={}{} cargo test --lib sim::tests::replay -- --nocapture",
-            self.plan.seed,
-            self.plan.mix.name(),
-            if self.plan.engine { " QUORUMLOCK_SIM_ENGINE=1" } else { "" }
+            "QUORUMLOCK_SIM_SEED={:#x} QUORUMLOCK_SIM_MIX={}{flags} cargo test --lib sim::tests::replay -- --nocapture",
+            p.seed,
+            p.mix.name(),
         )
     }
 }

@@ -10,7 +10,7 @@ use super::check::Kind;
 use super::plan::{Mix, Report};
 use super::{run, run_engine};
 
-fn env_u64(name: &str) -> Option<u64> {
+pub(super) fn env_u64(name: &str) -> Option<u64> {
     let v = std::env::var(name).ok()?;
     let v = v.trim();
     match v.strip_prefix("0x") {
@@ -81,7 +81,7 @@ fn seeded_schedules_within_the_assumptions_break_nothing() {
 /// The mixes within Redlock's assumptions: one schedule in eight with clock
 /// jumps, one in sixteen with a server listed twice, one in sixteen with a
 /// node that evicts keys.
-fn within_assumptions(seed: u64) -> Mix {
+pub(super) fn within_assumptions(seed: u64) -> Mix {
     match seed % 16 {
         7 | 15 => Mix::ClockJumps,
         11 => Mix::ListedTwice,
@@ -157,7 +157,9 @@ fn over_the_engine(seed: u64) -> Mix {
 }
 
 /// Replays one schedule, with everything it found:
-/// `QUORUMLOCK_SIM_SEED=… QUORUMLOCK_SIM_MIX=… cargo test --lib sim::tests::replay -- --nocapture`.
+/// `QUORUMLOCK_SIM_SEED=… QUORUMLOCK_SIM_MIX=… cargo test --lib sim::tests::replay -- --nocapture`
+/// (and `QUORUMLOCK_SIM_ENGINE`, `_WAKEUPS`, `_SETS`, `_READERS` set to
+/// anything for the plan's flags).
 /// Without them it replays seed 1 twice and checks that both runs made the
 /// same decisions.
 #[test]
@@ -167,8 +169,16 @@ fn replay() {
         .ok()
         .and_then(|m| Mix::parse(&m))
         .unwrap_or(Mix::Standard);
-    let engine = std::env::var_os("QUORUMLOCK_SIM_ENGINE").is_some();
-    let run = if engine { run_engine } else { run };
+    // The plan's flags, as `Report::replay` prints them.
+    let flag = |name: &str| std::env::var_os(name).is_some();
+    let engine = flag("QUORUMLOCK_SIM_ENGINE");
+    let run = |seed, mix| {
+        super::run_as(seed, mix, engine, |p| {
+            p.wakeups = flag("QUORUMLOCK_SIM_WAKEUPS");
+            p.sets = flag("QUORUMLOCK_SIM_SETS");
+            p.readers = flag("QUORUMLOCK_SIM_READERS");
+        })
+    };
     let t = Instant::now();
     let a = run(seed, mix);
     let took = t.elapsed();

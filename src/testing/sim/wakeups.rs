@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use parking_lot::Mutex;
 
-use crate::algorithm::round::{Answer, Key, Reply};
+use crate::algorithm::round::{is_reader, Answer, Key, Reply};
 use crate::lock::transport::Watch;
 use crate::testing::sim::chan::SimChan;
 use crate::testing::sim::sched::Sched;
@@ -20,7 +20,9 @@ use crate::testing::sim::world::{Event, World};
 
 impl World {
     /// Node `node` ran a release with `notice` (0: silent): each key it
-    /// deleted reaches that key's subscribers, and the reply counts them.
+    /// freed reaches that key's subscribers, and the reply counts them. A
+    /// reader's release frees its key only where no live reader is left
+    /// on the node after it (the last reader out, as `RELEASE_LUA`).
     pub(crate) fn publish(
         &mut self,
         node: usize,
@@ -36,8 +38,9 @@ impl World {
             return;
         }
         let mut to = Vec::new();
+        let store = &self.nodes[node].store;
         for (k, a) in keys.iter().zip(&reply.answers) {
-            if *a != Answer::Ok {
+            if *a != Answer::Ok || (is_reader(k.token) && store.live_readers(k.resource) > 0) {
                 continue;
             }
             if let Some(list) = subs.get(k.resource) {

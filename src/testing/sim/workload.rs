@@ -1,5 +1,7 @@
 //! The random workload's threads: sections by every call of the API
-//! (`with_lock`, `lock`, `try_lock`, `lock_timeout`), renewed, extended,
+//! (`with_lock`, `lock`, `try_lock`, `lock_timeout`, `lock_all_timeout`, and
+//! the read locks' `with_read_lock`, `read_lock`, `try_read_lock`,
+//! `read_lock_timeout`), renewed, extended,
 //! stalled, released or dropped, each checked against its documented
 //! bound; and the kill storm's threads, on keys of their own.
 
@@ -47,31 +49,13 @@ pub(crate) fn worker(ctx: &Ctx, locks: &Redlock, mut rng: SimRng, who: &str) {
             clock.sleep(Duration::from_millis(rng.below(30)));
             continue;
         }
+        if plan.readers && rng.chance(0.4) {
+            reader(ctx, locks, &mut rng, &resource, ttl, who);
+            clock.sleep(Duration::from_millis(rng.below(30)));
+            continue;
+        }
         match rng.below(10) {
-            0..=3 => {
-                let mut acquired = None;
-                let mut section = None;
-                let out = locks.with_lock(&resource, ttl, |g| {
-                    acquired = Some(clock.now());
-                    let id = ctx.with(|c| c.grant(ctx.now(), g.state(), who));
-                    section = Some(id);
-                    work(ctx, &clock, &mut rng, g, ttl, false);
-                });
-                let waited = acquired.unwrap_or_else(|| clock.now()) - start;
-                check_wait(
-                    ctx,
-                    "with_lock",
-                    waited,
-                    ctx.per_attempt() * plan.settings.retry_count,
-                );
-                ctx.trace(who, || {
-                    format!("with_lock({resource}, {ttl:?}) -> {:?}", out.as_ref().err())
-                });
-                if let Some(id) = section {
-                    let now = ctx.now();
-                    ctx.with(|c| c.end(id, now, out.is_ok()));
-                }
-            }
+            0..=3 => scoped(ctx, locks, &mut rng, &resource, ttl, who, false),
             4..=6 => {
                 let got = locks.lock(&resource, ttl);
                 let budget = ctx.per_attempt() * plan.settings.retry_count;
@@ -92,7 +76,12 @@ pub(crate) fn worker(ctx: &Ctx, locks: &Redlock, mut rng: SimRng, who: &str) {
                 ctx.trace(who, || {
                     format!("lock_timeout({resource}, {ttl:?}, {wait:?})")
                 });
-                let got = locks.lock_timeout(&resource, ttl, wait);
+                let got = if plan.readers {
+                    // (Its other name, which reads best beside readers.)
+                    locks.write_lock_timeout(&resource, ttl, wait)
+                } else {
+                    locks.lock_timeout(&resource, ttl, wait)
+                };
                 ctx.trace(who, || {
                     format!("-> {:?}", got.as_ref().map(|g| g.deadline() - start))
                 });
@@ -103,6 +92,75 @@ pub(crate) fn worker(ctx: &Ctx, locks: &Redlock, mut rng: SimRng, who: &str) {
             }
         }
         clock.sleep(Duration::from_millis(rng.below(30)));
+    }
+}
+
+/// A section by `with_lock` (or, `read`, `with_read_lock`).
+fn scoped(
+    ctx: &Ctx,
+    locks: &Redlock,
+    rng: &mut SimRng,
+    resource: &str,
+    ttl: Duration,
+    who: &str,
+    read: bool,
+) {
+    let clock = ctx.clock();
+    let start = clock.now();
+    let mut acquired = None;
+    let mut section = None;
+    let body = |g: &LockGuard| {
+        acquired = Some(clock.now());
+        let id = ctx.with(|c| c.grant(ctx.now(), g.state(), who));
+        section = Some(id);
+        work(ctx, &clock, rng, g, ttl, false);
+    };
+    let (call, out) = if read {
+        ("with_read_lock", locks.with_read_lock(resource, ttl, body))
+    } else {
+        ("with_lock", locks.with_lock(resource, ttl, body))
+    };
+    let waited = acquired.unwrap_or_else(|| clock.now()) - start;
+    let budget = ctx.per_attempt() * ctx.plan.settings.retry_count;
+    check_wait(ctx, call, waited, budget);
+    ctx.trace(who, || {
+        format!("{call}({resource}, {ttl:?}) -> {:?}", out.as_ref().err())
+    });
+    if let Some(id) = section {
+        let now = ctx.now();
+        ctx.with(|c| c.end(id, now, out.is_ok()));
+    }
+}
+
+/// A reader's section, by each call of the read-lock API, each checked
+/// against its documented bound: renewed, extended, stalled, released or
+/// dropped as any other section (see [`manual`]), and never writing.
+fn reader(ctx: &Ctx, locks: &Redlock, rng: &mut SimRng, resource: &str, ttl: Duration, who: &str) {
+    let clock = ctx.clock();
+    let start = clock.now();
+    let attempts = ctx.per_attempt() * ctx.plan.settings.retry_count;
+    let (call, got, budget) = match rng.below(4) {
+        0 => return scoped(ctx, locks, rng, resource, ttl, who, true),
+        1 => ("read_lock", locks.read_lock(resource, ttl), attempts),
+        2 => {
+            let got = locks.try_read_lock(resource, ttl);
+            ("try_read_lock", got, ctx.per_attempt())
+        }
+        _ => {
+            let wait = Duration::from_millis(rng.below(300));
+            let got = locks.read_lock_timeout(resource, ttl, wait);
+            ("read_lock_timeout", got, wait)
+        }
+    };
+    ctx.trace(who, || {
+        format!("{call}({resource}, {ttl:?}) -> {:?}", got.as_ref().err())
+    });
+    check_wait(ctx, call, clock.now() - start, budget);
+    if let Ok(g) = got {
+        if !g.is_read() || g.fencing_token().is_some() {
+            ctx.fail(Kind::Crash, format!("{call} gave a writer's guard"));
+        }
+        manual(ctx, &clock, rng, g, ttl, who);
     }
 }
 
@@ -187,6 +245,7 @@ fn manual(ctx: &Ctx, clock: &SimClock, rng: &mut SimRng, g: LockGuard, ttl: Dura
     // never a lock of several, which has no place in the queue).
     let may_hand = ctx.plan.settings.local_queue
         && resources.len() == 1
+        && !g.is_read()
         && !g.state().is_renewing()
         && g.validity() >= g.ttl() / 2;
     let released = if rng.chance(0.5) {
@@ -240,9 +299,10 @@ fn extend(ctx: &Ctx, clock: &SimClock, rng: &mut SimRng, g: &LockGuard) {
 /// The critical section's work: a read, some steps (each checking the lock,
 /// as careful code does), a write. A stalled holder checks, then pauses
 /// past its TTL (a GC pause, a swapped-out process), then writes anyway:
-/// only fencing can stop that write.
+/// only fencing can stop that write. A reader only reads.
 fn work(ctx: &Ctx, clock: &SimClock, rng: &mut SimRng, g: &LockGuard, ttl: Duration, stall: bool) {
     let fence = g.fencing_token();
+    let writes = !g.is_read();
     let resources: Vec<String> = g.resources().map(str::to_owned).collect();
     let reads: Vec<u64> = resources
         .iter()
@@ -251,7 +311,7 @@ fn work(ctx: &Ctx, clock: &SimClock, rng: &mut SimRng, g: &LockGuard, ttl: Durat
     if stall {
         let checked = g.is_held();
         clock.sleep(ttl + ttl * (1 + rng.below(3) as u32) / 2);
-        if checked {
+        if checked && writes {
             let now = ctx.now();
             for (r, read) in resources.iter().zip(&reads) {
                 ctx.with(|c| c.write(now, r, *read, fence, "a stalled holder"));
@@ -274,7 +334,7 @@ fn work(ctx: &Ctx, clock: &SimClock, rng: &mut SimRng, g: &LockGuard, ttl: Durat
         let step = if long { ttl / 2 } else { ttl / 8 };
         clock.sleep(Duration::from_nanos(rng.below(step.as_nanos() as u64 + 1)));
     }
-    if g.is_held() {
+    if g.is_held() && writes {
         let now = ctx.now();
         for (r, read) in resources.iter().zip(&reads) {
             ctx.with(|c| c.write(now, r, *read, fence, "a holder"));

@@ -372,7 +372,11 @@ impl World {
             Fault::Restart { node, wipe } => {
                 if self.nodes[node].state == NodeState::Down {
                     if wipe {
-                        self.nodes[node].store = Store::default();
+                        let broken = self.nodes[node].store.broken;
+                        self.nodes[node].store = Store {
+                            broken,
+                            ..Store::default()
+                        };
                         self.nodes[node].wiped_at = Some(now);
                         self.nodes[node].keys_lost_at = Some(now);
                     }
@@ -386,7 +390,9 @@ impl World {
             Fault::Jump(i, delta) => self.nodes[i].clock.jump(now, delta),
             Fault::LoseKeys(i) => {
                 if self.nodes[i].state != NodeState::Down {
+                    // Writers' keys and reader sets alike.
                     self.nodes[i].store.keys.clear();
+                    self.nodes[i].store.readers.clear();
                     self.nodes[i].keys_lost_at = Some(now);
                 }
             }
