@@ -94,13 +94,14 @@ impl Engine {
         // and its readers.
         let _set_waiting = (waits && !single).then(|| self.remote.set_waiting());
         // A waiting writer's intent outlives the longest wait between its
-        // tries: the retry pause, and the round and undo before it.
+        // tries: the retry pause, and the round and undo before it. (Not
+        // cut to the TTL: a TTL below the pause let readers in between the
+        // tries, and a stream of them starved the writer.)
         let intent = if waits {
             let s = &self.settings;
             s.retry_delay
                 .saturating_add(s.retry_jitter)
                 .saturating_add(s.node_timeout.saturating_mul(3))
-                .min(ttl)
         } else {
             Duration::ZERO
         };

@@ -36,8 +36,8 @@ pub(crate) struct Stream {
     /// The nodes' scripts break a reader-writer rule.
     pub(crate) broken: Broken,
     /// The writer's TTL may be shorter than its intent's span (its retry
-    /// pause and three node timeouts), to which the engine cuts the
-    /// intent; else it is at least that span.
+    /// pause and three node timeouts; the engine once cut the intent to the
+    /// TTL, and such writers starved); else it is at least that span.
     pub(crate) short_writer: bool,
 }
 
