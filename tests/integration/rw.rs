@@ -416,3 +416,60 @@ fn a_renewed_reader_survives_and_gets_its_entry_back_after_a_restart() {
     );
     r.release().expect("release");
 }
+
+/// A writer that gives up leaves no intent behind for long: its last attempt marks none,
+/// and none outlives the call's wait, so an earlier attempt's lasts at most the three node
+/// timeouts of margin past the call (750 ms here). (Each kept readers out for a whole retry
+/// pause after the call returned: 3.7 s after a 50 ms `write_lock_timeout` with a 3 s
+/// pause, seen failing.)
+#[test]
+fn a_writer_that_gave_up_lets_readers_in_at_once() {
+    let c = shared();
+    let key = unique_key("rw-gave-up");
+    let reader = client(c.urls());
+    let writer = |attempts: u32| {
+        let w = Redlock::builder()
+            .fresh_cluster(true)
+            .nodes(c.urls())
+            .node_timeout(Duration::from_millis(250))
+            .retry_count(attempts)
+            .retry_delay(Duration::from_secs(3))
+            .retry_jitter(Duration::ZERO)
+            .build()
+            .expect("valid config");
+        assert_eq!(w.wait_connected(Duration::from_secs(5)).ok(), Some(3));
+        w
+    };
+    let held = reader.try_read_lock(&key, TTL).expect("a reader");
+    type Call<'a> = Box<dyn Fn() -> quorumlock::Result<quorumlock::LockGuard> + 'a>;
+    let calls: [(&str, Call<'_>); 2] = [
+        (
+            "write_lock_timeout(50 ms)",
+            Box::new(|| writer(3).write_lock_timeout(&key, TTL, Duration::from_millis(50))),
+        ),
+        (
+            "lock() with 2 attempts",
+            Box::new(|| writer(2).lock(&key, TTL)),
+        ),
+    ];
+    for (what, call) in calls {
+        taken(call(), what);
+        let gave_up = Instant::now();
+        let other = client(c.urls());
+        let r = loop {
+            match other.try_read_lock(&key, TTL) {
+                Err(Error::Taken { .. }) if gave_up.elapsed() < Duration::from_secs(5) => {
+                    std::thread::sleep(Duration::from_millis(20))
+                }
+                r => break r,
+            }
+        };
+        assert!(r.is_ok(), "{what}: a new reader: {r:?}");
+        assert!(
+            gave_up.elapsed() < Duration::from_millis(1200),
+            "{what}: readers kept out {:?} after the writer gave up",
+            gave_up.elapsed()
+        );
+    }
+    drop(held);
+}

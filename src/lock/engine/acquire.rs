@@ -97,7 +97,7 @@ impl Engine {
         // tries: the retry pause, and the round and undo before it. (Not
         // cut to the TTL: a TTL below the pause let readers in between the
         // tries, and a stream of them starved the writer.)
-        let intent = if waits {
+        let span = if waits {
             let s = &self.settings;
             s.retry_delay
                 .saturating_add(s.retry_jitter)
@@ -143,6 +143,16 @@ impl Engine {
                 woken,
             };
             let mut failed = Failed::default();
+            // ... but not past the call: an attempt after which no try
+            // may come (the last counted one, or at the deadline) marks
+            // none, and none outlives the call's wait (a writer that gave
+            // up kept readers out for a whole pause).
+            let last = matches!(budget, Budget::Attempts(n) if attempt >= n);
+            let intent = if last {
+                Duration::ZERO
+            } else {
+                span.min(until.saturating_duration_since(tried))
+            };
             let err = match self.attempt(want, drift, intent, begun, &mut failed) {
                 Ok(state) => return Ok((Arc::new(state), turn.take())),
                 Err(e) if e.is_retryable() => e,
