@@ -222,16 +222,19 @@ fn tick(engine: &dyn Renew, entries: &mut Vec<Entry>) {
         true
     });
 
-    // (ttl, index) of every due lock, grouped by TTL: one round per TTL.
-    let mut due: Vec<(Duration, usize)> = (0..entries.len())
+    // (ttl, index) of every due lock, grouped by TTL, and readers apart
+    // from writers: one round per TTL and kind. (A reader's renewal needs
+    // `ZADD`, which a node out of memory refuses; the refusal fails the
+    // whole script there, and a writer renewed in it lost its lock.)
+    let mut due: Vec<(Duration, bool, usize)> = (0..entries.len())
         .filter_map(|i| {
-            let t = entries[i].state.timing();
-            is_due(entries[i].next, now, interval(t.ttl, fraction)).then_some((t.ttl, i))
+            let (t, s) = (entries[i].state.timing(), &entries[i].state);
+            is_due(entries[i].next, now, interval(t.ttl, fraction)).then(|| (t.ttl, s.is_read(), i))
         })
         .collect();
     due.sort_unstable();
 
-    for group in due.chunk_by(|a, b| a.0 == b.0) {
+    for group in due.chunk_by(|a, b| (a.0, a.1) == (b.0, b.1)) {
         // Batches of at most `MAX_BATCH` keys (a lock of several resources
         // has one per resource), at least one lock each.
         let mut rest = group;
@@ -239,7 +242,7 @@ fn tick(engine: &dyn Renew, entries: &mut Vec<Entry>) {
             let mut keys = 0usize;
             let n = rest
                 .iter()
-                .take_while(|&&(_, i)| {
+                .take_while(|&&(_, _, i)| {
                     keys = keys.saturating_add(entries[i].state.size());
                     keys <= MAX_BATCH
                 })
@@ -247,29 +250,32 @@ fn tick(engine: &dyn Renew, entries: &mut Vec<Entry>) {
                 .max(1);
             let (batch, tail) = rest.split_at(n.min(rest.len()));
             rest = tail;
-            let Some(&(ttl, _)) = batch.first() else {
+            let Some(&(ttl, _, _)) = batch.first() else {
                 continue;
             };
             // Rounds of earlier batches let other threads run: a lock may
             // have been released or lost meanwhile, and is not renewed. A
             // release from now on waits for this round to end (the renewal
             // restores missing copies, which must not land after its delete).
-            let batch: Vec<(Duration, usize)> = batch
+            let batch: Vec<(Duration, bool, usize)> = batch
                 .iter()
                 .copied()
-                .filter(|&(_, i)| !entries[i].state.is_lost() && entries[i].state.begin_renewal())
+                .filter(|&(_, _, i)| {
+                    !entries[i].state.is_lost() && entries[i].state.begin_renewal()
+                })
                 .collect();
             if batch.is_empty() {
                 continue;
             }
-            let states: Vec<&LockState> = batch.iter().map(|&(_, i)| &*entries[i].state).collect();
+            let states: Vec<&LockState> =
+                batch.iter().map(|&(_, _, i)| &*entries[i].state).collect();
             let outcomes = engine.renew(&states, ttl);
             for s in &states {
                 s.end_renewal();
             }
             engine.renewed();
             let after_round = engine.clock().now();
-            for (&(_, i), outcome) in batch.iter().zip(outcomes) {
+            for (&(_, _, i), outcome) in batch.iter().zip(outcomes) {
                 let e = &mut entries[i];
                 let t = e.state.timing();
                 let every = interval(t.ttl, fraction);
@@ -555,6 +561,23 @@ mod tests {
         assert!(guards
             .iter()
             .all(|g| g.is_held() && g.deadline() > clock.now() + 20_000 * MS));
+    }
+
+    /// Readers and writers of one TTL are renewed in separate rounds: a
+    /// reader's renewal needs `ZADD`, which a node out of memory refuses,
+    /// and the refusal fails the whole script, the writers' renewals with
+    /// it (a writer lost its lock that way beside a reader of its client).
+    #[test]
+    fn readers_and_writers_go_in_separate_batches() {
+        let (locks, nodes, clock) = client(3);
+        let w = locks.try_lock("w", 300 * MS).unwrap();
+        let r = locks.try_read_lock("r", 300 * MS).unwrap();
+        let mut entries = vec![entry(&r, 1.0 / 3.0), entry(&w, 1.0 / 3.0)];
+        let before = nodes.rounds.load(Ordering::SeqCst);
+        clock.advance(110 * MS);
+        tick(&*locks.engine, &mut entries);
+        assert_eq!(nodes.rounds.load(Ordering::SeqCst), before + 2);
+        assert!(w.deadline() > clock.now() + 250 * MS && r.deadline() > clock.now() + 250 * MS);
     }
 
     #[test]
