@@ -97,7 +97,7 @@ impl Engine {
         // tries: the retry pause, and the round and undo before it. (Not
         // cut to the TTL: a TTL below the pause let readers in between the
         // tries, and a stream of them starved the writer.)
-        let span = if waits {
+        let span = if waits && !want.read {
             let s = &self.settings;
             s.retry_delay
                 .saturating_add(s.retry_jitter)

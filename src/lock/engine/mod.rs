@@ -225,7 +225,7 @@ impl Engine {
     /// connections as the SET.
     ///
     /// `intent`: for a writer that will try again, how long live readers
-    /// keep new readers out (see [`Op::Acquire`]).
+    /// keep new readers out (see [`Op::Acquire`]; zero for a reader).
     fn attempt(
         &self,
         want: Want<'_>,
@@ -328,7 +328,7 @@ impl Engine {
                 // A reader orders nothing: storage is guarded by its writers.
                 fenced: self.settings.fencing && !read,
                 after: first,
-                intent: if read { Duration::ZERO } else { intent },
+                intent,
             },
             keys,
             &[keys.len()],
