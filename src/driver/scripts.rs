@@ -253,17 +253,6 @@ local function granted(k)
   redis.call('HSET', meta, f, string.format('%.0f', c))
   return c
 end
--- The common case first, before anything else is made: one writer's key,
--- free.
-local single = n == 1 and string.byte(ARGV[4], 1) ~= 114
-if single and redis.call('SET', KEYS[1], ARGV[4], 'NX', 'PX', ARGV[1]) then
-  out[6] = granted(KEYS[1])
-  return out
-end
-",
-    readers_lua!(),
-    r"readers()
-clock_ms = now
 -- Held by another owner: how long it still holds it, for the waiter's
 -- fallback (`-1 - ms`; 0 where the key never expires or an ACL refuses
 -- PTTL).
@@ -272,6 +261,24 @@ local function held(k)
   if type(left) ~= 'number' or left == -1 then return 0 end
   return -1 - math.max(left, 0)
 end
+-- The common cases first, before anything else is made: one writer's key,
+-- free, or held by another writer.
+local single = n == 1 and string.byte(ARGV[4], 1) ~= 114
+if single then
+  if redis.call('SET', KEYS[1], ARGV[4], 'NX', 'PX', ARGV[1]) then
+    out[6] = granted(KEYS[1])
+    return out
+  end
+  local v = redis.pcall('GET', KEYS[1])
+  if type(v) ~= 'table' and v ~= ARGV[4] then
+    out[6] = held(KEYS[1])
+    return out
+  end
+end
+",
+    readers_lua!(),
+    r"readers()
+clock_ms = now
 if string.byte(ARGV[4], 1) == 114 then
   local k, tok = KEYS[1], ARGV[4]
   local v = value(k)
