@@ -92,7 +92,7 @@ end
 
 /// `ours(v, t)`: whether value `v` is token `t` or, for a handed-over
 /// lock's token `L.S`, any token of the same lineage (`L` or `L.*`). A
-/// value that is no string (a reader set, see [`readers_lua!`]) is nobody's
+/// value that is no string (a reader set, see `readers_lua!`) is nobody's
 /// token.
 macro_rules! ours_lua {
     () => {
@@ -162,7 +162,7 @@ end
 }
 
 /// A writer's view of `$key` into local `$v`: as `value` (see
-/// [`readers_lua!`]), inline (no helper made on a writer's round).
+/// `readers_lua!`), inline (no helper made on a writer's round).
 macro_rules! writer_view_lua {
     ($v:literal, $key:literal) => {
         concat!(
@@ -223,7 +223,7 @@ pub(crate) const FREED_PREFIX: &str = "quorumlock:free:";
 /// passes [`FENCE_LIMIT`] (the script refuses first, before any SET).
 ///
 /// A reader's token (one key, never fenced) enters the key's reader set
-/// (see [`readers_lua!`]) unless a writer holds the key (answered as any
+/// (see `readers_lua!`) unless a writer holds the key (answered as any
 /// owner) or the writers' intent is on it (answered `0`: no end known).
 /// A writer takes a reader set with no live reader left (expired entries
 /// and the intent go with it); where readers live it answers how long the
