@@ -80,12 +80,12 @@ const SLOW_DELAY: Duration = Duration::from_millis(45);
 const PAUSE: Duration = Duration::from_secs(60);
 const TOKEN: &str = "0123456789abcdef0123456789abcdef";
 
-/// quorumlock's own scripts: `src/driver/scripts.rs` itself, compiled into
+/// quorumlock's own scripts: `src/driver/scripts/` itself, compiled into
 /// this bench, so that the floor sends exactly what the crate sends (also
 /// checked at run time: their SHA1s must be in the nodes' script cache
 /// after quorumlock has used them). The two constants it takes from the
 /// crate are given here under the paths it names them by.
-#[path = "../src/driver/scripts.rs"]
+#[path = "../src/driver/scripts/mod.rs"]
 #[allow(dead_code, unused_imports)]
 mod scripts;
 
