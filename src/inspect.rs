@@ -104,7 +104,7 @@ impl KeyInfo {
     /// A waiting writer's intent on this node, and how long it still keeps
     /// new readers out (a writer that waits for readers to leave marks it
     /// at each try, to last until its next one: its retry pause and a few
-    /// node timeouts, at most its TTL); `None` when no writer waits here
+    /// node timeouts, never past its call's wait); `None` when no writer waits here
     /// (always for a writer's key).
     pub fn writer_waiting(&self) -> Option<Duration> {
         self.set.as_ref().and_then(|s| s.intent)

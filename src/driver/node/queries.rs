@@ -57,12 +57,6 @@ pub(crate) fn probe_one(
             return p;
         }
     };
-    let text = |v: &Value| match v {
-        Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
-        Value::VerbatimString { text, .. } => Some(text.clone()),
-        Value::SimpleString(s) => Some(s.clone()),
-        _ => None,
-    };
     let io = |e: std::io::Error| e.to_string();
     // The connect's setup replies, in order.
     let deadline = after(Instant::now(), timeout);
@@ -101,14 +95,12 @@ pub(crate) fn probe_one(
         }
     }
     let before = std::time::SystemTime::now();
-    if let Ok((Value::Array(t), rtt)) = ask(&mut c, &redis::cmd("TIME")) {
-        let num = |v: Option<&Value>| v.and_then(text).and_then(|s| s.parse::<i64>().ok());
-        if let (Some(secs), Some(us)) = (num(t.first()), num(t.get(1))) {
+    if let Ok((t, rtt)) = ask(&mut c, &redis::cmd("TIME")) {
+        if let Some(node) = node_micros(&t) {
             let mid = before + rtt / 2;
             let local = mid
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX));
-            let node = secs.saturating_mul(1_000_000).saturating_add(us);
             p.clock = Some((node.saturating_sub(local), rtt));
         }
     }
@@ -342,13 +334,18 @@ fn score_of(v: &Value) -> Option<f64> {
     }
 }
 
+/// The node's time in µs from `TIME`'s reply.
+fn node_micros(v: &Value) -> Option<i64> {
+    let Value::Array(t) = v else { return None };
+    let num = |v: Option<&Value>| text(v?)?.parse::<i64>().ok();
+    let (secs, micros) = (num(t.first())?, num(t.get(1))?);
+    Some(secs.saturating_mul(1_000_000).saturating_add(micros))
+}
+
 /// The node's time in ms from `TIME`'s reply, rounded down as the
 /// scripts' `ms_now()` does.
 fn node_ms(v: &Value) -> Option<f64> {
-    let Value::Array(t) = v else { return None };
-    let num = |v: Option<&Value>| text(v?)?.parse::<u64>().ok();
-    let (secs, micros) = (num(t.first())?, num(t.get(1))?);
-    Some(secs.saturating_mul(1000).saturating_add(micros / 1000) as f64)
+    node_micros(v).map(|us| us.div_euclid(1000) as f64)
 }
 
 /// A `ZREVRANGE` reply that is no list of members and scores (never
