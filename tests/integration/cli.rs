@@ -995,6 +995,24 @@ fn a_sigkilled_foreground_run_takes_its_command_with_it() {
     kill9_and_expect_the_command_gone(&c, &dir, &key, &["--foreground"], script);
 }
 
+/// A SIGKILLed `run --read` takes its command with it too, and its reader's entry expires
+/// on its own (nobody released it): a writer gets in within the reader's TTL.
+#[test]
+fn a_sigkilled_read_run_takes_its_command_with_it_and_its_entry_expires() {
+    let c = shared();
+    let dir = Scratch::new("cli-kill9-read");
+    let key = unique_key("cli-kill9-read");
+    let script = r#"echo $$ > "$D/cmd"; touch "$D/started"; while :; do sleep 0.02; done"#;
+    kill9_and_expect_the_command_gone(&c, &dir, &key, &["--read"], script);
+    let (code, err) = finish(
+        run_cmd(&c, &dir, "writer", &key, &["--wait", "10s"], "true"),
+        &dir,
+        "writer",
+    );
+    assert_eq!(code, 0, "a writer after the killed reader's TTL: {err}");
+    assert_gone(&c, &key, Duration::from_secs(1));
+}
+
 /// Starts `quorumlock run KEY` (TTL 2 s, grace 300 ms, then `extra`) with `script`, and
 /// waits until the script has touched `$D/started`.
 fn start_run(c: &Cluster, dir: &Scratch, key: &str, extra: &[&str], script: &str) -> Proc {
