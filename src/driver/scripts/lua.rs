@@ -82,7 +82,7 @@ end
 /// counts only until its score. A writer's key (a string) and a live
 /// reader's entry are never on one node at once.
 ///
-/// Declares the helpers and `readers()`, which makes them (once, where a
+/// Declares the helpers, which `make_readers_lua!` makes (once, where a
 /// script first needs them: a closure costs the node about 0.2 µs, and
 /// the common writer's rounds need none): `value(k)`: `false` (absent),
 /// `true` (a reader set) or the writer's token; `ms_now()`: the node's
@@ -93,8 +93,16 @@ end
 macro_rules! readers_lua {
     () => {
         r"local clock_ms, value, ms_now, live, enter, last_entry
-local function readers()
-  if value then return end
+"
+    };
+}
+
+/// Makes the helpers `readers_lua!` declares, where none is yet: pasted
+/// where a script meets a reader's key, so that a writer's round makes no
+/// closure (and captures no upvalue: each costs the node an allocation).
+macro_rules! make_readers_lua {
+    () => {
+        r"if not value then
   value = function(k)
     local v = redis.pcall('GET', k)
     if type(v) == 'table' then return true end
@@ -171,6 +179,52 @@ macro_rules! each_own_key_lua {
             r"  end
 end
 return out"
+        )
+    };
+}
+
+/// An acquire's answer for key `$k`, just set, into `$out`: 1, or (fenced)
+/// its counter moved on to `max(counter + 1, micros)`. Inline: a helper
+/// would cost every acquire a closure and its upvalues.
+macro_rules! granted_lua {
+    ($k:literal, $out:literal) => {
+        concat!(
+            "if fenced then\n",
+            "  local f = 'fence:' .. ",
+            $k,
+            "\n",
+            "  local c = math.max((tonumber(redis.call('HGET', meta, f)) or 0) + 1, micros)\n",
+            "  redis.call('HSET', meta, f, string.format('%.0f', c))\n",
+            "  ",
+            $out,
+            " = c\n",
+            "else\n",
+            "  ",
+            $out,
+            " = 1\n",
+            "end\n"
+        )
+    };
+}
+
+/// An acquire's answer for key `$k`, held by another owner, into `$out`:
+/// how long it still holds it, for the waiter's fallback (`-1 - ms`; 0
+/// where the key never expires or an ACL refuses `PTTL`). Inline, as
+/// `granted_lua!`.
+macro_rules! held_lua {
+    ($k:literal, $out:literal) => {
+        concat!(
+            "do\n",
+            "  local left = redis.pcall('PTTL', ",
+            $k,
+            ")\n",
+            "  if type(left) ~= 'number' or left == -1 then ",
+            $out,
+            " = 0\n",
+            "  else ",
+            $out,
+            " = -1 - math.max(left, 0) end\n",
+            "end\n"
         )
     };
 }

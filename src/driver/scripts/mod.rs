@@ -8,7 +8,8 @@
 use std::sync::LazyLock;
 
 // The Lua fragments the scripts share (`history_lua!`, `raise_lua!`,
-// `ours_lua!`, `readers_lua!`, `writer_view_lua!`, `each_own_key_lua!`).
+// `granted_lua!`, `held_lua!`, `ours_lua!`, `readers_lua!`,
+// `make_readers_lua!`, `writer_view_lua!`, `each_own_key_lua!`).
 #[macro_use]
 mod lua;
 
@@ -77,40 +78,26 @@ if fenced then
     end
   end
 end
--- A key set: 1, or (fenced) its counter moved on.
-local function granted(k)
-  if not fenced then return 1 end
-  local f = 'fence:' .. k
-  local c = math.max((tonumber(redis.call('HGET', meta, f)) or 0) + 1, micros)
-  redis.call('HSET', meta, f, string.format('%.0f', c))
-  return c
-end
--- Held by another owner: how long it still holds it, for the waiter's
--- fallback (`-1 - ms`; 0 where the key never expires or an ACL refuses
--- PTTL).
-local function held(k)
-  local left = redis.pcall('PTTL', k)
-  if type(left) ~= 'number' or left == -1 then return 0 end
-  return -1 - math.max(left, 0)
-end
 -- The common cases first, before anything else is made: one writer's key,
 -- free, or held by another writer.
 local single = n == 1 and string.byte(ARGV[4], 1) ~= 114
 if single then
   if redis.call('SET', KEYS[1], ARGV[4], 'NX', 'PX', ARGV[1]) then
-    out[6] = granted(KEYS[1])
-    return out
+",
+    granted_lua!("KEYS[1]", "out[6]"),
+    r"    return out
   end
   local v = redis.pcall('GET', KEYS[1])
   if type(v) ~= 'table' and v ~= ARGV[4] then
-    out[6] = held(KEYS[1])
-    return out
+",
+    held_lua!("KEYS[1]", "out[6]"),
+    r"    return out
   end
 end
 ",
     readers_lua!(),
-    r"readers()
-clock_ms = now
+    make_readers_lua!(),
+    r"clock_ms = now
 if string.byte(ARGV[4], 1) == 114 then
   local k, tok = KEYS[1], ARGV[4]
   local v = value(k)
@@ -126,8 +113,9 @@ if string.byte(ARGV[4], 1) == 114 then
     if redis.call('ZSCORE', k, tok) then out[6] = 1 return out end
     if redis.call('ZSCORE', k, 'w') then out[6] = 0 return out end
   elseif v then
-    out[6] = held(k)
-    return out
+",
+    held_lua!("k", "out[6]"),
+    r"    return out
   end
   enter(k, tok, ttl)
   out[6] = 1
@@ -161,8 +149,9 @@ for i = 1, n do
     end
   end
   if set then
-    out[i + 5] = granted(k)
-  elseif v == tok then
+",
+    granted_lua!("k", "out[i + 5]"),
+    r"  elseif v == tok then
     -- This attempt's own SET (tokens are one per attempt), sent again after
     -- its connection closed before the reply: set, with its counter.
     if fenced then
@@ -186,8 +175,9 @@ for i = 1, n do
     end
     out[i + 5] = -1 - math.max(last, 0)
   else
-    out[i + 5] = held(k)
-  end
+",
+    held_lua!("k", "out[i + 5]"),
+    r"  end
 end
 return out"
 );
@@ -306,8 +296,9 @@ for i, key in ipairs(KEYS) do
   local tok = ARGV[i + 1]
   local freed = false
   if string.byte(tok, 1) == 114 then
-    readers()
-    local s = redis.pcall('ZSCORE', key, tok)
+    ",
+    make_readers_lua!(),
+    r"    local s = redis.pcall('ZSCORE', key, tok)
     if type(s) == 'table' then
       out[i] = -1
     elseif s then
@@ -364,8 +355,9 @@ local known = tonumber(redis.call('HGET', meta, 'max_ttl')) or 0
     r"for i = 1, #KEYS - 1 do
   local key, tok = KEYS[i], ARGV[i + 2]
   if string.byte(tok, 1) == 114 then
-    readers()
-    local s = redis.pcall('ZSCORE', key, tok)
+    ",
+    make_readers_lua!(),
+    r"    local s = redis.pcall('ZSCORE', key, tok)
     if type(s) == 'table' then
       out[i] = -1
     elseif s and tonumber(s) > ms_now() then
@@ -410,8 +402,9 @@ pub(crate) const RESTORE_LUA: &str = concat!(
 for i, key in ipairs(KEYS) do
   local tok = ARGV[i + 1]
   if string.byte(tok, 1) == 114 then
-    readers()
-    local s = redis.pcall('ZSCORE', key, tok)
+    ",
+    make_readers_lua!(),
+    r"    local s = redis.pcall('ZSCORE', key, tok)
     if type(s) == 'table' then
       out[i] = -1
     elseif s and tonumber(s) > ms_now() then
