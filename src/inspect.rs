@@ -42,6 +42,7 @@ impl NodeKey {
 /// ([`token`](Self::token), [`ReaderInfo::token`]).
 #[derive(Clone, PartialEq, Eq)]
 pub struct KeyInfo {
+    lock: bool,
     token: String,
     ttl: Option<Duration>,
     set: Option<ReaderSet>,
@@ -71,6 +72,15 @@ impl KeyInfo {
     /// time is [`ReaderInfo::ttl`].
     pub fn ttl(&self) -> Option<Duration> {
         self.ttl
+    }
+
+    /// Whether the key is a lock's: a writer's token or a set of readers
+    /// this crate wrote. `false` for any other value under the lock's name
+    /// (an application's string, hash, list, set, sorted set or stream):
+    /// no lock takes it, reads it as readers or changes it, and its value
+    /// is not reported here ([`token`](Self::token) is empty).
+    pub fn is_lock(&self) -> bool {
+        self.lock
     }
 
     /// Whether the key is a set of readers (a resource read-locked, see
@@ -114,6 +124,7 @@ impl KeyInfo {
 impl From<Stored> for KeyInfo {
     fn from(s: Stored) -> Self {
         KeyInfo {
+            lock: s.lock,
             token: s.value,
             ttl: s.ttl,
             set: s.readers.map(|r| ReaderSet {
@@ -132,6 +143,7 @@ impl fmt::Debug for KeyInfo {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut d = f.debug_struct("KeyInfo");
         match &self.set {
+            None if !self.lock => d.field("lock", &false).field("ttl", &self.ttl),
             None => d.field("token", &"<hidden>").field("ttl", &self.ttl),
             Some(s) => d
                 .field("ttl", &self.ttl)
@@ -181,6 +193,7 @@ mod tests {
     #[test]
     fn debug_hides_every_token() {
         let writer = KeyInfo::from(Stored {
+            lock: true,
             value: "secret-writer".into(),
             ttl: Some(Duration::from_secs(3)),
             readers: None,
@@ -188,6 +201,7 @@ mod tests {
         assert!(!writer.is_read() && writer.readers().is_empty());
         assert_eq!(writer.writer_waiting(), None);
         let set = KeyInfo::from(Stored {
+            lock: true,
             value: String::new(),
             ttl: Some(Duration::from_secs(9)),
             readers: Some(Readers {

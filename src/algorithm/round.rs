@@ -77,6 +77,24 @@ pub(crate) fn is_reader(token: &str) -> bool {
     token.as_bytes().first() == Some(&b'r')
 }
 
+/// Whether `value`, stored under a lock's name, has the shape of a
+/// writer's token this crate writes: 32 lowercase hex digits (see
+/// `crate::clock::new_token`), perhaps followed by a section's `.` and 16
+/// more (`crate::clock::section_token`). Any other value is not a lock's:
+/// `inspect` calls it so (the scripts never take it for ours either: they
+/// compare whole tokens).
+pub(crate) fn is_token(value: &str) -> bool {
+    let hex = |s: &str, n: usize| {
+        s.len() == n
+            && s.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    };
+    match value.split_once('.') {
+        Some((lineage, section)) => hex(lineage, 32) && hex(section, 16),
+        None => hex(value, 32),
+    }
+}
+
 /// What to do to every key of a round, on every node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Op {

@@ -151,6 +151,10 @@ pub(crate) trait Transport: Send + Sync + 'static {
 /// live entries.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Stored {
+    /// Whether the key is a lock's (a writer's token, or a reader set with
+    /// the crate's mark); `false`: an application's key under that name,
+    /// whose value is not reported (`value` empty, `readers` `None`).
+    pub lock: bool,
     pub value: String,
     pub ttl: Option<Duration>,
     pub readers: Option<Readers>,

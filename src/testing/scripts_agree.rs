@@ -178,6 +178,57 @@ fn the_lua_scripts_and_the_rust_model_agree() {
     let base = Instant::now();
     let mut rng = SimRng::new(0x5c21_7a9e);
     let resources = ["agree:a", "agree:b"];
+    // An application's keys under lock names: a sorted set that looks like
+    // a reader set (live-scored readers and an intent, no mark), a hash, a
+    // set and a string. Every round meets another owner there, and none
+    // changes them (compared by `DUMP` and `PTTL` after each round).
+    let far = server.now_ms() + 3_600_000;
+    let foreign = [
+        (
+            "agree:app-zset",
+            redis::cmd("ZADD")
+                .arg("agree:app-zset")
+                .arg(1)
+                .arg("past")
+                .arg(far)
+                .arg("r1")
+                .arg(far)
+                .arg("w")
+                .to_owned(),
+        ),
+        (
+            "agree:app-hash",
+            redis::cmd("HSET")
+                .arg("agree:app-hash")
+                .arg("f")
+                .arg("v")
+                .to_owned(),
+        ),
+        (
+            "agree:app-set",
+            redis::cmd("SADD").arg("agree:app-set").arg("r1").to_owned(),
+        ),
+        (
+            "agree:app-string",
+            redis::cmd("SET")
+                .arg("agree:app-string")
+                .arg("app-value")
+                .to_owned(),
+        ),
+    ];
+    let mut dumps = Vec::new();
+    for (key, plant) in &foreign {
+        server.query(plant);
+        store.foreign.insert((*key).to_owned());
+        dumps.push(server.query(redis::cmd("DUMP").arg(*key)));
+    }
+    let pick = |rng: &mut SimRng| {
+        if rng.chance(0.2) {
+            foreign[rng.below(foreign.len() as u64) as usize].0
+        } else {
+            resources[rng.below(2) as usize]
+        }
+    };
     // Writers' tokens are hex, readers' begin with `r` (one of the lineage
     // form, for the release's lineage rule).
     let tokens = ["a1", "b2", "c3", "a1.5", "r1", "r2", "r3"];
@@ -190,17 +241,24 @@ fn the_lua_scripts_and_the_rust_model_agree() {
         let ttl = Duration::from_millis(ttl);
         let token = tokens[rng.below(tokens.len() as u64) as usize];
         let reader = token.starts_with('r');
-        let mut keys = vec![Key::new(resources[rng.below(2) as usize], token)];
+        let mut keys = vec![Key::new(pick(&mut rng), token)];
         let op = match rng.below(6) {
             0 | 1 => {
                 if !reader && rng.chance(0.25) {
-                    // A lock of several: both keys.
+                    // A lock of several: both keys, perhaps an
+                    // application's too.
                     keys = resources.iter().map(|r| Key::new(r, token)).collect();
+                    if rng.chance(0.3) {
+                        keys.push(Key::new(pick(&mut rng), token));
+                        keys.dedup_by(|a, b| a.resource == b.resource);
+                    }
                 }
                 Op::Acquire {
                     ttl,
                     known_max: ttl,
-                    fenced: !reader && rng.chance(0.3),
+                    // One token always fenced, the others never: a token
+                    // is one attempt's, fenced or not.
+                    fenced: token == "c3",
                     after: After::NONE,
                     intent: if rng.chance(0.5) {
                         Duration::ZERO
@@ -227,7 +285,7 @@ fn the_lua_scripts_and_the_rust_model_agree() {
                 // Several keys of one round, readers and writers mixed (a
                 // renewal batch).
                 let other = tokens[rng.below(tokens.len() as u64) as usize];
-                keys.push(Key::new(resources[rng.below(2) as usize], other));
+                keys.push(Key::new(pick(&mut rng), other));
                 Op::Extend {
                     ttl,
                     linger: false,
@@ -244,6 +302,10 @@ fn the_lua_scripts_and_the_rust_model_agree() {
         while near_an_expiry(&store, now, margin) {
             std::thread::sleep(Duration::from_millis(2));
             now = Instant::now();
+        }
+        if std::env::var_os("AGREE_TRACE").is_some() {
+            let held: Vec<String> = resources.iter().map(|r| server.held(r)).collect();
+            eprintln!("round {n}: {op:?} {keys:?} before: {held:?}");
         }
         let enc = Encoded::new(op, &keys);
         let sent = Instant::now();
@@ -278,6 +340,18 @@ fn the_lua_scripts_and_the_rust_model_agree() {
             if got.answers.contains(&Answer::Ok) {
                 checked += 1;
             }
+        }
+        for ((key, _), dump) in foreign.iter().zip(&dumps) {
+            assert_eq!(
+                &server.query(redis::cmd("DUMP").arg(*key)),
+                dump,
+                "round {n}: {op:?} {keys:?} changed an application's {key}"
+            );
+            assert_eq!(
+                server.query(redis::cmd("PTTL").arg(*key)),
+                Value::Int(-1),
+                "round {n}: {op:?} {keys:?} gave an application's {key} a TTL"
+            );
         }
         let now = Instant::now();
         if !near_an_expiry(&store, now, margin) {

@@ -24,6 +24,10 @@ pub(crate) struct Store {
     /// Reader sets (never a key of `keys` too; see `readers_lua!` in
     /// [`crate::driver::scripts`]).
     pub(crate) readers: HashMap<String, Readers>,
+    /// Keys an application keeps under a lock's name (of any type, without
+    /// expiry; never a key of `keys` or `readers` too): every round meets
+    /// another owner there, and none changes them.
+    pub(crate) foreign: std::collections::HashSet<String>,
     /// Lock history: when it began, and the TTLs recorded.
     pub(crate) meta: Option<Meta>,
     /// Fencing counters, per resource (they go with the lock history).
@@ -114,6 +118,7 @@ impl Default for Store {
         Store {
             keys: HashMap::new(),
             readers: HashMap::new(),
+            foreign: Default::default(),
             meta: None,
             fences: HashMap::new(),
             id: NEXT.fetch_add(1, Ordering::Relaxed),
@@ -222,12 +227,15 @@ impl Store {
         self.prune(now);
         // The keys of an acquire are one lock: all set or none (see
         // `ACQUIRE_LUA`), none where any has another owner or live readers.
-        let taken = matches!(op, Op::Acquire { .. })
-            && keys.len() > 1
+        // Where any has another owner, readers are not all that keeps the
+        // lock out: no intent.
+        let several = matches!(op, Op::Acquire { .. }) && keys.len() > 1;
+        let owned = several
             && keys.iter().any(|k| {
                 self.keys.get(k.resource).is_some_and(|(t, _)| t != k.token)
-                    || self.live_readers(k.resource) > 0
+                    || self.foreign.contains(k.resource)
             });
+        let taken = owned || several && keys.iter().any(|k| self.live_readers(k.resource) > 0);
         let answers: Vec<Answer> = keys
             .iter()
             .map(|k| {
@@ -235,6 +243,8 @@ impl Store {
                 // reader's entry (a reader refused by an intent: no end
                 // known, as the script's `0`).
                 let left = match (self.keys.get(k.resource), self.readers.get(k.resource)) {
+                    // An application's key, without expiry: no end known.
+                    _ if self.foreign.contains(k.resource) => Some(Duration::MAX),
                     (Some((_, exp)), _) => Some(exp.saturating_duration_since(now)),
                     (None, Some(_)) if is_reader(k.token) => Some(Duration::MAX),
                     (None, Some(r)) => Some(
@@ -244,8 +254,11 @@ impl Store {
                     (None, None) => None,
                 };
                 let (a, f) = match self.keys.get(k.resource) {
+                    _ if self.foreign.contains(k.resource) => (Answer::Other, None),
                     _ if taken && self.live_readers(k.resource) > 0 => {
-                        self.mark_intent(op, k.resource, now);
+                        if !owned {
+                            self.mark_intent(op, k.resource, now);
+                        }
                         (Answer::Other, None)
                     }
                     Some((t, _)) if taken && t != k.token => (Answer::Other, None),
@@ -293,6 +306,9 @@ impl Store {
         now: Instant,
         micros: u64,
     ) -> (Answer, Option<u64>) {
+        if self.foreign.contains(k.resource) {
+            return (Answer::Other, None);
+        }
         if is_reader(k.token) {
             return (self.apply_reader(op, k, now), None);
         }

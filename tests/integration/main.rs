@@ -12,6 +12,7 @@ mod events;
 mod fence_workers;
 mod fencing;
 mod fencing_hostile;
+mod foreign;
 mod harness;
 mod hostile;
 mod lock;

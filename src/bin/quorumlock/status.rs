@@ -69,6 +69,9 @@ fn key_line(k: &KeyInfo, show_token: bool) -> String {
     } else {
         ""
     };
+    if !k.is_lock() {
+        return "not a lock key (another owner's value: no lock takes or changes it)".to_owned();
+    }
     if !k.is_read() {
         let ttl = k.ttl().map_or_else(|| "none".to_owned(), seconds);
         return if show_token {
@@ -108,11 +111,14 @@ fn summary(key: &str, nodes: &[NodeKey], quorum: usize) -> String {
     let mut writers: Vec<(&str, usize)> = Vec::new();
     let mut readers: Vec<(&str, usize)> = Vec::new();
     let mut waiting = 0;
+    let mut foreign = 0;
     for k in nodes.iter().filter_map(|n| n.key().ok().flatten()) {
         if k.writer_waiting().is_some() {
             waiting += 1;
         }
-        if k.is_read() {
+        if !k.is_lock() {
+            foreign += 1;
+        } else if k.is_read() {
             for r in k.readers() {
                 count(&mut readers, r.token());
             }
@@ -139,6 +145,8 @@ fn summary(key: &str, nodes: &[NodeKey], quorum: usize) -> String {
         let by = readers.iter().filter(|(_, c)| *c >= on).count();
         let plural = if by == 1 { "" } else { "s" };
         format!("{key}: held for reading by {by} reader{plural} on {on} of {m} nodes")
+    } else if foreign > 0 {
+        format!("{key}: not a lock key on {foreign} of {m} nodes (another owner's value)")
     } else {
         format!("{key}: free on every node that answered")
     };

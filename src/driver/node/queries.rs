@@ -8,10 +8,11 @@ use std::time::{Duration, Instant};
 
 use redis::Value;
 
-use crate::algorithm::round::Key;
+use crate::algorithm::round::{is_token, Key};
 use crate::algorithm::round::{After, Answer, Op, Reply};
 use crate::clock::after;
 use crate::driver::conn::{self, Conn, Target};
+use crate::driver::scripts::READERS_MARK;
 use crate::driver::wire::Setup;
 use crate::error::NodeErrorKind;
 use crate::lock::transport::{Readers, Stored};
@@ -236,18 +237,23 @@ fn stored_of(
     let server = |e: &redis::ServerError| (NodeErrorKind::Server, server_text(e));
     let (value, readers) = match get {
         Value::Nil => return Ok(None),
-        Value::BulkString(b) => (String::from_utf8_lossy(&b).into_owned(), None),
+        Value::BulkString(b) => match String::from_utf8(b) {
+            Ok(v) if is_token(&v) => (v, None),
+            // An application's string: not a lock's.
+            _ => (String::new(), None),
+        },
         Value::ServerError(e) if e.code() == "WRONGTYPE" => {
             // A reader set; or a key no lock of this crate wrote, which
-            // `ZREVRANGE` refuses as `GET` did (`WRONGTYPE`), or an ACL
-            // without it (`NOPERM`): its words.
+            // `ZREVRANGE` refuses as `GET` did (`WRONGTYPE`: not a lock's),
+            // or an ACL without it (`NOPERM`): its words.
             let entries = match range {
                 Value::Array(a) => a,
+                Value::ServerError(z) if z.code() == "WRONGTYPE" => Vec::new(),
                 Value::ServerError(z) => return Err(server(&z)),
                 _ => return Err(malformed_range()),
             };
-            if entries.is_empty() {
-                // Gone between the commands: an existing set has members.
+            if entries.is_empty() && pttl == Value::Int(-2) {
+                // Gone between the commands.
                 return Ok(None);
             }
             let now = match (node_ms(&time), &time) {
@@ -257,7 +263,8 @@ fn stored_of(
                 }
                 (None, v) => return Err(protocol("TIME", v)),
             };
-            (String::new(), Some(readers_of(entries, now)?))
+            // A sorted set without the crate's mark is an application's.
+            (String::new(), readers_of(entries, now)?)
         }
         Value::ServerError(e) => return Err(server(&e)),
         v => return Err(protocol("GET", &v)),
@@ -271,6 +278,7 @@ fn stored_of(
         v => return Err(protocol("PTTL", &v)),
     };
     Ok(Some(Stored {
+        lock: !value.is_empty() || readers.is_some(),
         value,
         ttl,
         readers,
@@ -279,8 +287,10 @@ fn stored_of(
 
 /// A reader set's live entries at the node's time `now` (ms): each
 /// member scored above it, longest-lived first (the range's order), `w`
-/// as the writers' intent. RESP2 answers `member, score, …`; RESP3 pairs.
-fn readers_of(entries: Vec<Value>, now: f64) -> Result<Readers, (NodeErrorKind, String)> {
+/// as the writers' intent; `None` for a sorted set without the crate's
+/// mark ([`READERS_MARK`]): an application's. RESP2 answers `member,
+/// score, …`; RESP3 pairs.
+fn readers_of(entries: Vec<Value>, now: f64) -> Result<Option<Readers>, (NodeErrorKind, String)> {
     let mut flat = Vec::with_capacity(entries.len());
     for e in entries {
         match e {
@@ -292,6 +302,7 @@ fn readers_of(entries: Vec<Value>, now: f64) -> Result<Readers, (NodeErrorKind, 
         live: Vec::new(),
         intent: None,
     };
+    let mut marked = false;
     for pair in flat.chunks(2) {
         let [member, score] = pair else {
             return Err(malformed_range());
@@ -299,7 +310,9 @@ fn readers_of(entries: Vec<Value>, now: f64) -> Result<Readers, (NodeErrorKind, 
         let (Some(member), Some(score)) = (text(member), score_of(score)) else {
             return Err(malformed_range());
         };
-        // An entry counts only until its score (the scripts drop it then).
+        marked |= member == READERS_MARK;
+        // An entry counts only until its score (the scripts drop it then;
+        // the mark, scored 0, is none).
         if score <= now {
             continue;
         }
@@ -311,7 +324,7 @@ fn readers_of(entries: Vec<Value>, now: f64) -> Result<Readers, (NodeErrorKind, 
             out.live.push((member, left));
         }
     }
-    Ok(out)
+    Ok(marked.then_some(out))
 }
 
 /// A reply's text: a bulk, simple or verbatim string.
@@ -381,17 +394,22 @@ mod tests {
         Value::Array(vec![bulk("1000"), bulk("250999")])
     }
 
+    const TOKEN: &str = "0123456789abcdef0123456789abcdef";
+
     #[test]
     fn a_writers_key_is_its_value_whatever_the_set_commands_say() {
-        let s = stored_of(bulk("tok"), Value::Int(1500), wrongtype(), Value::Nil);
-        assert_eq!(
-            s,
-            Ok(Some(Stored {
-                value: "tok".into(),
-                ttl: Some(Duration::from_millis(1500)),
-                readers: None,
-            }))
-        );
+        for token in [TOKEN.to_owned(), format!("{TOKEN}.00112233445566ff")] {
+            let s = stored_of(bulk(&token), Value::Int(1500), wrongtype(), Value::Nil);
+            assert_eq!(
+                s,
+                Ok(Some(Stored {
+                    lock: true,
+                    value: token,
+                    ttl: Some(Duration::from_millis(1500)),
+                    readers: None,
+                }))
+            );
+        }
         assert_eq!(
             stored_of(Value::Nil, Value::Int(-2), wrongtype(), time()),
             Ok(None)
@@ -410,9 +428,12 @@ mod tests {
             bulk("1000251"),
             bulk("rdead"),
             bulk("1000250"),
+            bulk(READERS_MARK),
+            bulk("0"),
         ]);
         let s = stored_of(wrongtype(), Value::Int(9000), range, time());
         let want = Stored {
+            lock: true,
             value: String::new(),
             ttl: Some(Duration::from_millis(9000)),
             readers: Some(Readers {
@@ -429,13 +450,14 @@ mod tests {
             Value::Array(vec![bulk("ra"), Value::Double(1_009_250.0)]),
             Value::Array(vec![bulk("w"), Value::Double(1_000_550.0)]),
             Value::Array(vec![bulk("rb"), Value::Double(1_000_251.0)]),
+            Value::Array(vec![bulk(READERS_MARK), Value::Double(0.0)]),
         ]);
         assert_eq!(
             stored_of(wrongtype(), Value::Int(9000), pairs, time()),
             Ok(Some(want))
         );
         // Scored at +inf: saturates.
-        let inf = Value::Array(vec![bulk("rx"), bulk("inf")]);
+        let inf = Value::Array(vec![bulk("rx"), bulk("inf"), bulk(READERS_MARK), bulk("0")]);
         let s = stored_of(wrongtype(), Value::Int(-1), inf, time());
         let live = s.ok().flatten().and_then(|s| s.readers).map(|r| r.live);
         assert_eq!(
@@ -445,11 +467,46 @@ mod tests {
     }
 
     #[test]
-    fn other_keys_and_bad_replies_are_errors_that_quote_no_token() {
-        // A hash: `ZREVRANGE` refuses it too.
+    fn an_applications_key_of_any_type_is_no_lock_and_its_value_not_shown() {
+        let foreign = |ttl: Option<Duration>| {
+            Ok(Some(Stored {
+                lock: false,
+                value: String::new(),
+                ttl,
+                readers: None,
+            }))
+        };
+        // A string of another shape.
+        for v in [
+            "app-value",
+            "",
+            "0123456789abcdef0123456789abcdeF",
+            "r0123456789abcdef",
+        ] {
+            let s = stored_of(bulk(v), Value::Int(-1), wrongtype(), Value::Nil);
+            assert_eq!(s, foreign(None), "{v:?}");
+        }
+        // A hash, a list, a set or a stream: `ZREVRANGE` refuses it too.
         let s = stored_of(wrongtype(), Value::Int(-1), wrongtype(), time());
+        assert_eq!(s, foreign(None));
+        // A sorted set without the mark, live-looking members and all.
+        let range = Value::Array(vec![
+            bulk("ra"),
+            bulk("1009250"),
+            bulk("w"),
+            bulk("1000550"),
+        ]);
+        let s = stored_of(wrongtype(), Value::Int(5000), range, time());
+        assert_eq!(s, foreign(Some(Duration::from_millis(5000))));
+    }
+
+    #[test]
+    fn bad_replies_are_errors_that_quote_no_token() {
+        // An ACL refuses the range.
+        let noperm = redis::parse_redis_value(b"-NOPERM no permissions\r\n").unwrap_or(Value::Nil);
+        let s = stored_of(wrongtype(), Value::Int(-1), noperm, time());
         assert!(
-            matches!(&s, Err((NodeErrorKind::Server, m)) if m.contains("WRONGTYPE")),
+            matches!(&s, Err((NodeErrorKind::Server, m)) if m.contains("NOPERM")),
             "{s:?}"
         );
         // Gone between the commands.
@@ -466,7 +523,12 @@ mod tests {
                 "{s:?}"
             );
         }
-        let range = Value::Array(vec![bulk("ra"), bulk("1009250")]);
+        let range = Value::Array(vec![
+            bulk("ra"),
+            bulk("1009250"),
+            bulk(READERS_MARK),
+            bulk("0"),
+        ]);
         let s = stored_of(wrongtype(), Value::Int(10), range, Value::Nil);
         assert!(matches!(&s, Err((NodeErrorKind::Protocol, _))), "{s:?}");
     }

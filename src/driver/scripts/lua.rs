@@ -82,17 +82,28 @@ end
 /// counts only until its score. A writer's key (a string) and a live
 /// reader's entry are never on one node at once.
 ///
+/// A reader set is the crate's own only with its mark, the member
+/// [`READERS_MARK`](super::READERS_MARK) scored `0`, written when the set
+/// is made: any other sorted set (or any key of another type) under a
+/// lock's name is an application's, never read as readers, never changed.
+/// Expired entries are dropped by score from just above `0` (the mark
+/// stays); the set is deleted when only its mark is left.
+///
 /// Declares the helpers, which `make_readers_lua!` makes (once, where a
 /// script first needs them: a closure costs the node about 0.2 µs, and
 /// the common writer's rounds need none): `value(k)`: `false` (absent),
-/// `true` (a reader set) or the writer's token; `ms_now()`: the node's
-/// time in ms (`clock_ms`, read once); `live(k)`: the live readers of
-/// reader set `k` (expired entries dropped); `enter(k, m, ms)`: entry `m`
-/// lives at least `ms` more, and the key with it; `last_entry(k)`: the
-/// key lives exactly as long as its last entry.
+/// `true` (our reader set), `0` (another owner's key that is no string:
+/// an application's) or the string stored (a writer's token, or an
+/// application's string); `own_set(k)`: `true` (our reader set), `false`
+/// (absent) or `0` (anything else); `ms_now()`: the node's time in ms
+/// (`clock_ms`, read once); `live(k)`: the live readers of our reader set
+/// `k` (expired entries dropped); `enter(k, m, ms)`: entry `m` of our
+/// reader set `k` (made, with its mark, where absent) lives at least `ms`
+/// more, and the key with it; `last_entry(k)`: the key lives exactly as
+/// long as its last entry, and goes where only its mark is left.
 macro_rules! readers_lua {
     () => {
-        r"local clock_ms, value, ms_now, live, enter, last_entry
+        r"local clock_ms, value, own_set, ms_now, live, enter, last_entry
 "
     };
 }
@@ -103,9 +114,17 @@ macro_rules! readers_lua {
 macro_rules! make_readers_lua {
     () => {
         r"if not value then
+  own_set = function(k)
+    if type(redis.pcall('ZSCORE', k, '\0quorumlock')) == 'string' then return true end
+    if redis.call('EXISTS', k) == 1 then return 0 end
+    return false
+  end
   value = function(k)
     local v = redis.pcall('GET', k)
-    if type(v) == 'table' then return true end
+    if type(v) == 'table' then
+      if type(redis.pcall('ZSCORE', k, '\0quorumlock')) == 'string' then return true end
+      return 0
+    end
     return v
   end
   ms_now = function()
@@ -116,20 +135,24 @@ macro_rules! make_readers_lua {
     return clock_ms
   end
   live = function(k)
-    redis.call('ZREMRANGEBYSCORE', k, '-inf', ms_now())
-    local c = redis.call('ZCARD', k)
+    redis.call('ZREMRANGEBYSCORE', k, '(0', ms_now())
+    local c = redis.call('ZCARD', k) - 1
     if redis.call('ZSCORE', k, 'w') then c = c - 1 end
     return c
   end
   enter = function(k, m, ms)
     local at = ms_now() + ms
     local s = tonumber(redis.call('ZSCORE', k, m))
-    if not s or s < at then redis.call('ZADD', k, at, m) end
+    if not s or s < at then redis.call('ZADD', k, 0, '\0quorumlock', at, m) end
     if redis.call('PTTL', k) < ms then redis.call('PEXPIRE', k, ms) end
   end
   last_entry = function(k)
     local top = redis.call('ZREVRANGE', k, 0, 0, 'WITHSCORES')
-    if top[2] then redis.call('PEXPIRE', k, math.max(tonumber(top[2]) - ms_now(), 1)) end
+    if top[1] == '\0quorumlock' then
+      redis.call('DEL', k)
+    elseif top[2] then
+      redis.call('PEXPIRE', k, math.max(tonumber(top[2]) - ms_now(), 1))
+    end
   end
 end
 "

@@ -15,6 +15,11 @@ mod lua;
 
 pub(crate) use crate::algorithm::round::META_KEY;
 
+/// The member that marks a sorted set as a reader set of this crate (see
+/// `readers_lua!`; written out as `'\0quorumlock'` in the scripts), scored
+/// `0`: a key without it is an application's.
+pub(crate) const READERS_MARK: &str = "\0quorumlock";
+
 /// `SET NX PX` for every lock key, plus the node's lock history. `KEYS` are
 /// the lock keys then [`META_KEY`]; `ARGV[1]` the TTL in ms, `ARGV[2]` the
 /// longest TTL the client knew of before this command (and, for a first
@@ -102,8 +107,8 @@ if string.byte(ARGV[4], 1) == 114 then
   local k, tok = KEYS[1], ARGV[4]
   local v = value(k)
   if not v then
-    -- The first reader (the common case: two commands).
-    redis.call('ZADD', k, now + ttl, tok)
+    -- The first reader (the common case: two commands), with the mark.
+    redis.call('ZADD', k, 0, '\0quorumlock', now + ttl, tok)
     redis.call('PEXPIRE', k, ttl)
     out[6] = 1
     return out
@@ -123,15 +128,16 @@ if string.byte(ARGV[4], 1) == 114 then
 end
 -- Several keys are one lock (`try_lock_all`): all or nothing. Where any
 -- has another owner or live readers, none is set (a free one answers as
--- held with no time left: its PTTL is -2).
-local taken = false
+-- held with no time left: its PTTL is -2). Where any has another owner
+-- (`owned`), readers are not the only obstacle here: no intent.
+local taken, owned = false, false
 if n > 1 then
   for i = 1, n do
     local v = value(KEYS[i])
     if v == true then
       if live(KEYS[i]) > 0 then taken = true end
     elseif v and v ~= ARGV[i + 3] then
-      taken = true
+      taken, owned = true, true
     end
   end
 end
@@ -160,11 +166,11 @@ for i = 1, n do
       out[i + 5] = 1
     end
   elseif v == true then
-    -- Readers: where any lives, the intent, and when the last one's
-    -- entry ends.
+    -- Readers: where any lives, the intent (where they are all that
+    -- keeps the lock out), and when the last one's entry ends.
     local last = 0
     if live(k) > 0 then
-      if life > 0 then enter(k, 'w', life) end
+      if life > 0 and not owned then enter(k, 'w', life) end
       local top = redis.call('ZREVRANGE', k, 0, 1, 'WITHSCORES')
       for j = 1, #top, 2 do
         if top[j] ~= 'w' then
@@ -287,7 +293,8 @@ pub(crate) static RELEASE: LazyLock<redis::Script> =
 
 /// Source of [`RELEASE`]. A reader's token leaves its reader set; the
 /// last live reader out frees the key for writers, and publishes it as a
-/// delete does.
+/// delete does. A key that is not the crate's (see `readers_lua!`) is
+/// another owner's, for readers as for writers: never changed.
 pub(crate) const RELEASE_LUA: &str = concat!(
     ours_lua!(),
     readers_lua!(),
@@ -298,19 +305,15 @@ for i, key in ipairs(KEYS) do
   if string.byte(tok, 1) == 114 then
     ",
     make_readers_lua!(),
-    r"    local s = redis.pcall('ZSCORE', key, tok)
-    if type(s) == 'table' then
+    r"    local set = own_set(key)
+    local s = set == true and redis.call('ZSCORE', key, tok)
+    if set == 0 then
       out[i] = -1
     elseif s then
       redis.call('ZREM', key, tok)
       out[i] = tonumber(s) > ms_now() and 1 or 0
-      if redis.call('ZCARD', key) == 0 then
-        -- The last entry (the key went with it).
-        freed = out[i] == 1
-      else
-        freed = out[i] == 1 and live(key) == 0
-        last_entry(key)
-      end
+      freed = out[i] == 1 and live(key) == 0
+      last_entry(key)
     else
       out[i] = 0
     end
@@ -357,8 +360,9 @@ local known = tonumber(redis.call('HGET', meta, 'max_ttl')) or 0
   if string.byte(tok, 1) == 114 then
     ",
     make_readers_lua!(),
-    r"    local s = redis.pcall('ZSCORE', key, tok)
-    if type(s) == 'table' then
+    r"    local set = own_set(key)
+    local s = set == true and redis.call('ZSCORE', key, tok)
+    if set == 0 then
       out[i] = -1
     elseif s and tonumber(s) > ms_now() then
       enter(key, tok, ttl)
@@ -404,8 +408,9 @@ for i, key in ipairs(KEYS) do
   if string.byte(tok, 1) == 114 then
     ",
     make_readers_lua!(),
-    r"    local s = redis.pcall('ZSCORE', key, tok)
-    if type(s) == 'table' then
+    r"    local set = own_set(key)
+    local s = set == true and redis.call('ZSCORE', key, tok)
+    if set == 0 then
       out[i] = -1
     elseif s and tonumber(s) > ms_now() then
       out[i] = 1
