@@ -600,6 +600,10 @@ pub fn example_nodes(n: usize) -> Result<(Vec<String>, Option<Cluster>), String>
     Ok((cluster.urls(), Some(cluster)))
 }
 
+/// The member that marks a sorted set as a reader set of quorumlock's (score 0): a test
+/// that plants a reader set by hand adds it.
+pub const READERS_MARK: &str = "\0quorumlock";
+
 /// A key unique per call and per process: `test:{name}:{pid}:{counter}:{nanos}`.
 pub fn unique_key(name: &str) -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);

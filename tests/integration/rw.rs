@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use quorumlock::{Error, InvalidInput, Redlock};
 
-use crate::common::{shared, unique_key, wait_until, Cluster};
+use crate::common::{shared, unique_key, wait_until, Cluster, READERS_MARK};
 
 const TTL: Duration = Duration::from_secs(10);
 
@@ -102,6 +102,8 @@ fn rounds_of_one_kind_meet_the_other_kind_as_another_owner() {
         c.del(i, &key);
         let _: i64 = redis::cmd("ZADD")
             .arg(&key)
+            .arg(0)
+            .arg(READERS_MARK)
             .arg(u64::MAX >> 12)
             .arg("rsomeone")
             .query(&mut c.conn(i))
@@ -178,6 +180,44 @@ fn a_writer_that_does_not_wait_leaves_no_intent() {
     }
     let r2 = b.try_read_lock(&key, TTL).expect("a new reader");
     drop((r1, r2));
+}
+
+/// A set waiting on `[a, b]` while another job holds `b` marks no intent on `a`'s
+/// readers: on a node where `b` has another owner, the readers of `a` are not what keeps
+/// the set out, and keeping them out would only slow them (issue 38: 48 reader sections
+/// a second fell to 9–15 for the whole wait). New readers of `a` get in meanwhile.
+#[test]
+fn a_set_that_cannot_get_in_keeps_no_readers_out() {
+    let c = shared();
+    let (a, b, s) = (client(c.urls()), client(c.urls()), client(c.urls()));
+    let (ka, kb) = (unique_key("rw-set-a"), unique_key("rw-set-b"));
+    let held_b = b.try_lock(&kb, TTL).expect("another job holds b");
+    // b lands on the third node a moment after the round's majority.
+    assert!(wait_until(Duration::from_secs(2), || (0..3)
+        .all(|i| c.get(i, &kb).is_some())));
+    let r1 = a.try_read_lock(&ka, TTL).expect("a reader of a");
+    let set = {
+        let (ka, kb) = (ka.clone(), kb.clone());
+        std::thread::spawn(move || {
+            s.lock_all_timeout(&[ka.as_str(), kb.as_str()], TTL, Duration::from_secs(2))
+        })
+    };
+    let started = Instant::now();
+    let mut readers = 0;
+    while started.elapsed() < Duration::from_millis(1_500) {
+        for i in 0..3 {
+            assert!(!c.intent(i, &ka), "node {i}: the set marked an intent on a");
+        }
+        let r = a
+            .try_read_lock(&ka, TTL)
+            .expect("a new reader of a while the set waits");
+        r.release().expect("release");
+        readers += 1;
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(readers > 5);
+    taken(set.join().expect("set thread"), "the set while b is held");
+    drop((r1, held_b));
 }
 
 /// A stream of readers, each holding a little while and overlapping the next, never
@@ -278,6 +318,8 @@ fn a_reader_set_without_live_readers_is_free_for_a_writer() {
         let future = secs * 1000 + 60_000;
         let _: i64 = redis::cmd("ZADD")
             .arg(&key)
+            .arg(0)
+            .arg(READERS_MARK)
             .arg(past)
             .arg("rexpired")
             .arg(future)
