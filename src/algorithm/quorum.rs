@@ -4,7 +4,7 @@
 //! Everything here is a pure function of its arguments so it can be tested
 //! exhaustively and reused by a simulated cluster.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::algorithm::round::{Answer, NodeFacts, NodeResult, ServerKind};
 use crate::error::{Error, NodeError, NodeErrorKind};
@@ -228,6 +228,78 @@ pub(crate) fn holding(results: &[NodeResult], index: usize) -> usize {
             matches!(r, Ok(rep) if matches!(rep.answers.get(index), Some(Answer::Ok | Answer::Restored)))
         })
         .count()
+}
+
+/// What one node's answer to a failed acquire said of the key's owner:
+/// for telling a woken attempt's owners from the attempt's before it (see
+/// [`new_owner`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Seen {
+    /// No answer (a failure, or the round ended without it).
+    Unknown,
+    /// Free, or ours (our SET landed).
+    Free,
+    /// Another owner's, for this long yet (`Duration::MAX`: no end known).
+    Held(Duration),
+}
+
+/// Each node's [`Seen`] of key `index` after a failed acquire.
+pub(crate) fn seen(results: &[NodeResult], index: usize) -> Vec<Seen> {
+    results
+        .iter()
+        .map(|r| match r {
+            Ok(rep) => match rep.answers.get(index) {
+                Some(Answer::Other) => Seen::Held(rep.held.unwrap_or(Duration::MAX)),
+                Some(_) => Seen::Free,
+                None => Seen::Unknown,
+            },
+            Err(_) => Seen::Unknown,
+        })
+        .collect()
+}
+
+/// Whether a woken attempt that failed (`now`: what it saw, `at` when)
+/// met another owner than the attempt before it (`before`: what that one
+/// saw, and when) on some node that answered both: a key held longer than
+/// the old owner's could still be (by more than `slack`, the most one
+/// node's two readings can be off: a round's time), or a node's key freed
+/// or taken in between. A release came, or a renewal: the message that
+/// woke it may be true. `false` where every node that answered both shows
+/// the same owner: the message was forged, from another database (pub/sub
+/// ignores it) or late, and the waiter hears no more of them until its
+/// next try by the clock (see `Engine::acquire`), so that messages drive at
+/// most one round per fallback pause. With nothing to compare (no attempt
+/// before, or no node that answered both) every message counts.
+///
+/// Node by node, not by [`free_in`]: a round ends at its first majority,
+/// so two rounds' majorities may differ by a node, and one owner's copies
+/// expire milliseconds apart on different nodes.
+pub(crate) fn new_owner(
+    before: Option<(Instant, &[Seen])>,
+    now: &[Seen],
+    at: Instant,
+    slack: Duration,
+) -> bool {
+    let Some((then, was)) = before else {
+        return true;
+    };
+    let gone = at.saturating_duration_since(then);
+    let mut compared = false;
+    for (w, n) in was.iter().zip(now) {
+        match (*w, *n) {
+            (Seen::Unknown, _) | (_, Seen::Unknown) | (Seen::Free, Seen::Free) => {}
+            (Seen::Held(w), Seen::Held(n)) => {
+                compared = true;
+                let never = w == Duration::MAX && n == Duration::MAX;
+                if !never && n > w.saturating_sub(gone).saturating_add(slack) {
+                    return true;
+                }
+            }
+            // Freed or taken since.
+            (Seen::Free, Seen::Held(_)) | (Seen::Held(_), Seen::Free) => return true,
+        }
+    }
+    !compared
 }
 
 /// After a failed acquire, how long until a majority of the nodes could

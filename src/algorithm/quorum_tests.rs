@@ -332,3 +332,35 @@ fn a_round_of_many_keys_waits_for_its_replies() {
         "no majority left"
     );
 }
+
+/// A woken attempt that meets the owners the attempt before it met (their time left
+/// gone down by the time between, give or take a round) on every node that answered
+/// both found no release: the message was forged, foreign or late. A new owner, or one
+/// that renewed, holds longer than the old one could still; a node freed or taken in
+/// between is a change too; with nothing to compare, every message counts.
+#[test]
+fn a_woken_attempt_tells_a_new_owner_from_the_same_one() {
+    use Seen::{Free, Held, Unknown};
+    let t0 = Instant::now();
+    let later = t0 + 100 * MS;
+    let slack = 2 * MS;
+    let was = [Held(1000 * MS), Held(1003 * MS), Unknown];
+    let new = |now: &[Seen]| new_owner(Some((t0, &was[..])), now, later, slack);
+    // The same owner, its copies read on another majority (give or take the slack).
+    assert!(!new(&[Held(900 * MS), Unknown, Held(905 * MS)]));
+    assert!(!new(&[Held(902 * MS), Held(904 * MS), Held(950 * MS)]));
+    // Its key expires on a node: less time, no new owner.
+    assert!(!new(&[Held(10 * MS), Unknown, Unknown]));
+    // A new owner (or a renewal) on one node: more than the old one could have left.
+    assert!(new(&[Held(900 * MS), Held(906 * MS), Unknown]));
+    assert!(new(&[Held(10_000 * MS), Unknown, Unknown]));
+    // A node freed or taken in between.
+    assert!(new(&[Free, Held(903 * MS), Unknown]));
+    // No node answered both: nothing to compare.
+    assert!(new(&[Unknown, Unknown, Held(900 * MS)]));
+    // An owner that never expires, before and now: the same.
+    let never = [Held(Duration::MAX); 3];
+    assert!(!new_owner(Some((t0, &never[..])), &never, later, slack));
+    // No attempt before: every message counts.
+    assert!(new_owner(None, &never, later, slack));
+}

@@ -24,6 +24,7 @@ mod rw;
 mod rw_inspect;
 mod several;
 mod sharing;
+mod storms;
 #[cfg(feature = "tls-rustls")]
 mod tls;
 mod wakeups;

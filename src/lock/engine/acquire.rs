@@ -29,13 +29,15 @@ const QUICK_RETRIES: u32 = 2;
 pub(crate) const FALLBACK_CAP: Duration = Duration::from_secs(1);
 
 /// What a failed attempt saw, for the wait after it.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone)]
 pub(super) struct Failed {
     /// Nodes where its SET landed (undone since).
     pub ours: usize,
     /// How long until a majority could take the key, by the owners'
     /// remaining TTLs (see [`quorum::free_in`]).
     pub free_in: Option<Duration>,
+    /// What each node said of the owner (see [`quorum::new_owner`]).
+    pub owners: Vec<quorum::Seen>,
 }
 
 impl Engine {
@@ -132,6 +134,12 @@ impl Engine {
         let mut at_expiry = false;
         // Wake-ups this call lost (the last one woken is not lost yet).
         let mut lost = 0u32;
+        // What the last attempt saw of the owners, and when: a woken
+        // attempt that meets the same owners again was woken by a message
+        // no release sent (forged, or from another database: pub/sub
+        // ignores it), and the waiter hears no more messages until its
+        // next try by the clock (see `quorum::new_owner`).
+        let mut owners: Option<(Instant, Vec<quorum::Seen>)> = None;
         let mut quick = 0;
         loop {
             if let Some(w) = &watch {
@@ -185,10 +193,10 @@ impl Engine {
                     continue;
                 }
             }
-            // (A woken try counts for a lone lock: its key was released. A
-            // lock of several is woken by a release of any of its keys,
-            // a hint that must not use up its attempts.)
-            if (woken && single) || due.is_none_or(|d| now >= d) {
+            // A woken try never counts: a message is a hint anyone can
+            // send, and must not use up `lock()`'s attempts, which stay a
+            // retry pause apart.
+            if due.is_none_or(|d| now >= d) {
                 if let Budget::Attempts(n) = budget {
                     if attempt >= n {
                         return Err(err);
@@ -200,6 +208,11 @@ impl Engine {
             // What is left of the retry pause.
             let pause = due.map_or(pause, |d| d.saturating_duration_since(now));
             let took = now.saturating_duration_since(tried);
+            let slack = took.saturating_add(Duration::from_millis(1));
+            let before = owners.as_ref().map(|(t, o)| (*t, o.as_slice()));
+            let deaf = woken && !quorum::new_owner(before, &failed.owners, now, slack);
+            let free_in = failed.free_in;
+            owners = Some((now, failed.owners));
             // A woken attempt that set the key on some nodes and still
             // lost: maybe waiters woken together split the votes and each
             // undid its own, which frees the key without a message. Tried
@@ -222,7 +235,7 @@ impl Engine {
             }
             let expiry = watch
                 .as_ref()
-                .and(failed.free_in)
+                .and(free_in)
                 .filter(|_| trust_expiry)
                 .map(|f| f.saturating_add(Duration::from_millis(1)));
             let pause = if split {
@@ -241,7 +254,13 @@ impl Engine {
             debug!("lock {resource:?}: attempt failed ({err}); retrying within {pause:?}");
             match &watch {
                 Some(w) => {
-                    woken = w.wait(seen, after(self.clock.now(), pause));
+                    woken = if deaf {
+                        trace!("lock {resource:?}: woken for nothing; not listening for {pause:?}");
+                        self.clock.sleep(pause);
+                        false
+                    } else {
+                        w.wait(seen, after(self.clock.now(), pause))
+                    };
                     // Woken, or at the owners' expiry: every waiter would
                     // try at once.
                     together = woken || at_expiry;
@@ -258,7 +277,9 @@ impl Engine {
                         // wake-ups it lost (less up to a quarter, at
                         // random): who lost more rounds goes first, close
                         // to first come, first served, and the votes
-                        // rarely split.
+                        // rarely split. Never sooner than one attempt's
+                        // time after its last one ended: a stream of
+                        // messages cannot drive rounds back to back.
                         lost = lost.saturating_add(1);
                         let ahead = took / lost;
                         let spread = ahead.saturating_sub(quorum::retry_delay(
@@ -266,7 +287,10 @@ impl Engine {
                             ahead / 8,
                             self.rng.next_u64(),
                         ));
-                        let wait = spread.min(until.saturating_duration_since(self.clock.now()));
+                        let spaced = after(now, took).saturating_duration_since(self.clock.now());
+                        let wait = spread
+                            .max(spaced)
+                            .min(until.saturating_duration_since(self.clock.now()));
                         trace!("lock {resource:?}: woken ({woken}); trying in {wait:?}");
                         self.clock.sleep(wait);
                     } else {
