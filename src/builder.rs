@@ -312,20 +312,44 @@ impl Builder {
         self
     }
 
-    /// Refuses the votes of a node whose memory policy can evict lock keys:
-    /// `maxmemory` set with any `maxmemory-policy` but `noeviction`
-    /// (`volatile-*` policies evict exactly the keys that have a TTL, and
-    /// every lock key has one). Under memory pressure such a node drops a
-    /// held lock's key, and a second client can then be granted the lock.
-    /// The client learns each node's policy from `INFO` when it connects;
-    /// such a node is always named in the log (one warning per node), and
-    /// with this setting its answers fail with
-    /// [`NodeErrorKind::Unsuitable`](crate::NodeErrorKind::Unsuitable). An
-    /// ACL that refuses `INFO` hides the policy: nothing is refused then.
+    /// **Unsafe:** counts the votes of nodes whose memory policy can evict
+    /// lock keys. Such a node has `maxmemory` set with any
+    /// `maxmemory-policy` but `noeviction` (`volatile-*` policies evict
+    /// exactly the keys that have a TTL, and every lock key has one;
+    /// `allkeys-*` evict them too). Under memory pressure it drops a held
+    /// lock's key, and a second client can then be granted the lock while
+    /// the first still holds it: two holders.
     ///
-    /// Defaults to false (warned of, still counted).
-    pub fn refuse_evicting_nodes(mut self, on: bool) -> Self {
-        self.settings.refuse_evicting = on;
+    /// By default such a node does not vote: its answers fail with
+    /// [`NodeErrorKind::Unsuitable`](crate::NodeErrorKind::Unsuitable), and
+    /// a lock needs a majority of nodes that keep their keys. Set
+    /// `maxmemory-policy noeviction` on lock nodes instead (or leave
+    /// `maxmemory` at 0): a full node then refuses writes, and a lock
+    /// fails safely. Turn this on only for nodes where eviction is known
+    /// not to happen.
+    ///
+    /// The client learns each node's policy from `INFO` when it connects
+    /// and again every few seconds (a policy changed at runtime is seen
+    /// within about ten seconds); an evicting node is named in the log at
+    /// warn level, once per change, whatever this setting. An ACL that
+    /// refuses `INFO` hides the policy: nothing is refused then.
+    /// [`Redlock::check`](crate::Redlock::check) calls such a node unsafe.
+    ///
+    /// Defaults to false.
+    ///
+    /// ```no_run
+    /// use quorumlock::Redlock;
+    ///
+    /// // Nodes configured with maxmemory-policy allkeys-lru, knowingly.
+    /// let locks = Redlock::builder()
+    ///     .nodes(["redis://127.0.0.1:7001", "redis://127.0.0.1:7002", "redis://127.0.0.1:7003"])
+    ///     .allow_evicting_nodes(true)
+    ///     .build()?;
+    /// # drop(locks);
+    /// # Ok::<(), quorumlock::Error>(())
+    /// ```
+    pub fn allow_evicting_nodes(mut self, on: bool) -> Self {
+        self.settings.allow_evicting = on;
         self
     }
 

@@ -307,9 +307,10 @@ pub enum NodeErrorKind {
     /// listed twice (two names, two databases) must not get two votes.
     SameServer,
     /// Not counted: the node cannot keep locks as an independent Redlock
-    /// node: a replica, a Redis Cluster node, or (with
-    /// [`refuse_evicting_nodes`](crate::Builder::refuse_evicting_nodes)) a
-    /// node whose memory policy can evict lock keys. The detail says which.
+    /// node: a replica, a Redis Cluster node, or (unless
+    /// [`allow_evicting_nodes`](crate::Builder::allow_evicting_nodes) is
+    /// set) a node whose memory policy can evict lock keys. The detail says
+    /// which, and what to set.
     Unsuitable,
 }
 

@@ -25,16 +25,16 @@ pub(crate) struct VoteRules {
     /// of the round already answered for is not counted (off only in the
     /// simulation, to show what it prevents).
     pub one_per_server: bool,
-    /// A node whose memory policy can evict lock keys does not vote
-    /// (`Builder::refuse_evicting_nodes`); by default it is only warned of.
-    pub refuse_evicting: bool,
+    /// A node whose memory policy can evict lock keys votes too
+    /// (`Builder::allow_evicting_nodes`); by default it does not.
+    pub allow_evicting: bool,
 }
 
 impl Default for VoteRules {
     fn default() -> Self {
         VoteRules {
             one_per_server: true,
-            refuse_evicting: false,
+            allow_evicting: false,
         }
     }
 }
@@ -43,7 +43,7 @@ impl Default for VoteRules {
 /// messages) as the round counts it. Every transport stores each answer
 /// through this, as it arrives, so that early decisions see it too:
 /// - a replica or a cluster-mode node never votes, and an evicting node
-///   votes unless `rules` refuse it;
+///   votes only when `rules` allow it;
 /// - two entries that reach one server count once. Both commands ran on
 ///   it, one after the other, and the second saw the first's effect (a
 ///   release's second delete finds the key gone): of the two answers the
@@ -105,10 +105,10 @@ fn unfit(kind: ServerKind, rules: VoteRules) -> Option<String> {
         ServerKind::Cluster => {
             Some("a Redis Cluster node, not an independent server (cluster_enabled:1)".to_owned())
         }
-        ServerKind::Evicting(policy) if rules.refuse_evicting => Some(format!(
-            "its maxmemory-policy {policy} can evict lock keys (refuse_evicting_nodes)"
+        ServerKind::Evicting(_) if rules.allow_evicting => None,
+        ServerKind::Evicting(policy) => Some(format!(
+            "its maxmemory-policy {policy} can evict lock keys, and a second client then takes a held lock: it does not vote; set maxmemory-policy noeviction (or Builder::allow_evicting_nodes(true))"
         )),
-        ServerKind::Evicting(_) => None,
     }
 }
 

@@ -36,8 +36,8 @@ fn a_round_is_settled_by_a_majority_either_way() {
 
 /// One vote per server: of two entries' answers for one server, the
 /// one that did more counts (a release's second delete finds the key
-/// gone), whatever order they arrive in; replicas never vote, evicting
-/// nodes only when not refused.
+/// gone), whatever order they arrive in; replicas and evicting nodes
+/// do not vote.
 #[test]
 fn each_server_votes_once_and_unfit_nodes_not_at_all() {
     use crate::algorithm::round::{Reply, ServerTag};
@@ -92,18 +92,6 @@ fn each_server_votes_once_and_unfit_nodes_not_at_all() {
         rules,
     );
     assert!(matches!(&results[0], Some(Err(e)) if e.kind() == NodeErrorKind::Unsuitable));
-    assert!(matches!(&results[1], Some(Ok(_))), "warned of, counted");
-    let strict = VoteRules {
-        refuse_evicting: true,
-        ..rules
-    };
-    insert_vote(
-        &mut results,
-        &names,
-        1,
-        tagged(Answer::Ok, 2, ServerKind::Evicting("volatile-lru")),
-        strict,
-    );
     assert!(matches!(&results[1], Some(Err(e)) if e.kind() == NodeErrorKind::Unsuitable));
     // Without tags (fake or old transports), nothing changes.
     let mut results: Vec<Option<NodeResult>> = vec![None; 2];
@@ -122,6 +110,76 @@ fn each_server_votes_once_and_unfit_nodes_not_at_all() {
         rules,
     );
     assert!(results.iter().all(|r| matches!(r, Some(Ok(_)))));
+}
+
+/// An evicting node (`maxmemory` with any policy but `noeviction`) does not
+/// vote by default: under memory pressure it drops a held lock's key, and
+/// with two such nodes of three a second client was granted the lock while
+/// the first held it. Its answer becomes a failure naming the policy and
+/// what to set.
+#[test]
+fn default_rules_refuse_an_evicting_node() {
+    use crate::algorithm::round::{Reply, ServerTag};
+    let names: Vec<String> = ["a", "b", "c"].iter().map(|s| s.to_string()).collect();
+    let evicting = |run: u64, policy: &'static str| -> NodeResult {
+        let mut r = Reply::new(vec![Answer::Ok]);
+        r.server = Some(ServerTag {
+            run: Some(run),
+            history: None,
+            kind: ServerKind::Evicting(policy),
+        });
+        Ok(r)
+    };
+    let mut results: Vec<Option<NodeResult>> = vec![None; 3];
+    let rules = VoteRules::default();
+    insert_vote(&mut results, &names, 0, evicting(1, "allkeys-lru"), rules);
+    insert_vote(&mut results, &names, 1, evicting(2, "volatile-ttl"), rules);
+    insert_vote(
+        &mut results,
+        &names,
+        2,
+        Ok(Reply::new(vec![Answer::Ok])),
+        rules,
+    );
+    for (i, policy) in [(0, "allkeys-lru"), (1, "volatile-ttl")] {
+        match &results[i] {
+            Some(Err(e)) => {
+                assert_eq!(e.kind(), NodeErrorKind::Unsuitable);
+                let detail = e.to_string();
+                assert!(
+                    detail.contains(policy)
+                        && detail.contains("noeviction")
+                        && detail.contains("allow_evicting_nodes"),
+                    "{detail}"
+                );
+            }
+            other => panic!("an evicting node voted by default: {other:?}"),
+        }
+    }
+    let all: Vec<NodeResult> = results.into_iter().flatten().collect();
+    let t = Tally::of(&all, 0);
+    assert!(matches!(
+        decide_acquire(t, Duration::from_secs(10), MS, MS),
+        Err(Error::NoQuorum { agreed: 1, .. })
+    ));
+    // The opt-in counts them.
+    let allowed = VoteRules {
+        allow_evicting: true,
+        ..rules
+    };
+    let mut results: Vec<Option<NodeResult>> = vec![None; 3];
+    insert_vote(&mut results, &names, 0, evicting(1, "allkeys-lru"), allowed);
+    insert_vote(
+        &mut results,
+        &names,
+        1,
+        evicting(2, "volatile-ttl"),
+        allowed,
+    );
+    assert!(
+        results[..2].iter().all(|r| matches!(r, Some(Ok(_)))),
+        "{results:?}"
+    );
 }
 
 #[test]

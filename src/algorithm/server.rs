@@ -78,25 +78,34 @@ impl ServerInfo {
         if self.cluster == Some(true) {
             return ServerKind::Cluster;
         }
+        self.evicting()
+            .map_or(ServerKind::Fit, ServerKind::Evicting)
+    }
+
+    /// The memory policy, when it can evict lock keys: a memory limit with
+    /// any policy but `noeviction` (whatever its name: Redis 8.6 added
+    /// `allkeys-lrm` and `volatile-lrm`, and later ones are evicting too).
+    pub(crate) fn evicting(&self) -> Option<&'static str> {
         match (self.maxmemory, self.policy.as_deref()) {
-            (Some(m), Some(p)) if m > 0 && p != "noeviction" => {
-                ServerKind::Evicting(policy_name(p))
-            }
-            _ => ServerKind::Fit,
+            (Some(m), Some(p)) if m > 0 && p != "noeviction" => Some(policy_name(p)),
+            _ => None,
         }
     }
 }
 
 /// A policy's name as a `'static` string (for [`ServerKind::Evicting`]).
 fn policy_name(p: &str) -> &'static str {
-    const KNOWN: [&str; 7] = [
+    // Redis 8.6 added the `-lrm` (least recently modified) pair.
+    const KNOWN: [&str; 9] = [
         "allkeys-lru",
         "allkeys-lfu",
         "allkeys-random",
+        "allkeys-lrm",
         "volatile-lru",
         "volatile-lfu",
         "volatile-random",
         "volatile-ttl",
+        "volatile-lrm",
     ];
     KNOWN
         .into_iter()
@@ -144,14 +153,26 @@ mod tests {
             )
             .kind()
         };
+        // Every policy but noeviction, Redis 8.6's least-recently-modified
+        // ones too, by their names.
         for p in [
             "volatile-lru",
+            "volatile-lfu",
+            "volatile-random",
             "volatile-ttl",
+            "volatile-lrm",
             "allkeys-lru",
+            "allkeys-lfu",
             "allkeys-random",
+            "allkeys-lrm",
         ] {
-            assert_eq!(evicting(p), ServerKind::Evicting(policy_name(p)), "{p}");
+            assert_eq!(evicting(p), ServerKind::Evicting(p), "{p}");
         }
+        // A policy this version does not know is evicting too.
+        assert_eq!(
+            evicting("allkeys-future"),
+            ServerKind::Evicting("an evicting policy")
+        );
         assert_eq!(evicting("noeviction"), ServerKind::Fit);
         // No limit: nothing is ever evicted, whatever the policy.
         assert_eq!(with("noeviction", "allkeys-lru"), ServerKind::Fit);

@@ -260,12 +260,12 @@ pub(super) fn assess_node(name: &str, p: &Probe, timeout: Duration, key: &str) -
 
 pub(super) fn memory(info: &ServerInfo) -> Finding {
     let policy = info.policy.as_deref().unwrap_or("?");
-    match (info.kind(), info.maxmemory) {
-        (ServerKind::Evicting(_), Some(max)) => Finding::new(
+    match (info.evicting(), info.maxmemory) {
+        (Some(_), Some(max)) => Finding::new(
             Verdict::Unsafe,
             "memory",
             format!(
-                "maxmemory {} with maxmemory-policy {policy}: under memory pressure it evicts lock keys, and a second client takes a held lock; set noeviction",
+                "maxmemory {} with maxmemory-policy {policy}: under memory pressure it evicts lock keys, and a second client takes a held lock; it does not vote (unless the client is built with allow_evicting_nodes(true)); set maxmemory-policy noeviction (or maxmemory 0)",
                 bytes(max)
             ),
         ),
@@ -401,6 +401,37 @@ mod tests {
             );
             assert!(!c.is_safe(), "{extra}: {c}");
             assert_eq!(c.nodes()[0].verdict(), Verdict::Unsafe, "{extra}");
+        }
+    }
+
+    /// An evicting policy is an unsafe memory finding that says what to set,
+    /// whatever else the node is (a replica with one used to be told
+    /// "nothing is evicted"), Redis 8.6's `-lrm` policies included.
+    #[test]
+    fn an_evicting_policy_is_unsafe_and_says_what_to_set() {
+        for (extra, policy) in [
+            (
+                "maxmemory:104857600\nmaxmemory_policy:allkeys-lru",
+                "allkeys-lru",
+            ),
+            (
+                "maxmemory:104857600\nmaxmemory_policy:volatile-lrm",
+                "volatile-lrm",
+            ),
+            (
+                "maxmemory:104857600\nmaxmemory_policy:allkeys-lrm\nrole:slave",
+                "allkeys-lrm",
+            ),
+        ] {
+            let f = memory(&info("a", extra));
+            assert_eq!(f.verdict(), Verdict::Unsafe, "{extra}: {f}");
+            for words in [policy, "maxmemory-policy noeviction", "does not vote"] {
+                assert!(f.text().contains(words), "{words:?} not in {f}");
+            }
+        }
+        for extra in ["", "maxmemory:104857600", "maxmemory_policy:allkeys-lru"] {
+            let f = memory(&info("a", extra));
+            assert_eq!(f.verdict(), Verdict::Ok, "{extra}: {f}");
         }
     }
 

@@ -30,8 +30,8 @@ pub(crate) struct Settings {
     pub fencing: bool,
     /// The user's event handler.
     pub events: crate::events::Events,
-    /// Refuse the votes of nodes whose memory policy can evict lock keys.
-    pub refuse_evicting: bool,
+    /// Count the votes of nodes whose memory policy can evict lock keys.
+    pub allow_evicting: bool,
     /// Count one vote per server (off only in the simulation, to show what
     /// the rule prevents).
     pub one_vote_per_server: bool,
@@ -65,7 +65,7 @@ impl Default for Settings {
             max_ttl: None,
             fencing: false,
             events: crate::events::Events::default(),
-            refuse_evicting: false,
+            allow_evicting: false,
             one_vote_per_server: true,
         }
     }
@@ -76,7 +76,7 @@ impl Settings {
     pub(crate) fn rules(&self) -> crate::algorithm::quorum::VoteRules {
         crate::algorithm::quorum::VoteRules {
             one_per_server: self.one_vote_per_server,
-            refuse_evicting: self.refuse_evicting,
+            allow_evicting: self.allow_evicting,
         }
     }
 

@@ -1114,7 +1114,9 @@ fn check_audits_the_node_list() {
     let (code, out) = check("evicting", &urls.join(","));
     assert_eq!(code, 2, "{out}");
     assert!(
-        out.contains("volatile-lru") && out.contains("UNSAFE"),
+        out.contains("volatile-lru")
+            && out.contains("UNSAFE")
+            && out.contains("set maxmemory-policy noeviction"),
         "{out}"
     );
 

@@ -9,6 +9,7 @@ mod cli;
 mod closes;
 mod degraded;
 mod events;
+mod eviction;
 mod fence_workers;
 mod fencing;
 mod fencing_hostile;

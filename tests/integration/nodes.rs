@@ -192,10 +192,10 @@ fn docker_ip(c: &Cluster, i: usize) -> String {
 /// `maxmemory` with an evicting policy lets a node drop lock keys: `volatile-*` evicts
 /// exactly the keys with a TTL, lock keys first under `volatile-ttl`. Under memory
 /// pressure on 2 of 3 nodes the held, renewed lock's key was evicted on both and a second
-/// client was granted while the first held. With
-/// `refuse_evicting_nodes` such nodes never vote.
+/// client was granted while the first held. Counted only with `allow_evicting_nodes`;
+/// by default such nodes never vote.
 #[test]
-fn evicting_nodes_are_refused_when_asked_for_every_policy() {
+fn evicting_nodes_are_refused_unless_allowed_for_every_policy() {
     for policy in ["volatile-lru", "volatile-ttl", "allkeys-lru"] {
         let c = Cluster::start(3);
         for i in 0..2 {
@@ -203,10 +203,16 @@ fn evicting_nodes_are_refused_when_asked_for_every_policy() {
             cmd(&c, i, &["CONFIG", "SET", "maxmemory-policy", policy]);
         }
         let key = unique_key("evicted");
-        // The default client warns and counts: its lock rests on evicting nodes.
-        let x = client(c.urls());
+        // A client that allows them warns and counts: its lock rests on evicting nodes.
+        let x = Redlock::builder()
+            .fresh_cluster(true)
+            .nodes(c.urls())
+            .node_timeout(SLACK)
+            .allow_evicting_nodes(true)
+            .build()
+            .expect("valid config");
         x.wait_connected(Duration::from_secs(5)).expect("connected");
-        let held = x.lock(&key, TTL).expect("counted by default");
+        let held = x.lock(&key, TTL).expect("counted when allowed");
         held.auto_renew();
         // Memory pressure: cache entries with long TTLs (and without, for allkeys),
         // until the lock's key is evicted on both (at most 64 MB each).
@@ -231,14 +237,8 @@ fn evicting_nodes_are_refused_when_asked_for_every_policy() {
             evicted, 2,
             "{policy}: the pressure evicted the lock key on {evicted} of 2"
         );
-        // A strict client refuses the evicting nodes' votes: nobody is granted on them.
-        let strict = Redlock::builder()
-            .fresh_cluster(true)
-            .nodes(c.urls())
-            .node_timeout(SLACK)
-            .refuse_evicting_nodes(true)
-            .build()
-            .expect("valid config");
+        // A default client refuses the evicting nodes' votes: nobody is granted on them.
+        let strict = client(c.urls());
         match strict.try_lock(&key, TTL) {
             Err(e) => assert!(
                 failure_kinds(&e).contains(&NodeErrorKind::Unsuitable),

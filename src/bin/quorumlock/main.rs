@@ -141,7 +141,9 @@ and print a verdict per node and for the set:
   cluster      a Redis Cluster node is UNSAFE: not an independent server
   memory       maxmemory with an evicting policy is UNSAFE: it evicts lock
                keys under pressure (volatile-* evicts exactly the keys with
-               a TTL); only noeviction, or no maxmemory, keeps them
+               a TTL), and the client does not count its vote; only
+               noeviction, or no maxmemory, keeps them: set
+               maxmemory-policy noeviction
   persistence  what a restart keeps, and how the restart rule covers it
   clock        each node's clock against this machine's (one round trip),
                and how far apart the nodes' clocks are

@@ -110,7 +110,10 @@ impl RedisTransport {
     /// Creates the pools without waiting for any node.
     pub(crate) fn new(specs: Vec<NodeSpec>, config: DriverConfig) -> Self {
         let timeout = config.timeout.max(MIN_TIMEOUT);
-        let servers = Arc::new(Servers::new(specs.iter().map(|s| s.name.clone()).collect()));
+        let servers = Arc::new(Servers::new(
+            specs.iter().map(|s| s.name.clone()).collect(),
+            config.rules.allow_evicting,
+        ));
         let mut names = Vec::with_capacity(specs.len());
         let mut nodes = Vec::with_capacity(specs.len());
         for (i, spec) in specs.into_iter().enumerate() {

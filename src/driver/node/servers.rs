@@ -19,6 +19,9 @@ pub(crate) struct Servers {
     pub(crate) any_twin: AtomicBool,
     /// Per entry, the last history id learnt (0: none), without the lock.
     pub(crate) histories: Vec<AtomicU64>,
+    /// Evicting nodes vote (`Builder::allow_evicting_nodes`): what their
+    /// warning says.
+    allow_evicting: bool,
 }
 
 /// What is known of one node's server.
@@ -40,13 +43,14 @@ pub(crate) struct Known {
 }
 
 impl Servers {
-    pub(crate) fn new(names: Vec<String>) -> Self {
+    pub(crate) fn new(names: Vec<String>, allow_evicting: bool) -> Self {
         let known = Mutex::new(vec![Known::default(); names.len()]);
         Servers {
             histories: names.iter().map(|_| AtomicU64::new(0)).collect(),
             names,
             known,
             any_twin: AtomicBool::new(false),
+            allow_evicting,
         }
     }
 
@@ -76,9 +80,15 @@ impl Servers {
                         ServerKind::Cluster => warn!(
                             "node {name} is a Redis Cluster node (cluster_enabled:1), not an independent server: its answers are not counted"
                         ),
-                        ServerKind::Evicting(policy) => warn!(
-                            "node {name} has maxmemory {} with maxmemory-policy {policy}: under memory pressure it can evict lock keys, and a second client then takes a held lock; set maxmemory-policy noeviction (or Builder::refuse_evicting_nodes(true) to refuse its votes)",
-                            info.maxmemory.unwrap_or(0)
+                        ServerKind::Evicting(_) if self.allow_evicting => warn!(
+                            "node {name} has maxmemory {} with maxmemory-policy {}: under memory pressure it can evict lock keys, and a second client then takes a held lock; its answers count (Builder::allow_evicting_nodes(true)); set maxmemory-policy noeviction",
+                            info.maxmemory.unwrap_or(0),
+                            info.policy.as_deref().unwrap_or("?")
+                        ),
+                        ServerKind::Evicting(_) => warn!(
+                            "node {name} has maxmemory {} with maxmemory-policy {}: under memory pressure it can evict lock keys, and a second client then takes a held lock; it does not vote; set maxmemory-policy noeviction (or Builder::allow_evicting_nodes(true) to count it anyway)",
+                            info.maxmemory.unwrap_or(0),
+                            info.policy.as_deref().unwrap_or("?")
                         ),
                     }
                 }
@@ -177,7 +187,7 @@ mod tests {
             .iter()
             .map(|s| s.to_string())
             .collect();
-        let servers = Servers::new(names);
+        let servers = Servers::new(names, false);
         let evicting = ServerInfo::parse(
             "run_id:r0\nrole:master\nmaxmemory:1048576\nmaxmemory_policy:allkeys-lru\n",
         );
@@ -213,5 +223,73 @@ mod tests {
             1,
             "{pair:?}"
         );
+    }
+
+    /// An evicting node is warned of once per change, and the warning says
+    /// that it does not vote and what to set; a node that keeps its keys is
+    /// never warned of, however often its `INFO` is read again.
+    #[test]
+    fn an_evicting_node_is_warned_of_once_per_change_and_a_fit_one_never() {
+        let logs = crate::testing::logs::capture_logs();
+        let names: Vec<String> = ["e:1", "f:1"].iter().map(|s| s.to_string()).collect();
+        let servers = Servers::new(names, false);
+        let info = |policy: &str| {
+            ServerInfo::parse(&format!(
+                "run_id:r0\nrole:master\nmaxmemory:104857600\nmaxmemory_policy:{policy}\n"
+            ))
+        };
+        let fit =
+            ServerInfo::parse("run_id:r1\nrole:master\nmaxmemory:0\nmaxmemory_policy:noeviction\n");
+        let warnings = |logs: &crate::testing::logs::Records| -> Vec<String> {
+            logs.take()
+                .into_iter()
+                .filter(|(l, _)| *l <= log::Level::Warn)
+                .map(|(_, m)| m)
+                .collect()
+        };
+        // The happy path: INFO read at connect and again every few seconds.
+        for _ in 0..5 {
+            servers.learn_info(1, &Ok(fit.clone()));
+        }
+        assert_eq!(warnings(&logs), Vec::<String>::new());
+        // Switched to an evicting policy: one warning, however many re-reads.
+        for _ in 0..5 {
+            servers.learn_info(0, &Ok(info("allkeys-lru")));
+        }
+        let w = warnings(&logs);
+        assert_eq!(w.len(), 1, "{w:?}");
+        for words in [
+            "e:1",
+            "allkeys-lru",
+            "does not vote",
+            "maxmemory-policy noeviction",
+            "allow_evicting_nodes(true)",
+        ] {
+            assert!(w[0].contains(words), "{words:?} not in {w:?}");
+        }
+        // Back to noeviction: said once, not at warn level.
+        let fit0 = ServerInfo::parse(
+            "run_id:r0\nrole:master\nmaxmemory:104857600\nmaxmemory_policy:noeviction\n",
+        );
+        for _ in 0..3 {
+            servers.learn_info(0, &Ok(fit0.clone()));
+        }
+        assert_eq!(warnings(&logs), Vec::<String>::new());
+        // Another evicting policy: a change, warned of again.
+        servers.learn_info(0, &Ok(info("volatile-lrm")));
+        servers.learn_info(0, &Ok(info("volatile-lrm")));
+        let w = warnings(&logs);
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(w[0].contains("volatile-lrm"), "{w:?}");
+        // With the opt-in the node votes, and the warning says so.
+        let names: Vec<String> = vec!["a:1".to_owned()];
+        let allowed = Servers::new(names, true);
+        allowed.learn_info(0, &Ok(info("allkeys-lru")));
+        allowed.learn_info(0, &Ok(info("allkeys-lru")));
+        let w = warnings(&logs);
+        assert_eq!(w.len(), 1, "{w:?}");
+        for words in ["allkeys-lru", "its answers count", "noeviction"] {
+            assert!(w[0].contains(words), "{words:?} not in {w:?}");
+        }
     }
 }

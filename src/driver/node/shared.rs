@@ -259,7 +259,7 @@ impl NodeShared {
     /// Node 0, `n0`, of a one-node list, on the system clock (for tests).
     #[cfg(test)]
     pub(crate) fn for_tests() -> Self {
-        let servers = Arc::new(Servers::new(vec!["n0".to_owned()]));
+        let servers = Arc::new(Servers::new(vec!["n0".to_owned()], false));
         NodeShared::new(
             0,
             servers,

@@ -58,8 +58,7 @@ fn counted_twice_one_server_lets_two_hold() {
     std::mem::forget((g, h));
 }
 
-/// A replica or a cluster node never votes; an evicting node votes,
-/// unless the client refuses it.
+/// A replica, a cluster node or (by default) an evicting node never votes.
 #[test]
 fn nodes_that_cannot_keep_locks_do_not_vote() {
     for kind in [ServerKind::Replica, ServerKind::Cluster] {
@@ -76,17 +75,57 @@ fn nodes_that_cannot_keep_locks_do_not_vote() {
             other => panic!("{kind:?} voted: {other:?}"),
         }
     }
-    let evicting = ServerKind::Evicting("volatile-lru");
+}
+
+/// An evicting node does not vote by default: with two of three nodes
+/// evicting a held lock's key under memory pressure, a second client was
+/// granted the lock while the first still held it.
+#[test]
+fn an_evicting_node_does_not_vote_by_default() {
     let (x, nodes, _) = client(3);
-    nodes.set_kind(0, evicting);
-    nodes.set_mode(2, Mode::Down);
-    drop(x.try_lock("r", TTL).expect("warned of, still counted"));
-    let strict = Settings {
-        refuse_evicting: true,
+    nodes.set_kind(0, ServerKind::Evicting("allkeys-lru"));
+    nodes.set_kind(1, ServerKind::Evicting("volatile-lru"));
+    match x.try_lock("r", TTL) {
+        Err(Error::NoQuorum { failures, .. }) => {
+            assert_eq!(failures.len(), 2, "{failures:?}");
+            for (f, policy) in failures.iter().zip(["allkeys-lru", "volatile-lru"]) {
+                assert_eq!(f.kind(), crate::NodeErrorKind::Unsuitable, "{f}");
+                assert!(f.to_string().contains(policy), "{f}");
+            }
+        }
+        other => panic!("evicting nodes voted by default: {other:?}"),
+    }
+    assert!(nodes.get(2, "r").is_none(), "the failed attempt was undone");
+    // The evicting nodes drop the key: still no two holders.
+    nodes.set_kind(1, ServerKind::Fit);
+    let g = x.try_lock("r", TTL).expect("nodes 1 and 2 keep their keys");
+    nodes.del(0, "r");
+    let y = client_over(&nodes, crate::testing::fake::settings());
+    assert!(y.try_lock("r", TTL).is_err(), "a second holder");
+    assert!(g.is_held());
+}
+
+/// With `allow_evicting_nodes(true)` an evicting node votes, and the
+/// eviction the default guards against gives two holders.
+#[test]
+fn allowed_evicting_nodes_vote_and_an_eviction_lets_two_hold() {
+    let allowed = Settings {
+        allow_evicting: true,
         ..crate::testing::fake::settings()
     };
-    let x = client_over(&nodes, strict);
-    assert!(x.try_lock("s", TTL).is_err(), "refused when asked to");
+    let (x, nodes, _) = client_with(3, allowed.clone());
+    nodes.set_kind(0, ServerKind::Evicting("allkeys-lru"));
+    nodes.set_kind(1, ServerKind::Evicting("volatile-lru"));
+    nodes.set_mode(2, Mode::Down);
+    let g = x.try_lock("r", TTL).expect("counted when allowed");
+    nodes.set_mode(2, Mode::Up);
+    // Memory pressure evicts the key on both evicting nodes.
+    nodes.del(0, "r");
+    nodes.del(1, "r");
+    let y = client_over(&nodes, allowed);
+    let h = y.try_lock("r", TTL).expect("a second holder");
+    assert!(g.is_held() && h.is_held());
+    std::mem::forget((g, h));
 }
 
 /// A lock lives on every node it can: an extension restores the key

@@ -229,7 +229,7 @@ impl SimLinks {
             let core = sched.lock();
             (core.world.names.clone(), core.world.entries.clone())
         };
-        let servers = Arc::new(Servers::new(names.clone()));
+        let servers = Arc::new(Servers::new(names.clone(), rules.allow_evicting));
         let line_stats = Arc::new(crate::driver::node::line::LineStats::default());
         sched.lock().world.line_stats.push(line_stats.clone());
         Arc::new_cyclic(|me| SimLinks {

@@ -91,10 +91,10 @@ pub(crate) enum Mix {
     /// Broken: as [`Mix::ListedTwice`], with its answers counted twice.
     ListedTwiceCountedTwice,
     /// One node of three evicts lock keys, and its votes are refused
-    /// (`refuse_evicting_nodes`).
+    /// (the default).
     Evicting,
-    /// Broken: as [`Mix::Evicting`], with its votes counted (the default
-    /// only warns).
+    /// Broken: as [`Mix::Evicting`], with its votes counted
+    /// (`allow_evicting_nodes`).
     EvictingCounted,
     /// As [`Mix::Standard`], with many keys and long TTLs: releases that
     /// cannot reach a node pile up in its retry queue, and a key left there
@@ -263,10 +263,7 @@ impl Plan {
             }
             Mix::ListedTwice | Mix::Evicting | Mix::Releases | Mix::KillStorm => {}
             Mix::ListedTwiceCountedTwice => settings.one_vote_per_server = false,
-            Mix::EvictingCounted => settings.refuse_evicting = false,
-        }
-        if mix == Mix::Evicting {
-            settings.refuse_evicting = true;
+            Mix::EvictingCounted => settings.allow_evicting = true,
         }
         // Node 0 is listed twice, or evicts: it loses its lock keys often.
         let entries: Vec<usize> = (0..nodes).chain(two_names.then_some(0)).collect();
