@@ -229,6 +229,11 @@ struct NodeArgs {
     /// nodes that may restart without their data while a lock is held.
     #[arg(long)]
     fresh_cluster: bool,
+    /// UNSAFE: count the votes of nodes whose maxmemory-policy can evict
+    /// lock keys (by default they do not vote: an evicted key lets a second
+    /// holder in). Set maxmemory-policy noeviction on lock nodes instead.
+    #[arg(long)]
+    allow_evicting_nodes: bool,
     /// For rediss:// nodes: trust the CA certificates in this PEM file
     /// instead of the system's roots.
     #[arg(long, value_name = "FILE")]
@@ -446,7 +451,8 @@ fn client(args: &NodeArgs, fencing: bool) -> Result<Redlock, u8> {
     let mut builder = Redlock::builder()
         .nodes(urls)
         .fencing(fencing)
-        .fresh_cluster(args.fresh_cluster);
+        .fresh_cluster(args.fresh_cluster)
+        .allow_evicting_nodes(args.allow_evicting_nodes);
     if let Some(t) = args.node_timeout {
         builder = builder.node_timeout(t);
     }
