@@ -51,6 +51,8 @@ pub(crate) struct Broken {
     pub(crate) reader_beside_writer: bool,
     /// New readers enter while a waiting writer's intent is on the set.
     pub(crate) readers_ignore_intent: bool,
+    /// An application's key under a lock's name is taken as absent.
+    pub(crate) takes_foreign: bool,
 }
 
 /// A resource read-locked on a node: each reader's token and expiry, and
@@ -233,7 +235,7 @@ impl Store {
         let owned = several
             && keys.iter().any(|k| {
                 self.keys.get(k.resource).is_some_and(|(t, _)| t != k.token)
-                    || self.foreign.contains(k.resource)
+                    || self.is_foreign(k.resource)
             });
         let taken = owned || several && keys.iter().any(|k| self.live_readers(k.resource) > 0);
         let answers: Vec<Answer> = keys
@@ -244,7 +246,7 @@ impl Store {
                 // known, as the script's `0`).
                 let left = match (self.keys.get(k.resource), self.readers.get(k.resource)) {
                     // An application's key, without expiry: no end known.
-                    _ if self.foreign.contains(k.resource) => Some(Duration::MAX),
+                    _ if self.is_foreign(k.resource) => Some(Duration::MAX),
                     (Some((_, exp)), _) => Some(exp.saturating_duration_since(now)),
                     (None, Some(_)) if is_reader(k.token) => Some(Duration::MAX),
                     (None, Some(r)) => Some(
@@ -254,7 +256,7 @@ impl Store {
                     (None, None) => None,
                 };
                 let (a, f) = match self.keys.get(k.resource) {
-                    _ if self.foreign.contains(k.resource) => (Answer::Other, None),
+                    _ if self.is_foreign(k.resource) => (Answer::Other, None),
                     _ if taken && self.live_readers(k.resource) > 0 => {
                         if !owned {
                             self.mark_intent(op, k.resource, now);
@@ -282,6 +284,12 @@ impl Store {
         })
     }
 
+    /// Whether `resource` is an application's key here (another owner's
+    /// to every round).
+    fn is_foreign(&self, resource: &str) -> bool {
+        self.foreign.contains(resource) && !self.broken.takes_foreign
+    }
+
     /// The metadata's id.
     pub(crate) fn id(&self) -> u64 {
         self.id
@@ -306,7 +314,7 @@ impl Store {
         now: Instant,
         micros: u64,
     ) -> (Answer, Option<u64>) {
-        if self.foreign.contains(k.resource) {
+        if self.is_foreign(k.resource) {
             return (Answer::Other, None);
         }
         if is_reader(k.token) {

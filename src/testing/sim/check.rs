@@ -84,6 +84,10 @@ pub(crate) enum Kind {
     /// nodes) did not get in within one reader TTL and a retry pause and a
     /// few rounds of its call: new readers did not keep out of its way.
     WriterStarved,
+    /// A lock granted on a resource that is an application's key on so
+    /// many nodes that the others are short of a majority (the scripts took
+    /// another owner's key).
+    ForeignTaken,
     /// A logical thread panicked, or the run deadlocked or hung.
     Crash,
 }

@@ -174,7 +174,27 @@ impl Ctx {
     /// A critical section starts (for the checkers); see [`end`](Self::end).
     pub(crate) fn grant(&self, g: &LockGuard, who: &str) -> usize {
         let now = self.now();
-        self.with(|c| c.grant(now, g.state(), who))
+        let foreign = g.resources().find(|r| self.foreign(r)).map(str::to_owned);
+        let mut core = self.sched.lock();
+        let world = &mut core.world;
+        if let Some(r) = foreign {
+            let what = format!("{who} granted {r:?}, an application's key on all but a minority");
+            world.check.fail(now, Kind::ForeignTaken, what);
+        }
+        world.check.grant(now, g.state(), who)
+    }
+
+    /// Whether `resource` is an application's key on so many nodes now
+    /// that the others are short of a majority: no lock may take it (a
+    /// node that lost its data lost that key too).
+    pub(crate) fn foreign(&self, resource: &str) -> bool {
+        let core = self.sched.lock();
+        let nodes = &core.world.nodes;
+        let on = nodes
+            .iter()
+            .filter(|n| n.store.foreign.contains(resource))
+            .count();
+        nodes.len() - on < crate::algorithm::quorum::quorum(nodes.len())
     }
 
     /// A critical section ended; `told_held`: what the API told it.
@@ -281,6 +301,12 @@ pub(crate) fn simulate(plan: Plan, main: Script) -> Report {
         node.store.broken = plan.broken;
     }
     world.subs = plan.wakeups.then(Default::default);
+    for &(node, resource) in &plan.foreign {
+        world.nodes[node]
+            .store
+            .foreign
+            .insert(format!("r{resource}"));
+    }
     let sched = Sched::new(plan.seed, world, base);
     {
         let mut core = sched.lock();
@@ -416,7 +442,14 @@ fn probe(ctx: &Ctx, clock: &SimClock) {
         .map(|i| format!("r{i}"))
         .chain(["fresh".to_owned()])
     {
+        let foreign = ctx.foreign(&r);
         match locks.lock_timeout(&r, ttl, wait) {
+            // (The grant is flagged as such a lock's.)
+            Ok(g) if foreign => {
+                ctx.grant(&g, "probe");
+            }
+            // An application's key: refused, as it must be.
+            Err(_) if foreign => {}
             Ok(g) => {
                 if let Err(e) = g.release() {
                     ctx.fail(Kind::Liveness, format!("probe release of {r:?}: {e}"));

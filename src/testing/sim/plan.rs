@@ -64,6 +64,10 @@ pub(crate) enum Fault {
     FlushScripts(usize),
     /// The network turns calm and every node comes back up.
     HealAll,
+    /// This many forged release messages, each with a fresh notice, to
+    /// every subscriber of every key (anyone with channel rights can
+    /// publish: the waiters must not run a round per message).
+    Forge(u32),
 }
 
 /// A millisecond of virtual time (ns).
@@ -184,6 +188,9 @@ pub(crate) struct Plan {
     /// The nodes' scripts with a reader-writer rule broken (see
     /// [`Broken`](crate::testing::store::Broken)), to show it is found.
     pub(crate) broken: crate::testing::store::Broken,
+    /// An application's key under a resource's name: (node, resource).
+    /// No lock may take a resource that is one on a majority of nodes.
+    pub(crate) foreign: Vec<(usize, usize)>,
 }
 
 impl Plan {
@@ -329,6 +336,7 @@ impl Plan {
             sets: false,
             readers: false,
             broken: Default::default(),
+            foreign: Vec::new(),
         };
         match mix {
             Mix::Releases => {
@@ -348,6 +356,23 @@ impl Plan {
                 plan.faults.push((run_for, Fault::HealAll));
             }
             _ => {}
+        }
+        // Application keys under lock names and forged messages, drawn
+        // apart from the plan so that its other draws stay as they were.
+        let mut r = SimRng::new(seed ^ 0x666f_7265);
+        if !two_names && !evicts && r.chance(0.25) {
+            let resource = r.below(plan.resources as u64) as usize;
+            let on = if r.chance(0.5) { 1 } else { plan.nodes };
+            let first = r.below(plan.nodes as u64) as usize;
+            plan.foreign = (0..on)
+                .map(|i| ((first + i) % plan.nodes, resource))
+                .collect();
+        }
+        if r.chance(0.25) {
+            for _ in 0..1 + r.below(4) {
+                let at = r.below(plan.run_for);
+                plan.faults.push((at, Fault::Forge(5 + r.below(50) as u32)));
+            }
         }
         plan
     }
@@ -383,6 +408,7 @@ impl Plan {
             sets: false,
             readers: false,
             broken: Default::default(),
+            foreign: Vec::new(),
         }
     }
 }

@@ -162,6 +162,20 @@ fn readers_ignoring_the_writers_intent_starve_it() {
     });
 }
 
+/// Scripts that take an application's key under a lock's name for a free
+/// one: a lock is granted on a resource that is an application's key on a
+/// majority of the nodes.
+#[test]
+fn a_lock_over_an_applications_key_is_found() {
+    let broken = Broken {
+        takes_foreign: true,
+        ..Broken::default()
+    };
+    find("takes an application's key", 400, Kind::ForeignTaken, |s| {
+        run_rw(s, broken)
+    });
+}
+
 /// A reader's release publishes its key's release only where it was the
 /// last live reader on the node (as `RELEASE_LUA`): the waiters of a key
 /// still read-locked there are not woken into a try that cannot succeed.

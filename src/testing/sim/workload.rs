@@ -111,7 +111,7 @@ fn scoped(
     let mut section = None;
     let body = |g: &LockGuard| {
         acquired = Some(clock.now());
-        let id = ctx.with(|c| c.grant(ctx.now(), g.state(), who));
+        let id = ctx.grant(g, who);
         section = Some(id);
         work(ctx, &clock, rng, g, ttl, false);
     };
@@ -222,7 +222,7 @@ fn check_wait(ctx: &Ctx, call: &str, waited: Duration, budget: Duration) {
 /// A section with a guard of its own: maybe renewed, maybe extended, maybe
 /// stalled; then released or dropped.
 fn manual(ctx: &Ctx, clock: &SimClock, rng: &mut SimRng, g: LockGuard, ttl: Duration, who: &str) {
-    let id = ctx.with(|c| c.grant(ctx.now(), g.state(), who));
+    let id = ctx.grant(&g, who);
     let stall = rng.chance(ctx.plan.stall);
     ctx.trace(who, || {
         format!(

@@ -398,6 +398,21 @@ impl World {
             }
             Fault::FlushScripts(i) => self.nodes[i].loaded = false,
             Fault::Kill(i) => self.sever(i, now),
+            Fault::Forge(n) => {
+                let chans: Vec<_> = self
+                    .subs
+                    .iter()
+                    .flat_map(|s| s.values().flatten().cloned())
+                    .collect();
+                for chan in chans {
+                    for _ in 0..n {
+                        let notice = self.rng.below(u64::MAX) | 1;
+                        let at = now + self.delay();
+                        self.push(at, Event::Notify(chan.clone(), notice));
+                    }
+                }
+                return;
+            }
             Fault::HealAll => {
                 self.net = Net::calm();
                 for i in 0..self.nodes.len() {
@@ -422,7 +437,7 @@ impl World {
             Fault::Heal(i) | Fault::Jump(i, _) | Fault::Mute(i) | Fault::Unmute(i) => Some(i),
             Fault::LoseKeys(i) | Fault::Kill(i) | Fault::FlushScripts(i) => Some(i),
             Fault::Restart { node, .. } => Some(node),
-            Fault::HealAll => None,
+            Fault::HealAll | Fault::Forge(_) => None,
         };
         for i in node.map_or(0..self.nodes.len(), |i| i..i + 1) {
             self.reachable(i, now);
