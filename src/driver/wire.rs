@@ -61,7 +61,7 @@ pub(crate) struct Pending {
     /// When the command was queued.
     pub sent: Instant,
     /// How many keys the command names: its reply may take a node timeout
-    /// more per 1,000 before the node is charged a timeout (see
+    /// more per 200 before the node is charged a timeout (see
     /// [`allowance`](crate::algorithm::round::allowance)). One for a
     /// command that names none.
     pub keys: usize,

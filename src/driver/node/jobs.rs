@@ -89,7 +89,7 @@ impl Drop for RedisTransport {
     /// or a `SET` of theirs may still land) once more, all nodes at once,
     /// each on a connection of its own (a node that was failing may have no
     /// pooled one): at most one node timeout to connect and one for the
-    /// reply (one more per 1,000 keys). What is still unanswered then
+    /// reply (one more per 200 keys). What is still unanswered then
     /// expires with its TTL.
     fn drop(&mut self) {
         let now = Instant::now();

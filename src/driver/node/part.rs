@@ -349,7 +349,7 @@ pub(crate) fn end_part<C: Link>(
     let (now, start) = (end.now, end.start);
     let name = &ballot.names[i];
     // What the node had for this command: the node timeout, one more per
-    // 1,000 keys it names.
+    // 200 keys it names.
     let timeout = allowance(shared.timeout, ballot.enc.n);
     let mut flush = false;
     if let Some(c) = s.conn.as_mut() {
@@ -367,7 +367,7 @@ pub(crate) fn end_part<C: Link>(
             if s.sent
                 .is_some_and(|t| now.saturating_duration_since(t) >= timeout)
             {
-                // No reply within the node timeout (one more per 1,000
+                // No reply within the node timeout (one more per 200
                 // keys): the node's own doing.
                 flush = wire.give_up(now);
                 wire.broken = true;

@@ -66,7 +66,7 @@ pub(crate) fn catch_up<L: Link>(c: &mut L, node: &NodeShared, now: Instant) -> b
 
 /// Whether a connection in use may take a new command: not when its oldest
 /// reply owed is older than its allowance, the node timeout (one more per
-/// 1,000 keys it names: the node's timeout, the connection is given up),
+/// 200 keys it names: the node's timeout, the connection is given up),
 /// or it owes too many; asks `INFO` again when due.
 pub(crate) fn keep_using<L: Link>(c: &mut L, node: &NodeShared, now: Instant) -> bool {
     if let Some(overdue) = give_up_why(c.wire(), node, now) {
@@ -81,7 +81,7 @@ pub(crate) fn keep_using<L: Link>(c: &mut L, node: &NodeShared, now: Instant) ->
 
 /// Why a connection in use is to be given up: `Some(true)` when its oldest
 /// reply owed is older than its allowance (the node timeout, one more per
-/// 1,000 keys the command names: see [`allowance`]; the node's own doing),
+/// 200 keys the command names: see [`allowance`]; the node's own doing),
 /// `Some(false)` when it owes too many replies.
 pub(crate) fn give_up_why(wire: &Wire, node: &NodeShared, now: Instant) -> Option<bool> {
     let oldest = wire.pending().front()?;

@@ -199,7 +199,7 @@ impl Engine {
 
     /// Sets held locks' keys again where they are missing (`SET NX PX ttl`
     /// with our tokens), waiting for every node's answer within the node
-    /// timeout (per 1,000 keys), and no later than `by` when given. A
+    /// timeout (one more per 200 keys), and no later than `by` when given. A
     /// release of one of these locks comes after this round: the holder's
     /// own extension returns only then, and a release waits for the renewal
     /// thread's round (see [`LockState::begin_renewal`]), so a restored copy

@@ -188,7 +188,7 @@ impl Engine {
 
     /// The most a call for a lock of `keys` keys may wait: `lock()` gets
     /// `retry_count × (retry_delay + retry_jitter + node_timeout)` (one more
-    /// node timeout per 1,000 keys of a set), `lock_timeout()` its own wait.
+    /// node timeout per 200 keys of a set), `lock_timeout()` its own wait.
     pub(crate) fn wait_deadline(&self, budget: Budget, keys: usize) -> Instant {
         let s = &self.settings;
         match budget {
@@ -411,7 +411,7 @@ impl Engine {
     }
 
     /// Runs a release of one lock on every node, bounded by the node timeout
-    /// (one more per 1,000 keys of a set).
+    /// (one more per 200 keys of a set).
     fn round(&self, op: Op, state: &LockState) -> Vec<NodeResult> {
         let deadline = self.round_deadline(self.clock.now(), state.size());
         let results = self.run_locks(op, &[state], deadline, Some(&quorum::settled));

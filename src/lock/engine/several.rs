@@ -171,9 +171,9 @@ mod tests {
     }
 
     /// A round of a set waits for a node as long as the crate's batches do,
-    /// one node timeout more per 1,000 keys: a hung node (the fake waits for
-    /// it until the deadline) costs an acquire and a release of 2,500 keys
-    /// three node timeouts each, no more, and the lock's validity counts
+    /// one node timeout more per 200 keys: a hung node (the fake waits for
+    /// it until the deadline) costs an acquire and a release of 1,000 keys
+    /// six node timeouts each, no more, and the lock's validity counts
     /// that round. A lone key's rounds keep exactly one node timeout.
     #[test]
     fn a_hung_node_costs_a_big_sets_rounds_their_scaled_deadline_and_a_lone_key_one() {
@@ -184,14 +184,14 @@ mod tests {
         nodes.set_mode(2, Mode::Hung);
         let timeout = crate::lock::settings::Settings::default().node_timeout;
         let drift = crate::algorithm::quorum::drift_allowance(ttl, 0.01);
-        let set = shortest(2_500);
+        let set = shortest(1_000);
         let start = clock.now();
         let g = locks.try_lock_all(&set, ttl).unwrap();
-        assert_eq!(clock.now() - start, timeout * 3, "acquire");
-        assert_eq!(g.validity(), ttl - timeout * 3 - drift);
+        assert_eq!(clock.now() - start, timeout * 6, "acquire");
+        assert_eq!(g.validity(), ttl - timeout * 6 - drift);
         let start = clock.now();
         g.release().unwrap();
-        assert_eq!(clock.now() - start, timeout * 3, "release");
+        assert_eq!(clock.now() - start, timeout * 6, "release");
         assert!(set.iter().all(|k| nodes.get(0, k).is_none()));
         let start = clock.now();
         let g = locks.try_lock("lone", ttl).unwrap();
@@ -201,8 +201,8 @@ mod tests {
         assert_eq!(clock.now() - start, timeout, "lone release");
     }
 
-    /// A set's round allowance past its TTL's validity (2,500 keys: three
-    /// node timeouts, 150 ms; a TTL of 120 ms) is cut to what the validity
+    /// A set's round allowance past its TTL's validity (1,000 keys: six
+    /// node timeouts, 300 ms; a TTL of 120 ms) is cut to what the validity
     /// could last, and a round that used it up yields no lock (never one
     /// with no validity left), and leaves nothing set.
     #[test]
@@ -212,7 +212,7 @@ mod tests {
         let ttl = Duration::from_millis(120);
         let (locks, nodes, clock) = client(3);
         nodes.set_mode(2, Mode::Hung);
-        let set = shortest(2_500);
+        let set = shortest(1_000);
         let start = clock.now();
         match locks.try_lock_all(&set, ttl) {
             Err(Error::ValidityExhausted { .. }) => {}

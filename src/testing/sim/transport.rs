@@ -213,7 +213,7 @@ impl Transport for SimTransport {
                         (NodeErrorKind::NotAwaited, "settled before its reply")
                     } else {
                         // Only a node that had the whole node timeout
-                        // (one more per 1,000 keys) failed; a round cut
+                        // (one more per 200 keys) failed; a round cut
                         // short by the caller's deadline says nothing
                         // about it (rule 2).
                         if end.saturating_duration_since(start)
