@@ -93,7 +93,10 @@ impl Builder {
     }
 
     /// Sets the per-node I/O timeout, used for connect, read and write, and
-    /// as the bound of each round (acquire, extend, release).
+    /// as the bound of each round (acquire, extend, release). A round of a
+    /// lock of several resources, or a renewal of many locks at once, gets
+    /// one node timeout more per 200 keys it carries (a node runs them
+    /// all in one script); a lone lock's round gets exactly this.
     ///
     /// Defaults to 50 ms.
     pub fn node_timeout(mut self, timeout: Duration) -> Self {

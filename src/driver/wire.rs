@@ -60,6 +60,11 @@ pub(crate) enum Setup {
 pub(crate) struct Pending {
     /// When the command was queued.
     pub sent: Instant,
+    /// How many keys the command names: its reply may take a node timeout
+    /// more per 200 before the node is charged a timeout (see
+    /// [`allowance`](crate::algorithm::round::allowance)). One for a
+    /// command that names none.
+    pub keys: usize,
     /// Whether the current round waits for it (else it is read and dropped).
     pub wanted: bool,
     /// For an acquire or a swap whose round ended without its reply: the
@@ -90,6 +95,7 @@ impl Pending {
     fn new(sent: Instant, wanted: bool, setup: Setup) -> Self {
         Pending {
             sent,
+            keys: 1,
             wanted,
             undo: None,
             tokens: Vec::new(),
@@ -233,19 +239,19 @@ impl Wire {
 
     /// Hands over what was queued since the last call, for a shared
     /// connection to carry: the bytes (appended to `bytes`) and, per
-    /// command, when it was queued (given to `sent`, oldest first). Returns
-    /// how many commands.
+    /// command, when it was queued and how many keys it names (given to
+    /// `sent`, oldest first). Returns how many commands.
     pub(crate) fn take_uncarried(
         &mut self,
         bytes: &mut Vec<u8>,
-        sent: impl FnMut(Instant),
+        sent: impl FnMut((Instant, usize)),
     ) -> usize {
         let n = usize::try_from(self.pushed.saturating_sub(self.carried)).unwrap_or(usize::MAX);
         let skip = self.pending.len().saturating_sub(n);
         self.pending
             .iter()
             .skip(skip)
-            .map(|p| p.sent)
+            .map(|p| (p.sent, p.keys))
             .for_each(sent);
         bytes.extend_from_slice(&self.out);
         self.out.clear();
@@ -254,13 +260,18 @@ impl Wire {
     }
 
     /// Carries rounds' commands onto this shared connection's wire: their
-    /// bytes, and one entry per command (its owner, and when it was
-    /// queued) that says whose reply it is.
-    pub(crate) fn carry(&mut self, bytes: &[u8], cmds: impl Iterator<Item = (u64, Instant)>) {
+    /// bytes, and one entry per command (its owner, when it was queued,
+    /// and how many keys it names) that says whose reply it is.
+    pub(crate) fn carry(
+        &mut self,
+        bytes: &[u8],
+        cmds: impl Iterator<Item = (u64, Instant, usize)>,
+    ) {
         self.out.extend_from_slice(bytes);
-        for (owner, sent) in cmds {
+        for (owner, sent, keys) in cmds {
             let mut p = Pending::new(sent, false, Setup::None);
             p.owner = owner;
+            p.keys = keys;
             self.pending.push_back(p);
         }
     }
@@ -332,6 +343,15 @@ impl Wire {
         self.push(cmd, now, wanted, Setup::None);
     }
 
+    /// [`queue`](Self::queue) for a command that names `keys` keys (see
+    /// [`Pending::keys`]).
+    pub(crate) fn queue_keys(&mut self, cmd: &[u8], now: Instant, wanted: bool, keys: usize) {
+        self.push(cmd, now, wanted, Setup::None);
+        if let Some(p) = self.pending.back_mut() {
+            p.keys = keys.max(1);
+        }
+    }
+
     /// Appends a command no round waits for that may write a key of ours
     /// (see [`Pending::undo`]).
     pub(crate) fn queue_late(
@@ -369,6 +389,7 @@ impl Wire {
     ) {
         self.push_unwanted(cmd, now, |p| {
             p.resend = Some(resend);
+            p.keys = retried.len().max(1);
             p.retried = retried;
         });
     }
@@ -387,16 +408,16 @@ impl Wire {
     /// release whose reply never came may have met NOSCRIPT; deleting twice
     /// is harmless). True when something was queued to send.
     pub(crate) fn give_up(&mut self, now: Instant) -> bool {
-        let undos: Vec<Vec<u8>> = self
+        let undos: Vec<(Vec<u8>, usize)> = self
             .pending
             .iter_mut()
-            .filter_map(|p| p.undo.take().or_else(|| p.resend.take()))
+            .filter_map(|p| Some((p.undo.take().or_else(|| p.resend.take())?, p.keys)))
             .collect();
         if undos.is_empty() || self.broken {
             return false;
         }
-        for u in &undos {
-            self.queue(u, now, false);
+        for (u, keys) in &undos {
+            self.queue_keys(u, now, false, *keys);
         }
         true
     }

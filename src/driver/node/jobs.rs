@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use log::debug;
 use scheduled_thread_pool::ScheduledThreadPool;
 
-use crate::algorithm::round::Key;
+use crate::algorithm::round::{allowance, Key};
 use crate::algorithm::round::{After, Op};
 use crate::clock::after;
 
@@ -89,7 +89,8 @@ impl Drop for RedisTransport {
     /// or a `SET` of theirs may still land) once more, all nodes at once,
     /// each on a connection of its own (a node that was failing may have no
     /// pooled one): at most one node timeout to connect and one for the
-    /// reply. What is still unanswered then expires with its TTL.
+    /// reply (one more per 200 keys). What is still unanswered then
+    /// expires with its TTL.
     fn drop(&mut self) {
         let now = Instant::now();
         let owed: Vec<(usize, Vec<Retry>)> = self
@@ -120,7 +121,8 @@ impl Drop for RedisTransport {
                             },
                             &keys,
                         );
-                        match release_once(&node.target, &enc.fallback(), timeout) {
+                        let reply = allowance(timeout, keys.len());
+                        match release_once(&node.target, &enc.fallback(), (timeout, reply)) {
                             Ok(()) => debug!(
                                 "node {name}: client dropped; {} owed release(s) sent",
                                 keys.len()

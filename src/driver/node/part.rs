@@ -12,7 +12,9 @@ use redis::Value;
 
 use crate::algorithm::health::{Admit, Outcome};
 use crate::algorithm::quorum::{self, VoteRules};
-use crate::algorithm::round::{Answer, Key, NodeResult, Op, ServerTag};
+use crate::algorithm::round::{
+    allowance, Answer, Key, NodeResult, Op, ServerTag, KEYS_PER_TIMEOUT,
+};
 use crate::clock::after;
 use crate::driver::conn;
 use crate::driver::node::encode::Encoded;
@@ -59,7 +61,7 @@ pub(crate) fn take_reply(
         if e.kind() == Some(redis::ServerErrorKind::NoScript) {
             debug!("node {}: script not cached, sending EVAL", ballot.names[i]);
             *fell_back = true;
-            wire.queue(&enc.fallback(), now, true);
+            wire.queue_keys(&enc.fallback(), now, true, enc.n);
             return Ok(true);
         }
     }
@@ -290,11 +292,21 @@ pub(crate) struct End<'a> {
 /// connection), the thread got the CPU back only after the round's
 /// deadline, or the round's deadline was nearer than a node timeout (the
 /// lock's validity, the caller's wait). None is the node's doing.
-fn timed_out(waited: Duration, sent: Option<Instant>, end: &End<'_>, timeout: Duration) -> String {
+fn timed_out(
+    waited: Duration,
+    sent: Option<Instant>,
+    end: &End<'_>,
+    (timeout, keys): (Duration, usize),
+) -> String {
     if waited >= timeout {
         return format!("no reply in {waited:?}");
     }
-    let mut why = format!("no reply in {waited:?}, less than the node timeout ({timeout:?})");
+    let of = if keys >= KEYS_PER_TIMEOUT {
+        format!(" for {keys} keys")
+    } else {
+        String::new()
+    };
+    let mut why = format!("no reply in {waited:?}, less than the node timeout ({timeout:?}{of})");
     let late_send = sent.map_or(Duration::ZERO, |t| t.saturating_duration_since(end.start));
     if late_send > waited {
         why.push_str(&format!(
@@ -336,6 +348,9 @@ pub(crate) fn end_part<C: Link>(
 ) -> bool {
     let (now, start) = (end.now, end.start);
     let name = &ballot.names[i];
+    // What the node had for this command: the node timeout, one more per
+    // 200 keys it names.
+    let timeout = allowance(shared.timeout, ballot.enc.n);
     let mut flush = false;
     if let Some(c) = s.conn.as_mut() {
         let wire = c.wire_mut();
@@ -350,9 +365,10 @@ pub(crate) fn end_part<C: Link>(
                 shared.unsettle(&left.tokens, until, now);
             }
             if s.sent
-                .is_some_and(|t| now.saturating_duration_since(t) >= shared.timeout)
+                .is_some_and(|t| now.saturating_duration_since(t) >= timeout)
             {
-                // No reply within the node timeout: the node's own doing.
+                // No reply within the node timeout (one more per 200
+                // keys): the node's own doing.
                 flush = wire.give_up(now);
                 wire.broken = true;
                 shared.observe(Outcome::TimedOut);
@@ -369,7 +385,7 @@ pub(crate) fn end_part<C: Link>(
                     NodeError::new(
                         name,
                         NodeErrorKind::Timeout,
-                        timed_out(waited, s.sent, end, shared.timeout),
+                        timed_out(waited, s.sent, end, (timeout, ballot.enc.n)),
                     )
                 }));
             }

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use super::tests::{acquire, ballot_for, node, release, sent_on, TestLink};
 use super::*;
 use crate::algorithm::round::Key;
+use crate::driver::node::replies::give_up_why;
 
 const MS: Duration = Duration::from_millis(1);
 
@@ -81,6 +82,36 @@ fn a_reply_past_the_node_timeout_gives_its_connection_up_with_the_undo_sent() {
         "no reply within the node timeout is the node's doing"
     );
     assert!(n.unsettled.lock().contains_key("t"));
+}
+
+/// A command of 400 keys has three node timeouts (150 ms) for its reply:
+/// owed 60 ms after it left when its round settled without it, its
+/// connection is kept for the next round and its node stays healthy; owed
+/// past 150 ms, the connection is given up as the node's doing.
+#[test]
+fn a_big_commands_reply_is_overdue_only_past_its_keys_allowance() {
+    let n = node();
+    let names: Vec<String> = (0..400).map(|i| format!("r{i}")).collect();
+    let keys: Vec<Key<'_>> = names.iter().map(|r| Key::new(r, "t")).collect();
+    let enc = Encoded::new(acquire().op, &keys);
+    let start = Instant::now();
+    let mut part = sent_on(&enc, start, start);
+    let ends = (start + 60 * MS, start + 150 * MS, true);
+    let (flush, _) = end_at(&n, &enc, &keys, &mut part, start, ends);
+    let wire = part.conn.as_ref().expect("kept").wire();
+    assert!(!flush && !wire.broken, "kept for the next round");
+    assert!(n.is_healthy(), "within its allowance: not the node's doing");
+    assert_eq!(give_up_why(wire, &n, start + 149 * MS), None);
+    assert_eq!(give_up_why(wire, &n, start + 150 * MS), Some(true));
+    let mut part = sent_on(&enc, start, start);
+    let ends = (start + 150 * MS, start + 150 * MS, false);
+    let (_, result) = end_at(&n, &enc, &keys, &mut part, start, ends);
+    assert!(part.conn.as_ref().expect("held").wire().broken);
+    assert_eq!(
+        result.expect("set").expect_err("failed").kind(),
+        NodeErrorKind::Timeout
+    );
+    assert!(!n.is_healthy(), "past its allowance: the node's doing");
 }
 
 #[test]

@@ -202,7 +202,7 @@ pub(super) fn acquire() -> Encoded {
 /// A part that sent `enc` at `began` on a connection made at `made`.
 pub(super) fn sent_on(enc: &Encoded, made: Instant, began: Instant) -> Part<TestLink> {
     let mut w = Wire::new(made);
-    w.queue(&enc.packed, began, true);
+    w.queue_keys(&enc.packed, began, true, enc.n);
     Part {
         admit: Admit::Wait,
         conn: Some(TestLink(w)),

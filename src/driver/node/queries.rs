@@ -18,14 +18,18 @@ use crate::error::NodeErrorKind;
 use crate::lock::transport::{Readers, Stored};
 
 /// Sends one release command (`EVAL`, so that no script cache is needed)
-/// on a new connection, and waits for its reply: within `timeout` to
-/// connect and `timeout` for the reply.
-pub(crate) fn release_once(target: &Target, cmd: &[u8], timeout: Duration) -> Result<(), String> {
-    let mut c = Conn::connect_for(target, timeout, conn::For::Query).map_err(|e| e.to_string())?;
+/// on a new connection, and waits for its reply: within `connect` to
+/// connect and `reply` for the reply.
+pub(crate) fn release_once(
+    target: &Target,
+    cmd: &[u8],
+    (connect, reply): (Duration, Duration),
+) -> Result<(), String> {
+    let mut c = Conn::connect_for(target, connect, conn::For::Query).map_err(|e| e.to_string())?;
     let now = Instant::now();
     c.wire.queue(cmd, now, true);
     c.flush().map_err(|e| e.to_string())?;
-    let deadline = after(now, timeout);
+    let deadline = after(now, reply);
     loop {
         let wanted = c.wire.pending().front().is_some_and(|p| p.wanted);
         let v = c.wait_reply(deadline).map_err(|e| e.to_string())?;

@@ -12,6 +12,7 @@ use log::debug;
 use redis::Value;
 
 use crate::algorithm::health::Outcome;
+use crate::algorithm::round::allowance;
 use crate::algorithm::server::{id_hash, ServerInfo};
 use crate::driver::conn::MAX_PENDING;
 use crate::driver::node::link::Link;
@@ -64,8 +65,9 @@ pub(crate) fn catch_up<L: Link>(c: &mut L, node: &NodeShared, now: Instant) -> b
 }
 
 /// Whether a connection in use may take a new command: not when its oldest
-/// reply owed is older than the node timeout (the node's timeout: the
-/// connection is given up) or it owes too many; asks `INFO` again when due.
+/// reply owed is older than its allowance, the node timeout (one more per
+/// 200 keys it names: the node's timeout, the connection is given up),
+/// or it owes too many; asks `INFO` again when due.
 pub(crate) fn keep_using<L: Link>(c: &mut L, node: &NodeShared, now: Instant) -> bool {
     if let Some(overdue) = give_up_why(c.wire(), node, now) {
         c.abandon();
@@ -78,11 +80,12 @@ pub(crate) fn keep_using<L: Link>(c: &mut L, node: &NodeShared, now: Instant) ->
 }
 
 /// Why a connection in use is to be given up: `Some(true)` when its oldest
-/// reply owed is older than the node timeout (the node's own doing),
+/// reply owed is older than its allowance (the node timeout, one more per
+/// 200 keys the command names: see [`allowance`]; the node's own doing),
 /// `Some(false)` when it owes too many replies.
 pub(crate) fn give_up_why(wire: &Wire, node: &NodeShared, now: Instant) -> Option<bool> {
     let oldest = wire.pending().front()?;
-    if now.saturating_duration_since(oldest.sent) >= node.timeout {
+    if now.saturating_duration_since(oldest.sent) >= allowance(node.timeout, oldest.keys) {
         return Some(true);
     }
     (wire.pending().len() >= MAX_PENDING).then_some(false)
@@ -165,7 +168,7 @@ pub(crate) fn late_reply(
     if let (Some(undo), Some(until)) = (p.undo.as_ref(), released) {
         if acquired_any(v) {
             debug!("node {}: a late write landed; deleting it", node.name);
-            c.queue(undo, now, false);
+            c.queue_keys(undo, now, false, p.keys);
             queued = true;
             let mut undone = node.undone.lock();
             for t in &p.tokens {
@@ -190,7 +193,7 @@ pub(crate) fn late_reply(
         debug!("node {}: scripts not cached; loading them", node.name);
         if let Some(resend) = &p.resend {
             if p.retried.is_empty() {
-                c.queue(resend, now, false);
+                c.queue_keys(resend, now, false, p.keys);
             } else {
                 // Its keys stay queued for retry until this one is answered.
                 c.queue_retry(resend, now, resend.clone(), p.retried.clone());

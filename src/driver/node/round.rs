@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use crate::algorithm::health::{self, Admit};
 use crate::algorithm::quorum::{self};
-use crate::algorithm::round::Key;
+use crate::algorithm::round::{allowance, Key};
 use crate::algorithm::round::{NodeResult, Op};
 use crate::clock::after;
 use crate::error::{NodeError, NodeErrorKind};
@@ -116,10 +116,11 @@ pub(crate) trait Round: Links + Sized {
                 let enc = Encoded::new(rel, keys);
                 // A failed swap's caller locks anew within its own bound:
                 // its undo is sent, not waited for (a delete not answered
-                // is retried in the background).
+                // is retried in the background). An acquire's is waited for
+                // as a round of its keys.
                 let wait = match op {
                     Op::Swap { .. } => Duration::ZERO,
-                    _ => self.timeout(),
+                    _ => allowance(self.timeout(), keys.len()),
                 };
                 self.round_trip(&enc, keys, &mut parts, now, after(now, wait), None);
             }
@@ -346,7 +347,7 @@ pub(crate) trait Round: Links + Sized {
             return;
         };
         let sent = self.now();
-        c.wire_mut().queue(&enc.packed, sent, true);
+        c.wire_mut().queue_keys(&enc.packed, sent, true, enc.n);
         s.sent = Some(sent);
         if let Err(e) = c.flush() {
             self.failed(i, s, e, enc, results);

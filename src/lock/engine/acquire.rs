@@ -65,7 +65,8 @@ impl Engine {
         let called = self.clock.now();
         let drift = self.validate(resource, ttl)?;
         // One deadline for the whole call, local wait and attempts alike.
-        let until = self.wait_deadline(budget);
+        let keys = also.len().saturating_add(1);
+        let until = self.wait_deadline(budget, keys);
         let single = want.alone();
         let mut turn = if single {
             self.queue_turn(resource, budget, until)
@@ -96,14 +97,15 @@ impl Engine {
         // and its readers.
         let _set_waiting = (waits && !single).then(|| self.remote.set_waiting());
         // A waiting writer's intent outlives the longest wait between its
-        // tries: the retry pause, and the round and undo before it. (Not
+        // tries: the retry pause, and the round and undo before it (each
+        // as long as a round of its keys may wait). (Not
         // cut to the TTL: a TTL below the pause let readers in between the
         // tries, and a stream of them starved the writer.)
         let span = if waits && !want.read {
             let s = &self.settings;
             s.retry_delay
                 .saturating_add(s.retry_jitter)
-                .saturating_add(s.node_timeout.saturating_mul(3))
+                .saturating_add(self.allowance(keys).saturating_mul(3))
         } else {
             Duration::ZERO
         };

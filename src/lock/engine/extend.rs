@@ -49,7 +49,7 @@ impl Engine {
         };
         let keys: Vec<Key<'_>> = states.iter().flat_map(|s| s.keys()).collect();
         let sizes = super::several::sizes_of(states);
-        let mut deadline = self.batch_deadline(start, keys.len());
+        let mut deadline = self.round_deadline(start, keys.len());
         if let [only] = states {
             // A lone extension need not wait past its lock's validity.
             deadline = deadline.min(only.deadline());
@@ -199,7 +199,7 @@ impl Engine {
 
     /// Sets held locks' keys again where they are missing (`SET NX PX ttl`
     /// with our tokens), waiting for every node's answer within the node
-    /// timeout (per 1,000 keys), and no later than `by` when given. A
+    /// timeout (one more per 200 keys), and no later than `by` when given. A
     /// release of one of these locks comes after this round: the holder's
     /// own extension returns only then, and a release waits for the renewal
     /// thread's round (see [`LockState::begin_renewal`]), so a restored copy
@@ -214,7 +214,7 @@ impl Engine {
     ) -> Vec<NodeResult> {
         let now = self.clock.now();
         let keys = locks.iter().map(|s| s.size()).sum();
-        let bound = self.batch_deadline(now, keys);
+        let bound = self.round_deadline(now, keys);
         let deadline = by.map_or(bound, |by| by.min(bound));
         let results = self.run_locks(Op::Restore { ttl }, locks, deadline, None);
         if by.is_none() {

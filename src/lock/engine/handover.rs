@@ -11,7 +11,6 @@ use log::{debug, trace};
 
 use crate::algorithm::quorum::{self, Tally};
 use crate::algorithm::round::{Key, NodeResult, Op};
-use crate::clock::after;
 use crate::error::Error;
 use crate::events::{AttemptEvent, Begun, Nodes};
 use crate::lock::state::LockState;
@@ -36,7 +35,7 @@ impl Engine {
         } else {
             let deadline = timing
                 .deadline
-                .min(after(start, self.settings.node_timeout));
+                .min(self.round_deadline(start, state.size()));
             let op = Op::Fence { value: fence };
             let results = self.run_locks(op, &[state], deadline, Some(&quorum::settled));
             self.note_failures(&results);
@@ -144,7 +143,7 @@ impl Engine {
             &[key],
             timing
                 .deadline
-                .min(after(start, self.settings.node_timeout)),
+                .min(self.round_deadline(start, handed.size())),
             Some(&quorum::settled),
             Some(&decide),
         );

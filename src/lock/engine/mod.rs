@@ -18,7 +18,7 @@ use parking_lot::Mutex;
 
 use crate::algorithm::quorum::{self, Tally};
 use crate::algorithm::restart::{self, RestartRule, TtlHistory};
-use crate::algorithm::round::{is_reader, Key, NodeFacts, NodeResult, Op};
+use crate::algorithm::round::{self, is_reader, Key, NodeFacts, NodeResult, Op};
 use crate::clock::{after, new_reader_token, new_token, Clock, Rng, Throttle};
 use crate::error::{Error, InvalidInput};
 use crate::events::Begun;
@@ -186,16 +186,17 @@ impl Engine {
         }
     }
 
-    /// The most a call may wait: `lock()` gets `retry_count × (retry_delay +
-    /// retry_jitter + node_timeout)`, `lock_timeout()` its own wait.
-    pub(crate) fn wait_deadline(&self, budget: Budget) -> Instant {
+    /// The most a call for a lock of `keys` keys may wait: `lock()` gets
+    /// `retry_count × (retry_delay + retry_jitter + node_timeout)` (one more
+    /// node timeout per 200 keys of a set), `lock_timeout()` its own wait.
+    pub(crate) fn wait_deadline(&self, budget: Budget, keys: usize) -> Instant {
         let s = &self.settings;
         match budget {
             Budget::Attempts(n) => {
                 let per_attempt = s
                     .retry_delay
                     .saturating_add(s.retry_jitter)
-                    .saturating_add(s.node_timeout);
+                    .saturating_add(self.allowance(keys));
                 after(self.clock.now(), per_attempt.saturating_mul(n))
             }
             Budget::Until(until) => until,
@@ -269,7 +270,7 @@ impl Engine {
             loose: self.settings.loose_restart_rule,
         };
         // No point waiting for replies past the moment validity would be gone.
-        let budget = self.settings.node_timeout.min(ttl.saturating_sub(drift));
+        let budget = self.allowance(keys.len()).min(ttl.saturating_sub(drift));
         let horizon = self.horizon();
         let settled = |results: &[Option<NodeResult>]| {
             let longest = rule.longest(restart::facts_of(results.iter().flatten()));
@@ -410,9 +411,10 @@ impl Engine {
         result
     }
 
-    /// Runs a release of one lock on every node, bounded by the node timeout.
+    /// Runs a release of one lock on every node, bounded by the node timeout
+    /// (one more per 200 keys of a set).
     fn round(&self, op: Op, state: &LockState) -> Vec<NodeResult> {
-        let deadline = after(self.clock.now(), self.settings.node_timeout);
+        let deadline = self.round_deadline(self.clock.now(), state.size());
         let results = self.run_locks(op, &[state], deadline, Some(&quorum::settled));
         self.note_failures(&results);
         results
@@ -472,9 +474,7 @@ impl Engine {
             return;
         }
         let now = self.clock.now();
-        let round = self
-            .batch_deadline(now, crate::lock::watchdog::MAX_BATCH)
-            .saturating_duration_since(now);
+        let round = self.allowance(crate::lock::watchdog::MAX_BATCH);
         let until = after(now, round.saturating_mul(2));
         loop {
             let seen = self.renewal_done.seen();
@@ -488,7 +488,7 @@ impl Engine {
     /// Best-effort release of many locks in one round trip per node.
     pub(crate) fn release_many(&self, states: &[&LockState]) {
         let keys: Vec<Key<'_>> = states.iter().flat_map(|s| s.keys()).collect();
-        let deadline = self.batch_deadline(self.clock.now(), keys.len());
+        let deadline = self.round_deadline(self.clock.now(), keys.len());
         let keep_until = states
             .iter()
             .map(|s| self.keep_until(s))
@@ -508,11 +508,15 @@ impl Engine {
         self.note_failures(&results);
     }
 
-    /// A round's deadline: the node timeout, plus one more per 1,000 keys
-    /// (a big batch keeps the server busy for longer).
-    fn batch_deadline(&self, start: Instant, keys: usize) -> Instant {
-        let scale = u32::try_from(keys / 1000 + 1).unwrap_or(u32::MAX);
-        after(start, self.settings.node_timeout.saturating_mul(scale))
+    /// How long a round of `keys` keys waits for a node (see
+    /// [`round::allowance`]): the node timeout for a lone lock.
+    fn allowance(&self, keys: usize) -> Duration {
+        round::allowance(self.settings.node_timeout, keys)
+    }
+
+    /// A round's deadline: [`allowance`](Self::allowance) from `start`.
+    fn round_deadline(&self, start: Instant, keys: usize) -> Instant {
+        after(start, self.allowance(keys))
     }
 
     /// The client's renewal thread, started on first use.

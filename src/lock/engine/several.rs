@@ -121,6 +121,7 @@ pub(super) fn sizes_of(locks: &[&LockState]) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::clock::Clock;
     use crate::error::Error;
 
     fn invalid(r: Result<Vec<String>>) -> InvalidInput {
@@ -156,5 +157,71 @@ mod tests {
         let fine: Vec<String> = (0..16).map(|i| format!("{i:04}{}", &long[4..])).collect();
         assert_eq!(validate_resources(&fine).unwrap(), fine);
         assert_eq!(validate_resources(&["b", "a"]).unwrap(), ["b", "a"]);
+    }
+
+    /// `n` distinct names, shortest first (one ASCII byte, then two): the
+    /// most names the bounds admit in the fewest bytes.
+    fn shortest(n: usize) -> Vec<String> {
+        let ascii = || (0u8..128).map(char::from);
+        ascii()
+            .map(String::from)
+            .chain(ascii().flat_map(|a| ascii().map(move |b| format!("{a}{b}"))))
+            .take(n)
+            .collect()
+    }
+
+    /// A round of a set waits for a node as long as the crate's batches do,
+    /// one node timeout more per 200 keys: a hung node (the fake waits for
+    /// it until the deadline) costs an acquire and a release of 1,000 keys
+    /// six node timeouts each, no more, and the lock's validity counts
+    /// that round. A lone key's rounds keep exactly one node timeout.
+    #[test]
+    fn a_hung_node_costs_a_big_sets_rounds_their_scaled_deadline_and_a_lone_key_one() {
+        use crate::testing::fake::{client, Mode};
+        use std::time::Duration;
+        let ttl = Duration::from_secs(10);
+        let (locks, nodes, clock) = client(3);
+        nodes.set_mode(2, Mode::Hung);
+        let timeout = crate::lock::settings::Settings::default().node_timeout;
+        let drift = crate::algorithm::quorum::drift_allowance(ttl, 0.01);
+        let set = shortest(1_000);
+        let start = clock.now();
+        let g = locks.try_lock_all(&set, ttl).unwrap();
+        assert_eq!(clock.now() - start, timeout * 6, "acquire");
+        assert_eq!(g.validity(), ttl - timeout * 6 - drift);
+        let start = clock.now();
+        g.release().unwrap();
+        assert_eq!(clock.now() - start, timeout * 6, "release");
+        assert!(set.iter().all(|k| nodes.get(0, k).is_none()));
+        let start = clock.now();
+        let g = locks.try_lock("lone", ttl).unwrap();
+        assert_eq!(clock.now() - start, timeout, "lone acquire");
+        let start = clock.now();
+        g.release().unwrap();
+        assert_eq!(clock.now() - start, timeout, "lone release");
+    }
+
+    /// A set's round allowance past its TTL's validity (1,000 keys: six
+    /// node timeouts, 300 ms; a TTL of 120 ms) is cut to what the validity
+    /// could last, and a round that used it up yields no lock (never one
+    /// with no validity left), and leaves nothing set.
+    #[test]
+    fn a_set_whose_round_outlasts_its_ttl_is_refused_not_granted_without_validity() {
+        use crate::testing::fake::{client, Mode};
+        use std::time::Duration;
+        let ttl = Duration::from_millis(120);
+        let (locks, nodes, clock) = client(3);
+        nodes.set_mode(2, Mode::Hung);
+        let set = shortest(1_000);
+        let start = clock.now();
+        match locks.try_lock_all(&set, ttl) {
+            Err(Error::ValidityExhausted { .. }) => {}
+            other => panic!("{other:?}"),
+        }
+        let drift = crate::algorithm::quorum::drift_allowance(ttl, 0.01);
+        assert_eq!(clock.now() - start, ttl - drift);
+        assert!(set
+            .iter()
+            .all(|k| (0..3).all(|i| nodes.get(i, k).is_none())));
     }
 }

@@ -10,7 +10,7 @@ use parking_lot::Mutex;
 
 use crate::algorithm::health::{self, Admit, NodeHealth, Outcome};
 use crate::algorithm::quorum::VoteRules;
-use crate::algorithm::round::{Key, NodeResult, Op};
+use crate::algorithm::round::{allowance, Key, NodeResult, Op};
 use crate::clock::{after, Signal};
 use crate::error::{NodeError, NodeErrorKind};
 use crate::lock::transport::{AfterRound, Decided, Transport, Undo};
@@ -213,9 +213,12 @@ impl Transport for SimTransport {
                         (NodeErrorKind::NotAwaited, "settled before its reply")
                     } else {
                         // Only a node that had the whole node timeout
-                        // failed; a round cut short by the caller's
-                        // deadline says nothing about it (rule 2).
-                        if end.saturating_duration_since(start) >= self.timeout {
+                        // (one more per 200 keys) failed; a round cut
+                        // short by the caller's deadline says nothing
+                        // about it (rule 2).
+                        if end.saturating_duration_since(start)
+                            >= allowance(self.timeout, keys.len())
+                        {
                             self.health.lock()[i].observe(end, Outcome::TimedOut);
                         }
                         (NodeErrorKind::Timeout, "no reply")
@@ -249,7 +252,7 @@ impl Transport for SimTransport {
                 let undo_round = self.send(rel, &written, &admits, &mut lanes);
                 let wait_for = match op {
                     Op::Swap { .. } => Duration::ZERO,
-                    _ => self.timeout,
+                    _ => allowance(self.timeout, written.len()),
                 };
                 let now = self.sched.instant(self.sched.nanos());
                 self.gather(&undo_round, &wait, after(now, wait_for), None, false);

@@ -120,7 +120,7 @@ pub(crate) type Slot<C> = Mutex<Option<Arc<Line<C>>>>;
 #[derive(Default)]
 struct Staged {
     bytes: Vec<u8>,
-    cmds: Vec<(u64, Instant)>,
+    cmds: Vec<(u64, Instant, usize)>,
     since: Option<Instant>,
 }
 
@@ -429,7 +429,7 @@ impl<C: Link> Line<C> {
         {
             let mut sg = self.staged.lock();
             let Staged { bytes, cmds, since } = &mut *sg;
-            wire.take_uncarried(bytes, |t| cmds.push((id, t)));
+            wire.take_uncarried(bytes, |(t, keys)| cmds.push((id, t, keys)));
             since.get_or_insert(now);
         }
         // The simulation lets other threads run here, as a scheduler may.

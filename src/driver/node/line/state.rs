@@ -28,20 +28,22 @@ where
     pub(super) fn carry(&mut self, id: u64, wire: &mut Wire) {
         let mut bytes = Vec::new();
         let mut cmds = Vec::new();
-        if wire.take_uncarried(&mut bytes, |t| cmds.push((id, t))) > 0 || !bytes.is_empty() {
+        if wire.take_uncarried(&mut bytes, |(t, keys)| cmds.push((id, t, keys))) > 0
+            || !bytes.is_empty()
+        {
             self.carry_staged(&bytes, cmds.into_iter());
         }
     }
 
     /// Carries commands onto the connection: their bytes, and per command
-    /// its owner and when it was queued.
+    /// its owner, when it was queued and how many keys it names.
     pub(super) fn carry_staged(
         &mut self,
         bytes: &[u8],
-        cmds: impl Iterator<Item = (u64, Instant)>,
+        cmds: impl Iterator<Item = (u64, Instant, usize)>,
     ) {
         let owners = &mut self.owners;
-        let counted = cmds.inspect(|&(id, _)| {
+        let counted = cmds.inspect(|&(id, _, _)| {
             if let Some(o) = owners.iter_mut().find(|o| o.id == id) {
                 // Staged until now, if it was (see `State::defers`).
                 o.staged = o.staged.saturating_sub(1);
