@@ -419,3 +419,42 @@ fn inspect_runs_under_the_locks_own_acl() {
     assert!(answers.iter().all(|n| n.key().is_ok()), "{answers:?}");
     g.release().expect("release");
 }
+
+/// Under the README's ACL for read locks (the lock's commands and the sorted-set ones,
+/// nothing else), a renewed reader whose copy a node lost gets it back: the renewal's
+/// restore meets no key there, and must tell that from another owner's with the
+/// commands the ACL allows (it called `EXISTS`, which the ACL refuses: the node's copy
+/// stayed missing). Its release where the key is gone answers too.
+#[test]
+fn a_readers_lost_copy_is_restored_under_the_read_locks_acl() {
+    let c = shared();
+    let prefix = unique_key("rwi-restore");
+    let tag = prefix.replace([':', '-'], "_");
+    let rules: Vec<&str> = LOCK_RULES.iter().chain(&READ_RULES).copied().collect();
+    let user = AclUser::new(&c, &format!("r{tag}"), &prefix, &rules);
+    let locks = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(user.urls())
+        .node_timeout(Duration::from_millis(250))
+        .auto_renew(true)
+        .build()
+        .expect("valid config");
+    assert_eq!(locks.wait_connected(Duration::from_secs(5)).ok(), Some(3));
+    let key = format!("{prefix}:k");
+    let on = |i: usize, token: &str| c.readers(i, &key).iter().any(|t| t == token);
+    let r = locks
+        .try_read_lock(&key, Duration::from_millis(600))
+        .expect("a reader under its ACL");
+    assert!(
+        wait_until(Duration::from_secs(2), || (0..3).all(|i| on(i, r.token()))),
+        "the reader on every node"
+    );
+    c.del(0, &key);
+    assert!(
+        wait_until(Duration::from_secs(3), || on(0, r.token())),
+        "node 0's copy was not restored by the renewal"
+    );
+    assert!(r.is_held());
+    c.del(0, &key);
+    r.release().expect("released");
+}

@@ -95,9 +95,12 @@ end
 /// `true` (our reader set), `0` (another owner's key that is no string:
 /// an application's) or the string stored (a writer's token, or an
 /// application's string); `own_set(k)`: `true` (our reader set), `false`
-/// (absent) or `0` (anything else); `ms_now()`: the node's time in ms
-/// (`clock_ms`, read once); `live(k)`: the live readers of our reader set
-/// `k` (expired entries dropped); `enter(k, m, ms)`: entry `m` of our
+/// (absent) or `0` (anything else), with the commands of the lock's ACL
+/// (`GET`, not `EXISTS`; a refusal of `ZSCORE` other than `WRONGTYPE`, an
+/// ACL's, is the script's error, never taken for an application's key);
+/// `ms_now()`: the node's time in ms (`clock_ms`, read once); `live(k)`:
+/// the live readers of our reader set `k` (expired entries dropped);
+/// `enter(k, m, ms)`: entry `m` of our
 /// reader set `k` (made, with its mark, where absent) lives at least `ms`
 /// more, and the key with it; `last_entry(k)`: the key lives exactly as
 /// long as its last entry, and goes where only its mark is left.
@@ -115,16 +118,18 @@ macro_rules! make_readers_lua {
     () => {
         r"if not value then
   own_set = function(k)
-    if type(redis.pcall('ZSCORE', k, '\0quorumlock')) == 'string' then return true end
-    if redis.call('EXISTS', k) == 1 then return 0 end
+    local s = redis.pcall('ZSCORE', k, '\0quorumlock')
+    if type(s) == 'string' then return true end
+    if type(s) == 'table' and not string.find(s.err or '', 'WRONGTYPE', 1, true) then
+      -- Refused (an ACL without it): the script's error, as any command's.
+      redis.call('ZSCORE', k, '\0quorumlock')
+    end
+    if redis.pcall('GET', k) then return 0 end
     return false
   end
   value = function(k)
     local v = redis.pcall('GET', k)
-    if type(v) == 'table' then
-      if type(redis.pcall('ZSCORE', k, '\0quorumlock')) == 'string' then return true end
-      return 0
-    end
+    if type(v) == 'table' then return own_set(k) end
     return v
   end
   ms_now = function()
