@@ -726,3 +726,89 @@ fn a_client_without_wake_ups_polls() {
         "woken {after:?} after the release"
     );
 }
+
+/// A real release followed at once by a new owner whose time left is shorter than the
+/// old owner's was (a shorter TTL; or, for a reader, an owner after a writer's intent,
+/// which answered "no end known") is not a forged message: the waiter must still hear
+/// the new owner's release. Found by a hostile review: the woken try judged "same
+/// owners" and stopped listening, so the waiter got in only at its fallback, ~1 s after
+/// the release (2–24 ms on the commit before).
+#[test]
+fn a_new_owner_with_less_time_left_is_not_taken_for_a_forged_message() {
+    let c = shared();
+    let slow = |urls| {
+        let l = Redlock::builder()
+            .fresh_cluster(true)
+            .nodes(urls)
+            .node_timeout(Duration::from_millis(250))
+            .retry_delay(Duration::from_secs(2))
+            .retry_jitter(Duration::from_millis(1))
+            .build()
+            .expect("valid config");
+        assert_eq!(l.wait_connected(Duration::from_secs(5)).ok(), Some(3));
+        l
+    };
+    let (a, b, w) = (slow(c.urls()), slow(c.urls()), slow(c.urls()));
+    let long = Duration::from_secs(10);
+    let bound = Duration::from_millis(500);
+
+    // A writer: A (10 s) releases, B takes it at once for 1 s, holds 5 ms, releases.
+    let key = unique_key("wake-shorter");
+    let ga = a.try_lock(&key, long).expect("A");
+    let waiter = {
+        let (w, key) = (w.clone(), key.clone());
+        std::thread::spawn(move || {
+            let g = w.lock_timeout(&key, long, Duration::from_secs(5));
+            (Instant::now(), g.map(|g| g.release()))
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    ga.release().expect("A released");
+    if let Ok(gb) = b.try_lock(&key, Duration::from_secs(1)) {
+        std::thread::sleep(Duration::from_millis(5));
+        let released = Instant::now();
+        gb.release().expect("B released");
+        let (got, r) = waiter.join().expect("no panic");
+        assert!(r.is_ok(), "the waiter got the lock");
+        let late = got.saturating_duration_since(released);
+        assert!(late < bound, "the writer got in {late:?} after B's release");
+    } else {
+        // The waiter won the race against B: nothing to check here.
+        let _ = waiter.join();
+    }
+
+    // A reader behind a writer's intent: the last reader out lets the writer in (5 ms),
+    // and the reader must hear the writer's release.
+    let key = unique_key("wake-reader");
+    let r0 = a.try_read_lock(&key, long).expect("a reader");
+    let writer = {
+        let (b, key) = (b.clone(), key.clone());
+        std::thread::spawn(move || {
+            let g = b
+                .lock_timeout(&key, long, Duration::from_secs(5))
+                .expect("the writer");
+            std::thread::sleep(Duration::from_millis(5));
+            let released = Instant::now();
+            g.release().expect("the writer released");
+            released
+        })
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    let reader = {
+        let (w, key) = (w.clone(), key.clone());
+        std::thread::spawn(move || {
+            let g = w.read_lock_timeout(&key, long, Duration::from_secs(5));
+            (Instant::now(), g.map(|g| g.release()))
+        })
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    r0.release().expect("the first reader released");
+    let released = writer.join().expect("no panic");
+    let (got, r) = reader.join().expect("no panic");
+    assert!(r.is_ok(), "the reader got in");
+    let late = got.saturating_duration_since(released);
+    assert!(
+        late < bound,
+        "the reader got in {late:?} after the writer's release"
+    );
+}
