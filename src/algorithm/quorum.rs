@@ -243,33 +243,39 @@ pub(crate) enum Seen {
     Held(Duration),
 }
 
-/// Each node's [`Seen`] of key `index` after a failed acquire.
-pub(crate) fn seen(results: &[NodeResult], index: usize) -> Vec<Seen> {
+/// Each node's [`Seen`] of each of a lock's `keys` after a failed
+/// acquire, node by node (a node's time left is its longest over the
+/// keys: one reply per node).
+pub(crate) fn seen(results: &[NodeResult], keys: usize) -> Vec<Seen> {
     results
         .iter()
-        .map(|r| match r {
-            Ok(rep) => match rep.answers.get(index) {
-                Some(Answer::Other) => Seen::Held(rep.held.unwrap_or(Duration::MAX)),
-                Some(_) => Seen::Free,
-                None => Seen::Unknown,
-            },
-            Err(_) => Seen::Unknown,
+        .flat_map(|r| {
+            (0..keys).map(move |index| match r {
+                Ok(rep) => match rep.answers.get(index) {
+                    Some(Answer::Other) => Seen::Held(rep.held.unwrap_or(Duration::MAX)),
+                    Some(_) => Seen::Free,
+                    None => Seen::Unknown,
+                },
+                Err(_) => Seen::Unknown,
+            })
         })
         .collect()
 }
 
 /// Whether a woken attempt that failed (`now`: what it saw, `at` when)
 /// met another owner than the attempt before it (`before`: what that one
-/// saw, and when) on some node that answered both: a key held longer than
-/// the old owner's could still be (by more than `slack`, the most one
-/// node's two readings can be off: a round's time), or a node's key freed
-/// or taken in between. A release came, or a renewal: the message that
-/// woke it may be true. `false` where every node that answered both shows
-/// the same owner: the message was forged, from another database (pub/sub
-/// ignores it) or late, and the waiter hears no more of them until its
-/// next try by the clock (see `Engine::acquire`), so that messages drive at
-/// most one round per fallback pause. With nothing to compare (no attempt
-/// before, or no node that answered both) every message counts.
+/// saw, and when) on some node that answered both, for some key: a key
+/// held longer than the old owner's could still be (by more than `slack`,
+/// the most one node's two readings can be off: a round's time), an end
+/// known where none was or none where one was, or a key freed or taken in
+/// between. A release came, or a renewal: the message that woke it may be
+/// true. `false` where every node that answered both shows the same owners:
+/// the message may have been forged, from another database (pub/sub
+/// ignores it) or late; but a new owner with less time left (a shorter
+/// TTL) looks the same, so it takes two such tries in a row before the
+/// waiter hears no more messages until its next try by the clock (see
+/// `Engine::acquire`). With nothing to compare (no attempt before, or no
+/// node that answered both) every message counts.
 ///
 /// Node by node, not by [`free_in`]: a round ends at its first majority,
 /// so two rounds' majorities may differ by a node, and one owner's copies
@@ -290,8 +296,11 @@ pub(crate) fn new_owner(
             (Seen::Unknown, _) | (_, Seen::Unknown) | (Seen::Free, Seen::Free) => {}
             (Seen::Held(w), Seen::Held(n)) => {
                 compared = true;
-                let never = w == Duration::MAX && n == Duration::MAX;
-                if !never && n > w.saturating_sub(gone).saturating_add(slack) {
+                // An end known where none was, or none where one was.
+                if (w == Duration::MAX) != (n == Duration::MAX) {
+                    return true;
+                }
+                if w != Duration::MAX && n > w.saturating_sub(gone).saturating_add(slack) {
                     return true;
                 }
             }

@@ -392,10 +392,11 @@ fn a_round_of_many_keys_waits_for_its_replies() {
 }
 
 /// A woken attempt that meets the owners the attempt before it met (their time left
-/// gone down by the time between, give or take a round) on every node that answered
-/// both found no release: the message was forged, foreign or late. A new owner, or one
-/// that renewed, holds longer than the old one could still; a node freed or taken in
-/// between is a change too; with nothing to compare, every message counts.
+/// gone down by the time between, give or take a round) on every node and key that
+/// answered both found no release: the message may be forged, foreign or late. A new
+/// owner, or one that renewed, holds longer than the old one could still; an end known
+/// where none was (or none where one was), a key freed or taken in between, is a change
+/// too; with nothing to compare, every message counts.
 #[test]
 fn a_woken_attempt_tells_a_new_owner_from_the_same_one() {
     use Seen::{Free, Held, Unknown};
@@ -407,18 +408,50 @@ fn a_woken_attempt_tells_a_new_owner_from_the_same_one() {
     // The same owner, its copies read on another majority (give or take the slack).
     assert!(!new(&[Held(900 * MS), Unknown, Held(905 * MS)]));
     assert!(!new(&[Held(902 * MS), Held(904 * MS), Held(950 * MS)]));
-    // Its key expires on a node: less time, no new owner.
+    // Its key expires on a node: less time, no new owner seen.
     assert!(!new(&[Held(10 * MS), Unknown, Unknown]));
     // A new owner (or a renewal) on one node: more than the old one could have left.
     assert!(new(&[Held(900 * MS), Held(906 * MS), Unknown]));
     assert!(new(&[Held(10_000 * MS), Unknown, Unknown]));
     // A node freed or taken in between.
     assert!(new(&[Free, Held(903 * MS), Unknown]));
+    // An end known where none was (a writer after readers refused by its intent), or
+    // none where one was.
+    assert!(new(&[Held(Duration::MAX), Unknown, Unknown]));
+    let never = [Held(Duration::MAX); 3];
+    assert!(new_owner(
+        Some((t0, &never[..])),
+        &[Held(5 * MS), Unknown, Unknown],
+        later,
+        slack
+    ));
     // No node answered both: nothing to compare.
     assert!(new(&[Unknown, Unknown, Held(900 * MS)]));
     // An owner that never expires, before and now: the same.
-    let never = [Held(Duration::MAX); 3];
     assert!(!new_owner(Some((t0, &never[..])), &never, later, slack));
     // No attempt before: every message counts.
     assert!(new_owner(None, &never, later, slack));
+}
+
+/// A lock of several: each key of each node is compared (node by node, key by key):
+/// another key of the set freed is a change, though the first is held as before.
+#[test]
+fn a_sets_other_key_freed_is_a_new_owner() {
+    use crate::algorithm::round::Reply;
+    let t0 = Instant::now();
+    let reply = |answers: Vec<Answer>| {
+        let mut r = Reply::new(answers);
+        r.held = Some(1000 * MS);
+        Ok(r)
+    };
+    let before: Vec<NodeResult> = (0..3)
+        .map(|_| reply(vec![Answer::Other, Answer::Other]))
+        .collect();
+    let after: Vec<NodeResult> = (0..3)
+        .map(|_| reply(vec![Answer::Other, Answer::Ok]))
+        .collect();
+    let (was, now) = (seen(&before, 2), seen(&after, 2));
+    assert_eq!(was.len(), 6);
+    assert!(new_owner(Some((t0, &was[..])), &now, t0 + MS, 2 * MS));
+    assert!(!new_owner(Some((t0, &was[..])), &was, t0 + MS, 2 * MS));
 }

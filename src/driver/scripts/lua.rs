@@ -119,7 +119,7 @@ macro_rules! make_readers_lua {
         r"if not value then
   own_set = function(k)
     local s = redis.pcall('ZSCORE', k, '\0quorumlock')
-    if type(s) == 'string' then return true end
+    if s == '0' then return true end
     if type(s) == 'table' and not string.find(s.err or '', 'WRONGTYPE', 1, true) then
       -- Refused (an ACL without it): the script's error, as any command's.
       redis.call('ZSCORE', k, '\0quorumlock')

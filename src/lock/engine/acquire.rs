@@ -23,6 +23,13 @@ use super::{Budget, Engine, Want};
 /// everywhere (see `Engine::acquire`).
 const QUICK_RETRIES: u32 = 2;
 
+/// Woken tries in a row that met the same owners (see
+/// [`quorum::new_owner`]) after which a waiter stops listening until its
+/// next try by the clock. Two: one such try may be a real release followed
+/// at once by an owner with less time left (a shorter TTL); a stream of
+/// forged messages costs a waiter at most two rounds per fallback pause.
+const SAME_OWNERS: u32 = 2;
+
 /// The longest a subscribed waiter waits for a wake-up before it tries
 /// again (its retry pause or the owner's expiry, where shorter): a lost
 /// message costs at most this.
@@ -137,11 +144,13 @@ impl Engine {
         // Wake-ups this call lost (the last one woken is not lost yet).
         let mut lost = 0u32;
         // What the last attempt saw of the owners, and when: a woken
-        // attempt that meets the same owners again was woken by a message
-        // no release sent (forged, or from another database: pub/sub
-        // ignores it), and the waiter hears no more messages until its
-        // next try by the clock (see `quorum::new_owner`).
+        // attempt that meets the same owners again may have been woken by
+        // a message no release sent (forged, or from another database:
+        // pub/sub ignores it). After `SAME_OWNERS` such tries in a row the
+        // waiter hears no more messages until its next try by the clock
+        // (see `quorum::new_owner`).
         let mut owners: Option<(Instant, Vec<quorum::Seen>)> = None;
+        let mut same = 0u32;
         let mut quick = 0;
         loop {
             if let Some(w) = &watch {
@@ -212,7 +221,12 @@ impl Engine {
             let took = now.saturating_duration_since(tried);
             let slack = took.saturating_add(Duration::from_millis(1));
             let before = owners.as_ref().map(|(t, o)| (*t, o.as_slice()));
-            let deaf = woken && !quorum::new_owner(before, &failed.owners, now, slack);
+            same = if woken && !quorum::new_owner(before, &failed.owners, now, slack) {
+                same.saturating_add(1)
+            } else {
+                0
+            };
+            let deaf = same >= SAME_OWNERS;
             let free_in = failed.free_in;
             owners = Some((now, failed.owners));
             // A woken attempt that set the key on some nodes and still

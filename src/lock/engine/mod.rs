@@ -405,7 +405,7 @@ impl Engine {
             *seen = acquire::Failed {
                 ours: Tally::of(&judged, 0).ok,
                 free_in: quorum::free_in(&judged, 0),
-                owners: quorum::seen(&judged, 0),
+                owners: quorum::seen(&judged, 1 + also.len()),
             };
         }
         result
