@@ -78,7 +78,10 @@ impl KeyInfo {
     /// this crate wrote. `false` for any other value under the lock's name
     /// (an application's string, hash, list, set, sorted set or stream):
     /// no lock takes it, reads it as readers or changes it, and its value
-    /// is not reported here ([`token`](Self::token) is empty).
+    /// is not reported here ([`token`](Self::token) is empty). A string of
+    /// a token's shape (32 lowercase hex digits, as a UUID or an MD5 digest
+    /// may be) cannot be told from a lock's here and is reported as one;
+    /// the scripts still never take it (they compare whole tokens).
     pub fn is_lock(&self) -> bool {
         self.lock
     }
