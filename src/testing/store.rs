@@ -135,7 +135,7 @@ impl Store {
         let before = *meta;
         meta.raise(ttl, known, after);
         NodeFacts {
-            epoch: u64::try_from(epoch.saturating_duration_since(base).as_nanos()).unwrap_or(0) + 1,
+            epoch: epoch_number(epoch, base),
             age: now.saturating_duration_since(epoch),
             max_ttl: before.max,
             // One key per history: a store that loses its data is a new one.
@@ -272,6 +272,22 @@ impl Store {
     /// The metadata's id.
     pub(crate) fn id(&self) -> u64 {
         self.id
+    }
+
+    /// The lock history's epoch as the scripts answer it (`base`: the
+    /// instant epochs count from), if one has begun.
+    pub(crate) fn epoch(&self, base: Instant) -> Option<u64> {
+        let epoch = self.meta.as_ref()?.epoch?;
+        Some(epoch_number(epoch, base))
+    }
+
+    /// The key of the lock history, as a connection made now learns it
+    /// (the connect-time script, `HISTORY_ID_LUA`): 0 where none has begun.
+    pub(crate) fn begun(&self) -> u64 {
+        match self.meta {
+            Some(Meta { epoch: Some(_), .. }) => self.id,
+            _ => 0,
+        }
     }
 
     /// A lock history that began at `epoch` (a node that has run for a
@@ -479,4 +495,9 @@ impl Store {
             }
         }
     }
+}
+
+/// An epoch as a number, as the scripts answer it (never 0).
+fn epoch_number(epoch: Instant, base: Instant) -> u64 {
+    u64::try_from(epoch.saturating_duration_since(base).as_nanos()).unwrap_or(0) + 1
 }

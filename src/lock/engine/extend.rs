@@ -43,7 +43,8 @@ impl Engine {
         let (known, begun) = {
             let mut ttls = self.ttls.lock();
             let known = *ttls;
-            let begun = self.first_use(ttl, &known);
+            // A held lock's connections are made: no wait.
+            let begun = self.first_use(ttl, &known, None);
             *ttls = ttls.used(ttl, begun);
             (known.max, begun)
         };
