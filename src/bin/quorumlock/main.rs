@@ -253,10 +253,10 @@ struct RunArgs {
     /// restarted empty within it). It holds other clients back only where
     /// the restart rule needs it (a node that loses its data later), on a
     /// brand-new cluster (no lock taken yet: the first TTL used on it counts
-    /// for every client, once), and on a node whose lock history this
-    /// command could not read before its first attempt, or that missed
-    /// that attempt (unreachable or slow then): such a node is held back
-    /// for this TTL from when its history began.
+    /// for every client, once), on a node whose lock history this command
+    /// could not read before its first attempt (unreachable or slow then),
+    /// and, while some node does not answer a round, on every node younger
+    /// than it: until their histories are that old.
     #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_ttl)]
     ttl: Duration,
     /// If KEY is busy, retry for up to this long before giving up (exit 75).
