@@ -96,14 +96,18 @@ impl Meta {
     }
 
     /// The scripts' record of a command's `ttl`, with `known`, the longest
-    /// its client knew of before, and `after`, the histories it knew to
-    /// have begun (see `raise_lua!`).
-    pub(crate) fn raise(&mut self, ttl: Duration, known: Duration, after: After) {
+    /// its client knew of before, and `after`: for a first use of `ttl`,
+    /// the histories the client knew to have begun; else the ones `known`
+    /// was first used after, with `prev`, the longest before it, as the
+    /// client knows them (see `raise_lua!`).
+    pub(crate) fn raise(&mut self, ttl: Duration, known: Duration, after: After, prev: Duration) {
         let base = self.max.max(known);
         if ttl > base {
             (self.max, self.prev, self.after) = (ttl, base, after);
-        } else if known > self.max {
+        } else if known > self.max && after.is_empty() {
             (self.max, self.prev, self.after) = (known, known, After::NONE);
+        } else if known > self.max {
+            (self.max, self.prev, self.after) = (known, prev.max(self.max), after);
         }
     }
 }
@@ -126,14 +130,14 @@ impl Store {
     /// The acquire script's bookkeeping: facts before this command.
     pub(crate) fn history(
         &mut self,
-        (ttl, known, after): (Duration, Duration, After),
+        (ttl, known, after, prev): (Duration, Duration, After, Duration),
         now: Instant,
         base: Instant,
     ) -> NodeFacts {
         let meta = self.meta.get_or_insert(Meta::new(Some(now)));
         let epoch = *meta.epoch.get_or_insert(now);
         let before = *meta;
-        meta.raise(ttl, known, after);
+        meta.raise(ttl, known, after, prev);
         NodeFacts {
             epoch: epoch_number(epoch, base),
             age: now.saturating_duration_since(epoch),
@@ -194,25 +198,27 @@ impl Store {
                 ttl,
                 known_max,
                 after,
+                known_prev,
                 ..
-            } => Some(self.history((ttl, known_max, after), now, base)),
+            } => Some(self.history((ttl, known_max, after, known_prev), now, base)),
             Op::Swap { ttl, known_max, .. } => {
                 // As an extension: the TTL recorded, no history read.
                 let meta = self.meta.get_or_insert(Meta::new(None));
-                meta.raise(ttl, known_max, After::NONE);
+                meta.raise(ttl, known_max, After::NONE, known_max);
                 None
             }
             Op::Extend {
                 ttl,
                 known_max,
                 after,
+                known_prev,
                 ..
             } => {
                 // The script writes the record even where the history is
                 // gone (a hash without an epoch, which the next acquire
                 // starts).
                 let meta = self.meta.get_or_insert(Meta::new(None));
-                meta.raise(ttl, known_max, after);
+                meta.raise(ttl, known_max, after, known_prev);
                 None
             }
             Op::Release { .. } | Op::Fence { .. } | Op::Restore { .. } => None,

@@ -148,3 +148,27 @@ impl Engine {
         }
     }
 }
+
+/// What a command using `ttl` tells the nodes with the longest TTL this
+/// client knows of, `known.max` (see `raise_lua!`): for a first use of
+/// `ttl`, `first` (the histories it comes after, see
+/// [`Engine::first_use`]); else the histories `known.max` was first used
+/// after and the longest TTL before it, as this client knows them (none:
+/// in use since always), with which a node that does not know `known.max`
+/// (it missed its first use, or lost its data since) records it.
+///
+/// Sound as a first use is: every key in `known.after` came from a record
+/// or from histories this client learnt (each had begun before that
+/// record was written, so before this command), and the script never lets
+/// the longest before drop below the node's own longest so far, so a TTL
+/// the node recorded for a lock it granted still counts for every history
+/// begun after that. Without it such a node recorded `known.max` as in use
+/// since always, and its record held every node younger than it back, for
+/// every client.
+pub(super) fn told(ttl: Duration, known: &TtlHistory, first: After) -> (After, Duration) {
+    if ttl > known.max {
+        (first, Duration::ZERO)
+    } else {
+        (known.after, known.prev)
+    }
+}

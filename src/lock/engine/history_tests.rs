@@ -90,3 +90,32 @@ fn a_node_restarted_empty_is_held_back_after_a_long_ttl_was_first_used() {
     }
     assert!(held.is_held());
 }
+
+/// A node that missed the first use of a long TTL (down then) learns the
+/// TTL later from what other clients know of it (their longest TTL comes
+/// with every command). It recorded that as in use since always, and its
+/// record then held every young node back for everyone. It now records
+/// what the client knows: first used after the same histories. The node
+/// that missed it is itself held back for it (its history was not read
+/// before the first use, so it is in no `after`).
+#[test]
+fn a_node_that_missed_a_first_use_learns_it_as_first_used_after_the_same_histories() {
+    let (nodes, _clock) = young_nodes();
+    let long = Duration::from_secs(60);
+    nodes.set_mode(2, Mode::Down);
+    let first = client_over(&nodes, Settings::default());
+    assert!(first.try_lock("first", long).is_err(), "its own TTL");
+    nodes.set_mode(2, Mode::Up);
+    let other = client_over(&nodes, Settings::default());
+    for key in ["a", "b", "c", "d"] {
+        match other.try_lock(key, SHORT) {
+            Ok(g) => {
+                // Nodes 0 and 1; node 2's history was not read before
+                // the first use: held back for it.
+                assert_eq!(nodes.get(2, key).as_deref(), Some(g.token()));
+                drop(g);
+            }
+            Err(e) => panic!("{key}: held back by what node 2 learnt: {e}"),
+        }
+    }
+}

@@ -268,6 +268,7 @@ impl Engine {
         if ttl > known.max {
             start = self.clock.now();
         }
+        let told = history::told(ttl, &known, first);
         let rule = RestartRule {
             enabled: self.settings.restart_protection,
             floor: ttl,
@@ -334,7 +335,8 @@ impl Engine {
                 known_max: known.max,
                 // A reader orders nothing: storage is guarded by its writers.
                 fenced: self.settings.fencing && !read,
-                after: first,
+                after: told.0,
+                known_prev: told.1,
                 intent,
             },
             keys,
