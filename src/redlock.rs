@@ -368,8 +368,9 @@ impl Redlock {
     }
 
     /// Waits until every node has a pooled connection (and the client has
-    /// read who its server is) or has failed to connect, for at most
-    /// `within`; returns how many nodes are connected.
+    /// read who its server is and which lock history it has) or has failed
+    /// to connect, for at most `within`; returns how many nodes are
+    /// connected.
     ///
     /// Also checks the node list: every connection asks its server for its
     /// `run_id` (and reads its lock history's id), and two entries that
@@ -380,11 +381,15 @@ impl Redlock {
     /// seems: fix the list. Under an ACL that refuses `INFO`, only entries
     /// of one database are told apart, once its lock history exists.
     ///
-    /// Never needed for correctness otherwise. A client connects in the background
-    /// and its first rounds do not wait for a node still connecting (its
-    /// vote cannot change a settled outcome), so a brand-new client's first
-    /// lock may be set on only the nodes connected by then: a bare majority,
-    /// one node failure from loss. A short-lived process that takes one lock
+    /// Never needed for correctness otherwise. A client connects in the
+    /// background, and its rounds do not wait for a node still connecting
+    /// (its vote cannot change a settled outcome), but for a round that uses
+    /// a TTL longer than any the client knows of (its very first round, for
+    /// one): that waits, at most one node timeout, for the lock histories
+    /// the nodes report at connect, so that the TTL is recorded as first used
+    /// after them (see "Delayed restarts" in the README). Other first
+    /// locks may be set on only the nodes connected by then: a bare
+    /// majority, one node failure from loss. A short-lived process that takes one lock
     /// (a cron job, `quorumlock run`) calls this first; a long-lived service
     /// need not.
     ///

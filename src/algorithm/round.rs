@@ -126,9 +126,15 @@ pub(crate) enum Op {
         ttl: Duration,
         known_max: Duration,
         fenced: bool,
-        /// The lock histories the client knows to have begun, recorded with
-        /// `ttl` where it is first used (empty otherwise).
+        /// Where `ttl` is longer than `known_max` (a first use): the lock
+        /// histories the client knows to have begun, recorded with `ttl`.
+        /// Otherwise the histories `known_max` was first used after, as
+        /// the client knows (empty: in use since always), recorded with it
+        /// where the node does not know it yet.
         after: After,
+        /// With a non-empty `after` and no first use: the longest TTL in
+        /// use before `known_max` was first used, as the client knows.
+        known_prev: Duration,
         /// A writer that will try again: where live readers hold a key,
         /// no new reader enters it for this long (zero: none; see
         /// [`is_reader`]).
@@ -147,12 +153,14 @@ pub(crate) enum Op {
     /// round keeps reading the replies of the nodes it waits for, for as
     /// long again as it took to settle (the renewal thread's rounds: a node
     /// that lost the key says so, and its copy is restored). `known_max`
-    /// and `after`: recorded with `ttl` as `Acquire` records them.
+    /// `after` and `known_prev`: recorded with `ttl` as `Acquire` records
+    /// them.
     Extend {
         ttl: Duration,
         linger: bool,
         known_max: Duration,
         after: After,
+        known_prev: Duration,
     },
     /// A held lock handed to a new critical section: where the key holds
     /// our token (or an earlier one of its lineage, see [`ours`]), it gets
@@ -317,8 +325,13 @@ impl After {
 
     /// The script's form (empty for none).
     pub(crate) fn to_text(self) -> String {
-        let keys: Vec<String> = self.keys().iter().map(u64::to_string).collect();
-        keys.join(",")
+        use std::fmt::Write as _;
+        // One allocation: the encoder sends it with most commands.
+        let mut out = String::with_capacity(16 * self.keys().len());
+        for (i, k) in self.keys().iter().enumerate() {
+            let _ = write!(out, "{}{k}", if i == 0 { "" } else { "," });
+        }
+        out
     }
 }
 
@@ -466,6 +479,7 @@ mod tests {
             linger: false,
             known_max: Duration::ZERO,
             after: super::After::NONE,
+            known_prev: std::time::Duration::ZERO,
         };
         let release = Op::Release {
             keep_until: Instant::now(),

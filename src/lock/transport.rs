@@ -104,8 +104,20 @@ pub(crate) trait Transport: Send + Sync + 'static {
         Vec::new()
     }
 
-    /// Waits until every node has a connection whose server is known, or is
-    /// failing, at most until `deadline`; returns how many nodes have a
+    /// Per node, the key of the lock history that had begun on it when a
+    /// connection to it was made (0: none had begun, or not known), for a
+    /// first use of a longer TTL (see `Engine::first_use`). With `until`,
+    /// waits until then at most for nodes still connecting (see
+    /// [`wait_connected`](Self::wait_connected)). Every key names a history
+    /// that had begun before this call. Empty: none known.
+    fn begun(&self, until: Option<Instant>) -> Vec<u64> {
+        let _ = until;
+        Vec::new()
+    }
+
+    /// Waits until every node has a connection whose server and lock
+    /// history are known (its connect commands answered), or is failing,
+    /// at most until `deadline`; returns how many nodes have a
     /// connection, or the first two entries found to reach one server.
     /// Doubles are always connected.
     fn wait_connected(&self, deadline: Instant) -> Result<usize, crate::error::InvalidInput> {

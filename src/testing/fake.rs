@@ -244,6 +244,17 @@ impl Transport for Shared {
         &self.0.names
     }
 
+    /// As a connection made now learns them: every node that answers.
+    fn begun(&self, _until: Option<Instant>) -> Vec<u64> {
+        let modes = self.0.modes.lock().clone();
+        (0..modes.len())
+            .map(|i| match modes[i] {
+                Mode::Up | Mode::Lossy => self.0.store(i).lock().begun(),
+                Mode::Down | Mode::Hung => 0,
+            })
+            .collect()
+    }
+
     fn run(
         &self,
         op: Op,

@@ -115,6 +115,7 @@ fn commands_sent_again_count_what_they_did_the_first_time() {
         known_max: TTL,
         fenced: true,
         after: crate::algorithm::round::After::NONE,
+        known_prev: std::time::Duration::ZERO,
     };
     let first = store
         .round(acquire, &[Key::new("r", "t1")], now, now, 5)
@@ -223,7 +224,7 @@ fn a_held_back_node_with_a_larger_counter() {
     clock.advance(TTL);
     for i in 0..3 {
         let _ = nodes.stores[i].lock().history(
-            (TTL, TTL, crate::algorithm::round::After::NONE),
+            (TTL, TTL, crate::algorithm::round::After::NONE, TTL),
             clock.base,
             clock.base,
         );

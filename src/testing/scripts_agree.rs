@@ -177,6 +177,8 @@ fn the_lua_scripts_and_the_rust_model_agree() {
     let mut store = Store::default();
     let base = Instant::now();
     let mut rng = SimRng::new(0x5c21_7a9e);
+    // The records' draws, apart (the rounds' own draws stay as they were).
+    let mut rec = SimRng::new(0x7ec0_4d5e);
     let resources = ["agree:a", "agree:b"];
     // An application's keys under lock names: a sorted set that looks like
     // a reader set (live-scored readers and an intent, no mark), a hash, a
@@ -253,13 +255,25 @@ fn the_lua_scripts_and_the_rust_model_agree() {
                         keys.dedup_by(|a, b| a.resource == b.resource);
                     }
                 }
+                // What the client knows of its longest TTL: a first use
+                // (after some histories or none), or one the node may
+                // not know, first used after some histories or always.
+                // (Never 0: a duration is sent rounded up to 1 ms at least.)
+                let known_max = Duration::from_millis([30, 400, 3000, 5000][rec.below(4) as usize]);
+                let mut after = After::NONE;
+                for k in [7, 9] {
+                    if rec.chance(0.4) {
+                        after.insert(k);
+                    }
+                }
                 Op::Acquire {
                     ttl,
-                    known_max: ttl,
+                    known_max,
                     // One token always fenced, the others never: a token
                     // is one attempt's, fenced or not.
                     fenced: token == "c3",
-                    after: After::NONE,
+                    after,
+                    known_prev: Duration::from_millis([1, 30, 400][rec.below(3) as usize]),
                     intent: if rng.chance(0.5) {
                         Duration::ZERO
                     } else {
@@ -276,6 +290,7 @@ fn the_lua_scripts_and_the_rust_model_agree() {
                 linger: false,
                 known_max: ttl,
                 after: After::NONE,
+                known_prev: Duration::ZERO,
             },
             4 => Op::Restore { ttl },
             _ if !reader && rng.chance(0.5) => Op::Fence {
@@ -291,6 +306,7 @@ fn the_lua_scripts_and_the_rust_model_agree() {
                     linger: false,
                     known_max: ttl,
                     after: After::NONE,
+                    known_prev: std::time::Duration::ZERO,
                 }
             }
         };
@@ -307,6 +323,20 @@ fn the_lua_scripts_and_the_rust_model_agree() {
             let held: Vec<String> = resources.iter().map(|r| server.held(r)).collect();
             eprintln!("round {n}: {op:?} {keys:?} before: {held:?}");
         }
+        if n % 40 == 39 {
+            // The TTL records start again (the history and the counters
+            // stay), on both, so that longer TTLs are recorded again.
+            server.query(
+                redis::cmd("HDEL")
+                    .arg(crate::driver::scripts::META_KEY)
+                    .arg("max_ttl")
+                    .arg("prev_max")
+                    .arg("after"),
+            );
+            if let Some(m) = store.meta.as_mut() {
+                (m.max, m.prev, m.after) = (Duration::ZERO, Duration::ZERO, After::NONE);
+            }
+        }
         let enc = Encoded::new(op, &keys);
         let sent = Instant::now();
         let got = enc.decode(server.run(&enc.packed));
@@ -320,6 +350,15 @@ fn the_lua_scripts_and_the_rust_model_agree() {
         assert_eq!(
             got.answers, want.answers,
             "round {n}: {op:?} {keys:?}: the server and the model answer differently"
+        );
+        // The lock history's records (before this command), as both keep them.
+        let record = |f: Option<crate::algorithm::round::NodeFacts>| {
+            f.map(|f| (f.max_ttl, f.prev_max, f.after))
+        };
+        assert_eq!(
+            record(got.facts),
+            record(want.facts),
+            "round {n}: {op:?}: the server and the model keep different records"
         );
         if matches!(op, Op::Acquire { .. }) {
             // How long the owner has left: both none, both no end known, or

@@ -102,14 +102,18 @@ impl Meta {
     }
 
     /// The scripts' record of a command's `ttl`, with `known`, the longest
-    /// its client knew of before, and `after`, the histories it knew to
-    /// have begun (see `raise_lua!`).
-    pub(crate) fn raise(&mut self, ttl: Duration, known: Duration, after: After) {
+    /// its client knew of before, and `after`: for a first use of `ttl`,
+    /// the histories the client knew to have begun; else the ones `known`
+    /// was first used after, with `prev`, the longest before it, as the
+    /// client knows them (see `raise_lua!`).
+    pub(crate) fn raise(&mut self, ttl: Duration, known: Duration, after: After, prev: Duration) {
         let base = self.max.max(known);
         if ttl > base {
             (self.max, self.prev, self.after) = (ttl, base, after);
-        } else if known > self.max {
+        } else if known > self.max && after.is_empty() {
             (self.max, self.prev, self.after) = (known, known, After::NONE);
+        } else if known > self.max {
+            (self.max, self.prev, self.after) = (known, prev.max(self.max), after);
         }
     }
 }
@@ -133,16 +137,16 @@ impl Store {
     /// The acquire script's bookkeeping: facts before this command.
     pub(crate) fn history(
         &mut self,
-        (ttl, known, after): (Duration, Duration, After),
+        (ttl, known, after, prev): (Duration, Duration, After, Duration),
         now: Instant,
         base: Instant,
     ) -> NodeFacts {
         let meta = self.meta.get_or_insert(Meta::new(Some(now)));
         let epoch = *meta.epoch.get_or_insert(now);
         let before = *meta;
-        meta.raise(ttl, known, after);
+        meta.raise(ttl, known, after, prev);
         NodeFacts {
-            epoch: u64::try_from(epoch.saturating_duration_since(base).as_nanos()).unwrap_or(0) + 1,
+            epoch: epoch_number(epoch, base),
             age: now.saturating_duration_since(epoch),
             max_ttl: before.max,
             // One key per history: a store that loses its data is a new one.
@@ -201,25 +205,27 @@ impl Store {
                 ttl,
                 known_max,
                 after,
+                known_prev,
                 ..
-            } => Some(self.history((ttl, known_max, after), now, base)),
+            } => Some(self.history((ttl, known_max, after, known_prev), now, base)),
             Op::Swap { ttl, known_max, .. } => {
                 // As an extension: the TTL recorded, no history read.
                 let meta = self.meta.get_or_insert(Meta::new(None));
-                meta.raise(ttl, known_max, After::NONE);
+                meta.raise(ttl, known_max, After::NONE, known_max);
                 None
             }
             Op::Extend {
                 ttl,
                 known_max,
                 after,
+                known_prev,
                 ..
             } => {
                 // The script writes the record even where the history is
                 // gone (a hash without an epoch, which the next acquire
                 // starts).
                 let meta = self.meta.get_or_insert(Meta::new(None));
-                meta.raise(ttl, known_max, after);
+                meta.raise(ttl, known_max, after, known_prev);
                 None
             }
             Op::Release { .. } | Op::Fence { .. } | Op::Restore { .. } => None,
@@ -293,6 +299,22 @@ impl Store {
     /// The metadata's id.
     pub(crate) fn id(&self) -> u64 {
         self.id
+    }
+
+    /// The lock history's epoch as the scripts answer it (`base`: the
+    /// instant epochs count from), if one has begun.
+    pub(crate) fn epoch(&self, base: Instant) -> Option<u64> {
+        let epoch = self.meta.as_ref()?.epoch?;
+        Some(epoch_number(epoch, base))
+    }
+
+    /// The key of the lock history, as a connection made now learns it
+    /// (the connect-time script, `HISTORY_ID_LUA`): 0 where none has begun.
+    pub(crate) fn begun(&self) -> u64 {
+        match self.meta {
+            Some(Meta { epoch: Some(_), .. }) => self.id,
+            _ => 0,
+        }
     }
 
     /// A lock history that began at `epoch` (a node that has run for a
@@ -503,4 +525,9 @@ impl Store {
             }
         }
     }
+}
+
+/// An epoch as a number, as the scripts answer it (never 0).
+fn epoch_number(epoch: Instant, base: Instant) -> u64 {
+    u64::try_from(epoch.saturating_duration_since(base).as_nanos()).unwrap_or(0) + 1
 }

@@ -315,3 +315,118 @@ fn a_release_racing_the_undo_of_its_own_late_set_still_counts_that_node() {
     }
     assert!(wrong.is_empty(), "a held lock's release failed: {wrong:?}");
 }
+
+/// Three fresh nodes whose lock histories a 1 s lock began, then a few seconds: nodes less
+/// than an hour old (young for any TTL above ~3 s), old enough for the 1 s TTL.
+fn young_nodes() -> Cluster {
+    let c = Cluster::start(3);
+    let warm = fresh_process_client(c.urls());
+    assert!(c.write_history(&warm, Duration::from_secs(1)));
+    // 1 s, and the uptime cap's resolution (whole seconds, less one).
+    std::thread::sleep(Duration::from_secs(3));
+    c
+}
+
+/// A client with production settings (not `fresh_cluster`) and a generous node timeout: a
+/// fresh process that has not been told to wait for its connections.
+fn fresh_process_client_slow(urls: Vec<String>) -> Redlock {
+    Redlock::builder()
+        .nodes(urls)
+        .node_timeout(Duration::from_secs(2))
+        .build()
+        .expect("valid config")
+}
+
+/// Node `i`'s lock-history field `field` (`quorumlock:meta`).
+fn meta(c: &Cluster, i: usize, field: &str) -> Option<String> {
+    redis::cmd("HGET")
+        .arg("quorumlock:meta")
+        .arg(field)
+        .query(&mut c.conn(i))
+        .expect("HGET on the node")
+}
+
+/// DEFECT (issue 38, availability): on nodes less than an hour old, one `quorumlock run
+/// --ttl 1h` from a fresh process made every lock on every key fail (NoQuorum) for ~3,599 s:
+/// a client that had seen no lock history yet recorded its first use of the TTL as in use
+/// since always, and every node younger than that was held back for everyone. A fresh
+/// client now learns the histories at connect, so the TTL is recorded as first used after
+/// them; its own lock still waits (the TTL it asks counts as in use since always for it),
+/// but another fresh process's short lock on another key is granted at once.
+#[test]
+fn a_fresh_processs_one_hour_ttl_on_young_nodes_holds_no_other_process_back() {
+    let c = young_nodes();
+    let long = fresh_process_client_slow(c.urls());
+    match long.try_lock(&unique_key("one-hour"), quorumlock::MAX_TTL) {
+        Err(e) => assert!(e.is_retryable(), "{e}"),
+        Ok(_) => panic!("young nodes voted for their first one-hour lock"),
+    }
+    let other = fresh_process_client(c.urls());
+    let t = Instant::now();
+    let g = other
+        .lock_timeout(
+            &unique_key("other"),
+            Duration::from_secs(1),
+            Duration::from_secs(10),
+        )
+        .unwrap_or_else(|e| panic!("another process's one-hour TTL held this lock back: {e}"));
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t.elapsed()
+    );
+    g.release().expect("release");
+    // The hour is recorded, as first used after the histories the process had seen.
+    for i in 0..3 {
+        assert_eq!(
+            meta(&c, i, "max_ttl").as_deref(),
+            Some("3600000"),
+            "node {i}"
+        );
+        assert_ne!(
+            meta(&c, i, "after").unwrap_or_default(),
+            "",
+            "node {i}: recorded as in use since always"
+        );
+    }
+}
+
+/// The rule still holds back a node that lost its data while a lock with the long TTL may be
+/// held: after a fresh process first used one hour on young nodes, X holds a key for an hour
+/// on nodes 0 and 1; node 1 restarts empty and node 2 comes back empty. Their new histories
+/// began after that first use (and after X's lock), so no record exempts them, and a fresh
+/// contender cannot win nodes 1 + 2.
+#[test]
+fn a_node_restarted_empty_is_held_back_after_a_long_ttl_was_first_used_on_young_nodes() {
+    let c = young_nodes();
+    let long = fresh_process_client_slow(c.urls());
+    drop(long.try_lock(&unique_key("one-hour"), quorumlock::MAX_TTL));
+    assert_eq!(meta(&c, 0, "max_ttl").as_deref(), Some("3600000"));
+    // X trusts the nodes as it first sees them, so that it holds at once.
+    let x = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(c.urls())
+        .node_timeout(SLACK)
+        .build()
+        .expect("valid config");
+    let key = unique_key("restart-after-long");
+    c.stop(2);
+    let held = x.lock(&key, quorumlock::MAX_TTL).expect("X: nodes 0 and 1");
+    c.stop(1);
+    c.restart(1);
+    c.restart(2);
+    assert_eq!(c.get(1, &key), None, "node 1 lost X's key");
+    let y = fresh_process_client(c.urls());
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(3) {
+        if let Ok(g) = y.try_lock(&key, Duration::from_secs(1)) {
+            panic!(
+                "two holders: Y was granted {key} ({}) {:?} after the restarts while X holds it",
+                g.token(),
+                t0.elapsed()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(held.is_held());
+}

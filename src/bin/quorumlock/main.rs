@@ -254,6 +254,16 @@ struct RunArgs {
     /// The lock's time to live; renewed every TTL/3 while the command runs.
     /// It bounds how long KEY stays blocked if this host dies. Durations:
     /// 500ms, 30s, 2m, 1h, or whole seconds; at most 1h.
+    ///
+    /// A TTL longer than the nodes have recorded makes this command wait
+    /// on nodes whose lock history is younger than it (started or
+    /// restarted empty within it). It holds other clients back only where
+    /// the restart rule needs it (a node that loses its data later), on a
+    /// brand-new cluster (no lock taken yet: the first TTL used on it counts
+    /// for every client, once), on a node whose lock history this command
+    /// could not read before its first attempt (unreachable or slow then),
+    /// and, while some node does not answer a round, on every node younger
+    /// than it: until their histories are that old.
     #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_ttl)]
     ttl: Duration,
     /// If KEY is busy, retry for up to this long before giving up (exit 75).

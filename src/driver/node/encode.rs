@@ -68,10 +68,29 @@ impl Encoded {
             ),
             Op::Fence { value } => (&scripts::FENCE, scripts::FENCE_LUA, vec![value]),
         };
+        // What the client knows of its longest TTL (see `raise_lua!`):
+        // `known;keys` for a first use of `ttl`, `known;keys;prev` for
+        // the histories `known` was first used after, `known` alone for
+        // none (in use since always).
         let begun = match op {
-            Op::Acquire { after, .. } | Op::Extend { after, .. } if !after.is_empty() => {
-                Some(after)
+            Op::Acquire {
+                ttl,
+                known_max,
+                after,
+                known_prev,
+                ..
             }
+            | Op::Extend {
+                ttl,
+                known_max,
+                after,
+                known_prev,
+                ..
+            } if !after.is_empty() => Some(if ttl > known_max {
+                after.to_text()
+            } else {
+                format!("{};{}", after.to_text(), millis_ceil(known_prev))
+            }),
             _ => None,
         };
         // All but release and restore also take the node's lock-history key.
@@ -93,10 +112,8 @@ impl Encoded {
                 cmd.arg(scripts::META_KEY);
             }
             for (j, a) in args.iter().enumerate() {
-                match begun {
-                    // A first use: the longest TTL known, and the histories
-                    // it comes after (see `raise_lua!`).
-                    Some(b) if j == 1 => cmd.arg(format!("{a};{}", b.to_text())),
+                match &begun {
+                    Some(b) if j == 1 => cmd.arg(format!("{a};{b}")),
                     _ => cmd.arg(*a),
                 };
             }
@@ -313,6 +330,7 @@ mod tests {
                     a.insert(42);
                     a
                 },
+                known_prev: Duration::from_secs(1),
             },
             Op::Swap {
                 ttl: Duration::from_millis(1500),
@@ -325,6 +343,7 @@ mod tests {
                 linger: false,
                 known_max: Duration::from_secs(3),
                 after: After::NONE,
+                known_prev: std::time::Duration::ZERO,
             },
             Op::Release {
                 keep_until: Instant::now(),
@@ -377,6 +396,7 @@ mod tests {
                 known_max: Duration::ZERO,
                 fenced,
                 after: After::NONE,
+                known_prev: std::time::Duration::ZERO,
             };
             let e = Encoded::new(op, &keys);
             let reply = |a: i64, b: i64| {

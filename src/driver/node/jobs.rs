@@ -192,6 +192,7 @@ pub(crate) fn late_write(
                 known_max: w.known_max,
                 fenced: false,
                 after: After::NONE,
+                known_prev: std::time::Duration::ZERO,
                 intent: Duration::ZERO,
             };
             let undo = Encoded::new(

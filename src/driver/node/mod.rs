@@ -276,6 +276,14 @@ impl Transport for RedisTransport {
             .unwrap_or_default()
     }
 
+    fn begun(&self, until: Option<Instant>) -> Vec<u64> {
+        if let Some(until) = until {
+            // Two entries of one server: the rounds count it once anyway.
+            let _ = self.wait_connected(until);
+        }
+        self.servers.begun_keys()
+    }
+
     fn wait_connected(&self, deadline: Instant) -> Result<usize, InvalidInput> {
         // One connection per node, kept while its setup replies are awaited:
         // popping one again every recheck left the pool below its idle
@@ -289,7 +297,7 @@ impl Transport for RedisTransport {
                 let shared = &node.inner.shared;
                 if node.inner.pool.state().connections > 0 {
                     connected += 1;
-                    if !self.servers.info_read(i) && shared.is_healthy() {
+                    if !self.servers.begun_read(i) && shared.is_healthy() {
                         // Read what its connections have been told (who the
                         // server is), without waiting.
                         let now = Instant::now();
@@ -302,7 +310,7 @@ impl Transport for RedisTransport {
                                 *c = None;
                             }
                         }
-                        pending |= !self.servers.info_read(i);
+                        pending |= !self.servers.begun_read(i);
                     }
                 } else if shared.is_healthy() {
                     // Connecting (or not started): a failing node has

@@ -195,6 +195,7 @@ pub(super) fn acquire() -> Encoded {
         known_max: Duration::from_secs(10),
         fenced: false,
         after: crate::algorithm::round::After::NONE,
+        known_prev: std::time::Duration::ZERO,
     };
     Encoded::new(op, &[Key::new("r", "t")])
 }

@@ -134,6 +134,7 @@ pub(crate) fn probe_one(
             known_max: ttl,
             fenced: false,
             after: After::NONE,
+            known_prev: std::time::Duration::ZERO,
             intent: Duration::ZERO,
         },
         &[k],

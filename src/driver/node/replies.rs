@@ -13,6 +13,7 @@ use redis::Value;
 
 use crate::algorithm::health::Outcome;
 use crate::algorithm::round::allowance;
+use crate::algorithm::round::history_key;
 use crate::algorithm::server::{id_hash, ServerInfo};
 use crate::driver::conn::MAX_PENDING;
 use crate::driver::node::link::Link;
@@ -230,8 +231,11 @@ pub(crate) fn setup_reply(
                 detail,
             ));
         }
-        if setup == Setup::Info {
-            node.servers.learn_info(node.index, &Err(text));
+        match setup {
+            Setup::Info => node.servers.learn_info(node.index, &Err(text)),
+            // Answered: no lock history learnt.
+            Setup::History => node.servers.learn_begun(node.index, 0),
+            Setup::Load | Setup::None => {}
         }
         return Ok(());
     }
@@ -259,10 +263,30 @@ pub(crate) fn setup_reply(
             node.servers.learn_info(node.index, &Ok(info));
         }
         Setup::History => {
-            if let Some(id) = text(v) {
+            // `{id, epoch}` from a round's connection (`HISTORY_ID_LUA`),
+            // the id alone from a check's (`HGET`).
+            let (id, epoch) = match v {
+                Value::Array(items) => (
+                    items.first().and_then(text),
+                    items.get(1).and_then(text).map(|e| e.parse::<u64>().ok()),
+                ),
+                v => (text(v), None),
+            };
+            if let Some(id) = id {
                 let h = id_hash(id.as_bytes());
                 c.server.history = Some(h);
                 node.servers.learn_history(node.index, h);
+            }
+            if let Some(epoch) = epoch {
+                // The lock history that had begun when the node answered
+                // (none: `''`), keyed as the acquire replies key it (the
+                // `INFO` before this reply gave the `run_id`).
+                let key = epoch.map(|e| {
+                    let k = history_key(c.run_id.as_deref(), e);
+                    c.history_key = Some((e, k));
+                    k
+                });
+                node.servers.learn_begun(node.index, key.unwrap_or(0));
             }
         }
         Setup::Load | Setup::None => {}
@@ -475,6 +499,42 @@ mod tests {
             .expect("owed");
         assert!(!late_reply(&mut w, &n, p, &v, Instant::now()).expect("usable"));
         assert!(!w.broken && n.is_healthy());
+    }
+
+    /// The connect-time history script answers the id and the epoch: the
+    /// connection learns the history's key (with the `run_id` of the
+    /// `INFO` before it), and the node's connect is answered; a node with
+    /// no history answers none, and so does an error.
+    #[test]
+    fn a_connect_learns_the_lock_history_that_had_begun() {
+        let connect = |run: &[u8], history: &[u8]| {
+            let n = node();
+            let mut w = Wire::new(Instant::now());
+            w.queue_setup(b"INFO", Instant::now(), Setup::Info);
+            w.queue_setup(b"EVAL", Instant::now(), Setup::History);
+            for reply in [run, history] {
+                let (p, v) = w.answer(value(reply)).expect("owed");
+                late_reply(&mut w, &n, p, &v, Instant::now()).expect("usable");
+            }
+            (
+                n.servers.begun_read(0),
+                n.servers.begun_keys(),
+                w.history_key,
+            )
+        };
+        let info = b"$12\r\nrun_id:abc\r\n\r\n";
+        let key = crate::algorithm::round::history_key(Some("abc"), 1_700);
+        assert_eq!(
+            connect(info, b"*2\r\n$2\r\nid\r\n$4\r\n1700\r\n"),
+            (true, vec![key], Some((1_700, key)))
+        );
+        assert_eq!(
+            connect(info, b"*2\r\n$2\r\nid\r\n$0\r\n\r\n"),
+            (true, vec![0], None)
+        );
+        assert_eq!(connect(info, b"-NOPERM no\r\n"), (true, vec![0], None));
+        // A check's connection (`HGET id`) says nothing of the history.
+        assert_eq!(connect(info, b"$2\r\nid\r\n"), (false, vec![0], None));
     }
 
     #[test]

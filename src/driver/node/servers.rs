@@ -22,7 +22,13 @@ pub(crate) struct Servers {
     /// Evicting nodes vote (`Builder::allow_evicting_nodes`): what their
     /// warning says.
     allow_evicting: bool,
+    /// Per entry, the key of the lock history a connection last learnt at
+    /// connect (0: none had begun; [`UNREAD`]: no connect answered yet).
+    pub(crate) begun: Vec<AtomicU64>,
 }
+
+/// [`Servers::begun`]: no connection's setup has been answered yet.
+const UNREAD: u64 = u64::MAX;
 
 /// What is known of one node's server.
 #[derive(Default, Clone)]
@@ -31,8 +37,6 @@ pub(crate) struct Known {
     pub(crate) run: Option<u64>,
     /// The hash of its lock history's id.
     pub(crate) history: Option<u64>,
-    /// An `INFO` reply (or its refusal) has been read.
-    pub(crate) info_read: bool,
     /// What was logged of it last: its kind (a replica, a cluster node, an
     /// evicting node), or `None` for `INFO` refused; once per change.
     pub(crate) told: Option<Option<ServerKind>>,
@@ -47,6 +51,7 @@ impl Servers {
         let known = Mutex::new(vec![Known::default(); names.len()]);
         Servers {
             histories: names.iter().map(|_| AtomicU64::new(0)).collect(),
+            begun: names.iter().map(|_| AtomicU64::new(UNREAD)).collect(),
             names,
             known,
             any_twin: AtomicBool::new(false),
@@ -60,7 +65,6 @@ impl Servers {
         let name = &self.names[i];
         let mut known = self.known.lock();
         let k = &mut known[i];
-        k.info_read = true;
         let now = info.as_ref().ok().map(ServerInfo::kind);
         // Logged when it changes (INFO is read again now and then: a replica
         // promoted, a policy changed at runtime), a fit node only after an
@@ -117,6 +121,35 @@ impl Servers {
         }
     }
 
+    /// A connection to node `i` learnt at connect that its lock history
+    /// has the key `key` (0: none has begun).
+    pub(crate) fn learn_begun(&self, i: usize, key: u64) {
+        if let Some(b) = self.begun.get(i) {
+            b.store(key, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether a connection to node `i` has answered its setup (the lock
+    /// history, the last of its connect commands).
+    pub(crate) fn begun_read(&self, i: usize) -> bool {
+        self.begun
+            .get(i)
+            .is_some_and(|b| b.load(Ordering::Relaxed) != UNREAD)
+    }
+
+    /// Per entry, the key of the lock history learnt at connect (0: none,
+    /// or not known yet).
+    pub(crate) fn begun_keys(&self) -> Vec<u64> {
+        self.begun
+            .iter()
+            .map(|b| {
+                Some(b.load(Ordering::Relaxed))
+                    .filter(|&k| k != UNREAD)
+                    .unwrap_or(0)
+            })
+            .collect()
+    }
+
     /// Finds, again, every entry's twin (the first earlier entry that is
     /// the same server, as [`ServerTag::same_server`] decides: what one
     /// node learnt may make or unmake a pair); logs a new pair once.
@@ -147,11 +180,6 @@ impl Servers {
     /// The node's history id, if known (for answers without one).
     pub(crate) fn history(&self, i: usize) -> Option<u64> {
         Some(self.histories[i].load(Ordering::Relaxed)).filter(|h| *h != 0)
-    }
-
-    /// Whether node `i`'s `INFO` (or its refusal) has been read.
-    pub(crate) fn info_read(&self, i: usize) -> bool {
-        self.known.lock()[i].info_read
     }
 
     /// Per entry, whether it is known to reach the same server as an

@@ -33,25 +33,34 @@ local n = #KEYS - 1
 }
 
 /// Records the TTL a command uses, `ARGV[1]`, in the node's history
-/// (`meta`, its longest TTL so far `known`), with `ARGV[2]`, the longest
-/// TTL the client knew of before this command, followed, where the client
-/// uses a TTL longer than any it knows of, by `;` and the lock histories
-/// (their keys, comma-separated) it knew to have begun. A TTL longer than
-/// both is first used now: recorded with `prev_max`, the longest before it,
-/// and `after`, those histories. Only histories in `after` can count that
-/// TTL as first used after they began; none (empty): in use since always.
-/// A longer TTL only the client knew of was in use elsewhere, since a time
-/// nobody here can tell: recorded as in use since always.
+/// (`meta`, its longest TTL so far `known`), with `ARGV[2]`: the longest
+/// TTL the client knew of before this command, then `;` and lock-history
+/// keys (comma-separated), then, where those keys are not for a first use,
+/// `;` and a TTL. Where the client uses a TTL longer than any it knows of,
+/// the keys are the histories it knew to have begun; a TTL longer than
+/// both is first used now: recorded with `prev_max`, the longest before
+/// it, and `after`, those histories. Only histories in `after` can count
+/// that TTL as first used after they began; none (empty): in use since
+/// always. A longer TTL only the client knew of was in use elsewhere: it
+/// comes with the histories it was first used after and the longest TTL
+/// before it, as the client knows them, and is recorded so, the longest
+/// before never below the node's own longest so far (without histories:
+/// in use since always). Each key names a history that had begun before
+/// the record is written (see `crate::lock::engine`'s `first_use`).
 macro_rules! raise_lua {
     () => {
         r"local ttl = tonumber(ARGV[1])
 local gossip = tonumber(string.match(ARGV[2], '^%d+')) or 0
-local begun = string.match(ARGV[2], ';([%d,]*)$') or ''
+local begun = string.match(ARGV[2], '^%d*;([%d,]*)') or ''
 local base = math.max(known, gossip)
 if ttl > base then
   redis.call('HSET', meta, 'max_ttl', ttl, 'prev_max', base, 'after', begun)
 elseif gossip > known then
-  redis.call('HSET', meta, 'max_ttl', gossip, 'prev_max', gossip, 'after', '')
+  local before = gossip
+  if begun ~= '' then
+    before = math.max(tonumber(string.match(ARGV[2], '^%d*;[%d,]*;(%d+)$')) or gossip, known)
+  end
+  redis.call('HSET', meta, 'max_ttl', gossip, 'prev_max', before, 'after', begun)
 end
 "
     };

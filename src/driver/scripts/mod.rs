@@ -189,16 +189,25 @@ return out"
 );
 
 /// Sent once per connection, at connect: gives the node's metadata an `id`
-/// unless it has one (`ARGV[1]`, random per connection) and answers it.
-/// The id names the database (it disappears exactly when the node loses
-/// its data): two entries of the node list that answer one id reach one
-/// server. Needs only the `HGET` and `HSET` on [`META_KEY`] the lock uses.
-pub(crate) const HISTORY_ID_LUA: &str = r"local id = redis.call('HGET', KEYS[1], 'id')
+/// unless it has one (`ARGV[1]`, random per connection) and answers it,
+/// with the lock history's epoch (`''` where no history has begun: no
+/// lock since the node was new or lost its data). The id names the
+/// database (it disappears exactly when the node loses its data): two
+/// entries of the node list that answer one id reach one server. The epoch
+/// makes, with the `run_id` of the `INFO` read just before, the key of the
+/// history (see [`crate::algorithm::round::history_key`]): a client learns
+/// the lock histories that have begun before its first round, so that its
+/// first use of a longer TTL counts as begun after them (see
+/// `crate::lock::engine`'s `first_use`). It never begins a history: a
+/// node without one answers none. Needs only the `HMGET` and `HSET` on
+/// [`META_KEY`] the lock uses.
+pub(crate) const HISTORY_ID_LUA: &str = r"local m = redis.call('HMGET', KEYS[1], 'id', 'epoch')
+local id = m[1]
 if not id then
   id = ARGV[1]
   redis.call('HSET', KEYS[1], 'id', id)
 end
-return id";
+return {id, m[2] or ''}";
 
 /// The packed `EVAL` of [`HISTORY_ID_LUA`] with a fresh random id.
 pub(crate) fn history_id_command() -> Vec<u8> {

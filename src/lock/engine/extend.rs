@@ -40,12 +40,13 @@ impl Engine {
         // extend script records it on the nodes too, as first used now if
         // it is longer than any this client knew of).
         let start = self.clock.now();
-        let (known, begun) = {
+        let (known, told) = {
             let mut ttls = self.ttls.lock();
             let known = *ttls;
-            let begun = self.first_use(ttl, &known);
+            // A held lock's connections are made: no wait.
+            let begun = self.first_use(ttl, &known, None);
             *ttls = ttls.used(ttl, begun);
-            (known.max, begun)
+            (known.max, super::history::told(ttl, &known, begun))
         };
         let keys: Vec<Key<'_>> = states.iter().flat_map(|s| s.keys()).collect();
         let sizes = super::several::sizes_of(states);
@@ -78,7 +79,8 @@ impl Engine {
                 ttl,
                 linger: loud,
                 known_max: known,
-                after: begun,
+                after: told.0,
+                known_prev: told.1,
             };
             self.run_keys(op, &keys, &sizes, deadline, Some(settled), None)
         } else {

@@ -2,7 +2,7 @@
 //! each node's lock history, learnt from replies and applied to rounds.
 
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::algorithm::restart::{self, RestartRule, TtlHistory};
 use crate::algorithm::round::{After, NodeFacts, NodeResult};
@@ -92,24 +92,83 @@ impl Engine {
         *ttls = next;
     }
 
-    /// The lock histories this client has seen begin (the last one each
-    /// node reported).
-    pub(super) fn begun(&self) -> After {
+    /// The lock histories this client has seen begin: the last one each
+    /// node reported in a reply, and the one each node had when a
+    /// connection to it was made (the transport's, learnt at connect;
+    /// with `until`, waiting until then at most for nodes still
+    /// connecting). Every one had begun before this call.
+    pub(super) fn begun(&self, until: Option<Instant>) -> After {
         let mut out = After::NONE;
         for k in &self.histories {
             out.insert(k.load(Ordering::Relaxed));
+        }
+        for k in self.transport.begun(until) {
+            out.insert(k);
         }
         out
     }
 
     /// What a round using `ttl` sends as the histories it comes after: the
     /// ones this client has seen begin if `ttl` is longer than any it knows
-    /// of (a first use), else none (nothing is recorded).
-    pub(super) fn first_use(&self, ttl: Duration, known: &TtlHistory) -> After {
+    /// of (a first use), else none (nothing is recorded). A first use waits
+    /// until `until` at most for the histories of nodes still connecting
+    /// (a fresh client's first round is one: it knows no TTL yet).
+    ///
+    /// Why a history learnt at connect may be sent. The restart rule rests
+    /// on one property of every record a node keeps: each history in its
+    /// `after` had begun before the record was written. Then a lock with
+    /// TTL `T` granted at `t0` by a node that kept its data is recorded
+    /// there (by its own script, or earlier) as first used after histories
+    /// that all began before `t0`; a node that lost the lock lost its data
+    /// after `t0`, so its new history began after `t0` and is in no such
+    /// record, and a later raise keeps `T` as the longest before (the
+    /// README's safety argument). A history this client learnt, at connect
+    /// or in a reply, was reported by the node before this call, so it had
+    /// begun before the script that records this round's first use runs:
+    /// the property holds whenever the key was learnt, however stale (a
+    /// node restarted since has a new key, which is not sent and so is
+    /// held back). A key learnt during the same round would not do: one
+    /// node's history may begin after another node's script of that round
+    /// ran. Where no history had begun (brand-new nodes, or nodes that all
+    /// lost their data) none is learnt, and a first use with no history
+    /// known is recorded as in use since always: such nodes look exactly
+    /// like a fully restarted cluster, and nobody can say that the TTL was
+    /// not in use before its locks were lost (the cluster waits once, for
+    /// the first TTL used on it).
+    pub(super) fn first_use(
+        &self,
+        ttl: Duration,
+        known: &TtlHistory,
+        until: Option<Instant>,
+    ) -> After {
         if ttl > known.max {
-            self.begun()
+            self.begun(until)
         } else {
             After::NONE
         }
+    }
+}
+
+/// What a command using `ttl` tells the nodes with the longest TTL this
+/// client knows of, `known.max` (see `raise_lua!`): for a first use of
+/// `ttl`, `first` (the histories it comes after, see
+/// [`Engine::first_use`]); else the histories `known.max` was first used
+/// after and the longest TTL before it, as this client knows them (none:
+/// in use since always), with which a node that does not know `known.max`
+/// (it missed its first use, or lost its data since) records it.
+///
+/// Sound as a first use is: every key in `known.after` came from a record
+/// or from histories this client learnt (each had begun before that
+/// record was written, so before this command), and the script never lets
+/// the longest before drop below the node's own longest so far, so a TTL
+/// the node recorded for a lock it granted still counts for every history
+/// begun after that. Without it such a node recorded `known.max` as in use
+/// since always, and its record held every node younger than it back, for
+/// every client.
+pub(super) fn told(ttl: Duration, known: &TtlHistory, first: After) -> (After, Duration) {
+    if ttl > known.max {
+        (first, Duration::ZERO)
+    } else {
+        (known.after, known.prev)
     }
 }

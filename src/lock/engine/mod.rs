@@ -37,6 +37,8 @@ mod fencing_tests;
 mod handover;
 mod history;
 #[cfg(test)]
+mod history_tests;
+#[cfg(test)]
 mod node_rules;
 mod remote;
 mod report;
@@ -259,9 +261,15 @@ impl Engine {
                 .collect();
             &several
         };
-        let start = self.clock.now();
+        let mut start = self.clock.now();
         let known = *self.ttls.lock();
-        let first = self.first_use(ttl, &known);
+        // A first use learns the nodes' histories first (waiting at most
+        // one node timeout, as a connect would); the round starts after.
+        let first = self.first_use(ttl, &known, Some(after(start, self.settings.node_timeout)));
+        if ttl > known.max {
+            start = self.clock.now();
+        }
+        let told = history::told(ttl, &known, first);
         let rule = RestartRule {
             enabled: self.settings.restart_protection,
             floor: ttl,
@@ -328,7 +336,8 @@ impl Engine {
                 known_max: known.max,
                 // A reader orders nothing: storage is guarded by its writers.
                 fenced: self.settings.fencing && !read,
-                after: first,
+                after: told.0,
+                known_prev: told.1,
                 intent,
             },
             keys,

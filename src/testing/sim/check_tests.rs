@@ -114,6 +114,7 @@ fn a_key_left_long_after_its_round_is_reported() {
         known_max: ttl,
         fenced: false,
         after: crate::algorithm::round::After::NONE,
+        known_prev: std::time::Duration::ZERO,
     };
     w.check.sent(op, &[key], 0);
     let expiry = base + Duration::from_nanos(CLOCK_START) + Duration::from_secs(10);

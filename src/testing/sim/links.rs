@@ -308,6 +308,40 @@ impl SimLinks {
         Some(c)
     }
 
+    /// As the driver's `wait_connected`, for a first use of a longer TTL:
+    /// a connection to every healthy node whose connect commands no
+    /// connection has had answered yet, their replies awaited until
+    /// `until` at most (the lock histories they report, see
+    /// [`Servers::begun_keys`]).
+    fn learn_histories(&self, until: Instant) {
+        let mut held: Vec<Option<SimConn>> = self.names.iter().map(|_| None).collect();
+        loop {
+            let mark = self.signal.seen();
+            let now = Links::now(self);
+            let mut pending = false;
+            for (i, c) in held.iter_mut().enumerate() {
+                let shared = &self.nodes[i];
+                if self.servers.begun_read(i) || !shared.is_healthy() {
+                    *c = None;
+                    continue;
+                }
+                if c.is_none() {
+                    *c = self.idle(i).or_else(|| self.connect(i, now));
+                }
+                if let Some(conn) = c.as_mut() {
+                    if !catch_up(conn, shared, now) {
+                        *c = None;
+                    }
+                }
+                pending |= !self.servers.begun_read(i) && shared.is_healthy();
+            }
+            if !pending || now >= until {
+                return;
+            }
+            self.sched.wait_signal(&self.signal, mark, Some(until));
+        }
+    }
+
     /// An idle connection to entry `i`, as it is (for the retry job's
     /// drain, which reads it).
     fn idle(&self, i: usize) -> Option<SimConn> {
@@ -529,6 +563,15 @@ impl SimEngine {
 impl Transport for SimEngine {
     fn node_names(&self) -> &[String] {
         &self.links.names
+    }
+
+    /// What the driver's connections learnt at connect, as the driver's
+    /// transport: with `until`, nodes still connecting are waited for.
+    fn begun(&self, until: Option<Instant>) -> Vec<u64> {
+        if let Some(until) = until {
+            self.links.learn_histories(until);
+        }
+        self.links.servers.begun_keys()
     }
 
     crate::testing::sim::wakeups::wake_ups_of!(links.names);

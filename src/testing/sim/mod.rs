@@ -41,6 +41,8 @@ pub(crate) mod workload;
 pub(crate) mod world;
 
 #[cfg(test)]
+mod history_regressions;
+#[cfg(test)]
 mod regressions;
 #[cfg(test)]
 mod rw_tests;

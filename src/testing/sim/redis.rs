@@ -170,11 +170,12 @@ fn ms(s: &str) -> Duration {
 
 /// The second argument of an acquire or an extension: the longest TTL
 /// known, and for a first use the histories it comes after.
-fn known(s: &str) -> (Duration, After) {
-    match s.split_once(';') {
-        Some((max, after)) => (ms(max), After::parse(after.as_bytes())),
-        None => (ms(s), After::NONE),
-    }
+fn known(s: &str) -> (Duration, After, Duration) {
+    let mut parts = s.splitn(3, ';');
+    let max = ms(parts.next().unwrap_or(""));
+    let after = After::parse(parts.next().unwrap_or("").as_bytes());
+    let prev = parts.next().map_or(Duration::ZERO, ms);
+    (max, after, prev)
 }
 
 /// What command `v` asks.
@@ -212,7 +213,7 @@ pub(crate) fn command(v: &Value) -> Command {
     let named = &keys[..keys.len() - usize::from(meta)];
     let op = match kind {
         "acquire" => {
-            let (known_max, after) = known(arg(1));
+            let (known_max, after, known_prev) = known(arg(1));
             // The mode: fenced in its low bit, the intent (ms) above.
             let mode: u64 = arg(2).parse().unwrap_or(0);
             Op::Acquire {
@@ -221,6 +222,7 @@ pub(crate) fn command(v: &Value) -> Command {
                 known_max,
                 fenced: mode % 2 == 1,
                 after,
+                known_prev,
             }
         }
         "swap" => Op::Swap {
@@ -234,12 +236,13 @@ pub(crate) fn command(v: &Value) -> Command {
             notice: 0,
         },
         "extend" => {
-            let (known_max, after) = known(arg(1));
+            let (known_max, after, known_prev) = known(arg(1));
             Op::Extend {
                 ttl: ms(arg(0)),
                 known_max,
                 linger: false,
                 after,
+                known_prev,
             }
         }
         "restore" => Op::Restore { ttl: ms(arg(0)) },
@@ -350,12 +353,14 @@ mod tests {
                 known_max: Duration::from_millis(7000),
                 fenced: true,
                 after,
+                known_prev: Duration::from_millis(2000),
             },
             Op::Extend {
                 ttl: Duration::from_millis(3000),
                 known_max: Duration::from_millis(3000),
                 linger: false,
                 after: After::NONE,
+                known_prev: std::time::Duration::ZERO,
             },
             Op::Restore {
                 ttl: Duration::from_millis(900),
@@ -442,6 +447,7 @@ mod tests {
             known_max: Duration::from_millis(5000),
             fenced: false,
             after: After::NONE,
+            known_prev: std::time::Duration::ZERO,
         };
         let said = Reply {
             answers: vec![Answer::Ok, Answer::Other],

@@ -211,6 +211,7 @@ fn a_readers_release_wakes_waiters_only_when_the_last_reader_leaves() {
         known_max: ttl,
         fenced: false,
         after: After::NONE,
+        known_prev: std::time::Duration::ZERO,
         intent: Duration::ZERO,
     };
     let release = Op::Release {

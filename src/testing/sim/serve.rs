@@ -163,7 +163,13 @@ impl World {
                 redis::Value::BulkString(b"loaded".to_vec())
             }
             Command::HistoryId => {
-                redis::Value::BulkString(self.nodes[i].store.id().to_string().into_bytes())
+                // `{id, epoch}`, the epoch `''` where no history has begun.
+                let store = &self.nodes[i].store;
+                let epoch = store.epoch(self.base).map(|e| e.to_string());
+                redis::Value::Array(vec![
+                    redis::Value::BulkString(store.id().to_string().into_bytes()),
+                    redis::Value::BulkString(epoch.unwrap_or_default().into_bytes()),
+                ])
             }
             Command::Unknown(what) => wire::error(&format!("ERR unknown command {what}")),
             Command::Script { by_sha: true, .. } if !self.nodes[i].loaded => {

@@ -347,7 +347,7 @@ mod engine_defects {
             undo_skips_lost: true,
             ..Defects::default()
         };
-        found(0x22c, Mix::Standard, defects, Kind::Leaked);
+        found(0x43a, Mix::Standard, defects, Kind::Leaked);
     }
 
     /// A release retry job that sends the same batch every time: the
@@ -359,7 +359,7 @@ mod engine_defects {
             retry_same_batch: true,
             ..Defects::default()
         };
-        found(0x755, Mix::Releases, defects, Kind::Leaked);
+        found(0x781, Mix::Releases, defects, Kind::Leaked);
     }
 }
 

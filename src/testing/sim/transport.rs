@@ -160,6 +160,26 @@ impl Transport for SimTransport {
         &self.names
     }
 
+    /// As a connection made now learns them (this transport models no
+    /// connect): the history of every node that is up. Cut off or not: a
+    /// history learnt is one that had begun, which is all the restart rule
+    /// asks of it, and the most this can send (the sternest test of it).
+    fn begun(&self, _until: Option<Instant>) -> Vec<u64> {
+        let core = self.sched.lock();
+        let world = &core.world;
+        self.entries
+            .iter()
+            .map(|&node| {
+                let n = &world.nodes[node];
+                if n.state == crate::testing::sim::world::NodeState::Up {
+                    n.store.begun()
+                } else {
+                    0
+                }
+            })
+            .collect()
+    }
+
     crate::testing::sim::wakeups::wake_ups_of!(names);
 
     fn run(
