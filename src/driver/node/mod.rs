@@ -278,58 +278,18 @@ impl Transport for RedisTransport {
 
     fn begun(&self, until: Option<Instant>) -> Vec<u64> {
         if let Some(until) = until {
-            // Two entries of one server: the rounds count it once anyway.
-            let _ = self.wait_connected(until);
+            // For a majority's histories at most: a node that has not
+            // answered its connect by then (hung, slow) is left out, and only
+            // it is held back (a round waits for a node only while its
+            // answer can change the outcome). Two entries of one server:
+            // the rounds count it once anyway.
+            let _ = self.await_setups(until, crate::algorithm::quorum::quorum(self.nodes.len()));
         }
         self.servers.begun_keys()
     }
 
     fn wait_connected(&self, deadline: Instant) -> Result<usize, InvalidInput> {
-        // One connection per node, kept while its setup replies are awaited:
-        // popping one again every recheck left the pool below its idle
-        // minimum each time, and each such pop started another connection.
-        let mut held: Vec<Option<PooledConnection<Manager>>> =
-            self.nodes.iter().map(|_| None).collect();
-        loop {
-            let mut connected = 0;
-            let mut pending = false;
-            for (i, node) in self.nodes.iter().enumerate() {
-                let shared = &node.inner.shared;
-                if node.inner.pool.state().connections > 0 {
-                    connected += 1;
-                    if !self.servers.begun_read(i) && shared.is_healthy() {
-                        // Read what its connections have been told (who the
-                        // server is), without waiting.
-                        let now = Instant::now();
-                        let c = &mut held[i];
-                        if c.is_none() {
-                            *c = node.inner.pool.try_get();
-                        }
-                        if let Some(conn) = c.as_mut() {
-                            if !catch_up(conn, shared, now) {
-                                *c = None;
-                            }
-                        }
-                        pending |= !self.servers.begun_read(i);
-                    }
-                } else if shared.is_healthy() {
-                    // Connecting (or not started): a failing node has
-                    // answered for itself.
-                    pending = true;
-                }
-            }
-            if let Some((a, b)) = self.servers.twins() {
-                return Err(InvalidInput::SameServer {
-                    first: self.names[a].clone(),
-                    second: self.names[b].clone(),
-                });
-            }
-            let now = Instant::now();
-            if !pending || now >= deadline {
-                return Ok(connected);
-            }
-            std::thread::sleep(CONN_RECHECK.min(deadline.saturating_duration_since(now)));
-        }
+        self.await_setups(deadline, usize::MAX)
     }
 
     fn probe(&self, key: &str, timeout: Duration) -> Vec<crate::lock::transport::Probe> {
@@ -391,5 +351,63 @@ impl Transport for RedisTransport {
         undo: Option<Undo<'_>>,
     ) -> Vec<NodeResult> {
         round::Round::run_round(self, op, keys, deadline, decided, undo)
+    }
+}
+
+impl RedisTransport {
+    /// Waits until every node has a connection whose server and lock
+    /// history are known (its connect commands answered), or is failing,
+    /// or `enough` nodes' histories are known, at most until `deadline`;
+    /// returns how many nodes have a connection, or the first two entries
+    /// found to reach one server.
+    fn await_setups(&self, deadline: Instant, enough: usize) -> Result<usize, InvalidInput> {
+        // One connection per node, kept while its setup replies are awaited:
+        // popping one again every recheck left the pool below its idle
+        // minimum each time, and each such pop started another connection.
+        let mut held: Vec<Option<PooledConnection<Manager>>> =
+            self.nodes.iter().map(|_| None).collect();
+        loop {
+            let mut connected = 0;
+            let mut pending = false;
+            for (i, node) in self.nodes.iter().enumerate() {
+                let shared = &node.inner.shared;
+                if node.inner.pool.state().connections > 0 {
+                    connected += 1;
+                    if !self.servers.begun_read(i) && shared.is_healthy() {
+                        // Read what its connections have been told (who the
+                        // server is), without waiting.
+                        let now = Instant::now();
+                        let c = &mut held[i];
+                        if c.is_none() {
+                            *c = node.inner.pool.try_get();
+                        }
+                        if let Some(conn) = c.as_mut() {
+                            if !catch_up(conn, shared, now) {
+                                *c = None;
+                            }
+                        }
+                        pending |= !self.servers.begun_read(i);
+                    }
+                } else if shared.is_healthy() {
+                    // Connecting (or not started): a failing node has
+                    // answered for itself.
+                    pending = true;
+                }
+            }
+            if let Some((a, b)) = self.servers.twins() {
+                return Err(InvalidInput::SameServer {
+                    first: self.names[a].clone(),
+                    second: self.names[b].clone(),
+                });
+            }
+            let now = Instant::now();
+            let read = (0..self.nodes.len())
+                .filter(|&i| self.servers.begun_read(i))
+                .count();
+            if !pending || now >= deadline || read >= enough {
+                return Ok(connected);
+            }
+            std::thread::sleep(CONN_RECHECK.min(deadline.saturating_duration_since(now)));
+        }
     }
 }
