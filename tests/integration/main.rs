@@ -17,6 +17,7 @@ mod foreign;
 mod harness;
 mod hostile;
 mod lock;
+mod missed;
 mod node_layer;
 mod nodes;
 #[cfg(feature = "cli")]
