@@ -265,17 +265,20 @@ pub(crate) fn seen(results: &[NodeResult], keys: usize) -> Vec<Seen> {
 /// Whether a woken attempt that failed (`now`: what it saw, `at` when)
 /// met another owner than the attempt before it (`before`: what that one
 /// saw, and when) on some node that answered both, for some key: a key
-/// held longer than the old owner's could still be (by more than `slack`,
-/// the most one node's two readings can be off: a round's time), an end
-/// known where none was or none where one was, or a key freed or taken in
-/// between. A release came, or a renewal: the message that woke it may be
-/// true. `false` where every node that answered both shows the same owners:
-/// the message may have been forged, from another database (pub/sub
-/// ignores it) or late; but a new owner with less time left (a shorter
-/// TTL) looks the same, so it takes two such tries in a row before the
-/// waiter hears no more messages until its next try by the clock (see
-/// `Engine::acquire`). With nothing to compare (no attempt before, or no
-/// node that answered both) every message counts.
+/// whose time left is not the old owner's less the time gone (by more
+/// than `slack`, the most one node's two readings can be off: the longer
+/// of the two rounds' times), longer (a new owner, a renewal) or shorter
+/// (a new owner with a shorter TTL; a set's longest-held key released),
+/// an end known where none was or none where one was, or a key freed or
+/// taken in between. A release came, or a renewal: the message that woke
+/// it may be true. `false` where every node that answered both shows the
+/// same owners: the message may have been forged, from another database
+/// (pub/sub ignores it) or late; but a new owner that took the key within
+/// `slack` of the old one's time with as much time left looks the same,
+/// so it takes two such tries in a row before the waiter hears no more
+/// messages until its next try by the clock (see `Engine::acquire`). With
+/// nothing to compare (no attempt before, or no node that answered both)
+/// every message counts.
 ///
 /// Node by node, not by [`free_in`]: a round ends at its first majority,
 /// so two rounds' majorities may differ by a node, and one owner's copies
@@ -300,7 +303,10 @@ pub(crate) fn new_owner(
                 if (w == Duration::MAX) != (n == Duration::MAX) {
                     return true;
                 }
-                if w != Duration::MAX && n > w.saturating_sub(gone).saturating_add(slack) {
+                let expected = w.saturating_sub(gone);
+                if w != Duration::MAX
+                    && (n > expected.saturating_add(slack) || n < expected.saturating_sub(slack))
+                {
                     return true;
                 }
             }

@@ -394,7 +394,8 @@ fn a_round_of_many_keys_waits_for_its_replies() {
 /// A woken attempt that meets the owners the attempt before it met (their time left
 /// gone down by the time between, give or take a round) on every node and key that
 /// answered both found no release: the message may be forged, foreign or late. A new
-/// owner, or one that renewed, holds longer than the old one could still; an end known
+/// owner, or one that renewed, holds longer than the old one could still, or shorter
+/// (a shorter TTL); an end known
 /// where none was (or none where one was), a key freed or taken in between, is a change
 /// too; with nothing to compare, every message counts.
 #[test]
@@ -408,11 +409,14 @@ fn a_woken_attempt_tells_a_new_owner_from_the_same_one() {
     // The same owner, its copies read on another majority (give or take the slack).
     assert!(!new(&[Held(900 * MS), Unknown, Held(905 * MS)]));
     assert!(!new(&[Held(902 * MS), Held(904 * MS), Held(950 * MS)]));
-    // Its key expires on a node: less time, no new owner seen.
-    assert!(!new(&[Held(10 * MS), Unknown, Unknown]));
     // A new owner (or a renewal) on one node: more than the old one could have left.
     assert!(new(&[Held(900 * MS), Held(906 * MS), Unknown]));
     assert!(new(&[Held(10_000 * MS), Unknown, Unknown]));
+    // A new owner with less time left than the old one's (a shorter TTL, a set's
+    // longest-held key released): less than the old one can have left.
+    assert!(new(&[Held(10 * MS), Unknown, Unknown]));
+    assert!(new(&[Held(897 * MS), Unknown, Unknown]));
+    assert!(!new(&[Held(898 * MS), Unknown, Unknown]));
     // A node freed or taken in between.
     assert!(new(&[Free, Held(903 * MS), Unknown]));
     // An end known where none was (a writer after readers refused by its intent), or

@@ -26,7 +26,7 @@ const QUICK_RETRIES: u32 = 2;
 /// Woken tries in a row that met the same owners (see
 /// [`quorum::new_owner`]) after which a waiter stops listening until its
 /// next try by the clock. Two: one such try may be a real release followed
-/// at once by an owner with less time left (a shorter TTL); a stream of
+/// at once by an owner with as much time left, within a round's time; a stream of
 /// forged messages costs a waiter at most two rounds per fallback pause.
 const SAME_OWNERS: u32 = 2;
 
@@ -149,7 +149,8 @@ impl Engine {
         // pub/sub ignores it). After `SAME_OWNERS` such tries in a row the
         // waiter hears no more messages until its next try by the clock
         // (see `quorum::new_owner`).
-        let mut owners: Option<(Instant, Vec<quorum::Seen>)> = None;
+        // (With the attempt's time: the window of its readings.)
+        let mut owners: Option<(Instant, Duration, Vec<quorum::Seen>)> = None;
         let mut same = 0u32;
         let mut quick = 0;
         loop {
@@ -219,8 +220,11 @@ impl Engine {
             // What is left of the retry pause.
             let pause = due.map_or(pause, |d| d.saturating_duration_since(now));
             let took = now.saturating_duration_since(tried);
-            let slack = took.saturating_add(Duration::from_millis(1));
-            let before = owners.as_ref().map(|(t, o)| (*t, o.as_slice()));
+            // Each reading is somewhere in its attempt: off by the longer
+            // of the two attempts' times (and PTTL's millisecond).
+            let read_in = owners.as_ref().map_or(took, |(_, t, _)| took.max(*t));
+            let slack = read_in.saturating_add(Duration::from_millis(1));
+            let before = owners.as_ref().map(|(t, _, o)| (*t, o.as_slice()));
             same = if woken && !quorum::new_owner(before, &failed.owners, now, slack) {
                 same.saturating_add(1)
             } else {
@@ -228,7 +232,7 @@ impl Engine {
             };
             let deaf = same >= SAME_OWNERS;
             let free_in = failed.free_in;
-            owners = Some((now, failed.owners));
+            owners = Some((now, took, failed.owners));
             // A woken attempt that set the key on some nodes and still
             // lost: maybe waiters woken together split the votes and each
             // undid its own, which frees the key without a message. Tried
