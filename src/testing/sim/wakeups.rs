@@ -69,6 +69,25 @@ impl World {
     }
 }
 
+impl World {
+    /// `n` forged release messages, each with a fresh notice, to every
+    /// subscriber of every key (see `Fault::Forge`).
+    pub(crate) fn forge(&mut self, n: u32, now: u64) {
+        let chans: Vec<_> = self
+            .subs
+            .iter()
+            .flat_map(|s| s.values().flatten().cloned())
+            .collect();
+        for chan in chans {
+            for _ in 0..n {
+                let notice = self.rng.below(u64::MAX) | 1;
+                let at = now + self.delay();
+                self.push(at, Event::Notify(chan.clone(), notice));
+            }
+        }
+    }
+}
+
 /// The [`Transport`](crate::lock::transport::Transport) methods of a
 /// simulated transport with `watches` and `sched` fields, whose node names
 /// are `self.$($names).+`.

@@ -398,21 +398,7 @@ impl World {
             }
             Fault::FlushScripts(i) => self.nodes[i].loaded = false,
             Fault::Kill(i) => self.sever(i, now),
-            Fault::Forge(n) => {
-                let chans: Vec<_> = self
-                    .subs
-                    .iter()
-                    .flat_map(|s| s.values().flatten().cloned())
-                    .collect();
-                for chan in chans {
-                    for _ in 0..n {
-                        let notice = self.rng.below(u64::MAX) | 1;
-                        let at = now + self.delay();
-                        self.push(at, Event::Notify(chan.clone(), notice));
-                    }
-                }
-                return;
-            }
+            Fault::Forge(n) => return self.forge(n, now),
             Fault::HealAll => {
                 self.net = Net::calm();
                 for i in 0..self.nodes.len() {
