@@ -200,9 +200,10 @@ fn thirty_two_threads_on_one_client_never_fail_on_healthy_nodes() {
     assert!(cycles >= 32, "only {cycles} cycles in {elapsed:?}");
     // One shared connection per node carries the rounds; the pool keeps a couple idle, and
     // a connection given up (a stall past the node timeout) is replaced (3 to 9 seen on a
-    // quiet machine; the previous release held 32, one per thread).
+    // quiet machine, 18 once on a loaded one; the previous release held 32, one per
+    // thread, which this still catches).
     assert!(
-        most_connections.iter().all(|&n| n <= 16),
+        most_connections.iter().all(|&n| n <= 24),
         "32 threads held {most_connections:?} connections per node"
     );
 }
