@@ -275,7 +275,7 @@ pub(crate) fn seen(results: &[NodeResult], keys: usize) -> Vec<Seen> {
 /// same owners: the message may have been forged, from another database
 /// (pub/sub ignores it) or late; but a new owner that took the key within
 /// `slack` of the old one's time with as much time left looks the same,
-/// so it takes two such tries in a row before the waiter hears no more
+/// so it takes three such tries in a row before the waiter hears no more
 /// messages until its next try by the clock (see `Engine::acquire`). With
 /// nothing to compare (no attempt before, or no node that answered both)
 /// every message counts.

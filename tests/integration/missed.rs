@@ -1,4 +1,4 @@
-//! Review of the wake-up rule (a waiter stops listening after two woken tries in a row
+//! Review of the wake-up rule (a waiter stops listening after three woken tries in a row
 //! that met the same owners): real releases it must not miss, and message storms it must
 //! not turn into back-to-back rounds. Clients use `fresh_cluster(true)` on the shared
 //! throwaway nodes.
@@ -148,7 +148,7 @@ fn a_waiter_hears_a_release_after_two_hand_overs_to_shorter_ttls() {
 
 /// A holder keeps `key` on two nodes of three (its copy on the third is gone: a node
 /// restarted, or its SET there failed). A storm of forged messages for 1.2 s must cost a
-/// `lock_timeout` waiter (retry pause 100 ms) at most two extra rounds per pause, as
+/// `lock_timeout` waiter (retry pause 100 ms) at most three extra rounds per pause, as
 /// where the holder is on every node: each woken try sets the free node and undoes it.
 #[test]
 fn a_storm_against_a_holder_on_a_bare_majority_costs_few_rounds() {
@@ -197,7 +197,7 @@ fn a_storm_against_a_holder_on_a_bare_majority_costs_few_rounds() {
     let during = started.elapsed();
     let r1 = rounds.0.load(Ordering::SeqCst);
     assert!(sent > 100, "the storm sent {sent} messages");
-    let bound = 3 * (during.as_millis() / 100) as usize + 6;
+    let bound = 4 * (during.as_millis() / 100) as usize + 6;
     g.release().expect("release");
     let got = timed.join().expect("waiter");
     assert!(

@@ -25,10 +25,12 @@ const QUICK_RETRIES: u32 = 2;
 
 /// Woken tries in a row that met the same owners (see
 /// [`quorum::new_owner`]) after which a waiter stops listening until its
-/// next try by the clock. Two: one such try may be a real release followed
-/// at once by an owner with as much time left, within a round's time; a stream of
-/// forged messages costs a waiter at most two rounds per fallback pause.
-const SAME_OWNERS: u32 = 2;
+/// next try by the clock. Three: such a try may be a real release followed
+/// at once by an owner with as much time left, within a round's time (under
+/// hot contention two in a row were seen, and the waiter missed the next
+/// release by a retry pause); a stream of forged messages costs a waiter at
+/// most three rounds per fallback pause.
+const SAME_OWNERS: u32 = 3;
 
 /// The longest a subscribed waiter waits for a wake-up before it tries
 /// again (its retry pause or the owner's expiry, where shorter): a lost
