@@ -3,39 +3,13 @@
 //! not turn into back-to-back rounds. Clients use `fresh_cluster(true)` on the shared
 //! throwaway nodes.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use quorumlock::{AttemptEvent, EventHandler, Redlock};
+use quorumlock::Redlock;
 
 use crate::common::{shared, unique_key};
-
-/// Counts a client's attempts.
-#[derive(Default)]
-struct Rounds(AtomicUsize);
-
-impl EventHandler for Rounds {
-    fn on_attempt(&self, _: &AttemptEvent<'_>) {
-        self.0.fetch_add(1, Ordering::SeqCst);
-    }
-}
-
-/// A client on `urls` with retry pauses of `pause` (no jitter), its attempts counted.
-fn counted(urls: Vec<String>, pause: Duration) -> (Redlock, Arc<Rounds>) {
-    let rounds = Arc::new(Rounds::default());
-    let locks = Redlock::builder()
-        .fresh_cluster(true)
-        .nodes(urls)
-        .node_timeout(Duration::from_millis(250))
-        .retry_delay(pause)
-        .retry_jitter(Duration::ZERO)
-        .events(rounds.clone())
-        .build()
-        .expect("valid config");
-    assert_eq!(locks.wait_connected(Duration::from_secs(5)).ok(), Some(3));
-    (locks, rounds)
-}
+use crate::storms::{counted, forge};
 
 /// A plain client on `urls`.
 fn plain(urls: Vec<String>) -> Redlock {
@@ -170,31 +144,7 @@ fn a_storm_against_a_holder_on_a_bare_majority_costs_few_rounds() {
     });
     std::thread::sleep(Duration::from_millis(300));
     let r0 = rounds.0.load(Ordering::SeqCst);
-    let storm = Duration::from_millis(1_200);
-    let started = Instant::now();
-    let publishers: Vec<_> = (0..c.len())
-        .map(|i| {
-            let mut conn = c.conn(i);
-            let channel = format!("quorumlock:free:{key}");
-            std::thread::spawn(move || {
-                let mut sent = 0u64;
-                while started.elapsed() < storm {
-                    let _: i64 = redis::cmd("PUBLISH")
-                        .arg(&channel)
-                        .arg(format!("forged-{i}-{sent}"))
-                        .query(&mut conn)
-                        .expect("PUBLISH");
-                    sent += 1;
-                }
-                sent
-            })
-        })
-        .collect();
-    let sent: u64 = publishers
-        .into_iter()
-        .map(|p| p.join().expect("publisher"))
-        .sum();
-    let during = started.elapsed();
+    let (sent, during) = forge(&c, &key, Duration::from_millis(1_200));
     let r1 = rounds.0.load(Ordering::SeqCst);
     assert!(sent > 100, "the storm sent {sent} messages");
     let bound = 4 * (during.as_millis() / 100) as usize + 6;

@@ -14,7 +14,7 @@ use crate::common::{shared, unique_key, Cluster};
 
 /// Counts a client's attempts.
 #[derive(Default)]
-struct Rounds(AtomicUsize);
+pub(crate) struct Rounds(pub(crate) AtomicUsize);
 
 impl EventHandler for Rounds {
     fn on_attempt(&self, _: &AttemptEvent<'_>) {
@@ -24,7 +24,7 @@ impl EventHandler for Rounds {
 
 /// A client on `urls`, its attempts counted: `retry_count` 3, pauses of `pause` (no
 /// jitter).
-fn counted(urls: Vec<String>, pause: Duration) -> (Redlock, Arc<Rounds>) {
+pub(crate) fn counted(urls: Vec<String>, pause: Duration) -> (Redlock, Arc<Rounds>) {
     let rounds = Arc::new(Rounds::default());
     let locks = Redlock::builder()
         .fresh_cluster(true)
@@ -38,6 +38,35 @@ fn counted(urls: Vec<String>, pause: Duration) -> (Redlock, Arc<Rounds>) {
         .expect("valid config");
     assert_eq!(locks.wait_connected(Duration::from_secs(5)).ok(), Some(3));
     (locks, rounds)
+}
+
+/// Forged release messages for `key`, a fresh notice each, as fast as one connection
+/// per node publishes, for `storm`: how many were sent, and for how long.
+pub(crate) fn forge(c: &Cluster, key: &str, storm: Duration) -> (u64, Duration) {
+    let started = Instant::now();
+    let publishers: Vec<_> = (0..c.len())
+        .map(|i| {
+            let mut conn = c.conn(i);
+            let channel = format!("quorumlock:free:{key}");
+            std::thread::spawn(move || {
+                let mut sent = 0u64;
+                while started.elapsed() < storm {
+                    let _: i64 = redis::cmd("PUBLISH")
+                        .arg(&channel)
+                        .arg(format!("forged-{i}-{sent}"))
+                        .query(&mut conn)
+                        .expect("PUBLISH");
+                    sent += 1;
+                }
+                sent
+            })
+        })
+        .collect();
+    let sent = publishers
+        .into_iter()
+        .map(|p| p.join().expect("publisher"))
+        .sum();
+    (sent, started.elapsed())
 }
 
 /// The node URLs with database `db` instead of 0.
@@ -136,31 +165,7 @@ fn a_forged_message_storm_costs_at_most_a_round_per_retry_pause() {
         timed_rounds.0.load(Ordering::SeqCst),
         lock_rounds.0.load(Ordering::SeqCst),
     );
-    let storm = Duration::from_millis(1_200);
-    let started = Instant::now();
-    let publishers: Vec<_> = (0..c.len())
-        .map(|i| {
-            let mut conn = c.conn(i);
-            let channel = format!("quorumlock:free:{key}");
-            std::thread::spawn(move || {
-                let mut sent = 0u64;
-                while started.elapsed() < storm {
-                    let _: i64 = redis::cmd("PUBLISH")
-                        .arg(&channel)
-                        .arg(format!("forged-{i}-{sent}"))
-                        .query(&mut conn)
-                        .expect("PUBLISH");
-                    sent += 1;
-                }
-                sent
-            })
-        })
-        .collect();
-    let sent: u64 = publishers
-        .into_iter()
-        .map(|p| p.join().expect("publisher"))
-        .sum();
-    let during = started.elapsed();
+    let (sent, during) = forge(&c, &key, Duration::from_millis(1_200));
     let (t1, l1) = (
         timed_rounds.0.load(Ordering::SeqCst),
         lock_rounds.0.load(Ordering::SeqCst),
