@@ -351,6 +351,11 @@ struct Threaded {
     /// of the 5 redis-servers, per cycle (warm-up included).
     client_cpu: Duration,
     server_cpu: Duration,
+    /// The nodes' reads (`total_reads_processed`) and commands
+    /// (`total_commands_processed`, a script's own commands included) per
+    /// cycle, all nodes together.
+    reads: f64,
+    commands: f64,
 }
 
 /// One worker's record: time and outcome of each cycle started inside the
@@ -382,6 +387,8 @@ fn sum_up(records: Vec<Records>) -> Threaded {
         per_sec: ok as f64 / THREAD_RUN.as_secs_f64(),
         client_cpu: Duration::ZERO,
         server_cpu: Duration::ZERO,
+        reads: 0.0,
+        commands: 0.0,
     }
 }
 
@@ -416,6 +423,18 @@ fn servers_cpu(c: &Cluster) -> Duration {
             Duration::from_secs_f64(secs)
         })
         .sum()
+}
+
+/// What all the nodes read and ran so far (`INFO stats`): reads, commands.
+fn servers_io(c: &Cluster) -> (u64, u64) {
+    (0..c.len())
+        .map(|i| {
+            (
+                info_number(c, i, "stats", "total_reads_processed"),
+                info_number(c, i, "stats", "total_commands_processed"),
+            )
+        })
+        .fold((0, 0), |(r, n), (a, b)| (r + a, n + b))
 }
 
 /// Connections node `i` has accepted so far (`INFO stats`), not counting
@@ -527,6 +546,8 @@ fn churn_note(t: &mut Table, name: &str, sick: u64, healthy: u64, cycles: usize)
 /// CPU charged to one variant of a single-thread scenario.
 #[derive(Default)]
 struct CpuUse {
+    reads: u64,
+    commands: u64,
     client: Duration,
     server: Duration,
     cycles: u32,
@@ -535,10 +556,13 @@ struct CpuUse {
 impl CpuUse {
     /// Runs `f` (`cycles` cycles) and charges it the CPU used meanwhile.
     fn charge<T>(&mut self, c: &Cluster, cycles: usize, f: impl FnOnce() -> T) -> T {
-        let (client0, server0) = (process_cpu(), servers_cpu(c));
+        let (client0, server0, io0) = (process_cpu(), servers_cpu(c), servers_io(c));
         let out = f();
         self.client += process_cpu().saturating_sub(client0);
         self.server += servers_cpu(c).saturating_sub(server0);
+        let io = servers_io(c);
+        self.reads += io.0.saturating_sub(io0.0);
+        self.commands += io.1.saturating_sub(io0.1);
         self.cycles += cycles as u32;
         out
     }
@@ -551,11 +575,14 @@ impl CpuUse {
 
 /// Runs `f` and charges it the CPU this process and the nodes used.
 fn with_cpu(c: &Cluster, f: impl FnOnce() -> Threaded) -> Threaded {
-    let (client0, server0) = (process_cpu(), servers_cpu(c));
+    let (client0, server0, io0) = (process_cpu(), servers_cpu(c), servers_io(c));
     let mut r = f();
     let cycles = (r.warm_cycles + r.run.lat.len()).max(1) as u32;
     r.client_cpu = process_cpu().saturating_sub(client0) / cycles;
     r.server_cpu = servers_cpu(c).saturating_sub(server0) / cycles;
+    let io = servers_io(c);
+    r.reads = io.0.saturating_sub(io0.0) as f64 / f64::from(cycles);
+    r.commands = io.1.saturating_sub(io0.1) as f64 / f64::from(cycles);
     r
 }
 
@@ -681,19 +708,20 @@ struct Table {
 }
 
 /// Column heads of [`Table::row`].
-const HEADS: [&str; 10] = [
+const HEADS: [&str; 12] = [
     "p50", "p99", "max", "lock p50", "unlk p50", "vs hlth", "fails", "cycles/s", "cpu cli",
-    "cpu srv",
+    "cpu srv", "srv rd", "srv cmd",
 ];
 
 impl Table {
     /// One line: the run's figures, then `extra` (ratio, throughput, CPU).
-    fn row(&mut self, name: &str, run: &Run, extra: [String; 4], goal: &str) {
+    /// Per cycle: CPU in us, the nodes' reads and commands (all nodes).
+    fn row(&mut self, name: &str, run: &Run, extra: [String; 6], goal: &str) {
         let s = run.stats();
         let (a, r) = (Stats::of(&run.acquire), Stats::of(&run.release));
-        let [ratio, rate, cli, srv] = extra;
+        let [ratio, rate, cli, srv, rd, cmd] = extra;
         self.rows.push(format!(
-            "{name:<34} {:>8.1} {:>8.1} {:>9.1} {:>8.1} {:>8.1} {ratio:>7} {:>6} {rate:>8} {cli:>7} {srv:>7}   {goal}",
+            "{name:<34} {:>8.1} {:>8.1} {:>9.1} {:>8.1} {:>8.1} {ratio:>7} {:>6} {rate:>8} {cli:>7} {srv:>7} {rd:>6} {cmd:>7}   {goal}",
             us(s.p50),
             us(s.p99),
             us(s.max),
@@ -711,16 +739,19 @@ impl Table {
             .map(|h| format!("{:.2}x", run.stats().p50.as_secs_f64() / h.as_secs_f64()))
             .unwrap_or_else(|| "-".into());
         let dash = || "-".to_string();
-        self.row(name, run, [ratio, dash(), dash(), dash()], goal);
+        self.row(name, run, [ratio, dash(), dash(), dash(), dash(), dash()], goal);
     }
 
     fn single_cpu(&mut self, name: &str, run: &Run, cpu: &CpuUse, goal: &str) {
         let (cli, srv) = cpu.per_cycle();
+        let n = f64::from(cpu.cycles.max(1));
         let extra = [
             "-".into(),
             "-".into(),
             format!("{:.1}", us(cli)),
             format!("{:.1}", us(srv)),
+            format!("{:.2}", cpu.reads as f64 / n),
+            format!("{:.1}", cpu.commands as f64 / n),
         ];
         self.row(name, run, extra, goal);
     }
@@ -734,6 +765,8 @@ impl Table {
                 format!("{:.0}", r.per_sec),
                 format!("{:.1}", us(r.client_cpu)),
                 format!("{:.1}", us(r.server_cpu)),
+                format!("{:.2}", r.reads),
+                format!("{:.1}", r.commands),
             ],
             goal,
         );
@@ -1057,6 +1090,7 @@ fn main() {
         t.verdict(format!(
             "5 32 threads: quorumlock holds {sockets} connections per node after the run ({THREADS} threads)"
         ));
+        if std::env::var_os("PROBE_ONLY").is_some() { t.threaded("ql", &ql, ""); for r in &t.rows { println!("{r}"); } return; }
         let rs = with_cpu(&c, || rslock_tasks(&urls));
         let setf = with_cpu(&c, || {
             threaded("set", || {
@@ -1098,8 +1132,8 @@ fn main() {
     );
     let h = HEADS;
     println!(
-        "  {:<34} {:>8} {:>8} {:>9} {:>8} {:>8} {:>7} {:>6} {:>8} {:>7} {:>7}   goal",
-        "scenario", h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7], h[8], h[9]
+        "  {:<34} {:>8} {:>8} {:>9} {:>8} {:>8} {:>7} {:>6} {:>8} {:>7} {:>7} {:>6} {:>7}   goal",
+        "scenario", h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7], h[8], h[9], h[10], h[11]
     );
     for r in &t.rows {
         println!("  {r}");
