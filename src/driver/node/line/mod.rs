@@ -126,7 +126,7 @@ struct Staged {
 
 /// Longest a round's commands wait staged for the line's reader to write
 /// them with the replies it reads; then the round writes them itself.
-pub(crate) const STAGE_MAX: std::time::Duration = std::time::Duration::from_micros(300);
+pub(crate) const STAGE_MAX: std::time::Duration = std::time::Duration::from_micros(1000);
 
 /// One connection shared by rounds.
 pub(crate) struct Line<C: Link> {
@@ -237,7 +237,7 @@ impl<C: Link> Line<C> {
             // The reply read may be the last owed: nothing else would get
             // the reader to write what waits staged.
             if st.closed.is_none() {
-                st.write_staged(&self.staged, &self.node, &mut wake);
+                st.next_batch(&self.staged, &self.node, &mut wake);
             }
             let closed = st.closed.is_some();
             if closed {
@@ -301,7 +301,7 @@ impl<C: Link> Line<C> {
         self.act(|st, wake| {
             st.read(&self.node, ready, now, wake);
             if st.closed.is_none() {
-                st.write_staged(&self.staged, &self.node, wake);
+                st.next_batch(&self.staged, &self.node, wake);
             }
         });
     }
@@ -361,7 +361,7 @@ impl<C: Link> Line<C> {
             st.reader = Some(id);
             // What waits staged for a reader goes out before it waits.
             let mut wake = Vec::new();
-            st.write_staged(&self.staged, &self.node, &mut wake);
+            st.next_batch(&self.staged, &self.node, &mut wake);
             let closed = st.closed.is_some();
             drop(st);
             wake_all(wake);
@@ -372,10 +372,14 @@ impl<C: Link> Line<C> {
         Watch::Follower
     }
 
-    fn unwatch(&self, id: u64) {
-        if let Some(o) = self.state.lock().owner(id) {
+    /// Round `id` stops waiting; whether it was handed the reader role
+    /// meanwhile.
+    fn unwatch(&self, id: u64) -> bool {
+        let mut st = self.state.lock();
+        if let Some(o) = st.owner(id) {
             o.waiting = false;
         }
+        st.reader == Some(id)
     }
 
     fn resign(&self, id: u64) {
@@ -385,7 +389,7 @@ impl<C: Link> Line<C> {
             st.resign(id, &mut wake);
             // Nothing staged waits for a reader that left.
             if st.closed.is_none() {
-                st.write_staged(&self.staged, &self.node, &mut wake);
+                st.next_batch(&self.staged, &self.node, &mut wake);
             }
         }
         wake_all(wake);
@@ -442,7 +446,7 @@ impl<C: Link> Line<C> {
             wire.broken = true;
             return Err(error_of(c));
         }
-        if !wire.broken && st.defers(id) {
+        if !wire.broken && st.in_flight() {
             let staged = self.staged.lock().cmds.iter().filter(|c| c.0 == id).count();
             if let Some(o) = st.owner(id) {
                 o.staged = staged;
@@ -527,7 +531,12 @@ impl<C: Link> Line<C> {
                     break;
                 }
             }
-            st.drain(&self.staged, &self.node);
+            // What is staged goes out now if this round's commands are in it
+            // (its replies are then owed where the line can take them as
+            // late ones), else with the next batch.
+            if !st.in_flight() || st.owners[k].staged > 0 {
+                st.drain(&self.staged, &self.node);
+            }
             st.carry(id, &mut wire);
             let r = match failed {
                 Some(e) => Err(e),

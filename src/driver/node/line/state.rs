@@ -88,16 +88,25 @@ where
         }
     }
 
-    /// Whether round `id`'s commands may wait staged for the reader: another
-    /// round reads the line and replies are owed on it, so the reader's
-    /// poll returns when they arrive, and it then writes what is staged.
-    /// Rounds that send while a batch is in flight then share one write,
-    /// and the server reads them in one read. A round alone on the line
-    /// never waits.
-    pub(super) fn defers(&self, id: u64) -> bool {
-        self.reader.is_some_and(|r| r != id)
-            && !self.conn.wire().pending().is_empty()
-            && !self.conn.wants_write()
+    /// Whether a batch is in flight: replies are owed and all of it is
+    /// written. Commands sent meanwhile wait staged, and whoever reads its
+    /// last reply writes them all in one write ([`State::next_batch`]), so
+    /// the server reads them in one read: one batch in flight per
+    /// connection. A round alone on an idle line never waits.
+    pub(super) fn in_flight(&self) -> bool {
+        !self.conn.wire().pending().is_empty() && !self.conn.wants_write()
+    }
+
+    /// Writes what is staged, unless a batch is in flight.
+    pub(super) fn next_batch(
+        &mut self,
+        staged: &Mutex<Staged>,
+        node: &NodeShared,
+        wake: &mut Vec<Arc<dyn Wake>>,
+    ) {
+        if !self.in_flight() {
+            self.write_staged(staged, node, wake);
+        }
     }
 
     /// Ends the line: every owner still owed a reply gets `e`; wakers of
@@ -241,13 +250,19 @@ where
         }
     }
 
-    /// The reader left: a round that waits takes over.
+    /// The reader left: the role passes to one round that waits for a
+    /// reply here and has none to take yet (it polls the socket when it
+    /// wakes; should it return instead, it holds the role until it leaves
+    /// or waits again). None waits: the next round that does takes it.
     pub(super) fn resign(&mut self, id: u64, wake: &mut Vec<Arc<dyn Wake>>) {
         if self.reader == Some(id) {
             self.reader = None;
-            // Every round that waits: one of them takes the role (one
-            // woken alone may be about to return with its own reply).
-            for o in self.owners.iter().filter(|o| o.waiting) {
+            let next = self
+                .owners
+                .iter()
+                .find(|o| o.id != id && o.waiting && o.owes() && o.replies.is_empty());
+            if let Some(o) = next {
+                self.reader = Some(o.id);
                 wake.extend(o.waker.clone());
             }
         }

@@ -1,6 +1,7 @@
 //! The line's rules on a scripted connection: replies paired with their
 //! owners, late replies of rounds that left, the close and the timeout for
-//! every owner, the reader's hand-over, and the connection given back.
+//! every owner, one batch in flight, the reader's hand-over, and the
+//! connection given back.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
@@ -129,8 +130,15 @@ fn rounds_on_one_line_get_their_own_replies_in_order() {
     send(&mut a, b"A1");
     send(&mut b, b"B1");
     send(&mut a, b"A2");
+    assert_eq!(
+        script.lock().written,
+        b"A1",
+        "B1 and A2 wait for A1's reply"
+    );
+    script.lock().replies.push_back(int(1));
+    line.pump(None);
     assert_eq!(script.lock().written, b"A1B1A2", "one stream, in order");
-    script.lock().replies.extend([int(1), int(2), int(3)]);
+    script.lock().replies.extend([int(2), int(3)]);
     line.pump(None);
     assert_eq!(reply(&mut b), Some(int(2)));
     assert_eq!(reply(&mut a), Some(int(1)));
@@ -278,7 +286,7 @@ fn a_reply_wakes_its_owner_only_while_it_waits() {
 }
 
 #[test]
-fn the_reader_leaving_wakes_every_waiting_round() {
+fn the_reader_leaving_hands_the_role_to_one_waiting_round() {
     let (line, _, _) = line();
     let (wb, wc) = (Arc::new(Count::default()), Arc::new(Count::default()));
     let mut a = line.admit(None, Instant::now()).expect("open");
@@ -295,10 +303,62 @@ fn the_reader_leaving_wakes_every_waiting_round() {
     assert!(matches!(line.watch(b.id), Watch::Follower));
     assert!(matches!(line.watch(c.id), Watch::Follower));
     drop(a);
-    // One of them may be about to return with a reply of its own: both
-    // are woken, and the first to look takes the role.
+    // One is woken, and reads: the others sleep on.
     assert_eq!(wb.0.load(Ordering::Acquire), 1);
-    assert_eq!(wc.0.load(Ordering::Acquire), 1);
+    assert_eq!(wc.0.load(Ordering::Acquire), 0, "woken for nothing");
+    assert!(line.unwatch(b.id), "b holds the role");
+    assert!(matches!(line.watch(b.id), Watch::Reader));
+    assert!(matches!(line.watch(c.id), Watch::Follower));
+}
+
+/// A round handed the role while it was about to return with a reply of
+/// its own keeps it until it leaves: then it passes on again.
+#[test]
+fn a_round_handed_the_role_that_leaves_passes_it_on() {
+    let (line, script, _) = line();
+    let (wb, wc) = (Arc::new(Count::default()), Arc::new(Count::default()));
+    let mut a = line.admit(None, Instant::now()).expect("open");
+    let mut b = line
+        .admit(Some(wb.clone() as Arc<dyn Wake>), Instant::now())
+        .expect("open");
+    let mut c = line
+        .admit(Some(wc.clone() as Arc<dyn Wake>), Instant::now())
+        .expect("open");
+    send(&mut a, b"A1");
+    assert!(matches!(line.watch(a.id), Watch::Reader));
+    send(&mut b, b"B1");
+    send(&mut c, b"C1");
+    script.lock().replies.push_back(int(1));
+    line.pump(None);
+    assert!(matches!(line.watch(b.id), Watch::Follower));
+    assert!(matches!(line.watch(c.id), Watch::Follower));
+    drop(a);
+    assert_eq!(wb.0.load(Ordering::Acquire), 1);
+    drop(b);
+    assert_eq!(wc.0.load(Ordering::Acquire), 1, "c takes over from b");
+    assert!(matches!(line.watch(c.id), Watch::Reader));
+}
+
+/// A batch answered in part keeps what is staged behind it: the next write
+/// goes out when its last reply is read, with everything staged meanwhile.
+#[test]
+fn the_next_batch_waits_for_the_last_reply_of_the_one_in_flight() {
+    let (line, script, _) = line();
+    let mut a = line.admit(None, Instant::now()).expect("open");
+    let mut b = line.admit(None, Instant::now()).expect("open");
+    let mut c = line.admit(None, Instant::now()).expect("open");
+    send(&mut a, b"A1");
+    send(&mut b, b"B1");
+    assert_eq!(script.lock().written, b"A1");
+    script.lock().replies.push_back(int(1));
+    line.pump(None);
+    assert_eq!(script.lock().written, b"A1B1");
+    send(&mut c, b"C1");
+    send(&mut a, b"A2");
+    assert_eq!(script.lock().written, b"A1B1", "B1 is in flight");
+    script.lock().replies.push_back(int(2));
+    line.pump(None);
+    assert_eq!(script.lock().written, b"A1B1C1A2", "both in one write");
 }
 
 #[test]

@@ -80,7 +80,9 @@ pub(crate) fn wait_ready<C: Link>(
             a.block(&mine, wake_at, writes, mark);
         }
         for c in &following {
-            c.line.unwatch(c.id);
+            if c.line.unwatch(c.id) {
+                c.reading.store(true, Ordering::Release);
+            }
         }
         if last || !ready.is_empty() {
             return;
