@@ -114,41 +114,62 @@ fn unfit(kind: ServerKind, rules: VoteRules) -> Option<String> {
 
 /// Whether a one-key round is settled by the replies so far (`None`: not
 /// read yet): a majority said OK, or too few nodes are left to make one.
+#[cfg(test)]
 pub(crate) fn settled(results: &[Option<NodeResult>]) -> bool {
-    settled_by(results, |_, _| true)
+    to_settle(results) == 0
+}
+
+/// How many more replies a one-key round needs at least before it is
+/// settled (see [`settled`]); 0 when it is. A round waits on its replies
+/// without waking for fewer.
+pub(crate) fn to_settle(results: &[Option<NodeResult>]) -> usize {
+    to_settle_acquire(results, |_, _| true, |_, _| true)
 }
 
 /// Whether a round of `keys` keys is settled for every key (see
 /// [`settled`]). The count is the round's, not the replies': before any
 /// reply, no key is settled.
+#[cfg(test)]
 pub(crate) fn settled_all(results: &[Option<NodeResult>], keys: usize) -> bool {
+    to_settle_all(results, keys) == 0
+}
+
+/// How many more replies a round of `keys` keys needs at least before
+/// every key is settled (see [`settled_all`]); 0 when it is. Each reply
+/// adds one OK at most to a key, and is one fewer to come.
+pub(crate) fn to_settle_all(results: &[Option<NodeResult>], keys: usize) -> usize {
     let q = quorum(results.len());
     let pending = results.iter().filter(|r| r.is_none()).count();
-    (0..keys).all(|k| {
-        let ok = results
-            .iter()
-            .filter(|r| matches!(r, Some(Ok(rep)) if rep.answers.get(k) == Some(&Answer::Ok)))
-            .count();
-        ok >= q || ok + pending < q
-    })
+    (0..keys)
+        .map(|k| {
+            let ok = results
+                .iter()
+                .filter(|r| matches!(r, Some(Ok(rep)) if rep.answers.get(k) == Some(&Answer::Ok)))
+                .count();
+            if ok >= q || ok + pending < q {
+                0
+            } else {
+                (q - ok).min(ok + pending + 1 - q)
+            }
+        })
+        .max()
+        .unwrap_or(0)
 }
 
-/// [`settled`], counting an OK from node `i` only when `counts(i, facts)`.
-pub(crate) fn settled_by(
-    results: &[Option<NodeResult>],
-    counts: impl Fn(usize, Option<&NodeFacts>) -> bool,
-) -> bool {
-    settled_acquire(results, &counts, &counts)
-}
-
-/// Whether an acquire round is settled: a majority of OKs that `certain`ly
-/// count (no reply still to come can disqualify them), or too few OKs that
-/// `count` now, even with every pending reply, to make one.
-pub(crate) fn settled_acquire(
+/// How many more replies an acquire round needs at least before it is
+/// settled (0 when it is): settled by a majority of OKs that `certain`ly
+/// count (no reply still to come can disqualify them), or by too few OKs
+/// that `count` now, even with every pending reply, to make one. Where every OK that
+/// counts counts certainly, a reply adds one certain OK at most, and takes
+/// one at most from the OKs that may still come to count (a reply can
+/// disqualify only votes that are not certain, each one added by a reply
+/// of its own); otherwise a reply may disqualify several at once, and the
+/// round looks at every reply.
+pub(crate) fn to_settle_acquire(
     results: &[Option<NodeResult>],
     certain: impl Fn(usize, Option<&NodeFacts>) -> bool,
     counts: impl Fn(usize, Option<&NodeFacts>) -> bool,
-) -> bool {
+) -> usize {
     let q = quorum(results.len());
     let oks = || {
         results.iter().enumerate().filter_map(|(i, r)| match r {
@@ -161,7 +182,13 @@ pub(crate) fn settled_acquire(
     let sure = oks().filter(|&(i, f)| certain(i, f)).count();
     let maybe = oks().filter(|&(i, f)| counts(i, f)).count();
     let pending = results.iter().filter(|r| r.is_none()).count();
-    sure >= q || maybe + pending < q
+    if sure >= q || maybe + pending < q {
+        0
+    } else if maybe > sure {
+        1
+    } else {
+        (q - sure).min(maybe + pending + 1 - q)
+    }
 }
 
 /// `ttl × factor + 2 ms`, saturating; never panics for any `ttl` or factor.

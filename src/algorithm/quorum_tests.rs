@@ -459,3 +459,118 @@ fn a_sets_other_key_freed_is_a_new_owner() {
     assert!(new_owner(Some((t0, &was[..])), &now, t0 + MS, 2 * MS));
     assert!(!new_owner(Some((t0, &was[..])), &was, t0 + MS, 2 * MS));
 }
+
+/// Every way `results` can go on with replies from `more` of its pending
+/// nodes (each OK, another owner's, or failed), for every choice of them.
+fn go_on(results: &[Option<NodeResult>], more: usize, keys: usize) -> Vec<Vec<Option<NodeResult>>> {
+    use crate::algorithm::round::Reply;
+    let pending: Vec<usize> = (0..results.len())
+        .filter(|&i| results[i].is_none())
+        .collect();
+    let kinds = |k: usize| -> Vec<NodeResult> {
+        let mut v = vec![fail("x")];
+        for mask in 0..(1u32 << k) {
+            let a = (0..k)
+                .map(|j| {
+                    if mask & (1 << j) != 0 {
+                        Answer::Ok
+                    } else {
+                        Answer::Other
+                    }
+                })
+                .collect();
+            v.push(Ok(Reply::new(a)));
+        }
+        v
+    };
+    let mut out = Vec::new();
+    for pick in 0..(1u32 << pending.len()) {
+        if pick.count_ones() as usize != more {
+            continue;
+        }
+        let chosen: Vec<usize> = (0..pending.len())
+            .filter(|j| pick & (1 << j) != 0)
+            .map(|j| pending[j])
+            .collect();
+        let options = kinds(keys);
+        let mut idx = vec![0usize; chosen.len()];
+        loop {
+            let mut r = results.to_vec();
+            for (c, &i) in chosen.iter().enumerate() {
+                r[i] = Some(options[idx[c]].clone());
+            }
+            out.push(r);
+            let mut c = 0;
+            while c < idx.len() {
+                idx[c] += 1;
+                if idx[c] < options.len() {
+                    break;
+                }
+                idx[c] = 0;
+                c += 1;
+            }
+            if c == idx.len() {
+                break;
+            }
+        }
+    }
+    out
+}
+
+/// How many more replies a round needs before it can be settled is
+/// exact, for rounds of 1 to 5 nodes and 1 or 2 keys from every state: no
+/// `k - 1` more replies settle it, some `k` do. A round is not woken for
+/// fewer, so a bound too high would keep it waiting past its outcome.
+#[test]
+fn the_replies_a_round_needs_are_exactly_those_that_can_settle_it() {
+    for n in 1..=5usize {
+        for keys in 1..=2usize {
+            // Every state: per node, not in yet, or one of the kinds.
+            for state in go_on(&vec![None; n], 0, keys)
+                .into_iter()
+                .chain((1..=n).flat_map(|m| go_on(&vec![None; n], m, keys)))
+            {
+                let need = if keys == 1 {
+                    to_settle(&state)
+                } else {
+                    to_settle_all(&state, keys)
+                };
+                let settled_by = |r: &[Option<NodeResult>]| {
+                    if keys == 1 {
+                        to_settle(r) == 0
+                    } else {
+                        to_settle_all(r, keys) == 0
+                    }
+                };
+                if need == 0 {
+                    assert!(settled_by(&state));
+                    continue;
+                }
+                if need > 1 {
+                    assert!(
+                        go_on(&state, need - 1, keys).iter().all(|r| !settled_by(r)),
+                        "{n} nodes, {keys} keys, {state:?}: settled with fewer than {need}"
+                    );
+                }
+                assert!(
+                    go_on(&state, need, keys).iter().any(|r| settled_by(r)),
+                    "{n} nodes, {keys} keys, {state:?}: not settled by {need}"
+                );
+            }
+        }
+    }
+}
+
+/// An OK that counts but not certainly (a young vote: a reply still to
+/// come may disqualify it, and others with it) makes the round look at
+/// every reply.
+#[test]
+fn a_round_with_votes_a_reply_may_disqualify_looks_at_every_reply() {
+    use crate::algorithm::round::Reply;
+    let ok = || Some(Ok(Reply::new(vec![Answer::Ok])));
+    let r = [ok(), ok(), None, None, None];
+    assert_eq!(to_settle_acquire(&r, |_, _| true, |_, _| true), 1);
+    let r = [ok(), None, None, None, None];
+    assert_eq!(to_settle_acquire(&r, |_, _| true, |_, _| true), 2);
+    assert_eq!(to_settle_acquire(&r, |_, _| false, |_, _| true), 1);
+}

@@ -10,9 +10,11 @@ use crate::algorithm::round::{Key, NodeResult, Op};
 use crate::algorithm::server::ServerInfo;
 use crate::error::NodeError;
 
-/// Tells a round, from the results so far (`None`: not read yet), that its
-/// outcome is known and the remaining replies need not be waited for.
-pub(crate) type Decided<'a> = &'a dyn Fn(&[Option<NodeResult>]) -> bool;
+/// Tells a round, from the results so far (`None`: not read yet), how many
+/// more replies it needs at least before its outcome is known: 0 when it
+/// is (the remaining replies need not be waited for). The round is not
+/// woken for fewer.
+pub(crate) type Decided<'a> = &'a dyn Fn(&[Option<NodeResult>]) -> usize;
 
 /// What an acquire round's caller decided, for what the transport does after
 /// the round.

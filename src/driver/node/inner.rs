@@ -22,6 +22,8 @@ pub(crate) struct NodeInner {
     /// connections and wait on the pool for none (each failed checkout and
     /// each pool wait starts one), and join the line once it is made.
     pub(crate) line_started: parking_lot::Mutex<Option<std::time::Instant>>,
+    /// The client's reader role (shared by its nodes).
+    pub(crate) role: Arc<crate::driver::node::line::Role<Pooled>>,
 }
 
 pub(crate) struct Node {

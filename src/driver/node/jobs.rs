@@ -301,7 +301,7 @@ pub(crate) fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPo
         line.pump(None);
     }
     resend_releases(shared, now, RETRY_BATCH, || {
-        crate::driver::node::line::join(&node.line, shared, None, now, || {
+        crate::driver::node::line::join(&node.line, shared, &node.role, None, now, || {
             let mut c = node.pool.try_get()?;
             catch_up(&mut c, shared, Instant::now()).then_some(c)
         })

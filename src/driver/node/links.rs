@@ -41,14 +41,15 @@ pub(crate) trait Links {
     fn wait_for_free(&self, i: usize, deadline: Instant) -> Option<Self::Link>;
     /// When every pooled connection to node `i` is in use: the pool's size.
     fn pool_busy(&self, i: usize) -> Option<u32>;
-    /// Waits at most `wait` until a connection of `parts` that awaits a
-    /// wanted reply is ready (for writing too, with `writes`), and pushes
-    /// each ready one (its index in `parts`) on `ready`.
+    /// Waits at most `wait` until `need` connections of `parts` that await
+    /// a wanted reply are ready (all of them, if fewer), and pushes each
+    /// ready one (its index in `parts`) on `ready`. Fewer may be ready when
+    /// the wait ends.
     fn wait_ready(
         &self,
         parts: &[Part<Self::Link>],
         wait: Duration,
-        writes: bool,
+        need: usize,
         ready: &mut Vec<(usize, <Self::Link as Link>::Ready)>,
     );
     /// Keeps releases of `keys` node `i` did not answer, to send again until

@@ -86,6 +86,8 @@ const CONN_RECHECK: Duration = Duration::from_micros(200);
 
 /// The production [`Transport`].
 pub(crate) struct RedisTransport {
+    /// Who reads the lines (see [`line::role`]).
+    role: Arc<line::Role<shared::Pooled>>,
     names: Vec<String>,
     nodes: Vec<Node>,
     timeout: Duration,
@@ -114,6 +116,7 @@ impl RedisTransport {
             specs.iter().map(|s| s.name.clone()).collect(),
             config.rules.allow_evicting,
         ));
+        let role: Arc<line::Role<shared::Pooled>> = Arc::default();
         let mut names = Vec::with_capacity(specs.len());
         let mut nodes = Vec::with_capacity(specs.len());
         for (i, spec) in specs.into_iter().enumerate() {
@@ -156,12 +159,14 @@ impl RedisTransport {
                     pool,
                     line: Arc::default(),
                     line_started: Default::default(),
+                    role: role.clone(),
                 }),
                 target: spec.target,
                 threads,
             });
         }
         RedisTransport {
+            role,
             names,
             nodes,
             timeout,

@@ -188,7 +188,9 @@ pub(crate) trait Round: Links + Sized {
         let mut ready: Vec<(usize, <Self::Link as Link>::Ready)> = Vec::with_capacity(n);
         loop {
             let now = self.now();
-            if settle.is_none() && decided.is_some_and(|f| f(&results)) {
+            // Replies the round needs at least before its outcome is known.
+            let to_settle = decided.map_or(usize::MAX, |f| f(&results));
+            if settle.is_none() && to_settle == 0 {
                 // Settled: what has already arrived is taken below; nothing
                 // more is waited for (but for a lingering round's stragglers).
                 settle = Some(if linger {
@@ -218,9 +220,14 @@ pub(crate) trait Round: Links + Sized {
             }
             // Only waited-for nodes keep the round open; a trial's reply is
             // taken if it arrives meanwhile.
-            let outstanding = parts.iter().any(|s| {
-                s.admit == Admit::Wait && s.conn.as_ref().is_some_and(|c| c.wire().awaits_wanted())
-            });
+            let waited = parts
+                .iter()
+                .filter(|s| {
+                    s.admit == Admit::Wait
+                        && s.conn.as_ref().is_some_and(|c| c.wire().awaits_wanted())
+                })
+                .count();
+            let outstanding = waited > 0;
             let until = settle.unwrap_or(deadline);
             if (!outstanding && !missing) || now >= until || (settle.is_some() && !outstanding) {
                 break;
@@ -230,7 +237,15 @@ pub(crate) trait Round: Links + Sized {
                 wait = wait.min(CONN_RECHECK);
             }
             ready.clear();
-            self.wait_ready(parts, wait, true, &mut ready);
+            // A settled round takes its stragglers as they come; one that
+            // waits for every node needs only those it waits for (a
+            // trial's reply is taken if it comes, not waited for).
+            let need = if settle.is_some() {
+                1
+            } else {
+                to_settle.min(waited)
+            };
+            self.wait_ready(parts, wait, need, &mut ready);
             for &(i, flags) in &ready {
                 self.on_ready(i, &mut parts[i], flags, enc, &mut results);
             }
@@ -312,7 +327,7 @@ pub(crate) trait Round: Links + Sized {
         results: &mut [Option<NodeResult>],
     ) {
         let mut ready = Vec::new();
-        self.wait_ready(parts, Duration::ZERO, false, &mut ready);
+        self.wait_ready(parts, Duration::ZERO, 1, &mut ready);
         for (i, flags) in ready {
             self.on_ready(i, &mut parts[i], flags, enc, results);
         }

@@ -1,9 +1,11 @@
 //! The production [`Links`]: one r2d2 pool of non-blocking sockets per
 //! node, waited on with `poll(2)`.
 
+#[cfg(not(any(target_os = "linux", target_os = "android")))]
 use std::io::{Read as _, Write as _};
+#[cfg(not(any(target_os = "linux", target_os = "android")))]
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -100,7 +102,7 @@ impl RedisTransport {
     ) -> Option<Share<Pooled>> {
         let node = &self.nodes[i].inner;
         let waker = thread_waker().map(|w| w as Arc<dyn Wake>);
-        line::join(&node.line, &node.shared, waker, now, || {
+        line::join(&node.line, &node.shared, &self.role, waker, now, || {
             if self.line_starting(i, now) {
                 // A connection for the line is on its way: an idle one is
                 // taken, none is started.
@@ -126,15 +128,37 @@ impl RedisTransport {
     }
 }
 
-/// Wakes a thread blocked in `poll(2)`: a byte on a socket pair it polls.
+/// Wakes a thread blocked in `poll(2)`: a count on an `eventfd` it polls
+/// (a byte on a socket pair where there is no `eventfd`).
 struct PipeWaker {
-    tx: UnixStream,
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    rx: std::os::fd::OwnedFd,
+    #[cfg(not(any(target_os = "linux", target_os = "android")))]
     rx: UnixStream,
-    /// A byte is (or is about to be) on its way.
+    #[cfg(not(any(target_os = "linux", target_os = "android")))]
+    tx: UnixStream,
+    /// A wake is (or is about to be) on its way.
     armed: AtomicBool,
+    /// Replies read for the thread's round since it last looked, and how
+    /// many it needs before it is woken (see [`Wake::expect`]).
+    replies: AtomicUsize,
+    needs: AtomicUsize,
 }
 
 impl PipeWaker {
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    fn new() -> std::io::Result<Self> {
+        use rustix::event::{eventfd, EventfdFlags};
+        let rx = eventfd(0, EventfdFlags::NONBLOCK | EventfdFlags::CLOEXEC)?;
+        Ok(PipeWaker {
+            rx,
+            armed: AtomicBool::new(false),
+            replies: AtomicUsize::new(0),
+            needs: AtomicUsize::new(1),
+        })
+    }
+
+    #[cfg(not(any(target_os = "linux", target_os = "android")))]
     fn new() -> std::io::Result<Self> {
         let (tx, rx) = UnixStream::pair()?;
         tx.set_nonblocking(true)?;
@@ -143,15 +167,20 @@ impl PipeWaker {
             tx,
             rx,
             armed: AtomicBool::new(false),
+            replies: AtomicUsize::new(0),
+            needs: AtomicUsize::new(1),
         })
     }
 
     /// Takes the wakes that arrived.
     fn drain(&self) {
-        // Read first, then disarm: a wake after this sends a byte again,
-        // and one before it is seen by the caller's look at its mailboxes
-        // (made after every wait).
+        // Read first, then disarm: a wake after this signals again, and one
+        // before it is seen by the caller's look at its mailboxes (made
+        // after every wait).
         let mut buf = [0u8; 64];
+        #[cfg(any(target_os = "linux", target_os = "android"))]
+        let _ = rustix::io::read(&self.rx, &mut buf[..8]);
+        #[cfg(not(any(target_os = "linux", target_os = "android")))]
         while let Ok(n) = (&self.rx).read(&mut buf) {
             if n == 0 {
                 break;
@@ -159,13 +188,38 @@ impl PipeWaker {
         }
         self.armed.store(false, Ordering::Release);
     }
+
+    /// Signals the thread.
+    fn signal(&self) {
+        #[cfg(any(target_os = "linux", target_os = "android"))]
+        let _ = rustix::io::write(&self.rx, &1u64.to_ne_bytes());
+        #[cfg(not(any(target_os = "linux", target_os = "android")))]
+        let _ = (&self.tx).write(&[1]);
+    }
 }
 
 impl Wake for PipeWaker {
     fn wake(&self) {
         if !self.armed.swap(true, Ordering::AcqRel) {
-            let _ = (&self.tx).write(&[1]);
+            self.signal();
         }
+    }
+
+    fn counts_reply(&self) -> bool {
+        // Either this sees the round's new need, or the round sees this
+        // reply counted (both sequentially consistent).
+        let n = self.replies.fetch_add(1, Ordering::SeqCst) + 1;
+        n >= self.needs.load(Ordering::SeqCst)
+    }
+
+    fn recount(&self) {
+        self.needs.store(usize::MAX, Ordering::SeqCst);
+        self.replies.store(0, Ordering::SeqCst);
+    }
+
+    fn expect(&self, n: usize) -> bool {
+        self.needs.store(n, Ordering::SeqCst);
+        self.replies.load(Ordering::SeqCst) >= n
     }
 
     fn is_current(&self) -> bool {
@@ -196,12 +250,20 @@ impl Await<Pooled> for RedisTransport {
         Instant::now()
     }
 
+    fn role(&self) -> &line::Role<Pooled> {
+        &self.role
+    }
+
+    fn waker(&self) -> Option<Arc<dyn Wake>> {
+        thread_waker().map(|w| w as Arc<dyn Wake>)
+    }
+
     fn mark(&self) -> u64 {
         // The waker's byte stays until drained: no wake is missed.
         0
     }
 
-    fn block(&self, lines: &[&Line<Pooled>], until: Instant, writes: bool, _mark: u64) {
+    fn block(&self, lines: &[Arc<Line<Pooled>>], until: Instant, _mark: u64) {
         let waker = thread_waker();
         let mut wait = until.saturating_duration_since(Instant::now());
         let mut fds = Vec::with_capacity(lines.len() + 1);
@@ -211,15 +273,15 @@ impl Await<Pooled> for RedisTransport {
             match &l.handle {
                 Some(h) => {
                     let mut flags = PollFlags::IN;
-                    if writes && l.wants_write() {
+                    if l.wants_write() {
                         flags |= PollFlags::OUT;
                     }
                     fds.push(conn::PollFd::new(&**h, flags));
-                    polled.push(*l);
+                    polled.push(l);
                 }
                 None => {
                     wait = wait.min(UNWOKEN);
-                    unpolled.push(*l);
+                    unpolled.push(l);
                 }
             }
         }
@@ -313,10 +375,10 @@ impl Links for RedisTransport {
         &self,
         parts: &[Part<Share<Pooled>>],
         wait: Duration,
-        writes: bool,
+        need: usize,
         ready: &mut Vec<(usize, ())>,
     ) {
-        line::wait_ready(self, parts, wait, writes, ready);
+        line::wait_ready(self, parts, wait, need, ready);
     }
 
     fn retry_later(&self, i: usize, keys: &[Key<'_>], until: Instant) {
@@ -360,7 +422,7 @@ mod tests {
     /// after the drain reaches the thread again.
     #[test]
     fn a_drained_waker_wakes_again() {
-        let w = PipeWaker::new().expect("a socket pair");
+        let w = PipeWaker::new().expect("an eventfd");
         w.wake();
         w.wake();
         assert!(readable(&w));

@@ -175,7 +175,7 @@ impl Engine {
             } else {
                 span.min(until.saturating_duration_since(tried))
             };
-            let err = match self.attempt(want, drift, intent, begun, &mut failed) {
+            let err = match self.attempt(want, drift, intent, begun, until, &mut failed) {
                 Ok(state) => return Ok((Arc::new(state), turn.take())),
                 Err(e) if e.is_retryable() => e,
                 Err(e) => return Err(e),

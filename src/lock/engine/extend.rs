@@ -72,9 +72,9 @@ impl Engine {
             // validity no longer costs the lock).
             // (Each lock's answers folded into one: see `several`.)
             let n = states.len();
-            let all = move |r: &[Option<NodeResult>]| quorum::settled_all(r, n);
+            let all = move |r: &[Option<NodeResult>]| quorum::to_settle_all(r, n);
             let settled: crate::lock::transport::Decided<'_> =
-                if n == 1 { &quorum::settled } else { &all };
+                if n == 1 { &quorum::to_settle } else { &all };
             let op = Op::Extend {
                 ttl,
                 linger: loud,

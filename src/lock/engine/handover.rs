@@ -37,7 +37,7 @@ impl Engine {
                 .deadline
                 .min(self.round_deadline(start, state.size()));
             let op = Op::Fence { value: fence };
-            let results = self.run_locks(op, &[state], deadline, Some(&quorum::settled));
+            let results = self.run_locks(op, &[state], deadline, Some(&quorum::to_settle));
             self.note_failures(&results);
             results
         };
@@ -144,7 +144,7 @@ impl Engine {
             timing
                 .deadline
                 .min(self.round_deadline(start, handed.size())),
-            Some(&quorum::settled),
+            Some(&quorum::to_settle),
             Some(&decide),
         );
         self.record_histories(&results, None);

@@ -229,12 +229,15 @@ impl Engine {
     ///
     /// `intent`: for a writer that will try again, how long live readers
     /// keep new readers out (see [`Op::Acquire`]; zero for a reader).
+    /// `until`: the end of the call, which a first use's wait for the
+    /// nodes' histories does not pass.
     fn attempt(
         &self,
         want: Want<'_>,
         drift: Duration,
         intent: Duration,
         begun: Begun,
+        until: Instant,
         seen: &mut acquire::Failed,
     ) -> Result<LockState> {
         let Want {
@@ -264,8 +267,10 @@ impl Engine {
         let mut start = self.clock.now();
         let known = *self.ttls.lock();
         // A first use learns the nodes' histories first (waiting at most
-        // one node timeout, as a connect would); the round starts after.
-        let first = self.first_use(ttl, &known, Some(after(start, self.settings.node_timeout)));
+        // one node timeout, as a connect would, and not past the call's
+        // end); the round starts after.
+        let learn = after(start, self.settings.node_timeout).min(until);
+        let first = self.first_use(ttl, &known, Some(learn));
         if ttl > known.max {
             start = self.clock.now();
         }
@@ -306,7 +311,7 @@ impl Engine {
                         || facts
                             .is_none_or(|f| f.age >= horizon.max(longest) || self.trusted(i, f)))
             };
-            quorum::settled_acquire(results, certain, counts)
+            quorum::to_settle_acquire(results, certain, counts)
         };
         // The decision, made once the replies are in (and before any undo).
         let decision: Cell<Option<Decision>> = Cell::new(None);
@@ -424,7 +429,7 @@ impl Engine {
     /// (one more per 200 keys of a set).
     fn round(&self, op: Op, state: &LockState) -> Vec<NodeResult> {
         let deadline = self.round_deadline(self.clock.now(), state.size());
-        let results = self.run_locks(op, &[state], deadline, Some(&quorum::settled));
+        let results = self.run_locks(op, &[state], deadline, Some(&quorum::to_settle));
         self.note_failures(&results);
         results
     }

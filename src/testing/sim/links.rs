@@ -209,6 +209,8 @@ pub(crate) struct SimLinks {
     /// Wakes this client's rounds when a reply reaches one of its
     /// connections.
     signal: Arc<crate::clock::Signal>,
+    /// Who reads the lines.
+    role: Arc<line::Role<SimConn>>,
     /// Per entry, a retry thread is scheduled.
     retrying: Vec<AtomicBool>,
 
@@ -263,6 +265,7 @@ impl SimLinks {
             rules,
             timeout,
             signal: Arc::default(),
+            role: Arc::default(),
             clock,
             me: me.clone(),
         })
@@ -421,11 +424,24 @@ impl Await<SimConn> for SimLinks {
         Links::now(self)
     }
 
+    fn role(&self) -> &line::Role<SimConn> {
+        &self.role
+    }
+
+    fn waker(&self) -> Option<Arc<dyn Wake>> {
+        Some(self.signal.clone() as Arc<dyn Wake>)
+    }
+
     fn mark(&self) -> u64 {
         self.signal.seen()
     }
 
-    fn block(&self, lines: &[&Line<SimConn>], until: Instant, _writes: bool, mark: u64) {
+    fn block(&self, lines: &[Arc<Line<SimConn>>], until: Instant, mark: u64) {
+        // What arrived before the reader looked is read first (a socket's
+        // poll would report it at once): a reply it routes wakes the wait.
+        for l in lines {
+            l.pump(None);
+        }
         self.sched.wait_signal(&self.signal, mark, Some(until));
         for l in lines {
             l.pump(None);
@@ -462,17 +478,24 @@ impl Links for SimLinks {
 
     fn checkout(&self, i: usize, now: Instant) -> Option<Share<SimConn>> {
         let waker = Some(self.signal.clone() as Arc<dyn Wake>);
-        line::join(&self.lines[i], &self.nodes[i], waker, now, || {
-            while let Some(mut c) = self.idle(i) {
-                if catch_up(&mut c, &self.nodes[i], now) {
-                    return Some(c);
+        line::join(
+            &self.lines[i],
+            &self.nodes[i],
+            &self.role,
+            waker,
+            now,
+            || {
+                while let Some(mut c) = self.idle(i) {
+                    if catch_up(&mut c, &self.nodes[i], now) {
+                        return Some(c);
+                    }
                 }
-            }
-            // The simulated pools connect on demand, whatever the node's
-            // health (the driver's pools reconnect a failing node in the
-            // background).
-            self.connect(i, now)
-        })
+                // The simulated pools connect on demand, whatever the node's
+                // health (the driver's pools reconnect a failing node in the
+                // background).
+                self.connect(i, now)
+            },
+        )
     }
 
     fn checkout_anyway(&self, i: usize, now: Instant) -> Option<Share<SimConn>> {
@@ -493,10 +516,10 @@ impl Links for SimLinks {
         &self,
         parts: &[Part<Share<SimConn>>],
         wait: Duration,
-        writes: bool,
+        need: usize,
         ready: &mut Vec<(usize, ())>,
     ) {
-        line::wait_ready(self, parts, wait, writes, ready);
+        line::wait_ready(self, parts, wait, need, ready);
     }
 
     fn retry_later(&self, i: usize, keys: &[Key<'_>], until: Instant) {

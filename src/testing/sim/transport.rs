@@ -138,7 +138,7 @@ impl SimTransport {
             let seen = round.signal.seen();
             let results = round.results.lock().clone();
             let now = self.sched.instant(self.sched.nanos());
-            if settled.is_none() && decided.is_some_and(|f| f(&results)) {
+            if settled.is_none() && decided.is_some_and(|f| f(&results) == 0) {
                 if !linger {
                     return (results, true);
                 }

@@ -7,13 +7,16 @@
 //!   others', with one entry per command that says whose reply it is; Redis
 //!   answers one connection's commands in order, so the entries pair every
 //!   reply with its owner.
-//! - One waiting round at a time, the line's *reader*, waits on the socket;
-//!   it reads every reply that arrived and hands each to its owner's
-//!   mailbox, waking the owner, who takes it on its own thread. When the
-//!   reader stops waiting on the line, the role passes to a round that
-//!   waits. No round waits for another's batch past its own deadline: it
-//!   waits on its mailbox (or the socket) until then, and at its deadline
-//!   reads the socket itself.
+//! - One batch in flight: commands sent while a line owes replies wait
+//!   staged, and whoever reads the batch's last reply writes everything
+//!   staged meanwhile in one write (the server reads it in one read). A
+//!   round alone on an idle line writes at once.
+//! - One waiting round of the client at a time, the *reader* (see
+//!   [`role`]), waits on the sockets of every line that owes replies; it
+//!   reads every reply that arrived and hands each to its owner's mailbox,
+//!   waking the owner, who takes it on its own thread. No round waits for
+//!   another's batch past its own deadline: it waits on its mailbox (or the
+//!   sockets) until then, and at its deadline reads the socket itself.
 //! - A round that ends with replies owed leaves its wire to the line: the
 //!   line reads those late replies for it, by the node layer's late-reply
 //!   rules, as the next user of a pooled connection would (a line no round
@@ -30,7 +33,6 @@
 
 use std::collections::VecDeque;
 use std::io;
-use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Weak};
 use std::time::Instant;
 
@@ -53,7 +55,7 @@ pub(crate) struct LineStats {
     pub(crate) closed_batches: std::sync::atomic::AtomicU64,
     /// Late replies taken for rounds that had left.
     pub(crate) orphan_replies: std::sync::atomic::AtomicU64,
-    /// Sends left staged for the reader's next write.
+    /// Sends left staged behind a batch in flight.
     pub(crate) deferred: std::sync::atomic::AtomicU64,
 }
 
@@ -69,6 +71,19 @@ pub(crate) trait Wake: Send + Sync {
     /// Whether it wakes the calling thread, which is awake and looks at its
     /// mailboxes before it waits again: no wake is sent.
     fn is_current(&self) -> bool {
+        false
+    }
+    /// Counts a reply read for its round; whether that is one to wake it
+    /// for (see [`Wake::expect`]).
+    fn counts_reply(&self) -> bool {
+        true
+    }
+    /// From now, replies are counted from none, and none wakes the round
+    /// until it says how many it needs.
+    fn recount(&self) {}
+    /// The round sleeps until `n` replies were counted (or it is woken
+    /// otherwise); whether they were already.
+    fn expect(&self, _n: usize) -> bool {
         false
     }
 }
@@ -89,11 +104,11 @@ struct Owner {
     facts_seq: u64,
     /// Its commands on the connection whose replies have not been read.
     owed: usize,
-    /// Its commands left staged for the reader to write (see
-    /// [`State::defers`]): owed too, should the line end first.
+    /// Its commands left staged behind a batch in flight (see
+    /// [`State::in_flight`]): owed too, should the line end first.
     staged: usize,
     waker: Option<Arc<dyn Wake>>,
-    /// Blocked waiting for the reader.
+    /// Blocked waiting for its replies.
     waiting: bool,
     /// The wire of a round that left, whose late replies the line takes.
     orphan: Option<Wire>,
@@ -103,7 +118,6 @@ struct State<C> {
     conn: C,
     owners: Vec<Owner>,
     next_id: u64,
-    reader: Option<u64>,
     /// Why the line ended, for every owner still owed a reply.
     closed: Option<(io::ErrorKind, String, bool)>,
     /// It ended with replies owed to two rounds or more.
@@ -124,8 +138,8 @@ struct Staged {
     since: Option<Instant>,
 }
 
-/// Longest a round's commands wait staged for the line's reader to write
-/// them with the replies it reads; then the round writes them itself.
+/// Longest a round's commands wait staged behind a batch in flight; then
+/// the round writes them itself.
 pub(crate) const STAGE_MAX: std::time::Duration = std::time::Duration::from_micros(1000);
 
 /// One connection shared by rounds.
@@ -135,8 +149,10 @@ pub(crate) struct Line<C: Link> {
     /// writer sends it all in one write.
     staged: Mutex<Staged>,
     node: Arc<NodeShared>,
-    /// What its reader waits on.
+    /// What the client's reader waits on.
     pub(crate) handle: Option<C::Handle>,
+    /// The client's reader role, told when the line comes to owe replies.
+    role: Weak<Role<C>>,
     /// Where it is kept while it takes rounds.
     slot: Weak<Slot<C>>,
 }
@@ -146,18 +162,6 @@ pub(crate) struct Share<C: Link> {
     line: Arc<Line<C>>,
     id: u64,
     wire: Wire,
-    /// This round is the line's reader.
-    reading: AtomicBool,
-}
-
-/// What a round waiting on a line finds.
-enum Watch {
-    /// Replies (or the close) for it.
-    News,
-    /// It is the reader: it waits on the socket.
-    Reader,
-    /// Another round reads: it waits to be woken.
-    Follower,
 }
 
 impl Owner {
@@ -184,15 +188,20 @@ fn wake_all(wake: Vec<Arc<dyn Wake>>) {
 
 impl<C: Link> Line<C> {
     /// A line over `conn`, a connection to `node` whose late replies were
-    /// read.
-    pub(crate) fn new(conn: C, node: Arc<NodeShared>, slot: Weak<Slot<C>>) -> Arc<Self> {
+    /// read, read by `role`'s reader.
+    pub(crate) fn new(
+        conn: C,
+        node: Arc<NodeShared>,
+        slot: Weak<Slot<C>>,
+        role: Weak<Role<C>>,
+    ) -> Arc<Self> {
         Arc::new(Line {
             handle: conn.handle(),
+            role,
             state: Mutex::new(State {
                 conn,
                 owners: Vec::new(),
                 next_id: 1,
-                reader: None,
                 closed: None,
                 #[cfg(test)]
                 closed_batches: false,
@@ -234,8 +243,8 @@ impl<C: Link> Line<C> {
         if idle || give_up_why(st.conn.wire(), &self.node, now).is_some() {
             let mut wake = Vec::new();
             st.read(&self.node, None, now, &mut wake);
-            // The reply read may be the last owed: nothing else would get
-            // the reader to write what waits staged.
+            // The reply read may be the last of the batch in flight: what
+            // waits staged goes out.
             if st.closed.is_none() {
                 st.next_batch(&self.staged, &self.node, &mut wake);
             }
@@ -290,7 +299,6 @@ impl<C: Link> Line<C> {
             line: self.clone(),
             id,
             wire,
-            reading: AtomicBool::new(false),
         })
     }
 
@@ -343,56 +351,42 @@ impl<C: Link> Line<C> {
         self.state.lock().conn.wants_write()
     }
 
-    fn watch(&self, id: u64) -> Watch {
+    /// Whether round `id` has news (replies, or the line's end); if not,
+    /// it waits: a reply read for it wakes it.
+    fn watch(&self, id: u64) -> bool {
         let mut st = self.state.lock();
         let closed = st.closed.is_some();
-        let reader = st.reader;
         let Some(o) = st.owner(id) else {
-            return Watch::News;
+            return true;
         };
         if !o.replies.is_empty() || (closed && o.owes()) {
-            return Watch::News;
+            return true;
         }
-        if closed {
-            // Nothing owed to it: it has nothing to wait for here.
-            return Watch::Follower;
-        }
-        if reader.is_none() || reader == Some(id) {
-            st.reader = Some(id);
-            // What waits staged for a reader goes out before it waits.
-            let mut wake = Vec::new();
-            st.next_batch(&self.staged, &self.node, &mut wake);
-            let closed = st.closed.is_some();
-            drop(st);
-            wake_all(wake);
-            // The write failed: the close is the news.
-            return if closed { Watch::News } else { Watch::Reader };
-        }
-        o.waiting = true;
-        Watch::Follower
+        o.waiting = !closed;
+        false
     }
 
-    /// Round `id` stops waiting; whether it was handed the reader role
-    /// meanwhile.
-    fn unwatch(&self, id: u64) -> bool {
-        let mut st = self.state.lock();
-        if let Some(o) = st.owner(id) {
+    fn unwatch(&self, id: u64) {
+        if let Some(o) = self.state.lock().owner(id) {
             o.waiting = false;
         }
-        st.reader == Some(id)
     }
 
-    fn resign(&self, id: u64) {
-        let mut wake = Vec::new();
-        {
-            let mut st = self.state.lock();
-            st.resign(id, &mut wake);
-            // Nothing staged waits for a reader that left.
-            if st.closed.is_none() {
-                st.next_batch(&self.staged, &self.node, &mut wake);
+    /// Whether the line owes replies or has bytes to write: the reader
+    /// polls it.
+    pub(crate) fn owes_reads(&self) -> bool {
+        let st = self.state.lock();
+        st.closed.is_none() && st.owes_reads()
+    }
+
+    /// Tells the reader role that the line came to owe replies (it did not
+    /// before `st`'s change): the reader polls it too.
+    fn began_owing(&self, owed_before: bool, st: &State<C>) {
+        if !owed_before && st.closed.is_none() && st.owes_reads() {
+            if let Some(role) = self.role.upgrade() {
+                role.began_owing();
             }
         }
-        wake_all(wake);
     }
 
     fn has_news(&self, id: u64) -> bool {
@@ -455,6 +449,7 @@ impl<C: Link> Line<C> {
             count(&self.node.line_stats.deferred);
             return Ok(());
         }
+        let owed_before = st.owes_reads();
         let drained = st.drain(&self.staged, &self.node);
         let r = if wire.broken {
             // The round gave the connection up: its reply was owed past
@@ -462,18 +457,7 @@ impl<C: Link> Line<C> {
             st.give_up(now);
             Err(timed_out())
         } else if drained || st.conn.wants_write() {
-            let r = st.conn.flush();
-            if r.is_ok() && st.conn.wants_write() {
-                // The socket took part: the reader polls for the rest.
-                let reader = st.reader;
-                if let Some(o) = st.owners.iter().find(|o| Some(o.id) == reader) {
-                    let w = o.waker.clone();
-                    drop(st);
-                    wake_all(w.into_iter().collect());
-                    return Ok(());
-                }
-            }
-            r
+            st.conn.flush()
         } else {
             // Written by a round that took the line first.
             Ok(())
@@ -482,6 +466,7 @@ impl<C: Link> Line<C> {
             Err(e) => st.close(e),
             Ok(()) => Vec::new(),
         };
+        self.began_owing(owed_before, &st);
         drop(st);
         wake_all(wake);
         if r.is_err() {
@@ -497,7 +482,7 @@ impl<C: Link> Line<C> {
         let mut wake = Vec::new();
         let unslot = {
             let mut st = self.state.lock();
-            st.resign(id, &mut wake);
+            let owed_before = st.owes_reads();
             let Some(k) = st.owners.iter().position(|o| o.id == id) else {
                 return;
             };
@@ -558,8 +543,10 @@ impl<C: Link> Line<C> {
                     st.owners.retain(|o| o.id != id);
                 }
             }
-            // Late replies of rounds that left are read by the next round
-            // on the line (which reads what arrived before it joins).
+            // Late replies of rounds that left are read by the client's
+            // reader, or the next round on the line (which reads what
+            // arrived before it joins).
+            self.began_owing(owed_before, &st);
             st.closed.is_some()
         };
         wake_all(wake);
@@ -570,10 +557,12 @@ impl<C: Link> Line<C> {
 }
 
 /// Round `waker`'s place on node `node`'s current line (kept in `slot`),
-/// or on a new line over a connection `fresh` gives.
+/// or on a new line over a connection `fresh` gives, read by `role`'s
+/// reader.
 pub(crate) fn join<C: Link>(
     slot: &Arc<Slot<C>>,
     node: &Arc<NodeShared>,
+    role: &Arc<Role<C>>,
     waker: Option<Arc<dyn Wake>>,
     now: Instant,
     fresh: impl FnOnce() -> Option<C>,
@@ -588,7 +577,13 @@ pub(crate) fn join<C: Link>(
     // Closed or given up: it goes when its last round does.
     let old = current.take();
     let share = fresh().and_then(|conn| {
-        let line = Line::new(conn, node.clone(), Arc::downgrade(slot));
+        let line = Line::new(
+            conn,
+            node.clone(),
+            Arc::downgrade(slot),
+            Arc::downgrade(role),
+        );
+        role.register(&line);
         let share = line.admit(waker, now)?;
         *current = Some(line);
         Some(share)
@@ -598,9 +593,12 @@ pub(crate) fn join<C: Link>(
     share
 }
 
+pub(crate) mod role;
 mod share;
 mod state;
 mod wait;
+
+pub(crate) use role::Role;
 
 pub(crate) use wait::{wait_ready, Await};
 

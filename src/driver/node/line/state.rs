@@ -1,5 +1,5 @@
 //! What a line does under its lock: carry commands onto the connection,
-//! read and route replies, end, give up, pass the reader role on.
+//! read and route replies, end, give up.
 
 use std::io;
 use std::sync::Arc;
@@ -88,6 +88,11 @@ where
         }
     }
 
+    /// Whether the connection owes replies or has bytes to write.
+    pub(super) fn owes_reads(&self) -> bool {
+        !self.conn.wire().pending().is_empty() || self.conn.wants_write()
+    }
+
     /// Whether a batch is in flight: replies are owed and all of it is
     /// written. Commands sent meanwhile wait staged, and whoever reads its
     /// last reply writes them all in one write ([`State::next_batch`]), so
@@ -120,7 +125,6 @@ where
             self.closed = Some((e.kind(), e.to_string(), is_given_up(e)));
         }
         self.conn.wire_mut().broken = true;
-        self.reader = None;
         // Late replies of rounds that left will not come.
         self.owners.retain(|o| o.orphan.is_none());
         self.owners.iter().filter_map(|o| o.waker.clone()).collect()
@@ -179,11 +183,11 @@ where
             let o = &mut self.owners[k];
             o.facts_seq = seq;
             o.replies.push_back((v, facts));
-            // The reader too: another thread read its reply (the retry job,
-            // a round at its deadline, one joining), and its poll would
-            // find the socket empty.
-            if o.waiting || self.reader == Some(o.id) {
-                wake.extend(o.waker.clone());
+            // The reader too: another thread may have read its reply (the
+            // retry job, a round at its deadline, one joining), and its
+            // poll would find the socket empty.
+            if o.waiting {
+                wake.extend(o.waker.clone().filter(|w| w.counts_reply()));
             }
             return Ok(());
         };
@@ -247,24 +251,6 @@ where
         }
         if let Some(e) = io {
             wake.extend(self.close(&e));
-        }
-    }
-
-    /// The reader left: the role passes to one round that waits for a
-    /// reply here and has none to take yet (it polls the socket when it
-    /// wakes; should it return instead, it holds the role until it leaves
-    /// or waits again). None waits: the next round that does takes it.
-    pub(super) fn resign(&mut self, id: u64, wake: &mut Vec<Arc<dyn Wake>>) {
-        if self.reader == Some(id) {
-            self.reader = None;
-            let next = self
-                .owners
-                .iter()
-                .find(|o| o.id != id && o.waiting && o.owes() && o.replies.is_empty());
-            if let Some(o) = next {
-                self.reader = Some(o.id);
-                wake.extend(o.waker.clone());
-            }
         }
     }
 }

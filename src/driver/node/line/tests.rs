@@ -1,6 +1,6 @@
 //! The line's rules on a scripted connection: replies paired with their
 //! owners, late replies of rounds that left, the close and the timeout for
-//! every owner, one batch in flight, the reader's hand-over, and the
+//! every owner, one batch in flight, the reader role's hand-over, and the
 //! connection given back.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -106,7 +106,11 @@ fn line() -> (Arc<Line<Scripted>>, Arc<Mutex<Script>>, Arc<NodeShared>) {
         wire: Wire::new(Instant::now()),
         script: script.clone(),
     };
-    (Line::new(conn, node.clone(), Weak::new()), script, node)
+    (
+        Line::new(conn, node.clone(), Weak::new(), Weak::new()),
+        script,
+        node,
+    )
 }
 
 fn int(n: i64) -> Value {
@@ -237,28 +241,6 @@ fn a_reply_owed_past_the_node_timeout_ends_the_line_for_every_owner() {
 }
 
 #[test]
-fn the_reader_role_passes_to_a_waiting_round_when_the_reader_leaves() {
-    let (line, _, _) = line();
-    let woken = Arc::new(Count::default());
-    let mut a = line.admit(None, Instant::now()).expect("open");
-    let mut b = line
-        .admit(Some(woken.clone() as Arc<dyn Wake>), Instant::now())
-        .expect("open");
-    send(&mut a, b"A1");
-    send(&mut b, b"B1");
-    assert!(matches!(line.watch(a.id), Watch::Reader));
-    assert!(matches!(line.watch(b.id), Watch::Follower));
-    assert!(matches!(line.watch(a.id), Watch::Reader), "still its");
-    drop(a);
-    assert_eq!(
-        woken.0.load(Ordering::Acquire),
-        1,
-        "the waiting round is woken"
-    );
-    assert!(matches!(line.watch(b.id), Watch::Reader));
-}
-
-#[test]
 fn a_reply_wakes_its_owner_only_while_it_waits() {
     let (line, script, _) = line();
     let woken = Arc::new(Count::default());
@@ -273,70 +255,12 @@ fn a_reply_wakes_its_owner_only_while_it_waits() {
     line.pump(None);
     assert_eq!(woken.0.load(Ordering::Acquire), 0, "not waiting: not woken");
     assert_eq!(reply(&mut a), Some(int(1)));
-    assert!(matches!(line.watch(a.id), Watch::Reader));
-    assert!(matches!(line.watch(b.id), Watch::Follower));
+    assert!(!line.watch(b.id), "waits");
     script.lock().replies.push_back(int(2));
     line.pump(None);
     assert_eq!(woken.0.load(Ordering::Acquire), 1);
-    assert!(
-        matches!(line.watch(b.id), Watch::News),
-        "its reply is there"
-    );
+    assert!(line.watch(b.id), "its reply is there");
     assert_eq!(reply(&mut b), Some(int(2)));
-}
-
-#[test]
-fn the_reader_leaving_hands_the_role_to_one_waiting_round() {
-    let (line, _, _) = line();
-    let (wb, wc) = (Arc::new(Count::default()), Arc::new(Count::default()));
-    let mut a = line.admit(None, Instant::now()).expect("open");
-    let mut b = line
-        .admit(Some(wb.clone() as Arc<dyn Wake>), Instant::now())
-        .expect("open");
-    let mut c = line
-        .admit(Some(wc.clone() as Arc<dyn Wake>), Instant::now())
-        .expect("open");
-    send(&mut a, b"A1");
-    send(&mut b, b"B1");
-    send(&mut c, b"C1");
-    assert!(matches!(line.watch(a.id), Watch::Reader));
-    assert!(matches!(line.watch(b.id), Watch::Follower));
-    assert!(matches!(line.watch(c.id), Watch::Follower));
-    drop(a);
-    // One is woken, and reads: the others sleep on.
-    assert_eq!(wb.0.load(Ordering::Acquire), 1);
-    assert_eq!(wc.0.load(Ordering::Acquire), 0, "woken for nothing");
-    assert!(line.unwatch(b.id), "b holds the role");
-    assert!(matches!(line.watch(b.id), Watch::Reader));
-    assert!(matches!(line.watch(c.id), Watch::Follower));
-}
-
-/// A round handed the role while it was about to return with a reply of
-/// its own keeps it until it leaves: then it passes on again.
-#[test]
-fn a_round_handed_the_role_that_leaves_passes_it_on() {
-    let (line, script, _) = line();
-    let (wb, wc) = (Arc::new(Count::default()), Arc::new(Count::default()));
-    let mut a = line.admit(None, Instant::now()).expect("open");
-    let mut b = line
-        .admit(Some(wb.clone() as Arc<dyn Wake>), Instant::now())
-        .expect("open");
-    let mut c = line
-        .admit(Some(wc.clone() as Arc<dyn Wake>), Instant::now())
-        .expect("open");
-    send(&mut a, b"A1");
-    assert!(matches!(line.watch(a.id), Watch::Reader));
-    send(&mut b, b"B1");
-    send(&mut c, b"C1");
-    script.lock().replies.push_back(int(1));
-    line.pump(None);
-    assert!(matches!(line.watch(b.id), Watch::Follower));
-    assert!(matches!(line.watch(c.id), Watch::Follower));
-    drop(a);
-    assert_eq!(wb.0.load(Ordering::Acquire), 1);
-    drop(b);
-    assert_eq!(wc.0.load(Ordering::Acquire), 1, "c takes over from b");
-    assert!(matches!(line.watch(c.id), Watch::Reader));
 }
 
 /// A batch answered in part keeps what is staged behind it: the next write
@@ -424,7 +348,6 @@ fn commands_staged_behind_a_batch_in_flight_go_out_with_the_readers_next_write()
     let mut b = line.admit(None, Instant::now()).expect("open");
     let mut c = line.admit(None, Instant::now()).expect("open");
     send(&mut a, b"A1");
-    assert!(matches!(line.watch(a.id), Watch::Reader));
     send(&mut b, b"B1");
     send(&mut c, b"C1");
     assert_eq!(script.lock().written, b"A1", "staged while A1 is in flight");
@@ -456,7 +379,6 @@ fn a_staged_command_the_reader_does_not_write_is_written_by_its_round() {
     let mut a = line.admit(None, Instant::now()).expect("open");
     let mut b = line.admit(None, Instant::now()).expect("open");
     send(&mut a, b"A1");
-    assert!(matches!(line.watch(a.id), Watch::Reader));
     send(&mut b, b"B1");
     let now = Instant::now();
     assert!(line.write_stale(now).is_some(), "due later");
@@ -467,9 +389,9 @@ fn a_staged_command_the_reader_does_not_write_is_written_by_its_round() {
     assert_eq!(script.lock().written, b"A1B1", "written by its round");
 }
 
-/// A reply for the line's reader that another thread read (the retry job,
-/// a round at its deadline, a round joining) wakes the reader: its poll
-/// would find the socket empty and sleep to its deadline.
+/// A reply for the reader that another thread read (the retry job, a round
+/// at its deadline, a round joining) wakes the reader: its poll would find
+/// the socket empty and sleep to its deadline.
 #[test]
 fn a_reply_read_for_the_reader_by_another_thread_wakes_it() {
     let (line, script, _) = line();
@@ -478,7 +400,7 @@ fn a_reply_read_for_the_reader_by_another_thread_wakes_it() {
         .admit(Some(woken.clone() as Arc<dyn Wake>), Instant::now())
         .expect("open");
     send(&mut a, b"A1");
-    assert!(matches!(line.watch(a.id), Watch::Reader));
+    assert!(!line.watch(a.id), "waits");
     script.lock().replies.push_back(int(1));
     // Not the reader's own read.
     line.pump(None);
@@ -499,7 +421,7 @@ fn a_joining_rounds_read_writes_what_waits_staged() {
         .expect("a monotonic clock this old");
     a.wire_mut().queue(b"A1", long_ago, true);
     a.flush().expect("sent");
-    assert!(matches!(line.watch(a.id), Watch::Reader));
+    assert!(!line.watch(a.id), "waits");
     send(&mut b, b"B1");
     assert_eq!(script.lock().written, b"A1", "staged");
     script.lock().replies.push_back(int(1));
@@ -533,11 +455,11 @@ fn a_reader_reading_its_own_reply_does_not_wake_itself() {
         .admit(Some(mine.clone() as Arc<dyn Wake>), Instant::now())
         .expect("open");
     send(&mut a, b"A1");
-    assert!(matches!(line.watch(a.id), Watch::Reader));
+    assert!(!line.watch(a.id), "waits");
     script.lock().replies.push_back(int(1));
     line.pump(None);
     assert_eq!(mine.0.load(Ordering::Acquire), 0, "woke itself");
-    assert!(matches!(line.watch(a.id), Watch::News));
+    assert!(line.watch(a.id));
     assert_eq!(reply(&mut a), Some(int(1)));
 }
 
@@ -559,4 +481,56 @@ fn the_history_key_a_round_worked_out_stays_with_the_line() {
     drop(b);
     let c = line.admit(None, Instant::now()).expect("open");
     assert_eq!(c.wire().history_key, Some((7, 99)), "another server's key");
+}
+
+/// The reader role: one wait holds it; the others sleep; when the holder
+/// leaves, the oldest sleeper is handed it and woken, and no one else.
+#[test]
+fn the_reader_role_passes_to_one_sleeping_wait() {
+    let role: Role<Scripted> = Role::default();
+    let (wb, wc) = (Arc::new(Count::default()), Arc::new(Count::default()));
+    let (b, c) = (
+        Some(wb.clone() as Arc<dyn Wake>),
+        Some(wc.clone() as Arc<dyn Wake>),
+    );
+    assert!(role.take(1, None), "no one held it");
+    assert!(role.take(1, None), "still its");
+    assert!(!role.take(2, b.as_ref()));
+    assert!(!role.take(3, c.as_ref()));
+    role.leave(1);
+    assert_eq!(wb.0.load(Ordering::Acquire), 1, "the oldest sleeper");
+    assert_eq!(wc.0.load(Ordering::Acquire), 0, "woken for nothing");
+    assert!(!role.take(3, c.as_ref()));
+    // The one handed the role returns with a reply of its own instead.
+    role.leave(2);
+    assert_eq!(wc.0.load(Ordering::Acquire), 1, "passed on");
+    assert!(role.take(3, c.as_ref()));
+    role.leave(3);
+    assert!(role.take(4, None), "none slept: the next wait takes it");
+}
+
+/// A line that comes to owe replies wakes the reader (which polls only
+/// the lines that owed when it began to wait); one that owed already does
+/// not.
+#[test]
+fn a_line_that_comes_to_owe_replies_wakes_the_reader() {
+    let role: Arc<Role<Scripted>> = Arc::default();
+    let script = Arc::new(Mutex::new(Script::default()));
+    let node = Arc::new(NodeShared::for_tests());
+    let conn = Scripted {
+        wire: Wire::new(Instant::now()),
+        script: script.clone(),
+    };
+    let line = Line::new(conn, node, Weak::new(), Arc::downgrade(&role));
+    role.register(&line);
+    let woken = Arc::new(Count::default());
+    assert!(role.take(9, Some(&(woken.clone() as Arc<dyn Wake>))));
+    assert!(role.owing().is_empty());
+    let mut a = line.admit(None, Instant::now()).expect("open");
+    let mut b = line.admit(None, Instant::now()).expect("open");
+    send(&mut a, b"A1");
+    assert_eq!(woken.0.load(Ordering::Acquire), 1);
+    assert_eq!(role.owing().len(), 1);
+    send(&mut b, b"B1");
+    assert_eq!(woken.0.load(Ordering::Acquire), 1, "it polls this line");
 }

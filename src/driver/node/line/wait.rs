@@ -1,10 +1,12 @@
-//! How rounds on lines wait: on their mailboxes, or (one round per line)
-//! on the socket.
+//! How rounds on lines wait: one of the client's waiting rounds reads every
+//! line that owes replies (see [`super::role`]), the others sleep until a
+//! reply is theirs; each until its own deadline.
 
-use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{Line, Share, Watch};
+use super::role::wait_id;
+use super::{Line, Role, Share, Wake};
 use crate::clock::after;
 use crate::driver::node::link::Link;
 use crate::driver::node::part::Part;
@@ -13,41 +15,46 @@ use crate::driver::node::part::Part;
 pub(crate) trait Await<C: Link> {
     /// Now.
     fn clock_now(&self) -> Instant;
+    /// The client's reader role.
+    fn role(&self) -> &Role<C>;
+    /// What wakes this thread.
+    fn waker(&self) -> Option<Arc<dyn Wake>>;
     /// A mark taken before looking at the mailboxes: a wake after it ends
     /// the next [`block`](Self::block).
     fn mark(&self) -> u64;
     /// Blocks until one of `lines` (which this thread reads) has something
     /// to read, or this thread is woken, or `until`; reads what arrived on
     /// each of `lines` ([`Line::pump`]).
-    fn block(&self, lines: &[&Line<C>], until: Instant, writes: bool, mark: u64);
+    fn block(&self, lines: &[Arc<Line<C>>], until: Instant, mark: u64);
 }
 
 /// [`Links::wait_ready`](crate::driver::node::links::Links::wait_ready) for
-/// rounds on lines: waits at most `wait` until a part awaiting a reply has
-/// one (or its line's end) in its mailbox, reading the socket of each line
-/// no other round reads.
+/// rounds on lines: waits at most `wait` until `need` parts awaiting a
+/// reply have one (or their line's end) in their mailboxes, reading every
+/// line of the client that owes replies while it holds the reader role.
+/// The round is not woken for fewer replies than it needs.
 pub(crate) fn wait_ready<C: Link>(
     a: &impl Await<C>,
     parts: &[Part<Share<C>>],
     wait: Duration,
-    writes: bool,
+    need: usize,
     ready: &mut Vec<(usize, ())>,
 ) {
     let until = after(a.clock_now(), wait);
-    let mut mine: Vec<&Line<C>> = Vec::with_capacity(parts.len());
-    let mut following: Vec<&Share<C>> = Vec::with_capacity(parts.len());
+    let id = wait_id();
+    let waker = a.waker();
+    let mut waiting: Vec<&Share<C>> = Vec::with_capacity(parts.len());
     loop {
         let mark = a.mark();
+        if let Some(w) = &waker {
+            w.recount();
+        }
         let last = wait.is_zero() || a.clock_now() >= until;
-        mine.clear();
-        following.clear();
+        waiting.clear();
+        ready.clear();
         for (i, s) in parts.iter().enumerate() {
             let Some(c) = s.conn.as_ref() else { continue };
             if !c.wire.awaits_wanted() {
-                // It waits for nothing here: another round reads.
-                if c.reading.swap(false, Ordering::AcqRel) {
-                    c.line.resign(c.id);
-                }
                 continue;
             }
             if last {
@@ -58,34 +65,42 @@ pub(crate) fn wait_ready<C: Link>(
                 }
                 continue;
             }
-            match c.line.watch(c.id) {
-                Watch::News => ready.push((i, ())),
-                Watch::Reader => {
-                    c.reading.store(true, Ordering::Release);
-                    mine.push(&c.line);
-                }
-                Watch::Follower => following.push(c),
+            if c.line.watch(c.id) {
+                ready.push((i, ()));
+            } else {
+                waiting.push(c);
             }
         }
-        if ready.is_empty() && !last {
-            // A follower's commands staged too long go out now; the wait
-            // ends when the next would be due.
+        // All of them, if fewer can come.
+        let need = need.min(ready.len() + waiting.len()).max(1);
+        let more = need.saturating_sub(ready.len());
+        if more == 0 || last {
+            for c in &waiting {
+                c.line.unwatch(c.id);
+            }
+            a.role().leave(id);
+            return;
+        }
+        // Replies counted since the look: look again.
+        if !waker.as_ref().is_some_and(|w| w.expect(more)) {
+            // Commands staged too long go out now; the wait ends when the
+            // next would be due.
             let mut wake_at = until;
             let now = a.clock_now();
-            for c in &following {
+            for c in &waiting {
                 if let Some(due) = c.line.write_stale(now) {
                     wake_at = wake_at.min(due);
                 }
             }
-            a.block(&mine, wake_at, writes, mark);
+            let lines = if a.role().take(id, waker.as_ref()) {
+                a.role().owing()
+            } else {
+                Vec::new()
+            };
+            a.block(&lines, wake_at, mark);
         }
-        for c in &following {
-            if c.line.unwatch(c.id) {
-                c.reading.store(true, Ordering::Release);
-            }
-        }
-        if last || !ready.is_empty() {
-            return;
+        for c in &waiting {
+            c.line.unwatch(c.id);
         }
     }
 }
