@@ -112,31 +112,32 @@ fn unfit(kind: ServerKind, rules: VoteRules) -> Option<String> {
     }
 }
 
-/// Whether a one-key round is settled by the replies so far (`None`: not
-/// read yet): a majority said OK, or too few nodes are left to make one.
+/// Whether a one-key round is settled (see [`to_settle`]).
 #[cfg(test)]
 pub(crate) fn settled(results: &[Option<NodeResult>]) -> bool {
     to_settle(results) == 0
 }
 
 /// How many more replies a one-key round needs at least before it is
-/// settled (see [`settled`]); 0 when it is. A round waits on its replies
-/// without waking for fewer.
+/// settled by the replies so far (`None`: not read yet), 0 when it is:
+/// settled when a majority said OK, or too few nodes are left to make
+/// one. A round waits on its replies without waking for fewer.
 pub(crate) fn to_settle(results: &[Option<NodeResult>]) -> usize {
     to_settle_acquire(results, |_, _| true, |_, _| true)
 }
 
 /// Whether a round of `keys` keys is settled for every key (see
-/// [`settled`]). The count is the round's, not the replies': before any
-/// reply, no key is settled.
+/// [`to_settle_all`]).
 #[cfg(test)]
 pub(crate) fn settled_all(results: &[Option<NodeResult>], keys: usize) -> bool {
     to_settle_all(results, keys) == 0
 }
 
 /// How many more replies a round of `keys` keys needs at least before
-/// every key is settled (see [`settled_all`]); 0 when it is. Each reply
-/// adds one OK at most to a key, and is one fewer to come.
+/// every key is settled (each as [`to_settle`] says), 0 when it is. The
+/// count is the round's, not the replies': before any reply, no key is
+/// settled. Each reply adds one OK at most to a key, and is one fewer to
+/// come.
 pub(crate) fn to_settle_all(results: &[Option<NodeResult>], keys: usize) -> usize {
     let q = quorum(results.len());
     let pending = results.iter().filter(|r| r.is_none()).count();

@@ -5,7 +5,7 @@
 use std::io::{Read as _, Write as _};
 #[cfg(not(any(target_os = "linux", target_os = "android")))]
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -15,7 +15,7 @@ use redis::Value;
 use crate::algorithm::quorum::VoteRules;
 use crate::algorithm::round::Key;
 use crate::driver::conn::{self, PollFlags};
-use crate::driver::node::line::{self, Await, Line, Share, Wake};
+use crate::driver::node::line::{self, Await, Line, ReplyCount, Share, Wake};
 use crate::driver::node::link::Link;
 use crate::driver::node::links::Links;
 use crate::driver::node::part::Part;
@@ -139,10 +139,8 @@ struct PipeWaker {
     tx: UnixStream,
     /// A wake is (or is about to be) on its way.
     armed: AtomicBool,
-    /// Replies read for the thread's round since it last looked, and how
-    /// many it needs before it is woken (see [`Wake::expect`]).
-    replies: AtomicUsize,
-    needs: AtomicUsize,
+    /// Replies read for the thread's round (see [`Wake::expect`]).
+    count: ReplyCount,
 }
 
 impl PipeWaker {
@@ -153,8 +151,7 @@ impl PipeWaker {
         Ok(PipeWaker {
             rx,
             armed: AtomicBool::new(false),
-            replies: AtomicUsize::new(0),
-            needs: AtomicUsize::new(1),
+            count: ReplyCount::default(),
         })
     }
 
@@ -167,8 +164,7 @@ impl PipeWaker {
             tx,
             rx,
             armed: AtomicBool::new(false),
-            replies: AtomicUsize::new(0),
-            needs: AtomicUsize::new(1),
+            count: ReplyCount::default(),
         })
     }
 
@@ -206,20 +202,15 @@ impl Wake for PipeWaker {
     }
 
     fn counts_reply(&self) -> bool {
-        // Either this sees the round's new need, or the round sees this
-        // reply counted (both sequentially consistent).
-        let n = self.replies.fetch_add(1, Ordering::SeqCst) + 1;
-        n >= self.needs.load(Ordering::SeqCst)
+        self.count.count()
     }
 
     fn recount(&self) {
-        self.needs.store(usize::MAX, Ordering::SeqCst);
-        self.replies.store(0, Ordering::SeqCst);
+        self.count.recount();
     }
 
     fn expect(&self, n: usize) -> bool {
-        self.needs.store(n, Ordering::SeqCst);
-        self.replies.load(Ordering::SeqCst) >= n
+        self.count.expect(n)
     }
 
     fn is_current(&self) -> bool {

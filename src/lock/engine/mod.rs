@@ -311,7 +311,15 @@ impl Engine {
                         || facts
                             .is_none_or(|f| f.age >= horizon.max(longest) || self.trusted(i, f)))
             };
-            quorum::to_settle_acquire(results, certain, counts)
+            let need = quorum::to_settle_acquire(results, certain, counts);
+            // A TTL longer than every client promised (`max_ttl`) in use:
+            // a reply may then disqualify votes counted as certain, several
+            // at once; the round looks at every reply.
+            if longest > horizon {
+                need.min(1)
+            } else {
+                need
+            }
         };
         // The decision, made once the replies are in (and before any undo).
         let decision: Cell<Option<Decision>> = Cell::new(None);

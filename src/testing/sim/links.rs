@@ -14,7 +14,7 @@ use redis::Value;
 
 use crate::algorithm::health::Outcome;
 use crate::algorithm::quorum::VoteRules;
-use crate::algorithm::round::{Key, NodeResult, Op};
+use crate::algorithm::round::{Key, Op};
 use crate::clock::Clock;
 use crate::driver::conn::{queue_connect_commands, For};
 use crate::driver::node::encode::Encoded;
@@ -25,13 +25,11 @@ use crate::driver::node::links::Links;
 use crate::driver::node::part::Part;
 use crate::driver::node::replies::catch_up;
 use crate::driver::node::retries::Retry;
-use crate::driver::node::round::Round;
 use crate::driver::node::servers::Servers;
 use crate::driver::node::shared::{Defects, NodeShared};
 use crate::driver::wire::{Pending, Wire};
 use crate::error::NodeErrorKind;
 use crate::events::Events;
-use crate::lock::transport::{Decided, Transport, Undo};
 use crate::testing::sim::check::{RETRY_BATCH, RETRY_EVERY};
 use crate::testing::sim::redis::Inbox;
 use crate::testing::sim::redis::{command, commands, Command, OwnedKey};
@@ -196,13 +194,13 @@ impl Link for SimConn {
 /// One simulated client's connections to the nodes.
 pub(crate) struct SimLinks {
     sched: Arc<Sched>,
-    names: Vec<String>,
+    pub(crate) names: Vec<String>,
     /// Per entry, the node (server) it reaches.
     entries: Vec<usize>,
     nodes: Vec<Arc<NodeShared>>,
     /// Per entry, the connection its rounds share now.
     lines: Vec<Arc<line::Slot<SimConn>>>,
-    servers: Arc<Servers>,
+    pub(crate) servers: Arc<Servers>,
     rules: VoteRules,
     timeout: Duration,
     pools: Vec<Arc<Mutex<Vec<SimLink>>>>,
@@ -316,7 +314,7 @@ impl SimLinks {
     /// connection has had answered yet, their replies awaited until
     /// `until` at most (the lock histories they report, see
     /// [`Servers::begun_keys`]).
-    fn learn_histories(&self, until: Instant) {
+    pub(crate) fn learn_histories(&self, until: Instant) {
         let mut held: Vec<Option<SimConn>> = self.names.iter().map(|_| None).collect();
         loop {
             let mark = self.signal.seen();
@@ -552,69 +550,5 @@ impl Links for SimLinks {
         // Only a healthy node that no free connection reached is written to
         // after its round; the simulated pools always connect on demand,
         // so a healthy node is never left unreached.
-    }
-}
-
-/// A simulated client's [`Transport`]: the production round over
-/// [`SimLinks`].
-pub(crate) struct SimEngine {
-    links: Arc<SimLinks>,
-    sched: Arc<Sched>,
-    /// Yield to the scheduler before every round.
-    preempt: bool,
-    watches: crate::testing::sim::wakeups::Watches,
-}
-
-impl SimEngine {
-    pub(crate) fn new(
-        sched: &Arc<Sched>,
-        clock: Arc<dyn Clock>,
-        timeout: Duration,
-        preempt: bool,
-        rules: VoteRules,
-        defects: Defects,
-    ) -> Self {
-        SimEngine {
-            links: SimLinks::new(sched, clock, timeout, rules, defects),
-            sched: sched.clone(),
-            preempt,
-            watches: Default::default(),
-        }
-    }
-}
-
-impl Transport for SimEngine {
-    fn node_names(&self) -> &[String] {
-        &self.links.names
-    }
-
-    /// What the driver's connections learnt at connect, as the driver's
-    /// transport: with `until`, nodes still connecting are waited for.
-    fn begun(&self, until: Option<Instant>) -> Vec<u64> {
-        if let Some(until) = until {
-            self.links.learn_histories(until);
-        }
-        self.links.servers.begun_keys()
-    }
-
-    crate::testing::sim::wakeups::wake_ups_of!(links.names);
-
-    fn run(
-        &self,
-        op: Op,
-        keys: &[Key<'_>],
-        deadline: Instant,
-        decided: Option<Decided<'_>>,
-        undo: Option<Undo<'_>>,
-    ) -> Vec<NodeResult> {
-        if self.preempt {
-            // Another thread may run between the decision to send and the send.
-            self.sched.yield_now();
-        }
-        if let Op::Release { .. } = op {
-            let now = self.sched.nanos();
-            self.sched.lock().world.let_go(keys, now);
-        }
-        Round::run_round(&*self.links, op, keys, deadline, decided, undo)
     }
 }

@@ -27,6 +27,7 @@ use crate::testing::sim::plan::Report;
 
 pub(crate) mod chan;
 pub(crate) mod check;
+pub(crate) mod engine;
 pub(crate) mod links;
 pub(crate) mod observe;
 pub(crate) mod plan;
@@ -358,7 +359,7 @@ pub(crate) fn simulate(plan: Plan, main: Script) -> Report {
 fn client(ctx: &Ctx, settings: Settings, seed: u64) -> Redlock {
     let clock: Arc<dyn Clock> = Arc::new(SimClock(ctx.sched.clone()));
     let transport: Box<dyn crate::lock::transport::Transport> = if ctx.plan.engine {
-        Box::new(links::SimEngine::new(
+        Box::new(engine::SimEngine::new(
             &ctx.sched,
             clock.clone(),
             settings.node_timeout,

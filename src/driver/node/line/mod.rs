@@ -36,8 +36,8 @@ use std::io;
 use std::sync::{Arc, Weak};
 use std::time::Instant;
 
-use parking_lot::Mutex;
 use redis::Value;
+use sync::Mutex;
 
 use crate::algorithm::health::Outcome;
 use crate::driver::node::link::Link;
@@ -62,36 +62,6 @@ pub(crate) struct LineStats {
 #[cfg(test)]
 fn count(n: &std::sync::atomic::AtomicU64) {
     n.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// Wakes a round that waits on its mailbox.
-pub(crate) trait Wake: Send + Sync {
-    /// Wakes it (a wake while it is not waiting makes its next wait return).
-    fn wake(&self);
-    /// Whether it wakes the calling thread, which is awake and looks at its
-    /// mailboxes before it waits again: no wake is sent.
-    fn is_current(&self) -> bool {
-        false
-    }
-    /// Counts a reply read for its round; whether that is one to wake it
-    /// for (see [`Wake::expect`]).
-    fn counts_reply(&self) -> bool {
-        true
-    }
-    /// From now, replies are counted from none, and none wakes the round
-    /// until it says how many it needs.
-    fn recount(&self) {}
-    /// The round sleeps until `n` replies were counted (or it is woken
-    /// otherwise); whether they were already.
-    fn expect(&self, _n: usize) -> bool {
-        false
-    }
-}
-
-impl Wake for crate::clock::Signal {
-    fn wake(&self) {
-        self.notify();
-    }
 }
 
 /// A round on the line, or (`orphan`) one that left owing replies.
@@ -275,12 +245,14 @@ impl<C: Link> Line<C> {
                 return None;
             }
         }
+        let owed_before = st.owes_reads();
         if let Err(e) = ask_info_when_due(&mut st.conn, now) {
             let wake = st.close(&e);
             drop(st);
             wake_all(wake);
             return None;
         }
+        self.began_owing(owed_before, &st);
         let id = st.next_id;
         st.next_id += 1;
         let facts_seq = st.conn.wire().facts_seq;
@@ -417,10 +389,9 @@ impl<C: Link> Line<C> {
     /// Sends what `wire` (round `id`'s) queued. Its commands are staged
     /// first; whichever round takes the line next writes everything staged
     /// in one write, so rounds that send while another writes share its
-    /// next write (and the server reads them in one read). While another
-    /// round reads the line and replies are on their way, they stay staged:
-    /// the reader writes them as soon as it has read what arrived (see
-    /// [`State::defers`]), with every command staged meanwhile.
+    /// next write (and the server reads them in one read). While a batch is
+    /// in flight they stay staged: whoever reads its last reply writes them
+    /// (see [`State::in_flight`]), with every command staged meanwhile.
     fn send(&self, id: u64, wire: &mut Wire) -> io::Result<()> {
         let _held = HeldEvents::new();
         let now = self.node.clock.now();
@@ -584,6 +555,11 @@ pub(crate) fn join<C: Link>(
             Arc::downgrade(role),
         );
         role.register(&line);
+        // Its connect commands' replies (or late ones) may be owed: the
+        // reader polls it from now.
+        if line.owes_reads() {
+            role.began_owing();
+        }
         let share = line.admit(waker, now)?;
         *current = Some(line);
         Some(share)
@@ -596,11 +572,18 @@ pub(crate) fn join<C: Link>(
 pub(crate) mod role;
 mod share;
 mod state;
+pub(crate) mod sync;
 mod wait;
+mod wake;
 
 pub(crate) use role::Role;
+pub(crate) use wake::{ReplyCount, Wake};
 
 pub(crate) use wait::{wait_ready, Await};
 
+#[cfg(all(test, quorumlock_shuttle))]
+mod model_tests;
+#[cfg(test)]
+mod role_tests;
 #[cfg(test)]
 mod tests;

@@ -14,7 +14,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
-use parking_lot::Mutex;
+use super::sync::Mutex;
 
 use super::{Line, Wake};
 use crate::driver::node::link::Link;
@@ -114,6 +114,13 @@ impl<C: Link> Role<C> {
             st.lines.iter().filter_map(Weak::upgrade).collect()
         };
         lines.into_iter().filter(|l| l.owes_reads()).collect()
+    }
+
+    /// No wait holds the role or sleeps.
+    #[cfg(test)]
+    pub(crate) fn idle(&self) -> bool {
+        let st = self.st.lock();
+        st.holder.is_none() && st.waiting.is_empty()
     }
 
     /// A line came to owe replies: the reader polls it too.

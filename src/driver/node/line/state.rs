@@ -5,7 +5,7 @@ use std::io;
 use std::sync::Arc;
 use std::time::Instant;
 
-use parking_lot::Mutex;
+use super::sync::Mutex;
 use redis::Value;
 
 #[cfg(test)]
@@ -45,7 +45,7 @@ where
         let owners = &mut self.owners;
         let counted = cmds.inspect(|&(id, _, _)| {
             if let Some(o) = owners.iter_mut().find(|o| o.id == id) {
-                // Staged until now, if it was (see `State::defers`).
+                // Staged until now, if it was (see `State::in_flight`).
                 o.staged = o.staged.saturating_sub(1);
                 o.owed += 1;
             }

@@ -12,16 +12,16 @@ use crate::driver::wire::{is_given_up, Pending};
 /// What a scripted connection was sent, what it will read, and what it
 /// owed when it was given back.
 #[derive(Default)]
-struct Script {
-    written: Vec<u8>,
+pub(super) struct Script {
+    pub(super) written: Vec<u8>,
     replies: VecDeque<Value>,
     closed: bool,
     given_back: Option<Vec<Pending>>,
 }
 
-struct Scripted {
-    wire: Wire,
-    script: Arc<Mutex<Script>>,
+pub(super) struct Scripted {
+    pub(super) wire: Wire,
+    pub(super) script: Arc<Mutex<Script>>,
 }
 
 impl Drop for Scripted {
@@ -91,7 +91,7 @@ impl Link for Scripted {
 }
 
 #[derive(Default)]
-struct Count(AtomicUsize);
+pub(super) struct Count(pub(super) AtomicUsize);
 
 impl Wake for Count {
     fn wake(&self) {
@@ -99,7 +99,7 @@ impl Wake for Count {
     }
 }
 
-fn line() -> (Arc<Line<Scripted>>, Arc<Mutex<Script>>, Arc<NodeShared>) {
+pub(super) fn line() -> (Arc<Line<Scripted>>, Arc<Mutex<Script>>, Arc<NodeShared>) {
     let script = Arc::new(Mutex::new(Script::default()));
     let node = Arc::new(NodeShared::for_tests());
     let conn = Scripted {
@@ -117,7 +117,7 @@ fn int(n: i64) -> Value {
     Value::Int(n)
 }
 
-fn send(s: &mut Share<Scripted>, cmd: &[u8]) {
+pub(super) fn send(s: &mut Share<Scripted>, cmd: &[u8]) {
     s.wire_mut().queue(cmd, Instant::now(), true);
     s.flush().expect("sent");
 }
@@ -481,56 +481,4 @@ fn the_history_key_a_round_worked_out_stays_with_the_line() {
     drop(b);
     let c = line.admit(None, Instant::now()).expect("open");
     assert_eq!(c.wire().history_key, Some((7, 99)), "another server's key");
-}
-
-/// The reader role: one wait holds it; the others sleep; when the holder
-/// leaves, the oldest sleeper is handed it and woken, and no one else.
-#[test]
-fn the_reader_role_passes_to_one_sleeping_wait() {
-    let role: Role<Scripted> = Role::default();
-    let (wb, wc) = (Arc::new(Count::default()), Arc::new(Count::default()));
-    let (b, c) = (
-        Some(wb.clone() as Arc<dyn Wake>),
-        Some(wc.clone() as Arc<dyn Wake>),
-    );
-    assert!(role.take(1, None), "no one held it");
-    assert!(role.take(1, None), "still its");
-    assert!(!role.take(2, b.as_ref()));
-    assert!(!role.take(3, c.as_ref()));
-    role.leave(1);
-    assert_eq!(wb.0.load(Ordering::Acquire), 1, "the oldest sleeper");
-    assert_eq!(wc.0.load(Ordering::Acquire), 0, "woken for nothing");
-    assert!(!role.take(3, c.as_ref()));
-    // The one handed the role returns with a reply of its own instead.
-    role.leave(2);
-    assert_eq!(wc.0.load(Ordering::Acquire), 1, "passed on");
-    assert!(role.take(3, c.as_ref()));
-    role.leave(3);
-    assert!(role.take(4, None), "none slept: the next wait takes it");
-}
-
-/// A line that comes to owe replies wakes the reader (which polls only
-/// the lines that owed when it began to wait); one that owed already does
-/// not.
-#[test]
-fn a_line_that_comes_to_owe_replies_wakes_the_reader() {
-    let role: Arc<Role<Scripted>> = Arc::default();
-    let script = Arc::new(Mutex::new(Script::default()));
-    let node = Arc::new(NodeShared::for_tests());
-    let conn = Scripted {
-        wire: Wire::new(Instant::now()),
-        script: script.clone(),
-    };
-    let line = Line::new(conn, node, Weak::new(), Arc::downgrade(&role));
-    role.register(&line);
-    let woken = Arc::new(Count::default());
-    assert!(role.take(9, Some(&(woken.clone() as Arc<dyn Wake>))));
-    assert!(role.owing().is_empty());
-    let mut a = line.admit(None, Instant::now()).expect("open");
-    let mut b = line.admit(None, Instant::now()).expect("open");
-    send(&mut a, b"A1");
-    assert_eq!(woken.0.load(Ordering::Acquire), 1);
-    assert_eq!(role.owing().len(), 1);
-    send(&mut b, b"B1");
-    assert_eq!(woken.0.load(Ordering::Acquire), 1, "it polls this line");
 }

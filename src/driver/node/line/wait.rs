@@ -42,6 +42,9 @@ pub(crate) fn wait_ready<C: Link>(
 ) {
     let until = after(a.clock_now(), wait);
     let id = wait_id();
+    // However this wait ends (a panic in a late reply's rules too), it
+    // holds the reader role no longer and sleeps no more.
+    let _leave = Leave { role: a.role(), id };
     let waker = a.waker();
     let mut waiting: Vec<&Share<C>> = Vec::with_capacity(parts.len());
     loop {
@@ -78,7 +81,6 @@ pub(crate) fn wait_ready<C: Link>(
             for c in &waiting {
                 c.line.unwatch(c.id);
             }
-            a.role().leave(id);
             return;
         }
         // Replies counted since the look: look again.
@@ -102,5 +104,17 @@ pub(crate) fn wait_ready<C: Link>(
         for c in &waiting {
             c.line.unwatch(c.id);
         }
+    }
+}
+
+/// Ends a wait's part in the reader role when the wait ends.
+struct Leave<'a, C: Link> {
+    role: &'a Role<C>,
+    id: u64,
+}
+
+impl<C: Link> Drop for Leave<'_, C> {
+    fn drop(&mut self) {
+        self.role.leave(self.id);
     }
 }

@@ -1,0 +1,78 @@
+//! A simulated client's [`Transport`]: the production round over the
+//! simulated connections ([`SimLinks`]).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::algorithm::quorum::VoteRules;
+use crate::algorithm::round::{Key, NodeResult, Op};
+use crate::clock::Clock;
+use crate::driver::node::round::Round;
+use crate::driver::node::shared::Defects;
+use crate::lock::transport::{Decided, Transport, Undo};
+use crate::testing::sim::links::SimLinks;
+use crate::testing::sim::sched::Sched;
+
+/// A simulated client's [`Transport`]: the production round over
+/// [`SimLinks`].
+pub(crate) struct SimEngine {
+    links: Arc<SimLinks>,
+    sched: Arc<Sched>,
+    /// Yield to the scheduler before every round.
+    preempt: bool,
+    watches: crate::testing::sim::wakeups::Watches,
+}
+
+impl SimEngine {
+    pub(crate) fn new(
+        sched: &Arc<Sched>,
+        clock: Arc<dyn Clock>,
+        timeout: Duration,
+        preempt: bool,
+        rules: VoteRules,
+        defects: Defects,
+    ) -> Self {
+        SimEngine {
+            links: SimLinks::new(sched, clock, timeout, rules, defects),
+            sched: sched.clone(),
+            preempt,
+            watches: Default::default(),
+        }
+    }
+}
+
+impl Transport for SimEngine {
+    fn node_names(&self) -> &[String] {
+        &self.links.names
+    }
+
+    /// What the driver's connections learnt at connect, as the driver's
+    /// transport: with `until`, nodes still connecting are waited for.
+    fn begun(&self, until: Option<Instant>) -> Vec<u64> {
+        if let Some(until) = until {
+            self.links.learn_histories(until);
+        }
+        self.links.servers.begun_keys()
+    }
+
+    crate::testing::sim::wakeups::wake_ups_of!(links.names);
+
+    fn run(
+        &self,
+        op: Op,
+        keys: &[Key<'_>],
+        deadline: Instant,
+        decided: Option<Decided<'_>>,
+        undo: Option<Undo<'_>>,
+    ) -> Vec<NodeResult> {
+        if self.preempt {
+            // Another thread may run between the decision to send and the send.
+            self.sched.yield_now();
+        }
+        if let Op::Release { .. } = op {
+            let now = self.sched.nanos();
+            self.sched.lock().world.let_go(keys, now);
+        }
+        Round::run_round(&*self.links, op, keys, deadline, decided, undo)
+    }
+}
