@@ -347,7 +347,7 @@ mod engine_defects {
             undo_skips_lost: true,
             ..Defects::default()
         };
-        found(0x20e, Mix::Standard, defects, Kind::Leaked);
+        found(0x8f, Mix::ClockJumps, defects, Kind::Leaked);
     }
 
     /// A release retry job that sends the same batch every time: the

@@ -411,7 +411,7 @@ impl<C: Link> Line<C> {
             wire.broken = true;
             return Err(error_of(c));
         }
-        if !wire.broken && st.in_flight() {
+        if !wire.broken && st.holds_back(id) {
             let staged = self.staged.lock().cmds.iter().filter(|c| c.0 == id).count();
             if let Some(o) = st.owner(id) {
                 o.staged = staged;

@@ -94,12 +94,19 @@ where
     }
 
     /// Whether a batch is in flight: replies are owed and all of it is
-    /// written. Commands sent meanwhile wait staged, and whoever reads its
-    /// last reply writes them all in one write ([`State::next_batch`]), so
-    /// the server reads them in one read: one batch in flight per
-    /// connection. A round alone on an idle line never waits.
+    /// written. Whoever reads its last reply writes what was staged
+    /// meanwhile in one write ([`State::next_batch`]), so the server reads
+    /// it in one read: one batch in flight per connection.
     pub(super) fn in_flight(&self) -> bool {
         !self.conn.wire().pending().is_empty() && !self.conn.wants_write()
+    }
+
+    /// Whether round `id`'s commands wait staged: a batch is in flight and
+    /// another round uses the line. A round alone on it (replies owed, if
+    /// any, only to rounds that left: a single thread's stragglers) writes
+    /// at once: waiting would cost it a round trip and batch nothing.
+    pub(super) fn holds_back(&self, id: u64) -> bool {
+        self.in_flight() && self.owners.iter().any(|o| o.id != id && o.orphan.is_none())
     }
 
     /// Writes what is staged, unless a batch is in flight.

@@ -482,3 +482,20 @@ fn the_history_key_a_round_worked_out_stays_with_the_line() {
     let c = line.admit(None, Instant::now()).expect("open");
     assert_eq!(c.wire().history_key, Some((7, 99)), "another server's key");
 }
+
+/// A round alone on a line whose replies are owed only to rounds that left
+/// (a single thread's stragglers) writes at once: waiting would cost it a
+/// round trip and batch nothing.
+#[test]
+fn a_round_alone_behind_stragglers_writes_at_once() {
+    let (line, script, _) = line();
+    let mut a = line.admit(None, Instant::now()).expect("open");
+    send(&mut a, b"A1");
+    drop(a);
+    let mut b = line.admit(None, Instant::now()).expect("open");
+    send(&mut b, b"B1");
+    assert_eq!(script.lock().written, b"A1B1", "B1 waited for A1's reply");
+    script.lock().replies.extend([int(1), int(2)]);
+    line.pump(None);
+    assert_eq!(reply(&mut b), Some(int(2)));
+}
