@@ -151,6 +151,55 @@ fn a_node_hung_from_client_start_fails_no_attempt() {
     );
 }
 
+/// The same with 32 threads on one client: the hung node's connection owes replies that
+/// never come, and the client's reader polls it with the others; no attempt fails and none
+/// waits for it (each round needs the two that answer).
+#[test]
+fn a_node_hung_from_client_start_fails_no_attempt_under_32_threads() {
+    let c = Cluster::start(2);
+    let hole = Blackhole::start();
+    let timeout = Duration::from_secs(1);
+    let locks = crate::client_with(vec![c.url(0), hole.url(), c.url(1)], timeout);
+    let prefix = unique_key("hung-from-start-32");
+    let bad: Vec<String> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..32)
+            .map(|t| {
+                let (locks, prefix) = (locks.clone(), &prefix);
+                s.spawn(move || {
+                    let mut bad = Vec::new();
+                    for n in 0..10 {
+                        let key = format!("{prefix}:{t}:{n}");
+                        let start = Instant::now();
+                        match locks.try_lock(&key, Duration::from_secs(5)) {
+                            Ok(g) => {
+                                let took = start.elapsed();
+                                if took >= timeout / 2 {
+                                    bad.push(format!("{key}: locked in {took:?}"));
+                                }
+                                if let Err(e) = g.release() {
+                                    bad.push(format!("{key}: release: {e}"));
+                                }
+                            }
+                            Err(e) => bad.push(format!("{key}: {e}")),
+                        }
+                    }
+                    bad
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().expect("worker panicked"))
+            .collect()
+    });
+    assert!(
+        bad.is_empty(),
+        "{} of 320 attempts failed or waited (node timeout {timeout:?}): {:?}",
+        bad.len(),
+        &bad[..bad.len().min(5)]
+    );
+}
+
 // ---------------------------------------------------------------------------------------
 // The unlock after a timed-out attempt
 
