@@ -153,12 +153,14 @@ fn a_node_hung_from_client_start_fails_no_attempt() {
 
 /// The same with 32 threads on one client: the hung node's connection owes replies that
 /// never come, and the client's reader polls it with the others; no attempt fails and none
-/// waits for it (each round needs the two that answer).
+/// waits for it (each round needs the two that answer). A round that waited for the hung
+/// node would take its node timeout (2 s), which no attempt may reach, however loaded the
+/// machine.
 #[test]
 fn a_node_hung_from_client_start_fails_no_attempt_under_32_threads() {
     let c = Cluster::start(2);
     let hole = Blackhole::start();
-    let timeout = Duration::from_secs(1);
+    let timeout = Duration::from_secs(2);
     let locks = crate::client_with(vec![c.url(0), hole.url(), c.url(1)], timeout);
     let prefix = unique_key("hung-from-start-32");
     let bad: Vec<String> = std::thread::scope(|s| {
@@ -173,7 +175,7 @@ fn a_node_hung_from_client_start_fails_no_attempt_under_32_threads() {
                         match locks.try_lock(&key, Duration::from_secs(5)) {
                             Ok(g) => {
                                 let took = start.elapsed();
-                                if took >= timeout / 2 {
+                                if took >= timeout {
                                     bad.push(format!("{key}: locked in {took:?}"));
                                 }
                                 if let Err(e) = g.release() {
