@@ -499,3 +499,75 @@ fn a_round_alone_behind_stragglers_writes_at_once() {
     line.pump(None);
     assert_eq!(reply(&mut b), Some(int(2)));
 }
+
+/// A thread that sleeps to its wait's end: no one wakes it.
+#[derive(Default)]
+struct Sleeper {
+    role: Role<Scripted>,
+}
+
+impl Await<Scripted> for Sleeper {
+    fn clock_now(&self) -> Instant {
+        Instant::now()
+    }
+    fn role(&self) -> &Role<Scripted> {
+        &self.role
+    }
+    fn waker(&self) -> Option<Arc<dyn Wake>> {
+        None
+    }
+    fn mark(&self) -> u64 {
+        0
+    }
+    fn block(&self, _: &[Arc<Line<Scripted>>], until: Instant, _: u64) {
+        std::thread::sleep(until.saturating_duration_since(Instant::now()));
+    }
+}
+
+/// A round whose deadline passes while another round's batch is in flight
+/// returns at its deadline, not at that batch's end (its command, staged
+/// behind the batch, is written by its own round after `STAGE_MAX`); when
+/// the replies come, its late one is read and dropped, and the connection
+/// stays for the others.
+#[test]
+fn a_round_past_its_deadline_behind_another_batch_returns_on_time_and_keeps_the_line() {
+    use crate::driver::node::part::Part;
+    let (line, script, _) = line();
+    let mut a = line.admit(None, Instant::now()).expect("open");
+    let mut b = line.admit(None, Instant::now()).expect("open");
+    send(&mut a, b"A1");
+    send(&mut b, b"B1");
+    assert_eq!(script.lock().written, b"A1", "B1 waits behind A1");
+    let mut parts = vec![Part {
+        admit: crate::algorithm::health::Admit::Wait,
+        conn: Some(b),
+        sent: Some(Instant::now()),
+        fell_back: false,
+        began: Instant::now(),
+        lost: false,
+        again: false,
+    }];
+    let deadline = std::time::Duration::from_millis(30);
+    let start = Instant::now();
+    let mut ready = Vec::new();
+    wait_ready(&Sleeper::default(), &parts, deadline, 1, &mut ready);
+    let took = start.elapsed();
+    assert!(ready.is_empty(), "no reply came");
+    assert!(
+        took >= deadline && took < deadline + std::time::Duration::from_secs(1),
+        "returned after {took:?} (deadline {deadline:?})"
+    );
+    assert_eq!(script.lock().written, b"A1B1", "written by its round");
+    // The round ends: its reply is no longer wanted, and it leaves.
+    let mut b = parts.pop().and_then(|p| p.conn).expect("its connection");
+    b.wire_mut().unwant(None, &[], None);
+    drop(b);
+    script.lock().replies.extend([int(1), int(2)]);
+    line.pump(None);
+    assert_eq!(reply(&mut a), Some(int(1)), "A's own reply");
+    let mut c = line
+        .admit(None, Instant::now())
+        .expect("the connection stays: the line takes a new round");
+    send(&mut c, b"C1");
+    assert_eq!(script.lock().written, b"A1B1C1");
+}
