@@ -139,7 +139,7 @@ struct PipeWaker {
     tx: UnixStream,
     /// A wake is (or is about to be) on its way.
     armed: AtomicBool,
-    /// Replies read for the thread's round (see [`Wake::expect`]).
+    /// Replies read for the thread's round (see [`Wake::replies`]).
     count: ReplyCount,
 }
 
@@ -201,16 +201,8 @@ impl Wake for PipeWaker {
         }
     }
 
-    fn counts_reply(&self) -> bool {
-        self.count.count()
-    }
-
-    fn recount(&self) {
-        self.count.recount();
-    }
-
-    fn expect(&self, n: usize) -> bool {
-        self.count.expect(n)
+    fn replies(&self) -> Option<&ReplyCount> {
+        Some(&self.count)
     }
 
     fn is_current(&self) -> bool {

@@ -141,16 +141,8 @@ impl Wake for ModelWaker {
         self.shared.with(|w| w.armed[me] = true);
     }
 
-    fn counts_reply(&self) -> bool {
-        self.count.count()
-    }
-
-    fn recount(&self) {
-        self.count.recount();
-    }
-
-    fn expect(&self, n: usize) -> bool {
-        self.count.expect(n)
+    fn replies(&self) -> Option<&ReplyCount> {
+        Some(&self.count)
     }
 }
 

@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Instant;
 
-use super::tests::{line, send, Count, Script, Scripted};
+use super::tests::{line, send, Count, Script, Scripted, TestAwait};
 use super::*;
 use crate::driver::wire::Wire;
 
@@ -36,29 +36,6 @@ fn the_reader_role_passes_to_one_sleeping_wait() {
     assert!(role.take(4, None), "none slept: the next wait takes it");
 }
 
-/// A thread that panics while it waits (in a late reply's rules, say).
-struct PanicAwait {
-    role: Role<Scripted>,
-}
-
-impl Await<Scripted> for PanicAwait {
-    fn clock_now(&self) -> Instant {
-        Instant::now()
-    }
-    fn role(&self) -> &Role<Scripted> {
-        &self.role
-    }
-    fn waker(&self) -> Option<Arc<dyn Wake>> {
-        None
-    }
-    fn mark(&self) -> u64 {
-        0
-    }
-    fn block(&self, _: &[Arc<Line<Scripted>>], _: Instant, _: u64) {
-        panic!("a panic while reading");
-    }
-}
-
 /// A wait that ends in a panic holds the reader role no longer: else every
 /// later round of the client would sleep to its deadline, no one reading.
 #[test]
@@ -76,8 +53,10 @@ fn a_wait_that_panics_gives_the_reader_role_up() {
         lost: false,
         again: false,
     }];
-    let waits = PanicAwait {
+    // A thread that panics while it waits (in a late reply's rules, say).
+    let waits = TestAwait {
         role: Role::default(),
+        block: |_| panic!("a panic while reading"),
     };
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         wait_ready(

@@ -10,7 +10,7 @@ use redis::Value;
 
 #[cfg(test)]
 use super::count;
-use super::{Owner, Staged, State, Wake};
+use super::{Owner, ReplyCount, Staged, State, Wake};
 use crate::driver::node::link::Link;
 use crate::driver::node::replies::{late_reply, turned_away};
 use crate::driver::node::shared::NodeShared;
@@ -194,7 +194,11 @@ where
             // retry job, a round at its deadline, one joining), and its
             // poll would find the socket empty.
             if o.waiting {
-                wake.extend(o.waker.clone().filter(|w| w.counts_reply()));
+                wake.extend(
+                    o.waker
+                        .clone()
+                        .filter(|w| w.replies().is_none_or(ReplyCount::count)),
+                );
             }
             return Ok(());
         };

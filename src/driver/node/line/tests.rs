@@ -500,13 +500,14 @@ fn a_round_alone_behind_stragglers_writes_at_once() {
     assert_eq!(reply(&mut b), Some(int(2)));
 }
 
-/// A thread that sleeps to its wait's end: no one wakes it.
-#[derive(Default)]
-struct Sleeper {
-    role: Role<Scripted>,
+/// A thread of the tests: how it blocks is `block`'s (given its wait's
+/// end); no one wakes it.
+pub(super) struct TestAwait {
+    pub(super) role: Role<Scripted>,
+    pub(super) block: fn(Instant),
 }
 
-impl Await<Scripted> for Sleeper {
+impl Await<Scripted> for TestAwait {
     fn clock_now(&self) -> Instant {
         Instant::now()
     }
@@ -520,7 +521,7 @@ impl Await<Scripted> for Sleeper {
         0
     }
     fn block(&self, _: &[Arc<Line<Scripted>>], until: Instant, _: u64) {
-        std::thread::sleep(until.saturating_duration_since(Instant::now()));
+        (self.block)(until);
     }
 }
 
@@ -550,7 +551,11 @@ fn a_round_past_its_deadline_behind_another_batch_returns_on_time_and_keeps_the_
     let deadline = std::time::Duration::from_millis(30);
     let start = Instant::now();
     let mut ready = Vec::new();
-    wait_ready(&Sleeper::default(), &parts, deadline, 1, &mut ready);
+    let sleeper = TestAwait {
+        role: Role::default(),
+        block: |until| std::thread::sleep(until.saturating_duration_since(Instant::now())),
+    };
+    wait_ready(&sleeper, &parts, deadline, 1, &mut ready);
     let took = start.elapsed();
     assert!(ready.is_empty(), "no reply came");
     assert!(

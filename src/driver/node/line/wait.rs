@@ -49,8 +49,9 @@ pub(crate) fn wait_ready<C: Link>(
     let mut waiting: Vec<&Share<C>> = Vec::with_capacity(parts.len());
     loop {
         let mark = a.mark();
-        if let Some(w) = &waker {
-            w.recount();
+        let count = waker.as_ref().and_then(|w| w.replies());
+        if let Some(c) = count {
+            c.recount();
         }
         let last = wait.is_zero() || a.clock_now() >= until;
         waiting.clear();
@@ -84,7 +85,7 @@ pub(crate) fn wait_ready<C: Link>(
             return;
         }
         // Replies counted since the look: look again.
-        if !waker.as_ref().is_some_and(|w| w.expect(more)) {
+        if !count.is_some_and(|c| c.expect(more)) {
             // Commands staged too long go out now; the wait ends when the
             // next would be due.
             let mut wake_at = until;

@@ -14,18 +14,10 @@ pub(crate) trait Wake: Send + Sync {
     fn is_current(&self) -> bool {
         false
     }
-    /// Counts a reply read for its round; whether that is one to wake it
-    /// for (see [`Wake::expect`]).
-    fn counts_reply(&self) -> bool {
-        true
-    }
-    /// From now, replies are counted from none, and none wakes the round
-    /// until it says how many it needs.
-    fn recount(&self) {}
-    /// The round sleeps until `n` replies were counted (or it is woken
-    /// otherwise); whether they were already.
-    fn expect(&self, _n: usize) -> bool {
-        false
+    /// The count of the replies read for its round, which wakes it only
+    /// at the number it needs; none: every reply wakes it.
+    fn replies(&self) -> Option<&ReplyCount> {
+        None
     }
 }
 
@@ -36,8 +28,7 @@ impl Wake for crate::clock::Signal {
 }
 
 /// Replies read for a round since it last looked, and how many it needs
-/// before it is woken: the count behind [`Wake::counts_reply`],
-/// [`Wake::recount`] and [`Wake::expect`]. Either a reply counted sees the
+/// before it is woken (see [`Wake::replies`]). Either a reply counted sees the
 /// round's new need, or the round sees the reply counted (both sequentially
 /// consistent), so no wake is lost.
 #[derive(Default)]
