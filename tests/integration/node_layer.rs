@@ -202,6 +202,75 @@ fn a_node_hung_from_client_start_fails_no_attempt_under_32_threads() {
     );
 }
 
+/// 32 threads on one client while a node is write-paused (`CLIENT PAUSE … WRITE`: it reads
+/// and never answers a write): its shared connection keeps a batch in flight that never
+/// ends, rounds' commands to it wait behind the batch and then go out on their own, no
+/// attempt fails or waits the node timeout, and once the pause ends the releases it owed
+/// reach it: no key is left.
+#[test]
+fn a_write_paused_node_costs_no_attempt_under_32_threads_and_leaves_no_key() {
+    let c = Cluster::start(3);
+    let timeout = Duration::from_secs(2);
+    let locks = crate::client_with(c.urls(), timeout);
+    drop(locks.lock(&unique_key("warm"), SLACK * 4).expect("warm-up"));
+    let prefix = unique_key("write-paused-32");
+    let paused = WritePause::start(&c, 1, Duration::from_secs(20));
+    let (keys, bad): (Vec<String>, Vec<String>) = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..32)
+            .map(|t| {
+                let (locks, prefix) = (locks.clone(), &prefix);
+                s.spawn(move || {
+                    let (mut keys, mut bad) = (Vec::new(), Vec::new());
+                    for n in 0..10 {
+                        let key = format!("{prefix}:{t}:{n}");
+                        let start = Instant::now();
+                        match locks.try_lock(&key, Duration::from_secs(30)) {
+                            Ok(g) => {
+                                let took = start.elapsed();
+                                if took >= timeout {
+                                    bad.push(format!("{key}: locked in {took:?}"));
+                                }
+                                if let Err(e) = g.release() {
+                                    bad.push(format!("{key}: release: {e}"));
+                                }
+                            }
+                            Err(e) => bad.push(format!("{key}: {e}")),
+                        }
+                        keys.push(key);
+                    }
+                    (keys, bad)
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| w.join().expect("worker panicked"))
+            .fold((Vec::new(), Vec::new()), |(mut k, mut b), (k2, b2)| {
+                k.extend(k2);
+                b.extend(b2);
+                (k, b)
+            })
+    });
+    drop(paused);
+    assert!(
+        bad.is_empty(),
+        "{} of 320 attempts failed or waited (node timeout {timeout:?}): {:?}",
+        bad.len(),
+        &bad[..bad.len().min(5)]
+    );
+    let left: Vec<&String> = keys
+        .iter()
+        .filter(|k| !c.gone_everywhere(k, Duration::from_secs(5)))
+        .collect();
+    assert!(
+        left.is_empty(),
+        "{} of {} keys left after the pause ended: {:?}",
+        left.len(),
+        keys.len(),
+        &left[..left.len().min(5)]
+    );
+}
+
 // ---------------------------------------------------------------------------------------
 // The unlock after a timed-out attempt
 
