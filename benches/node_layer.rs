@@ -46,7 +46,13 @@ mod common;
 use common::faults::{pause_writes, unpause_writes, Blackhole, DelayProxy};
 use common::Cluster;
 
-const NODES: usize = 5;
+/// How many local nodes: 5, or `QUORUMLOCK_BENCH_NODES` (at least 3).
+static NODES: std::sync::LazyLock<usize> = std::sync::LazyLock::new(|| {
+    std::env::var("QUORUMLOCK_BENCH_NODES")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .map_or(5, |n: usize| n.max(3))
+});
 const TTL: Duration = Duration::from_secs(10);
 /// Timed cycles per single-thread scenario and variant.
 static CYCLES: std::sync::LazyLock<usize> =
@@ -885,9 +891,9 @@ fn main() {
     let wanted =
         |name: &str| filters.is_empty() || filters.iter().any(|f| name.contains(f.as_str()));
 
-    let c = Cluster::start(NODES);
+    let c = Cluster::start(*NODES);
     let urls = c.urls();
-    eprintln!("{NODES} nodes on the {:?} backend", c.backend());
+    eprintln!("{} nodes on the {:?} backend", *NODES, c.backend());
     let mut t = Table {
         rows: Vec::new(),
         notes: Vec::new(),
@@ -969,7 +975,7 @@ fn main() {
     if wanted("hung") {
         log::info!(target: "quorumlock::bench", "scenario 2 hung");
         let hole = Blackhole::start();
-        let mut list = urls[..NODES - 1].to_vec();
+        let mut list = urls[..*NODES - 1].to_vec();
         list.push(hole.url());
         let locks = client(&list);
         let mut first = Run::default();
@@ -1002,14 +1008,14 @@ fn main() {
         let locks = client(&urls);
         let mut warm = Run::default();
         series(&mut warm, *WARM, "wp:warm", |k| ql_cycle(&locks, k));
-        pause_writes(&c, NODES - 1, PAUSE);
+        pause_writes(&c, *NODES - 1, PAUSE);
         let mut first = Run::default();
         series(&mut first, FIRST, "wp:first", |k| ql_cycle(&locks, k));
-        let conns0 = (conns_received(&c, NODES - 1), conns_received(&c, 0));
+        let conns0 = (conns_received(&c, *NODES - 1), conns_received(&c, 0));
         let mut run = Run::default();
         series(&mut run, *CYCLES, "wp", |k| ql_cycle(&locks, k));
-        let conns1 = (conns_received(&c, NODES - 1), conns_received(&c, 0));
-        unpause_writes(&c, NODES - 1);
+        let conns1 = (conns_received(&c, *NODES - 1), conns_received(&c, 0));
+        unpause_writes(&c, *NODES - 1);
         t.single("3 one write-paused", &run, healthy, "p50<=1.5x, p99<=5ms");
         sick_verdict(&mut t, "3 one write-paused", &run, healthy);
         first_note(&mut t, "3 one write-paused", &first, "after the pause");
@@ -1036,18 +1042,18 @@ fn main() {
     // 4. One node slow: its replies 45 ms late.
     if wanted("slow") {
         log::info!(target: "quorumlock::bench", "scenario 4 slow");
-        let proxy = DelayProxy::start(&urls[NODES - 1], SLOW_DELAY);
-        let mut list = urls[..NODES - 1].to_vec();
+        let proxy = DelayProxy::start(&urls[*NODES - 1], SLOW_DELAY);
+        let mut list = urls[..*NODES - 1].to_vec();
         list.push(proxy.url());
         let locks = client(&list);
         let mut first = Run::default();
         series(&mut first, FIRST, "slow:first", |k| ql_cycle(&locks, k));
         let mut warm = Run::default();
         series(&mut warm, *WARM, "slow:warm", |k| ql_cycle(&locks, k));
-        let conns0 = (conns_received(&c, NODES - 1), conns_received(&c, 0));
+        let conns0 = (conns_received(&c, *NODES - 1), conns_received(&c, 0));
         let mut run = Run::default();
         series(&mut run, *CYCLES, "slow", |k| ql_cycle(&locks, k));
-        let conns1 = (conns_received(&c, NODES - 1), conns_received(&c, 0));
+        let conns1 = (conns_received(&c, *NODES - 1), conns_received(&c, 0));
         t.single("4 one slow (+45 ms)", &run, healthy, "p50<=1.5x, p99<=5ms");
         sick_verdict(&mut t, "4 one slow (+45 ms)", &run, healthy);
         first_note(&mut t, "4 one slow (+45 ms)", &first, "from client start");
@@ -1131,7 +1137,8 @@ fn main() {
 
     let (cycles, warm) = (*CYCLES, *WARM);
     println!(
-        "\nnode layer, {NODES} local nodes ({:?} backend), node timeout {NODE_TIMEOUT:?}, TTL {TTL:?}; single-thread rows: {cycles} lock+unlock cycles after {warm} warm-up; times in us",
+        "\nnode layer, {} local nodes ({:?} backend), node timeout {NODE_TIMEOUT:?}, TTL {TTL:?}; single-thread rows: {cycles} lock+unlock cycles after {warm} warm-up; times in us",
+        *NODES,
         c.backend()
     );
     let h = HEADS;

@@ -5,7 +5,7 @@
 //! and [`hold_back`] turns the votes it holds back into failures that say
 //! why.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::algorithm::round::{After, Answer, NodeFacts, NodeResult};
 use crate::error::{NodeError, NodeErrorKind};
@@ -96,6 +96,54 @@ impl TtlHistory {
         } else {
             TtlHistory { max, after, prev }
         }
+    }
+}
+
+/// A node's lock history as an acquire's script last read it, for the
+/// lean acquire (see [`Op::Acquire`](crate::algorithm::round::Op::Acquire)):
+/// its facts (the history's key as the reading connection named it), and
+/// when: the command was queued at `from`, its reply read by `at`. `gen`:
+/// its place among the client's reads of every node (one counter for
+/// all), so that a lean round checks its replies against the reads its
+/// decision saw, not against one made since.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Read {
+    pub facts: NodeFacts,
+    pub from: Instant,
+    pub at: Instant,
+    pub gen: u64,
+}
+
+impl Read {
+    /// The facts as they stand for a command sent at `sent`: the history
+    /// older by the time since the read, less 1 % (the clocks' rates may
+    /// differ), as a connection's uptime bound grows.
+    pub(crate) fn aged(&self, sent: Instant) -> NodeFacts {
+        let since = sent.saturating_duration_since(self.at);
+        NodeFacts {
+            age: self
+                .facts
+                .age
+                .saturating_add(since.saturating_sub(since / 100)),
+            ..self.facts
+        }
+    }
+
+    /// What a lean acquire's reply says of this node (`now`: the history
+    /// it read after its SET, keyed by its connection; `sent`: when it was
+    /// queued; `gen`: the generation of the reads its round was decided
+    /// on): the facts last read, aged, where that read is one the decision
+    /// saw and the history is the same one; `None` where it is not (the
+    /// node lost its data since, or restarted, or was read again since the
+    /// decision: its vote is held back).
+    pub(crate) fn confirm(
+        read: Option<&Read>,
+        now: &NodeFacts,
+        sent: Instant,
+        gen: u64,
+    ) -> Option<NodeFacts> {
+        read.filter(|r| r.gen <= gen && r.facts.history == now.history && now.epoch != 0)
+            .map(|r| r.aged(sent))
     }
 }
 
@@ -398,6 +446,47 @@ mod tests {
             ..young
         };
         let _ = rule.hold(&huge, [huge].iter(), false);
+    }
+
+    /// A lean reply stands for the read its round's decision saw, aged by
+    /// the time since less 1 %, only where the history it read after its
+    /// SET is that read's: not for another history (a flush, a restart),
+    /// none (0), or a read made after the decision (another round's
+    /// script read a new history meanwhile: the decision never judged it).
+    #[test]
+    fn a_lean_reply_stands_only_for_the_read_its_decision_saw() {
+        let at = Instant::now();
+        let read = Read {
+            facts: facts(7, 5_000, 10_000, &[], 0),
+            from: at,
+            at,
+            gen: 5,
+        };
+        let seen = |history: u64, epoch: u64| NodeFacts {
+            epoch,
+            ..facts(history, 0, 0, &[], 0)
+        };
+        let sent = at + Duration::from_secs(100);
+        let ok = Read::confirm(Some(&read), &seen(7, 1), sent, 5).expect("same history");
+        assert_eq!(ok.age, Duration::from_secs(104), "5 s + 99 % of 100 s");
+        assert_eq!(ok.max_ttl, read.facts.max_ttl);
+        assert!(Read::confirm(Some(&read), &seen(7, 1), sent, 9).is_some());
+        assert_eq!(
+            Read::confirm(Some(&read), &seen(7, 1), sent, 4),
+            None,
+            "read since"
+        );
+        assert_eq!(
+            Read::confirm(Some(&read), &seen(8, 1), sent, 5),
+            None,
+            "another"
+        );
+        assert_eq!(
+            Read::confirm(Some(&read), &seen(7, 0), sent, 5),
+            None,
+            "none"
+        );
+        assert_eq!(Read::confirm(None, &seen(7, 1), sent, 5), None);
     }
 
     /// The script's form of a set of histories: parsed back as written,

@@ -139,6 +139,17 @@ pub(crate) enum Op {
         /// no new reader enters it for this long (zero: none; see
         /// [`is_reader`]).
         intent: Duration,
+        /// The lean form: plain `SET key token NX PX ttl`, `PTTL key` and
+        /// `HMGET` of the lock history's epoch and id, read after the SET,
+        /// in one write; no script. Only for one writer's key, unfenced,
+        /// with no intent and no TTL to record, where every node's history
+        /// was read before and counts (see `Engine::lean`): the node
+        /// layer answers with the facts last read on that node where the
+        /// history read after the SET is the same one, and holds the vote
+        /// back where it is not (a flush, an eviction, a restart). The
+        /// value is the generation of the reads the decision saw: a reply
+        /// is checked only against those (see `Read::gen`).
+        lean: Option<u64>,
     },
     /// Delete the key if it holds our token. A node that does not answer is
     /// asked again in the background until `keep_until` (when every key of

@@ -461,19 +461,27 @@ impl Conn {
     /// Takes the next complete reply off the buffer, with the command it
     /// answers. A malformed or unexpected reply marks the connection broken.
     pub(crate) fn next_reply(&mut self) -> io::Result<Option<(Pending, Value)>> {
-        let len = match frame_len(&self.rbuf) {
-            Ok(Some(len)) => len,
-            Ok(None) => return Ok(None),
-            Err(()) => return Err(self.wire.protocol_error("malformed reply")),
-        };
-        // The frame answers the oldest command owed, whether or not it
-        // parses: a garbled reply still says that command ran.
-        let p = self.wire.answered()?;
-        let value = crate::driver::resp::parse(&self.rbuf[..len]);
-        self.rbuf.drain(..len);
-        match value {
-            Ok(v) => Ok(Some((p, v))),
-            Err(e) => Err(self.wire.protocol_error(&e.to_string())),
+        loop {
+            let len = match frame_len(&self.rbuf) {
+                Ok(Some(len)) => len,
+                Ok(None) => return Ok(None),
+                Err(()) => return Err(self.wire.protocol_error("malformed reply")),
+            };
+            let value = crate::driver::resp::parse(&self.rbuf[..len]);
+            self.rbuf.drain(..len);
+            match value {
+                Ok(v) => {
+                    if let Some(r) = self.wire.gather(v)? {
+                        return Ok(Some(r));
+                    }
+                }
+                Err(e) => {
+                    // The frame answers the command owed, whether or not it
+                    // parses: a garbled reply still says that command ran.
+                    let _ = self.wire.answered();
+                    return Err(self.wire.protocol_error(&e.to_string()));
+                }
+            }
         }
     }
 

@@ -89,6 +89,21 @@ pub(crate) struct Pending {
     /// connection's own, and what it owes is in this entry; another: a
     /// round's, whose own wire holds the entry).
     pub owner: u64,
+    /// How many frames the reply is: 1, or several for a command of
+    /// several (the lean acquire, see
+    /// [`Op::Acquire`](crate::algorithm::round::Op::Acquire)), whose reply
+    /// is handed out as one array once all are read.
+    pub frames: usize,
+}
+
+/// A command's entry as it is carried onto a shared connection: when it
+/// was queued, how many keys it names ([`Pending::keys`]) and how many
+/// frames its reply is ([`Pending::frames`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Owed {
+    pub sent: Instant,
+    pub keys: usize,
+    pub frames: usize,
 }
 
 impl Pending {
@@ -103,6 +118,7 @@ impl Pending {
             resend: None,
             retried: Vec::new(),
             owner: 0,
+            frames: 1,
         }
     }
 }
@@ -143,6 +159,9 @@ pub(crate) struct Wire {
     /// Bumped by each reply that changes what the connection knows of its
     /// server ([`Facts`]).
     pub facts_seq: u64,
+    /// The frames read so far of a reply of several (see
+    /// [`Pending::frames`]).
+    partial: Vec<Value>,
 }
 
 /// What a connection knows of its server, as the replies read on it so
@@ -201,6 +220,7 @@ impl Wire {
             pushed: 0,
             carried: 0,
             facts_seq: 0,
+            partial: Vec::new(),
         }
     }
 
@@ -241,17 +261,17 @@ impl Wire {
     /// connection to carry: the bytes (appended to `bytes`) and, per
     /// command, when it was queued and how many keys it names (given to
     /// `sent`, oldest first). Returns how many commands.
-    pub(crate) fn take_uncarried(
-        &mut self,
-        bytes: &mut Vec<u8>,
-        sent: impl FnMut((Instant, usize)),
-    ) -> usize {
+    pub(crate) fn take_uncarried(&mut self, bytes: &mut Vec<u8>, sent: impl FnMut(Owed)) -> usize {
         let n = usize::try_from(self.pushed.saturating_sub(self.carried)).unwrap_or(usize::MAX);
         let skip = self.pending.len().saturating_sub(n);
         self.pending
             .iter()
             .skip(skip)
-            .map(|p| (p.sent, p.keys))
+            .map(|p| Owed {
+                sent: p.sent,
+                keys: p.keys,
+                frames: p.frames,
+            })
             .for_each(sent);
         bytes.extend_from_slice(&self.out);
         self.out.clear();
@@ -262,16 +282,13 @@ impl Wire {
     /// Carries rounds' commands onto this shared connection's wire: their
     /// bytes, and one entry per command (its owner, when it was queued,
     /// and how many keys it names) that says whose reply it is.
-    pub(crate) fn carry(
-        &mut self,
-        bytes: &[u8],
-        cmds: impl Iterator<Item = (u64, Instant, usize)>,
-    ) {
+    pub(crate) fn carry(&mut self, bytes: &[u8], cmds: impl Iterator<Item = (u64, Owed)>) {
         self.out.extend_from_slice(bytes);
-        for (owner, sent, keys) in cmds {
-            let mut p = Pending::new(sent, false, Setup::None);
+        for (owner, o) in cmds {
+            let mut p = Pending::new(o.sent, false, Setup::None);
             p.owner = owner;
-            p.keys = keys;
+            p.keys = o.keys;
+            p.frames = o.frames;
             self.pending.push_back(p);
         }
     }
@@ -314,6 +331,30 @@ impl Wire {
     #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn answer(&mut self, v: Value) -> io::Result<(Pending, Value)> {
         Ok((self.answered()?, v))
+    }
+
+    /// A frame read off the connection (parsed): the reply to the oldest
+    /// command owed once all its frames are in (see [`Pending::frames`]),
+    /// as one array where it has several.
+    pub(crate) fn gather(&mut self, v: Value) -> io::Result<Option<(Pending, Value)>> {
+        let frames = self.pending.front().map_or(1, |p| p.frames);
+        if frames <= 1 {
+            return self.answer(v).map(Some);
+        }
+        self.partial.push(v);
+        if self.partial.len() < frames {
+            return Ok(None);
+        }
+        let items = std::mem::take(&mut self.partial);
+        Ok(Some((self.answered()?, Value::Array(items))))
+    }
+
+    /// The last command queued answers in `frames` frames (see
+    /// [`Pending::frames`]).
+    pub(crate) fn last_frames(&mut self, frames: usize) {
+        if let Some(p) = self.pending.back_mut() {
+            p.frames = frames.max(1);
+        }
     }
 
     /// A reply to the oldest command owed has arrived (whether or not it
@@ -465,5 +506,31 @@ impl Wire {
                 p.retried = retried.to_vec();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A reply of several frames (the lean acquire's) is handed out once
+    /// all its frames are read, as one array, between single ones.
+    #[test]
+    fn a_reply_of_several_frames_is_handed_out_whole() {
+        let now = Instant::now();
+        let mut w = Wire::new(now);
+        w.queue(b"PING", now, true);
+        w.queue(b"SET PTTL HGET", now, true);
+        w.last_frames(3);
+        w.queue(b"DEL", now, true);
+        let mut one = |v: Value| w.gather(v).expect("owed").map(|(p, v)| (p.frames, v));
+        let pong = Value::SimpleString("PONG".into());
+        assert_eq!(one(pong.clone()), Some((1, pong)));
+        assert_eq!(one(Value::Okay), None);
+        assert_eq!(one(Value::Int(5000)), None);
+        let whole = Value::Array(vec![Value::Okay, Value::Int(5000), Value::Nil]);
+        assert_eq!(one(Value::Nil), Some((3, whole)));
+        assert_eq!(one(Value::Int(1)), Some((1, Value::Int(1))));
+        assert!(w.gather(Value::Int(2)).is_err(), "a reply to no command");
     }
 }

@@ -117,6 +117,15 @@ pub(crate) trait Transport: Send + Sync + 'static {
         Vec::new()
     }
 
+    /// Each node's lock history as the last acquire script read it there,
+    /// in node order (see [`Read`](crate::algorithm::restart::Read)), for
+    /// the lean acquire, with the generation of the last read made before
+    /// them (every read at or below it is among them); empty: this
+    /// transport sends no lean acquire.
+    fn reads(&self) -> (u64, Vec<Option<crate::algorithm::restart::Read>>) {
+        (0, Vec::new())
+    }
+
     /// Waits until every node has a connection whose server and lock
     /// history are known (its connect commands answered), or is failing,
     /// at most until `deadline`; returns how many nodes have a

@@ -110,6 +110,7 @@ fn commands_sent_again_count_what_they_did_the_first_time() {
     let mut store = crate::testing::store::Store::default();
     let now = std::time::Instant::now();
     let acquire = Op::Acquire {
+        lean: None,
         intent: std::time::Duration::ZERO,
         ttl: TTL,
         known_max: TTL,

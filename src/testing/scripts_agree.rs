@@ -274,6 +274,7 @@ fn the_lua_scripts_and_the_rust_model_agree() {
                     fenced: token == "c3",
                     after,
                     known_prev: Duration::from_millis([1, 30, 400][rec.below(3) as usize]),
+                    lean: None,
                     intent: if rng.chance(0.5) {
                         Duration::ZERO
                     } else {

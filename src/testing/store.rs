@@ -360,6 +360,43 @@ impl Store {
         (answer, fence)
     }
 
+    /// A plain `SET key token NX PX ttl` (the lean acquire's): whether it
+    /// set the key. A key of any owner or type under the name stays as it
+    /// is (an application's too, unless that rule is broken on purpose).
+    pub(crate) fn set_nx(&mut self, k: &Key<'_>, ttl: Duration, now: Instant) -> bool {
+        self.prune(now);
+        if self.keys.contains_key(k.resource)
+            || self.readers.contains_key(k.resource)
+            || self.is_foreign(k.resource)
+        {
+            return false;
+        }
+        self.keys
+            .insert(k.resource.into(), (k.token.into(), after(now, ttl)));
+        true
+    }
+
+    /// `PTTL key` in ms: -2 where absent, -1 where it never expires (an
+    /// application's key); a reader set lives as long as its last entry
+    /// or the intent on it.
+    pub(crate) fn pttl(&mut self, resource: &str, now: Instant) -> i64 {
+        self.prune(now);
+        let left = |exp: Instant| {
+            i64::try_from(exp.saturating_duration_since(now).as_millis()).unwrap_or(i64::MAX)
+        };
+        if let Some((_, exp)) = self.keys.get(resource) {
+            return left(*exp);
+        }
+        if let Some(r) = self.readers.get(resource) {
+            let last = r.entries.values().copied().chain(r.intent).max();
+            return last.map_or(-2, left);
+        }
+        if self.is_foreign(resource) {
+            return -1;
+        }
+        -2
+    }
+
     /// Drops the keys and reader entries that ended by `now`.
     pub(crate) fn prune(&mut self, now: Instant) {
         self.keys.retain(|_, (_, exp)| *exp > now);

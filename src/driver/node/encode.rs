@@ -26,10 +26,22 @@ pub(crate) struct Encoded {
     pub(crate) packed: Vec<u8>,
     /// The script's source, for a node that answers NOSCRIPT.
     pub(crate) code: &'static str,
+    /// How many frames a node's reply is (see
+    /// [`Pending::frames`](crate::driver::wire::Pending::frames)).
+    pub(crate) frames: usize,
 }
 
 impl Encoded {
     pub(crate) fn new(op: Op, keys: &[Key<'_>]) -> Self {
+        if let (
+            Op::Acquire {
+                lean: Some(_), ttl, ..
+            },
+            [k],
+        ) = (op, keys)
+        {
+            return Encoded::lean(op, k, ttl);
+        }
         let (script, code, args): (&redis::Script, &str, Vec<u64>) = match op {
             Op::Acquire {
                 ttl,
@@ -145,7 +157,90 @@ impl Encoded {
             written,
             packed: pack("EVALSHA", script.get_hash()),
             code,
+            frames: 1,
         }
+    }
+
+    /// The lean acquire of one writer's key (see [`Op::Acquire`]): `SET NX
+    /// PX`, then `PTTL` of the key (how long another owner holds it) and
+    /// the lock history's epoch, read after the SET; three plain commands
+    /// in one write, answered in three frames.
+    fn lean(op: Op, k: &Key<'_>, ttl: Duration) -> Self {
+        let mut packed = redis::cmd("SET")
+            .arg(k.resource)
+            .arg(k.token)
+            .arg("NX")
+            .arg("PX")
+            .arg(millis_ceil(ttl))
+            .get_packed_command();
+        packed.extend(redis::cmd("PTTL").arg(k.resource).get_packed_command());
+        packed.extend(
+            redis::cmd("HGET")
+                .arg(scripts::META_KEY)
+                .arg("epoch")
+                .get_packed_command(),
+        );
+        Encoded {
+            op,
+            n: 1,
+            tokens: Vec::new(),
+            written: vec![k.token.to_owned()],
+            packed,
+            code: "",
+            frames: 3,
+        }
+    }
+
+    /// A lean acquire's reply (see [`Encoded::lean`]): the SET's answer,
+    /// the owner's time left where it did not set, and the facts with the
+    /// epoch alone (0: no history), which the node layer checks against
+    /// the facts it last read there.
+    fn decode_lean(items: &[Value]) -> Result<Reply, (NodeErrorKind, String)> {
+        let [set, pttl, epoch] = items else {
+            return Err(unexpected(Value::Array(items.to_vec())));
+        };
+        for v in [set, epoch] {
+            if let Value::ServerError(_) = v {
+                return Err(unexpected(v.clone()));
+            }
+        }
+        let (answer, held) = match (set, pttl) {
+            (Value::Okay, _) => (Answer::Ok, None),
+            // Refused (an ACL without it): no end known, as the script's.
+            (Value::Nil, Value::ServerError(_)) => (Answer::Other, Some(Duration::MAX)),
+            (Value::Nil, Value::Int(ms)) => (
+                Answer::Other,
+                Some(match *ms {
+                    // No expiry.
+                    -1 => Duration::MAX,
+                    ms => Duration::from_millis(u64::try_from(ms).unwrap_or(0)),
+                }),
+            ),
+            _ => return Err(unexpected(Value::Array(items.to_vec()))),
+        };
+        let epoch = match epoch {
+            Value::Nil => 0,
+            Value::BulkString(b) => std::str::from_utf8(b)
+                .ok()
+                .and_then(|t| t.parse().ok())
+                .unwrap_or(0),
+            v => return Err(unexpected(v.clone())),
+        };
+        Ok(Reply {
+            answers: vec![answer],
+            facts: Some(NodeFacts {
+                epoch,
+                age: Duration::ZERO,
+                max_ttl: Duration::ZERO,
+                history: 0,
+                after: After::NONE,
+                prev_max: Duration::ZERO,
+            }),
+            fence: None,
+            server: None,
+            woke: 0,
+            held,
+        })
     }
 
     /// For a command that may write a key of ours (an acquire, a swap, a
@@ -183,6 +278,9 @@ impl Encoded {
             Value::Array(items) => items,
             v => return Err(unexpected(v)),
         };
+        if self.frames > 1 {
+            return Encoded::decode_lean(&items);
+        }
         let int = |v: &Value| match v {
             Value::Int(x) => Some(*x),
             _ => None,
@@ -276,6 +374,11 @@ pub(crate) fn acquired_any(v: &Value) -> bool {
     let Value::Array(items) = v else {
         return false;
     };
+    // A lean acquire's: its SET's `OK` or nil first (a script's replies
+    // begin with a number).
+    if let Some(first @ (Value::Okay | Value::Nil)) = items.first() {
+        return *first == Value::Okay;
+    }
     let head = if items.len() > FACTS { FACTS } else { 0 };
     items[head..]
         .iter()
@@ -320,6 +423,7 @@ mod tests {
         let keys = [Key::new("a", "t1"), Key::new("b", "t2")];
         let ops = [
             Op::Acquire {
+                lean: None,
                 intent: std::time::Duration::ZERO,
                 ttl: Duration::from_millis(1500),
                 known_max: Duration::from_secs(3),
@@ -381,6 +485,62 @@ mod tests {
         assert!(acquired_any(&swap(1)), "swapped");
         assert!(!acquired_any(&swap(0)), "absent");
         assert!(!acquired_any(&swap(-1)), "another owner");
+        // A lean acquire's three frames: its SET decides, not the PTTL.
+        let lean = |set: Value| Value::Array(vec![set, Value::Int(5000), Value::Nil]);
+        assert!(acquired_any(&lean(Value::Okay)));
+        assert!(!acquired_any(&lean(Value::Nil)), "held by another owner");
+    }
+
+    /// The lean acquire is three plain commands naming only its key and the
+    /// history's; its reply says set or held (with the owner's time left,
+    /// none known where PTTL is refused or the key never expires) and the
+    /// epoch read after the SET (0: none); a refused SET or HGET is the
+    /// node's error.
+    #[test]
+    fn a_lean_acquire_sends_three_commands_and_reads_their_replies() {
+        let op = Op::Acquire {
+            lean: Some(7),
+            intent: Duration::ZERO,
+            ttl: Duration::from_millis(1500),
+            known_max: Duration::from_secs(3),
+            fenced: false,
+            after: After::NONE,
+            known_prev: Duration::ZERO,
+        };
+        let e = Encoded::new(op, &[Key::new("lock:a", "t1")]);
+        let text = String::from_utf8_lossy(&e.packed).into_owned();
+        let want = [
+            "*6\r\n$3\r\nSET\r\n$6\r\nlock:a\r\n$2\r\nt1\r\n$2\r\nNX\r\n$2\r\nPX\r\n$4\r\n1500\r\n",
+            "*2\r\n$4\r\nPTTL\r\n$6\r\nlock:a\r\n",
+            "*3\r\n$4\r\nHGET\r\n$15\r\nquorumlock:meta\r\n$5\r\nepoch\r\n",
+        ]
+        .concat();
+        assert_eq!(text, want);
+        assert_eq!(
+            (e.frames, e.written.as_slice()),
+            (3, ["t1".to_owned()].as_slice())
+        );
+        let epoch = |t: &str| Value::BulkString(t.as_bytes().to_vec());
+        let read = |set: Value, pttl: Value, ep: Value| e.decode(Value::Array(vec![set, pttl, ep]));
+        let r = read(Value::Okay, Value::Int(1500), epoch("1796000000000")).expect("set");
+        assert_eq!(
+            (r.answers.as_slice(), r.held),
+            ([Answer::Ok].as_slice(), None)
+        );
+        assert_eq!(r.facts.map(|f| f.epoch), Some(1_796_000_000_000));
+        let r = read(Value::Nil, Value::Int(900), Value::Nil).expect("held");
+        assert_eq!(r.answers, [Answer::Other]);
+        assert_eq!(r.held, Some(Duration::from_millis(900)));
+        assert_eq!(r.facts.map(|f| f.epoch), Some(0), "no history");
+        let never = read(Value::Nil, Value::Int(-1), epoch("5")).expect("held");
+        assert_eq!(never.held, Some(Duration::MAX));
+        let refused =
+            crate::testing::sim::redis::error("NOPERM no permissions to run the 'pttl' command");
+        let r = read(Value::Nil, refused.clone(), epoch("5")).expect("held");
+        assert_eq!(r.held, Some(Duration::MAX), "no end known");
+        assert!(read(Value::Okay, Value::Int(1), refused.clone()).is_err());
+        assert!(read(refused, Value::Int(1), epoch("5")).is_err());
+        assert!(e.decode(Value::Array(vec![Value::Okay])).is_err());
     }
 
     /// An acquire that found the key held reports the owner's remaining
@@ -391,6 +551,7 @@ mod tests {
         let keys = [Key::new("a", "t1"), Key::new("b", "t2")];
         for fenced in [false, true] {
             let op = Op::Acquire {
+                lean: None,
                 intent: std::time::Duration::ZERO,
                 ttl: Duration::from_secs(1),
                 known_max: Duration::ZERO,

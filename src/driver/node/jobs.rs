@@ -193,6 +193,7 @@ pub(crate) fn late_write(
                 fenced: false,
                 after: After::NONE,
                 known_prev: std::time::Duration::ZERO,
+                lean: None,
                 intent: Duration::ZERO,
             };
             let undo = Encoded::new(

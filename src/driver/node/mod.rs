@@ -297,6 +297,12 @@ impl Transport for RedisTransport {
         self.await_setups(deadline, usize::MAX)
     }
 
+    fn reads(&self) -> (u64, Vec<Option<crate::algorithm::restart::Read>>) {
+        let gen = self.servers.reads_made();
+        let reads = self.nodes.iter().map(|n| *n.inner.shared.read.lock());
+        (gen, reads.collect())
+    }
+
     fn probe(&self, key: &str, timeout: Duration) -> Vec<crate::lock::transport::Probe> {
         // A fresh connection per node, all at once, as for `inspect`.
         std::thread::scope(|scope| {

@@ -5,15 +5,17 @@
 //! owed, and the result of a node without one). No I/O: the connection
 //! reads the replies and sends what these queue on its [`Wire`].
 
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use log::debug;
+use log::{debug, info};
 use redis::Value;
 
 use crate::algorithm::health::{Admit, Outcome};
 use crate::algorithm::quorum::{self, VoteRules};
+use crate::algorithm::restart::Read;
 use crate::algorithm::round::{
-    allowance, Answer, Key, NodeResult, Op, ServerTag, KEYS_PER_TIMEOUT,
+    allowance, Answer, Key, NodeFacts, NodeResult, Op, ServerTag, KEYS_PER_TIMEOUT,
 };
 use crate::clock::after;
 use crate::driver::conn;
@@ -67,6 +69,15 @@ pub(crate) fn take_reply(
     }
     let server = wire.server;
     let mut r = enc.decode(v);
+    if let (Err((NodeErrorKind::Server, why)), Op::Acquire { lean: Some(_), .. }) = (&r, enc.op) {
+        if !shared.lean_refused.swap(true, Ordering::AcqRel) {
+            info!(
+                "node {}: the plain acquire was refused ({why}); this client's acquires send it the script",
+                ballot.names[i]
+            );
+        }
+        *shared.read.lock() = None;
+    }
     if let Ok(reply) = &mut r {
         // The history's key and the age's cap come from what this
         // connection knows of its server (see `scripts::ACQUIRE`).
@@ -79,6 +90,21 @@ pub(crate) fn take_reply(
         let history = server.history.or_else(|| shared.servers.history(i));
         reply.server = Some(ServerTag { history, ..server });
     }
+    if let (Ok(reply), Op::Acquire { lean, .. }) = (&mut r, enc.op) {
+        match reply
+            .facts
+            .map(|f| read_or_confirm(shared, lean, f, p.sent))
+        {
+            Some(None) => {
+                r = Err((
+                    NodeErrorKind::Restarted,
+                    "lock history changed since it was read (a flush, an eviction or a restart): its votes count once it is read again".to_owned(),
+                ));
+            }
+            Some(facts) => reply.facts = facts,
+            None => {}
+        }
+    }
     if let (Ok(reply), Op::Release { .. }) = (&mut r, enc.op) {
         // "Absent" behind our own undo of a late SET: deleted by us.
         let mut undone = shared.undone.lock();
@@ -88,6 +114,17 @@ pub(crate) fn take_reply(
                     *a = Answer::Ok;
                 }
             }
+        }
+    }
+    if let (true, Op::Acquire { lean: Some(_), .. }, Ok(reply)) = (lost, enc.op, &r) {
+        // The first SET, lost with its connection, may have landed: a
+        // plain SET cannot tell our key from another owner's (a script
+        // can), so a held key says nothing; undone with the round.
+        if reply.answers.contains(&Answer::Other) {
+            r = Err((
+                NodeErrorKind::Io,
+                "connection closed before the reply; sent again, the key was held: the first SET may have landed".to_owned(),
+            ));
         }
     }
     if let (true, Op::Release { .. }, Ok(reply)) = (lost, enc.op, &r) {
@@ -104,6 +141,54 @@ pub(crate) fn take_reply(
     let r = r.map_err(|(kind, detail)| NodeError::new(&ballot.names[i], kind, detail));
     quorum::insert_vote(results, ballot.names, i, r, ballot.rules);
     Ok(false)
+}
+
+/// An acquire's facts, `f`, sent at `sent`: a script's are the node's
+/// [`Read`] from now on; a lean reply's (`lean`: the generation of the
+/// reads its round was decided on) stand for the facts last read there
+/// where that read is one the decision saw and its history the same one,
+/// and `None` where not (where the history changed, the next acquire's
+/// script reads it again).
+fn read_or_confirm(
+    shared: &NodeShared,
+    lean: Option<u64>,
+    f: NodeFacts,
+    sent: Instant,
+) -> Option<NodeFacts> {
+    let mut read = shared.read.lock();
+    let Some(gen) = lean else {
+        if shared.lean_refused.load(Ordering::Acquire) {
+            return Some(f);
+        }
+        *read = Some(Read {
+            facts: f,
+            from: sent,
+            // Taken with the lock held, after the counter moves: a round
+            // decided on reads up to `gen` never meets this one as its own.
+            at: shared.clock.now(),
+            gen: shared.servers.next_read(),
+        });
+        return Some(f);
+    };
+    let known = Read::confirm(read.as_ref(), &f, sent, gen).or_else(|| {
+        read.filter(|_| lean_ignores_history(shared))
+            .map(|r| r.aged(sent))
+    });
+    if known.is_none() && read.is_some_and(|r| r.gen <= gen) {
+        *read = None;
+    }
+    known
+}
+
+/// The simulation's defect: a lean reply stands whatever history it read.
+#[cfg(test)]
+fn lean_ignores_history(shared: &NodeShared) -> bool {
+    shared.defects.lean_ignores_history
+}
+
+#[cfg(not(test))]
+fn lean_ignores_history(_: &NodeShared) -> bool {
+    false
 }
 
 /// One node's part in a round.

@@ -190,6 +190,7 @@ impl Link for TestLink {
 
 pub(super) fn acquire() -> Encoded {
     let op = Op::Acquire {
+        lean: None,
         intent: std::time::Duration::ZERO,
         ttl: Duration::from_secs(10),
         known_max: Duration::from_secs(10),

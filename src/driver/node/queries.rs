@@ -135,6 +135,7 @@ pub(crate) fn probe_one(
             fenced: false,
             after: After::NONE,
             known_prev: std::time::Duration::ZERO,
+            lean: None,
             intent: Duration::ZERO,
         },
         &[k],

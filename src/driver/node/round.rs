@@ -363,6 +363,7 @@ pub(crate) trait Round: Links + Sized {
         };
         let sent = self.now();
         c.wire_mut().queue_keys(&enc.packed, sent, true, enc.n);
+        c.wire_mut().last_frames(enc.frames);
         s.sent = Some(sent);
         if let Err(e) = c.flush() {
             self.failed(i, s, e, enc, results);

@@ -25,6 +25,9 @@ pub(crate) struct Servers {
     /// Per entry, the key of the lock history a connection last learnt at
     /// connect (0: none had begun; [`UNREAD`]: no connect answered yet).
     pub(crate) begun: Vec<AtomicU64>,
+    /// How many lock histories this client's acquire scripts have read, on
+    /// every node (see [`Read::gen`](crate::algorithm::restart::Read)).
+    reads: AtomicU64,
 }
 
 /// [`Servers::begun`]: no connection's setup has been answered yet.
@@ -56,7 +59,20 @@ impl Servers {
             known,
             any_twin: AtomicBool::new(false),
             allow_evicting,
+            reads: AtomicU64::new(0),
         }
+    }
+
+    /// A script read a node's lock history: its generation (see
+    /// [`Read::gen`](crate::algorithm::restart::Read)).
+    pub(crate) fn next_read(&self) -> u64 {
+        self.reads.fetch_add(1, Ordering::SeqCst) + 1
+    }
+
+    /// The generation of the last read made: loaded before the reads are,
+    /// so that each read at or below it was seen.
+    pub(crate) fn reads_made(&self) -> u64 {
+        self.reads.load(Ordering::SeqCst)
     }
 
     /// Node `i`'s `INFO` was read: `Ok` with what it says, or `Err` with

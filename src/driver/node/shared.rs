@@ -15,6 +15,7 @@ use parking_lot::Mutex;
 use r2d2::ManageConnection;
 
 use crate::algorithm::health::{Admit, NodeHealth, Outcome};
+use crate::algorithm::restart::Read;
 use crate::clock::{Clock, Throttle, WARN_EVERY};
 use crate::driver::conn::{self, Conn, ConnectError, Target};
 use crate::error::{NodeError, NodeErrorKind};
@@ -113,6 +114,12 @@ pub(crate) struct NodeShared {
     /// release's own delete, on another connection, may then find the key
     /// gone: deleted by us, and counted so.
     pub(crate) undone: Mutex<HashMap<String, Instant>>,
+    /// The node's lock history as the last acquire script read it (see
+    /// [`Read`]): what a lean acquire's reply is checked against.
+    pub(crate) read: Mutex<Option<Read>>,
+    /// The node refused a command of the lean acquire (an ACL without
+    /// `+hget`, say): this client's acquires send it the script.
+    pub(crate) lean_refused: AtomicBool,
     pub(crate) retry_scheduled: AtomicBool,
     /// Idle connections that were returned to the pool owing replies (a
     /// round that settled before this node answered): the retry job reads
@@ -160,6 +167,10 @@ pub(crate) struct Defects {
     /// the queue, and forgets what the node answered: the same batch goes
     /// out every time, the rest only once it expires.
     pub(crate) retry_same_batch: bool,
+    /// A lean acquire's reply stands for the facts last read on the node
+    /// whatever history it read after its SET: a node flushed while
+    /// connected votes at once.
+    pub(crate) lean_ignores_history: bool,
 }
 
 impl NodeShared {
@@ -182,6 +193,8 @@ impl NodeShared {
             answered: Mutex::new(Vec::new()),
             unsettled: Mutex::new(HashMap::new()),
             undone: Mutex::new(HashMap::new()),
+            read: Mutex::new(None),
+            lean_refused: AtomicBool::new(false),
             retry_scheduled: AtomicBool::new(false),
             owing: Arc::new(AtomicUsize::new(0)),
             draining: AtomicBool::new(false),

@@ -4,20 +4,28 @@
 //! retry pause, or the owner's expiry where sooner, at most
 //! [`FALLBACK_CAP`].
 
+use std::cell::Cell;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use log::{debug, trace};
 
-use crate::algorithm::quorum;
-use crate::clock::after;
+use crate::algorithm::quorum::{self, Tally};
+use crate::algorithm::restart::{self, RestartRule};
+use crate::algorithm::round::{Key, NodeFacts, NodeResult, Op};
+use crate::clock::{after, new_reader_token, new_token};
 use crate::error::Error;
 use crate::events::Begun;
 use crate::lock::queue::Turn;
-use crate::lock::state::LockState;
+use crate::lock::state::{LockState, Timing};
+use crate::lock::transport::AfterRound;
 use crate::Result;
 
-use super::{Budget, Engine, Want};
+use super::{history, Budget, Engine, Want};
+
+/// An acquire round's outcome: when it ended, the decision, and the results
+/// after the delayed-restart rule.
+type Decision = (Instant, Result<Duration>, Vec<NodeResult>);
 
 /// Quick retries in a row after an attempt that found the key not held
 /// everywhere (see `Engine::acquire`).
@@ -155,6 +163,8 @@ impl Engine {
         let mut owners: Option<(Instant, Duration, Vec<quorum::Seen>)> = None;
         let mut same = 0u32;
         let mut quick = 0;
+        // Tries so far, counted or not.
+        let mut tries = 0u32;
         loop {
             if let Some(w) = &watch {
                 seen = w.seen();
@@ -175,7 +185,9 @@ impl Engine {
             } else {
                 span.min(until.saturating_duration_since(tried))
             };
-            let err = match self.attempt(want, drift, intent, begun, until, &mut failed) {
+            let first = tries == 0;
+            tries += 1;
+            let err = match self.attempt(want, drift, (intent, first), begun, until, &mut failed) {
                 Ok(state) => return Ok((Arc::new(state), turn.take())),
                 Err(e) if e.is_retryable() => e,
                 Err(e) => return Err(e),
@@ -331,5 +343,222 @@ impl Engine {
                 }
             }
         }
+    }
+
+    /// One acquisition round: SET NX PX on every node, then the decision.
+    /// On failure, releases wherever our SET may have landed, on the same
+    /// connections as the SET.
+    ///
+    /// `intent`: for a writer that will try again, how long live readers
+    /// keep new readers out (see [`Op::Acquire`]; zero for a reader), and
+    /// whether this is the call's first try (see [`Engine::lean`]).
+    /// `until`: the end of the call, which a first use's wait for the
+    /// nodes' histories does not pass.
+    fn attempt(
+        &self,
+        want: Want<'_>,
+        drift: Duration,
+        (intent, first_try): (Duration, bool),
+        begun: Begun,
+        until: Instant,
+        seen: &mut Failed,
+    ) -> Result<LockState> {
+        let Want {
+            resource,
+            also,
+            ttl,
+            read,
+        } = want;
+        let token = if read {
+            new_reader_token()
+        } else {
+            new_token()
+        };
+        // One key per resource, all with this token (a lock of several:
+        // one vote per node for them all; see `several`).
+        let one = [Key::new(resource, &token)];
+        let several: Vec<Key<'_>>;
+        let keys: &[Key<'_>] = if also.is_empty() {
+            &one
+        } else {
+            several = one
+                .into_iter()
+                .chain(also.iter().map(|r| Key::new(r, &token)))
+                .collect();
+            &several
+        };
+        let mut start = self.clock.now();
+        let known = *self.ttls.lock();
+        // A first use learns the nodes' histories first (waiting at most
+        // one node timeout, as a connect would, and not past the call's
+        // end); the round starts after.
+        let learn = after(start, self.settings.node_timeout).min(until);
+        let first = self.first_use(ttl, &known, Some(learn));
+        if ttl > known.max {
+            start = self.clock.now();
+        }
+        let told = history::told(ttl, &known, first);
+        let rule = RestartRule {
+            enabled: self.settings.restart_protection,
+            floor: ttl,
+            known,
+            complete: false,
+            loose: self.settings.loose_restart_rule,
+        };
+        // No point waiting for replies past the moment validity would be gone.
+        let budget = self.allowance(keys.len()).min(ttl.saturating_sub(drift));
+        let horizon = self.horizon();
+        let settled = |results: &[Option<NodeResult>]| {
+            let longest = rule.longest(restart::facts_of(results.iter().flatten()));
+            // Whether the round can still be one every node answered: a vote
+            // that would count then may count (`certain` waits for them all).
+            let rule = RestartRule {
+                complete: results
+                    .iter()
+                    .all(|r| r.as_ref().is_none_or(restart::answered)),
+                ..rule
+            };
+            let counts = |i: usize, facts: Option<&NodeFacts>| {
+                facts.is_none_or(|f| {
+                    let all = restart::facts_of(results.iter().flatten());
+                    rule.hold(f, all, self.trusted(i, f)).is_zero()
+                })
+            };
+            // A young vote counts only once every waited-for node answered:
+            // a straggler may report a longer TTL in use.
+            let all_in = results.iter().all(Option::is_some);
+            let certain = |i: usize, facts: Option<&NodeFacts>| {
+                counts(i, facts)
+                    && (all_in
+                        || !rule.enabled
+                        || facts
+                            .is_none_or(|f| f.age >= horizon.max(longest) || self.trusted(i, f)))
+            };
+            let need = quorum::to_settle_acquire(results, certain, counts);
+            // A TTL longer than every client promised (`max_ttl`) in use:
+            // a reply may then disqualify votes counted as certain, several
+            // at once; the round looks at every reply.
+            if longest > horizon {
+                need.min(1)
+            } else {
+                need
+            }
+        };
+        // The decision, made once the replies are in (and before any undo).
+        let decision: Cell<Option<Decision>> = Cell::new(None);
+        let decide = |results: &[NodeResult]| {
+            let end = self.clock.now();
+            let judged = self.apply_restart_rule(results.to_vec(), &rule);
+            let elapsed = end.saturating_duration_since(start);
+            let tally = Tally::of(&judged, 0);
+            // Our SET may have landed on a node that answered OK or not at all.
+            let maybe_set = tally.ok > 0
+                || judged.iter().zip(results).any(|(j, r)| {
+                    j.is_err()
+                        && !matches!(r, Err(e) if e.kind() == crate::NodeErrorKind::NoConnection)
+                });
+            let outcome = quorum::decide_acquire(tally, ttl, elapsed, drift);
+            let next = match (&outcome, maybe_set) {
+                (Ok(_), _) => AfterRound::Complete,
+                (Err(_), true) => AfterRound::Undo,
+                (Err(_), false) => AfterRound::Done,
+            };
+            decision.set(Some((end, outcome, judged)));
+            next
+        };
+        let plain = !self.settings.fencing && !read && also.is_empty();
+        let lean = (plain && (intent.is_zero() || first_try))
+            .then(|| self.lean(ttl, &rule))
+            .flatten();
+        let results = self.run_keys(
+            Op::Acquire {
+                ttl,
+                known_max: known.max,
+                // A reader orders nothing: storage is guarded by its writers.
+                fenced: self.settings.fencing && !read,
+                after: told.0,
+                known_prev: told.1,
+                // (A lean acquire marks none.)
+                intent: lean.map_or(intent, |_| Duration::ZERO),
+                lean,
+            },
+            keys,
+            &[keys.len()],
+            after(start, budget),
+            Some(&settled),
+            Some(&decide),
+        );
+        let (end, outcome, judged) = match decision.take() {
+            Some(d) => d,
+            None => {
+                // A transport that did not call `undo`: decide now.
+                let _ = decide(&results);
+                decision
+                    .take()
+                    .unwrap_or_else(|| (self.clock.now(), Err(Error::Expired), Vec::new()))
+            }
+        };
+        self.record_histories(&results, Some((ttl, first)));
+        self.note_failures(&judged);
+        let elapsed = end.saturating_duration_since(start);
+        // Where our key is now (held-back votes included: the key is set).
+        let holding = quorum::holding(&results, 0);
+        let result = (|| match outcome {
+            Ok(validity) => {
+                debug!("lock {resource:?}: acquired in {elapsed:?}, valid for {validity:?}");
+                trace!("lock {resource:?}: token {token}");
+                let timing = Timing {
+                    since: start,
+                    deadline: after(end, validity),
+                    ttl,
+                };
+                let lock = |fence| {
+                    let state = LockState::new(resource, token, fence, timing);
+                    state.set_holding(holding);
+                    state.with_also(also.to_vec())
+                };
+                if !self.settings.fencing || read {
+                    return Ok(lock(None));
+                }
+                // The token: the largest counter among the granting nodes.
+                let fence = judged
+                    .iter()
+                    .filter_map(|r| r.as_ref().ok()?.fence)
+                    .max()
+                    .unwrap_or(0);
+                let state = lock(Some(fence));
+                self.write_back(&state, fence)?;
+                Ok(state)
+            }
+            Err(e) => {
+                debug!("lock {resource:?}: not acquired in {elapsed:?}: {e}");
+                Err(e)
+            }
+        })();
+        if self.settings.events.get().is_some() {
+            let rule = rule.heard(&results);
+            let holds: Vec<Duration> = results
+                .iter()
+                .enumerate()
+                .map(|(i, r)| {
+                    r.as_ref()
+                        .ok()
+                        .and_then(|r| r.facts)
+                        .map_or(Duration::ZERO, |f| {
+                            let all = restart::facts_of(results.iter());
+                            rule.hold(&f, all, self.trusted(i, &f))
+                        })
+                })
+                .collect();
+            self.attempt_event(resource, start, result.as_ref(), &judged, &holds, begun);
+        }
+        if result.is_err() {
+            *seen = Failed {
+                ours: Tally::of(&judged, 0).ok,
+                free_in: quorum::free_in(&judged, 0),
+                owners: quorum::seen(&judged, 1 + also.len()),
+            };
+        }
+        result
     }
 }

@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use crate::algorithm::restart::{self, RestartRule, TtlHistory};
+use crate::algorithm::restart::{self, Read, RestartRule, TtlHistory};
 use crate::algorithm::round::{After, NodeFacts, NodeResult};
 
 use crate::MAX_TTL;
@@ -55,6 +55,54 @@ impl Engine {
                 None
             }
         })
+    }
+
+    /// Whether an acquire using `ttl` under `rule` may be lean (see
+    /// [`Op::Acquire`](crate::algorithm::round::Op::Acquire); the caller
+    /// checks that it is one writer's key, unfenced, with no intent or on
+    /// the call's first try, which then marks none: readers refuse it, and
+    /// the next try marks the intent): it
+    /// has nothing to record (not a first use, and every node's record
+    /// knows the longest TTL this client knows of), and every node's
+    /// history was read by a script, each of them begun before the
+    /// earliest of those reads, and counts under this rule as if every
+    /// node answered now (`Some`: the generation of those reads). The lean reply stands for that read where the
+    /// history it reads after its SET is the same one: nothing older than
+    /// the reads can be lost unseen (a node that loses its data loses the
+    /// history with it), and a TTL first used since came after every one
+    /// of those histories began, so it holds none of them back.
+    pub(super) fn lean(&self, ttl: Duration, rule: &RestartRule) -> Option<u64> {
+        let known = &rule.known;
+        if ttl > known.max {
+            return None;
+        }
+        let (gen, reads) = self.transport.reads();
+        if reads.len() != self.transport.node_names().len() {
+            return None;
+        }
+        let reads = reads.into_iter().collect::<Option<Vec<Read>>>()?;
+        let first = reads.iter().map(|r| r.from).min()?;
+        let begun_before = |r: &Read| {
+            let age = r.facts.age.saturating_sub(r.facts.age / 100);
+            r.at.saturating_duration_since(first) <= age
+        };
+        if !reads
+            .iter()
+            .all(|r| r.facts.max_ttl >= known.max && begun_before(r))
+        {
+            return None;
+        }
+        let now = self.clock.now();
+        let facts: Vec<NodeFacts> = reads.iter().map(|r| r.aged(now)).collect();
+        let rule = RestartRule {
+            complete: true,
+            ..*rule
+        };
+        facts
+            .iter()
+            .enumerate()
+            .all(|(i, f)| rule.hold(f, facts.iter(), self.trusted(i, f)).is_zero())
+            .then_some(gen)
     }
 
     /// Beyond this age a node's vote cannot be disqualified by what another

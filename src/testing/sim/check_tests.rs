@@ -109,6 +109,7 @@ fn a_key_left_long_after_its_round_is_reported() {
     let ttl = Duration::from_millis(100);
     let key = crate::algorithm::round::Key::new("r", "t");
     let op = Op::Acquire {
+        lean: None,
         intent: std::time::Duration::ZERO,
         ttl,
         known_max: ttl,

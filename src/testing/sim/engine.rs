@@ -55,6 +55,10 @@ impl Transport for SimEngine {
         self.links.servers.begun_keys()
     }
 
+    fn reads(&self) -> (u64, Vec<Option<crate::algorithm::restart::Read>>) {
+        self.links.reads()
+    }
+
     crate::testing::sim::wakeups::wake_ups_of!(links.names);
 
     fn run(

@@ -139,6 +139,19 @@ impl Link for SimConn {
                 }
                 world.check.sent(op, &keys, now);
             }
+            if let Command::Set { key, ttl } = command(&cmd) {
+                // The lean acquire's write.
+                let op = Op::Acquire {
+                    ttl,
+                    known_max: ttl,
+                    fenced: false,
+                    after: crate::algorithm::round::After::NONE,
+                    known_prev: Duration::ZERO,
+                    intent: Duration::ZERO,
+                    lean: Some(0),
+                };
+                world.check.sent(op, &[key.key()], now);
+            }
             let msg = Msg {
                 node: l.node,
                 entry: l.entry,
@@ -168,10 +181,12 @@ impl Link for SimConn {
 
     fn next_reply(&mut self) -> std::io::Result<Option<(Pending, Value)>> {
         let l = self.link_mut();
-        match l.inbox.pop() {
-            Some(v) => l.wire.answer(v).map(Some),
-            None => Ok(None),
+        while let Some(v) = l.inbox.pop() {
+            if let Some(r) = l.wire.gather(v)? {
+                return Ok(Some(r));
+            }
         }
+        Ok(None)
     }
 
     fn wants_write(&self) -> bool {
@@ -218,6 +233,12 @@ pub(crate) struct SimLinks {
 }
 
 impl SimLinks {
+    /// Each node's lock history as its last acquire script read it.
+    pub(crate) fn reads(&self) -> (u64, Vec<Option<crate::algorithm::restart::Read>>) {
+        let gen = self.servers.reads_made();
+        (gen, self.nodes.iter().map(|n| *n.read.lock()).collect())
+    }
+
     pub(crate) fn new(
         sched: &Arc<Sched>,
         clock: Arc<dyn Clock>,

@@ -28,6 +28,7 @@ use crate::testing::sim::plan::Report;
 pub(crate) mod chan;
 pub(crate) mod check;
 pub(crate) mod engine;
+pub(crate) mod faults;
 pub(crate) mod links;
 pub(crate) mod observe;
 pub(crate) mod plan;

@@ -62,6 +62,9 @@ pub(crate) enum Fault {
     /// `SCRIPT FLUSH` on the node: its connections stay, the next `EVALSHA`
     /// meets NOSCRIPT (only simulated connections notice).
     FlushScripts(usize),
+    /// `FLUSHALL` on the node: it loses every key and its lock history,
+    /// as a restart without data does, but its connections stay.
+    Flush(usize),
     /// The network turns calm and every node comes back up.
     HealAll,
     /// This many forged release messages, each with a fresh notice, to
@@ -372,6 +375,15 @@ impl Plan {
             for _ in 0..1 + r.below(4) {
                 let at = r.below(plan.run_for);
                 plan.faults.push((at, Fault::Forge(5 + r.below(50) as u32)));
+            }
+        }
+        // `FLUSHALL` while clients are connected, drawn apart too.
+        let mut r = SimRng::new(seed ^ 0x666c_7573);
+        if matches!(mix, Mix::Standard | Mix::Releases) && r.chance(0.25) {
+            for _ in 0..1 + r.below(3) {
+                let at = r.below(plan.run_for);
+                let node = r.below(plan.nodes as u64) as usize;
+                plan.faults.push((at, Fault::Flush(node)));
             }
         }
         plan

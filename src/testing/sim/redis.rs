@@ -114,6 +114,12 @@ pub(crate) enum Command {
     /// The connect-time script that returns the lock history's id, writing
     /// one where it is missing.
     HistoryId,
+    /// The lean acquire's `SET key token NX PX ttl`.
+    Set { key: OwnedKey, ttl: Duration },
+    /// `PTTL key`.
+    Pttl(String),
+    /// `HGET` of the lock history's epoch.
+    Epoch,
     /// Anything else: the node answers with an error.
     Unknown(String),
 }
@@ -197,6 +203,23 @@ pub(crate) fn command(v: &Value) -> Command {
             return Command::HistoryId
         }
         "EVAL" | "EVALSHA" => {}
+        "SET" if words.len() == 6 => {
+            return Command::Set {
+                key: OwnedKey {
+                    resource: words[1].clone(),
+                    token: words[2].clone(),
+                    next: None,
+                },
+                ttl: ms(&words[5]),
+            }
+        }
+        "PTTL" if words.len() == 2 => return Command::Pttl(words[1].clone()),
+        "HGET"
+            if words.get(1).map(String::as_str) == Some(scripts::META_KEY)
+                && words.get(2).map(String::as_str) == Some("epoch") =>
+        {
+            return Command::Epoch
+        }
         _ => return Command::Unknown(verb),
     }
     let by_sha = verb == "EVALSHA";
@@ -217,6 +240,7 @@ pub(crate) fn command(v: &Value) -> Command {
             // The mode: fenced in its low bit, the intent (ms) above.
             let mode: u64 = arg(2).parse().unwrap_or(0);
             Op::Acquire {
+                lean: None,
                 intent: Duration::from_millis(mode / 2),
                 ttl: ms(arg(0)),
                 known_max,
@@ -348,6 +372,7 @@ mod tests {
         let keys = [Key::new("r1", "t1"), Key::new("r2", "t2")];
         let ops = [
             Op::Acquire {
+                lean: None,
                 intent: Duration::from_millis(350),
                 ttl: Duration::from_millis(5000),
                 known_max: Duration::from_millis(7000),
@@ -442,6 +467,7 @@ mod tests {
             prev_max: Duration::from_millis(1000),
         };
         let op = Op::Acquire {
+            lean: None,
             intent: std::time::Duration::ZERO,
             ttl: Duration::from_millis(5000),
             known_max: Duration::from_millis(5000),

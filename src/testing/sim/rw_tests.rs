@@ -212,6 +212,7 @@ fn a_readers_release_wakes_waiters_only_when_the_last_reader_leaves() {
         fenced: false,
         after: After::NONE,
         known_prev: std::time::Duration::ZERO,
+        lean: None,
         intent: Duration::ZERO,
     };
     let release = Op::Release {

@@ -85,6 +85,7 @@ impl World {
                     {
                         ttl(op)
                     }
+                    Some(Command::Set { key, ttl }) if lineage(&key.token) == l => Some(ttl),
                     _ => None,
                 }
             };
@@ -171,6 +172,36 @@ impl World {
                     redis::Value::BulkString(epoch.unwrap_or_default().into_bytes()),
                 ])
             }
+            Command::Set { key, ttl } => {
+                let local = self.nodes[i].clock.at(now);
+                let node_now = self.instant(local);
+                let set = self.nodes[i].store.set_nx(&key.key(), ttl, node_now);
+                if set {
+                    self.check.landed(&key.token, i, msg.sent, now);
+                }
+                if std::env::var_os("QUORUMLOCK_SIM_TRACE").is_some() {
+                    println!(
+                        "{:10.3} ms node {i} ran SET NX {} sent {:.3} ms: {set}",
+                        now as f64 / 1e6,
+                        key.resource,
+                        msg.sent as f64 / 1e6,
+                    );
+                }
+                if set {
+                    redis::Value::Okay
+                } else {
+                    redis::Value::Nil
+                }
+            }
+            Command::Pttl(resource) => {
+                let local = self.nodes[i].clock.at(now);
+                let node_now = self.instant(local);
+                redis::Value::Int(self.nodes[i].store.pttl(&resource, node_now))
+            }
+            Command::Epoch => match self.nodes[i].store.epoch(self.base) {
+                Some(e) => redis::Value::BulkString(e.to_string().into_bytes()),
+                None => redis::Value::Nil,
+            },
             Command::Unknown(what) => wire::error(&format!("ERR unknown command {what}")),
             Command::Script { by_sha: true, .. } if !self.nodes[i].loaded => {
                 if std::env::var_os("QUORUMLOCK_SIM_TRACE").is_some() {

@@ -290,6 +290,13 @@ fn find_defect_seeds() {
                 ..Defects::default()
             },
         ),
+        (
+            "lean_ignores_history",
+            Defects {
+                lean_ignores_history: true,
+                ..Defects::default()
+            },
+        ),
     ];
     let only = std::env::var("QUORUMLOCK_SIM_DEFECT").ok();
     for (name, defects) in all {
@@ -360,6 +367,18 @@ mod engine_defects {
             ..Defects::default()
         };
         found(0x781, Mix::Releases, defects, Kind::Leaked);
+    }
+
+    /// A lean acquire that does not check the lock history it reads after
+    /// its SET: a node `FLUSHALL`ed while clients are connected votes at
+    /// once for a key it lost, and a second writer is granted the lock.
+    #[test]
+    fn a_lean_acquire_blind_to_a_flush_is_found() {
+        let defects = Defects {
+            lean_ignores_history: true,
+            ..Defects::default()
+        };
+        found(0x41, Mix::Releases, defects, Kind::TwoHolders);
     }
 }
 

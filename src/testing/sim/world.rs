@@ -49,7 +49,7 @@ impl NodeClock {
         self.local.saturating_add(d as u64)
     }
 
-    fn jump(&mut self, t: u64, delta: i64) {
+    pub(crate) fn jump(&mut self, t: u64, delta: i64) {
         self.local = self.at(t).saturating_add_signed(delta);
         self.anchor = t;
         self.jumped_back |= delta < 0;
@@ -321,7 +321,7 @@ impl World {
     }
 
     /// Keeps count of the time `node` is unreachable, after a fault.
-    fn reachable(&mut self, node: usize, now: u64) {
+    pub(crate) fn reachable(&mut self, node: usize, now: u64) {
         let n = &mut self.nodes[node];
         // A muted node takes connections, but the first reply it loses
         // leaves that connection hanging: nothing more reaches it there.
@@ -342,91 +342,6 @@ impl World {
                 n.since = None;
             }
             _ => {}
-        }
-    }
-
-    fn fault(&mut self, f: Fault, now: u64) {
-        match f {
-            Fault::Pause(i) => {
-                if self.nodes[i].state == NodeState::Up {
-                    self.nodes[i].state = NodeState::Paused;
-                }
-            }
-            Fault::Resume(i) => {
-                if self.nodes[i].state == NodeState::Paused {
-                    self.nodes[i].state = NodeState::Up;
-                    self.nodes[i].resumed.push(now);
-                    for msg in std::mem::take(&mut self.nodes[i].backlog) {
-                        self.process(msg, now);
-                    }
-                }
-            }
-            Fault::Crash(i) => {
-                self.nodes[i].state = NodeState::Down;
-                self.nodes[i].backlog.clear();
-                // Its process is gone, and its connections with it.
-                self.sever(i, now);
-                self.nodes[i].run += 1;
-                self.nodes[i].loaded = false;
-            }
-            Fault::Restart { node, wipe } => {
-                if self.nodes[node].state == NodeState::Down {
-                    if wipe {
-                        let broken = self.nodes[node].store.broken;
-                        self.nodes[node].store = Store {
-                            broken,
-                            ..Store::default()
-                        };
-                        self.nodes[node].wiped_at = Some(now);
-                        self.nodes[node].keys_lost_at = Some(now);
-                    }
-                    self.nodes[node].state = NodeState::Up;
-                }
-            }
-            Fault::Isolate(i) => self.nodes[i].isolated = true,
-            Fault::Heal(i) => self.nodes[i].isolated = false,
-            Fault::Mute(i) => self.nodes[i].muted = true,
-            Fault::Unmute(i) => self.nodes[i].muted = false,
-            Fault::Jump(i, delta) => self.nodes[i].clock.jump(now, delta),
-            Fault::LoseKeys(i) => {
-                if self.nodes[i].state != NodeState::Down {
-                    // Writers' keys and reader sets alike.
-                    self.nodes[i].store.keys.clear();
-                    self.nodes[i].store.readers.clear();
-                    self.nodes[i].keys_lost_at = Some(now);
-                }
-            }
-            Fault::FlushScripts(i) => self.nodes[i].loaded = false,
-            Fault::Kill(i) => self.sever(i, now),
-            Fault::Forge(n) => return self.forge(n, now),
-            Fault::HealAll => {
-                self.net = Net::calm();
-                for i in 0..self.nodes.len() {
-                    self.nodes[i].isolated = false;
-                    self.nodes[i].muted = false;
-                    match self.nodes[i].state {
-                        NodeState::Paused => self.fault(Fault::Resume(i), now),
-                        NodeState::Down => self.fault(
-                            Fault::Restart {
-                                node: i,
-                                wipe: false,
-                            },
-                            now,
-                        ),
-                        NodeState::Up => {}
-                    }
-                }
-            }
-        }
-        let node = match f {
-            Fault::Pause(i) | Fault::Resume(i) | Fault::Crash(i) | Fault::Isolate(i) => Some(i),
-            Fault::Heal(i) | Fault::Jump(i, _) | Fault::Mute(i) | Fault::Unmute(i) => Some(i),
-            Fault::LoseKeys(i) | Fault::Kill(i) | Fault::FlushScripts(i) => Some(i),
-            Fault::Restart { node, .. } => Some(node),
-            Fault::HealAll | Fault::Forge(_) => None,
-        };
-        for i in node.map_or(0..self.nodes.len(), |i| i..i + 1) {
-            self.reachable(i, now);
         }
     }
 
@@ -553,7 +468,7 @@ impl World {
     }
 
     /// The node runs the command now and replies.
-    fn process(&mut self, mut msg: Msg, now: u64) {
+    pub(crate) fn process(&mut self, mut msg: Msg, now: u64) {
         if let Some((cmd, inbox)) = msg.wire.take() {
             return self.process_wire(&msg, &cmd, inbox, now);
         }

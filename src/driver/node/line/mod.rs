@@ -43,7 +43,7 @@ use crate::algorithm::health::Outcome;
 use crate::driver::node::link::Link;
 use crate::driver::node::replies::{ask_info_when_due, give_up_why, late_reply, turned_away};
 use crate::driver::node::shared::{HeldEvents, NodeShared};
-use crate::driver::wire::{timed_out, Facts, Wire};
+use crate::driver::wire::{timed_out, Facts, Owed, Wire};
 
 /// What lines did, for the simulation's coverage check.
 #[cfg(test)]
@@ -104,7 +104,7 @@ pub(crate) type Slot<C> = Mutex<Option<Arc<Line<C>>>>;
 #[derive(Default)]
 struct Staged {
     bytes: Vec<u8>,
-    cmds: Vec<(u64, Instant, usize)>,
+    cmds: Vec<(u64, Owed)>,
     since: Option<Instant>,
 }
 
@@ -398,7 +398,7 @@ impl<C: Link> Line<C> {
         {
             let mut sg = self.staged.lock();
             let Staged { bytes, cmds, since } = &mut *sg;
-            wire.take_uncarried(bytes, |(t, keys)| cmds.push((id, t, keys)));
+            wire.take_uncarried(bytes, |o| cmds.push((id, o)));
             since.get_or_insert(now);
         }
         // The simulation lets other threads run here, as a scheduler may.

@@ -14,7 +14,7 @@ use super::{Owner, ReplyCount, Staged, State, Wake};
 use crate::driver::node::link::Link;
 use crate::driver::node::replies::{late_reply, turned_away};
 use crate::driver::node::shared::NodeShared;
-use crate::driver::wire::{is_given_up, Pending, Wire};
+use crate::driver::wire::{is_given_up, Owed, Pending, Wire};
 
 impl<C> State<C>
 where
@@ -28,22 +28,16 @@ where
     pub(super) fn carry(&mut self, id: u64, wire: &mut Wire) {
         let mut bytes = Vec::new();
         let mut cmds = Vec::new();
-        if wire.take_uncarried(&mut bytes, |(t, keys)| cmds.push((id, t, keys))) > 0
-            || !bytes.is_empty()
-        {
+        if wire.take_uncarried(&mut bytes, |o| cmds.push((id, o))) > 0 || !bytes.is_empty() {
             self.carry_staged(&bytes, cmds.into_iter());
         }
     }
 
     /// Carries commands onto the connection: their bytes, and per command
     /// its owner, when it was queued and how many keys it names.
-    pub(super) fn carry_staged(
-        &mut self,
-        bytes: &[u8],
-        cmds: impl Iterator<Item = (u64, Instant, usize)>,
-    ) {
+    pub(super) fn carry_staged(&mut self, bytes: &[u8], cmds: impl Iterator<Item = (u64, Owed)>) {
         let owners = &mut self.owners;
-        let counted = cmds.inspect(|&(id, _, _)| {
+        let counted = cmds.inspect(|&(id, _)| {
             if let Some(o) = owners.iter_mut().find(|o| o.id == id) {
                 // Staged until now, if it was (see `State::in_flight`).
                 o.staged = o.staged.saturating_sub(1);
