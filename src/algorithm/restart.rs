@@ -103,9 +103,10 @@ impl TtlHistory {
 /// lean acquire (see [`Op::Acquire`](crate::algorithm::round::Op::Acquire)):
 /// its facts (the history's key as the reading connection named it), and
 /// when: the command was queued at `from`, its reply read by `at`. `gen`:
-/// its place among the client's reads of every node (one counter for
-/// all), so that a lean round checks its replies against the reads its
-/// decision saw, not against one made since.
+/// when this history was first read, counted over the client's reads of
+/// every node (one counter for all; a history read again keeps it), so
+/// that a lean round checks its replies against the histories its
+/// decision saw, not against one read since.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Read {
     pub facts: NodeFacts,
@@ -132,10 +133,10 @@ impl Read {
     /// What a lean acquire's reply says of this node (`now`: the history
     /// it read after its SET, keyed by its connection; `sent`: when it was
     /// queued; `gen`: the generation of the reads its round was decided
-    /// on): the facts last read, aged, where that read is one the decision
-    /// saw and the history is the same one; `None` where it is not (the
-    /// node lost its data since, or restarted, or was read again since the
-    /// decision: its vote is held back).
+    /// on): the facts last read, aged, where that history is one the
+    /// decision saw and the one read after the SET; `None` where it is not
+    /// (the node lost its data since, or restarted, or its new history was
+    /// read by another round after the decision: its vote is held back).
     pub(crate) fn confirm(
         read: Option<&Read>,
         now: &NodeFacts,
@@ -451,7 +452,7 @@ mod tests {
     /// A lean reply stands for the read its round's decision saw, aged by
     /// the time since less 1 %, only where the history it read after its
     /// SET is that read's: not for another history (a flush, a restart),
-    /// none (0), or a read made after the decision (another round's
+    /// none (0), or one first read after the decision (another round's
     /// script read a new history meanwhile: the decision never judged it).
     #[test]
     fn a_lean_reply_stands_only_for_the_read_its_decision_saw() {
@@ -474,7 +475,7 @@ mod tests {
         assert_eq!(
             Read::confirm(Some(&read), &seen(7, 1), sent, 4),
             None,
-            "read since"
+            "first read since"
         );
         assert_eq!(
             Read::confirm(Some(&read), &seen(8, 1), sent, 5),

@@ -361,6 +361,8 @@ impl Cut {
 
 /// The start of a one-key acquire, as the client sends it (`EVALSHA` with 9 elements).
 pub const ACQUIRE_1: &[u8] = b"*9\r\n$7\r\nEVALSHA";
+/// The start of a lean acquire (`SET key token NX PX ttl`, 6 elements).
+pub const ACQUIRE_LEAN: &[u8] = b"*6\r\n$3\r\nSET";
 /// The start of a one-key hand-over (`EVALSHA` with 10 elements).
 pub const SWAP_1: &[u8] = b"*10\r\n$7\r\nEVALSHA";
 /// The start of a one-key release (`EVALSHA` with 6 elements).

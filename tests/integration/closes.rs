@@ -9,7 +9,9 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use quorumlock::{EventHandler, NodeEvent, Redlock};
 
-use crate::common::faults::{Cut, CutProxy, DelayProxy, ACQUIRE_1, RELEASE_1, SWAP_1};
+use crate::common::faults::{
+    Cut, CutProxy, DelayProxy, ACQUIRE_1, ACQUIRE_LEAN, RELEASE_1, SWAP_1,
+};
 use crate::common::{summary, unique_key, Cluster};
 
 /// Records the nodes' health changes.
@@ -96,6 +98,34 @@ fn an_acquire_sent_again_after_a_close_counts_its_own_set() {
     assert!(c.gone_everywhere(&key, Duration::from_secs(2)));
     let changes = changes.0.lock().clone();
     assert!(changes.is_empty(), "health changed: {changes:?}");
+}
+
+/// As above, for a client whose acquires are lean (plain `SET NX PX`, which cannot tell
+/// our key from another owner's): sent again after the close, the acquire goes as the
+/// script, which finds our own token and counts it as set.
+#[test]
+fn a_lean_acquire_sent_again_after_a_close_counts_its_own_set() {
+    let c = Cluster::start(3);
+    let p0 = CutProxy::start(&c.url(0), Cut::after_running(ACQUIRE_LEAN, 1));
+    let p1 = CutProxy::start(&c.url(1), Cut::after_running(ACQUIRE_LEAN, 1));
+    let changes = Arc::new(Changes::default());
+    let locks = client(vec![p0.url(), p1.url(), c.url(2)], &changes);
+    // Script acquires until every node's history is read, then the first lean one is cut.
+    for _ in 0..50 {
+        let key = unique_key("resent-lean");
+        let g = locks
+            .try_lock(&key, Duration::from_secs(20))
+            .unwrap_or_else(|e| panic!("a free resource: {}", summary(&e)));
+        if p0.cuts() + p1.cuts() > 0 {
+            assert_eq!((p0.cuts(), p1.cuts()), (1, 1), "one attempt's SETs cut");
+            assert_eq!(c.holders(&key, g.token()), 3);
+            g.release().expect("release");
+            assert!(c.gone_everywhere(&key, Duration::from_secs(2)));
+            return;
+        }
+        g.release().expect("release");
+    }
+    panic!("no acquire was lean");
 }
 
 /// An attempt that fails (the others hold the resource) after its SET ran on a node whose

@@ -29,6 +29,8 @@ pub(crate) struct Encoded {
     /// How many frames a node's reply is (see
     /// [`Pending::frames`](crate::driver::wire::Pending::frames)).
     pub(crate) frames: usize,
+    /// A lean acquire's resource (see [`Encoded::script`]).
+    lean_key: Option<String>,
 }
 
 impl Encoded {
@@ -158,6 +160,7 @@ impl Encoded {
             packed: pack("EVALSHA", script.get_hash()),
             code,
             frames: 1,
+            lean_key: None,
         }
     }
 
@@ -188,7 +191,32 @@ impl Encoded {
             packed,
             code: "",
             frames: 3,
+            lean_key: Some(k.resource.to_owned()),
         }
+    }
+
+    /// A lean acquire's script form (`EVAL`), for a node whose connection
+    /// closed under the lean one: sent again, the script tells our own key
+    /// from another owner's (a plain SET cannot). `None` for any other
+    /// command.
+    pub(crate) fn script(&self) -> Option<Vec<u8>> {
+        let (Op::Acquire { .. }, Some(resource), Some(token)) =
+            (self.op, &self.lean_key, self.written.first())
+        else {
+            return None;
+        };
+        let mut full = self.op;
+        if let Op::Acquire { lean, .. } = &mut full {
+            *lean = None;
+        }
+        Some(Encoded::new(full, &[Key::new(resource, token)]).fallback())
+    }
+
+    /// Whether `v` is a lean acquire's reply (its SET's answer first; the
+    /// script's begins with a number).
+    pub(crate) fn is_lean_reply(&self, v: &Value) -> bool {
+        self.frames > 1
+            && matches!(v, Value::Array(items) if items.len() == 3 && !matches!(items[0], Value::Int(_)))
     }
 
     /// A lean acquire's reply (see [`Encoded::lean`]): the SET's answer,
@@ -278,7 +306,7 @@ impl Encoded {
             Value::Array(items) => items,
             v => return Err(unexpected(v)),
         };
-        if self.frames > 1 {
+        if self.frames > 1 && items.len() == 3 && !matches!(items[0], Value::Int(_)) {
             return Encoded::decode_lean(&items);
         }
         let int = |v: &Value| match v {

@@ -68,8 +68,13 @@ pub(crate) fn take_reply(
         }
     }
     let server = wire.server;
+    // A lean acquire sent again as the script reads as a script's reply.
+    let lean = match enc.op {
+        Op::Acquire { lean, .. } if enc.is_lean_reply(&v) => lean,
+        _ => None,
+    };
     let mut r = enc.decode(v);
-    if let (Err((NodeErrorKind::Server, why)), Op::Acquire { lean: Some(_), .. }) = (&r, enc.op) {
+    if let (Err((NodeErrorKind::Server, why)), Some(_)) = (&r, lean) {
         if !shared.lean_refused.swap(true, Ordering::AcqRel) {
             info!(
                 "node {}: the plain acquire was refused ({why}); this client's acquires send it the script",
@@ -90,7 +95,7 @@ pub(crate) fn take_reply(
         let history = server.history.or_else(|| shared.servers.history(i));
         reply.server = Some(ServerTag { history, ..server });
     }
-    if let (Ok(reply), Op::Acquire { lean, .. }) = (&mut r, enc.op) {
+    if let (Ok(reply), Op::Acquire { .. }) = (&mut r, enc.op) {
         match reply
             .facts
             .map(|f| read_or_confirm(shared, lean, f, p.sent))
@@ -116,7 +121,7 @@ pub(crate) fn take_reply(
             }
         }
     }
-    if let (true, Op::Acquire { lean: Some(_), .. }, Ok(reply)) = (lost, enc.op, &r) {
+    if let (true, Some(_), Ok(reply)) = (lost, lean, &r) {
         // The first SET, lost with its connection, may have landed: a
         // plain SET cannot tell our key from another owner's (a script
         // can), so a held key says nothing; undone with the round.
@@ -160,13 +165,19 @@ fn read_or_confirm(
         if shared.lean_refused.load(Ordering::Acquire) {
             return Some(f);
         }
+        // A history read again keeps its generation; a new one gets the
+        // next: a round decided on generations up to `gen` never takes a
+        // history it did not judge for its own.
+        let gen = match *read {
+            Some(r) if r.facts.history == f.history => r.gen,
+            _ => shared.servers.next_read(),
+        };
         *read = Some(Read {
             facts: f,
             from: sent,
-            // Taken with the lock held, after the counter moves: a round
-            // decided on reads up to `gen` never meets this one as its own.
+            // Taken with the lock held, after the counter moves.
             at: shared.clock.now(),
-            gen: shared.servers.next_read(),
+            gen,
         });
         return Some(f);
     };

@@ -383,3 +383,45 @@ fn the_history_key_is_the_one_the_scripts_made() {
         0xb878_996a_62f9
     );
 }
+
+/// A script's read of a node keeps the generation of the history it reads
+/// again (another round's script does not void a lean round's decision),
+/// and a new history gets the next one: a lean reply of a round decided
+/// before it is held back, and leaves the new read in place.
+#[test]
+fn a_history_read_again_keeps_its_generation_and_a_new_one_voids_older_decisions() {
+    let shared = NodeShared::for_tests();
+    let facts = |history: u64, epoch: u64| NodeFacts {
+        epoch,
+        age: Duration::from_secs(60),
+        max_ttl: Duration::from_secs(10),
+        history,
+        after: crate::algorithm::round::After::NONE,
+        prev_max: Duration::ZERO,
+    };
+    let sent = Instant::now();
+    let gen = |s: &NodeShared| s.read.lock().map(|r| r.gen);
+    assert!(read_or_confirm(&shared, None, facts(7, 1), sent).is_some());
+    let first = gen(&shared).expect("read");
+    read_or_confirm(&shared, None, facts(7, 1), sent);
+    assert_eq!(gen(&shared), Some(first), "the same history");
+    // A lean reply of a round decided on it stands, with the read's facts.
+    let lean = |s: &NodeShared, history: u64, decided: u64| {
+        read_or_confirm(s, Some(decided), facts(history, 1), sent)
+    };
+    assert_eq!(
+        lean(&shared, 7, first).map(|f| f.max_ttl),
+        Some(Duration::from_secs(10))
+    );
+    // Another round's script reads a new history (a flush): a round decided
+    // before it does not take it, and the read stays for the next rounds.
+    read_or_confirm(&shared, None, facts(8, 2), sent);
+    let second = gen(&shared).expect("read");
+    assert!(second > first);
+    assert_eq!(lean(&shared, 8, first), None);
+    assert_eq!(gen(&shared), Some(second), "kept");
+    assert!(lean(&shared, 8, second).is_some());
+    // A history that changed since the read: held back, and read again.
+    assert_eq!(lean(&shared, 9, second), None);
+    assert_eq!(gen(&shared), None);
+}

@@ -362,8 +362,14 @@ pub(crate) trait Round: Links + Sized {
             return;
         };
         let sent = self.now();
-        c.wire_mut().queue_keys(&enc.packed, sent, true, enc.n);
-        c.wire_mut().last_frames(enc.frames);
+        match s.lost.then(|| enc.script()).flatten() {
+            // Lost with its connection: the script form (see `Encoded::script`).
+            Some(script) => c.wire_mut().queue_keys(&script, sent, true, enc.n),
+            None => {
+                c.wire_mut().queue_keys(&enc.packed, sent, true, enc.n);
+                c.wire_mut().last_frames(enc.frames);
+            }
+        }
         s.sent = Some(sent);
         if let Err(e) = c.flush() {
             self.failed(i, s, e, enc, results);
