@@ -645,6 +645,36 @@ where
     sum_up(records)
 }
 
+/// `rslock` 0.10 on one thread: a current-thread runtime that blocks on
+/// each lock and unlock, as a blocking caller would use it.
+struct RslockOne {
+    rt: tokio::runtime::Runtime,
+    manager: rslock::LockManager,
+}
+
+impl RslockOne {
+    fn connect(urls: &[String]) -> RslockOne {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let mut manager = rslock::LockManager::new(urls.to_vec());
+        manager.set_retry(1, Duration::from_millis(1));
+        RslockOne { rt, manager }
+    }
+
+    fn cycle(&mut self, key: &str) -> Cycle {
+        let t = Instant::now();
+        let m = &self.manager;
+        self.rt.block_on(async {
+            let l = m.lock(key, TTL).await.map_err(|e| format!("lock: {e:?}"))?;
+            let acquire = t.elapsed();
+            m.unlock(&l).await;
+            Ok(acquire)
+        })
+    }
+}
+
 /// `THREADS` tokio tasks on a multi-thread runtime (one worker per core),
 /// sharing one `rslock::LockManager` with no retry.
 fn rslock_tasks(urls: &[String]) -> Threaded {
@@ -910,11 +940,14 @@ fn main() {
             && cached_everywhere(&c, scripts::RELEASE_LUA);
         let mut set_floor = Floor::connect(&urls, Wire::Set);
         let mut script_floor = Floor::connect(&urls, Wire::Script);
+        let mut rs = RslockOne::connect(&urls);
         series(&mut warm, *WARM, "h:set:warm", |k| set_floor.cycle(k));
         series(&mut warm, *WARM, "h:scr:warm", |k| script_floor.cycle(k));
+        series(&mut warm, *WARM, "h:rs:warm", |k| rs.cycle(k));
         let (mut ql, mut set, mut script) = (Run::default(), Run::default(), Run::default());
         let (mut ql_cpu, mut set_cpu, mut script_cpu) =
             (CpuUse::default(), CpuUse::default(), CpuUse::default());
+        let (mut rsl, mut rs_cpu) = (Run::default(), CpuUse::default());
         for turn in 0..*CYCLES / *TURN {
             ql_cpu.charge(&c, *TURN, || {
                 series(&mut ql, *TURN, &format!("h:ql:{turn}"), |k| {
@@ -931,6 +964,9 @@ fn main() {
                     script_floor.cycle(k)
                 })
             });
+            rs_cpu.charge(&c, *TURN, || {
+                series(&mut rsl, *TURN, &format!("h:rs:{turn}"), |k| rs.cycle(k))
+            });
         }
         leftover_note(
             &mut t,
@@ -939,7 +975,7 @@ fn main() {
             "nl:h:ql:*",
             Duration::from_millis(500),
         );
-        let (q, f, g) = (ql.stats(), set.stats(), script.stats());
+        let (q, f, g, rq) = (ql.stats(), set.stats(), script.stats(), rsl.stats());
         healthy = Some(q.p50);
         t.single_cpu("1 healthy: floor SET NX PX", &set, &set_cpu, "");
         t.single_cpu(
@@ -948,6 +984,7 @@ fn main() {
             &script_cpu,
             "",
         );
+        t.single_cpu("1 healthy: rslock 0.10 (one thread)", &rsl, &rs_cpu, "");
         t.single_cpu(
             "1 healthy: quorumlock",
             &ql,
@@ -956,8 +993,9 @@ fn main() {
         );
         let r = q.p50.as_secs_f64() / f.p50.as_secs_f64();
         t.verdict(format!(
-            "1 healthy: quorumlock / floor SET p50 = {r:.2}x ({}); / floor script = {:.2}x; floor script / floor SET = {:.2}x; p99 ratio vs floor SET {:.2}x; warm-up failures {}",
+            "1 healthy: quorumlock / floor SET p50 = {r:.2}x ({}); / rslock (one thread) = {:.2}x; / floor script = {:.2}x; floor script / floor SET = {:.2}x; p99 ratio vs floor SET {:.2}x; warm-up failures {}",
             verdict(r <= 1.1),
+            q.p50.as_secs_f64() / rq.p50.as_secs_f64(),
             q.p50.as_secs_f64() / g.p50.as_secs_f64(),
             g.p50.as_secs_f64() / f.p50.as_secs_f64(),
             q.p99.as_secs_f64() / f.p99.as_secs_f64(),

@@ -118,14 +118,20 @@ pub(crate) struct Read {
 impl Read {
     /// The facts as they stand for a command sent at `sent`: the history
     /// older by the time since the read, less 1 % (the clocks' rates may
-    /// differ), as a connection's uptime bound grows.
+    /// differ), as a connection's uptime bound grows; younger by the time
+    /// from `sent` to the read's reply, where the read came after.
     pub(crate) fn aged(&self, sent: Instant) -> NodeFacts {
         let since = sent.saturating_duration_since(self.at);
+        // A read made after the command was sent (another round's, of the
+        // same history) counts back from its reply to the send: the
+        // history was at least that much younger when the command ran.
+        let before = self.at.saturating_duration_since(sent);
         NodeFacts {
             age: self
                 .facts
                 .age
-                .saturating_add(since.saturating_sub(since / 100)),
+                .saturating_add(since.saturating_sub(since / 100))
+                .saturating_sub(before),
             ..self.facts
         }
     }
@@ -471,6 +477,15 @@ mod tests {
         let ok = Read::confirm(Some(&read), &seen(7, 1), sent, 5).expect("same history");
         assert_eq!(ok.age, Duration::from_secs(104), "5 s + 99 % of 100 s");
         assert_eq!(ok.max_ttl, read.facts.max_ttl);
+        // A command sent before the read's reply: younger by the difference.
+        let early = Read::confirm(Some(&read), &seen(7, 1), at, 5).map(|f| f.age);
+        assert_eq!(early, Some(Duration::from_secs(5)));
+        let earlier = Read {
+            at: at + Duration::from_secs(2),
+            ..read
+        };
+        let early = Read::confirm(Some(&earlier), &seen(7, 1), at, 5).map(|f| f.age);
+        assert_eq!(early, Some(Duration::from_secs(3)));
         assert!(Read::confirm(Some(&read), &seen(7, 1), sent, 9).is_some());
         assert_eq!(
             Read::confirm(Some(&read), &seen(7, 1), sent, 4),

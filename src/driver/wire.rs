@@ -437,6 +437,15 @@ impl Wire {
 
     /// Appends a command no round waits for, its pending entry completed
     /// by `complete`.
+    /// Appends a release no round waits for, sent again as `resend` (its
+    /// `EVAL`) should it meet NOSCRIPT.
+    pub(crate) fn queue_resent(&mut self, cmd: &[u8], now: Instant, keys: usize, resend: Vec<u8>) {
+        self.push_unwanted(cmd, now, |p| {
+            p.keys = keys.max(1);
+            p.resend = Some(resend);
+        });
+    }
+
     fn push_unwanted(&mut self, cmd: &[u8], now: Instant, complete: impl FnOnce(&mut Pending)) {
         self.push(cmd, now, false, Setup::None);
         if let Some(p) = self.pending.back_mut() {

@@ -209,7 +209,8 @@ impl Encoded {
         if let Op::Acquire { lean, .. } = &mut full {
             *lean = None;
         }
-        Some(Encoded::new(full, &[Key::new(resource, token)]).fallback())
+        let e = Encoded::new(full, &[Key::new(resource, token)]);
+        Some(eval_form(&e.packed, e.code))
     }
 
     /// Whether `v` is a lean acquire's reply (its SET's answer first; the
@@ -284,21 +285,11 @@ impl Encoded {
     /// a node that answered NOSCRIPT): `packed` with its `EVALSHA <sha1>`
     /// elements replaced.
     pub(crate) fn fallback(&self) -> Vec<u8> {
-        // `*N\r\n` then `$7\r\nEVALSHA\r\n` then `$40\r\n<sha1>\r\n`.
-        let head = self
-            .packed
-            .windows(2)
-            .position(|w| w == b"\r\n")
-            .map_or(0, |p| p + 2);
-        let rest = self.packed.get(head + 13 + 47..).unwrap_or_default();
-        let mut out = Vec::with_capacity(self.packed.len() + self.code.len());
-        out.extend_from_slice(&self.packed[..head]);
-        out.extend_from_slice(b"$4\r\nEVAL\r\n");
-        out.extend_from_slice(format!("${}\r\n", self.code.len()).as_bytes());
-        out.extend_from_slice(self.code.as_bytes());
-        out.extend_from_slice(b"\r\n");
-        out.extend_from_slice(rest);
-        out
+        match self.script() {
+            // A lean acquire's is its script form.
+            Some(script) => script,
+            None => eval_form(&self.packed, self.code),
+        }
     }
 
     pub(crate) fn decode(&self, v: Value) -> Result<Reply, (NodeErrorKind, String)> {
@@ -394,6 +385,24 @@ impl Encoded {
     }
 }
 
+/// `packed`, an `EVALSHA` of the script `code`, as `EVAL` with the source.
+pub(crate) fn eval_form(packed: &[u8], code: &str) -> Vec<u8> {
+    // `*N\r\n` then `$7\r\nEVALSHA\r\n` then `$40\r\n<sha1>\r\n`.
+    let head = packed
+        .windows(2)
+        .position(|w| w == b"\r\n")
+        .map_or(0, |p| p + 2);
+    let rest = packed.get(head + 13 + 47..).unwrap_or_default();
+    let mut out = Vec::with_capacity(packed.len() + code.len());
+    out.extend_from_slice(&packed[..head]);
+    out.extend_from_slice(b"$4\r\nEVAL\r\n");
+    out.extend_from_slice(format!("${}\r\n", code.len()).as_bytes());
+    out.extend_from_slice(code.as_bytes());
+    out.extend_from_slice(b"\r\n");
+    out.extend_from_slice(rest);
+    out
+}
+
 /// Whether an acquire or swap reply says some key was set: `1`, or a
 /// fenced acquire's counter. An acquire's answers follow its [`FACTS`]
 /// (so it has more than `FACTS` elements); a swap's one answer is all its
@@ -402,10 +411,10 @@ pub(crate) fn acquired_any(v: &Value) -> bool {
     let Value::Array(items) = v else {
         return false;
     };
-    // A lean acquire's: its SET's `OK` or nil first (a script's replies
-    // begin with a number).
-    if let Some(first @ (Value::Okay | Value::Nil)) = items.first() {
-        return *first == Value::Okay;
+    // A lean acquire's: its SET's answer first (a script's replies begin
+    // with a number).
+    if items.len() == 3 && !matches!(items[0], Value::Int(_)) {
+        return items[0] == Value::Okay;
     }
     let head = if items.len() > FACTS { FACTS } else { 0 };
     items[head..]

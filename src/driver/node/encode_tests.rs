@@ -74,6 +74,8 @@ fn a_late_fenced_set_is_seen_as_set() {
     let lean = |set: Value| Value::Array(vec![set, Value::Int(5000), Value::Nil]);
     assert!(acquired_any(&lean(Value::Okay)));
     assert!(!acquired_any(&lean(Value::Nil)), "held by another owner");
+    let refused = crate::testing::sim::redis::error("OOM command not allowed");
+    assert!(!acquired_any(&lean(refused)), "refused");
 }
 
 /// The lean acquire is three plain commands naming only its key and the

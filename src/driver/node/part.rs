@@ -75,7 +75,10 @@ pub(crate) fn take_reply(
     };
     let mut r = enc.decode(v);
     if let (Err((NodeErrorKind::Server, why)), Some(_)) = (&r, lean) {
-        if !shared.lean_refused.swap(true, Ordering::AcqRel) {
+        // Refused for good (an ACL, a renamed command), not for now (OOM,
+        // READONLY, BUSY: a failed vote, as a script's error).
+        let refused = why.starts_with("NOPERM") || why.contains("unknown command");
+        if refused && !shared.lean_refused.swap(true, Ordering::AcqRel) {
             info!(
                 "node {}: the plain acquire was refused ({why}); this client's acquires send it the script",
                 ballot.names[i]

@@ -169,7 +169,10 @@ pub(crate) fn late_reply(
     if let (Some(undo), Some(until)) = (p.undo.as_ref(), released) {
         if acquired_any(v) {
             debug!("node {}: a late write landed; deleting it", node.name);
-            c.queue_keys(undo, now, false, p.keys);
+            // As `EVAL` again should it meet NOSCRIPT (a plain SET lands
+            // whatever the script cache holds).
+            let resend = crate::driver::node::encode::eval_form(undo, scripts::RELEASE_LUA);
+            c.queue_resent(undo, now, p.keys, resend);
             queued = true;
             let mut undone = node.undone.lock();
             for t in &p.tokens {
@@ -374,6 +377,31 @@ mod tests {
             "the release will count it deleted"
         );
         assert!(n.unsettled.lock().is_empty(), "the SET's reply settles it");
+    }
+
+    /// A late SET deleted behind its release (a lean one lands whatever
+    /// the script cache holds): should the delete meet NOSCRIPT, it goes
+    /// again as `EVAL`, or the key would stay for its whole TTL.
+    #[test]
+    fn a_late_sets_delete_that_meets_noscript_is_sent_again_as_eval() {
+        let n = node();
+        unsettled(&n, "t", true);
+        let mut w = late_set("t");
+        let epoch = Value::BulkString(b"1796000000000".to_vec());
+        let lean = Value::Array(vec![Value::Okay, Value::Int(10_000), epoch]);
+        let (p, v) = w.answer(lean).expect("owed");
+        assert!(late_reply(&mut w, &n, p, &v, Instant::now()).expect("usable"));
+        assert_eq!(w.output(), b"UNDO");
+        w.written(w.output().len());
+        let (p, v) = w
+            .answer(value(b"-NOSCRIPT No matching script.\r\n"))
+            .expect("owed");
+        assert!(late_reply(&mut w, &n, p, &v, Instant::now()).expect("usable"));
+        let out = String::from_utf8_lossy(w.output()).into_owned();
+        assert!(
+            out.contains("EVAL") && out.contains(scripts::RELEASE_LUA),
+            "{out}"
+        );
     }
 
     #[test]

@@ -81,6 +81,11 @@ impl Engine {
             return None;
         }
         let reads = reads.into_iter().collect::<Option<Vec<Read>>>()?;
+        // (A history first read since the counter was loaded: its reply
+        // would be held back.)
+        if reads.iter().any(|r| r.gen > gen) {
+            return None;
+        }
         let first = reads.iter().map(|r| r.from).min()?;
         let begun_before = |r: &Read| {
             let age = r.facts.age.saturating_sub(r.facts.age / 100);
