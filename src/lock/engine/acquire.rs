@@ -67,7 +67,7 @@ impl Engine {
     /// has no turn in a local queue (its threads meet at the nodes); their
     /// waiters are woken together, by a release of any of their resources.
     /// A writer that waits (not `try_lock`) keeps new readers out while it
-    /// does (see [`Op::Acquire`](crate::algorithm::round::Op::Acquire)).
+    /// does (see [`Op::Acquire`]).
     pub(crate) fn acquire(
         &self,
         want: Want<'_>,
