@@ -225,6 +225,23 @@ impl TlsNode {
     }
 }
 
+/// Subscribers to `channel` on a TLS node (its default user, through `redis-cli --tls`;
+/// 0 where that cannot be asked).
+fn subscribers(certs: &Certs, node: &TlsNode, channel: &str) -> i64 {
+    Command::new("redis-cli")
+        .args(["--tls", "--cacert"])
+        .arg(certs.path("ca.crt"))
+        .args(["-h", "127.0.0.1", "-p", &node.port.to_string()])
+        .args(["PUBSUB", "NUMSUB", channel])
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.lines().nth(1)?.trim().parse().ok())
+        .unwrap_or(0)
+}
+
 impl Drop for TlsNode {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -402,7 +419,12 @@ fn an_acl_user_with_only_the_lock_commands_works_and_its_password_stays_hidden()
         g.release().expect("release");
         got
     });
-    std::thread::sleep(Duration::from_millis(700));
+    // Until the waiter listens on every node (a fixed sleep was too short on a loaded
+    // machine: the release went unheard), or 10 s.
+    let channel = format!("quorumlock:free:{key}");
+    let _ = crate::common::wait_until(Duration::from_secs(10), || {
+        nodes.iter().all(|n| subscribers(&certs, n, &channel) >= 1)
+    });
     let released = std::time::Instant::now();
     guard.release().expect("release");
     let got = waiter.join().expect("waiter");

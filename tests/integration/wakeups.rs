@@ -127,6 +127,24 @@ fn set_waiter(locks: Arc<Redlock>, set: [String; 2]) -> std::thread::JoinHandle<
     w
 }
 
+/// Until every node has `n` subscribers to `key`'s release channel (at most 10 s): a
+/// waiter that failed its first attempt is listening (a fixed sleep was too short on a
+/// loaded machine: the release went unheard and the waiter got in at its fallback).
+fn await_subscribers(c: &Cluster, key: &str, n: i64) {
+    let channel = format!("quorumlock:free:{key}");
+    let all = wait_until(Duration::from_secs(10), || {
+        (0..c.len()).all(|i| {
+            let counts: Vec<(String, i64)> = redis::cmd("PUBSUB")
+                .arg("NUMSUB")
+                .arg(&channel)
+                .query(&mut c.conn(i))
+                .unwrap_or_default();
+            counts.first().is_some_and(|(_, k)| *k >= n)
+        })
+    });
+    assert!(all, "{n} subscriber(s) to {channel} on every node");
+}
+
 /// The waiter's first attempt failed and it subscribed: its retry pause is long, so this
 /// only waits for the subscriptions to be made.
 fn let_it_subscribe() {
@@ -762,7 +780,7 @@ fn a_new_owner_with_less_time_left_is_not_taken_for_a_forged_message() {
             (Instant::now(), g.map(|g| g.release()))
         })
     };
-    std::thread::sleep(Duration::from_millis(300));
+    await_subscribers(&c, &key, 1);
     ga.release().expect("A released");
     if let Ok(gb) = b.try_lock(&key, Duration::from_secs(1)) {
         std::thread::sleep(Duration::from_millis(5));
@@ -801,7 +819,7 @@ fn a_new_owner_with_less_time_left_is_not_taken_for_a_forged_message() {
             (Instant::now(), g.map(|g| g.release()))
         })
     };
-    std::thread::sleep(Duration::from_millis(200));
+    await_subscribers(&c, &key, 2);
     r0.release().expect("the first reader released");
     let released = writer.join().expect("no panic");
     let (got, r) = reader.join().expect("no panic");
