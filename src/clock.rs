@@ -156,6 +156,13 @@ impl Throttle {
     }
 }
 
+/// `d` less 1 %: a span measured by one clock, as a bound on what another
+/// clock (a node's, the client's) may have measured over it, their rates
+/// differing by up to 1 %.
+pub(crate) fn slower(d: Duration) -> Duration {
+    d.saturating_sub(d / 100)
+}
+
 /// `t + d`, saturating to a far-future instant instead of panicking.
 pub(crate) fn after(t: Instant, d: Duration) -> Instant {
     t.checked_add(d)

@@ -130,7 +130,7 @@ impl Read {
             age: self
                 .facts
                 .age
-                .saturating_add(since.saturating_sub(since / 100))
+                .saturating_add(crate::clock::slower(since))
                 .saturating_sub(before),
             ..self.facts
         }

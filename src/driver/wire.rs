@@ -189,7 +189,7 @@ impl Wire {
     pub(crate) fn uptime_at(&self, sent: Instant) -> Option<Duration> {
         let (up, read) = self.uptime?;
         let since = sent.saturating_duration_since(read);
-        Some(up.saturating_add(since.saturating_sub(since / 100)))
+        Some(up.saturating_add(crate::clock::slower(since)))
     }
 
     /// The connection goes back to its pool, to idle: one that owes replies

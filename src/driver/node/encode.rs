@@ -213,11 +213,9 @@ impl Encoded {
         Some(eval_form(&e.packed, e.code))
     }
 
-    /// Whether `v` is a lean acquire's reply (its SET's answer first; the
-    /// script's begins with a number).
+    /// Whether `v` is a lean acquire's reply (see [`lean_shaped`]).
     pub(crate) fn is_lean_reply(&self, v: &Value) -> bool {
-        self.frames > 1
-            && matches!(v, Value::Array(items) if items.len() == 3 && !matches!(items[0], Value::Int(_)))
+        self.frames > 1 && matches!(v, Value::Array(items) if lean_shaped(items))
     }
 
     /// A lean acquire's reply (see [`Encoded::lean`]): the SET's answer,
@@ -297,7 +295,7 @@ impl Encoded {
             Value::Array(items) => items,
             v => return Err(unexpected(v)),
         };
-        if self.frames > 1 && items.len() == 3 && !matches!(items[0], Value::Int(_)) {
+        if self.frames > 1 && lean_shaped(&items) {
             return Encoded::decode_lean(&items);
         }
         let int = |v: &Value| match v {
@@ -403,6 +401,12 @@ pub(crate) fn eval_form(packed: &[u8], code: &str) -> Vec<u8> {
     out
 }
 
+/// Whether a reply's items are a lean acquire's: three, its SET's answer
+/// first (a script's replies begin with a number).
+fn lean_shaped(items: &[Value]) -> bool {
+    items.len() == 3 && !matches!(items[0], Value::Int(_))
+}
+
 /// Whether an acquire or swap reply says some key was set: `1`, or a
 /// fenced acquire's counter. An acquire's answers follow its [`FACTS`]
 /// (so it has more than `FACTS` elements); a swap's one answer is all its
@@ -411,9 +415,7 @@ pub(crate) fn acquired_any(v: &Value) -> bool {
     let Value::Array(items) = v else {
         return false;
     };
-    // A lean acquire's: its SET's answer first (a script's replies begin
-    // with a number).
-    if items.len() == 3 && !matches!(items[0], Value::Int(_)) {
+    if lean_shaped(items) {
         return items[0] == Value::Okay;
     }
     let head = if items.len() > FACTS { FACTS } else { 0 };

@@ -124,17 +124,6 @@ pub(crate) fn take_reply(
             }
         }
     }
-    if let (true, Some(_), Ok(reply)) = (lost, lean, &r) {
-        // The first SET, lost with its connection, may have landed: a
-        // plain SET cannot tell our key from another owner's (a script
-        // can), so a held key says nothing; undone with the round.
-        if reply.answers.contains(&Answer::Other) {
-            r = Err((
-                NodeErrorKind::Io,
-                "connection closed before the reply; sent again, the key was held: the first SET may have landed".to_owned(),
-            ));
-        }
-    }
     if let (true, Op::Release { .. }, Ok(reply)) = (lost, enc.op, &r) {
         // The first delete, lost with its connection, may have run:
         // "absent" or another owner now says nothing (the key may
@@ -184,25 +173,16 @@ fn read_or_confirm(
         });
         return Some(f);
     };
-    let known = Read::confirm(read.as_ref(), &f, sent, gen).or_else(|| {
-        read.filter(|_| lean_ignores_history(shared))
+    let known = Read::confirm(read.as_ref(), &f, sent, gen);
+    #[cfg(test)]
+    let known = known.or_else(|| {
+        read.filter(|_| shared.defects.lean_ignores_history)
             .map(|r| r.aged(sent))
     });
     if known.is_none() && read.is_some_and(|r| r.gen <= gen) {
         *read = None;
     }
     known
-}
-
-/// The simulation's defect: a lean reply stands whatever history it read.
-#[cfg(test)]
-fn lean_ignores_history(shared: &NodeShared) -> bool {
-    shared.defects.lean_ignores_history
-}
-
-#[cfg(not(test))]
-fn lean_ignores_history(_: &NodeShared) -> bool {
-    false
 }
 
 /// One node's part in a round.

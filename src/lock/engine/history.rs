@@ -87,10 +87,8 @@ impl Engine {
             return None;
         }
         let first = reads.iter().map(|r| r.from).min()?;
-        let begun_before = |r: &Read| {
-            let age = r.facts.age.saturating_sub(r.facts.age / 100);
-            r.at.saturating_duration_since(first) <= age
-        };
+        let begun_before =
+            |r: &Read| r.at.saturating_duration_since(first) <= crate::clock::slower(r.facts.age);
         if !reads
             .iter()
             .all(|r| r.facts.max_ttl >= known.max && begun_before(r))
