@@ -215,6 +215,28 @@ fn a_node_flushed_while_clients_are_connected_never_votes_for_a_lock_it_lost() {
     }
 }
 
+/// Two nodes of three paused (SIGSTOP) while a lean acquire is in flight: the attempt
+/// fails on the one node that answers, and no key is left once they resume (the plain SETs
+/// they run late are deleted behind them, as a script's are).
+#[test]
+fn two_nodes_paused_during_a_lean_attempt_leave_no_key() {
+    let c = Cluster::start(3);
+    let ttl = Duration::from_secs(20);
+    let y = lean_client(&c, ttl);
+    let key = unique_key("lean-two-paused");
+    c.pause(1);
+    c.pause(2);
+    let attempt = y.try_lock(&key, ttl);
+    c.unpause(1);
+    c.unpause(2);
+    assert!(attempt.is_err(), "one node of three granted: {attempt:?}");
+    assert!(
+        c.gone_everywhere(&key, Duration::from_secs(3)),
+        "left after the nodes resumed: {:?}",
+        (0..3).map(|i| c.get(i, &key)).collect::<Vec<_>>()
+    );
+}
+
 /// DEFECT (safety, two holders; seen failing as above): as
 /// `a_node_restarted_from_an_older_snapshot_does_not_vote_during_the_hold`, but Y is
 /// connected before the restart and acquires in the lean form: the snapshot brings back
