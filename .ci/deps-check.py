@@ -4,8 +4,9 @@
     .ci/deps-check.py            # from the repository root; exit 1 on a problem
 
 What a user's build compiles is the normal and build dependencies of
-quorumlock with every feature on, on any target (`cargo tree -e normal,build
---all-features --target all`); dev-dependencies are not part of it. For that
+quorumlock and of its command (quorumlock-cli) with every feature on, on any
+target (`cargo tree -e normal,build --all-features --target all`);
+dev-dependencies, the benches and the examples are not part of it. For that
 tree:
 
 - msrv:     no package declares a `rust-version` above ours (Cargo.toml's
@@ -112,6 +113,7 @@ def main():
     by_name_version = {(p["name"], p["version"]): p for p in meta["packages"]}
     tree = run(
         "cargo", "tree", "--locked", "-e", "normal,build", "--all-features",
+        "-p", "quorumlock", "-p", "quorumlock-cli",
         "--target", "all", "--prefix", "none", "--format", "{p}",
     )
     seen = set()
@@ -119,7 +121,7 @@ def main():
         m = re.match(r"(\S+) v(\S+)", line.strip())
         if m:
             seen.add((m.group(1), m.group(2)))
-    seen.discard((root["name"], root["version"]))
+    seen = {(n, v) for n, v in seen if n not in ("quorumlock", "quorumlock-cli")}
     problems = []
     if not ours:
         problems.append("msrv: Cargo.toml declares no package.rust-version")

@@ -140,11 +140,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 for i in 0..50 {
                     let key = format!("metrics:{run}:{}", (w + i) % 4);
                     // A short TTL so that the renewal thread has work to do.
-                    match locks.lock_timeout(
-                        &key,
-                        Duration::from_millis(300),
-                        Duration::from_secs(5),
-                    ) {
+                    match locks
+                        .request(&key, Duration::from_millis(300))
+                        .acquire_for(Duration::from_secs(5))
+                    {
                         Ok(guard) => {
                             std::thread::sleep(Duration::from_millis(if i % 10 == 0 {
                                 250

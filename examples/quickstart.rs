@@ -47,7 +47,9 @@ fn lock_or_wait_out_the_hold(
             // nodes' history began: on brand-new nodes, the first TTL used
             // on them (here 10 s), once; the 30 s this example extends to
             // is first used later and holds no one back.
-            locks.lock_timeout(resource, ttl, Duration::from_secs(60))
+            locks
+                .request(resource, ttl)
+                .acquire_for(Duration::from_secs(60))
         }
         other => other,
     }

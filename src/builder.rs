@@ -9,7 +9,6 @@ use crate::driver::node::{DriverConfig, RedisTransport};
 use crate::driver::url::{parse_nodes_with, redact, TlsSettings};
 use crate::error::InvalidInput;
 use crate::lock::settings::{Settings, MAX_POOL_SIZE};
-use crate::lock::state::LostCallback;
 use crate::redlock::Redlock;
 use crate::Result;
 
@@ -30,7 +29,6 @@ pub struct Builder {
     nodes: Vec<String>,
     settings: Settings,
     pool_size: u32,
-    on_lost: Option<Arc<LostCallback>>,
     tls: TlsSettings,
 }
 
@@ -40,7 +38,6 @@ impl Default for Builder {
             nodes: Vec::new(),
             settings: Settings::default(),
             pool_size: 32,
-            on_lost: None,
             tls: TlsSettings::default(),
         }
     }
@@ -53,7 +50,6 @@ impl fmt::Debug for Builder {
             .field("nodes", &nodes)
             .field("settings", &self.settings)
             .field("pool_size", &self.pool_size)
-            .field("on_lost", &self.on_lost.is_some())
             .field("tls", &self.tls)
             .finish()
     }
@@ -207,22 +203,6 @@ impl Builder {
     /// Defaults to 1/3 (as Redisson: a 30 s lock is renewed every 10 s).
     pub fn renew_fraction(mut self, fraction: f64) -> Self {
         self.settings.renew_fraction = fraction;
-        self
-    }
-
-    /// Sets a function called when the watchdog finds a renewed lock lost,
-    /// with the resource and the reason. It runs on a thread of its own (one
-    /// per client, named `qlock-on-lost`), in order, so a slow callback
-    /// delays later callbacks but never a renewal. A panic in it is caught
-    /// and logged. A failed manual
-    /// [`LockGuard::extend`](crate::LockGuard::extend) does not call it (the
-    /// caller gets the error).
-    /// [`LockGuard::lost`](crate::LockGuard::lost) is the per-lock
-    /// alternative.
-    ///
-    /// Defaults to none.
-    pub fn on_lost(mut self, f: impl Fn(&str, &crate::Error) + Send + Sync + 'static) -> Self {
-        self.on_lost = Some(Arc::new(f));
         self
     }
 
@@ -413,7 +393,6 @@ impl Builder {
             Box::new(transport),
             Arc::new(SystemClock),
             Rng::from_os(),
-            self.on_lost,
         ))
     }
 }

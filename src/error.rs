@@ -38,7 +38,7 @@ pub enum Error {
         ttl: Duration,
     },
     /// Release or extend found the lock no longer ours on a majority: it
-    /// expired (or was lost) before the call. From `lock`/`lock_timeout`:
+    /// expired (or was lost) before the call. From `lock`/`acquire_for`:
     /// the lock another thread of this process handed over could not be
     /// used, and the wait ran out.
     Expired,
@@ -159,9 +159,11 @@ pub enum InvalidInput {
     },
     /// The resource name is a key this crate keeps on every node.
     ReservedResource(&'static str),
-    /// A lock of several resources ([`Redlock::try_lock_all`](crate::Redlock::try_lock_all))
-    /// was given none.
-    NoResources,
+    /// A read lock was asked of several resources
+    /// ([`LockRequest::read`](crate::LockRequest::read) with
+    /// [`LockRequest::and`](crate::LockRequest::and)): a read lock is of one
+    /// resource; take one read lock per resource, or a write lock of the set.
+    ReadOfSeveral,
     /// A lock of several resources names this one more than once.
     DuplicateResource(String),
     /// The names of a lock of several resources are longer, together, than
@@ -239,7 +241,9 @@ impl fmt::Display for InvalidInput {
             InvalidInput::ReservedResource(name) => {
                 write!(f, "resource name {name:?} is reserved by quorumlock")
             }
-            InvalidInput::NoResources => f.write_str("no resources to lock"),
+            InvalidInput::ReadOfSeveral => {
+                f.write_str("a read lock is of one resource; several were named")
+            }
             InvalidInput::DuplicateResource(name) => {
                 write!(f, "resource {name:?} is listed twice in one lock")
             }

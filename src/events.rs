@@ -67,7 +67,7 @@ pub trait EventHandler: Send + Sync + 'static {
         let _ = event;
     }
 
-    /// A lock was released (explicitly, on drop, or by `with_lock`).
+    /// A lock was released (explicitly, on drop, or by `run`).
     fn on_release(&self, event: &ReleaseEvent<'_>) {
         let _ = event;
     }

@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::Receiver;
+use crossbeam_channel::{Receiver, RecvTimeoutError};
 use log::{debug, warn};
 
 use crate::error::Error;
@@ -54,6 +54,7 @@ impl LockGuard {
         }
     }
 
+    #[cfg(test)]
     pub(crate) fn state(&self) -> &Arc<LockState> {
         &self.state
     }
@@ -63,7 +64,7 @@ impl LockGuard {
     }
 
     /// The locked resource (the Redis key); for a lock of several
-    /// ([`Redlock::try_lock_all`](crate::Redlock::try_lock_all)), the first.
+    /// ([`LockRequest::and`](crate::LockRequest::and)), the first.
     pub fn resource(&self) -> &str {
         &self.state.resource
     }
@@ -74,7 +75,7 @@ impl LockGuard {
     /// ```no_run
     /// # use std::time::Duration;
     /// # let locks = quorumlock::Redlock::builder().node("redis://127.0.0.1:6379").build()?;
-    /// let guard = locks.try_lock_all(&["a", "b"], Duration::from_secs(5))?;
+    /// let guard = locks.request("a", Duration::from_secs(5)).and("b").try_acquire()?;
     /// assert_eq!(guard.resources().collect::<Vec<_>>(), ["a", "b"]);
     /// # Ok::<(), quorumlock::Error>(())
     /// ```
@@ -83,7 +84,7 @@ impl LockGuard {
             .chain(self.state.also.iter().map(String::as_str))
     }
 
-    /// Whether it is a read lock ([`Redlock::try_read_lock`](crate::Redlock::try_read_lock)
+    /// Whether it is a read lock ([`LockRequest::read`](crate::LockRequest::read)
     /// and its kin), shared with other readers; else it excludes every
     /// other holder.
     pub fn is_read(&self) -> bool {
@@ -211,25 +212,77 @@ impl LockGuard {
         self.state.is_lost()
     }
 
-    /// A channel that receives once, with the reason, when the lock is lost.
-    /// Use it in `crossbeam_channel::select!` beside your own work to stop as
-    /// soon as the lock is no longer yours. After the guard is released the
-    /// channel is disconnected (`recv` returns `Err`).
+    /// A signal of this lock's loss, to watch from any thread: it says why
+    /// the lock was lost, or that the guard was released first.
     ///
     /// ```no_run
     /// # use std::time::Duration;
     /// # let locks = quorumlock::Redlock::builder().node("redis://127.0.0.1:6379").build()?;
-    /// # let work = crossbeam_channel::never::<()>();
     /// let guard = locks.lock("job:import", Duration::from_secs(30))?;
     /// guard.auto_renew();
-    /// crossbeam_channel::select! {
-    ///     recv(work) -> _ => { /* finished under the lock */ }
-    ///     recv(guard.lost()) -> why => { eprintln!("lock lost: {why:?}; stop writing"); }
-    /// }
+    /// let lost = guard.lost();
+    /// let watcher = std::thread::spawn(move || match lost.wait() {
+    ///     Some(why) => eprintln!("lock lost: {why}; stop writing"),
+    ///     None => {} // released first
+    /// });
+    /// // ... work, checking guard.is_held() ...
+    /// guard.release()?;
+    /// watcher.join().ok();
     /// # Ok::<(), quorumlock::Error>(())
     /// ```
-    pub fn lost(&self) -> Receiver<Error> {
-        self.state.loss_channel()
+    pub fn lost(&self) -> LostSignal {
+        LostSignal {
+            state: self.state.clone(),
+            ended: self.state.ended(),
+        }
+    }
+
+    /// Runs `f` under this lock, renewed in the background meanwhile, then
+    /// releases it, also when `f` panics. Returns what `f` returns.
+    ///
+    /// Inside `f`, check [`is_held`](Self::is_held) (or watch
+    /// [`lost`](Self::lost)) before each step that needs the lock.
+    ///
+    /// ```no_run
+    /// # use std::time::Duration;
+    /// # let locks = quorumlock::Redlock::builder().node("redis://127.0.0.1:6379").build()?;
+    /// let rows = locks.lock("job:nightly", Duration::from_secs(30))?.run(|guard| {
+    ///     let mut rows = 0;
+    ///     while guard.is_held() && rows < 1_000 {
+    ///         rows += 1; // one unit of work
+    ///     }
+    ///     rows
+    /// })?;
+    /// # Ok::<(), quorumlock::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// The reason the lock was lost ([`Error::Expired`],
+    /// [`Error::NotOwner`]) if it was lost while `f` ran, and
+    /// [`Error::Expired`] if `f` finished after the lock's deadline (whether
+    /// or not the renewal thread had noticed): `f`'s result is then dropped,
+    /// because its work was not protected.
+    pub fn run<T>(self, f: impl FnOnce(&LockGuard) -> T) -> Result<T> {
+        self.auto_renew();
+        let state = self.state.clone();
+        let out = f(&self);
+        let lost = state.lost_reason();
+        // Judged by the deadline itself, whatever the renewal thread has
+        // seen yet: work that ended past it ran without the lock's
+        // guarantee (the keys may still be ours on the nodes: they outlive
+        // validity by the drift allowance).
+        let in_time = self.is_held();
+        match (self.release(), lost) {
+            (_, Some(reason)) => Err(reason),
+            (_, None) if !in_time => Err(Error::Expired),
+            (Ok(()), None) => Ok(out),
+            (Err(e @ (Error::Expired | Error::NotOwner { .. })), None) => Err(e),
+            (Err(e), None) => {
+                // Held to the end; the keys left behind expire with the TTL.
+                debug!("lock {:?}: release after run: {e}", state.resource);
+                Ok(out)
+            }
+        }
     }
 
     /// Starts renewing this lock in the background until it is released or
@@ -362,6 +415,50 @@ impl Drop for LockGuard {
                 )
             }
             Err(e) => debug!("lock {:?}: release on drop: {e}", self.state.resource),
+        }
+    }
+}
+
+/// A held lock's loss, watched from any thread ([`LockGuard::lost`]).
+///
+/// It ends once: with the reason when the lock is found lost (a renewal or
+/// extension found it gone or taken, or its validity ran out before a
+/// renewal succeeded), or without one when the guard is released or its
+/// lock handed to another thread of this process. Clones watch the same
+/// lock.
+#[derive(Clone)]
+pub struct LostSignal {
+    state: Arc<LockState>,
+    ended: Receiver<()>,
+}
+
+impl fmt::Debug for LostSignal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LostSignal")
+            .field("resource", &self.state.resource)
+            .field("lost", &self.state.is_lost())
+            .finish()
+    }
+}
+
+impl LostSignal {
+    /// Why the lock was lost, if it was by now. Never blocks.
+    pub fn check(&self) -> Option<Error> {
+        self.state.lost_reason()
+    }
+
+    /// Blocks until the lock is lost (the reason) or released (`None`).
+    pub fn wait(&self) -> Option<Error> {
+        let _ = self.ended.recv();
+        self.check()
+    }
+
+    /// Blocks until the lock is lost (the reason), or released or `timeout`
+    /// has passed (`None`).
+    pub fn wait_timeout(&self, timeout: Duration) -> Option<Error> {
+        match self.ended.recv_timeout(timeout) {
+            Err(RecvTimeoutError::Timeout) => None,
+            _ => self.check(),
         }
     }
 }

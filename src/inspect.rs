@@ -87,7 +87,7 @@ impl KeyInfo {
     }
 
     /// Whether the key is a set of readers (a resource read-locked, see
-    /// [`Redlock::try_read_lock`](crate::Redlock::try_read_lock), or
+    /// [`LockRequest::read`](crate::LockRequest::read), or
     /// awaited by a writer while readers held it) rather than a writer's
     /// token. A set may have no live reader left: then it is free, for a
     /// writer at once and for readers once no writer waits.

@@ -1,32 +1,4 @@
-//! A synchronous [Redlock](https://redis.io/docs/latest/develop/use/patterns/distributed-locks/)
-//! distributed lock over N independent Redis nodes.
-//!
-//! * Acquisition sends `SET key token NX PX ttl` to every node at once over
-//!   pooled connections (one round trip to the slowest node), and holds the
-//!   lock only with a majority and while
-//!   `validity = ttl − elapsed − (ttl × drift + 2 ms)` is positive.
-//! * Every node call is bounded by a short timeout (50 ms by default): a dead
-//!   or hung node costs its vote, never a hang.
-//! * Release and extension are compare-and-delete / compare-and-pexpire Lua
-//!   scripts: only the token's owner can touch the key.
-//! * [`LockGuard`] releases on drop.
-//!
-//! ```no_run
-//! use std::time::Duration;
-//!
-//! let locks = quorumlock::Redlock::builder()
-//!     .nodes(["redis://10.0.0.1:6379", "redis://10.0.0.2:6379", "redis://10.0.0.3:6379"])
-//!     .build()?; // never blocks or fails because a node is down
-//! let guard = locks.lock("lock:sku:42", Duration::from_secs(10))?;
-//! assert!(guard.validity() < Duration::from_secs(10));
-//! // ... critical section ...
-//! guard.release()?; // or just drop it
-//! # Ok::<(), quorumlock::Error>(())
-//! ```
-//!
-//! Redlock gives *efficiency* locks (avoid doing work twice) a good home. For
-//! *correctness* locks, a lock service alone cannot protect storage from a
-//! paused client whose lock expired; see the README on fencing.
+#![doc = include_str!("guide.md")]
 #![forbid(unsafe_code)]
 // docs.rs (nightly) shows which feature a gated item needs.
 #![cfg_attr(docsrs, feature(doc_cfg))]
@@ -43,6 +15,7 @@ mod guard;
 mod inspect;
 mod lock;
 mod redlock;
+mod request;
 
 #[cfg(test)]
 mod testing;
@@ -56,9 +29,10 @@ pub use events::{
     AttemptEvent, EventHandler, LostEvent, NodeChange, NodeEvent, NodeOutcome, Nodes, ReleaseEvent,
     RenewalEvent,
 };
-pub use guard::LockGuard;
+pub use guard::{LockGuard, LostSignal};
 pub use inspect::{KeyInfo, NodeKey, ReaderInfo};
 pub use redlock::Redlock;
+pub use request::LockRequest;
 
 /// Longest resource name accepted, in bytes. A lock name is an identifier:
 /// 1 KiB leaves room for any structured name (tenant, table, row id) while a
@@ -67,7 +41,7 @@ pub use redlock::Redlock;
 pub const MAX_RESOURCE_LEN: usize = 1024;
 
 /// Longest total length, in bytes, of the names of one lock of several
-/// resources ([`Redlock::try_lock_all`]): sixteen times
+/// resources ([`LockRequest::and`]): sixteen times
 /// [`MAX_RESOURCE_LEN`]. Every round sends them all to every node.
 pub const MAX_RESOURCES_LEN: usize = 16 * MAX_RESOURCE_LEN;
 
@@ -98,5 +72,7 @@ mod tests {
         send_sync::<crate::LockGuard>();
         send_sync::<crate::Builder>();
         send_sync::<crate::Error>();
+        send_sync::<crate::LostSignal>();
+        send_sync::<crate::LockRequest<'static>>();
     }
 }

@@ -5,18 +5,14 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use log::debug;
-
 use crate::algorithm::quorum;
 use crate::clock::{after, Clock, Rng};
-use crate::error::Error;
 use crate::guard::LockGuard;
 use crate::inspect::NodeKey;
-use crate::lock::engine::{validate_resource, Budget, Engine, Want};
-use crate::lock::queue::Turn;
+use crate::lock::engine::{validate_resource, Engine};
 use crate::lock::settings::Settings;
-use crate::lock::state::{LockState, LostCallback};
 use crate::lock::transport::Transport;
+use crate::request::LockRequest;
 use crate::Result;
 
 /// A Redlock client over N independent Redis nodes.
@@ -55,10 +51,9 @@ impl Redlock {
         transport: Box<dyn Transport>,
         clock: Arc<dyn Clock>,
         rng: Rng,
-        on_lost: Option<Arc<LostCallback>>,
     ) -> Self {
         Redlock {
-            engine: Engine::new(settings, transport, clock, rng, on_lost),
+            engine: Engine::new(settings, transport, clock, rng),
         }
     }
 
@@ -72,299 +67,46 @@ impl Redlock {
         quorum::quorum(self.node_count())
     }
 
-    /// Makes one attempt to take `resource` for `ttl`.
+    /// Makes one attempt to take `resource` for `ttl`: the shorthand of
+    /// [`request(resource, ttl).try_acquire()`](LockRequest::try_acquire).
     ///
     /// # Errors
-    /// [`Error::Taken`] when another owner holds it, [`Error::NoQuorum`] when
-    /// too many nodes failed, [`Error::ValidityExhausted`] when the round was
-    /// too slow for the TTL, [`Error::InvalidInput`] for an empty resource or
+    /// [`Error::Taken`](crate::Error::Taken) when another owner holds it, [`Error::NoQuorum`](crate::Error::NoQuorum) when
+    /// too many nodes failed, [`Error::ValidityExhausted`](crate::Error::ValidityExhausted) when the round was
+    /// too slow for the TTL, [`Error::InvalidInput`](crate::Error::InvalidInput) for an empty resource or
     /// a TTL that is zero, too long, or not above the drift allowance.
     pub fn try_lock(&self, resource: &str, ttl: Duration) -> Result<LockGuard> {
-        self.acquire(resource, ttl, Budget::Attempts(1))
+        self.request(resource, ttl).try_acquire()
     }
 
-    /// Takes `resource` for `ttl`, making up to
-    /// [`retry_count`](crate::Builder::retry_count) attempts with a jittered pause
-    /// between them, cut short when another client's release of `resource`
-    /// wakes it (after its first failed attempt it subscribes to the key's
-    /// releases and tries once more, an attempt not counted; see the
-    /// README's "Waiting across processes"). A subscribed waiter also tries
-    /// in between, at the moment the owner's keys expire and at least once
-    /// a second (a lost message costs at most that); those tries are not
-    /// counted. Returns the last attempt's error when all fail.
-    ///
-    /// Waits at most `retry_count × (retry_delay + retry_jitter +
-    /// node_timeout)` in all (750 ms with the defaults), queueing behind
-    /// threads of this process included, plus at most two node timeouts
-    /// (the last attempt's round and, when it fails, the delete of what it
-    /// may have set; three with [`fencing`](crate::Builder::fencing): the round,
-    /// the write-back and, if that fails, the release).
+    /// Takes `resource` for `ttl`, waiting as the client is configured to
+    /// (see [`LockRequest::acquire`]): the shorthand of
+    /// [`request(resource, ttl).acquire()`](LockRequest::acquire).
     ///
     /// # Errors
-    /// As [`try_lock`](Self::try_lock).
+    /// As [`try_lock`](Self::try_lock), the last attempt's.
     pub fn lock(&self, resource: &str, ttl: Duration) -> Result<LockGuard> {
-        self.acquire(
-            resource,
-            ttl,
-            Budget::Attempts(self.engine.settings.retry_count),
-        )
+        self.request(resource, ttl).acquire()
     }
 
-    /// Takes `resource` for `ttl`, retrying with jittered pauses (cut short,
-    /// as [`lock`](Self::lock)'s, by another client's release) until it
-    /// succeeds or `wait` has passed (at least one attempt is made). Returns
-    /// the last attempt's error when time runs out, within `wait` plus the
-    /// node timeouts [`lock`](Self::lock) adds to its own bound.
-    ///
-    /// # Errors
-    /// As [`try_lock`](Self::try_lock).
-    pub fn lock_timeout(&self, resource: &str, ttl: Duration, wait: Duration) -> Result<LockGuard> {
-        let until = after(self.engine.clock.now(), wait);
-        self.acquire(resource, ttl, Budget::Until(until))
-    }
-
-    /// Takes `resource` for `ttl` (retrying as [`lock`](Self::lock) does),
-    /// renews it in the background while `f` runs, and releases it
-    /// afterwards — also when `f` panics. Returns what `f` returns.
-    ///
-    /// Inside `f`, check [`LockGuard::is_held`] (or select on
-    /// [`LockGuard::lost`]) before each step that needs the lock.
+    /// A lock request for `resource`, held for `ttl` once taken: add more
+    /// resources ([`and`](LockRequest::and)) or ask for a shared lock
+    /// ([`read`](LockRequest::read)), then say how long to wait
+    /// ([`try_acquire`](LockRequest::try_acquire),
+    /// [`acquire`](LockRequest::acquire),
+    /// [`acquire_for`](LockRequest::acquire_for),
+    /// [`acquire_until`](LockRequest::acquire_until)).
     ///
     /// ```no_run
     /// # use std::time::Duration;
     /// # let locks = quorumlock::Redlock::builder().node("redis://127.0.0.1:6379").build()?;
-    /// let rows = locks.with_lock("job:nightly", Duration::from_secs(30), |guard| {
-    ///     let mut rows = 0;
-    ///     while guard.is_held() && rows < 1_000 {
-    ///         rows += 1; // one unit of work
-    ///     }
-    ///     rows
-    /// })?;
-    /// # Ok::<(), quorumlock::Error>(())
-    /// ```
-    ///
-    /// # Errors
-    /// As [`lock`](Self::lock) when the lock cannot be taken; and, after `f`
-    /// ran, the reason the lock was lost ([`Error::Expired`],
-    /// [`Error::NotOwner`]) if it was lost while `f` ran, and
-    /// [`Error::Expired`] if `f` finished after the lock's deadline (whether
-    /// or not the watchdog had noticed) — `f`'s result is then dropped,
-    /// because its work was not protected.
-    pub fn with_lock<T>(
-        &self,
-        resource: &str,
-        ttl: Duration,
-        f: impl FnOnce(&LockGuard) -> T,
-    ) -> Result<T> {
-        run_with(self.lock(resource, ttl)?, f)
-    }
-
-    /// Makes one attempt to take every one of `resources` for `ttl`, as one
-    /// lock: all of them or none.
-    ///
-    /// On each node one script sets every resource's key or none (a node
-    /// where any is taken sets nothing), so each node votes for the whole
-    /// set, and the lock is held, as any lock, with a majority of votes. The
-    /// guard releases, extends, renews and loses them together; its
-    /// [`resource`](LockGuard::resource) is the first. Locks of
-    /// overlapping sets exclude each other and never deadlock: no client
-    /// ever holds part of a set as its lock (a node may keep a stray copy
-    /// of some keys, which counts for nobody but the set's holder). With
-    /// [`fencing`](crate::Builder::fencing), the guard's one token is above
-    /// the last token of every resource in the set, and is written back to
-    /// each (so a store guarded by any one of them can refuse older
-    /// writers).
-    ///
-    /// A lock of several has no place in this client's local queue (its
-    /// threads meet at the nodes); its waiters are woken by a release of
-    /// any of its resources (of a set of at most 64). A lock of one
-    /// resource is [`try_lock`](Self::try_lock)'s.
-    ///
-    /// Each round of a set (the acquire, the release, each extension) waits
-    /// for a node the [`node_timeout`](crate::Builder::node_timeout), one
-    /// more per 200 resources: a node runs them all in one script. The
-    /// most the bounds admit, 8,256 names of one or two bytes, get 42 node
-    /// timeouts (2.1 s with the defaults), which only a round that cannot
-    /// settle without a slow node waits out; the lock's validity counts the
-    /// round as always.
-    ///
-    /// ```no_run
-    /// # use std::time::Duration;
-    /// # let locks = quorumlock::Redlock::builder().node("redis://127.0.0.1:6379").build()?;
-    /// let both = locks.lock_all(&["sku:1042", "sku:2210"], Duration::from_secs(10))?;
-    /// // ... move stock from one to the other ...
+    /// let ttl = Duration::from_secs(10);
+    /// let both = locks.request("sku:1042", ttl).and("sku:2210").acquire_for(Duration::from_secs(2))?;
     /// both.release()?;
     /// # Ok::<(), quorumlock::Error>(())
     /// ```
-    ///
-    /// # Errors
-    /// As [`try_lock`](Self::try_lock) ([`Error::Taken`] where a majority
-    /// had any of them taken), and [`Error::InvalidInput`] for no
-    /// resources, one listed twice, or names longer in all than
-    /// [`MAX_RESOURCES_LEN`](crate::MAX_RESOURCES_LEN).
-    pub fn try_lock_all<S: AsRef<str>>(&self, resources: &[S], ttl: Duration) -> Result<LockGuard> {
-        self.acquire_all(resources, ttl, Budget::Attempts(1))
-    }
-
-    /// [`try_lock_all`](Self::try_lock_all), retried as [`lock`](Self::lock)
-    /// retries, woken by a release of any of the resources (those tries
-    /// are not counted: they are hints). Its bound is `lock`'s with a set's
-    /// round in place of the node timeout.
-    ///
-    /// # Errors
-    /// As [`try_lock_all`](Self::try_lock_all).
-    pub fn lock_all<S: AsRef<str>>(&self, resources: &[S], ttl: Duration) -> Result<LockGuard> {
-        let attempts = self.engine.settings.retry_count;
-        self.acquire_all(resources, ttl, Budget::Attempts(attempts))
-    }
-
-    /// [`try_lock_all`](Self::try_lock_all), retried until `wait` has
-    /// passed, as [`lock_timeout`](Self::lock_timeout) retries.
-    ///
-    /// # Errors
-    /// As [`try_lock_all`](Self::try_lock_all).
-    pub fn lock_all_timeout<S: AsRef<str>>(
-        &self,
-        resources: &[S],
-        ttl: Duration,
-        wait: Duration,
-    ) -> Result<LockGuard> {
-        let until = after(self.engine.clock.now(), wait);
-        self.acquire_all(resources, ttl, Budget::Until(until))
-    }
-
-    /// [`with_lock`](Self::with_lock) over every one of `resources`, taken
-    /// as [`lock_all`](Self::lock_all) takes them.
-    ///
-    /// # Errors
-    /// As [`lock_all`](Self::lock_all), then as [`with_lock`](Self::with_lock).
-    pub fn with_lock_all<S: AsRef<str>, T>(
-        &self,
-        resources: &[S],
-        ttl: Duration,
-        f: impl FnOnce(&LockGuard) -> T,
-    ) -> Result<T> {
-        run_with(self.lock_all(resources, ttl)?, f)
-    }
-
-    /// Makes one attempt to take `resource` for reading, for `ttl`: shared
-    /// with other readers, excluded by a writer.
-    ///
-    /// A writer is any exclusive lock of the resource: [`try_lock`](Self::try_lock),
-    /// [`lock`](Self::lock) and the other exclusive calls, of which
-    /// [`write_lock`](Self::write_lock) and its kin are other names. On each
-    /// node a reader enters the key's set of readers, each with its own
-    /// expiry (a reader that crashed drops out at its TTL), unless a writer
-    /// holds the key or waits for it: a writer that waits (every call but
-    /// `try_lock`) keeps new readers out until it gets in, so that a
-    /// stream of readers cannot starve it. A read lock is held, as any
-    /// lock, with a majority of such votes within its validity; any reader
-    /// majority and any writer majority share a node, where the two
-    /// cannot be at once. The guard releases, extends, renews and loses it
-    /// as any guard; it has no fencing token and no place in this client's
-    /// local queue (readers share: each meets the nodes).
-    ///
-    /// ```no_run
-    /// # use std::time::Duration;
-    /// # let locks = quorumlock::Redlock::builder().node("redis://127.0.0.1:6379").build()?;
-    /// let a = locks.try_read_lock("report:2026", Duration::from_secs(10))?;
-    /// let b = locks.try_read_lock("report:2026", Duration::from_secs(10))?; // shared
-    /// assert!(a.is_read() && b.is_read());
-    /// assert!(locks.try_write_lock("report:2026", Duration::from_secs(10)).is_err());
-    /// # Ok::<(), quorumlock::Error>(())
-    /// ```
-    ///
-    /// # Errors
-    /// As [`try_lock`](Self::try_lock): [`Error::Taken`] where a writer
-    /// holds the resource, or waits for it, on a majority.
-    pub fn try_read_lock(&self, resource: &str, ttl: Duration) -> Result<LockGuard> {
-        self.acquire_read(resource, ttl, Budget::Attempts(1))
-    }
-
-    /// [`try_read_lock`](Self::try_read_lock), retried as [`lock`](Self::lock)
-    /// retries, woken by a writer's release (every reader of this client
-    /// that waits at once; those tries are hints, not counted as attempts).
-    ///
-    /// # Errors
-    /// As [`try_read_lock`](Self::try_read_lock).
-    pub fn read_lock(&self, resource: &str, ttl: Duration) -> Result<LockGuard> {
-        let attempts = self.engine.settings.retry_count;
-        self.acquire_read(resource, ttl, Budget::Attempts(attempts))
-    }
-
-    /// [`try_read_lock`](Self::try_read_lock), retried until `wait` has
-    /// passed, as [`lock_timeout`](Self::lock_timeout) retries.
-    ///
-    /// # Errors
-    /// As [`try_read_lock`](Self::try_read_lock).
-    pub fn read_lock_timeout(
-        &self,
-        resource: &str,
-        ttl: Duration,
-        wait: Duration,
-    ) -> Result<LockGuard> {
-        let until = after(self.engine.clock.now(), wait);
-        self.acquire_read(resource, ttl, Budget::Until(until))
-    }
-
-    /// [`with_lock`](Self::with_lock) for a reader: takes `resource` as
-    /// [`read_lock`](Self::read_lock) does, renews it while `f` runs,
-    /// releases it afterwards.
-    ///
-    /// # Errors
-    /// As [`read_lock`](Self::read_lock), then as [`with_lock`](Self::with_lock).
-    pub fn with_read_lock<T>(
-        &self,
-        resource: &str,
-        ttl: Duration,
-        f: impl FnOnce(&LockGuard) -> T,
-    ) -> Result<T> {
-        run_with(self.read_lock(resource, ttl)?, f)
-    }
-
-    /// [`try_lock`](Self::try_lock) by the name a reader-writer pair reads
-    /// best with: every exclusive lock excludes readers, and readers
-    /// exclude it (see [`try_read_lock`](Self::try_read_lock)).
-    ///
-    /// # Errors
-    /// As [`try_lock`](Self::try_lock).
-    pub fn try_write_lock(&self, resource: &str, ttl: Duration) -> Result<LockGuard> {
-        self.try_lock(resource, ttl)
-    }
-
-    /// [`lock`](Self::lock), by its reader-writer name: while it waits, no
-    /// new reader gets in (see [`try_read_lock`](Self::try_read_lock)).
-    ///
-    /// # Errors
-    /// As [`lock`](Self::lock).
-    pub fn write_lock(&self, resource: &str, ttl: Duration) -> Result<LockGuard> {
-        self.lock(resource, ttl)
-    }
-
-    /// [`lock_timeout`](Self::lock_timeout), by its reader-writer name.
-    ///
-    /// # Errors
-    /// As [`lock_timeout`](Self::lock_timeout).
-    pub fn write_lock_timeout(
-        &self,
-        resource: &str,
-        ttl: Duration,
-        wait: Duration,
-    ) -> Result<LockGuard> {
-        self.lock_timeout(resource, ttl, wait)
-    }
-
-    /// [`with_lock`](Self::with_lock), by its reader-writer name.
-    ///
-    /// # Errors
-    /// As [`with_lock`](Self::with_lock).
-    pub fn with_write_lock<T>(
-        &self,
-        resource: &str,
-        ttl: Duration,
-        f: impl FnOnce(&LockGuard) -> T,
-    ) -> Result<T> {
-        self.with_lock(resource, ttl, f)
+    pub fn request<'a>(&'a self, resource: &'a str, ttl: Duration) -> LockRequest<'a> {
+        LockRequest::new(&self.engine, resource, ttl)
     }
 
     /// Waits until every node has a pooled connection (and the client has
@@ -450,7 +192,7 @@ impl Redlock {
     /// ```
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] for a resource name [`lock`](Self::lock)
+    /// [`Error::InvalidInput`](crate::Error::InvalidInput) for a resource name [`lock`](Self::lock)
     /// would refuse; per-node failures are in the entries.
     pub fn inspect(&self, resource: &str) -> Result<Vec<NodeKey>> {
         validate_resource(resource)?;
@@ -495,7 +237,7 @@ impl Redlock {
     /// ```
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] for a key [`lock`](Self::lock) would refuse.
+    /// [`Error::InvalidInput`](crate::Error::InvalidInput) for a key [`lock`](Self::lock) would refuse.
     pub fn check(&self, key: &str) -> Result<crate::Check> {
         validate_resource(key)?;
         let timeout = self.engine.settings.node_timeout;
@@ -509,71 +251,4 @@ impl Redlock {
         ))
     }
 
-    /// A guard for a held lock, renewed when the client renews every lock.
-    fn guard(&self, state: Arc<LockState>, turn: Option<Turn>) -> LockGuard {
-        if let Some(turn) = &turn {
-            // Local waiters wait for this lock, not for its guard.
-            turn.set_holder(&state);
-        }
-        let guard = LockGuard::new(self.engine.clone(), state, turn);
-        if self.engine.settings.auto_renew {
-            guard.auto_renew();
-        }
-        guard
-    }
-
-    fn acquire(&self, resource: &str, ttl: Duration, budget: Budget) -> Result<LockGuard> {
-        let (state, turn) = self
-            .engine
-            .acquire(Want::write(resource, &[], ttl), budget)?;
-        Ok(self.guard(state, turn))
-    }
-
-    fn acquire_read(&self, resource: &str, ttl: Duration, budget: Budget) -> Result<LockGuard> {
-        let want = Want {
-            read: true,
-            ..Want::write(resource, &[], ttl)
-        };
-        let (state, turn) = self.engine.acquire(want, budget)?;
-        Ok(self.guard(state, turn))
-    }
-
-    fn acquire_all<S: AsRef<str>>(
-        &self,
-        resources: &[S],
-        ttl: Duration,
-        budget: Budget,
-    ) -> Result<LockGuard> {
-        let names = crate::lock::engine::validate_resources(resources)?;
-        let Some((first, also)) = names.split_first() else {
-            return Err(crate::InvalidInput::NoResources.into());
-        };
-        let (state, turn) = self.engine.acquire(Want::write(first, also, ttl), budget)?;
-        Ok(self.guard(state, turn))
-    }
-}
-
-/// Runs `f` under `guard`, renewed, then releases it (see
-/// [`Redlock::with_lock`]).
-fn run_with<T>(guard: LockGuard, f: impl FnOnce(&LockGuard) -> T) -> Result<T> {
-    guard.auto_renew();
-    let state = guard.state().clone();
-    let out = f(&guard);
-    let lost = guard.lost().try_recv().ok();
-    // Judged by the deadline itself, whatever the watchdog has seen yet:
-    // work that ended past it ran without the lock's guarantee (the keys
-    // may still be ours on the nodes: they outlive validity by the drift
-    // allowance).
-    let in_time = guard.is_held();
-    match (guard.release(), lost) {
-        (_, Some(reason)) => Err(reason),
-        (_, None) if !in_time => Err(Error::Expired),
-        (Ok(()), None) => Ok(out),
-        (Err(e @ (Error::Expired | Error::NotOwner { .. })), None) => Err(e),
-        (Err(e), None) => {
-            // Held to the end; the keys left behind expire with the TTL.
-            debug!("with_lock {:?}: release: {e}", state.resource);
-            Ok(out)
-        }
-    }
 }

@@ -76,7 +76,8 @@ fn every_client_thread_ends_soon_after_the_client_is_dropped() {
     let held = holder.lock(&key, ttl).expect("lock");
     let before_wait = client_threads();
     assert!(locks
-        .lock_timeout(&key, ttl, Duration::from_millis(300))
+        .request(&key, ttl)
+        .acquire_for(Duration::from_millis(300))
         .is_err());
     assert!(
         client_threads().1 > before_wait.1,

@@ -47,7 +47,7 @@ fn one_thread_renews_a_thousand_locks_and_ends_with_the_client() {
             .iter()
             .enumerate()
             .filter(|(_, g)| !g.is_held())
-            .map(|(i, g)| (i, g.is_lost(), g.lost().try_recv().ok()))
+            .map(|(i, g)| (i, g.is_lost(), g.lost().check()))
             .take(3)
             .collect();
         assert!(

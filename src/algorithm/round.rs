@@ -89,7 +89,7 @@ pub(crate) fn ours(v: &str, t: &str) -> bool {
 }
 
 /// Whether `token` is a reader's (a read lock, shared with other readers:
-/// see `Redlock::try_read_lock`): it begins with `r`, where a writer's
+/// see `LockRequest::read`): it begins with `r`, where a writer's
 /// token is hexadecimal. Every script decides by it what the key must be
 /// (a reader set, or a writer's value), so that every round, its retries
 /// and undo, a renewal batch and a restore carry readers and writers alike.
@@ -428,7 +428,7 @@ pub(crate) type NodeResult = Result<Reply, NodeError>;
 
 /// Folds one node's answers for a round of locks that may each have several
 /// keys (`sizes[i]` consecutive keys for the `i`-th lock; see
-/// `Redlock::try_lock_all`) into one answer per lock: the node holds a lock
+/// `LockRequest::and`) into one answer per lock: the node holds a lock
 /// only where it holds every key of it. `Other` where any key has another
 /// owner; a release's `Ok` where any key of ours was deleted (else
 /// `Absent`); anything else's `Ok` only where every key answered it

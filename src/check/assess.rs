@@ -229,7 +229,7 @@ pub(super) fn assess_node(name: &str, p: &Probe, timeout: Duration, key: &str) -
         Some(Err(why)) => f.push(Finding::new(
             Verdict::Fail,
             "scripts",
-            format!("the lock's scripts fail on {key:?}: {why} (see the README's minimal ACL)"),
+            format!("the lock's scripts fail on {key:?}: {why} (see the minimal ACL in the crate's docs, \"TLS and ACL\")"),
         )),
         None => {}
     }
@@ -249,7 +249,7 @@ pub(super) fn assess_node(name: &str, p: &Probe, timeout: Duration, key: &str) -
             Verdict::Warn,
             "read locks",
             format!(
-                "the read locks' scripts fail on {key:?}: {why} (read locks need the README's sorted-set commands)"
+                "the read locks' scripts fail on {key:?}: {why} (read locks need the sorted-set commands the crate's docs list)"
             ),
         )),
         None => {}

@@ -1,9 +1,8 @@
 //! [`LockState`]: the record of one held lock that its guard, the renewal
-//! thread and the local queue share, and the `on_lost` callback thread.
+//! thread and the local queue share.
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
@@ -13,50 +12,13 @@ use parking_lot::Mutex;
 use crate::algorithm::round::Key;
 use crate::error::Error;
 
-/// Called when a renewed lock is lost: the resource and the reason.
-pub(crate) type LostCallback = dyn Fn(&str, &Error) + Send + Sync + 'static;
-
-/// Runs the user's `on_lost` callback on a thread of its own, so that a slow
-/// callback never delays the renewal of other locks. The thread ends when
-/// the client is dropped (after the callback it may be running returns).
-pub(crate) struct Callbacks {
-    tx: crossbeam_channel::Sender<(String, Error)>,
-}
-
-impl Callbacks {
-    pub(crate) fn spawn(f: Arc<LostCallback>) -> Option<Callbacks> {
-        let (tx, rx) = crossbeam_channel::unbounded::<(String, Error)>();
-        let spawned = std::thread::Builder::new()
-            .name("qlock-on-lost".into())
-            .spawn(move || {
-                for (resource, err) in rx {
-                    let run = std::panic::AssertUnwindSafe(|| f(&resource, &err));
-                    if std::panic::catch_unwind(run).is_err() {
-                        warn!("lock {resource:?}: the on_lost callback panicked");
-                    }
-                }
-            });
-        match spawned {
-            Ok(_) => Some(Callbacks { tx }),
-            Err(e) => {
-                warn!("cannot start the on_lost thread: {e}; the callback will not run");
-                None
-            }
-        }
-    }
-
-    fn notify(&self, resource: &str, err: &Error) {
-        let _ = self.tx.send((resource.to_owned(), err.clone()));
-    }
-}
-
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 /// The shared record of one held lock (the guard's and the watchdog's).
 pub(crate) struct LockState {
     pub(crate) id: u64,
     pub(crate) resource: String,
-    /// A lock of several resources (`try_lock_all`): the others, after
+    /// A lock of several resources (`request().and()`): the others, after
     /// `resource`, all with the same token and held as one.
     pub(crate) also: Vec<String>,
     pub(crate) token: String,
@@ -80,8 +42,12 @@ pub(crate) struct LockState {
     lost: AtomicBool,
     released: AtomicBool,
     renewing: AtomicBool,
-    loss_tx: Mutex<Option<Sender<Error>>>,
-    loss_rx: Receiver<Error>,
+    /// Why the lock was lost, once it was.
+    reason: Mutex<Option<Error>>,
+    /// Dropped when the lock is lost or released: every
+    /// [`LostSignal`](crate::LostSignal) waiting on `ended` then wakes.
+    end: Mutex<Option<Sender<()>>>,
+    ended: Receiver<()>,
 }
 
 impl fmt::Debug for LockState {
@@ -108,7 +74,7 @@ pub(crate) struct Timing {
 
 impl LockState {
     pub(crate) fn new(resource: &str, token: String, fence: Option<u64>, timing: Timing) -> Self {
-        let (tx, rx) = crossbeam_channel::bounded(1);
+        let (tx, rx) = crossbeam_channel::bounded(0);
         LockState {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             resource: resource.to_owned(),
@@ -124,8 +90,9 @@ impl LockState {
             lost: AtomicBool::new(false),
             released: AtomicBool::new(false),
             renewing: AtomicBool::new(false),
-            loss_tx: Mutex::new(Some(tx)),
-            loss_rx: rx,
+            reason: Mutex::new(None),
+            end: Mutex::new(Some(tx)),
+            ended: rx,
         }
     }
 
@@ -240,12 +207,12 @@ impl LockState {
         self.in_renewal.load(Ordering::SeqCst)
     }
 
-    /// Declares the lock lost (once): flips the flag, fires the loss channel
-    /// and the callback. Ignored after release: a release racing a renewal
-    /// is not a loss. `loud` logs at warn (the watchdog found it), else debug
-    /// (the caller of `extend` already gets the error).
-    /// Declares the lock lost; true the first time only.
-    pub(crate) fn lose(&self, err: &Error, callback: Option<&Callbacks>, loud: bool) -> bool {
+    /// Declares the lock lost (once; true the first time only): keeps the
+    /// reason and wakes every [`LostSignal`](crate::LostSignal). Ignored
+    /// after release: a release racing a renewal is not a loss. `loud` logs
+    /// at warn (the watchdog found it), else debug (the caller of `extend`
+    /// already gets the error).
+    pub(crate) fn lose(&self, err: &Error, loud: bool) -> bool {
         if self.is_released() || self.lost.swap(true, Ordering::AcqRel) {
             return false;
         }
@@ -254,21 +221,17 @@ impl LockState {
         } else {
             debug!("lock {:?} lost: {err}", self.resource);
         }
-        if let Some(tx) = self.loss_tx.lock().take() {
-            let _ = tx.try_send(err.clone());
-        }
-        if let Some(cb) = callback {
-            cb.notify(&self.resource, err);
-        }
+        *self.reason.lock() = Some(err.clone());
+        self.end.lock().take();
         true
     }
 
-    /// Marks the lock released; true the first time only. Disconnects the
-    /// loss channel so that nobody waits on it forever.
+    /// Marks the lock released; true the first time only. Wakes every
+    /// [`LostSignal`](crate::LostSignal), so that nobody waits forever.
     pub(crate) fn take_release(&self) -> bool {
         let first = !self.released.swap(true, Ordering::SeqCst);
         if first {
-            self.loss_tx.lock().take();
+            self.end.lock().take();
         }
         first
     }
@@ -278,9 +241,14 @@ impl LockState {
         !self.renewing.swap(true, Ordering::AcqRel)
     }
 
-    /// A receiver of the loss (disconnected once the lock is released).
-    pub(crate) fn loss_channel(&self) -> Receiver<Error> {
-        self.loss_rx.clone()
+    /// Disconnected once the lock is lost or released.
+    pub(crate) fn ended(&self) -> Receiver<()> {
+        self.ended.clone()
+    }
+
+    /// Why the lock was lost, if it was.
+    pub(crate) fn lost_reason(&self) -> Option<Error> {
+        self.reason.lock().clone()
     }
 
     pub(crate) fn is_renewing(&self) -> bool {

@@ -399,7 +399,7 @@ mod tests {
         clock.advance(100 * MS);
         tick(&*locks.engine, &mut entries);
         assert!(g.is_lost() && !g.is_held());
-        assert!(matches!(g.lost().try_recv(), Ok(Error::Expired)));
+        assert!(matches!(g.lost().check(), Some(Error::Expired)));
         assert!(entries.is_empty(), "lost locks are not touched again");
         // The lost lock's remaining key was cleaned up.
         assert!(nodes.get(2, "k").is_none());
@@ -451,35 +451,6 @@ mod tests {
             (0..3).all(|i| nodes.get(i, "k").is_none()),
             "keys left behind by a lock lost to its deadline"
         );
-    }
-
-    /// Issue 8: a slow `on_lost` callback ran on the renewal thread and
-    /// delayed every other lock's renewal while it ran.
-    #[test]
-    fn a_slow_on_lost_callback_does_not_delay_renewals() {
-        use std::sync::atomic::AtomicUsize;
-        let calls = Arc::new(AtomicUsize::new(0));
-        let seen = calls.clone();
-        let (locks, nodes, clock) = crate::testing::fake::client_with_on_lost(3, move |_, _| {
-            std::thread::sleep(Duration::from_millis(500));
-            seen.fetch_add(1, Ordering::SeqCst);
-        });
-        let lost = locks.try_lock("lost", 300 * MS).unwrap();
-        let kept = locks.try_lock("kept", 300 * MS).unwrap();
-        let mut entries = vec![entry(&lost, 1.0 / 3.0), entry(&kept, 1.0 / 3.0)];
-        nodes.del(0, "lost");
-        nodes.del(1, "lost");
-        clock.advance(100 * MS);
-        let t = std::time::Instant::now();
-        tick(&*locks.engine, &mut entries);
-        assert!(lost.is_lost() && kept.is_held());
-        assert!(
-            t.elapsed() < Duration::from_millis(250),
-            "the tick waited {:?} for the callback",
-            t.elapsed()
-        );
-        // It still runs, once, on its own thread.
-        wait_for("the callback", || calls.load(Ordering::SeqCst) == 1);
     }
 
     #[test]
@@ -550,7 +521,9 @@ mod tests {
         let guards: Vec<_> = (0..400)
             .map(|i| {
                 let set: Vec<String> = (0..16).map(|j| format!("s{i}-{j}")).collect();
-                locks.try_lock_all(&set, ttl).unwrap()
+                crate::testing::request_all(&locks, &set, ttl)
+                    .try_acquire()
+                    .unwrap()
             })
             .collect();
         let mut entries: Vec<Entry> = guards.iter().map(|g| entry(g, 1.0 / 3.0)).collect();
@@ -571,7 +544,7 @@ mod tests {
     fn readers_and_writers_go_in_separate_batches() {
         let (locks, nodes, clock) = client(3);
         let w = locks.try_lock("w", 300 * MS).unwrap();
-        let r = locks.try_read_lock("r", 300 * MS).unwrap();
+        let r = locks.request("r", 300 * MS).read().try_acquire().unwrap();
         let mut entries = vec![entry(&r, 1.0 / 3.0), entry(&w, 1.0 / 3.0)];
         let before = nodes.rounds.load(Ordering::SeqCst);
         clock.advance(110 * MS);

@@ -338,24 +338,5 @@ pub(crate) fn client_over(nodes: &Arc<FakeNodes>, settings: Settings) -> Redlock
         Box::new(Shared(nodes.clone(), rules)),
         nodes.clock.clone(),
         Rng::new(42),
-        None,
     )
-}
-
-/// A client over `n` fake nodes (throwaway settings) whose `on_lost`
-/// callback is `f`.
-pub(crate) fn client_with_on_lost(
-    n: usize,
-    f: impl Fn(&str, &crate::Error) + Send + Sync + 'static,
-) -> (Redlock, Arc<FakeNodes>, Arc<ManualClock>) {
-    let clock = ManualClock::new();
-    let nodes = FakeNodes::new(n, clock.clone());
-    let client = Redlock::from_parts(
-        settings(),
-        Box::new(Shared(nodes.clone(), VoteRules::default())),
-        clock.clone(),
-        Rng::new(42),
-        Some(Arc::new(f)),
-    );
-    (client, nodes, clock)
 }

@@ -514,8 +514,12 @@ pub fn shared() -> Arc<Cluster> {
 pub fn clockshift_lib() -> std::path::PathBuf {
     static LIB: OnceLock<std::path::PathBuf> = OnceLock::new();
     LIB.get_or_init(|| {
+        // Written out from the binary, so that any package that includes this
+        // harness finds it.
         let src =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/common/clockshift.c");
+            std::env::temp_dir().join(format!("quorumlock-clockshift-{}.c", std::process::id()));
+        std::fs::write(&src, include_str!("clockshift.c"))
+            .unwrap_or_else(|e| panic!("cannot write {}: {e}", src.display()));
         let out =
             std::env::temp_dir().join(format!("quorumlock-clockshift-{}.so", std::process::id()));
         let status = Command::new("gcc")
@@ -943,4 +947,15 @@ pub fn bench_count(full: usize, min: usize) -> usize {
 /// Whether benches run short (see [`bench_count`]).
 pub fn bench_smoke() -> bool {
     std::env::var_os("QUORUMLOCK_BENCH_SMOKE").is_some()
+}
+
+/// A request for every one of `set` (at least one), as one lock.
+pub fn request_all<'a, S: AsRef<str>>(
+    locks: &'a quorumlock::Redlock,
+    set: &'a [S],
+    ttl: Duration,
+) -> quorumlock::LockRequest<'a> {
+    let (first, rest) = set.split_first().expect("a set of at least one");
+    rest.iter()
+        .fold(locks.request(first.as_ref(), ttl), |r, k| r.and(k.as_ref()))
 }

@@ -49,7 +49,7 @@ pub(crate) fn probe() -> Result<ProcessEnv, String> {
 }
 
 /// Kills redis-servers whose owning test process (same host) is gone. A pid file holds
-/// "<redis pid> <owner tag>".
+/// `"<redis pid> <owner tag>"`.
 fn sweep_orphans(dir: &Path) {
     let Ok(entries) = fs::read_dir(dir) else {
         return;

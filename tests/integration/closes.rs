@@ -181,7 +181,8 @@ fn a_swap_sent_again_after_a_close_counts_as_swapped() {
         let (locks, key) = (locks.clone(), key.clone());
         std::thread::spawn(move || {
             locks
-                .lock_timeout(&key, Duration::from_secs(20), Duration::from_secs(5))
+                .request(&key, Duration::from_secs(20))
+                .acquire_for(Duration::from_secs(5))
                 .map(|g| {
                     let token = g.token().to_owned();
                     let _ = g.release();

@@ -158,13 +158,18 @@ fn a_restarted_node_votes_only_after_the_longest_ttl() {
     assert_eq!(c.get(1, &key), None);
 
     // During the window B cannot win nodes 1 + 2.
-    match b.lock_timeout(&key, ttl, Duration::from_millis(1200)) {
+    match b
+        .request(&key, ttl)
+        .acquire_for(Duration::from_millis(1200))
+    {
         Err(e) => assert!(e.is_retryable(), "{e}"),
         Ok(_) => panic!("B locked while A still held it: the restarted nodes voted"),
     }
     assert!(held.is_held(), "A's lock is still valid");
     // Without the rule a client does win it: the hazard is real.
-    let stolen = unprotected.lock_timeout(&key, ttl, Duration::from_millis(1500));
+    let stolen = unprotected
+        .request(&key, ttl)
+        .acquire_for(Duration::from_millis(1500));
     let stolen = stolen.unwrap_or_else(|e| panic!("control client: {e}"));
     let (first, second) = (held.fencing_token(), stolen.fencing_token());
     assert!(
@@ -179,7 +184,8 @@ fn a_restarted_node_votes_only_after_the_longest_ttl() {
 
     // After the window (and A's expiry) B locks, with node 1's vote.
     let g = b
-        .lock_timeout(&key, ttl, Duration::from_secs(8))
+        .request(&key, ttl)
+        .acquire_for(Duration::from_secs(8))
         .expect("normal operation resumes after the window");
     assert!(
         restarted.elapsed() >= ttl,
@@ -210,7 +216,8 @@ fn threads_of_one_process_take_turns_on_a_hot_key() {
                     let mut n = 0;
                     while started.elapsed() < run_for {
                         let g = locks
-                            .lock_timeout(&key, TTL, Duration::from_secs(10))
+                            .request(&key, TTL)
+                            .acquire_for(Duration::from_secs(10))
                             .expect("turn within 10 s");
                         if inside.fetch_add(1, Ordering::SeqCst) != 0 {
                             overlaps.fetch_add(1, Ordering::SeqCst);
@@ -270,7 +277,8 @@ fn a_lock_handed_to_a_local_waiter_is_the_next_section() {
     std::thread::scope(|s| {
         let waiter = s.spawn(|| {
             locks
-                .lock_timeout(&key, TTL, Duration::from_secs(5))
+                .request(&key, TTL)
+                .acquire_for(Duration::from_secs(5))
                 .expect("handed over")
         });
         std::thread::sleep(Duration::from_millis(200)); // let it queue
@@ -287,11 +295,8 @@ fn a_lock_handed_to_a_local_waiter_is_the_next_section() {
         g.release().expect("release");
     });
     assert!(
-        matches!(
-            old_lost.try_recv(),
-            Err(crossbeam_channel::TryRecvError::Disconnected)
-        ),
-        "the old holder's loss channel is closed"
+        old_lost.wait_timeout(Duration::from_secs(5)).is_none() && old_lost.check().is_none(),
+        "the old holder's loss signal ends without a loss"
     );
     assert!(
         c.gone_everywhere(&key, Duration::from_secs(1)),
@@ -430,7 +435,8 @@ fn a_node_that_missed_many_hand_overs_is_cleaned_by_the_release() {
         g = std::thread::scope(|s| {
             let w = s.spawn(|| {
                 locks
-                    .lock_timeout(&key, ttl, Duration::from_secs(2))
+                    .request(&key, ttl)
+                    .acquire_for(Duration::from_secs(2))
                     .expect("handed over")
             });
             std::thread::sleep(Duration::from_millis(3)); // let it queue
@@ -460,7 +466,8 @@ fn a_fenced_hand_over_while_two_nodes_hang_leaves_nothing_after_they_resume() {
     let outcome = std::thread::scope(|s| {
         let waiter = s.spawn(|| {
             locks
-                .lock_timeout(&key, TTL, Duration::from_millis(1500))
+                .request(&key, TTL)
+                .acquire_for(Duration::from_millis(1500))
                 .map(|g| g.token().to_owned())
         });
         std::thread::sleep(Duration::from_millis(100)); // let it queue
@@ -490,7 +497,11 @@ fn an_unfenced_hand_over_while_two_nodes_hang_needs_no_node() {
     let first = locks.lock(&key, TTL).unwrap();
     let token = first.token().to_owned();
     let g = std::thread::scope(|s| {
-        let waiter = s.spawn(|| locks.lock_timeout(&key, TTL, Duration::from_millis(1500)));
+        let waiter = s.spawn(|| {
+            locks
+                .request(&key, TTL)
+                .acquire_for(Duration::from_millis(1500))
+        });
         std::thread::sleep(Duration::from_millis(100)); // let it queue
         c.pause(1);
         c.pause(2);
@@ -543,7 +554,8 @@ fn hand_overs_past_a_write_paused_node_leave_nothing_behind() {
                 g = std::thread::scope(|s| {
                     let w = s.spawn(|| {
                         locks
-                            .lock_timeout(&key, TTL, Duration::from_secs(2))
+                            .request(&key, TTL)
+                            .acquire_for(Duration::from_secs(2))
                             .expect("handed over or locked anew")
                     });
                     std::thread::sleep(Duration::from_millis(3)); // let it queue

@@ -116,7 +116,8 @@ fn hand_overs_keep_a_held_gauge_balanced() {
             std::thread::spawn(move || {
                 for _ in 0..25 {
                     let g = locks
-                        .lock_timeout(&key, Duration::from_secs(5), Duration::from_secs(30))
+                        .request(&key, Duration::from_secs(5))
+                        .acquire_for(Duration::from_secs(30))
                         .expect("lock");
                     std::thread::sleep(Duration::from_micros(200));
                     drop(g);
@@ -157,8 +158,9 @@ fn a_release_handler_may_lock_the_same_resource_at_once() {
                 return;
             };
             let t = std::time::Instant::now();
-            let g =
-                locks.lock_timeout(e.resource(), Duration::from_secs(5), Duration::from_secs(5));
+            let g = locks
+                .request(e.resource(), Duration::from_secs(5))
+                .acquire_for(Duration::from_secs(5));
             *self.took.lock() = Some(t.elapsed());
             assert!(g.is_ok(), "{g:?}");
         }

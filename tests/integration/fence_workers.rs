@@ -167,7 +167,7 @@ fn acquire(locks: &Redlock, key: &str, tally: &mut Tally) -> Option<LockGuard> {
     let give_up = Instant::now() + Duration::from_secs(5);
     loop {
         let t = Instant::now();
-        let r = locks.lock_timeout(key, TTL, Duration::from_secs(1));
+        let r = locks.request(key, TTL).acquire_for(Duration::from_secs(1));
         merge(
             tally,
             [("max_lock_ms".into(), t.elapsed().as_millis() as u64)],

@@ -71,7 +71,8 @@ pub(crate) fn hand_over(locks: &Redlock, key: &str) -> (u64, u64) {
         std::thread::spawn(move || {
             ready.wait();
             let g = locks
-                .lock_timeout(&key, TTL, Duration::from_secs(5))
+                .request(&key, TTL)
+                .acquire_for(Duration::from_secs(5))
                 .expect("handed over");
             let t = g.fencing_token().expect("fenced");
             g.release().expect("release");
@@ -124,7 +125,8 @@ fn a_fenced_hand_over_reads_no_node_clock() {
         g = std::thread::scope(|s| {
             let w = s.spawn(|| {
                 locks
-                    .lock_timeout(&key, TTL, Duration::from_secs(2))
+                    .request(&key, TTL)
+                    .acquire_for(Duration::from_secs(2))
                     .expect("handed over or locked anew")
             });
             std::thread::sleep(Duration::from_millis(5)); // let it queue
@@ -206,7 +208,8 @@ fn stalled_holder(store: &FencedRow) -> (i64, i64, bool) {
     std::thread::sleep(SHORT + Duration::from_millis(100));
     assert!(!ga.is_held(), "A's validity is over");
     let gb = b
-        .lock_timeout(&key, SHORT, Duration::from_secs(3))
+        .request(&key, SHORT)
+        .acquire_for(Duration::from_secs(3))
         .expect("B locks once A's keys expired");
     let tb = gb.fencing_token().expect("fenced");
     assert!(tb > ta, "B's token {tb} after A's {ta}");
@@ -365,7 +368,8 @@ fn nodes_paused_and_resumed_mid_round_cause_no_overlap_and_leave_no_key() {
                 let (l, key, sections) = (l.clone(), key.clone(), sections.clone());
                 s.spawn(move || {
                     while started.elapsed() < Duration::from_secs(3) {
-                        let Ok(g) = l.lock_timeout(&key, ttl, Duration::from_millis(500)) else {
+                        let Ok(g) = l.request(&key, ttl).acquire_for(Duration::from_millis(500))
+                        else {
                             continue;
                         };
                         let begin = std::time::Instant::now();
@@ -497,7 +501,8 @@ fn a_clock_jump_on_one_node_is_survived_by_a_full_lock_and_fenced_on_a_bare_majo
     drop(g);
     offset.set(-600);
     let g = b
-        .lock_timeout(&key, TTL, Duration::from_secs(2))
+        .request(&key, TTL)
+        .acquire_for(Duration::from_secs(2))
         .expect("B locks");
     assert!(
         g.fencing_token().unwrap() > before,

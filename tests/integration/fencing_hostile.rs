@@ -32,7 +32,8 @@ fn schedule(a: &Redlock, b: &Redlock, key: &str) -> Vec<(&'static str, u64)> {
     for i in 0..4 {
         let (who, l) = if i % 2 == 0 { ("A", a) } else { ("B", b) };
         let g = l
-            .lock_timeout(key, TTL, Duration::from_secs(5))
+            .request(key, TTL)
+            .acquire_for(Duration::from_secs(5))
             .expect("free key");
         tokens.push((who, g.fencing_token().expect("fenced")));
         g.release().expect("release");
@@ -41,7 +42,8 @@ fn schedule(a: &Redlock, b: &Redlock, key: &str) -> Vec<(&'static str, u64)> {
     tokens.push(("A holds", held));
     tokens.push(("A hands over", next));
     let g = b
-        .lock_timeout(key, TTL, Duration::from_secs(5))
+        .request(key, TTL)
+        .acquire_for(Duration::from_secs(5))
         .expect("free key");
     tokens.push(("B after", g.fencing_token().expect("fenced")));
     g.release().expect("release");
@@ -147,7 +149,8 @@ fn thirty_two_threads_on_one_hot_key_get_tokens_in_holding_order() {
             s.spawn(move || {
                 for _ in 0..6 {
                     let g = l
-                        .lock_timeout(&key, ttl, Duration::from_secs(60))
+                        .request(&key, ttl)
+                        .acquire_for(Duration::from_secs(60))
                         .expect("a turn within 60 s");
                     let tok = g.fencing_token().unwrap();
                     {
@@ -261,7 +264,10 @@ fn tokens_grow_across_script_flushes() {
         let waiter = {
             let (a, key) = (a.clone(), key.clone());
             std::thread::spawn(move || {
-                let g = a.lock_timeout(&key, TTL, Duration::from_secs(5)).unwrap();
+                let g = a
+                    .request(&key, TTL)
+                    .acquire_for(Duration::from_secs(5))
+                    .unwrap();
                 g.fencing_token().unwrap()
             })
         };
@@ -271,7 +277,10 @@ fn tokens_grow_across_script_flushes() {
     };
     assert_eq!(next, t + 1);
     flush();
-    let g = b.lock_timeout(&key, TTL, Duration::from_secs(5)).unwrap();
+    let g = b
+        .request(&key, TTL)
+        .acquire_for(Duration::from_secs(5))
+        .unwrap();
     assert!(g.fencing_token().unwrap() > next);
 }
 
@@ -292,7 +301,10 @@ fn a_node_that_missed_several_swaps_still_orders_the_next_token() {
         let (l, k) = (locks.clone(), key.clone());
         let (tx, rx) = std::sync::mpsc::channel();
         let w = std::thread::spawn(move || {
-            let g = l.lock_timeout(&k, TTL, Duration::from_secs(5)).unwrap();
+            let g = l
+                .request(&k, TTL)
+                .acquire_for(Duration::from_secs(5))
+                .unwrap();
             let t = g.fencing_token().unwrap();
             tx.send(()).unwrap();
             // Keep it until the main thread hands it on.
@@ -311,7 +323,8 @@ fn a_node_that_missed_several_swaps_still_orders_the_next_token() {
     c.stop(0);
     let b = fenced(&[c.url(0), c.url(1), c.url(2)]);
     let g = b
-        .lock_timeout(&key, TTL, Duration::from_secs(10))
+        .request(&key, TTL)
+        .acquire_for(Duration::from_secs(10))
         .expect("nodes 1 and 2");
     assert!(
         g.fencing_token().unwrap() > last,
@@ -340,7 +353,8 @@ fn a_node_restarted_empty_gives_a_larger_token_after_its_hold() {
     let key = unique_key("fence-restart");
     c.stop(2);
     let g = a
-        .lock_timeout(&key, ttl, Duration::from_secs(10))
+        .request(&key, ttl)
+        .acquire_for(Duration::from_secs(10))
         .expect("nodes 0 and 1 once their history is old enough");
     let t = g.fencing_token().unwrap();
     c.restart(1);
@@ -352,7 +366,8 @@ fn a_node_restarted_empty_gives_a_larger_token_after_its_hold() {
         Ok(_) => panic!("two young nodes granted at once"),
     }
     let gb = b
-        .lock_timeout(&key, ttl, Duration::from_secs(10))
+        .request(&key, ttl)
+        .acquire_for(Duration::from_secs(10))
         .expect("after the hold");
     assert!(gb.fencing_token().unwrap() > t);
     std::mem::forget(g);
@@ -430,7 +445,8 @@ fn extreme_inputs_with_fencing() {
     let locks = fenced(&c.urls());
     let key = unique_key("fence-huge");
     let g = locks
-        .lock_timeout(&key, quorumlock::MAX_TTL, Duration::MAX)
+        .request(&key, quorumlock::MAX_TTL)
+        .acquire_for(Duration::MAX)
         .unwrap();
     let t = g.fencing_token().unwrap();
     assert!(t < TWO_53);

@@ -137,26 +137,30 @@ fn an_applications_key_of_any_type_is_refused_and_left_as_it_was() {
                 "{what}: a fenced writer got it"
             );
             assert!(
-                locks.try_read_lock(&key, TTL).is_err(),
+                locks.request(&key, TTL).read().try_acquire().is_err(),
                 "{what}: a reader got it"
             );
             assert!(
-                locks.lock_timeout(&key, TTL, wait).is_err(),
+                locks.request(&key, TTL).acquire_for(wait).is_err(),
                 "{what}: a waiting writer got it"
             );
             assert!(
-                locks.read_lock_timeout(&key, TTL, wait).is_err(),
+                locks.request(&key, TTL).read().acquire_for(wait).is_err(),
                 "{what}: a waiting reader got it"
             );
             assert!(
                 locks
-                    .try_lock_all(&[free.as_str(), key.as_str()], TTL)
+                    .request(free.as_str(), TTL)
+                    .and(key.as_str())
+                    .try_acquire()
                     .is_err(),
                 "{what}: a set got it"
             );
             assert!(
                 locks
-                    .lock_all_timeout(&[key.as_str(), free.as_str()], TTL, wait)
+                    .request(key.as_str(), TTL)
+                    .and(free.as_str())
+                    .acquire_for(wait)
                     .is_err(),
                 "{what}: a waiting set got it"
             );
@@ -213,7 +217,7 @@ fn a_held_lock_never_touches_an_applications_key_on_a_minority() {
         let waiter = {
             let locks = locks.clone();
             let key = key.clone();
-            std::thread::spawn(move || locks.lock_timeout(&key, TTL, Duration::from_secs(5)))
+            std::thread::spawn(move || locks.request(&key, TTL).acquire_for(Duration::from_secs(5)))
         };
         std::thread::sleep(Duration::from_millis(100));
         g.release().expect("released");
@@ -239,7 +243,9 @@ fn a_held_lock_never_touches_an_applications_key_on_a_minority() {
 
         // A reader, extended and renewed, and released.
         let r = renewing
-            .try_read_lock(&key, Duration::from_millis(600))
+            .request(&key, Duration::from_millis(600))
+            .read()
+            .try_acquire()
             .expect("a reader on 1 and 2");
         r.extend(Duration::from_millis(600)).expect("extended");
         std::thread::sleep(Duration::from_millis(1_000));
@@ -250,7 +256,9 @@ fn a_held_lock_never_touches_an_applications_key_on_a_minority() {
         // A set with the key.
         let other = unique_key("foreign-one-other");
         let s = locks
-            .try_lock_all(&[other.as_str(), key.as_str()], TTL)
+            .request(other.as_str(), TTL)
+            .and(key.as_str())
+            .try_acquire()
             .expect("a set on 1 and 2");
         s.extend(TTL).expect("extended");
         s.release().expect("released");

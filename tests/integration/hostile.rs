@@ -303,7 +303,7 @@ fn a_node_whose_clock_stepped_back_rejoins_within_the_longest_ttl() {
     let y = fresh_process_client(c.urls());
     let key = unique_key("clock-back");
     let t0 = Instant::now();
-    match y.lock_timeout(&key, ttl, Duration::from_secs(5)) {
+    match y.request(&key, ttl).acquire_for(Duration::from_secs(5)) {
         Ok(g) => {
             eprintln!("granted {:?} after the first attempt", t0.elapsed());
             let _ = g.release();
@@ -495,11 +495,8 @@ fn a_fresh_processs_one_hour_ttl_on_young_nodes_holds_no_other_process_back() {
     let other = fresh_process_client(c.urls());
     let t = Instant::now();
     let g = other
-        .lock_timeout(
-            &unique_key("other"),
-            Duration::from_secs(1),
-            Duration::from_secs(10),
-        )
+        .request(&unique_key("other"), Duration::from_secs(1))
+        .acquire_for(Duration::from_secs(10))
         .unwrap_or_else(|e| panic!("another process's one-hour TTL held this lock back: {e}"));
     assert!(
         t.elapsed() < Duration::from_secs(5),

@@ -188,7 +188,8 @@ fn many_threads_never_overlap() {
             s.spawn(move || {
                 for _ in 0..50 {
                     let g = locks
-                        .lock_timeout(&key, TTL, Duration::from_secs(60))
+                        .request(&key, TTL)
+                        .acquire_for(Duration::from_secs(60))
                         .expect("acquire within a minute");
                     if inside.fetch_add(1, Ordering::SeqCst) != 0 {
                         overlaps.fetch_add(1, Ordering::SeqCst);

@@ -4,8 +4,6 @@
 #[path = "../common/mod.rs"]
 mod common;
 
-#[cfg(feature = "cli")]
-mod cli;
 mod closes;
 mod degraded;
 mod events;
@@ -20,8 +18,6 @@ mod lock;
 mod missed;
 mod node_layer;
 mod nodes;
-#[cfg(feature = "cli")]
-mod processes;
 mod rw;
 mod rw_inspect;
 mod several;

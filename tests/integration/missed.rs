@@ -18,7 +18,7 @@ fn plain(urls: Vec<String>) -> Redlock {
     locks
 }
 
-/// A set `[a, b, c]` waits (`lock_all_timeout`, retry pause 3 s: fallback 1 s) while
+/// A set `[a, b, c]` waits (`acquire_for`, retry pause 3 s: fallback 1 s) while
 /// three clients hold one key each, `a` for 30 s, `b` for 20 s, `c` for 10 s. They release
 /// `a`, `b`, then `c`, 150 ms apart: each release wakes the set, whose first two woken
 /// tries meet owners with less time left than before (a node's answer is its longest over
@@ -41,7 +41,8 @@ fn a_set_hears_the_last_release_after_two_others() {
     let w = std::thread::spawn({
         let keys = keys.clone();
         move || {
-            let g = set.lock_all_timeout(&keys, Duration::from_secs(10), Duration::from_secs(8));
+            let g = crate::common::request_all(&set, &keys, Duration::from_secs(10))
+                .acquire_for(Duration::from_secs(8));
             let at = Instant::now();
             (g.map(|g| g.release()), at)
         }
@@ -85,7 +86,9 @@ fn a_waiter_hears_a_release_after_two_hand_overs_to_shorter_ttls() {
         let w = std::thread::spawn({
             let key = key.clone();
             move || {
-                let g = waiter.lock_timeout(&key, Duration::from_secs(10), Duration::from_secs(8));
+                let g = waiter
+                    .request(&key, Duration::from_secs(10))
+                    .acquire_for(Duration::from_secs(8));
                 let at = Instant::now();
                 (g.map(|g| g.release()), at)
             }
@@ -122,7 +125,7 @@ fn a_waiter_hears_a_release_after_two_hand_overs_to_shorter_ttls() {
 
 /// A holder keeps `key` on two nodes of three (its copy on the third is gone: a node
 /// restarted, or its SET there failed). A storm of forged messages for 1.2 s must cost a
-/// `lock_timeout` waiter (retry pause 100 ms) at most three extra rounds per pause, as
+/// `acquire_for` waiter (retry pause 100 ms) at most three extra rounds per pause, as
 /// where the holder is on every node: each woken try sets the free node and undoes it.
 #[test]
 fn a_storm_against_a_holder_on_a_bare_majority_costs_few_rounds() {
@@ -138,7 +141,8 @@ fn a_storm_against_a_holder_on_a_bare_majority_costs_few_rounds() {
         let key = key.clone();
         move || {
             timed
-                .lock_timeout(&key, Duration::from_secs(5), Duration::from_secs(10))
+                .request(&key, Duration::from_secs(5))
+                .acquire_for(Duration::from_secs(10))
                 .map(|g| g.release())
         }
     });
@@ -152,7 +156,7 @@ fn a_storm_against_a_holder_on_a_bare_majority_costs_few_rounds() {
     let got = timed.join().expect("waiter");
     assert!(
         r1 - r0 <= bound,
-        "lock_timeout ran {} rounds in a {during:?} storm of {sent} messages",
+        "acquire_for ran {} rounds in a {during:?} storm of {sent} messages",
         r1 - r0
     );
     assert!(matches!(got, Ok(Ok(()))), "the waiter: {got:?}");

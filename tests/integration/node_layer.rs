@@ -360,7 +360,8 @@ fn a_huge_resource_name_is_refused_and_harms_nothing() {
             locks.try_lock(&name, ttl).map(drop),
             locks.lock(&name, ttl).map(drop),
             locks
-                .lock_timeout(&name, ttl, Duration::from_millis(500))
+                .request(&name, ttl)
+                .acquire_for(Duration::from_millis(500))
                 .map(drop),
         ];
         for r in tries {
@@ -444,7 +445,7 @@ fn hold(urls: Vec<String>, key: &str, ttl: Duration) {
         .nodes(urls)
         .build()
         .expect("valid config");
-    let guard = match locks.lock_timeout(key, ttl, Duration::from_secs(3)) {
+    let guard = match locks.request(key, ttl).acquire_for(Duration::from_secs(3)) {
         Ok(g) => g,
         Err(e) => {
             println!("HOLDER_FAILED {e}");

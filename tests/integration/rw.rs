@@ -25,7 +25,7 @@ fn taken<T: std::fmt::Debug>(r: quorumlock::Result<T>, what: &str) {
     }
 }
 
-/// Readers share; a writer (`try_write_lock`, or a plain `try_lock`) is refused while
+/// Readers share; a writer (`try_lock`, or a plain `try_lock`) is refused while
 /// they hold, and readers are refused while it holds. Each node keeps every reader in
 /// the key's reader set, never beside a writer's value.
 #[test]
@@ -33,8 +33,16 @@ fn readers_share_and_a_writer_excludes_them() {
     let c = shared();
     let (a, b) = (client(c.urls()), client(c.urls()));
     let key = unique_key("rw-share");
-    let r1 = a.try_read_lock(&key, TTL).expect("first reader");
-    let r2 = b.try_read_lock(&key, TTL).expect("second reader shares");
+    let r1 = a
+        .request(&key, TTL)
+        .read()
+        .try_acquire()
+        .expect("first reader");
+    let r2 = b
+        .request(&key, TTL)
+        .read()
+        .try_acquire()
+        .expect("second reader shares");
     assert!(r1.is_read() && r2.is_read());
     assert!(r1.nodes_held() >= 2 && r2.nodes_held() >= 2);
     assert!(wait_until(Duration::from_secs(1), || {
@@ -46,16 +54,19 @@ fn readers_share_and_a_writer_excludes_them() {
             .count()
             >= 2
     }));
-    taken(a.try_write_lock(&key, TTL), "a writer beside two readers");
+    taken(a.try_lock(&key, TTL), "a writer beside two readers");
     taken(b.try_lock(&key, TTL), "a plain lock beside two readers");
     r1.release().expect("first reader's release");
     taken(a.try_lock(&key, TTL), "a writer beside one reader");
     r2.release().expect("second reader's release");
     let w = a
-        .try_write_lock(&key, TTL)
+        .try_lock(&key, TTL)
         .expect("the writer, once readers left");
     assert!(!w.is_read());
-    taken(b.try_read_lock(&key, TTL), "a reader beside a writer");
+    taken(
+        b.request(&key, TTL).read().try_acquire(),
+        "a reader beside a writer",
+    );
     w.release().expect("writer's release");
     assert!(c.gone_everywhere(&key, Duration::from_secs(1)));
 }
@@ -69,7 +80,11 @@ fn rounds_of_one_kind_meet_the_other_kind_as_another_owner() {
     let c = shared();
     let locks = client(c.urls());
     let key = unique_key("rw-kinds");
-    let r = locks.try_read_lock(&key, TTL).expect("reader");
+    let r = locks
+        .request(&key, TTL)
+        .read()
+        .try_acquire()
+        .expect("reader");
     assert!(r.extend(TTL).expect("a reader extends") > Duration::ZERO);
     // The reader set replaced by another writer's value on every node.
     for i in 0..3 {
@@ -95,7 +110,7 @@ fn rounds_of_one_kind_meet_the_other_kind_as_another_owner() {
     }
     let w = locks.try_lock(&key, TTL).expect("writer");
     let other = client(c.urls());
-    let r2 = other.try_read_lock(&key, TTL);
+    let r2 = other.request(&key, TTL).read().try_acquire();
     taken(r2, "a reader beside a writer");
     // The writer's key replaced by a reader set: its extension is refused, not an error.
     for i in 0..3 {
@@ -118,7 +133,7 @@ fn rounds_of_one_kind_meet_the_other_kind_as_another_owner() {
     }
 }
 
-/// A writer that waits keeps new readers out: while one reader holds, a `write_lock`
+/// A writer that waits keeps new readers out: while one reader holds, a `lock`
 /// call marks its intent on the nodes; a new reader is refused from then on, although
 /// only a reader holds; the writer gets in when that reader leaves (woken by its
 /// release), and the intent is gone with the reader set.
@@ -127,12 +142,16 @@ fn a_waiting_writer_keeps_new_readers_out() {
     let c = shared();
     let (a, b, w) = (client(c.urls()), client(c.urls()), client(c.urls()));
     let key = unique_key("rw-intent");
-    let r1 = a.try_read_lock(&key, TTL).expect("first reader");
+    let r1 = a
+        .request(&key, TTL)
+        .read()
+        .try_acquire()
+        .expect("first reader");
     let writer = {
         let key = key.clone();
         std::thread::spawn(move || {
             let t = Instant::now();
-            let g = w.write_lock_timeout(&key, TTL, Duration::from_secs(8));
+            let g = w.request(&key, TTL).acquire_for(Duration::from_secs(8));
             (g.map(|g| g.release()), t.elapsed())
         })
     };
@@ -144,7 +163,7 @@ fn a_waiting_writer_keeps_new_readers_out() {
         "the waiting writer's intent never reached a majority"
     );
     taken(
-        b.try_read_lock(&key, TTL),
+        b.request(&key, TTL).read().try_acquire(),
         "a new reader behind a waiting writer",
     );
     std::thread::sleep(Duration::from_millis(300));
@@ -162,7 +181,9 @@ fn a_waiting_writer_keeps_new_readers_out() {
     );
     // Free again: a reader gets in (the intent went with the reader set).
     let r = b
-        .try_read_lock(&key, TTL)
+        .request(&key, TTL)
+        .read()
+        .try_acquire()
         .expect("a reader after the writer");
     r.release().expect("release");
 }
@@ -173,12 +194,16 @@ fn a_writer_that_does_not_wait_leaves_no_intent() {
     let c = shared();
     let (a, b) = (client(c.urls()), client(c.urls()));
     let key = unique_key("rw-no-intent");
-    let r1 = a.try_read_lock(&key, TTL).expect("reader");
-    taken(b.try_write_lock(&key, TTL), "a writer beside a reader");
+    let r1 = a.request(&key, TTL).read().try_acquire().expect("reader");
+    taken(b.try_lock(&key, TTL), "a writer beside a reader");
     for i in 0..3 {
         assert!(!c.intent(i, &key), "node {i} got an intent from try_lock");
     }
-    let r2 = b.try_read_lock(&key, TTL).expect("a new reader");
+    let r2 = b
+        .request(&key, TTL)
+        .read()
+        .try_acquire()
+        .expect("a new reader");
     drop((r1, r2));
 }
 
@@ -195,11 +220,17 @@ fn a_set_that_cannot_get_in_keeps_no_readers_out() {
     // b lands on the third node a moment after the round's majority.
     assert!(wait_until(Duration::from_secs(2), || (0..3)
         .all(|i| c.get(i, &kb).is_some())));
-    let r1 = a.try_read_lock(&ka, TTL).expect("a reader of a");
+    let r1 = a
+        .request(&ka, TTL)
+        .read()
+        .try_acquire()
+        .expect("a reader of a");
     let set = {
         let (ka, kb) = (ka.clone(), kb.clone());
         std::thread::spawn(move || {
-            s.lock_all_timeout(&[ka.as_str(), kb.as_str()], TTL, Duration::from_secs(2))
+            s.request(ka.as_str(), TTL)
+                .and(kb.as_str())
+                .acquire_for(Duration::from_secs(2))
         })
     };
     let started = Instant::now();
@@ -209,7 +240,9 @@ fn a_set_that_cannot_get_in_keeps_no_readers_out() {
             assert!(!c.intent(i, &ka), "node {i}: the set marked an intent on a");
         }
         let r = a
-            .try_read_lock(&ka, TTL)
+            .request(&ka, TTL)
+            .read()
+            .try_acquire()
             .expect("a new reader of a while the set waits");
         r.release().expect("release");
         readers += 1;
@@ -236,7 +269,7 @@ fn a_writer_is_not_starved_by_a_stream_of_readers() {
             std::thread::spawn(move || {
                 std::thread::sleep(Duration::from_millis(n * 60));
                 while !stop.load(Ordering::SeqCst) {
-                    if let Ok(g) = locks.try_read_lock(&key, reader_ttl) {
+                    if let Ok(g) = locks.request(&key, reader_ttl).read().try_acquire() {
                         granted.fetch_add(1, Ordering::SeqCst);
                         std::thread::sleep(Duration::from_millis(250));
                         drop(g);
@@ -254,7 +287,8 @@ fn a_writer_is_not_starved_by_a_stream_of_readers() {
     let w = client(c.urls());
     let t = Instant::now();
     let g = w
-        .write_lock_timeout(&key, TTL, Duration::from_secs(8))
+        .request(&key, TTL)
+        .acquire_for(Duration::from_secs(8))
         .expect("the writer gets in despite the stream");
     let waited = t.elapsed();
     stop.store(true, Ordering::SeqCst);
@@ -277,12 +311,16 @@ fn a_crashed_readers_entry_expires_on_its_own() {
     let (a, b, w) = (client(c.urls()), client(c.urls()), client(c.urls()));
     let key = unique_key("rw-crash");
     let crashed = a
-        .try_read_lock(&key, Duration::from_millis(600))
+        .request(&key, Duration::from_millis(600))
+        .read()
+        .try_acquire()
         .expect("short reader");
     let token = crashed.token().to_owned();
     std::mem::forget(crashed);
     let live = b
-        .try_read_lock(&key, Duration::from_millis(900))
+        .request(&key, Duration::from_millis(900))
+        .read()
+        .try_acquire()
         .expect("reader");
     live.auto_renew();
     std::thread::sleep(Duration::from_millis(1500));
@@ -293,13 +331,10 @@ fn a_crashed_readers_entry_expires_on_its_own() {
             "node {i} still counts the crashed reader"
         );
     }
-    taken(
-        w.try_write_lock(&key, TTL),
-        "a writer beside the live reader",
-    );
+    taken(w.try_lock(&key, TTL), "a writer beside the live reader");
     live.release().expect("release");
     let g = w
-        .try_write_lock(&key, TTL)
+        .try_lock(&key, TTL)
         .expect("writer after the live reader left");
     g.release().expect("release");
 }
@@ -364,7 +399,10 @@ fn waiting_readers_of_one_client_all_get_in_at_the_writers_release() {
             let (locks, key, start) = (readers.clone(), key.clone(), start.clone());
             std::thread::spawn(move || {
                 start.wait();
-                let g = locks.read_lock_timeout(&key, TTL, Duration::from_secs(10));
+                let g = locks
+                    .request(&key, TTL)
+                    .read()
+                    .acquire_for(Duration::from_secs(10));
                 let at = Instant::now();
                 (g, at)
             })
@@ -399,23 +437,29 @@ fn bad_input_to_a_read_lock_is_refused_by_name() {
     let c = shared();
     let locks = client(c.urls());
     assert!(matches!(
-        locks.try_read_lock("", TTL),
+        locks.request("", TTL).read().try_acquire(),
         Err(Error::InvalidInput(InvalidInput::EmptyResource))
     ));
     assert!(matches!(
-        locks.read_lock("k", Duration::ZERO),
+        locks.request("k", Duration::ZERO).read().acquire(),
         Err(Error::InvalidInput(InvalidInput::ZeroTtl))
     ));
     assert!(matches!(
-        locks.read_lock_timeout("k", Duration::MAX, Duration::MAX),
+        locks
+            .request("k", Duration::MAX)
+            .read()
+            .acquire_for(Duration::MAX),
         Err(Error::InvalidInput(InvalidInput::TtlTooLong(_)))
     ));
     assert!(matches!(
-        locks.try_read_lock(&"x".repeat(quorumlock::MAX_RESOURCE_LEN + 1), TTL),
+        locks
+            .request(&"x".repeat(quorumlock::MAX_RESOURCE_LEN + 1), TTL)
+            .read()
+            .try_acquire(),
         Err(Error::InvalidInput(InvalidInput::ResourceTooLong { .. }))
     ));
     assert!(matches!(
-        locks.try_read_lock("quorumlock:meta", TTL),
+        locks.request("quorumlock:meta", TTL).read().try_acquire(),
         Err(Error::InvalidInput(InvalidInput::ReservedResource(_)))
     ));
 }
@@ -435,7 +479,11 @@ fn a_renewed_reader_survives_and_gets_its_entry_back_after_a_restart() {
     assert_eq!(locks.wait_connected(Duration::from_secs(5)).ok(), Some(3));
     let key = unique_key("rw-renew");
     let ttl = Duration::from_secs(3);
-    let r = locks.try_read_lock(&key, ttl).expect("reader");
+    let r = locks
+        .request(&key, ttl)
+        .read()
+        .try_acquire()
+        .expect("reader");
     r.auto_renew();
     c.restart(0);
     assert!(
@@ -453,7 +501,7 @@ fn a_renewed_reader_survives_and_gets_its_entry_back_after_a_restart() {
         .build()
         .expect("valid config");
     taken(
-        other.try_write_lock(&key, ttl),
+        other.try_lock(&key, ttl),
         "a writer beside a renewed reader",
     );
     r.release().expect("release");
@@ -462,7 +510,7 @@ fn a_renewed_reader_survives_and_gets_its_entry_back_after_a_restart() {
 /// A writer that gives up leaves no intent behind for long: its last attempt marks none,
 /// and none outlives the call's wait, so an earlier attempt's lasts at most the three node
 /// timeouts of margin past the call (750 ms here). (Each kept readers out for a whole retry
-/// pause after the call returned: 3.7 s after a 50 ms `write_lock_timeout` with a 3 s
+/// pause after the call returned: 3.7 s after a 50 ms `acquire_for` with a 3 s
 /// pause, seen failing.)
 #[test]
 fn a_writer_that_gave_up_lets_readers_in_at_once() {
@@ -482,12 +530,20 @@ fn a_writer_that_gave_up_lets_readers_in_at_once() {
         assert_eq!(w.wait_connected(Duration::from_secs(5)).ok(), Some(3));
         w
     };
-    let held = reader.try_read_lock(&key, TTL).expect("a reader");
+    let held = reader
+        .request(&key, TTL)
+        .read()
+        .try_acquire()
+        .expect("a reader");
     type Call<'a> = Box<dyn Fn() -> quorumlock::Result<quorumlock::LockGuard> + 'a>;
     let calls: [(&str, Call<'_>); 2] = [
         (
-            "write_lock_timeout(50 ms)",
-            Box::new(|| writer(3).write_lock_timeout(&key, TTL, Duration::from_millis(50))),
+            "acquire_for(50 ms)",
+            Box::new(|| {
+                writer(3)
+                    .request(&key, TTL)
+                    .acquire_for(Duration::from_millis(50))
+            }),
         ),
         (
             "lock() with 2 attempts",
@@ -499,7 +555,7 @@ fn a_writer_that_gave_up_lets_readers_in_at_once() {
         let gave_up = Instant::now();
         let other = client(c.urls());
         let r = loop {
-            match other.try_read_lock(&key, TTL) {
+            match other.request(&key, TTL).read().try_acquire() {
                 Err(Error::Taken { .. }) if gave_up.elapsed() < Duration::from_secs(5) => {
                     std::thread::sleep(Duration::from_millis(20))
                 }
@@ -534,10 +590,12 @@ fn a_reader_refused_by_a_full_node_does_not_cost_a_writer_its_renewal() {
     assert_eq!(locks.wait_connected(Duration::from_secs(5)).ok(), Some(3));
     let ttl = Duration::from_millis(1500);
     let r = locks
-        .try_read_lock(&unique_key("rw-oom-r"), ttl)
+        .request(&unique_key("rw-oom-r"), ttl)
+        .read()
+        .try_acquire()
         .expect("reader");
     let w = locks
-        .try_write_lock(&unique_key("rw-oom-w"), ttl)
+        .try_lock(&unique_key("rw-oom-w"), ttl)
         .expect("writer");
     r.auto_renew();
     w.auto_renew();
@@ -552,7 +610,7 @@ fn a_reader_refused_by_a_full_node_does_not_cost_a_writer_its_renewal() {
         }
     }
     std::thread::sleep(Duration::from_secs(4));
-    let (held, lost) = (w.is_held(), w.lost().try_recv().ok());
+    let (held, lost) = (w.is_held(), w.lost().check());
     for i in 1..3 {
         let _: () = redis::cmd("CONFIG")
             .arg("SET")

@@ -45,9 +45,15 @@ fn inspect_lists_every_live_reader_with_its_time_left() {
     let c = shared();
     let (a, b) = (client(c.urls()), client(c.urls()));
     let key = unique_key("rwi-readers");
-    let short = a.try_read_lock(&key, TTL).expect("first reader");
+    let short = a
+        .request(&key, TTL)
+        .read()
+        .try_acquire()
+        .expect("first reader");
     let long = b
-        .try_read_lock(&key, TTL * 3)
+        .request(&key, TTL * 3)
+        .read()
+        .try_acquire()
         .expect("second reader shares");
     // A round ends at a majority: the third node's entry may land a moment later.
     assert!(wait_until(Duration::from_secs(2), || (0..3)
@@ -104,10 +110,10 @@ fn inspect_shows_a_waiting_writer_then_the_writers_key() {
     let c = shared();
     let (a, w) = (client(c.urls()), client(c.urls()));
     let key = unique_key("rwi-intent");
-    let reader = a.try_read_lock(&key, TTL).expect("reader");
+    let reader = a.request(&key, TTL).read().try_acquire().expect("reader");
     let writer = {
         let key = key.clone();
-        std::thread::spawn(move || w.write_lock_timeout(&key, TTL, Duration::from_secs(8)))
+        std::thread::spawn(move || w.request(&key, TTL).acquire_for(Duration::from_secs(8)))
     };
     let mut seen = Vec::new();
     let marked = wait_until(Duration::from_secs(3), || {
@@ -382,7 +388,9 @@ fn inspect_runs_under_the_locks_own_acl() {
 
     let key = format!("{prefix}:set");
     let r = reader
-        .try_read_lock(&key, TTL)
+        .request(&key, TTL)
+        .read()
+        .try_acquire()
         .expect("a read lock under its ACL");
     let found = keys(&reader, &key);
     assert!(
@@ -443,7 +451,9 @@ fn a_readers_lost_copy_is_restored_under_the_read_locks_acl() {
     let key = format!("{prefix}:k");
     let on = |i: usize, token: &str| c.readers(i, &key).iter().any(|t| t == token);
     let r = locks
-        .try_read_lock(&key, Duration::from_millis(600))
+        .request(&key, Duration::from_millis(600))
+        .read()
+        .try_acquire()
         .expect("a reader under its ACL");
     assert!(
         wait_until(Duration::from_secs(2), || (0..3).all(|i| on(i, r.token()))),

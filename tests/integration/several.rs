@@ -1,4 +1,4 @@
-//! Locks of several resources (issue 23): `try_lock_all` and its forms take every
+//! Locks of several resources (issue 23): `request().and()` and its forms take every
 //! resource or none, each node voting for the whole set. Clients use `fresh_cluster(true)`
 //! on the shared throwaway nodes (the restart test starts its own).
 
@@ -39,8 +39,8 @@ fn a_node_where_one_key_is_taken_sets_none_of_the_set() {
         .arg(30_000)
         .query(&mut c.conn(0))
         .expect("SET");
-    let g = locks
-        .try_lock_all(&set, TTL)
+    let g = crate::common::request_all(&locks, &set, TTL)
+        .try_acquire()
         .expect("held on nodes 1 and 2");
     assert_eq!(g.nodes_held(), 2);
     for k in [&set[0], &set[2]] {
@@ -64,7 +64,7 @@ fn a_set_with_one_key_held_elsewhere_is_refused_and_leaves_nothing() {
     let (a, b) = (client(c.urls()), client(c.urls()));
     let set = keys("refused", 4);
     let held = a.try_lock(&set[2], TTL).expect("lock one of them");
-    match b.try_lock_all(&set, TTL) {
+    match crate::common::request_all(&b, &set, TTL).try_acquire() {
         Err(Error::Taken { .. }) => {}
         other => panic!("expected Taken, got {other:?}"),
     }
@@ -106,8 +106,8 @@ fn overlapping_sets_never_both_hold_and_never_deadlock() {
             let (inside, most) = (inside.clone(), most.clone());
             std::thread::spawn(move || {
                 for _ in 0..15 {
-                    let g = locks
-                        .lock_all_timeout(&set, TTL, Duration::from_secs(20))
+                    let g = crate::common::request_all(&locks, &set, TTL)
+                        .acquire_for(Duration::from_secs(20))
                         .expect("a set is taken in time");
                     let now = inside.fetch_add(1, Ordering::SeqCst) + 1;
                     most.fetch_max(now, Ordering::SeqCst);
@@ -143,7 +143,9 @@ fn a_set_missing_one_key_on_a_majority_is_not_extended() {
     let c = shared();
     let locks = client(c.urls());
     let set = keys("extend", 3);
-    let g = locks.try_lock_all(&set, TTL).expect("lock");
+    let g = crate::common::request_all(&locks, &set, TTL)
+        .try_acquire()
+        .expect("lock");
     assert_eq!(g.extend(TTL).ok().map(|v| v > Duration::ZERO), Some(true));
     c.del(0, &set[1]);
     c.del(1, &set[1]);
@@ -177,7 +179,9 @@ fn a_fenced_set_orders_every_resource_after_it() {
             .query(&mut c.conn(i))
             .expect("HSET");
     }
-    let g = locks.try_lock_all(&set, TTL).expect("lock");
+    let g = crate::common::request_all(&locks, &set, TTL)
+        .try_acquire()
+        .expect("lock");
     let t = g.fencing_token().expect("fenced");
     assert!(
         t > high,
@@ -205,8 +209,8 @@ fn a_renewed_set_gets_its_keys_back_on_a_node_restarted_empty() {
         .build()
         .expect("valid config");
     let set = keys("restarted", 3);
-    let g = locks
-        .try_lock_all(&set, Duration::from_secs(2))
+    let g = crate::common::request_all(&locks, &set, Duration::from_secs(2))
+        .try_acquire()
         .expect("lock");
     c.stop(2);
     c.restart(2);
@@ -252,7 +256,7 @@ fn the_largest_set_the_bounds_admit_is_taken_and_released_with_default_settings(
     one_more.push("\u{80}".to_owned());
     assert!(
         matches!(
-            locks.try_lock_all(&one_more, TTL),
+            crate::common::request_all(&locks, &one_more, TTL).try_acquire(),
             Err(Error::InvalidInput(InvalidInput::ResourcesTooLong { .. }))
         ),
         "{} names are not the most the bounds admit",
@@ -260,7 +264,7 @@ fn the_largest_set_the_bounds_admit_is_taken_and_released_with_default_settings(
     );
     for run in 0..3 {
         let started = Instant::now();
-        let g = match locks.try_lock_all(&set, TTL) {
+        let g = match crate::common::request_all(&locks, &set, TTL).try_acquire() {
             Ok(g) => g,
             Err(e) => panic!("run {run}: {} names not taken: {e}", set.len()),
         };
@@ -290,61 +294,74 @@ fn the_largest_set_the_bounds_admit_is_taken_and_released_with_default_settings(
 fn bad_sets_are_refused_with_what_is_wrong() {
     let c = shared();
     let locks = client(c.urls());
-    let none: [&str; 0] = [];
     let invalid = |r: quorumlock::Result<quorumlock::LockGuard>| match r {
         Err(Error::InvalidInput(i)) => i,
         other => panic!("expected invalid input, got {other:?}"),
     };
+    let readers = locks.request("a", TTL).and("b").read();
     assert!(matches!(
-        invalid(locks.try_lock_all(&none, TTL)),
-        InvalidInput::NoResources
+        invalid(readers.try_acquire()),
+        InvalidInput::ReadOfSeveral
     ));
     let k = unique_key("bad");
     assert!(matches!(
-        invalid(locks.lock_all(&[k.as_str(), "other", k.as_str()], TTL)),
+        invalid(locks.request(k.as_str(), TTL).and("other").and(k.as_str()).acquire()),
         InvalidInput::DuplicateResource(d) if d == k
     ));
     assert!(matches!(
-        invalid(locks.try_lock_all(&[k.as_str(), ""], TTL)),
+        invalid(locks.request(k.as_str(), TTL).and("").try_acquire()),
         InvalidInput::EmptyResource
     ));
     let long: Vec<String> = (0..17)
         .map(|i| format!("{i:02}{}", "x".repeat(quorumlock::MAX_RESOURCE_LEN - 2)))
         .collect();
     assert!(matches!(
-        invalid(locks.try_lock_all(&long, TTL)),
+        invalid(crate::common::request_all(&locks, &long, TTL).try_acquire()),
         InvalidInput::ResourcesTooLong { .. }
     ));
     assert!(matches!(
-        invalid(locks.try_lock_all(&[k.as_str(), "quorumlock:meta"], TTL)),
+        invalid(
+            locks
+                .request(k.as_str(), TTL)
+                .and("quorumlock:meta")
+                .try_acquire()
+        ),
         InvalidInput::ReservedResource(_)
     ));
     assert!(matches!(
-        invalid(locks.try_lock_all(&[k.as_str()], Duration::ZERO)),
+        invalid(locks.request(k.as_str(), Duration::ZERO).try_acquire()),
         InvalidInput::ZeroTtl
     ));
     assert!(matches!(
-        invalid(locks.lock_all_timeout(&[k.as_str(), "b"], Duration::MAX, Duration::MAX)),
+        invalid(
+            locks
+                .request(k.as_str(), Duration::MAX)
+                .and("b")
+                .acquire_for(Duration::MAX)
+        ),
         InvalidInput::TtlTooLong(_)
     ));
     // Nothing was sent: no key exists.
     assert_eq!(c.get(0, &k), None);
 }
 
-/// `with_lock_all` renews the set while the closure runs and releases every key after.
+/// `run` renews the set while the closure runs and releases every key after.
 #[test]
 fn with_lock_all_releases_every_key() {
     let c = shared();
     let locks = client(c.urls());
     let set = keys("with", 3);
-    let held = locks
-        .with_lock_all(&set, TTL, |g| {
-            assert!(g.is_auto_renewed());
-            set.iter()
-                .map(|k| c.holders(k, g.token()))
-                .collect::<Vec<_>>()
+    let held = crate::common::request_all(&locks, &set, TTL)
+        .acquire()
+        .and_then(|g| {
+            g.run(|g| {
+                assert!(g.is_auto_renewed());
+                set.iter()
+                    .map(|k| c.holders(k, g.token()))
+                    .collect::<Vec<_>>()
+            })
         })
-        .expect("with_lock_all");
+        .expect("run");
     // Every key held with the set's token on a majority (a round ends at one).
     assert!(held.iter().all(|&n| n >= 2), "{held:?}");
     for k in &set {

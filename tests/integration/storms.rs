@@ -129,7 +129,7 @@ fn releases_in_another_database_do_not_use_up_lock_attempts() {
 }
 
 /// While a holder keeps `key`, a storm of forged messages (a fresh notice each, as fast
-/// as one connection publishes, on every node) for 1.2 s drives a `lock_timeout` waiter
+/// as one connection publishes, on every node) for 1.2 s drives a `acquire_for` waiter
 /// to at most three extra rounds per retry pause (100 ms here), where it ran 715–1,729
 /// rounds; a `lock()` waiter (3 attempts 1.5 s apart) keeps its attempts through the
 /// storm; both get the lock when the holder releases after it.
@@ -147,7 +147,8 @@ fn a_forged_message_storm_costs_at_most_a_round_per_retry_pause() {
         let key = key.clone();
         move || {
             timed
-                .lock_timeout(&key, Duration::from_secs(5), Duration::from_secs(10))
+                .request(&key, Duration::from_secs(5))
+                .acquire_for(Duration::from_secs(10))
                 .map(|g| g.release())
         }
     });
@@ -180,7 +181,7 @@ fn a_forged_message_storm_costs_at_most_a_round_per_retry_pause() {
     };
     assert!(
         t1 - t0 <= bound(Duration::from_millis(100)),
-        "lock_timeout ran {} rounds in a {during:?} storm of {sent} messages",
+        "acquire_for ran {} rounds in a {during:?} storm of {sent} messages",
         t1 - t0
     );
     assert!(
@@ -194,7 +195,7 @@ fn a_forged_message_storm_costs_at_most_a_round_per_retry_pause() {
     let b = counted_lock.join().expect("lock()");
     assert!(
         matches!(a, Ok(Ok(()))),
-        "lock_timeout after the storm: {a:?}"
+        "acquire_for after the storm: {a:?}"
     );
     assert!(matches!(b, Ok(Ok(()))), "lock() after the storm: {b:?}");
 }

@@ -16,7 +16,7 @@ const TTL: Duration = Duration::from_secs(5);
 /// TLS handshakes on a loaded 2-core machine: generous.
 const NODE_TIMEOUT: Duration = Duration::from_millis(500);
 
-/// The minimal ACL the README documents (keys restricted to the locks'
+/// The minimal ACL the crate's docs give (keys restricted to the locks'
 /// prefix, here `test:lock:*`, and the crate's own `quorumlock:meta`; the release
 /// channels of those keys for the wake-ups).
 const MINIMAL_ACL: &[&str] = &[
@@ -413,7 +413,8 @@ fn an_acl_user_with_only_the_lock_commands_works_and_its_password_stays_hidden()
     let wait_key = key.clone();
     let waiter = std::thread::spawn(move || {
         let g = waiting
-            .lock_timeout(&wait_key, TTL, Duration::from_secs(20))
+            .request(&wait_key, TTL)
+            .acquire_for(Duration::from_secs(20))
             .expect("the waiter locks");
         let got = std::time::Instant::now();
         g.release().expect("release");
@@ -460,7 +461,7 @@ fn an_acl_user_with_only_the_lock_commands_works_and_its_password_stays_hidden()
     assert!(!msg.contains("not-the-pass"), "{msg}");
 }
 
-/// Read locks under an ACL: the README's minimal user plus the sorted-set commands takes
+/// Read locks under an ACL: the docs' minimal user plus the sorted-set commands takes
 /// them (readers share, a writer is refused beside them, the last reader out lets it in);
 /// the minimal user alone is refused by the nodes, and says so, on a read lock
 /// and on a write lock of a resource that readers hold.
@@ -475,17 +476,16 @@ fn read_locks_need_the_sorted_set_commands_and_say_so_without_them() {
         user("reader:read-pass@"),
         user("reader:read-pass@"),
     );
-    let a = lock_soon_with(|| r1.try_read_lock(&key, TTL)).expect("the reader user reads");
-    let b = lock_soon_with(|| r2.try_read_lock(&key, TTL)).expect("a second reader shares");
-    assert!(matches!(
-        w.try_write_lock(&key, TTL),
-        Err(Error::Taken { .. })
-    ));
+    let a = lock_soon_with(|| r1.request(&key, TTL).read().try_acquire())
+        .expect("the reader user reads");
+    let b = lock_soon_with(|| r2.request(&key, TTL).read().try_acquire())
+        .expect("a second reader shares");
+    assert!(matches!(w.try_lock(&key, TTL), Err(Error::Taken { .. })));
     let minimal = user("locker:lock-pass@");
     for (what, r) in [
         (
             "a read lock",
-            lock_soon_with(|| minimal.try_read_lock(&key, TTL)),
+            lock_soon_with(|| minimal.request(&key, TTL).read().try_acquire()),
         ),
         (
             "a write lock beside readers",
@@ -516,7 +516,7 @@ fn read_locks_need_the_sorted_set_commands_and_say_so_without_them() {
         }
     }
     drop((a, b));
-    w.try_write_lock(&key, TTL)
+    w.try_lock(&key, TTL)
         .expect("the writer once the readers left")
         .release()
         .expect("release");
@@ -608,7 +608,8 @@ fn a_tls_url_to_a_plain_node_and_a_plain_url_to_a_tls_node_fail_clearly() {
         .expect("valid config");
     let start = Instant::now();
     let err = locks
-        .lock_timeout(&unique_key("lock:mixed"), TTL, Duration::from_secs(2))
+        .request(&unique_key("lock:mixed"), TTL)
+        .acquire_for(Duration::from_secs(2))
         .expect_err("no lock over a plain connection to a TLS port");
     assert!(err.is_retryable(), "{err}");
     // Bounded like any failing node: the wait, plus an attempt's bound.

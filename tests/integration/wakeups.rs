@@ -93,7 +93,8 @@ fn waiter(locks: Arc<Redlock>, key: &str) -> std::thread::JoinHandle<(Instant, S
     let key = key.to_owned();
     std::thread::spawn(move || {
         let g = locks
-            .lock_timeout(&key, TTL, Duration::from_secs(20))
+            .request(&key, TTL)
+            .acquire_for(Duration::from_secs(20))
             .expect("the waiter gets the lock");
         let got = (Instant::now(), g.token().to_owned());
         g.release().expect("release");
@@ -116,8 +117,8 @@ fn release_then_join(
 /// `locks` (up to 20 s), lets it subscribe, and returns it.
 fn set_waiter(locks: Arc<Redlock>, set: [String; 2]) -> std::thread::JoinHandle<(Instant, String)> {
     let w = std::thread::spawn(move || {
-        let g = locks
-            .lock_all_timeout(&set, TTL, Duration::from_secs(20))
+        let g = crate::common::request_all(&locks, &set, TTL)
+            .acquire_for(Duration::from_secs(20))
             .expect("the set's waiter gets it");
         let got = (Instant::now(), g.token().to_owned());
         g.release().expect("release");
@@ -220,7 +221,9 @@ fn a_failed_attempts_undo_wakes_nobody() {
         == 3));
     c.del(2, &key);
     let (waiting, attempts) = counted(c.urls(), Duration::from_millis(300));
-    let r = waiting.lock_timeout(&key, TTL, Duration::from_millis(1500));
+    let r = waiting
+        .request(&key, TTL)
+        .acquire_for(Duration::from_millis(1500));
     assert!(r.is_err(), "the holder holds it on 2 of 3 nodes");
     // 1.5 s of 300 ms pauses, and the retry after subscribing: about 7.
     let n = attempts.get();
@@ -290,7 +293,8 @@ fn a_waiter_follows_a_dead_holder_at_its_expiry() {
     dead_holder(&c, &key, Duration::from_millis(300));
     let start = Instant::now();
     let g = waiting
-        .lock_timeout(&key, TTL, Duration::from_secs(20))
+        .request(&key, TTL)
+        .acquire_for(Duration::from_secs(20))
         .expect("the waiter gets the lock");
     let took = start.elapsed();
     // Below the fallback's cap (1 s), so that only the expiry explains it.
@@ -325,7 +329,7 @@ fn a_set_waiter_is_woken_by_the_release_of_one_of_its_keys() {
 }
 
 /// A lock of several is woken by a release of any of its keys, a hint: those tries do not
-/// use up `lock_all`'s attempts, which stay a retry pause apart. Behind a long holder of
+/// use up `request().and().acquire`'s attempts, which stay a retry pause apart. Behind a long holder of
 /// one key and a stream of releases of the other, 3 attempts 2 s apart gave up after a
 /// few of those releases (about 150 ms).
 #[test]
@@ -357,14 +361,14 @@ fn lock_all_is_not_used_up_by_releases_of_one_of_its_keys() {
         .build()
         .expect("valid config");
     let start = Instant::now();
-    let r = waiting.lock_all(&[a.as_str(), b.as_str()], TTL);
+    let r = waiting.request(a.as_str(), TTL).and(b.as_str()).acquire();
     let took = start.elapsed();
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     churn.join().expect("churn");
     assert!(r.is_err(), "a is held throughout");
     assert!(
         took >= Duration::from_millis(3500),
-        "lock_all with 3 attempts 2 s apart gave up after {took:?}"
+        "request().and().acquire with 3 attempts 2 s apart gave up after {took:?}"
     );
     drop(g);
 }
@@ -409,7 +413,8 @@ fn a_waiter_follows_a_dead_holder_on_a_bare_majority_at_its_expiry() {
     }
     let start = Instant::now();
     let g = waiting
-        .lock_timeout(&key, TTL, Duration::from_secs(20))
+        .request(&key, TTL)
+        .acquire_for(Duration::from_secs(20))
         .expect("the waiter gets the lock");
     let took = start.elapsed();
     assert!(
@@ -467,7 +472,8 @@ fn a_forged_message_behind_a_renewed_holder_costs_one_retry() {
         let key = key.clone();
         move || {
             waiting
-                .lock_timeout(&key, TTL, Duration::from_secs(3))
+                .request(&key, TTL)
+                .acquire_for(Duration::from_secs(3))
                 .is_err()
         }
     });
@@ -507,7 +513,9 @@ fn a_freed_key_without_a_message_costs_at_most_the_fallback_cap() {
     let w = std::thread::spawn({
         let key = key.clone();
         move || {
-            let g = waiting.lock_timeout(&key, TTL, Duration::from_secs(20));
+            let g = waiting
+                .request(&key, TTL)
+                .acquire_for(Duration::from_secs(20));
             (Instant::now(), g.map(|g| g.release()).is_ok())
         }
     });
@@ -577,7 +585,9 @@ fn a_renewed_holder_does_not_make_its_waiter_poll_faster() {
     let key = unique_key("renewed-holder");
     let (_holder, g) = renewed_holder(&c, &key);
     let (waiting, attempts) = counted(c.urls(), Duration::from_secs(1));
-    let r = waiting.lock_timeout(&key, TTL, Duration::from_secs(3));
+    let r = waiting
+        .request(&key, TTL)
+        .acquire_for(Duration::from_secs(3));
     assert!(r.is_err(), "the holder renews its lock");
     assert!(g.is_held(), "the holder lost its lock");
     // The first attempt, the one after subscribing, one at the expiry it read (within
@@ -647,8 +657,9 @@ fn two_clients_with_local_queues_share_one_key() {
             let (locks, count, key) = (locks.clone(), count.clone(), key.clone());
             threads.push(std::thread::spawn(move || {
                 while start.elapsed() < run {
-                    if let Ok(g) =
-                        locks.lock_timeout(&key, Duration::from_millis(500), Duration::from_secs(1))
+                    if let Ok(g) = locks
+                        .request(&key, Duration::from_millis(500))
+                        .acquire_for(Duration::from_secs(1))
                     {
                         std::thread::sleep(Duration::from_millis(2));
                         count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -698,7 +709,8 @@ fn a_node_that_never_answers_does_not_hold_the_wake_ups_back() {
     let holder = client(Duration::from_millis(100), None);
     let key = unique_key("woken-past-a-hole");
     let g = holder
-        .lock_timeout(&key, TTL, Duration::from_secs(5))
+        .request(&key, TTL)
+        .acquire_for(Duration::from_secs(5))
         .expect("lock on 2 of 3");
     let attempts = Arc::new(Attempts::default());
     let w = waiter(
@@ -776,7 +788,7 @@ fn a_new_owner_with_less_time_left_is_not_taken_for_a_forged_message() {
     let waiter = {
         let (w, key) = (w.clone(), key.clone());
         std::thread::spawn(move || {
-            let g = w.lock_timeout(&key, long, Duration::from_secs(5));
+            let g = w.request(&key, long).acquire_for(Duration::from_secs(5));
             (Instant::now(), g.map(|g| g.release()))
         })
     };
@@ -798,12 +810,17 @@ fn a_new_owner_with_less_time_left_is_not_taken_for_a_forged_message() {
     // A reader behind a writer's intent: the last reader out lets the writer in (5 ms),
     // and the reader must hear the writer's release.
     let key = unique_key("wake-reader");
-    let r0 = a.try_read_lock(&key, long).expect("a reader");
+    let r0 = a
+        .request(&key, long)
+        .read()
+        .try_acquire()
+        .expect("a reader");
     let writer = {
         let (b, key) = (b.clone(), key.clone());
         std::thread::spawn(move || {
             let g = b
-                .lock_timeout(&key, long, Duration::from_secs(5))
+                .request(&key, long)
+                .acquire_for(Duration::from_secs(5))
                 .expect("the writer");
             std::thread::sleep(Duration::from_millis(5));
             let released = Instant::now();
@@ -815,7 +832,10 @@ fn a_new_owner_with_less_time_left_is_not_taken_for_a_forged_message() {
     let reader = {
         let (w, key) = (w.clone(), key.clone());
         std::thread::spawn(move || {
-            let g = w.read_lock_timeout(&key, long, Duration::from_secs(5));
+            let g = w
+                .request(&key, long)
+                .read()
+                .acquire_for(Duration::from_secs(5));
             (Instant::now(), g.map(|g| g.release()))
         })
     };

@@ -41,7 +41,8 @@ fn renewal_keeps_a_lock_through_a_section_three_times_its_ttl() {
     g.release().unwrap();
     let t = Instant::now();
     let r = rival
-        .lock_timeout(&key, TTL, Duration::from_secs(2))
+        .request(&key, TTL)
+        .acquire_for(Duration::from_secs(2))
         .expect("rival acquires after release");
     assert!(t.elapsed() < TTL / 2, "took {:?}", t.elapsed());
     drop(r);
@@ -64,15 +65,18 @@ fn without_renewal_the_lock_expires_after_its_ttl() {
 #[test]
 fn losing_the_majority_fires_the_loss_channel_within_about_a_ttl() {
     let c = Cluster::start(3);
-    let lost_calls = Arc::new(AtomicUsize::new(0));
-    let counter = lost_calls.clone();
+    struct CountLost(AtomicUsize);
+    impl quorumlock::EventHandler for CountLost {
+        fn on_lost(&self, _: &quorumlock::LostEvent<'_>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    let lost_calls = Arc::new(CountLost(AtomicUsize::new(0)));
     let locks = Redlock::builder()
         .fresh_cluster(true)
         .nodes(c.urls())
         .auto_renew(true)
-        .on_lost(move |_, _| {
-            counter.fetch_add(1, Ordering::SeqCst);
-        })
+        .events(lost_calls.clone())
         .build()
         .unwrap();
     let g = locks.lock(&unique_key("majority-lost"), TTL).unwrap();
@@ -81,7 +85,7 @@ fn losing_the_majority_fires_the_loss_channel_within_about_a_ttl() {
     c.stop(2);
     let t = Instant::now();
     let why = lost
-        .recv_timeout(TTL * 3)
+        .wait_timeout(TTL * 3)
         .expect("loss reported within three TTLs");
     assert!(
         t.elapsed() < TTL + TTL / 2,
@@ -90,8 +94,9 @@ fn losing_the_majority_fires_the_loss_channel_within_about_a_ttl() {
     );
     assert!(matches!(why, Error::Expired), "{why:?}");
     assert!(g.is_lost() && !g.is_held());
-    // The callback runs on its own thread, just after the channel fires.
+    // The event comes just after the signal.
     assert!(wait_until(Duration::from_secs(1), || lost_calls
+        .0
         .load(Ordering::SeqCst)
         == 1));
     // Dropping a lost guard with most nodes down returns promptly.
@@ -121,7 +126,7 @@ fn a_key_deleted_behind_the_holders_back_is_lost_at_the_next_renewal() {
     c.del(1, &key);
     let why = g
         .lost()
-        .recv_timeout(TTL)
+        .wait_timeout(TTL)
         .expect("loss detected at the next renewal");
     assert!(matches!(why, Error::Expired), "{why:?}");
     assert!(!g.is_held());
@@ -165,8 +170,8 @@ fn release_stops_renewal_for_good() {
         "{released:?}"
     );
     assert!(
-        lost.recv().is_err(),
-        "released: the loss channel disconnects"
+        lost.wait().is_none(),
+        "released: the loss signal ends without a reason"
     );
     assert_never_renewed_again(&c, &key);
 }
@@ -188,11 +193,14 @@ fn with_lock_renews_during_the_closure_and_releases_after() {
     let locks = client(c.urls(), false);
     let rival = client(c.urls(), false);
     let out = locks
-        .with_lock(&key, TTL, |g| {
-            assert!(g.is_auto_renewed());
-            std::thread::sleep(TTL * 2);
-            assert!(rival.try_lock(&key, TTL).is_err());
-            g.is_held()
+        .lock(&key, TTL)
+        .and_then(|g| {
+            g.run(|g| {
+                assert!(g.is_auto_renewed());
+                std::thread::sleep(TTL * 2);
+                assert!(rival.try_lock(&key, TTL).is_err());
+                g.is_held()
+            })
         })
         .unwrap();
     assert!(out, "held through the whole closure");
@@ -200,7 +208,9 @@ fn with_lock_renews_during_the_closure_and_releases_after() {
 
     // A panicking closure still releases.
     let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let _ = locks.with_lock(&key, TTL, |_| panic!("boom"));
+        let _ = locks
+            .lock(&key, TTL)
+            .and_then(|g| g.run(|_| panic!("boom")));
     }));
     assert!(panicked.is_err());
     assert!(c.gone_everywhere(&key, Duration::from_secs(1)));
@@ -211,14 +221,16 @@ fn with_lock_reports_a_loss_during_the_closure() {
     let c = shared();
     let key = unique_key("with-lock-lost");
     let locks = client(c.urls(), false);
-    let r = locks.with_lock(&key, TTL, |g| {
-        // Every copy first (a new client's SET may reach a node after its
-        // round), then two of them deleted.
-        wait_until(Duration::from_secs(2), || c.holders(&key, g.token()) == 3);
-        c.del(0, &key);
-        c.del(1, &key);
-        let _ = g.lost().recv_timeout(TTL * 2);
-        42
+    let r = locks.lock(&key, TTL).and_then(|g| {
+        g.run(|g| {
+            // Every copy first (a new client's SET may reach a node after its
+            // round), then two of them deleted.
+            wait_until(Duration::from_secs(2), || c.holders(&key, g.token()) == 3);
+            c.del(0, &key);
+            c.del(1, &key);
+            let _ = g.lost().wait_timeout(TTL * 2);
+            42
+        })
     });
     assert!(matches!(r, Err(Error::Expired)), "{r:?}");
 }
@@ -274,7 +286,7 @@ fn locks_renewed_together_survive_nodes_a_few_milliseconds_away() {
         .collect();
     std::thread::sleep(ttl * 3);
     for (i, g) in guards.iter().enumerate() {
-        assert!(g.is_held(), "lock {i} lost: {:?}", g.lost().try_recv().ok());
+        assert!(g.is_held(), "lock {i} lost: {:?}", g.lost().check());
     }
     drop(guards);
 }

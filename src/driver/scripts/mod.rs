@@ -126,7 +126,7 @@ if string.byte(ARGV[4], 1) == 114 then
   out[6] = 1
   return out
 end
--- Several keys are one lock (`try_lock_all`): all or nothing. Where any
+-- Several keys are one lock (`request().and()`): all or nothing. Where any
 -- has another owner or live readers, none is set (a free one answers as
 -- held with no time left: its PTTL is -2). Where any has another owner
 -- (`owned`), readers are not the only obstacle here: no intent.

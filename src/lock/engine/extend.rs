@@ -121,10 +121,7 @@ impl Engine {
                         ttl,
                     }),
                     Err(e @ (Error::NotOwner { .. } | Error::Expired)) => {
-                        // The callback is the watchdog's (as documented): a
-                        // manual extend returns the error to its caller.
-                        let callback = if loud { self.on_lost.as_ref() } else { None };
-                        lost_now = state.lose(e, callback, loud);
+                        lost_now = state.lose(e, loud);
                     }
                     Err(_) => {}
                 }

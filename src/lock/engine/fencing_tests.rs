@@ -142,7 +142,7 @@ fn a_node_that_lost_its_counters_restarts_them_from_its_clock() {
     // saw the lock) grant the next one, after the restart hold.
     nodes.wipe(1);
     nodes.set_mode(0, Mode::Down);
-    let t2 = locks.lock_timeout("r", TTL, 2 * TTL).unwrap();
+    let t2 = locks.request("r", TTL).acquire_for(2 * TTL).unwrap();
     let t2 = t2.fencing_token().unwrap();
     assert!(t2 > t1, "{t2} after {t1}");
     // The same with node 1's and node 2's clocks behind by more than the
@@ -155,7 +155,7 @@ fn a_node_that_lost_its_counters_restarts_them_from_its_clock() {
     // Node 2 kept its counter (t2 was written back there): it still
     // wins. Wipe it too, as a whole-cluster data loss would.
     nodes.wipe(2);
-    let t3 = locks.lock_timeout("r", TTL, 2 * TTL).unwrap();
+    let t3 = locks.request("r", TTL).acquire_for(2 * TTL).unwrap();
     let t3 = t3.fencing_token().unwrap();
     assert!(t3 < t2, "assumption broken: {t3} after {t2}");
 }

@@ -16,7 +16,8 @@ fn young_nodes() -> (std::sync::Arc<FakeNodes>, std::sync::Arc<ManualClock>) {
     let (warm, nodes, clock) = client_with(3, Settings::default());
     // A brand-new cluster waits once, for the first TTL used on it.
     let g = warm
-        .lock_timeout("warm", SHORT, 3 * SHORT)
+        .request("warm", SHORT)
+        .acquire_for(3 * SHORT)
         .expect("after one TTL");
     drop(g);
     clock.advance(2 * SHORT);

@@ -21,7 +21,7 @@ use crate::clock::{after, Clock, Rng, Throttle};
 use crate::error::{Error, InvalidInput};
 use crate::lock::queue::{Queues, Turn};
 use crate::lock::settings::Settings;
-use crate::lock::state::{Callbacks, LockState, LostCallback};
+use crate::lock::state::LockState;
 use crate::lock::transport::Transport;
 use crate::lock::watchdog::{Renew, Watchdog};
 use crate::Result;
@@ -90,7 +90,6 @@ pub(crate) struct Engine {
     pub(crate) settings: Settings,
     pub(crate) transport: Box<dyn Transport>,
     pub(crate) clock: Arc<dyn Clock>,
-    pub(crate) on_lost: Option<Callbacks>,
     rng: Rng,
     warned: Vec<Throttle>,
     queues: Arc<Queues>,
@@ -121,7 +120,6 @@ impl Engine {
         transport: Box<dyn Transport>,
         clock: Arc<dyn Clock>,
         rng: Rng,
-        on_lost: Option<Arc<LostCallback>>,
     ) -> Arc<Engine> {
         let warned = transport
             .node_names()
@@ -147,7 +145,6 @@ impl Engine {
             settings,
             transport,
             clock: clock.clone(),
-            on_lost: on_lost.and_then(Callbacks::spawn),
             rng,
             warned,
             queues: Arc::new(Queues::new(clock.clone())),
@@ -183,7 +180,7 @@ impl Engine {
 
     /// The most a call for a lock of `keys` keys may wait: `lock()` gets
     /// `retry_count × (retry_delay + retry_jitter + node_timeout)` (one more
-    /// node timeout per 200 keys of a set), `lock_timeout()` its own wait.
+    /// node timeout per 200 keys of a set), `acquire_for()` its own wait.
     pub(crate) fn wait_deadline(&self, budget: Budget, keys: usize) -> Instant {
         let s = &self.settings;
         match budget {
@@ -350,7 +347,7 @@ impl Renew for Engine {
     }
 
     fn expire(&self, state: &LockState) {
-        if state.lose(&Error::Expired, self.on_lost.as_ref(), true) {
+        if state.lose(&Error::Expired, true) {
             self.lost_event(state, &Error::Expired);
         }
     }

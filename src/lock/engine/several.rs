@@ -1,4 +1,4 @@
-//! Locks of several resources (`Redlock::try_lock_all`): one token, one key
+//! Locks of several resources (`LockRequest::and`): one token, one key
 //! per resource on every node, held as one lock.
 //!
 //! On a node, the acquire script sets every key of the lock or none (see
@@ -21,13 +21,9 @@ use crate::MAX_RESOURCES_LEN;
 
 use super::{validate_resource, Engine};
 
-/// Checks the resources of a lock of several: at least one, each a valid
-/// name, none twice, at most [`MAX_RESOURCES_LEN`] bytes in all. Returns
-/// them as owned names, in the order given.
-pub(crate) fn validate_resources<S: AsRef<str>>(resources: &[S]) -> Result<Vec<String>> {
-    if resources.is_empty() {
-        return Err(InvalidInput::NoResources.into());
-    }
+/// Checks the resources of a lock of several: each a valid name, none
+/// twice, at most [`MAX_RESOURCES_LEN`] bytes in all.
+pub(crate) fn validate_resources<S: AsRef<str>>(resources: &[S]) -> Result<()> {
     let total = resources
         .iter()
         .fold(0usize, |n, r| n.saturating_add(r.as_ref().len()));
@@ -46,7 +42,7 @@ pub(crate) fn validate_resources<S: AsRef<str>>(resources: &[S]) -> Result<Vec<S
             return Err(InvalidInput::DuplicateResource(r.to_owned()).into());
         }
     }
-    Ok(resources.iter().map(|r| r.as_ref().to_owned()).collect())
+    Ok(())
 }
 
 impl Engine {
@@ -124,7 +120,7 @@ mod tests {
     use crate::clock::Clock;
     use crate::error::Error;
 
-    fn invalid(r: Result<Vec<String>>) -> InvalidInput {
+    fn invalid(r: Result<()>) -> InvalidInput {
         match r {
             Err(Error::InvalidInput(i)) => i,
             other => panic!("expected invalid input, got {other:?}"),
@@ -133,11 +129,6 @@ mod tests {
 
     #[test]
     fn resources_of_one_lock_are_named_once_and_bounded() {
-        let none: [&str; 0] = [];
-        assert!(matches!(
-            invalid(validate_resources(&none)),
-            InvalidInput::NoResources
-        ));
         assert!(matches!(
             invalid(validate_resources(&["a", "b", "a"])),
             InvalidInput::DuplicateResource(d) if d == "a"
@@ -155,8 +146,8 @@ mod tests {
             InvalidInput::ResourcesTooLong { len, max } if len > max && max == MAX_RESOURCES_LEN
         ));
         let fine: Vec<String> = (0..16).map(|i| format!("{i:04}{}", &long[4..])).collect();
-        assert_eq!(validate_resources(&fine).unwrap(), fine);
-        assert_eq!(validate_resources(&["b", "a"]).unwrap(), ["b", "a"]);
+        assert!(validate_resources(&fine).is_ok());
+        assert!(validate_resources(&["b", "a"]).is_ok());
     }
 
     /// `n` distinct names, shortest first (one ASCII byte, then two): the
@@ -186,7 +177,9 @@ mod tests {
         let drift = crate::algorithm::quorum::drift_allowance(ttl, 0.01);
         let set = shortest(1_000);
         let start = clock.now();
-        let g = locks.try_lock_all(&set, ttl).unwrap();
+        let g = crate::testing::request_all(&locks, &set, ttl)
+            .try_acquire()
+            .unwrap();
         assert_eq!(clock.now() - start, timeout * 6, "acquire");
         assert_eq!(g.validity(), ttl - timeout * 6 - drift);
         let start = clock.now();
@@ -214,7 +207,7 @@ mod tests {
         nodes.set_mode(2, Mode::Hung);
         let set = shortest(1_000);
         let start = clock.now();
-        match locks.try_lock_all(&set, ttl) {
+        match crate::testing::request_all(&locks, &set, ttl).try_acquire() {
             Err(Error::ValidityExhausted { .. }) => {}
             other => panic!("{other:?}"),
         }

@@ -264,7 +264,7 @@ fn lock_timeout_keeps_trying_until_the_wait_is_over() {
     let (locks, nodes, clock) = client(3);
     let holder = locks.try_lock("r", TTL).unwrap();
     let t0 = clock.now();
-    assert!(locks.lock_timeout("r", TTL, 2 * TTL / 10).is_err());
+    assert!(locks.request("r", TTL).acquire_for(2 * TTL / 10).is_err());
     let waited = clock.now() - t0;
     assert!(
         waited >= 2 * TTL / 10 && waited <= 2 * TTL / 10 + 2 * MS,
@@ -273,7 +273,7 @@ fn lock_timeout_keeps_trying_until_the_wait_is_over() {
     // It succeeds once the holder's key expires inside the wait.
     nodes.set_mode(0, Mode::Up);
     drop(holder);
-    let g = locks.lock_timeout("r", TTL, TTL).unwrap();
+    let g = locks.request("r", TTL).acquire_for(TTL).unwrap();
     assert!(g.is_held());
 }
 
@@ -417,7 +417,10 @@ fn a_brand_new_cluster_waits_one_ttl_unless_declared_fresh() {
     let (_, nodes, clock) = client_with(3, Settings::default());
     let y = client_over(&nodes, Settings::default());
     let t0 = clock.now();
-    let g = y.lock_timeout("r", TTL, 2 * TTL).expect("after one ttl");
+    let g = y
+        .request("r", TTL)
+        .acquire_for(2 * TTL)
+        .expect("after one ttl");
     let waited = clock.now() - t0;
     assert!(waited >= TTL && waited < TTL + TTL / 2, "{waited:?}");
     drop(g);
@@ -499,40 +502,27 @@ fn huge_and_reserved_resource_names_are_refused_before_any_io() {
     assert!(locks.try_lock(&longest, TTL).is_ok());
 }
 
-/// `with_lock` must not report success for work that finished after the
+/// `run` must not report success for work that finished after the
 /// lock's validity, even while the keys (which live the full TTL, a
 /// drift allowance longer) are still ours on the nodes.
 #[test]
 fn with_lock_reports_work_that_outlived_its_validity() {
     let (locks, _, clock) = client(3);
     let ttl = TTL;
-    let r = locks.with_lock("r", ttl, |g| {
-        // Past the deadline, before the keys expire on the nodes.
-        let past = g.validity() + MS;
-        clock.advance(past);
-        assert!(!g.is_held());
+    let r = locks.lock("r", ttl).and_then(|g| {
+        g.run(|g| {
+            // Past the deadline, before the keys expire on the nodes.
+            let past = g.validity() + MS;
+            clock.advance(past);
+            assert!(!g.is_held());
+        })
     });
     assert!(matches!(r, Err(Error::Expired)), "{r:?}");
     // Work done in time is still Ok.
-    assert!(locks.with_lock("s", ttl, |_| clock.advance(MS)).is_ok());
-}
-
-/// `on_lost` is the watchdog's callback; a failed manual `extend`
-/// reports to its caller and must not run it on the caller's thread.
-#[test]
-fn a_failed_manual_extend_does_not_run_on_lost() {
-    use std::sync::atomic::AtomicUsize;
-    let calls = Arc::new(AtomicUsize::new(0));
-    let seen = calls.clone();
-    let (locks, nodes, _) = crate::testing::fake::client_with_on_lost(3, move |_, _| {
-        seen.fetch_add(1, Ordering::SeqCst);
-    });
-    let g = locks.try_lock("r", TTL).unwrap();
-    nodes.del(0, "r");
-    nodes.del(1, "r");
-    assert!(matches!(g.extend(TTL), Err(Error::Expired)));
-    assert!(g.is_lost());
-    assert_eq!(calls.load(Ordering::SeqCst), 0);
+    assert!(locks
+        .lock("s", ttl)
+        .and_then(|g| g.run(|_| clock.advance(MS)))
+        .is_ok());
 }
 
 /// Extensions never shorten a lock: one too short to survive its own

@@ -292,7 +292,7 @@ impl Checker {
     }
 
     /// The section's holder is done. `told_held`: what the API told it at
-    /// the end (no loss reported, validity left, `with_lock` returned Ok).
+    /// the end (no loss reported, validity left, `run` returned Ok).
     pub(crate) fn end(&mut self, id: usize, now: u64, told_held: bool) {
         let Some(mut s) = self.sections.remove(&id) else {
             return;

@@ -33,7 +33,7 @@ fn young_nodes(ctx: &Arc<Ctx>) {
         ctx.fault(Fault::Restart { node, wipe: true });
     }
     let warm = ctx.client(ctx.plan.settings.clone());
-    if let Ok(g) = warm.lock_timeout("w", T(100), T(1_000)) {
+    if let Ok(g) = warm.request("w", T(100)).acquire_for(T(1_000)) {
         let _ = g.release();
     }
     ctx.sleep_until(400);

@@ -376,7 +376,7 @@ fn client(ctx: &Ctx, settings: Settings, seed: u64) -> Redlock {
             settings.rules(),
         ))
     };
-    Redlock::from_parts(settings, transport, clock, Rng::new(seed), None)
+    Redlock::from_parts(settings, transport, clock, Rng::new(seed))
 }
 
 fn main_thread(ctx: &Arc<Ctx>, mut rng: SimRng) {
@@ -447,7 +447,7 @@ fn probe(ctx: &Ctx, clock: &SimClock) {
         .chain(["fresh".to_owned()])
     {
         let foreign = ctx.foreign(&r);
-        match locks.lock_timeout(&r, ttl, wait) {
+        match locks.request(&r, ttl).acquire_for(wait) {
             // (The grant is flagged as such a lock's.)
             Ok(g) if foreign => {
                 ctx.grant(&g, "probe");

@@ -183,9 +183,9 @@ pub(crate) struct Plan {
     /// Releases wake the waiters of other clients (see
     /// [`crate::testing::sim::wakeups`]); off, they poll.
     pub(crate) wakeups: bool,
-    /// Some sections are locks of several resources (`lock_all`).
+    /// Some sections are locks of several resources (`request().and().acquire`).
     pub(crate) sets: bool,
-    /// Some sections are read locks (`try_read_lock` and its kin), beside
+    /// Some sections are read locks (`read().try_acquire` and its kin), beside
     /// writers of the same resources.
     pub(crate) readers: bool,
     /// The nodes' scripts with a reader-writer rule broken (see

@@ -65,7 +65,7 @@ fn a_local_waiter_stops_waiting_when_the_holders_lock_runs_out() {
         let waiter = {
             let (ctx, locks) = (ctx.clone(), locks.clone());
             move || {
-                let got = locks.lock_timeout("r", T(100), T(800));
+                let got = locks.request("r", T(100)).acquire_for(T(800));
                 let at = ctx.now();
                 match got {
                     Ok(g) if at < 400 * MS => {
@@ -323,7 +323,8 @@ fn a_new_cluster_waits_once_for_its_first_ttl() {
             let g = first.try_lock("a", T(100));
             assert!(g.is_err(), "a brand-new cluster granted a lock at once");
             let g = first
-                .lock_timeout("a", T(100), T(1_000))
+                .request("a", T(100))
+                .acquire_for(T(1_000))
                 .expect("after the hold");
             let id = ctx.grant(&g, "first");
             let _ = g.release();
@@ -446,7 +447,7 @@ fn a_hand_over_at_the_waiters_deadline_is_never_orphaned() {
                 move || {
                     ctx.sleep_until(10);
                     // Deadline at 60 ms, when the holder hands over.
-                    if let Ok(w) = locks.lock_timeout("r", T(1_000), T(50)) {
+                    if let Ok(w) = locks.request("r", T(1_000)).acquire_for(T(50)) {
                         let id = ctx.grant(&w, "waiter");
                         let _ = w.release();
                         ctx.end(id, true);

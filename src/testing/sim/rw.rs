@@ -2,7 +2,7 @@
 //! `workload::reader` (with [`Plan::readers`]: see [`run_rw`](super::run_rw));
 //! here, the schedules of a writer behind a stream of readers: on a calm
 //! network with healthy nodes, readers overlap without a gap on one key,
-//! and a writer that waits for it (`write_lock_timeout`, `lock_timeout`)
+//! and a writer that waits for it (`acquire_for`, `acquire_for`)
 //! must get in within one reader TTL, a retry pause and a few rounds of its
 //! call ([`Kind::WriterStarved`]): a waiting writer's intent keeps new
 //! readers out, so only those in already are waited for. Every other
@@ -99,7 +99,10 @@ fn stream(ctx: &Arc<Ctx>, mut rng: SimRng, short_writer: bool) {
             let clock = ctx2.clock();
             clock.sleep(reader_ttl * n / readers);
             while !done.load(Ordering::Acquire) {
-                let got = locks.read_lock_timeout(KEY, reader_ttl, reader_ttl * 2);
+                let got = locks
+                    .request(KEY, reader_ttl)
+                    .read()
+                    .acquire_for(reader_ttl * 2);
                 if let Ok(g) = got {
                     let id = ctx2.grant(&g, &who);
                     holding.fetch_add(1, Ordering::AcqRel);
@@ -122,7 +125,7 @@ fn stream(ctx: &Arc<Ctx>, mut rng: SimRng, short_writer: bool) {
     let locks = client(ctx, ctx.plan.settings.clone(), rng.next());
     let clock = ctx.clock();
     let bound = writer_bound(ctx, reader_ttl);
-    for i in 0..WRITES {
+    for _ in 0..WRITES {
         // The readers settle in (again) first.
         clock.sleep(reader_ttl + rng.millis(0, 100));
         let behind = holding.load(Ordering::Acquire) > 0;
@@ -141,14 +144,8 @@ fn stream(ctx: &Arc<Ctx>, mut rng: SimRng, short_writer: bool) {
                 s.retry_delay, s.retry_jitter, s.node_timeout
             )
         });
-        let (call, got) = if i % 2 == 0 {
-            (
-                "write_lock_timeout",
-                locks.write_lock_timeout(KEY, ttl, bound * 3),
-            )
-        } else {
-            ("lock_timeout", locks.lock_timeout(KEY, ttl, bound * 3))
-        };
+        let call = "acquire_for";
+        let got = locks.request(KEY, ttl).acquire_for(bound * 3);
         let waited = Duration::from_nanos(ctx.now() - start);
         let behind_readers = format!(
             "behind readers of {reader_ttl:?} (from {:.3} ms)",

@@ -53,7 +53,7 @@ fn stream(seed: u64, broken: Broken, short_writer: bool) -> Report {
 }
 
 /// Schedules of the random workload where some sections are read locks
-/// (`try_read_lock`, `read_lock`, `read_lock_timeout`, `with_read_lock`;
+/// (`read().try_acquire`, `read().acquire`, `acquire_for`, `run`;
 /// renewed, extended, stalled, released or dropped) beside writers and
 /// plain locks of the same resources, with the plans' faults, over the
 /// simulation's transport and the production node engine, with and
@@ -83,7 +83,7 @@ fn read_write_locks_keep_every_check() {
     assert!(woken > 0, "no waiter was woken");
 }
 
-/// A writer calling `write_lock_timeout` or `lock_timeout` behind a
+/// A writer calling `acquire_for` or `acquire_for` behind a
 /// stream of overlapping readers (calm network, healthy nodes) gets in
 /// within one reader TTL, its retry pause and a few rounds of its call, in
 /// every schedule, over both transports, with and without wake-ups. And
@@ -246,7 +246,7 @@ fn a_readers_release_wakes_waiters_only_when_the_last_reader_leaves() {
 /// writer whose TTL is shorter than its retry pause left a gap between its
 /// tries in which new readers entered, and a stream of readers starved it.
 /// Seed 0xb (4 nodes, node engine, wake-ups): the writer's second call
-/// (`lock_timeout`, TTL 54 ms; retry 87 ms + 2 ms, node timeout 41 ms)
+/// (`acquire_for`, TTL 54 ms; retry 87 ms + 2 ms, node timeout 41 ms)
 /// marked its intent at 529.7 ms, which lapsed at 583.7 ms; readers
 /// entered again from 606.7 ms, each of its tries (every ~90 ms) met them,
 /// and the call failed after its whole wait (1.35 s). The intent now lasts

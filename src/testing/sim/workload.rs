@@ -1,7 +1,7 @@
 //! The random workload's threads: sections by every call of the API
-//! (`with_lock`, `lock`, `try_lock`, `lock_timeout`, `lock_all_timeout`, and
-//! the read locks' `with_read_lock`, `read_lock`, `try_read_lock`,
-//! `read_lock_timeout`), renewed, extended,
+//! (`run`, `lock`, `try_lock`, `acquire_for`, `acquire_for`, and
+//! the read locks' `run`, `read().acquire`, `read().try_acquire`,
+//! `acquire_for`), renewed, extended,
 //! stalled, released or dropped, each checked against its documented
 //! bound; and the kill storm's threads, on keys of their own.
 
@@ -35,14 +35,14 @@ pub(crate) fn worker(ctx: &Ctx, locks: &Redlock, mut rng: SimRng, who: &str) {
                 }
             }
             let wait = Duration::from_millis(rng.below(300));
-            let got = locks.lock_all_timeout(&set, ttl, wait);
+            let got = crate::testing::request_all(locks, &set, ttl).acquire_for(wait);
             ctx.trace(who, || {
                 format!(
-                    "lock_all({set:?}, {ttl:?}, {wait:?}) -> {:?}",
+                    "request().and().acquire({set:?}, {ttl:?}, {wait:?}) -> {:?}",
                     got.as_ref().err()
                 )
             });
-            check_wait(ctx, "lock_all_timeout", clock.now() - start, wait);
+            check_wait(ctx, "acquire_for", clock.now() - start, wait);
             if let Ok(g) = got {
                 manual(ctx, &clock, &mut rng, g, ttl, who);
             }
@@ -74,18 +74,18 @@ pub(crate) fn worker(ctx: &Ctx, locks: &Redlock, mut rng: SimRng, who: &str) {
             _ => {
                 let wait = Duration::from_millis(rng.below(300));
                 ctx.trace(who, || {
-                    format!("lock_timeout({resource}, {ttl:?}, {wait:?})")
+                    format!("acquire_for({resource}, {ttl:?}, {wait:?})")
                 });
                 let got = if plan.readers {
                     // (Its other name, which reads best beside readers.)
-                    locks.write_lock_timeout(&resource, ttl, wait)
+                    locks.request(&resource, ttl).acquire_for(wait)
                 } else {
-                    locks.lock_timeout(&resource, ttl, wait)
+                    locks.request(&resource, ttl).acquire_for(wait)
                 };
                 ctx.trace(who, || {
                     format!("-> {:?}", got.as_ref().map(|g| g.deadline() - start))
                 });
-                check_wait(ctx, "lock_timeout", clock.now() - start, wait);
+                check_wait(ctx, "acquire_for", clock.now() - start, wait);
                 if let Ok(g) = got {
                     manual(ctx, &clock, &mut rng, g, ttl, who);
                 }
@@ -95,7 +95,7 @@ pub(crate) fn worker(ctx: &Ctx, locks: &Redlock, mut rng: SimRng, who: &str) {
     }
 }
 
-/// A section by `with_lock` (or, `read`, `with_read_lock`).
+/// A section by `run` (or, `read`, `run`).
 fn scoped(
     ctx: &Ctx,
     locks: &Redlock,
@@ -116,9 +116,16 @@ fn scoped(
         work(ctx, &clock, rng, g, ttl, false);
     };
     let (call, out) = if read {
-        ("with_read_lock", locks.with_read_lock(resource, ttl, body))
+        (
+            "run",
+            locks
+                .request(resource, ttl)
+                .read()
+                .acquire()
+                .and_then(|g| g.run(body)),
+        )
     } else {
-        ("with_lock", locks.with_lock(resource, ttl, body))
+        ("run", locks.lock(resource, ttl).and_then(|g| g.run(body)))
     };
     let waited = acquired.unwrap_or_else(|| clock.now()) - start;
     let budget = ctx.per_attempt() * ctx.plan.settings.retry_count;
@@ -141,15 +148,19 @@ fn reader(ctx: &Ctx, locks: &Redlock, rng: &mut SimRng, resource: &str, ttl: Dur
     let attempts = ctx.per_attempt() * ctx.plan.settings.retry_count;
     let (call, got, budget) = match rng.below(4) {
         0 => return scoped(ctx, locks, rng, resource, ttl, who, true),
-        1 => ("read_lock", locks.read_lock(resource, ttl), attempts),
+        1 => (
+            "read().acquire",
+            locks.request(resource, ttl).read().acquire(),
+            attempts,
+        ),
         2 => {
-            let got = locks.try_read_lock(resource, ttl);
-            ("try_read_lock", got, ctx.per_attempt())
+            let got = locks.request(resource, ttl).read().try_acquire();
+            ("read().try_acquire", got, ctx.per_attempt())
         }
         _ => {
             let wait = Duration::from_millis(rng.below(300));
-            let got = locks.read_lock_timeout(resource, ttl, wait);
-            ("read_lock_timeout", got, wait)
+            let got = locks.request(resource, ttl).read().acquire_for(wait);
+            ("acquire_for", got, wait)
         }
     };
     ctx.trace(who, || {
@@ -238,7 +249,7 @@ fn manual(ctx: &Ctx, clock: &SimClock, rng: &mut SimRng, g: LockGuard, ttl: Dura
         let _ = g.extend(ttl);
     }
     work(ctx, clock, rng, &g, ttl, stall);
-    let told = g.is_held() && g.lost().try_recv().is_err();
+    let told = g.is_held() && g.lost().check().is_none();
     let resources: Vec<String> = g.resources().map(str::to_owned).collect();
     let token = g.token().to_owned();
     // A release may hand the lock to a local waiter instead (the key stays;

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use quorumlock::{LockGuard, Redlock};
 
-#[path = "../tests/common/mod.rs"]
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use common::Cluster;

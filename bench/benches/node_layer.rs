@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 use quorumlock::Redlock;
 use redis::Value;
 
-#[path = "../tests/common/mod.rs"]
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use common::faults::{pause_writes, unpause_writes, Blackhole, DelayProxy};
@@ -91,7 +91,7 @@ const TOKEN: &str = "0123456789abcdef0123456789abcdef";
 /// checked at run time: their SHA1s must be in the nodes' script cache
 /// after quorumlock has used them). The two constants it takes from the
 /// crate are given here under the paths it names them by.
-#[path = "../src/driver/scripts/mod.rs"]
+#[path = "../../src/driver/scripts/mod.rs"]
 #[allow(dead_code, unused_imports)]
 mod scripts;
 

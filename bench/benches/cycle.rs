@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use criterion::Criterion;
 use quorumlock::Redlock;
 
-#[path = "../tests/common/mod.rs"]
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use common::Cluster;
@@ -97,7 +97,11 @@ fn sets(locks: &Redlock, healthy: &Stats, rows: &mut Vec<String>) {
             .map(|i| {
                 let keys = names("set", i);
                 let t = Instant::now();
-                let g = locks.try_lock_all(&keys, TTL).expect("lock_all");
+                let g = keys[1..]
+                    .iter()
+                    .fold(locks.request(&keys[0], TTL), |r, k| r.and(k))
+                    .try_acquire()
+                    .expect("request().and().acquire");
                 g.release().expect("unlock");
                 t.elapsed()
             })
@@ -214,7 +218,7 @@ fn contention(locks: &Redlock, key: &str, ttl: Duration, run_for: Duration) -> C
                     let mut n = 0;
                     while started.elapsed() < run_for {
                         let left = run_for.saturating_sub(started.elapsed());
-                        let Ok(g) = locks.lock_timeout(key, ttl, left) else {
+                        let Ok(g) = locks.request(key, ttl).acquire_for(left) else {
                             continue;
                         };
                         if inside.fetch_add(1, Ordering::SeqCst) != 0 {

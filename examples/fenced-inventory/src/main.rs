@@ -11,7 +11,7 @@
 //! the row refuses a token older than the newest it has seen.
 //!
 //! ```text
-//! cargo run --example fenced_inventory
+//! cargo run -p fenced-inventory
 //! ```
 //! Nodes come from `REDLOCK_NODES`, or are started as in the quickstart. The
 //! example exits non-zero unless the books balance and the store refused at
@@ -24,7 +24,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use quorumlock::{LockGuard, Redlock};
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 
-#[path = "../tests/common/mod.rs"]
+#[path = "../../../tests/common/mod.rs"]
 mod common;
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;

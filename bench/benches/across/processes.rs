@@ -1,5 +1,5 @@
 //! Waiting across processes: P processes × T threads all want ONE key, each
-//! holds it `HOLD` and asks again at once (`lock_timeout`). The bench spawns
+//! holds it `HOLD` and asks again at once (`acquire_for`). The bench spawns
 //! itself as the processes (`QUORUMLOCK_BENCH_CHILD` set); each writes one
 //! line per section it held, `start end pid` in ns of the wall clock (every
 //! process on one machine shares it), and the parent measures what waiters
@@ -56,7 +56,7 @@ pub fn child_main() {
                     let mut out = Vec::new();
                     while std::time::Instant::now() < end {
                         let left = end.saturating_duration_since(std::time::Instant::now());
-                        let Ok(g) = locks.lock_timeout(key, ttl, left) else {
+                        let Ok(g) = locks.request(key, ttl).acquire_for(left) else {
                             continue;
                         };
                         let start = wall_ns();

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use quorumlock::Redlock;
 
-#[path = "../tests/common/mod.rs"]
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use common::Cluster;
@@ -67,7 +67,7 @@ fn read_loop(locks: &Redlock, key: &str, threads: usize, run_for: Duration) -> V
                     let mut out = Vec::new();
                     while Instant::now() < end {
                         let left = end.saturating_duration_since(Instant::now());
-                        let Ok(g) = locks.read_lock_timeout(key, TTL, left) else {
+                        let Ok(g) = locks.request(key, TTL).read().acquire_for(left) else {
                             continue;
                         };
                         let start = wall_ns();
@@ -168,7 +168,7 @@ fn read_processes(
 /// A writer's waits under a stream of readers: 4 reader threads (clients
 /// of their own) each hold the key `hold` at a time with `reader_ttl`, one
 /// after another with a stagger, so that it is never free; a writer asks
-/// for it `writes` times (`write_lock_timeout`), holding it 1 ms.
+/// for it `writes` times (`acquire_for`), holding it 1 ms.
 fn writer_under_stream(
     urls: &[String],
     key: &str,
@@ -185,7 +185,7 @@ fn writer_under_stream(
             std::thread::spawn(move || {
                 std::thread::sleep(hold / 4 * n);
                 while !stop.load(Ordering::SeqCst) {
-                    match locks.try_read_lock(&key, reader_ttl) {
+                    match locks.request(&key, reader_ttl).read().try_acquire() {
                         Ok(g) => {
                             granted.fetch_add(1, Ordering::SeqCst);
                             std::thread::sleep(hold);
@@ -204,7 +204,8 @@ fn writer_under_stream(
     for _ in 0..writes {
         let t = Instant::now();
         let g = writer
-            .write_lock_timeout(key, TTL, reader_ttl * 4)
+            .request(key, TTL)
+            .acquire_for(reader_ttl * 4)
             .expect("the writer gets in under the stream");
         waits.push(t.elapsed());
         std::thread::sleep(Duration::from_millis(1));
@@ -234,7 +235,10 @@ fn main() {
     let (mut plain, mut read) = (Vec::new(), Vec::new());
     for i in 0..20 {
         let _ = locks.try_lock(&format!("bench:rw:warm:{i}"), TTL);
-        let _ = locks.try_read_lock(&format!("bench:rw:warm-r:{i}"), TTL);
+        let _ = locks
+            .request(&format!("bench:rw:warm-r:{i}"), TTL)
+            .read()
+            .try_acquire();
     }
     let block = 100.min(cycles);
     let mut i = 0;
@@ -248,7 +252,9 @@ fn main() {
             plain.push(t.elapsed());
             let t = Instant::now();
             let g = locks
-                .try_read_lock(&format!("bench:rw:r:{i}"), TTL)
+                .request(&format!("bench:rw:r:{i}"), TTL)
+                .read()
+                .try_acquire()
                 .expect("read lock");
             g.release().expect("unlock");
             read.push(t.elapsed());
@@ -281,7 +287,7 @@ fn main() {
                 s.spawn(|| {
                     while Instant::now() < end {
                         let left = end.saturating_duration_since(Instant::now());
-                        if let Ok(g) = locks.lock_timeout("bench:rw:writers", TTL, left) {
+                        if let Ok(g) = locks.request("bench:rw:writers", TTL).acquire_for(left) {
                             std::thread::sleep(HOLD);
                             drop(g);
                             n.fetch_add(1, Ordering::Relaxed);

@@ -3,9 +3,10 @@
 //! on one of them at a time (`quorumlock run`), and shows a lock's key on
 //! every node (`quorumlock status`).
 //!
-//! Built with the `cli` feature: `cargo install quorumlock --features cli`.
-//! See `quorumlock --help` and the README's "Run a cron job once across
-//! hosts" for the exit codes and the behaviour on a lost lock or a signal.
+//! The `quorumlock-cli` package: `cargo install quorumlock-cli` (or, from a
+//! checkout, `cargo install --path cli`).
+//! See `quorumlock --help` and docs/command.md in the repository for the exit codes
+//! and the behaviour on a lost lock or a signal.
 #![forbid(unsafe_code)]
 
 use std::ffi::OsString;
@@ -64,7 +65,7 @@ const TICK: Duration = Duration::from_millis(50);
 fn watch_tick(ttl: Duration) -> Duration {
     (ttl / 10).clamp(Duration::from_millis(1), TICK)
 }
-/// Longest single `lock_timeout` call of `--wait`, so that a signal received
+/// Longest single `acquire_for` call of `--wait`, so that a signal received
 /// while waiting is acted on promptly.
 const WAIT_SLICE: Duration = Duration::from_millis(250);
 
@@ -683,23 +684,25 @@ fn acquire(
     wait: Option<Duration>,
     signals: &Signals,
 ) -> Result<LockGuard, Stop> {
-    let key = keys.first().copied().unwrap_or_default();
-    let Some(wait) = wait else {
-        return match how {
-            How::Write => locks.try_lock_all(keys, ttl),
-            How::Read => locks.try_read_lock(key, ttl),
+    let request = || {
+        let first = keys.first().copied().unwrap_or_default();
+        let rest = keys.get(1..).unwrap_or_default();
+        let all = rest
+            .iter()
+            .fold(locks.request(first, ttl), |r, k| r.and(*k));
+        match how {
+            How::Write => all,
+            How::Read => all.read(),
         }
-        .map_err(Stop::Failed);
+    };
+    let Some(wait) = wait else {
+        return request().try_acquire().map_err(Stop::Failed);
     };
     let until = Instant::now() + wait;
     loop {
         let left = until.saturating_duration_since(Instant::now());
         let slice = left.min(WAIT_SLICE);
-        let taken = match how {
-            How::Write => locks.lock_all_timeout(keys, ttl, slice),
-            How::Read => locks.read_lock_timeout(key, ttl, slice),
-        };
-        let e = match taken {
+        let e = match request().acquire_for(slice) {
             Ok(g) => return Ok(g),
             Err(e) => e,
         };
@@ -862,15 +865,10 @@ fn watch(job: &mut Job, guard: &LockGuard, signals: &Signals, watcher: &mut Watc
             Ok(None) => {}
             Err(e) => return Ended::WaitFailed(e),
         }
-        match lost.recv_timeout(tick) {
-            Ok(why) => return Ended::Lost(why),
-            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
-            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
-                if guard.is_lost() {
-                    return Ended::Lost(Error::Expired);
-                }
-                std::thread::sleep(tick);
-            }
+        // The guard is ours until we return: the signal ends only with a
+        // loss.
+        if let Some(why) = lost.wait_timeout(tick) {
+            return Ended::Lost(why);
         }
     }
 }

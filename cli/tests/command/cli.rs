@@ -1397,7 +1397,8 @@ fn status_shows_the_readers_of_read_runs_and_a_waiting_writer() {
     let writer = {
         let key = key.clone();
         std::thread::spawn(move || {
-            w.write_lock_timeout(&key, Duration::from_secs(10), Duration::from_secs(30))
+            w.request(&key, Duration::from_secs(10))
+                .acquire_for(Duration::from_secs(30))
                 .map(|g| g.release())
         })
     };

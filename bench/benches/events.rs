@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use quorumlock::{AttemptEvent, EventHandler, Redlock, ReleaseEvent};
 
-#[path = "../tests/common/mod.rs"]
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 const TTL: Duration = Duration::from_secs(10);

@@ -1,0 +1,1 @@
+//! quorumlock's benchmarks live in `benches/`; this crate has no library code.
