@@ -67,7 +67,10 @@ impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Error::Taken { held, nodes } => {
-                write!(f, "lock held by another owner on {held} of {nodes} nodes")
+                write!(
+                    f,
+                    "taken: another owner holds the lock on {held} of {nodes} nodes"
+                )
             }
             Error::NoQuorum {
                 agreed,
@@ -93,9 +96,10 @@ impl fmt::Display for Error {
             Error::Expired => {
                 f.write_str("lock expired (or its keys were deleted) before the call")
             }
-            Error::NotOwner { nodes } => {
-                write!(f, "lock held by another owner on {nodes} nodes")
-            }
+            Error::NotOwner { nodes } => write!(
+                f,
+                "no longer ours: the lock expired and another owner took it on {nodes} nodes"
+            ),
             Error::InvalidInput(e) => write!(f, "invalid input: {e}"),
         }
     }
@@ -105,6 +109,8 @@ impl std::error::Error for Error {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             Error::InvalidInput(e) => Some(e),
+            // The first node that failed, with its kind and message.
+            Error::NoQuorum { failures, .. } => failures.first().map(|e| e as _),
             _ => None,
         }
     }
@@ -414,5 +420,19 @@ mod tests {
         let s = e.to_string();
         assert!(s.contains("10.0.0.2:6379 timed out"), "{s}");
         assert!(s.contains("10.0.0.3:6379 unavailable (refused)"), "{s}");
+        let first = std::error::Error::source(&e).map(|c| c.to_string());
+        assert_eq!(first.as_deref(), Some("10.0.0.2:6379 timed out"));
+    }
+
+    /// A resource taken before we got it and a lock of ours taken after it
+    /// expired are different news; their messages say which.
+    #[test]
+    fn taken_and_not_owner_read_differently() {
+        let taken = Error::Taken { held: 2, nodes: 3 }.to_string();
+        let gone = Error::NotOwner { nodes: 2 }.to_string();
+        let expired = Error::Expired.to_string();
+        assert!(taken.starts_with("taken: "), "{taken}");
+        assert!(gone.starts_with("no longer ours: "), "{gone}");
+        assert!(taken != gone && gone != expired && taken != expired);
     }
 }

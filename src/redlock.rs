@@ -250,5 +250,4 @@ impl Redlock {
             key,
         ))
     }
-
 }

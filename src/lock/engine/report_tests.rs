@@ -109,7 +109,7 @@ fn a_lock_cycle_reports_attempts_renewals_losses_and_releases() {
         rec.take(),
         [
             "attempt r acquired [ok,ok,ok]",
-            "attempt r Some(\"lock held by another owner on 3 of 3 nodes\") [other,other,other]",
+            "attempt r Some(\"taken: another owner holds the lock on 3 of 3 nodes\") [other,other,other]",
             "renewal r auto=false ok=true [ok,ok,ok]",
             "release r ok=true [ok,ok,ok]",
             "attempt s acquired [ok,ok,Unavailable]",
