@@ -22,17 +22,21 @@ pub(crate) fn quorum(nodes: usize) -> usize {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct VoteRules {
     /// One vote per server: an entry that reaches a server another entry
-    /// of the round already answered for is not counted (off only in the
-    /// simulation, to show what it prevents).
+    /// of the round already answered for is not counted (off only in
+    /// tests, to show what it prevents).
+    #[cfg(test)]
     pub one_per_server: bool,
     /// A node whose memory policy can evict lock keys votes too
     /// (`Builder::allow_evicting_nodes`); by default it does not.
     pub allow_evicting: bool,
 }
 
+// Not derived: the test builds' `one_per_server` defaults to true.
+#[allow(clippy::derivable_impls)]
 impl Default for VoteRules {
     fn default() -> Self {
         VoteRules {
+            #[cfg(test)]
             one_per_server: true,
             allow_evicting: false,
         }
@@ -66,6 +70,7 @@ pub(crate) fn insert_vote(
         results[i] = Some(Err(NodeError::new(name(i), NodeErrorKind::Unsuitable, why)));
         return;
     }
+    #[cfg(test)]
     if !rules.one_per_server {
         return;
     }

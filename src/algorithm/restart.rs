@@ -179,7 +179,8 @@ pub(crate) struct RestartRule {
     pub complete: bool,
     /// The simulation's broken variant: every TTL counts only as the
     /// longest before its first use, for every history (ignores first uses
-    /// from before a history began).
+    /// from before a history began). Test builds only.
+    #[cfg(test)]
     pub loose: bool,
 }
 
@@ -215,18 +216,14 @@ impl RestartRule {
         // Without every node's record, a first use after the young history
         // proves nothing: an unheard node may hold an earlier one.
         let key = if self.complete { f.history } else { 0 };
-        let own = if self.loose {
-            self.known.prev
-        } else {
-            self.known.before(key)
-        };
-        let mut longest = self.floor.max(own);
+        #[cfg(test)]
+        if self.loose {
+            let longest = all.fold(self.floor.max(self.known.prev), |l, o| l.max(o.prev_max));
+            return longest.saturating_sub(f.age);
+        }
+        let mut longest = self.floor.max(self.known.before(key));
         for o in all {
-            longest = longest.max(if self.loose {
-                o.prev_max
-            } else {
-                TtlHistory::reported(o).before(key)
-            });
+            longest = longest.max(TtlHistory::reported(o).before(key));
         }
         longest.saturating_sub(f.age)
     }

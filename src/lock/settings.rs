@@ -20,7 +20,8 @@ pub(crate) struct Settings {
     /// Apply the delayed-restart rule to acquire votes.
     pub restart_protection: bool,
     /// The simulation's broken variant of the rule (see
-    /// [`crate::algorithm::restart::RestartRule::loose`]); never set otherwise.
+    /// [`crate::algorithm::restart::RestartRule::loose`]). Test builds only.
+    #[cfg(test)]
     pub loose_restart_rule: bool,
     /// Trust a node's lock history the first time this client sees it.
     pub fresh_cluster: bool,
@@ -32,8 +33,9 @@ pub(crate) struct Settings {
     pub events: crate::events::Events,
     /// Count the votes of nodes whose memory policy can evict lock keys.
     pub allow_evicting: bool,
-    /// Count one vote per server (off only in the simulation, to show what
-    /// the rule prevents).
+    /// Count one vote per server (off only in tests, to show what the
+    /// rule prevents).
+    #[cfg(test)]
     pub one_vote_per_server: bool,
 }
 
@@ -60,12 +62,14 @@ impl Default for Settings {
             local_queue: true,
             wake_ups: true,
             restart_protection: true,
+            #[cfg(test)]
             loose_restart_rule: false,
             fresh_cluster: false,
             max_ttl: None,
             fencing: false,
             events: crate::events::Events::default(),
             allow_evicting: false,
+            #[cfg(test)]
             one_vote_per_server: true,
         }
     }
@@ -75,6 +79,7 @@ impl Settings {
     /// Which answers count as votes.
     pub(crate) fn rules(&self) -> crate::algorithm::quorum::VoteRules {
         crate::algorithm::quorum::VoteRules {
+            #[cfg(test)]
             one_per_server: self.one_vote_per_server,
             allow_evicting: self.allow_evicting,
         }

@@ -403,6 +403,7 @@ impl Engine {
             floor: ttl,
             known,
             complete: false,
+            #[cfg(test)]
             loose: self.settings.loose_restart_rule,
         };
         // No point waiting for replies past the moment validity would be gone.
