@@ -328,7 +328,7 @@ impl LockGuard {
     /// held lock passes to the next of them instead, which continues it as
     /// its next critical section (see [`section`](Self::section) and
     /// [`Builder::local_queue`](crate::Builder::local_queue)); this guard's
-    /// [`lost`](Self::lost) channel is disconnected either way.
+    /// [`lost`](Self::lost) signal ends without a loss either way.
     ///
     /// # Errors
     /// [`Error::Expired`] when it had already expired on a majority,
@@ -421,6 +421,16 @@ impl Drop for LockGuard {
 
 /// A held lock's loss, watched from any thread ([`LockGuard::lost`]).
 ///
+/// ```no_run
+/// # use std::time::Duration;
+/// # let locks = quorumlock::Redlock::builder().node("redis://127.0.0.1:6379").build()?;
+/// let guard = locks.lock("job:import", Duration::from_secs(30))?;
+/// let lost = guard.lost();
+/// drop(guard); // released: the signal ends without a loss
+/// assert!(lost.is_ended() && lost.wait().is_none());
+/// # Ok::<(), quorumlock::Error>(())
+/// ```
+///
 /// It ends once: with the reason when the lock is found lost (a renewal or
 /// extension found it gone or taken, or its validity ran out before a
 /// renewal succeeded), or without one when the guard is released or its
@@ -447,6 +457,12 @@ impl LostSignal {
         self.state.lost_reason()
     }
 
+    /// Whether the signal has ended: the lock was found lost, or its guard
+    /// was released or handed over.
+    pub fn is_ended(&self) -> bool {
+        self.state.has_ended()
+    }
+
     /// Blocks until the lock is lost (the reason) or released (`None`).
     pub fn wait(&self) -> Option<Error> {
         let _ = self.ended.recv();
@@ -454,7 +470,9 @@ impl LostSignal {
     }
 
     /// Blocks until the lock is lost (the reason), or released or `timeout`
-    /// has passed (`None`).
+    /// has passed (`None`). Once the signal has ended without a loss it
+    /// returns `None` at once: a loop that waits on it checks
+    /// [`is_ended`](Self::is_ended) too.
     pub fn wait_timeout(&self, timeout: Duration) -> Option<Error> {
         match self.ended.recv_timeout(timeout) {
             Err(RecvTimeoutError::Timeout) => None,

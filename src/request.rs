@@ -28,6 +28,7 @@ use crate::Result;
 /// # Ok::<(), quorumlock::Error>(())
 /// ```
 #[must_use = "a request does nothing until one of its `acquire` calls"]
+#[derive(Clone)]
 pub struct LockRequest<'a> {
     engine: &'a Arc<Engine>,
     resource: &'a str,
@@ -163,13 +164,13 @@ impl<'a> LockRequest<'a> {
     fn take(self, budget: Budget) -> Result<LockGuard> {
         let engine = self.engine;
         if !self.also.is_empty() {
-            if self.read {
-                return Err(InvalidInput::ReadOfSeveral.into());
-            }
             let mut names = Vec::with_capacity(self.also.len() + 1);
             names.push(self.resource);
             names.extend(self.also.iter().map(String::as_str));
             validate_resources(&names)?;
+            if self.read {
+                return Err(InvalidInput::ReadOfSeveral.into());
+            }
         }
         let want = Want {
             read: self.read,

@@ -213,27 +213,38 @@ impl LockState {
     /// at warn (the watchdog found it), else debug (the caller of `extend`
     /// already gets the error).
     pub(crate) fn lose(&self, err: &Error, loud: bool) -> bool {
-        if self.is_released() || self.lost.swap(true, Ordering::AcqRel) {
+        // Under `end`, as `take_release`: a signal ends once, lost or
+        // released, and a lost one has its reason by then.
+        let mut end = self.end.lock();
+        if end.is_none() || self.is_released() {
             return false;
         }
+        *self.reason.lock() = Some(err.clone());
+        self.lost.store(true, Ordering::Release);
+        end.take();
+        drop(end);
         if loud {
             warn!("lock {:?} lost: {err}", self.resource);
         } else {
             debug!("lock {:?} lost: {err}", self.resource);
         }
-        *self.reason.lock() = Some(err.clone());
-        self.end.lock().take();
         true
     }
 
     /// Marks the lock released; true the first time only. Wakes every
     /// [`LostSignal`](crate::LostSignal), so that nobody waits forever.
     pub(crate) fn take_release(&self) -> bool {
+        let mut end = self.end.lock();
         let first = !self.released.swap(true, Ordering::SeqCst);
         if first {
-            self.end.lock().take();
+            end.take();
         }
         first
+    }
+
+    /// Whether the lock was found lost or released.
+    pub(crate) fn has_ended(&self) -> bool {
+        self.end.lock().is_none()
     }
 
     /// Marks the lock as renewed by the watchdog; true the first time only.
@@ -253,5 +264,45 @@ impl LockState {
 
     pub(crate) fn is_renewing(&self) -> bool {
         self.renewing.load(Ordering::Acquire)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    fn state() -> Arc<LockState> {
+        let now = Instant::now();
+        let timing = Timing {
+            since: now,
+            deadline: now + Duration::from_secs(1),
+            ttl: Duration::from_secs(1),
+        };
+        Arc::new(LockState::new("r", "t".into(), None, timing))
+    }
+
+    /// A loss signal ends once: a loss after the release is none, and a
+    /// loss before it keeps its reason through the release.
+    #[test]
+    fn a_loss_signal_ends_once_with_its_reason_or_none() {
+        let released = state();
+        assert!(!released.has_ended());
+        assert!(released.take_release());
+        assert!(!released.lose(&Error::Expired, false), "released first");
+        assert!(released.has_ended() && released.lost_reason().is_none());
+        assert!(!released.is_lost());
+
+        let lost = state();
+        let ended = lost.ended();
+        assert!(lost.lose(&Error::NotOwner { nodes: 2 }, false));
+        assert!(!lost.lose(&Error::Expired, false), "once");
+        assert!(ended.recv().is_err(), "the waiters wake");
+        lost.take_release();
+        assert!(matches!(
+            lost.lost_reason(),
+            Some(Error::NotOwner { nodes: 2 })
+        ));
     }
 }

@@ -2,7 +2,7 @@
 //! `workload::reader` (with [`Plan::readers`]: see [`run_rw`](super::run_rw));
 //! here, the schedules of a writer behind a stream of readers: on a calm
 //! network with healthy nodes, readers overlap without a gap on one key,
-//! and a writer that waits for it (`acquire_for`, `acquire_for`)
+//! and a writer that waits for it (`acquire_for`)
 //! must get in within one reader TTL, a retry pause and a few rounds of its
 //! call ([`Kind::WriterStarved`]): a waiting writer's intent keeps new
 //! readers out, so only those in already are waited for. Every other

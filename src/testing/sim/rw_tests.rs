@@ -83,7 +83,7 @@ fn read_write_locks_keep_every_check() {
     assert!(woken > 0, "no waiter was woken");
 }
 
-/// A writer calling `acquire_for` or `acquire_for` behind a
+/// A writer calling `acquire_for` behind a
 /// stream of overlapping readers (calm network, healthy nodes) gets in
 /// within one reader TTL, its retry pause and a few rounds of its call, in
 /// every schedule, over both transports, with and without wake-ups. And
