@@ -29,10 +29,10 @@ use watcher::Watcher;
 // Exit codes (sysexits.h where one fits; shell conventions for the command)
 // ---------------------------------------------------------------------------
 
-/// Bad arguments: unknown option, bad duration, missing command.
 /// Longest wait for the pools' first connections before taking the lock.
 const CONNECT_WAIT: Duration = Duration::from_secs(1);
 
+/// Bad arguments: unknown option, bad duration, missing command.
 const EX_USAGE: u8 = 64;
 /// No quorum: too many nodes unavailable (down, timing out, too slow).
 const EX_UNAVAILABLE: u8 = 69;
@@ -684,25 +684,23 @@ fn acquire(
     wait: Option<Duration>,
     signals: &Signals,
 ) -> Result<LockGuard, Stop> {
-    let request = || {
-        let first = keys.first().copied().unwrap_or_default();
-        let rest = keys.get(1..).unwrap_or_default();
-        let all = rest
-            .iter()
-            .fold(locks.request(first, ttl), |r, k| r.and(*k));
-        match how {
-            How::Write => all,
-            How::Read => all.read(),
-        }
+    let first = keys.first().copied().unwrap_or_default();
+    let rest = keys.get(1..).unwrap_or_default();
+    let all = rest
+        .iter()
+        .fold(locks.request(first, ttl), |r, k| r.and(*k));
+    let request = match how {
+        How::Write => all,
+        How::Read => all.read(),
     };
     let Some(wait) = wait else {
-        return request().try_acquire().map_err(Stop::Failed);
+        return request.try_acquire().map_err(Stop::Failed);
     };
     let until = Instant::now() + wait;
     loop {
         let left = until.saturating_duration_since(Instant::now());
         let slice = left.min(WAIT_SLICE);
-        let e = match request().acquire_for(slice) {
+        let e = match request.clone().acquire_for(slice) {
             Ok(g) => return Ok(g),
             Err(e) => e,
         };

@@ -3,6 +3,7 @@
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
@@ -39,11 +40,10 @@ pub(crate) struct LockState {
     /// A renewal round that may restore copies of the key is in flight:
     /// a release waits for it to end (see [`LockState::begin_renewal`]).
     in_renewal: AtomicBool,
-    lost: AtomicBool,
     released: AtomicBool,
     renewing: AtomicBool,
-    /// Why the lock was lost, once it was.
-    reason: Mutex<Option<Error>>,
+    /// Why the lock was lost, once it was (set once: the lock is lost).
+    lost: OnceLock<Error>,
     /// Dropped when the lock is lost or released: every
     /// [`LostSignal`](crate::LostSignal) waiting on `ended` then wakes.
     end: Mutex<Option<Sender<()>>>,
@@ -87,10 +87,9 @@ impl LockState {
             reach: Mutex::new(None),
             holding: std::sync::atomic::AtomicUsize::new(0),
             in_renewal: AtomicBool::new(false),
-            lost: AtomicBool::new(false),
             released: AtomicBool::new(false),
             renewing: AtomicBool::new(false),
-            reason: Mutex::new(None),
+            lost: OnceLock::new(),
             end: Mutex::new(Some(tx)),
             ended: rx,
         }
@@ -164,7 +163,7 @@ impl LockState {
     }
 
     pub(crate) fn is_lost(&self) -> bool {
-        self.lost.load(Ordering::Acquire)
+        self.lost.get().is_some()
     }
 
     /// Records how many nodes confirmed our key in a round.
@@ -219,8 +218,7 @@ impl LockState {
         if end.is_none() || self.is_released() {
             return false;
         }
-        *self.reason.lock() = Some(err.clone());
-        self.lost.store(true, Ordering::Release);
+        let _ = self.lost.set(err.clone());
         end.take();
         drop(end);
         if loud {
@@ -244,7 +242,7 @@ impl LockState {
 
     /// Whether the lock was found lost or released.
     pub(crate) fn has_ended(&self) -> bool {
-        self.end.lock().is_none()
+        self.is_lost() || self.is_released()
     }
 
     /// Marks the lock as renewed by the watchdog; true the first time only.
@@ -259,7 +257,7 @@ impl LockState {
 
     /// Why the lock was lost, if it was.
     pub(crate) fn lost_reason(&self) -> Option<Error> {
-        self.reason.lock().clone()
+        self.lost.get().cloned()
     }
 
     pub(crate) fn is_renewing(&self) -> bool {
@@ -271,7 +269,6 @@ impl LockState {
 mod tests {
     use super::*;
     use std::sync::Arc;
-    use std::time::{Duration, Instant};
 
     fn state() -> Arc<LockState> {
         let now = Instant::now();

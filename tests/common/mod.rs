@@ -514,24 +514,25 @@ pub fn shared() -> Arc<Cluster> {
 pub fn clockshift_lib() -> std::path::PathBuf {
     static LIB: OnceLock<std::path::PathBuf> = OnceLock::new();
     LIB.get_or_init(|| {
-        // Written out from the binary, so that any package that includes this
-        // harness finds it.
-        let src =
-            std::env::temp_dir().join(format!("quorumlock-clockshift-{}.c", std::process::id()));
-        std::fs::write(&src, include_str!("clockshift.c"))
-            .unwrap_or_else(|e| panic!("cannot write {}: {e}", src.display()));
         let out =
             std::env::temp_dir().join(format!("quorumlock-clockshift-{}.so", std::process::id()));
-        let status = Command::new("gcc")
-            .args(["-shared", "-fPIC", "-O2", "-o"])
+        // The source goes in on stdin, from the binary: any package that
+        // includes this harness can build it.
+        let mut gcc = Command::new("gcc")
+            .args(["-shared", "-fPIC", "-O2", "-x", "c", "-", "-o"])
             .arg(&out)
-            .arg(&src)
-            .status()
-            .unwrap_or_else(|e| panic!("clock tests need gcc to build {}: {e}", src.display()));
+            .stdin(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("clock tests need gcc to build clockshift.c: {e}"));
+        if let Some(mut stdin) = gcc.stdin.take() {
+            stdin
+                .write_all(include_bytes!("clockshift.c"))
+                .expect("clockshift.c to gcc");
+        }
+        let status = gcc.wait().expect("gcc");
         assert!(
             status.success(),
-            "gcc could not build {}: {status}",
-            src.display()
+            "gcc could not build clockshift.c: {status}"
         );
         out
     })
