@@ -342,13 +342,27 @@ impl fmt::Display for NodeErrorKind {
     }
 }
 
+/// The error beneath a [`NodeError`], shared by its clones.
+pub(crate) type Source = std::sync::Arc<dyn std::error::Error + Send + Sync + 'static>;
+
 /// One node's failure: which node (address without credentials), what kind,
-/// and the underlying message.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// the message, and (for an I/O failure) the error beneath it, as
+/// [`source`](std::error::Error::source).
+///
+/// ```
+/// # fn show(e: &quorumlock::NodeError) {
+/// use std::error::Error as _;
+/// if let Some(io) = e.source().and_then(|s| s.downcast_ref::<std::io::Error>()) {
+///     eprintln!("{}: {:?}", e.node(), io.kind());
+/// }
+/// # }
+/// ```
+#[derive(Debug, Clone)]
 pub struct NodeError {
     node: String,
     kind: NodeErrorKind,
     detail: String,
+    pub(crate) source: Option<Source>,
 }
 
 impl NodeError {
@@ -361,7 +375,14 @@ impl NodeError {
             node: node.into(),
             kind,
             detail: detail.into(),
+            source: None,
         }
+    }
+
+    /// This error with `source` as the error beneath it.
+    pub(crate) fn caused_by(mut self, source: Option<Source>) -> Self {
+        self.source = source;
+        self
     }
 
     /// The node's address, `host:port` (with `/db` when not 0).
@@ -380,6 +401,16 @@ impl NodeError {
     }
 }
 
+/// Equal when the node, the kind and the message are (the error beneath is
+/// not compared).
+impl PartialEq for NodeError {
+    fn eq(&self, other: &Self) -> bool {
+        (&self.node, self.kind, &self.detail) == (&other.node, other.kind, &other.detail)
+    }
+}
+
+impl Eq for NodeError {}
+
 impl fmt::Display for NodeError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{} {}", self.node, self.kind)?;
@@ -390,7 +421,13 @@ impl fmt::Display for NodeError {
     }
 }
 
-impl std::error::Error for NodeError {}
+impl std::error::Error for NodeError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source
+            .as_deref()
+            .map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
 
 #[cfg(test)]
 mod tests {

@@ -160,6 +160,17 @@ impl ConnectError {
         }
     }
 
+    /// The I/O error beneath, for [`NodeError`](crate::NodeError)'s
+    /// `source` (the same kind and message: `io::Error` is not `Clone`).
+    pub(crate) fn io(&self) -> Option<crate::error::Source> {
+        match self {
+            ConnectError::Io(e) => {
+                Some(std::sync::Arc::new(io::Error::new(e.kind(), e.to_string())))
+            }
+            _ => None,
+        }
+    }
+
     /// The message, without what [`kind`](Self::kind) already says.
     pub(crate) fn detail(&self) -> String {
         match self {

@@ -323,6 +323,28 @@ fn building_with_every_node_down_succeeds_and_locking_fails_fast() {
     );
 }
 
+/// A refused node's failure keeps the I/O error beneath it as its `source()`, so a caller
+/// can match on the `io::ErrorKind` instead of parsing the message.
+#[test]
+fn a_refused_node_failure_keeps_its_io_error_as_source() {
+    use std::error::Error as _;
+    let locks = client(&["redis://127.0.0.1:1".to_string()]);
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        match locks.try_lock(&unique_key("refused-source"), TTL) {
+            Err(Error::NoQuorum { failures, .. }) => seen.extend(failures),
+            other => panic!("expected NoQuorum, got {other:?}"),
+        }
+    }
+    for f in &seen {
+        let io = f
+            .source()
+            .and_then(|s| s.downcast_ref::<std::io::Error>())
+            .unwrap_or_else(|| panic!("no io::Error beneath {f} ({f:?})"));
+        assert_eq!(io.kind(), std::io::ErrorKind::ConnectionRefused, "{f}");
+    }
+}
+
 #[test]
 fn bad_input_gets_typed_errors() {
     let ok = ["redis://127.0.0.1:1".to_string()];

@@ -6,6 +6,7 @@
 //! reads the replies and sends what these queue on its [`Wire`].
 
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use log::{debug, info};
@@ -264,11 +265,13 @@ pub(crate) fn lose_connection<C: Link>(
     if crate::driver::wire::is_given_up(&e) {
         // A shared connection another round gave up: a reply on it was
         // owed past the node timeout (observed once, by that round).
+        let detail = e.to_string();
         results[i] = Some(Err(NodeError::new(
             &ballot.names[i],
             NodeErrorKind::Timeout,
-            e.to_string(),
-        )));
+            detail,
+        )
+        .caused_by(Some(Arc::new(e)))));
         return;
     }
     let kind = match e.kind() {
@@ -284,7 +287,10 @@ pub(crate) fn lose_connection<C: Link>(
             NodeErrorKind::Io
         }
     };
-    results[i] = Some(Err(NodeError::new(&ballot.names[i], kind, e.to_string())));
+    let detail = e.to_string();
+    results[i] = Some(Err(
+        NodeError::new(&ballot.names[i], kind, detail).caused_by(Some(Arc::new(e)))
+    ));
 }
 
 /// What a round that ended leaves on the connections still owing its

@@ -19,7 +19,7 @@ use crate::driver::conn::MAX_PENDING;
 use crate::driver::node::link::Link;
 use crate::driver::scripts;
 use crate::driver::wire::{Pending, Setup, Wire};
-use crate::error::NodeErrorKind;
+use crate::error::{NodeError, NodeErrorKind};
 
 /// Reads late replies off a checked-out connection. False (and the
 /// connection marked broken) when it cannot take a new command.
@@ -227,7 +227,11 @@ pub(crate) fn setup_reply(
         if refuses_connection(e) {
             c.broken = true;
             let detail = format!("it turned the connection away: {text}");
-            *node.connect_error.lock() = Some((NodeErrorKind::Unavailable, detail.clone()));
+            *node.connect_error.lock() = Some(NodeError::new(
+                &node.name,
+                NodeErrorKind::Unavailable,
+                detail.clone(),
+            ));
             node.observe(Outcome::Refused);
             return Err(std::io::Error::new(
                 std::io::ErrorKind::ConnectionRefused,

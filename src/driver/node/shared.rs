@@ -132,7 +132,7 @@ pub(crate) struct NodeShared {
     /// Why the node last refused a connection (a failed connect, or a
     /// server that turned it away), cleared when it answers again: for the
     /// errors of rounds that could not use the node.
-    pub(crate) connect_error: Mutex<Option<(NodeErrorKind, String)>>,
+    pub(crate) connect_error: Mutex<Option<NodeError>>,
     pub(crate) events: Events,
     /// Time (virtual in the simulation).
     pub(crate) clock: Arc<dyn Clock>,
@@ -241,8 +241,9 @@ impl NodeShared {
             "not waited for"
         };
         let detail = match (h, &connect_error) {
-            (NodeHealth::Failing { since, .. }, Some((_, e))) => format!(
-                "{e}, for {:?}; {tried}",
+            (NodeHealth::Failing { since, .. }, Some(e)) => format!(
+                "{}, for {:?}; {tried}",
+                e.detail(),
                 now.saturating_duration_since(since),
             ),
             (NodeHealth::Failing { since, last, .. }, None) => format!(
@@ -255,8 +256,9 @@ impl NodeShared {
             ),
             (NodeHealth::Healthy, _) => "not waited for".to_owned(),
         };
-        let kind = match (h, connect_error) {
-            (_, Some((kind @ (NodeErrorKind::Tls | NodeErrorKind::Server), _))) => kind,
+        let source = connect_error.as_ref().and_then(|e| e.source.clone());
+        let kind = match (h, connect_error.map(|e| e.kind())) {
+            (_, Some(kind @ (NodeErrorKind::Tls | NodeErrorKind::Server))) => kind,
             (
                 NodeHealth::Failing {
                     last: Outcome::Refused,
@@ -266,7 +268,7 @@ impl NodeShared {
             ) => NodeErrorKind::Unavailable,
             _ => NodeErrorKind::Skipped,
         };
-        NodeError::new(&self.name, kind, detail)
+        NodeError::new(&self.name, kind, detail).caused_by(source)
     }
 
     /// Node 0, `n0`, of a one-node list, on the system clock (for tests).
@@ -355,7 +357,8 @@ impl ManageConnection for Manager {
         // Kept until the node answers again (a connect that succeeds may
         // still be turned away by the server, see `setup_reply`).
         if let Err(e) = &result {
-            *self.shared.connect_error.lock() = Some((e.kind(), e.detail()));
+            *self.shared.connect_error.lock() =
+                Some(NodeError::new(&self.shared.name, e.kind(), e.detail()).caused_by(e.io()));
         }
         result.inspect_err(|e| {
             self.shared.observe(match e {

@@ -28,7 +28,7 @@ use crate::driver::node::retries::Retry;
 use crate::driver::node::servers::Servers;
 use crate::driver::node::shared::{Defects, NodeShared};
 use crate::driver::wire::{Pending, Wire};
-use crate::error::NodeErrorKind;
+use crate::error::{NodeError, NodeErrorKind};
 use crate::events::Events;
 use crate::testing::sim::check::{RETRY_BATCH, RETRY_EVERY};
 use crate::testing::sim::redis::Inbox;
@@ -305,8 +305,11 @@ impl SimLinks {
             Err(outcome) => {
                 let shared = &self.nodes[i];
                 if outcome == Outcome::Refused {
-                    *shared.connect_error.lock() =
-                        Some((NodeErrorKind::Unavailable, "connection refused".to_owned()));
+                    *shared.connect_error.lock() = Some(NodeError::new(
+                        &shared.name,
+                        NodeErrorKind::Unavailable,
+                        "connection refused",
+                    ));
                 }
                 shared.observe(outcome);
                 return None;
