@@ -37,10 +37,10 @@ pub enum Error {
         /// The TTL asked for.
         ttl: Duration,
     },
-    /// Release or extend found the lock no longer ours on a majority: it
-    /// expired (or was lost) before the call. From `lock`/`acquire_for`:
-    /// the lock another thread of this process handed over could not be
-    /// used, and the wait ran out.
+    /// The lock expired: release or extend found its keys gone from a
+    /// majority, the renewal thread could not extend it in time, or
+    /// [`LockGuard::run`](crate::LockGuard::run)'s closure ended after its
+    /// deadline.
     Expired,
     /// Release or extend found the key held by another owner on `nodes`
     /// nodes: our lock expired and someone else took it.
@@ -94,7 +94,7 @@ impl fmt::Display for Error {
                 "validity exhausted: the round took {elapsed:?} of a {ttl:?} ttl"
             ),
             Error::Expired => {
-                f.write_str("lock expired (or its keys were deleted) before the call")
+                f.write_str("expired: the lock's time ran out (or its keys were deleted)")
             }
             Error::NotOwner { nodes } => write!(
                 f,

@@ -40,6 +40,7 @@ mod node_rules;
 mod remote;
 mod report;
 mod several;
+mod wait;
 pub(crate) use several::validate_resources;
 #[cfg(test)]
 mod report_tests;

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use log::{debug, trace, warn};
 
+use crate::algorithm::restart::{self, RestartRule};
 use crate::algorithm::round::NodeResult;
 use crate::clock::WARN_EVERY;
 use crate::error::Error;
@@ -53,13 +54,26 @@ impl Engine {
         resource: &str,
         start: Instant,
         outcome: Result<&LockState, &Error>,
-        judged: &[NodeResult],
-        holds: &[Duration],
+        (judged, results, rule): (&[NodeResult], &[NodeResult], &RestartRule),
         begun: Begun,
     ) {
         let Some(h) = self.settings.events.get() else {
             return;
         };
+        // How long each node's vote was held back by the restart rule.
+        let holds: Vec<Duration> = results
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                r.as_ref()
+                    .ok()
+                    .and_then(|r| r.facts)
+                    .map_or(Duration::ZERO, |f| {
+                        let all = restart::facts_of(results.iter());
+                        rule.hold(&f, all, self.trusted(i, &f))
+                    })
+            })
+            .collect();
         let now = self.clock.now();
         h.on_attempt(&AttemptEvent {
             resource,

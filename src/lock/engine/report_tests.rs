@@ -114,7 +114,7 @@ fn a_lock_cycle_reports_attempts_renewals_losses_and_releases() {
             "release r ok=true [ok,ok,ok]",
             "attempt s acquired [ok,ok,Unavailable]",
             "renewal s auto=false ok=false [missing,missing,Unavailable]",
-            "lost s lock expired (or its keys were deleted) before the call",
+            "lost s expired: the lock's time ran out (or its keys were deleted)",
             "release s ok=false [missing,missing,Unavailable]",
         ]
     );

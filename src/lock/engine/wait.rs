@@ -1,0 +1,412 @@
+//! The waits between a call's attempts: after a failed attempt, a wait for
+//! a release's wake-up (see [`crate::driver::notify`]) or a fallback: the
+//! retry pause, or the owner's expiry where sooner, at most
+//! [`FALLBACK_CAP`]; and the rules that keep woken waiters from splitting
+//! the votes or being driven by forged messages.
+
+use std::time::{Duration, Instant};
+
+use log::{debug, trace};
+
+use crate::algorithm::quorum;
+use crate::clock::after;
+use crate::error::Error;
+use crate::events::Begun;
+use crate::lock::transport::Watch;
+use crate::Result;
+
+use super::remote::SetWaiting;
+use super::{Budget, Engine, Want};
+
+/// Quick retries in a row after an attempt that found the key not held
+/// everywhere (see [`Waiter::pause`]).
+const QUICK_RETRIES: u32 = 2;
+
+/// Woken tries in a row that met the same owners (see
+/// [`quorum::new_owner`]) after which a waiter stops listening until its
+/// next try by the clock. Three: such a try may be a real release followed
+/// at once by an owner with as much time left, within a round's time (under
+/// hot contention two in a row were seen, and the waiter missed the next
+/// release by a retry pause); a stream of forged messages costs a waiter at
+/// most three rounds per fallback pause.
+const SAME_OWNERS: u32 = 3;
+
+/// The longest a subscribed waiter waits for a wake-up before it tries
+/// again (its retry pause or the owner's expiry, where shorter): a lost
+/// message costs at most this.
+pub(crate) const FALLBACK_CAP: Duration = Duration::from_secs(1);
+
+/// What a failed attempt saw, for the wait after it.
+#[derive(Debug, Default, Clone)]
+pub(super) struct Failed {
+    /// Nodes where its SET landed (undone since).
+    pub ours: usize,
+    /// How long until a majority could take the key, by the owners'
+    /// remaining TTLs (see [`quorum::free_in`]).
+    pub free_in: Option<Duration>,
+    /// What each node said of the owner (see [`quorum::new_owner`]).
+    pub owners: Vec<quorum::Seen>,
+}
+
+impl Failed {
+    /// What an attempt at `keys` keys saw, from its results after the
+    /// restart rule.
+    pub(super) fn of(judged: &[crate::algorithm::round::NodeResult], keys: usize) -> Self {
+        Failed {
+            ours: quorum::Tally::of(judged, 0).ok,
+            free_in: quorum::free_in(judged, 0),
+            owners: quorum::seen(judged, keys),
+        }
+    }
+}
+
+/// What the next attempt is told of the call so far.
+pub(super) struct Try {
+    /// When the call began and whether this try was woken (for events).
+    pub begun: Begun,
+    /// How long a waiting writer keeps new readers out (zero on a last
+    /// try: see [`Op::Acquire`](crate::algorithm::round::Op::Acquire)).
+    pub intent: Duration,
+    /// The call's first try.
+    pub first: bool,
+}
+
+/// One call's waiting between its attempts: the counted attempts and the
+/// retry pause, the subscription to releases, and what the last tries saw.
+pub(super) struct Waiter<'a> {
+    engine: &'a Engine,
+    want: Want<'a>,
+    budget: Budget,
+    /// The end of the call.
+    until: Instant,
+    /// When the call began.
+    called: Instant,
+    /// Whether the call listens for releases (it waits, wake-ups are on).
+    wakes: bool,
+    /// How long a waiting writer's intent lasts (zero for a reader, or a
+    /// call that does not wait).
+    span: Duration,
+    /// Counted as a waiter for a lock of several or a read lock (see
+    /// [`SetWaiting`]), for the call.
+    _set_waiting: Option<SetWaiting<'a>>,
+    /// Counted attempts so far.
+    attempt: u32,
+    /// When the next counted attempt is due (the retry pause after the
+    /// last): a subscribed waiter's tries at a shorter fallback (the cap,
+    /// the owner's expiry) come in between, not counted, so that
+    /// `lock()`'s attempts stay a retry pause apart.
+    due: Option<Instant>,
+    /// Wake-ups by the releases of other clients: from the first failed
+    /// attempt on, or from the start where this client is subscribed
+    /// already.
+    watch: Option<Box<dyn Watch>>,
+    /// Wake-ups seen before the current try.
+    seen: u64,
+    /// Whether the current try was woken.
+    woken: bool,
+    /// Whether the current try was made with the other waiters at once:
+    /// woken, or at the owners' expiry.
+    together: bool,
+    /// Whether an owner's expiry may end a wait: not after a try at an
+    /// expiry found the key still held (a live holder renews it; its
+    /// waiters would try at every expiry they read), for the rest of the
+    /// call.
+    trust_expiry: bool,
+    /// Whether the current try was made at the owners' expiry.
+    at_expiry: bool,
+    /// Wake-ups this call lost (the last one woken is not lost yet).
+    lost: u32,
+    /// What the last try saw of the owners, when, and how long it took: a
+    /// woken try that meets the same owners again may have been woken by a
+    /// message no release sent (forged, or from another database: pub/sub
+    /// ignores it). After [`SAME_OWNERS`] such tries in a row the waiter
+    /// hears no more messages until its next try by the clock.
+    owners: Option<(Instant, Duration, Vec<quorum::Seen>)>,
+    /// Woken tries in a row that met the same owners.
+    same: u32,
+    /// Quick retries in a row (see [`QUICK_RETRIES`]).
+    quick: u32,
+    /// Tries so far, counted or not.
+    tries: u32,
+    /// When the current try began.
+    tried: Instant,
+}
+
+impl<'a> Waiter<'a> {
+    /// The waiting of a call for `want` until `until`, begun at `called`:
+    /// a waiting call first yields to the waiters of other clients (see
+    /// `yield_to_others`).
+    pub(super) fn new(
+        engine: &'a Engine,
+        want: Want<'a>,
+        budget: Budget,
+        (called, until): (Instant, Instant),
+    ) -> Self {
+        let waits = !matches!(budget, Budget::Attempts(1));
+        let wakes = waits && engine.settings.wake_ups;
+        if waits {
+            engine.yield_to_others(want.resource, want.also, until);
+        }
+        // This client's own releases wake its waiters for locks of several
+        // and its readers.
+        let set_waiting = (waits && !want.alone()).then(|| engine.remote.set_waiting());
+        // A waiting writer's intent outlives the longest wait between its
+        // tries: the retry pause, and the round and undo before it (each
+        // as long as a round of its keys may wait). (Not cut to the TTL: a
+        // TTL below the pause let readers in between the tries, and a
+        // stream of them starved the writer.)
+        let span = if waits && !want.read {
+            let s = &engine.settings;
+            let keys = want.also.len().saturating_add(1);
+            s.retry_delay
+                .saturating_add(s.retry_jitter)
+                .saturating_add(engine.allowance(keys).saturating_mul(3))
+        } else {
+            Duration::ZERO
+        };
+        let watch = if wakes && want.alone() {
+            engine.transport.watch_existing(want.resource)
+        } else {
+            None
+        };
+        Waiter {
+            engine,
+            want,
+            budget,
+            until,
+            called,
+            wakes,
+            span,
+            _set_waiting: set_waiting,
+            attempt: 1,
+            due: None,
+            watch,
+            seen: 0,
+            woken: false,
+            together: false,
+            trust_expiry: true,
+            at_expiry: false,
+            lost: 0,
+            owners: None,
+            same: 0,
+            quick: 0,
+            tries: 0,
+            tried: called,
+        }
+    }
+
+    /// Starts a try: what the attempt is told.
+    pub(super) fn next_try(&mut self) -> Try {
+        if let Some(w) = &self.watch {
+            self.seen = w.seen();
+        }
+        self.tried = self.engine.clock.now();
+        // An attempt after which no try may come (the last counted one, or
+        // at the deadline) marks no intent, and none outlives the call's
+        // wait (a writer that gave up kept readers out for a whole pause).
+        let last = matches!(self.budget, Budget::Attempts(n) if self.attempt >= n);
+        let intent = if last {
+            Duration::ZERO
+        } else {
+            self.span
+                .min(self.until.saturating_duration_since(self.tried))
+        };
+        let first = self.tries == 0;
+        self.tries += 1;
+        Try {
+            begun: Begun {
+                waited: self.tried.saturating_duration_since(self.called),
+                woken: self.woken,
+            },
+            intent,
+            first,
+        }
+    }
+
+    /// After a failed try: waits until the next one is due and returns, or
+    /// gives up with `err` (the call's time or attempts are used up).
+    pub(super) fn after_failure(&mut self, err: Error, failed: Failed) -> Result<()> {
+        let engine = self.engine;
+        // Drawn first, as always (the simulation's schedules rest on the
+        // order of the draws).
+        let s = &engine.settings;
+        let pause = quorum::retry_delay(s.retry_delay, s.retry_jitter, engine.rng.next_u64());
+        let now = engine.clock.now();
+        let left = self.until.saturating_duration_since(now);
+        if left.is_zero() {
+            return Err(err);
+        }
+        if self.watch.is_none() && self.wakes && self.subscribe(now, left) {
+            // Tried again at once (not counted as an attempt): the release
+            // may have come before the subscription.
+            debug!(
+                "lock {:?}: attempt failed ({err}); waiting for its release",
+                self.want.resource
+            );
+            return Ok(());
+        }
+        // A woken try never counts: a message is a hint anyone can send, and
+        // must not use up `lock()`'s attempts, which stay a retry pause
+        // apart.
+        if self.due.is_none_or(|d| now >= d) {
+            if let Budget::Attempts(n) = self.budget {
+                if self.attempt >= n {
+                    return Err(err);
+                }
+            }
+            self.attempt = self.attempt.saturating_add(1);
+            self.due = Some(after(now, pause));
+        }
+        // What is left of the retry pause.
+        let pause = self.due.map_or(pause, |d| d.saturating_duration_since(now));
+        let took = now.saturating_duration_since(self.tried);
+        let pause = self.pause(&err, failed, (now, took), pause);
+        debug!(
+            "lock {:?}: attempt failed ({err}); retrying within {pause:?}",
+            self.want.resource
+        );
+        self.sleep(pause, now, took);
+        Ok(())
+    }
+
+    /// Subscribes to the releases of the call's resources, waiting for the
+    /// nodes until `now` + the node timeout (within `left`): whether it is.
+    fn subscribe(&mut self, now: Instant, left: Duration) -> bool {
+        let engine = self.engine;
+        let confirm_by = after(now, engine.settings.node_timeout.min(left));
+        let Want { resource, also, .. } = self.want;
+        self.watch = if self.want.alone() {
+            engine.transport.watch(resource, confirm_by)
+        } else {
+            let names: Vec<&str> = std::iter::once(resource)
+                .chain(also.iter().map(String::as_str))
+                .collect();
+            engine.transport.watch_all(&names, confirm_by)
+        };
+        self.watch.is_some()
+    }
+
+    /// How long to wait after a try that failed with `err` and saw
+    /// `failed`, at `now`, `took` after it began: `pause` (what is left of
+    /// the retry pause), or for a subscribed waiter a fallback should no
+    /// wake-up come, or a quick retry after a split vote.
+    fn pause(
+        &mut self,
+        err: &Error,
+        failed: Failed,
+        (now, took): (Instant, Duration),
+        pause: Duration,
+    ) -> Duration {
+        // Each reading is somewhere in its attempt: off by the longer of the
+        // two attempts' times (and PTTL's millisecond).
+        let read_in = self.owners.as_ref().map_or(took, |(_, t, _)| took.max(*t));
+        let slack = read_in.saturating_add(Duration::from_millis(1));
+        let before = self.owners.as_ref().map(|(t, _, o)| (*t, o.as_slice()));
+        self.same = if self.woken && !quorum::new_owner(before, &failed.owners, now, slack) {
+            self.same.saturating_add(1)
+        } else {
+            0
+        };
+        let deaf = self.same >= SAME_OWNERS;
+        self.owners = Some((now, took, failed.owners));
+        // A woken attempt that set the key on some nodes and still lost:
+        // maybe waiters woken together split the votes and each undid its
+        // own, which frees the key without a message. Tried again soon (half
+        // to twice an attempt's time, at random), twice in a row at most,
+        // then the retry pause. Not where the try met the same owners again
+        // (`deaf`): a real split shows other waiters' keys where the try
+        // before saw none, and a quick retry is no try by the clock (a
+        // holder on a bare majority let every forged message set the free
+        // nodes, and the quick retries in between ended the deafness: ~150
+        // rounds in a 1.2 s storm).
+        let split = !deaf
+            && self.watch.is_some()
+            && (self.together || self.quick > 0)
+            && self.quick < QUICK_RETRIES
+            && failed.ours > 0
+            && matches!(err, Error::Taken { .. });
+        // A subscribed waiter's fallback, should no wake-up come: the retry
+        // pause, or sooner the moment the owners' keys expire on a majority
+        // (a holder that stopped without a release), never more than
+        // `FALLBACK_CAP`. (Where this attempt set some nodes, the owners
+        // elsewhere may be waiters that split the votes with it: their
+        // keys' expiry is a whole TTL, and the shorter of it and the pause
+        // never waits longer.)
+        if self.at_expiry && !split {
+            self.trust_expiry = false;
+        }
+        let expiry = self
+            .watch
+            .as_ref()
+            .and(failed.free_in)
+            .filter(|_| self.trust_expiry)
+            .map(|f| f.saturating_add(Duration::from_millis(1)));
+        let pause = if split {
+            self.quick += 1;
+            let rng = self.engine.rng.next_u64();
+            quorum::retry_delay(took * 5 / 4, took * 3 / 4, rng).min(pause)
+        } else {
+            self.quick = 0;
+            match (&self.watch, expiry) {
+                (Some(_), Some(e)) => e.min(pause).min(FALLBACK_CAP),
+                (Some(_), None) => pause.min(FALLBACK_CAP),
+                (None, _) => pause,
+            }
+        }
+        .min(self.until.saturating_duration_since(now));
+        self.at_expiry = !split && expiry.is_some_and(|e| e <= pause);
+        pause
+    }
+
+    /// Waits up to `pause` after a try that ended at `now`, `took` after
+    /// it began: for a wake-up where subscribed (unless deaf to them), then,
+    /// woken, a spacing that puts who lost more wake-ups first.
+    fn sleep(&mut self, pause: Duration, now: Instant, took: Duration) {
+        let clock = &self.engine.clock;
+        let resource = self.want.resource;
+        let Some(w) = &self.watch else {
+            (self.together, self.at_expiry) = (false, false);
+            clock.sleep(pause);
+            return;
+        };
+        self.woken = if self.same >= SAME_OWNERS {
+            trace!("lock {resource:?}: woken for nothing; not listening for {pause:?}");
+            clock.sleep(pause);
+            false
+        } else {
+            w.wait(self.seen, after(clock.now(), pause))
+        };
+        // Woken, or at the owners' expiry: every waiter would try at once.
+        self.together = self.woken || self.at_expiry;
+        if self.woken {
+            // (The expiry stays untrusted where it was: a woken try that
+            // fails may meet the same renewed holder, after a forged or
+            // duplicated message; a new owner that dies costs at most the
+            // cap.)
+            self.at_expiry = false;
+        }
+        if !self.together {
+            trace!("lock {resource:?}: not woken; trying again");
+            return;
+        }
+        // Every woken waiter would try at once. Each waits one attempt's
+        // time over one more than the wake-ups it lost (less up to a
+        // quarter, at random): who lost more rounds goes first, close to
+        // first come, first served, and the votes rarely split. Never sooner
+        // than one attempt's time after its last one ended: a stream of
+        // messages cannot drive rounds back to back.
+        self.lost = self.lost.saturating_add(1);
+        let ahead = took / self.lost;
+        let rng = self.engine.rng.next_u64();
+        let spread = ahead.saturating_sub(quorum::retry_delay(ahead / 8, ahead / 8, rng));
+        let spaced = after(now, took).saturating_duration_since(clock.now());
+        let wait = spread
+            .max(spaced)
+            .min(self.until.saturating_duration_since(clock.now()));
+        trace!(
+            "lock {resource:?}: woken ({}); trying in {wait:?}",
+            self.woken
+        );
+        clock.sleep(wait);
+    }
+}
