@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use log::{debug, trace};
 
 use crate::algorithm::quorum::{self, Tally};
-use crate::algorithm::restart::{self, RestartRule};
+use crate::algorithm::restart::{self, RestartRule, TtlHistory};
 use crate::algorithm::round::{Key, NodeFacts, NodeResult, Op};
 use crate::clock::{after, new_reader_token, new_token};
 use crate::error::Error;
@@ -125,14 +125,7 @@ impl Engine {
             start = self.clock.now();
         }
         let told = history::told(ttl, &known, first);
-        let rule = RestartRule {
-            enabled: self.settings.restart_protection,
-            floor: ttl,
-            known,
-            complete: false,
-            #[cfg(test)]
-            loose: self.settings.loose_restart_rule,
-        };
+        let rule = self.restart_rule(ttl, known);
         // No point waiting for replies past the moment validity would be gone.
         let budget = self.allowance(keys.len()).min(ttl.saturating_sub(drift));
         let horizon = self.horizon();
@@ -181,21 +174,31 @@ impl Engine {
             let elapsed = end.saturating_duration_since(start);
             debug!("lock {resource:?}: not acquired in {elapsed:?}: {e}");
         }
-        if self.settings.events.get().is_some() {
-            let rule = rule.heard(&results);
-            let outcome = result.as_ref();
-            self.attempt_event(
-                resource,
-                start,
-                outcome,
-                (&judged, &results, &rule),
-                next.begun,
-            );
-        }
+        let outcome = result.as_ref();
+        self.attempt_event(
+            resource,
+            start,
+            outcome,
+            (&judged, &results, &rule),
+            next.begun,
+        );
         if result.is_err() {
             *seen = Failed::of(&judged, 1 + also.len());
         }
         result
+    }
+
+    /// The delayed-restart rule for a round of `ttl`, with the TTLs in use
+    /// `known`.
+    fn restart_rule(&self, ttl: Duration, known: TtlHistory) -> RestartRule {
+        RestartRule {
+            enabled: self.settings.restart_protection,
+            floor: ttl,
+            known,
+            complete: false,
+            #[cfg(test)]
+            loose: self.settings.loose_restart_rule,
+        }
     }
 
     /// How many more replies an acquire round under `rule` needs at least

@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use crate::algorithm::quorum::{self, Tally};
-use crate::algorithm::round::{Key, NodeResult, Op};
+use crate::algorithm::round::{After, Key, NodeResult, Op};
 use log::{debug, trace};
 
 use crate::clock::after;
@@ -48,85 +48,26 @@ impl Engine {
             *ttls = ttls.used(ttl, begun);
             (known.max, super::history::told(ttl, &known, begun))
         };
-        let keys: Vec<Key<'_>> = states.iter().flat_map(|s| s.keys()).collect();
-        let sizes = super::several::sizes_of(states);
-        let mut deadline = self.round_deadline(start, keys.len());
-        if let [only] = states {
-            // A lone extension need not wait past its lock's validity.
-            deadline = deadline.min(only.deadline());
-        }
         // What each lock had left when the round started.
         let time_left: Vec<Duration> = states
             .iter()
             .map(|s| s.deadline().saturating_duration_since(start))
             .collect();
-        for state in states {
-            state.reach_until(after(start, ttl));
-        }
-        let results = if deadline > start {
-            // Stop at a settled majority (every lock's, for a batch); the
-            // renewal thread's rounds linger after that, as long again, for
-            // the stragglers: a node that lost the key says so, and its copy
-            // is restored (the renewal thread's time, not a caller's; a slow
-            // node that answers within the node timeout but after the lock's
-            // validity no longer costs the lock).
-            // (Each lock's answers folded into one: see `several`.)
-            let n = states.len();
-            let all = move |r: &[Option<NodeResult>]| quorum::to_settle_all(r, n);
-            let settled: crate::lock::transport::Decided<'_> =
-                if n == 1 { &quorum::to_settle } else { &all };
-            let op = Op::Extend {
-                ttl,
-                linger: loud,
-                known_max: known,
-                after: told.0,
-                known_prev: told.1,
-            };
-            self.run_keys(op, &keys, &sizes, deadline, Some(settled), None)
-        } else {
-            Vec::new()
-        };
+        let results = self.extension_round(states, ttl, loud, start, (known, told));
         let end = self.clock.now();
         self.note_failures(&results);
-        let elapsed = end.saturating_duration_since(start);
+        let round = Extension {
+            ttl,
+            drift,
+            start,
+            end,
+            loud,
+        };
         // Each lock's outcome, decided on its own.
         let decided: Vec<(usize, Result<Duration>, bool)> = states
             .iter()
             .enumerate()
-            .map(|(i, state)| {
-                let time_left = time_left[i];
-                let tally = Tally::of(&results, i);
-                let absent = tally.absent;
-                let mut outcome = if time_left.is_zero() || results.is_empty() {
-                    Err(Error::Expired)
-                } else {
-                    quorum::decide_extend(tally, ttl, elapsed, drift, time_left)
-                };
-                if matches!(outcome, Err(Error::ValidityExhausted { .. }))
-                    && state.deadline() >= after(end, ttl.saturating_sub(drift))
-                {
-                    // A TTL too short to survive the round, on a lock that
-                    // already lasts that long: nothing to do, and done.
-                    outcome = Ok(Duration::ZERO);
-                }
-                // The lock's new deadline (or its loss) at once, before
-                // any copy is restored.
-                let mut lost_now = false;
-                match &outcome {
-                    // The script never shortens a key: a TTL shorter than
-                    // what was left leaves the lock as it was.
-                    Ok(validity) => state.raise_timing(Timing {
-                        since: start,
-                        deadline: after(end, *validity),
-                        ttl,
-                    }),
-                    Err(e @ (Error::NotOwner { .. } | Error::Expired)) => {
-                        lost_now = state.lose(e, loud);
-                    }
-                    Err(_) => {}
-                }
-                (absent, outcome, lost_now)
-            })
+            .map(|(i, state)| self.judge_extension(&round, state, &results, i, time_left[i]))
             .collect();
         // A lock held on a majority whose key is missing elsewhere (a node
         // restarted empty or evicted it, or the acquisition never reached
@@ -170,30 +111,139 @@ impl Engine {
                     Some(m) => (&m[..], 0),
                     None => (&results[..], i),
                 };
-                // Only a round that confirmed the lock says where it is: one
-                // that failed (too few answers in time) found nothing missing.
-                if outcome.is_ok() && !view.is_empty() {
-                    state.set_holding(quorum::holding(view, index));
-                }
-                if let Some(h) = self.settings.events.get() {
-                    h.on_renewal(&RenewalEvent {
-                        resource: &state.resource,
-                        section: state.section,
-                        automatic: loud,
-                        elapsed,
-                        outcome: outcome
-                            .as_ref()
-                            .map(|_| state.deadline().saturating_duration_since(end)),
-                        nodes: Nodes::new(self.transport.node_names(), view, index),
-                    });
-                }
-                if let (true, Err(e)) = (lost_now, &outcome) {
-                    self.lost_event(state, e);
-                }
-                trace!("extend {:?}: {outcome:?} in {elapsed:?}", state.resource);
-                outcome.map(|_| state.deadline().saturating_duration_since(end))
+                self.report_extension(&round, state, (view, index), outcome, lost_now)
             })
             .collect()
+    }
+
+    /// An extension round for `states` to `ttl`, begun at `start` (`loud`:
+    /// the renewal thread's), with the TTLs in use `known` and what the
+    /// nodes are `told`: every node's answers, none where no time was left.
+    fn extension_round(
+        &self,
+        states: &[&LockState],
+        ttl: Duration,
+        loud: bool,
+        start: Instant,
+        (known, told): (Duration, (After, Duration)),
+    ) -> Vec<NodeResult> {
+        let keys: Vec<Key<'_>> = states.iter().flat_map(|s| s.keys()).collect();
+        let sizes = super::several::sizes_of(states);
+        let mut deadline = self.round_deadline(start, keys.len());
+        if let [only] = states {
+            // A lone extension need not wait past its lock's validity.
+            deadline = deadline.min(only.deadline());
+        }
+        for state in states {
+            state.reach_until(after(start, ttl));
+        }
+        if deadline > start {
+            // Stop at a settled majority (every lock's, for a batch); the
+            // renewal thread's rounds linger after that, as long again, for
+            // the stragglers: a node that lost the key says so, and its copy
+            // is restored (the renewal thread's time, not a caller's; a slow
+            // node that answers within the node timeout but after the lock's
+            // validity no longer costs the lock).
+            // (Each lock's answers folded into one: see `several`.)
+            let n = states.len();
+            let all = move |r: &[Option<NodeResult>]| quorum::to_settle_all(r, n);
+            let settled: crate::lock::transport::Decided<'_> =
+                if n == 1 { &quorum::to_settle } else { &all };
+            let op = Op::Extend {
+                ttl,
+                linger: loud,
+                known_max: known,
+                after: told.0,
+                known_prev: told.1,
+            };
+            self.run_keys(op, &keys, &sizes, deadline, Some(settled), None)
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// One lock's outcome in an extension round, from its answers (the
+    /// `index`th lock of `results`; it had `time_left` when the round
+    /// began), set on the lock at once (its new deadline, or its loss)
+    /// before any copy is restored: the nodes it was missing from, the
+    /// outcome, whether it was lost now.
+    fn judge_extension(
+        &self,
+        round: &Extension,
+        state: &LockState,
+        results: &[NodeResult],
+        index: usize,
+        time_left: Duration,
+    ) -> (usize, Result<Duration>, bool) {
+        let Extension {
+            ttl, drift, end, ..
+        } = *round;
+        let elapsed = end.saturating_duration_since(round.start);
+        let tally = Tally::of(results, index);
+        let absent = tally.absent;
+        let mut outcome = if time_left.is_zero() || results.is_empty() {
+            Err(Error::Expired)
+        } else {
+            quorum::decide_extend(tally, ttl, elapsed, drift, time_left)
+        };
+        if matches!(outcome, Err(Error::ValidityExhausted { .. }))
+            && state.deadline() >= after(end, ttl.saturating_sub(drift))
+        {
+            // A TTL too short to survive the round, on a lock that already
+            // lasts that long: nothing to do, and done.
+            outcome = Ok(Duration::ZERO);
+        }
+        let mut lost_now = false;
+        match &outcome {
+            // The script never shortens a key: a TTL shorter than what was
+            // left leaves the lock as it was.
+            Ok(validity) => state.raise_timing(Timing {
+                since: round.start,
+                deadline: after(end, *validity),
+                ttl,
+            }),
+            Err(e @ (Error::NotOwner { .. } | Error::Expired)) => {
+                lost_now = state.lose(e, round.loud);
+            }
+            Err(_) => {}
+        }
+        (absent, outcome, lost_now)
+    }
+
+    /// Tells of one lock's extension: where it is held now (the `index`th
+    /// lock of `view`, the round's answers with any copies restored), the
+    /// events, and its loss (`lost_now`); returns the validity left.
+    fn report_extension(
+        &self,
+        round: &Extension,
+        state: &LockState,
+        (view, index): (&[NodeResult], usize),
+        outcome: Result<Duration>,
+        lost_now: bool,
+    ) -> Result<Duration> {
+        let (end, elapsed) = (round.end, round.end.saturating_duration_since(round.start));
+        // Only a round that confirmed the lock says where it is: one that
+        // failed (too few answers in time) found nothing missing.
+        if outcome.is_ok() && !view.is_empty() {
+            state.set_holding(quorum::holding(view, index));
+        }
+        if let Some(h) = self.settings.events.get() {
+            h.on_renewal(&RenewalEvent {
+                resource: &state.resource,
+                section: state.section,
+                automatic: round.loud,
+                elapsed,
+                outcome: outcome
+                    .as_ref()
+                    .map(|_| state.deadline().saturating_duration_since(end)),
+                nodes: Nodes::new(self.transport.node_names(), view, index),
+            });
+        }
+        if let (true, Err(e)) = (lost_now, &outcome) {
+            self.lost_event(state, e);
+        }
+        trace!("extend {:?}: {outcome:?} in {elapsed:?}", state.resource);
+        outcome.map(|_| state.deadline().saturating_duration_since(end))
     }
 
     /// Sets held locks' keys again where they are missing (`SET NX PX ttl`
@@ -279,4 +329,15 @@ fn merge_restored(
             }
         })
         .collect()
+}
+
+/// An extension round: the TTL asked for and its drift allowance, when the
+/// round began and ended, and whether it is the renewal thread's (`loud`).
+#[derive(Clone, Copy)]
+struct Extension {
+    ttl: Duration,
+    drift: Duration,
+    start: Instant,
+    end: Instant,
+    loud: bool,
 }

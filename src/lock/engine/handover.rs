@@ -5,7 +5,7 @@
 //! lock's fencing token.
 
 use std::cell::Cell;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use log::{debug, trace};
 
@@ -13,7 +13,7 @@ use crate::algorithm::quorum::{self, Tally};
 use crate::algorithm::round::{Key, NodeResult, Op};
 use crate::error::Error;
 use crate::events::{AttemptEvent, Begun, Nodes};
-use crate::lock::state::LockState;
+use crate::lock::state::{LockState, Timing};
 use crate::lock::transport::AfterRound;
 use crate::Result;
 
@@ -169,9 +169,21 @@ impl Engine {
             });
         }
         outcome?;
-        // A node the swap did not reach keeps an earlier token of the
-        // lineage, with the lock's expiry; the next swap or the release
-        // takes it from there.
+        Ok(self.next_section(handed, token, fence, (start, timing), &results))
+    }
+
+    /// The lock's next section after a swap that `results` confirmed, under
+    /// `token` and `fence`, begun at `start`. A node the swap did not reach
+    /// keeps an earlier token of the lineage, with the lock's expiry; the
+    /// next swap or the release takes it from there.
+    fn next_section(
+        &self,
+        handed: &LockState,
+        token: String,
+        fence: Option<u64>,
+        (start, timing): (Instant, Timing),
+        results: &[NodeResult],
+    ) -> LockState {
         let mut state = LockState::new(&handed.resource, token, fence, timing);
         state.section = handed.section.saturating_add(1);
         state.acquired = start;
@@ -181,14 +193,14 @@ impl Engine {
         if let Some(r) = handed.reach() {
             state.reach_until(r);
         }
-        state.set_holding(quorum::holding(&results, 0));
+        state.set_holding(quorum::holding(results, 0));
         trace!(
             "lock {:?}: section {} under token {}",
             state.resource,
             state.section,
             state.token
         );
-        Ok(state)
+        state
     }
 }
 

@@ -61,6 +61,7 @@ impl Engine {
             return;
         };
         // How long each node's vote was held back by the restart rule.
+        let rule = rule.heard(results);
         let holds: Vec<Duration> = results
             .iter()
             .enumerate()
