@@ -411,6 +411,12 @@ impl PartialEq for NodeError {
 
 impl Eq for NodeError {}
 
+// The error beneath is only read (shared, never mutated), so a panic cannot
+// leave it half-changed: a `NodeError`, and the `Error` holding it, stay
+// unwind-safe as they were before they kept a source.
+impl std::panic::UnwindSafe for NodeError {}
+impl std::panic::RefUnwindSafe for NodeError {}
+
 impl fmt::Display for NodeError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{} {}", self.node, self.kind)?;

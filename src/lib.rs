@@ -75,4 +75,11 @@ mod tests {
         send_sync::<crate::LostSignal>();
         send_sync::<crate::LockRequest<'static>>();
     }
+
+    #[test]
+    fn errors_are_unwind_safe() {
+        fn unwind_safe<T: std::panic::UnwindSafe + std::panic::RefUnwindSafe>() {}
+        unwind_safe::<crate::Error>();
+        unwind_safe::<crate::NodeError>();
+    }
 }

@@ -146,7 +146,11 @@ impl<'a> LockRequest<'a> {
     /// the node timeouts `acquire` adds to its own bound.
     ///
     /// # Errors
-    /// As [`try_acquire`](Self::try_acquire), the last attempt's.
+    /// As [`try_acquire`](Self::try_acquire), the last attempt's; or
+    /// [`Error::Taken`](crate::Error::Taken) where another thread of this
+    /// process held the lock until the wait ran out (it hands its lock over
+    /// to the next thread in line, and one that comes too late is not
+    /// taken).
     pub fn acquire_for(self, wait: Duration) -> Result<LockGuard> {
         let until = after(self.engine.clock.now(), wait);
         self.take(Budget::Until(until))
@@ -156,7 +160,7 @@ impl<'a> LockRequest<'a> {
     /// `deadline` has passed (at least one attempt is made).
     ///
     /// # Errors
-    /// As [`try_acquire`](Self::try_acquire), the last attempt's.
+    /// As [`acquire_for`](Self::acquire_for).
     pub fn acquire_until(self, deadline: Instant) -> Result<LockGuard> {
         self.take(Budget::Until(deadline))
     }

@@ -227,16 +227,14 @@ pub(crate) fn setup_reply(
         if refuses_connection(e) {
             c.broken = true;
             let detail = format!("it turned the connection away: {text}");
-            *node.connect_error.lock() = Some(NodeError::new(
-                &node.name,
-                NodeErrorKind::Unavailable,
-                detail.clone(),
-            ));
+            let refused =
+                || std::io::Error::new(std::io::ErrorKind::ConnectionRefused, detail.clone());
+            *node.connect_error.lock() = Some(
+                NodeError::new(&node.name, NodeErrorKind::Unavailable, detail.clone())
+                    .caused_by(Some(std::sync::Arc::new(refused()))),
+            );
             node.observe(Outcome::Refused);
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::ConnectionRefused,
-                detail,
-            ));
+            return Err(refused());
         }
         match setup {
             Setup::Info => node.servers.learn_info(node.index, &Err(text)),

@@ -58,12 +58,17 @@ impl Engine {
                     debug!("lock {resource:?}: taken over from a local holder");
                     return Ok((Arc::new(state), turn));
                 }
-                // The wait ran out while another thread of this process
-                // held the lock: taken, as an attempt would have found it.
+                // No time left for an attempt. Where the swap's round says
+                // why (nodes failed, another owner), that is the answer;
+                // else the lock came too late (expired, or of another TTL):
+                // another thread of this process held it the whole wait.
                 Err(e) if self.clock.now() >= until => {
                     debug!("lock {resource:?}: not taken over ({e}) and no time left");
                     let nodes = self.transport.node_names().len();
-                    return Err(Error::Taken { held, nodes });
+                    return Err(match e {
+                        Error::Expired => Error::Taken { held, nodes },
+                        e => e,
+                    });
                 }
                 Err(e) => debug!("lock {resource:?}: not taken over ({e}); locking anew"),
             }
@@ -84,9 +89,10 @@ impl Engine {
     /// On failure, releases wherever our SET may have landed, on the same
     /// connections as the SET.
     ///
-    /// `intent`: for a writer that will try again, how long live readers
-    /// keep new readers out (see [`Op::Acquire`]; zero for a reader), and
-    /// whether this is the call's first try (see [`Engine::lean`]).
+    /// `next`: what the call tells this try (see [`Try`]): for a writer that
+    /// will try again, how long live readers keep new readers out (see
+    /// [`Op::Acquire`]), and whether it is the call's first (see
+    /// [`Engine::lean`]).
     /// `until`: the end of the call, which a first use's wait for the
     /// nodes' histories does not pass.
     fn attempt(

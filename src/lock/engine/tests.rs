@@ -277,6 +277,29 @@ fn lock_timeout_keeps_trying_until_the_wait_is_over() {
     assert!(g.is_held());
 }
 
+/// A lock another thread of this process hands over only after the waiter's
+/// wait ran out, and that the waiter cannot take (it asked for another TTL),
+/// ends the wait as `Taken`, not `Expired`: the lock did not expire, another
+/// thread held it the whole wait.
+#[test]
+fn a_hand_over_too_late_for_the_wait_is_taken() {
+    let (locks, _, clock) = client(3);
+    let holder = locks.try_lock("r", 6 * TTL).unwrap();
+    let waiter = {
+        let locks = locks.clone();
+        std::thread::spawn(move || locks.request("r", TTL).acquire_for(TTL / 10))
+    };
+    // The waiter queues behind the holder (its virtual wait takes as long in
+    // real time, or until the holder hands over).
+    std::thread::sleep(Duration::from_millis(200));
+    clock.advance(TTL);
+    drop(holder);
+    match waiter.join().expect("waiter") {
+        Err(Error::Taken { held: 3, nodes: 3 }) => {}
+        other => panic!("expected Taken, got {other:?}"),
+    }
+}
+
 #[test]
 fn extend_moves_the_deadline_and_detects_loss() {
     let (locks, nodes, clock) = client(3);
