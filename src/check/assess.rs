@@ -112,6 +112,8 @@ pub(crate) fn assess(
     }
 }
 
+/// The findings for one node, `name`, from its probe `p`, against the
+/// client's node `timeout`, with the scripts tried on `key`.
 pub(super) fn assess_node(name: &str, p: &Probe, timeout: Duration, key: &str) -> NodeCheck {
     let mut f = Vec::new();
     let mut out = NodeCheck {
@@ -129,6 +131,33 @@ pub(super) fn assess_node(name: &str, p: &Probe, timeout: Duration, key: &str) -
         out.findings = f;
         return out;
     }
+    f.extend(server(p));
+    if let Some((median, finding)) = latency(&p.rtts, timeout) {
+        out.round_trip = Some(median);
+        f.push(finding);
+    }
+    if let Some((offset, rtt)) = p.clock {
+        out.clock_offset_us = Some(offset);
+        f.push(clock(offset, rtt));
+    }
+    if let Some(why) = &p.load {
+        f.push(Finding::new(
+            Verdict::Warn,
+            "scripts",
+            format!("SCRIPT LOAD refused ({why}): rounds send whole scripts (EVAL), larger"),
+        ));
+    }
+    f.extend(scripts(p.scripts.as_ref(), key));
+    f.extend(read_locks(p.read_scripts.as_ref(), key));
+    out.findings = f;
+    out
+}
+
+/// What `INFO` says of the node: who it is, its role, cluster mode,
+/// memory policy and persistence; or that `INFO` was refused or not
+/// answered.
+fn server(p: &Probe) -> Vec<Finding> {
+    let mut f = Vec::new();
     match &p.info {
         Some(Ok(info)) => {
             let ids = format!(
@@ -166,59 +195,67 @@ pub(super) fn assess_node(name: &str, p: &Probe, timeout: Duration, key: &str) -
         )),
         None => f.push(Finding::new(Verdict::Warn, "identity", "INFO not answered")),
     }
-    let mut rtts = p.rtts.clone();
+    f
+}
+
+/// The median of the `PING` round trips `rtts` and its finding: a warning
+/// where the slowest reached `timeout` or the median half of it. `None`
+/// without a round trip.
+fn latency(rtts: &[Duration], timeout: Duration) -> Option<(Duration, Finding)> {
+    let mut rtts = rtts.to_vec();
     rtts.sort_unstable();
-    if let (Some(median), Some(max)) = (rtts.get(rtts.len() / 2), rtts.last()) {
-        out.round_trip = Some(*median);
-        let text = format!(
-            "round trip {} (max {}) against a node timeout of {}",
-            human(*median),
-            human(*max),
-            human(timeout)
-        );
-        f.push(if *max >= timeout {
-            Finding::new(
-                Verdict::Warn,
-                "latency",
-                format!("{text}: rounds will often miss it"),
-            )
-        } else if *median > timeout / 2 {
-            Finding::new(
-                Verdict::Warn,
-                "latency",
-                format!("{text}: raise the node timeout"),
-            )
-        } else {
-            Finding::new(Verdict::Ok, "latency", text)
-        });
-    }
-    if let Some((offset, rtt)) = p.clock {
-        out.clock_offset_us = Some(offset);
-        let off = Duration::from_micros(offset.unsigned_abs());
-        f.push(Finding::new(
-            if off > CLOCK_WARN {
-                Verdict::Warn
-            } else {
-                Verdict::Ok
-            },
-            "clock",
-            format!(
-                "{}{} from this machine's clock (± {})",
-                if offset < 0 { "-" } else { "+" },
-                human(off),
-                human(rtt / 2)
-            ),
-        ));
-    }
-    if let Some(why) = &p.load {
-        f.push(Finding::new(
+    let (Some(median), Some(max)) = (rtts.get(rtts.len() / 2), rtts.last()) else {
+        return None;
+    };
+    let text = format!(
+        "round trip {} (max {}) against a node timeout of {}",
+        human(*median),
+        human(*max),
+        human(timeout)
+    );
+    let finding = if *max >= timeout {
+        Finding::new(
             Verdict::Warn,
-            "scripts",
-            format!("SCRIPT LOAD refused ({why}): rounds send whole scripts (EVAL), larger"),
-        ));
-    }
-    match &p.scripts {
-        Some(Ok(other)) => f.push(Finding::new(
+            "latency",
+            format!("{text}: rounds will often miss it"),
+        )
+    } else if *median > timeout / 2 {
+        Finding::new(
+            Verdict::Warn,
+            "latency",
+            format!("{text}: raise the node timeout"),
+        )
+    } else {
+        Finding::new(Verdict::Ok, "latency", text)
+    };
+    Some((*median, finding))
+}
+
+/// The node's clock `offset` (µs) from this machine's, read with a round
+/// trip of `rtt`: a warning beyond [`CLOCK_WARN`].
+fn clock(offset: i64, rtt: Duration) -> Finding {
+    let off = Duration::from_micros(offset.unsigned_abs());
+    Finding::new(
+        if off > CLOCK_WARN {
+            Verdict::Warn
+        } else {
+            Verdict::Ok
+        },
+        "clock",
+        format!(
+            "{}{} from this machine's clock (± {})",
+            if offset < 0 { "-" } else { "+" },
+            human(off),
+            human(rtt / 2)
+        ),
+    )
+}
+
+/// Whether the lock's scripts ran on `key` (`Ok(held by someone)`) or
+/// failed: a node they fail on cannot vote. `None` where not tried.
+fn scripts(tried: Option<&Result<bool, String>>, key: &str) -> Option<Finding> {
+    match tried? {
+        Ok(other) => Some(Finding::new(
             Verdict::Ok,
             "scripts",
             format!(
@@ -226,36 +263,38 @@ pub(super) fn assess_node(name: &str, p: &Probe, timeout: Duration, key: &str) -
                 if *other { " (held by someone now)" } else { "" }
             ),
         )),
-        Some(Err(why)) => f.push(Finding::new(
+        Err(why) => Some(Finding::new(
             Verdict::Fail,
             "scripts",
             format!("the lock's scripts fail on {key:?}: {why} (see the minimal ACL in the crate's docs, \"TLS and ACL\")"),
         )),
-        None => {}
     }
-    match &p.read_scripts {
-        Some(Ok(true)) => f.push(Finding::new(
+}
+
+/// Whether the read locks' scripts ran on `key` (`Ok(a writer held it)`)
+/// or failed, a warning only: read locks are optional. `None` where not
+/// tried.
+fn read_locks(tried: Option<&Result<bool, String>>, key: &str) -> Option<Finding> {
+    match tried? {
+        Ok(true) => Some(Finding::new(
             Verdict::Ok,
             "read locks",
             format!("not tried: a writer holds {key:?} now"),
         )),
-        Some(Ok(false)) => f.push(Finding::new(
+        Ok(false) => Some(Finding::new(
             Verdict::Ok,
             "read locks",
             format!("the read locks' scripts run on {key:?}"),
         )),
         // Read locks are optional: a client without them locks as before.
-        Some(Err(why)) => f.push(Finding::new(
+        Err(why) => Some(Finding::new(
             Verdict::Warn,
             "read locks",
             format!(
                 "the read locks' scripts fail on {key:?}: {why} (read locks need the sorted-set commands the crate's docs list)"
             ),
         )),
-        None => {}
     }
-    out.findings = f;
-    out
 }
 
 pub(super) fn memory(info: &ServerInfo) -> Finding {

@@ -40,56 +40,13 @@ pub(crate) fn parse_nodes_with(
             reason: reason.to_owned(),
         };
         let parsed = url::Url::parse(url).map_err(|e| bad(&e.to_string()))?;
-        let secure = match parsed.scheme() {
-            "redis" => false,
-            "rediss" => true,
-            _ => return Err(bad("only redis:// and rediss:// (TCP) nodes are supported")),
-        };
-        let host = match parsed.host() {
-            Some(url::Host::Domain(d)) if !d.is_empty() => d.to_owned(),
-            Some(url::Host::Ipv4(ip)) => ip.to_string(),
-            Some(url::Host::Ipv6(ip)) => ip.to_string(),
-            _ => return Err(bad("no host")),
-        };
+        let secure = is_tls(&parsed).map_err(bad)?;
+        let host = host_of(&parsed).map_err(bad)?;
         let port = parsed.port().unwrap_or(6379);
-        if parsed.query().is_some() {
-            return Err(bad(
-                "query parameters are not supported (give the database as the path: /N)",
-            ));
-        }
-        if let Some(f) = parsed.fragment() {
-            return Err(bad(if f == "insecure" {
-                "certificate verification cannot be turned off (#insecure): \
-                 trust the node's CA with Tls::ca_file"
-            } else {
-                "a fragment (#…) is not supported; a password with `#`, `/`, `?` or `@` \
-                 must be percent-encoded (%23, %2F, %3F, %40)"
-            }));
-        }
-        let db = match parsed.path().trim_start_matches('/') {
-            "" => 0,
-            p => p.parse::<i64>().ok().filter(|db| *db >= 0).ok_or_else(|| {
-                bad(
-                    "the path must be a database number (/0, /1, …); a password with \
-                         `#`, `/`, `?` or `@` must be percent-encoded (%23, %2F, %3F, %40)",
-                )
-            })?,
-        };
-        let decode = |s: &str| -> Result<String, InvalidInput> {
-            percent_encoding::percent_decode_str(s)
-                .decode_utf8()
-                .map(|v| v.into_owned())
-                .map_err(|_| bad("the credentials are not UTF-8 once decoded"))
-        };
-        let username = match parsed.username() {
-            "" => None,
-            u => Some(decode(u)?),
-        };
-        let password = parsed.password().map(decode).transpose()?;
-        let host_port = match parsed.host() {
-            Some(url::Host::Ipv6(_)) => format!("[{host}]:{port}"),
-            _ => format!("{}:{port}", host.to_ascii_lowercase()),
-        };
+        no_query_or_fragment(&parsed).map_err(bad)?;
+        let db = database(&parsed).map_err(bad)?;
+        let (username, password) = credentials(&parsed).map_err(bad)?;
+        let host_port = host_port(&parsed, &host, port);
         if !seen.insert(host_port.clone()) {
             return Err(InvalidInput::DuplicateNode(host_port));
         }
@@ -129,6 +86,81 @@ pub(crate) fn parse_nodes_with(
         });
     }
     Ok(specs)
+}
+
+/// Whether a node URL's scheme asks for TLS (`rediss://`) or not
+/// (`redis://`); no other is a node's.
+fn is_tls(parsed: &url::Url) -> Result<bool, &'static str> {
+    match parsed.scheme() {
+        "redis" => Ok(false),
+        "rediss" => Ok(true),
+        _ => Err("only redis:// and rediss:// (TCP) nodes are supported"),
+    }
+}
+
+/// A node URL's host: a name, or an IP address without brackets.
+fn host_of(parsed: &url::Url) -> Result<String, &'static str> {
+    match parsed.host() {
+        Some(url::Host::Domain(d)) if !d.is_empty() => Ok(d.to_owned()),
+        Some(url::Host::Ipv4(ip)) => Ok(ip.to_string()),
+        Some(url::Host::Ipv6(ip)) => Ok(ip.to_string()),
+        _ => Err("no host"),
+    }
+}
+
+/// The server's `host:port`, as node names show it and the check for a
+/// server listed twice compares it: a name in lower case, an IPv6 address
+/// in brackets.
+fn host_port(parsed: &url::Url, host: &str, port: u16) -> String {
+    match parsed.host() {
+        Some(url::Host::Ipv6(_)) => format!("[{host}]:{port}"),
+        _ => format!("{}:{port}", host.to_ascii_lowercase()),
+    }
+}
+
+/// A node URL has neither query nor fragment (where a fragment is most
+/// likely the rest of a password with a `#` in it).
+fn no_query_or_fragment(parsed: &url::Url) -> Result<(), &'static str> {
+    if parsed.query().is_some() {
+        return Err("query parameters are not supported (give the database as the path: /N)");
+    }
+    if let Some(f) = parsed.fragment() {
+        return Err(if f == "insecure" {
+            "certificate verification cannot be turned off (#insecure): \
+             trust the node's CA with Tls::ca_file"
+        } else {
+            "a fragment (#…) is not supported; a password with `#`, `/`, `?` or `@` \
+             must be percent-encoded (%23, %2F, %3F, %40)"
+        });
+    }
+    Ok(())
+}
+
+/// A node URL's database: its path's number, 0 without one.
+fn database(parsed: &url::Url) -> Result<i64, &'static str> {
+    match parsed.path().trim_start_matches('/') {
+        "" => Ok(0),
+        p => p.parse::<i64>().ok().filter(|db| *db >= 0).ok_or(
+            "the path must be a database number (/0, /1, …); a password with \
+                         `#`, `/`, `?` or `@` must be percent-encoded (%23, %2F, %3F, %40)",
+        ),
+    }
+}
+
+/// A node URL's user name (none when empty) and password, percent-decoded.
+fn credentials(parsed: &url::Url) -> Result<(Option<String>, Option<String>), &'static str> {
+    let decode = |s: &str| -> Result<String, &'static str> {
+        percent_encoding::percent_decode_str(s)
+            .decode_utf8()
+            .map(|v| v.into_owned())
+            .map_err(|_| "the credentials are not UTF-8 once decoded")
+    };
+    let username = match parsed.username() {
+        "" => None,
+        u => Some(decode(u)?),
+    };
+    let password = parsed.password().map(decode).transpose()?;
+    Ok((username, password))
 }
 
 /// Whether a URL path is empty or a database number.

@@ -34,6 +34,8 @@ pub(crate) struct Encoded {
 }
 
 impl Encoded {
+    /// `op` on `keys`, packed once for all nodes: a lean acquire's plain
+    /// commands (see [`Encoded::lean`]), or else its script's `EVALSHA`.
     pub(crate) fn new(op: Op, keys: &[Key<'_>]) -> Self {
         if let (
             Op::Acquire {
@@ -44,101 +46,7 @@ impl Encoded {
         {
             return Encoded::lean(op, k, ttl);
         }
-        let (script, code, args): (&redis::Script, &str, Vec<u64>) = match op {
-            Op::Acquire {
-                ttl,
-                known_max,
-                fenced,
-                intent,
-                ..
-            } => (
-                &scripts::ACQUIRE,
-                scripts::ACQUIRE_LUA,
-                vec![
-                    millis_ceil(ttl),
-                    millis_ceil(known_max),
-                    acquire_mode(fenced, intent),
-                ],
-            ),
-            Op::Swap {
-                ttl,
-                known_max,
-                fence,
-            } => (
-                &scripts::SWAP,
-                scripts::SWAP_LUA,
-                vec![millis_ceil(ttl), millis_ceil(known_max), fence.unwrap_or(0)],
-            ),
-            Op::Release { notice, .. } => (&scripts::RELEASE, scripts::RELEASE_LUA, vec![notice]),
-            Op::Extend { ttl, known_max, .. } => (
-                &scripts::EXTEND,
-                scripts::EXTEND_LUA,
-                vec![millis_ceil(ttl), millis_ceil(known_max)],
-            ),
-            Op::Restore { ttl } => (
-                &scripts::RESTORE,
-                scripts::RESTORE_LUA,
-                vec![millis_ceil(ttl)],
-            ),
-            Op::Fence { value } => (&scripts::FENCE, scripts::FENCE_LUA, vec![value]),
-        };
-        // What the client knows of its longest TTL (see `raise_lua!`):
-        // `known;keys` for a first use of `ttl`, `known;keys;prev` for
-        // the histories `known` was first used after, `known` alone for
-        // none (in use since always).
-        let begun = match op {
-            Op::Acquire {
-                ttl,
-                known_max,
-                after,
-                known_prev,
-                ..
-            }
-            | Op::Extend {
-                ttl,
-                known_max,
-                after,
-                known_prev,
-                ..
-            } if !after.is_empty() => Some(if ttl > known_max {
-                after.to_text()
-            } else {
-                format!("{};{}", after.to_text(), millis_ceil(known_prev))
-            }),
-            _ => None,
-        };
-        // All but release and restore also take the node's lock-history key.
-        let meta = !matches!(op, Op::Release { .. } | Op::Restore { .. });
-        let swap = matches!(op, Op::Swap { .. });
-        // A swap names one key, its new token, then the tokens it may hold.
-        let named = if swap {
-            &keys[..keys.len().min(1)]
-        } else {
-            keys
-        };
-        let pack = |verb: &str, body: &str| {
-            let mut cmd = redis::cmd(verb);
-            cmd.arg(body).arg(named.len() + usize::from(meta));
-            for k in named {
-                cmd.arg(k.resource);
-            }
-            if meta {
-                cmd.arg(scripts::META_KEY);
-            }
-            for (j, a) in args.iter().enumerate() {
-                match &begun {
-                    Some(b) if j == 1 => cmd.arg(format!("{a};{b}")),
-                    _ => cmd.arg(*a),
-                };
-            }
-            if swap {
-                cmd.arg(keys.first().and_then(|k| k.next).unwrap_or_default());
-            }
-            for k in keys {
-                cmd.arg(k.token);
-            }
-            cmd.get_packed_command()
-        };
+        let (script, code, args) = script_of(op);
         let tokens = match op {
             Op::Release { .. } => keys.iter().map(|k| k.token.to_owned()).collect(),
             _ => Vec::new(),
@@ -154,10 +62,10 @@ impl Encoded {
         };
         Encoded {
             op,
-            n: named.len(),
+            n: named(op, keys).len(),
             tokens,
             written,
-            packed: pack("EVALSHA", script.get_hash()),
+            packed: pack("EVALSHA", script.get_hash(), op, keys, &args),
             code,
             frames: 1,
             lean_key: None,
@@ -381,6 +289,120 @@ impl Encoded {
             held,
         })
     }
+}
+
+/// The script a command of `op` runs (cached, and its source) and its
+/// numeric arguments, in order.
+fn script_of(op: Op) -> (&'static redis::Script, &'static str, Vec<u64>) {
+    match op {
+        Op::Acquire {
+            ttl,
+            known_max,
+            fenced,
+            intent,
+            ..
+        } => (
+            &scripts::ACQUIRE,
+            scripts::ACQUIRE_LUA,
+            vec![
+                millis_ceil(ttl),
+                millis_ceil(known_max),
+                acquire_mode(fenced, intent),
+            ],
+        ),
+        Op::Swap {
+            ttl,
+            known_max,
+            fence,
+        } => (
+            &scripts::SWAP,
+            scripts::SWAP_LUA,
+            vec![millis_ceil(ttl), millis_ceil(known_max), fence.unwrap_or(0)],
+        ),
+        Op::Release { notice, .. } => (&scripts::RELEASE, scripts::RELEASE_LUA, vec![notice]),
+        Op::Extend { ttl, known_max, .. } => (
+            &scripts::EXTEND,
+            scripts::EXTEND_LUA,
+            vec![millis_ceil(ttl), millis_ceil(known_max)],
+        ),
+        Op::Restore { ttl } => (
+            &scripts::RESTORE,
+            scripts::RESTORE_LUA,
+            vec![millis_ceil(ttl)],
+        ),
+        Op::Fence { value } => (&scripts::FENCE, scripts::FENCE_LUA, vec![value]),
+    }
+}
+
+/// What the client knows of its longest TTL (see `raise_lua!`), after
+/// `known`: `keys` for a first use of `ttl`, `keys;prev` for the histories
+/// `known` was first used after, `None` for none (in use since always) and
+/// for any command but an acquire or an extend.
+fn begun(op: Op) -> Option<String> {
+    match op {
+        Op::Acquire {
+            ttl,
+            known_max,
+            after,
+            known_prev,
+            ..
+        }
+        | Op::Extend {
+            ttl,
+            known_max,
+            after,
+            known_prev,
+            ..
+        } if !after.is_empty() => Some(if ttl > known_max {
+            after.to_text()
+        } else {
+            format!("{};{}", after.to_text(), millis_ceil(known_prev))
+        }),
+        _ => None,
+    }
+}
+
+/// The keys a command of `op` names: a swap's first alone (then come its
+/// new token and the tokens it may hold), every other's all of `keys`.
+fn named<'a, 'k>(op: Op, keys: &'a [Key<'k>]) -> &'a [Key<'k>] {
+    if matches!(op, Op::Swap { .. }) {
+        &keys[..keys.len().min(1)]
+    } else {
+        keys
+    }
+}
+
+/// `verb body` (`EVALSHA` and the script's hash) for `op` on `keys` with
+/// the script's `args`, packed: the keys it names (and the lock-history
+/// key), the arguments (the second with what [`begun`] adds), a swap's new
+/// token, then the tokens.
+fn pack(verb: &str, body: &str, op: Op, keys: &[Key<'_>], args: &[u64]) -> Vec<u8> {
+    let begun = begun(op);
+    // All but release and restore also take the node's lock-history key.
+    let meta = !matches!(op, Op::Release { .. } | Op::Restore { .. });
+    let swap = matches!(op, Op::Swap { .. });
+    let named = named(op, keys);
+    let mut cmd = redis::cmd(verb);
+    cmd.arg(body).arg(named.len() + usize::from(meta));
+    for k in named {
+        cmd.arg(k.resource);
+    }
+    if meta {
+        cmd.arg(scripts::META_KEY);
+    }
+    for (j, a) in args.iter().enumerate() {
+        match &begun {
+            Some(b) if j == 1 => cmd.arg(format!("{a};{b}")),
+            _ => cmd.arg(*a),
+        };
+    }
+    if swap {
+        cmd.arg(keys.first().and_then(|k| k.next).unwrap_or_default());
+    }
+    for k in keys {
+        cmd.arg(k.token);
+    }
+    cmd.get_packed_command()
 }
 
 /// `packed`, an `EVALSHA` of the script `code`, as `EVAL` with the source.

@@ -15,7 +15,7 @@ use crate::driver::conn::{self, Conn, Target};
 use crate::driver::scripts::READERS_MARK;
 use crate::driver::wire::Setup;
 use crate::error::NodeErrorKind;
-use crate::lock::transport::{Readers, Stored};
+use crate::lock::transport::{Probe, Readers, Stored};
 
 /// Sends one release command (`EVAL`, so that no script cache is needed)
 /// on a new connection, and waits for its reply: within `connect` to
@@ -48,12 +48,7 @@ pub(crate) fn release_once(
 /// against this machine's clock, `CONFIG GET` of the persistence settings,
 /// and the acquire and release scripts on `key` (on this node alone, for
 /// one second at most: no lock is granted by one node).
-pub(crate) fn probe_one(
-    target: &Target,
-    key: &str,
-    timeout: Duration,
-) -> crate::lock::transport::Probe {
-    use crate::lock::transport::Probe;
+pub(crate) fn probe_one(target: &Target, key: &str, timeout: Duration) -> Probe {
     let mut p = Probe::default();
     let mut c = match Conn::connect_for(target, timeout, conn::For::Check) {
         Ok(c) => c,
@@ -62,21 +57,40 @@ pub(crate) fn probe_one(
             return p;
         }
     };
-    let io = |e: std::io::Error| e.to_string();
-    // The connect's setup replies, in order.
+    if let Err(why) = read_setup(&mut c, &mut p, timeout) {
+        p.connect = Some(why);
+        return p;
+    }
+    for _ in 0..5 {
+        match ask(&mut c, &redis::cmd("PING"), timeout) {
+            Ok((_, rtt)) => p.rtts.push(rtt),
+            Err(_) => break,
+        }
+    }
+    p.clock = clock_offset(&mut c, timeout);
+    p.persistence = Some(persistence(&mut c, timeout));
+    // The lock's own scripts on `key`, on this node: a SET NX of a random
+    // token for a second at most, and its compare-and-delete.
+    let token = crate::clock::new_token();
+    let ops = probe_ops();
+    p.scripts = Some(writer_scripts(&mut c, Key::new(key, &token), ops, timeout));
+    p.read_scripts = Some(reader_scripts(&mut c, key, ops, timeout));
+    p
+}
+
+/// The connect's setup replies, in order, into `p` (`SCRIPT LOAD`, `INFO`,
+/// the lock history's id): `Err` with why the connection is of no use when
+/// one is not answered or the server turned the connection away.
+fn read_setup(c: &mut Conn, p: &mut Probe, timeout: Duration) -> Result<(), String> {
     let deadline = after(Instant::now(), timeout);
     while let Some(setup) = c.wire.pending().front().map(|q| q.setup) {
         let v = match c.wait_reply(deadline) {
             Ok(v) => v,
-            Err(e) => {
-                p.connect = Some(format!("no answer to the connect's commands: {e}"));
-                return p;
-            }
+            Err(e) => return Err(format!("no answer to the connect's commands: {e}")),
         };
         match (setup, &v) {
             (_, Value::ServerError(e)) if refuses_connection(e) => {
-                p.connect = Some(format!("it turned the connection away: {}", server_text(e)));
-                return p;
+                return Err(format!("it turned the connection away: {}", server_text(e)));
             }
             (Setup::Load, Value::ServerError(e)) => p.load = Some(server_text(e)),
             (Setup::Info, Value::ServerError(e)) => p.info = Some(Err(server_text(e))),
@@ -85,100 +99,120 @@ pub(crate) fn probe_one(
             _ => {}
         }
     }
-    // One command and its reply, timed.
-    let ask = |c: &mut Conn, cmd: &redis::Cmd| -> Result<(Value, Duration), String> {
-        let t0 = Instant::now();
-        c.wire.queue(&cmd.get_packed_command(), t0, true);
-        c.flush().map_err(io)?;
-        let v = c.wait_reply(after(t0, timeout)).map_err(io)?;
-        Ok((v, t0.elapsed()))
-    };
-    for _ in 0..5 {
-        match ask(&mut c, &redis::cmd("PING")) {
-            Ok((_, rtt)) => p.rtts.push(rtt),
-            Err(_) => break,
-        }
-    }
+    Ok(())
+}
+
+/// One command on the probe's connection and its reply, timed; within
+/// `timeout`.
+fn ask(c: &mut Conn, cmd: &redis::Cmd, timeout: Duration) -> Result<(Value, Duration), String> {
+    let io = |e: std::io::Error| e.to_string();
+    let t0 = Instant::now();
+    c.wire.queue(&cmd.get_packed_command(), t0, true);
+    c.flush().map_err(io)?;
+    let v = c.wait_reply(after(t0, timeout)).map_err(io)?;
+    Ok((v, t0.elapsed()))
+}
+
+/// The node's clock minus this machine's (µs, against the middle of the
+/// round trip) by `TIME`, and the round trip; `None` without an answer.
+fn clock_offset(c: &mut Conn, timeout: Duration) -> Option<(i64, Duration)> {
     let before = std::time::SystemTime::now();
-    if let Ok((t, rtt)) = ask(&mut c, &redis::cmd("TIME")) {
-        if let Some(node) = node_micros(&t) {
-            let mid = before + rtt / 2;
-            let local = mid
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX));
-            p.clock = Some((node.saturating_sub(local), rtt));
-        }
-    }
-    let mut config = |name: &str| match ask(&mut c, redis::cmd("CONFIG").arg("GET").arg(name)) {
+    let (t, rtt) = ask(c, &redis::cmd("TIME"), timeout).ok()?;
+    let node = node_micros(&t)?;
+    let mid = before + rtt / 2;
+    let local = mid
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX));
+    Some((node.saturating_sub(local), rtt))
+}
+
+/// `CONFIG GET` of `save`, `appendonly` and `appendfsync`, or the first
+/// refusal.
+fn persistence(c: &mut Conn, timeout: Duration) -> Result<(String, String, String), String> {
+    let mut config = |name: &str| match ask(c, redis::cmd("CONFIG").arg("GET").arg(name), timeout) {
         Ok((Value::Array(kv), _)) => Ok(kv.get(1).and_then(text).unwrap_or_default()),
         Ok((Value::ServerError(e), _)) => Err(server_text(&e)),
         Ok((v, _)) => Err(format!("{v:?}")),
         Err(e) => Err(e),
     };
-    let persistence = (|| {
-        Ok((
-            config("save")?,
-            config("appendonly")?,
-            config("appendfsync")?,
-        ))
-    })();
-    p.persistence = Some(persistence);
-    // The lock's own scripts on `key`, on this node: a SET NX of a random
-    // token for a second at most, and its compare-and-delete.
-    let token = crate::clock::new_token();
-    let k = Key::new(key, &token);
+    Ok((
+        config("save")?,
+        config("appendonly")?,
+        config("appendfsync")?,
+    ))
+}
+
+/// The probe's acquire (a writer's, for a second at most) and release.
+fn probe_ops() -> (Op, Op) {
     let ttl = Duration::from_secs(1);
-    let acquire = Encoded::new(
-        Op::Acquire {
-            ttl,
-            known_max: ttl,
-            fenced: false,
-            after: After::NONE,
-            known_prev: std::time::Duration::ZERO,
-            lean: None,
-            intent: Duration::ZERO,
-        },
-        &[k],
-    );
-    let release = Encoded::new(
-        Op::Release {
-            keep_until: Instant::now(),
-            notice: 0,
-        },
-        &[k],
-    );
-    let run = |c: &mut Conn, enc: &Encoded| -> Result<Reply, String> {
-        let t0 = Instant::now();
-        c.wire.queue(&enc.fallback(), t0, true);
-        c.flush().map_err(io)?;
-        let v = c.wait_reply(after(t0, timeout)).map_err(io)?;
-        enc.decode(v).map_err(|(_, why)| why)
+    let acquire = Op::Acquire {
+        ttl,
+        known_max: ttl,
+        fenced: false,
+        after: After::NONE,
+        known_prev: std::time::Duration::ZERO,
+        lean: None,
+        intent: Duration::ZERO,
     };
-    p.scripts = Some(run(&mut c, &acquire).and_then(|r| {
+    let release = Op::Release {
+        keep_until: Instant::now(),
+        notice: 0,
+    };
+    (acquire, release)
+}
+
+/// The script of `enc` (`EVAL`) on the probe's connection, its reply
+/// decoded; within `timeout`.
+fn run_script(c: &mut Conn, enc: &Encoded, timeout: Duration) -> Result<Reply, String> {
+    let io = |e: std::io::Error| e.to_string();
+    let t0 = Instant::now();
+    c.wire.queue(&enc.fallback(), t0, true);
+    c.flush().map_err(io)?;
+    let v = c.wait_reply(after(t0, timeout)).map_err(io)?;
+    enc.decode(v).map_err(|(_, why)| why)
+}
+
+/// The writer's acquire of `k` and its release (`ops`): whether another
+/// owner holds it, or the first refusal.
+fn writer_scripts(
+    c: &mut Conn,
+    k: Key<'_>,
+    (acquire, release): (Op, Op),
+    timeout: Duration,
+) -> Result<bool, String> {
+    let acquire = Encoded::new(acquire, &[k]);
+    let release = Encoded::new(release, &[k]);
+    run_script(c, &acquire, timeout).and_then(|r| {
         let other = r.answers.first() == Some(&Answer::Other);
-        run(&mut c, &release).map(|_| other)
-    }));
-    // Read locks' scripts: two readers (the second meets a reader set)
-    // and their releases (the first leaves one behind), which between them
-    // run every sorted-set command a read lock needs.
+        run_script(c, &release, timeout).map(|_| other)
+    })
+}
+
+/// Read locks' scripts: two readers of `key` (the second meets a reader
+/// set) and their releases (the first leaves one behind), which between
+/// them run every sorted-set command a read lock needs. Whether a writer
+/// holds `key`, or the first refusal.
+fn reader_scripts(
+    c: &mut Conn,
+    key: &str,
+    (acquire, release): (Op, Op),
+    timeout: Duration,
+) -> Result<bool, String> {
     let readers = [
         crate::clock::new_reader_token(),
         crate::clock::new_reader_token(),
     ];
     let keys = readers.each_ref().map(|t| Key::new(key, t));
-    let read = |k: Key<'_>| Encoded::new(acquire.op, &[k]);
-    let free = |k: Key<'_>| Encoded::new(release.op, &[k]);
-    p.read_scripts = Some((|| {
-        let mut other = false;
-        for k in keys {
-            other |= run(&mut c, &read(k))?.answers.first() == Some(&Answer::Other);
-        }
-        for k in keys {
-            run(&mut c, &free(k))?;
-        }
-        Ok(other)
-    })());
-    p
+    let read = |k: Key<'_>| Encoded::new(acquire, &[k]);
+    let free = |k: Key<'_>| Encoded::new(release, &[k]);
+    let mut other = false;
+    for k in keys {
+        other |= run_script(c, &read(k), timeout)?.answers.first() == Some(&Answer::Other);
+    }
+    for k in keys {
+        run_script(c, &free(k), timeout)?;
+    }
+    Ok(other)
 }
 
 /// `GET`, `PTTL`, `ZREVRANGE … WITHSCORES` and `TIME` of one key on a new

@@ -20,6 +20,15 @@ use crate::clock::after;
 use crate::error::{NodeError, NodeErrorKind};
 use crate::lock::transport::{AfterRound, Decided, Undo};
 
+/// What stays the same through one round trip: its command, its keys, when
+/// it began and its deadline.
+pub(crate) struct Trip<'a> {
+    enc: &'a Encoded,
+    keys: &'a [Key<'a>],
+    start: Instant,
+    deadline: Instant,
+}
+
 /// The round, for every [`Links`]: production's sockets and the
 /// simulation's connections run this same code.
 pub(crate) trait Round: Links + Sized {
@@ -34,6 +43,28 @@ pub(crate) trait Round: Links + Sized {
         undo: Option<Undo<'_>>,
     ) -> Vec<NodeResult> {
         let start = self.now();
+        let mut parts = self.admit_parts(op, start);
+        let enc = Encoded::new(op, keys);
+        let results = self.round_trip(&enc, keys, &mut parts, start, deadline, decided);
+
+        let after_round = match (undo, op) {
+            (Some(undo), Op::Acquire { .. } | Op::Swap { .. }) => undo(&results),
+            _ => AfterRound::Done,
+        };
+        if let (AfterRound::Complete, Op::Acquire { ttl, known_max, .. }) = (after_round, op) {
+            self.write_missed(keys, &parts, &results, start, (ttl, known_max));
+        }
+        if let (AfterRound::Undo, Op::Acquire { ttl, .. } | Op::Swap { ttl, .. }) =
+            (after_round, op)
+        {
+            self.undo(op, keys, &mut parts, &results, after(start, ttl));
+        }
+        results
+    }
+
+    /// Each node's part in a round of `op` starting at `start`, admitted
+    /// by its health (see [`health::admit_round`]), before anything is sent.
+    fn admit_parts(&self, op: Op, start: Instant) -> Vec<Part<Self::Link>> {
         let n = self.names().len();
         let release = matches!(op, Op::Release { .. });
         let mut admits: Vec<Admit> = (0..n)
@@ -41,7 +72,7 @@ pub(crate) trait Round: Links + Sized {
             .collect();
         let twins = self.twins();
         health::admit_round(&mut admits, release, quorum::quorum(n), &twins);
-        let mut parts: Vec<Part<Self::Link>> = admits
+        admits
             .into_iter()
             .map(|admit| Part {
                 admit,
@@ -52,80 +83,96 @@ pub(crate) trait Round: Links + Sized {
                 lost: false,
                 again: false,
             })
-            .collect();
-        let enc = Encoded::new(op, keys);
-        let results = self.round_trip(&enc, keys, &mut parts, start, deadline, decided);
+            .collect()
+    }
 
-        let after_round = match (undo, op) {
-            (Some(undo), Op::Acquire { .. } | Op::Swap { .. }) => undo(&results),
-            _ => AfterRound::Done,
+    /// After a granted acquire of one key: sends the `SET` later to each
+    /// healthy node the round waited for but never reached (`ttl` and
+    /// `known_max` are the acquire's).
+    fn write_missed(
+        &self,
+        keys: &[Key<'_>],
+        parts: &[Part<Self::Link>],
+        results: &[NodeResult],
+        start: Instant,
+        (ttl, known_max): (Duration, Duration),
+    ) {
+        for (i, (s, r)) in parts.iter().zip(results).enumerate() {
+            // A healthy node the round waited for but never reached: no
+            // connection was free in time (the pool was growing, or all
+            // its connections were in use).
+            let unreached = s.admit == Admit::Wait
+                && s.sent.is_none()
+                && !s.lost
+                && matches!(r, Err(e) if e.kind() == NodeErrorKind::NoConnection);
+            // Not for a lock of several resources: each key's write is
+            // settled on its own, and the node could end up with part
+            // of the set (the renewal restores copies of a held set).
+            if unreached && self.node(i).is_healthy() && keys.len() == 1 {
+                for k in keys {
+                    // Not a first use (the round recorded it).
+                    self.write_later(i, k, ttl, known_max.max(ttl), start);
+                }
+            }
+        }
+    }
+
+    /// Undoes a failed acquire or swap (`op`): a release of what it wrote,
+    /// kept until `keep_until`, as a round trip on the round's own `parts`.
+    fn undo(
+        &self,
+        op: Op,
+        keys: &[Key<'_>],
+        parts: &mut [Part<Self::Link>],
+        results: &[NodeResult],
+        keep_until: Instant,
+    ) {
+        let now = self.now();
+        let rel = Op::Release {
+            keep_until,
+            notice: 0,
         };
-        if let (AfterRound::Complete, Op::Acquire { ttl, known_max, .. }) = (after_round, op) {
-            for (i, (s, r)) in parts.iter().zip(&results).enumerate() {
-                // A healthy node the round waited for but never reached: no
-                // connection was free in time (the pool was growing, or all
-                // its connections were in use).
-                let unreached = s.admit == Admit::Wait
-                    && s.sent.is_none()
-                    && !s.lost
-                    && matches!(r, Err(e) if e.kind() == NodeErrorKind::NoConnection);
-                // Not for a lock of several resources: each key's write is
-                // settled on its own, and the node could end up with part
-                // of the set (the renewal restores copies of a held set).
-                if unreached && self.node(i).is_healthy() && keys.len() == 1 {
-                    for k in keys {
-                        // Not a first use (the round recorded it).
-                        self.write_later(i, k, ttl, known_max.max(ttl), start);
-                    }
-                }
-            }
+        self.admit_undo(op, parts, results);
+        // A failed swap gives up the handed-over lock too.
+        let written = crate::algorithm::round::written(op, keys);
+        let keys = &written[..];
+        let enc = Encoded::new(rel, keys);
+        // A failed swap's caller locks anew within its own bound:
+        // its undo is sent, not waited for (a delete not answered
+        // is retried in the background). An acquire's is waited for
+        // as a round of its keys.
+        let wait = match op {
+            Op::Swap { .. } => Duration::ZERO,
+            _ => allowance(self.timeout(), keys.len()),
+        };
+        self.round_trip(&enc, keys, parts, now, after(now, wait), None);
+    }
+
+    /// Admits each node anew for the undo of `op`, by what the round's
+    /// `results` say of it, and clears what the round's command left on
+    /// its part (the connection stays).
+    fn admit_undo(&self, op: Op, parts: &mut [Part<Self::Link>], results: &[NodeResult]) {
+        for (i, (s, r)) in parts.iter_mut().zip(results).enumerate() {
+            // Only where our SET left this client, on the same
+            // connection so that the delete lands after it; waiting
+            // only for the nodes that answered the SET.
+            // Reached: our SET is out (or was lost with its connection).
+            let reached = s.sent.is_some() || s.lost;
+            #[cfg(test)]
+            let reached = reached && !(self.node(i).defects.undo_skips_lost && s.lost);
+            s.admit = match (reached, r) {
+                // A failed swap releases the old lock everywhere.
+                (false, _) if matches!(op, Op::Swap { .. }) => Admit::Trial,
+                (false, _) => Admit::Skip,
+                (true, Ok(_)) => Admit::Wait,
+                (true, Err(_)) if self.node(i).is_healthy() => Admit::Wait,
+                (true, Err(_)) => Admit::Trial,
+            };
+            s.sent = None;
+            s.fell_back = false;
+            s.lost = false;
+            s.again = false;
         }
-        if let (AfterRound::Undo, Op::Acquire { ttl, .. } | Op::Swap { ttl, .. }) =
-            (after_round, op)
-        {
-            {
-                let now = self.now();
-                let rel = Op::Release {
-                    keep_until: after(start, ttl),
-                    notice: 0,
-                };
-                for (i, (s, r)) in parts.iter_mut().zip(&results).enumerate() {
-                    // Only where our SET left this client, on the same
-                    // connection so that the delete lands after it; waiting
-                    // only for the nodes that answered the SET.
-                    // Reached: our SET is out (or was lost with its connection).
-                    let reached = s.sent.is_some() || s.lost;
-                    #[cfg(test)]
-                    let reached = reached && !(self.node(i).defects.undo_skips_lost && s.lost);
-                    s.admit = match (reached, r) {
-                        // A failed swap releases the old lock everywhere.
-                        (false, _) if matches!(op, Op::Swap { .. }) => Admit::Trial,
-                        (false, _) => Admit::Skip,
-                        (true, Ok(_)) => Admit::Wait,
-                        (true, Err(_)) if self.node(i).is_healthy() => Admit::Wait,
-                        (true, Err(_)) => Admit::Trial,
-                    };
-                    s.sent = None;
-                    s.fell_back = false;
-                    s.lost = false;
-                    s.again = false;
-                }
-                // A failed swap gives up the handed-over lock too.
-                let written = crate::algorithm::round::written(op, keys);
-                let keys = &written[..];
-                let enc = Encoded::new(rel, keys);
-                // A failed swap's caller locks anew within its own bound:
-                // its undo is sent, not waited for (a delete not answered
-                // is retried in the background). An acquire's is waited for
-                // as a round of its keys.
-                let wait = match op {
-                    Op::Swap { .. } => Duration::ZERO,
-                    _ => allowance(self.timeout(), keys.len()),
-                };
-                self.round_trip(&enc, keys, &mut parts, now, after(now, wait), None);
-            }
-        }
-        results
     }
 
     /// Sends `enc` to every admitted node and gathers replies in arrival
@@ -139,28 +186,66 @@ pub(crate) trait Round: Links + Sized {
         deadline: Instant,
         decided: Option<Decided<'_>>,
     ) -> Vec<NodeResult> {
-        let n = parts.len();
-        let mut results: Vec<Option<NodeResult>> = vec![None; n];
+        let trip = Trip {
+            enc,
+            keys,
+            start,
+            deadline,
+        };
+        let mut results: Vec<Option<NodeResult>> = vec![None; parts.len()];
         if let Op::Release { .. } = enc.op {
-            // Before any delete leaves: whoever reads the reply of a SET of
-            // these keys from now on deletes the key again after it.
-            for i in 0..n {
-                let mut u = self.node(i).unsettled.lock();
-                if !u.is_empty() {
-                    for k in keys {
-                        if let Some(e) = u.get_mut(k.token) {
-                            e.released = true;
-                        }
+            self.mark_released(parts.len(), keys);
+        }
+        self.send_all(&trip, parts, &mut results);
+        let settled = self.gather(&trip, parts, decided, &mut results);
+        // Replies that arrived while this thread was not scheduled are
+        // taken before anyone is charged a timeout.
+        self.collect_arrived(parts, enc, &mut results);
+        self.end_parts(&trip, parts, settled, &mut results);
+        // Releases a node did not answer are kept and sent again later.
+        if let Op::Release { keep_until, .. } = enc.op {
+            self.keep_unanswered(keys, parts, &results, keep_until);
+        }
+        results
+            .into_iter()
+            .zip(self.names())
+            .map(|(r, name)| {
+                r.unwrap_or_else(|| Err(NodeError::new(name, NodeErrorKind::Unavailable, "")))
+            })
+            .collect()
+    }
+
+    /// Before any delete of `keys` leaves (to the round's `n` nodes): whoever
+    /// reads the reply of a SET of these keys from now on deletes the key
+    /// again after it.
+    fn mark_released(&self, n: usize, keys: &[Key<'_>]) {
+        for i in 0..n {
+            let mut u = self.node(i).unsettled.lock();
+            if !u.is_empty() {
+                for k in keys {
+                    if let Some(e) = u.get_mut(k.token) {
+                        e.released = true;
                     }
                 }
             }
         }
+    }
+
+    /// Sends the round's command to every admitted node (queueing for a
+    /// busy pool's connection when the round may); a node not waited for
+    /// counts as failed unless its reply arrives.
+    fn send_all(
+        &self,
+        t: &Trip<'_>,
+        parts: &mut [Part<Self::Link>],
+        results: &mut [Option<NodeResult>],
+    ) {
         // Queueing for a busy pool is safe only while this round holds no
         // connection to a later node (rounds then wait in one global order);
         // a round reusing its connections (an undo) never queues.
         let may_queue = parts.iter().all(|s| s.conn.is_none());
         for s in parts.iter_mut() {
-            s.began = start;
+            s.began = t.start;
         }
         // Nodes not waited for count as failed unless their reply arrives.
         for (i, s) in parts.iter_mut().enumerate() {
@@ -168,56 +253,53 @@ pub(crate) trait Round: Links + Sized {
                 results[i] = Some(Err(self.not_waited(i, s.admit)));
             }
             if s.admit != Admit::Skip {
-                self.send(i, s, enc, start, &mut results);
+                self.send(i, s, t.enc, t.start, results);
                 if s.conn.is_none() && s.admit == Admit::Wait && may_queue {
                     // Every connection to this node is in use by other rounds
                     // of this client: queue for one, in node order, so that
                     // rounds never hold some connections while waiting for
                     // others held by rounds that wait for theirs.
-                    s.conn = self.wait_for_free(i, deadline);
+                    s.conn = self.wait_for_free(i, t.deadline);
                     if s.conn.is_some() {
-                        self.send(i, s, enc, self.now(), &mut results);
+                        self.send(i, s, t.enc, self.now(), results);
                     }
                 }
             }
         }
+    }
 
+    /// Takes replies in arrival order until the round is settled (`decided`
+    /// counts none still needed; a lingering round then reads as long again)
+    /// or its deadline passes, looking again meanwhile for connections to
+    /// waited-for nodes without one. Whether the round settled.
+    fn gather(
+        &self,
+        t: &Trip<'_>,
+        parts: &mut [Part<Self::Link>],
+        decided: Option<Decided<'_>>,
+        results: &mut [Option<NodeResult>],
+    ) -> bool {
         let mut settle: Option<Instant> = None;
         // A lingering round keeps reading after it settled, as long again.
-        let linger = matches!(enc.op, Op::Extend { linger: true, .. });
-        let mut ready: Vec<(usize, <Self::Link as Link>::Ready)> = Vec::with_capacity(n);
+        let linger = matches!(t.enc.op, Op::Extend { linger: true, .. });
+        let mut ready: Vec<(usize, <Self::Link as Link>::Ready)> = Vec::with_capacity(parts.len());
         loop {
             let now = self.now();
             // Replies the round needs at least before its outcome is known.
-            let to_settle = decided.map_or(usize::MAX, |f| f(&results));
+            let to_settle = decided.map_or(usize::MAX, |f| f(results));
             if settle.is_none() && to_settle == 0 {
                 // Settled: what has already arrived is taken below; nothing
                 // more is waited for (but for a lingering round's stragglers).
                 settle = Some(if linger {
-                    now.checked_add(now.saturating_duration_since(start))
-                        .map_or(deadline, |l| l.min(deadline))
+                    now.checked_add(now.saturating_duration_since(t.start))
+                        .map_or(t.deadline, |l| l.min(t.deadline))
                 } else {
                     now
                 });
             }
             // Waited-for nodes still without a connection: look again.
-            let mut missing = false;
-            for (i, s) in parts.iter_mut().enumerate() {
-                if s.admit == Admit::Wait && s.sent.is_none() && results[i].is_none() {
-                    if !s.again && !self.node(i).is_healthy() {
-                        // Its connect was refused meanwhile: that is its answer.
-                        results[i] = Some(Err(self.not_waited(i, Admit::Skip)));
-                        continue;
-                    }
-                    if settle.is_none() && now < deadline {
-                        self.send(i, s, enc, now, &mut results);
-                    }
-                    // Sent again (or failed on its own connection): the
-                    // node's health is its own answers' from here.
-                    s.again &= s.sent.is_none() && results[i].is_none();
-                    missing |= s.sent.is_none() && results[i].is_none();
-                }
-            }
+            let may_send = settle.is_none() && now < t.deadline;
+            let missing = self.look_again(t.enc, parts, now, may_send, results);
             // Only waited-for nodes keep the round open; a trial's reply is
             // taken if it arrives meanwhile.
             let waited = parts
@@ -228,7 +310,7 @@ pub(crate) trait Round: Links + Sized {
                 })
                 .count();
             let outstanding = waited > 0;
-            let until = settle.unwrap_or(deadline);
+            let until = settle.unwrap_or(t.deadline);
             if (!outstanding && !missing) || now >= until || (settle.is_some() && !outstanding) {
                 break;
             }
@@ -247,26 +329,65 @@ pub(crate) trait Round: Links + Sized {
             };
             self.wait_ready(parts, wait, need, &mut ready);
             for &(i, flags) in &ready {
-                self.on_ready(i, &mut parts[i], flags, enc, &mut results);
+                self.on_ready(i, &mut parts[i], flags, t.enc, results);
             }
         }
+        settle.is_some()
+    }
 
-        // Replies that arrived while this thread was not scheduled are
-        // taken before anyone is charged a timeout.
-        self.collect_arrived(parts, enc, &mut results);
+    /// Waited-for nodes still without a connection, looked at again at
+    /// `now`: a refused connect is the node's answer; the others are sent
+    /// the command if `may_send`. Whether some are still without one.
+    fn look_again(
+        &self,
+        enc: &Encoded,
+        parts: &mut [Part<Self::Link>],
+        now: Instant,
+        may_send: bool,
+        results: &mut [Option<NodeResult>],
+    ) -> bool {
+        let mut missing = false;
+        for (i, s) in parts.iter_mut().enumerate() {
+            if s.admit == Admit::Wait && s.sent.is_none() && results[i].is_none() {
+                if !s.again && !self.node(i).is_healthy() {
+                    // Its connect was refused meanwhile: that is its answer.
+                    results[i] = Some(Err(self.not_waited(i, Admit::Skip)));
+                    continue;
+                }
+                if may_send {
+                    self.send(i, s, enc, now, results);
+                }
+                // Sent again (or failed on its own connection): the
+                // node's health is its own answers' from here.
+                s.again &= s.sent.is_none() && results[i].is_none();
+                missing |= s.sent.is_none() && results[i].is_none();
+            }
+        }
+        missing
+    }
+
+    /// Ends each node's part once no more replies are taken (see
+    /// [`end_part`]): what stays owed, and the result of a node without one.
+    fn end_parts(
+        &self,
+        t: &Trip<'_>,
+        parts: &mut [Part<Self::Link>],
+        settled: bool,
+        results: &mut [Option<NodeResult>],
+    ) {
         let now = self.now();
-        let left = Leftovers::of(enc, keys, parts, start);
+        let left = Leftovers::of(t.enc, t.keys, parts, t.start);
         let ballot = Ballot {
-            enc,
+            enc: t.enc,
             names: self.names(),
             rules: self.rules(),
         };
         let pool_busy = |i: usize| self.pool_busy(i);
         let ended = End {
             now,
-            start,
-            deadline,
-            settled: settle.is_some(),
+            start: t.start,
+            deadline: t.deadline,
+            settled,
             pool_busy: &pool_busy,
         };
         for (i, s) in parts.iter_mut().enumerate() {
@@ -283,40 +404,41 @@ pub(crate) trait Round: Links + Sized {
                 }
             }
         }
+    }
 
-        // Releases a node did not answer are kept and sent again later.
-        if let Op::Release { keep_until, .. } = enc.op {
-            for (i, r) in results.iter().enumerate() {
-                // Skip here means "our SET never reached it": nothing to undo.
-                // A delete still in flight is kept too: its connection may be
-                // closed before the node reads it (a kill discards the
-                // unread commands), and deleting twice is harmless.
-                // An entry that answered for a server another entry holds,
-                // or a node that cannot keep locks, answered: not retried.
-                let answered_anyway = matches!(r, Some(Err(e)) if matches!(
-                    e.kind(),
-                    NodeErrorKind::SameServer | NodeErrorKind::Unsuitable
-                ));
-                let unanswered =
-                    matches!(r, Some(Err(_))) && parts[i].admit != Admit::Skip && !answered_anyway;
-                // A SET of ours still unsettled there may land after this
-                // delete: keep deleting until its reply has been read.
-                let unsettled = {
-                    let u = self.node(i).unsettled.lock();
-                    !u.is_empty() && keys.iter().any(|k| u.contains_key(k.token))
-                };
-                if unanswered || unsettled {
-                    self.retry_later(i, keys, keep_until);
-                }
+    /// Keeps the deletes of a release (of `keys`, until `keep_until`) that a
+    /// node did not answer, or that a SET of ours may yet land after, to
+    /// send again later.
+    fn keep_unanswered(
+        &self,
+        keys: &[Key<'_>],
+        parts: &[Part<Self::Link>],
+        results: &[Option<NodeResult>],
+        keep_until: Instant,
+    ) {
+        for (i, r) in results.iter().enumerate() {
+            // Skip here means "our SET never reached it": nothing to undo.
+            // A delete still in flight is kept too: its connection may be
+            // closed before the node reads it (a kill discards the
+            // unread commands), and deleting twice is harmless.
+            // An entry that answered for a server another entry holds,
+            // or a node that cannot keep locks, answered: not retried.
+            let answered_anyway = matches!(r, Some(Err(e)) if matches!(
+                e.kind(),
+                NodeErrorKind::SameServer | NodeErrorKind::Unsuitable
+            ));
+            let unanswered =
+                matches!(r, Some(Err(_))) && parts[i].admit != Admit::Skip && !answered_anyway;
+            // A SET of ours still unsettled there may land after this
+            // delete: keep deleting until its reply has been read.
+            let unsettled = {
+                let u = self.node(i).unsettled.lock();
+                !u.is_empty() && keys.iter().any(|k| u.contains_key(k.token))
+            };
+            if unanswered || unsettled {
+                self.retry_later(i, keys, keep_until);
             }
         }
-        results
-            .into_iter()
-            .zip(self.names())
-            .map(|(r, name)| {
-                r.unwrap_or_else(|| Err(NodeError::new(name, NodeErrorKind::Unavailable, "")))
-            })
-            .collect()
     }
 
     /// One non-blocking pass over the connections still owing a reply.
