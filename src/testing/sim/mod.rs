@@ -207,10 +207,11 @@ impl Ctx {
         self.with(|c| c.end(id, now, told_held));
     }
 
-    /// Changes the world now.
+    /// Changes the world now: what the caller does next meets it (a fault
+    /// scheduled for now would wait until no thread is ready to run).
     pub(crate) fn fault(&self, f: Fault) {
         let now = self.now();
-        self.sched.lock().world.schedule(now, f);
+        self.sched.lock().world.fault(f, now);
     }
 
     /// Another client's lock on `resource`, on `node` only.

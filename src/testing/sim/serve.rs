@@ -6,8 +6,8 @@
 
 use crate::algorithm::health::Outcome;
 use crate::clock::after;
-use crate::testing::sim::world::NodeState;
 use crate::testing::sim::world::SimNode;
+use crate::testing::sim::world::{NodeState, CLOCK_START};
 use crate::testing::store::Store;
 use std::time::Duration;
 use std::time::Instant;
@@ -128,13 +128,16 @@ impl World {
         }
     }
 
-    /// What node `i`'s `INFO` says: who it is (its process) and whether its
-    /// memory policy can evict lock keys.
+    /// What node `i`'s `INFO` says: who it is (its process), its uptime
+    /// ([`CLOCK_START`], whatever restarts it had: no node here restarts
+    /// from a snapshot, whose history a client caps at the uptime) and
+    /// whether its memory policy can evict lock keys.
     fn info(&self, i: usize) -> redis::Value {
         let node = &self.nodes[i];
         let mut text = format!(
-            "# Server\r\nrun_id:sim{i}run{}\r\nuptime_in_seconds:3600\r\n# Replication\r\nrole:master\r\n",
-            node.run
+            "# Server\r\nrun_id:sim{i}run{}\r\nuptime_in_seconds:{}\r\n# Replication\r\nrole:master\r\n",
+            node.run,
+            CLOCK_START / 1_000_000_000,
         );
         if node.evicting {
             text.push_str("maxmemory:1000000\r\nmaxmemory_policy:volatile-lru\r\n");

@@ -343,7 +343,7 @@ mod engine_defects {
             close_is_answer: true,
             ..Defects::default()
         };
-        found(0x12, Mix::KillStorm, defects, Kind::Liveness);
+        found(0x16, Mix::KillStorm, defects, Kind::Liveness);
     }
 
     /// A failed attempt's undo that skips a node whose connection closed
@@ -354,7 +354,7 @@ mod engine_defects {
             undo_skips_lost: true,
             ..Defects::default()
         };
-        found(0x8f, Mix::ClockJumps, defects, Kind::Leaked);
+        found(0x11a, Mix::Standard, defects, Kind::Leaked);
     }
 
     /// A release retry job that sends the same batch every time: the

@@ -20,9 +20,11 @@ use crate::testing::sim::redis::{Inbox, OwnedKey};
 use crate::testing::sim::rng::SimRng;
 use crate::testing::store::Store;
 
-/// Where every node's clock starts (ns): an hour in, so that clocks can
-/// jump back.
-pub(crate) const CLOCK_START: u64 = 3_600_000_000_000;
+/// Where every node's clock starts (ns), and how long each node has been
+/// up with its lock history: two hours, so that clocks can jump back, and
+/// every history is older than any TTL in use ([`MAX_TTL`](crate::MAX_TTL))
+/// even as a client bounds it by the uptime `INFO` says, less a second.
+pub(crate) const CLOCK_START: u64 = 7_200_000_000_000;
 
 /// A node's wall clock: `local(t) = local + (t − anchor) × rate`.
 #[derive(Debug, Clone, Copy)]
@@ -191,7 +193,7 @@ impl World {
         let nodes = rates
             .iter()
             .map(|&rate| SimNode {
-                // Running for an hour already: its votes count at once.
+                // Running for two hours already: its votes count at once.
                 store: Store::with_history(base),
                 state: NodeState::Up,
                 isolated: false,
