@@ -249,7 +249,6 @@ pub(crate) fn simulate(plan: Plan, main: Script) -> Report {
     let base = Instant::now();
     let mut rng = SimRng::new(plan.seed ^ 0xa076_1d64_78bd_642f);
     let mut check = Checker::new(base, plan.net.max_delay());
-    check.per_node = true;
     check.node_timeout = u64::try_from(plan.settings.node_timeout.as_nanos()).unwrap_or(u64::MAX);
     let mut world = World::new(
         base,

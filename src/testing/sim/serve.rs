@@ -69,23 +69,19 @@ impl World {
             // The TTL a message's write of this lineage would set, if it
             // carries one.
             let writes = |m: &Msg| -> Option<std::time::Duration> {
-                let ttl = |op: Op| match op {
-                    Op::Acquire { ttl, .. }
-                    | Op::Swap { ttl, .. }
-                    | Op::Extend { ttl, .. }
-                    | Op::Restore { ttl } => Some(ttl),
-                    Op::Release { .. } | Op::Fence { .. } => None,
-                };
-                if m.keys.iter().any(|mk| lineage(&mk.token) == l) {
-                    return ttl(m.op);
-                }
-                match m.wire.as_ref().map(|(cmd, _)| command(cmd)) {
-                    Some(Command::Script { op, keys, .. })
+                match command(&m.cmd) {
+                    Command::Script { op, keys, .. }
                         if keys.iter().any(|mk| lineage(&mk.token) == l) =>
                     {
-                        ttl(op)
+                        match op {
+                            Op::Acquire { ttl, .. }
+                            | Op::Swap { ttl, .. }
+                            | Op::Extend { ttl, .. }
+                            | Op::Restore { ttl } => Some(ttl),
+                            Op::Release { .. } | Op::Fence { .. } => None,
+                        }
                     }
-                    Some(Command::Set { key, ttl }) if lineage(&key.token) == l => Some(ttl),
+                    Command::Set { key, ttl } if lineage(&key.token) == l => Some(ttl),
                     _ => None,
                 }
             };
@@ -145,22 +141,17 @@ impl World {
         redis::Value::BulkString(text.into_bytes())
     }
 
-    /// Node `msg.node` runs a command of a simulated connection and replies
-    /// on it (unless the reply is lost).
-    pub(crate) fn process_wire(
-        &mut self,
-        msg: &Msg,
-        cmd: &redis::Value,
-        inbox: Arc<Inbox>,
-        now: u64,
-    ) {
+    /// Node `msg.node` runs a command of a simulated connection now and
+    /// replies on it (unless the reply is lost).
+    pub(crate) fn process(&mut self, msg: Msg, now: u64) {
         use crate::testing::sim::redis::{self as wire, Command};
-        let i = msg.node;
+        let Msg { node: i, inbox, .. } = &msg;
+        let (i, inbox) = (*i, inbox.clone());
         if inbox.is_severed() || self.dead.contains(&msg.lane) {
             // The connection was gone before the node read the command.
             return;
         }
-        let reply = match wire::command(cmd) {
+        let reply = match wire::command(&msg.cmd) {
             Command::Info => self.info(i),
             Command::Load => {
                 self.nodes[i].loaded = true;
