@@ -5,10 +5,11 @@
 //!
 //! - [`sched`]: logical threads on virtual time, one running at a time.
 //! - [`world`]: nodes (the fake nodes' script semantics, each with its own
-//!   clock rate and jumps), the network (delay, loss, duplication,
-//!   reordering across connections, FIFO within one), faults (pause, crash,
+//!   clock rate and jumps), the network (delay, reordering across
+//!   connections, FIFO within one, a loss that resets or hangs its
+//!   connection; wake-up messages lost and doubled), faults (pause, crash,
 //!   restart with or without data, isolation, `CLIENT KILL`, `SCRIPT
-//!   FLUSH`).
+//!   FLUSH`, `FLUSHALL`).
 //! - The clients run the production node engine ([`engine`] over
 //!   [`links`]: the driver's rounds, admission, late replies, undo, closes
 //!   and release retries over simulated connections that carry the
