@@ -34,23 +34,6 @@ pub(crate) const RETRY_BATCH: usize = 2;
 /// to it then (each run of the retry job sends one batch).
 const RETRY_GRACE: u64 = 150_000_000;
 
-/// Where the leak account keeps a write or a delete of a lineage: on one
-/// node (over the node engine, which writes each node on connections of
-/// its own and sends each node its owed deletes again), or on any node
-/// (the simulation's own transport sends a round to every node at once,
-/// and does not send again).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub(crate) enum Place {
-    Any,
-    Node(usize),
-}
-
-impl Place {
-    fn has(self, node: usize) -> bool {
-        self == Place::Any || self == Place::Node(node)
-    }
-}
-
 /// What a violation is about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum Kind {
@@ -169,15 +152,15 @@ pub(crate) struct Checker {
     sections: BTreeMap<usize, Section>,
     next_section: usize,
     max_fence: BTreeMap<String, u64>,
-    /// Keep the leak account per node (see [`Place`]).
-    pub(crate) per_node: bool,
     /// The clients' node timeout (ns).
     pub(crate) node_timeout: u64,
-    /// Per lineage and place, when the last command that landed (set or
-    /// kept the key) was sent and when the last one landed, and when the
-    /// last delete that could reach it was sent.
-    landed: BTreeMap<(String, Place), (u64, u64)>,
-    deleted: BTreeMap<(String, Place), u64>,
+    /// Per lineage and node (the node engine writes each node on
+    /// connections of its own, and sends each node its owed deletes
+    /// again), when the last command that landed (set or kept the key) was
+    /// sent and when the last one landed, and when the last delete that
+    /// could reach it was sent.
+    landed: BTreeMap<(String, usize), (u64, u64)>,
+    deleted: BTreeMap<(String, usize), u64>,
     /// Per lineage, when the client let go of it and the live copies left
     /// then (node, until when): see [`owed`](Self::owed).
     owed: BTreeMap<String, Vec<LetGo>>,
@@ -200,7 +183,6 @@ impl Checker {
             next_section: 0,
             max_fence: BTreeMap::new(),
             last_write: BTreeMap::new(),
-            per_node: false,
             node_timeout: 0,
             landed: BTreeMap::new(),
             deleted: BTreeMap::new(),
@@ -400,31 +382,24 @@ impl Checker {
             let grace = RETRY_GRACE + timeout + every * runs;
             n.longest_reachable(at, until) < grace
         };
-        let unsendable = |l: &str, place: Place, written: u64| {
+        let unsendable = |l: &str, node: usize, written: u64| {
             self.owed.get(l).into_iter().flatten().any(|(at, copies)| {
                 *at >= written
                     && copies
                         .iter()
-                        .filter(|&&(i, _)| place.has(i))
+                        .filter(|&&(i, _)| i == node)
                         .all(|&(i, until)| expired_unreached(l, i, *at, until))
             })
         };
         // A node that lost its keys since a write landed holds none of it.
-        let kept = |place: Place, at: u64| match place {
-            Place::Any => true,
-            Place::Node(i) => nodes.get(i).is_some_and(|n| !n.lost_keys_since(at)),
-        };
+        let kept = |node: usize, at: u64| nodes.get(node).is_some_and(|n| !n.lost_keys_since(at));
         if std::env::var_os("QUORUMLOCK_SIM_TRACE").is_some() {
-            for ((l, place), &(t, at)) in &self.landed {
-                if self
-                    .deleted
-                    .get(&(l.clone(), *place))
-                    .is_none_or(|&d| d < t)
-                {
+            for ((l, node), &(t, at)) in &self.landed {
+                if self.deleted.get(&(l.clone(), *node)).is_none_or(|&d| d < t) {
                     println!(
-                        "leak account: {} {place:?} written {:.3} landed {:.3}: kept {}, unsendable {}, owed {:?}",
+                        "leak account: {} node {node} written {:.3} landed {:.3}: kept {}, unsendable {}, owed {:?}",
                         l.get(..8).unwrap_or(l), t as f64 / 1e6, at as f64 / 1e6,
-                        kept(*place, at), unsendable(l, *place, t), self.owed.get(l)
+                        kept(*node, at), unsendable(l, *node, t), self.owed.get(l)
                     );
                 }
             }
@@ -433,14 +408,10 @@ impl Checker {
             .landed
             .iter()
             .filter(|(k, &(t, _))| self.deleted.get(*k).is_none_or(|&d| d < t))
-            .filter(|((_, place), &(_, at))| kept(*place, at))
-            .filter(|((l, place), &(t, _))| !unsendable(l, *place, t))
-            .map(|((l, place), (t, _))| {
-                let on = match place {
-                    Place::Any => String::new(),
-                    Place::Node(i) => format!(" on node {i}"),
-                };
-                format!("{l}{on} (written at {:.3} ms)", *t as f64 / 1e6)
+            .filter(|((_, node), &(_, at))| kept(*node, at))
+            .filter(|((l, node), &(t, _))| !unsendable(l, *node, t))
+            .map(|((l, node), (t, _))| {
+                format!("{l} on node {node} (written at {:.3} ms)", *t as f64 / 1e6)
             })
             .collect();
         if !leaked.is_empty() {

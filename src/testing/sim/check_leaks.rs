@@ -3,10 +3,10 @@
 
 use crate::algorithm::round::{written, Key, Op};
 
-use super::{lineage, traced, Checker, Place};
+use super::{lineage, traced, Checker};
 
 impl Checker {
-    /// A round of `op` leaves the client.
+    /// A command of `op` on `keys` leaves the client for one node.
     pub(crate) fn sent(&mut self, op: Op, keys: &[Key<'_>], now: u64) {
         if let Op::Acquire { ttl, .. }
         | Op::Swap { ttl, .. }
@@ -22,36 +22,17 @@ impl Checker {
         if std::env::var_os("QUORUMLOCK_SIM_TRACE").is_some() {
             println!("{:10.3} ms send {}", now as f64 / 1e6, traced(op, keys));
         }
-        if let (Op::Release { .. }, false) = (op, self.per_node) {
-            for k in keys {
-                self.deleted_at(k.token, Place::Any, now);
-            }
-        }
-    }
-
-    fn place(&self, node: usize) -> Place {
-        if self.per_node {
-            Place::Node(node)
-        } else {
-            Place::Any
-        }
-    }
-
-    fn deleted_at(&mut self, token: &str, place: Place, now: u64) {
-        let d = self
-            .deleted
-            .entry((lineage(token).to_owned(), place))
-            .or_default();
-        *d = (*d).max(now);
     }
 
     /// A delete of `token` left the client at `now` on a connection to
     /// `node` that could carry it there (the node was up or paused, not cut
     /// off): the client did its part, even if the connection resets.
     pub(crate) fn delete_sent(&mut self, token: &str, node: usize, now: u64) {
-        if self.per_node {
-            self.deleted_at(token, Place::Node(node), now);
-        }
+        let d = self
+            .deleted
+            .entry((lineage(token).to_owned(), node))
+            .or_default();
+        *d = (*d).max(now);
     }
 
     /// The client lets go of `lineage` at `now` with nothing of it left on
@@ -74,10 +55,9 @@ impl Checker {
     /// Node `node` applied a command that set or kept our key, sent at
     /// `sent`, at `now`.
     pub(crate) fn landed(&mut self, token: &str, node: usize, sent: u64, now: u64) {
-        let place = self.place(node);
         let t = self
             .landed
-            .entry((lineage(token).to_owned(), place))
+            .entry((lineage(token).to_owned(), node))
             .or_default();
         *t = (t.0.max(sent), t.1.max(now));
     }

@@ -87,19 +87,13 @@ fn each_checker_reports_the_violation_it_is_about() {
     c.end(ia2, 96 * MS, true);
     assert_eq!(kinds(&c), [Kind::Unsignalled]);
 
-    let mut c = Checker::new(base, 0);
-    c.landed("b", 0, 0, 0);
-    c.sent(
-        Op::Release {
-            keep_until: base,
-            notice: 0,
-        },
-        &[b.key()],
-        MS,
-    );
-    c.landed("b.1", 0, 2 * MS, 2 * MS); // a later write of the lineage
-    c.finish_with(3 * MS, &[] as &[SimNode]);
-    assert_eq!(kinds(&c), [Kind::Leaked]);
+    let mut w = world(base, 1);
+    w.check.landed("b", 0, 0, 0);
+    w.check.delete_sent("b", 0, MS);
+    w.check.landed("b.1", 0, 2 * MS, 2 * MS); // a later write of the lineage
+    let nodes = std::mem::take(&mut w.nodes);
+    w.check.finish_with(3 * MS, &nodes);
+    assert_eq!(kinds(&w.check), [Kind::Leaked]);
 }
 
 #[test]
@@ -155,15 +149,14 @@ fn a_held_lock_whose_key_is_on_a_minority_is_reported() {
     assert_eq!(kinds(&w.check), [Kind::DeadlineBeyondKeys]);
 }
 
-/// Over the node engine the leak account is kept per node: a delete that
-/// reached one node does not cover our key on another, unless that node
-/// could not be reached until the key expired.
+/// The leak account is kept per node: a delete that reached one node does
+/// not cover our key on another, unless that node could not be reached
+/// until the key expired.
 #[test]
 fn a_delete_that_reached_one_node_does_not_cover_another() {
     let base = Instant::now();
     let account = |reach_both: bool, dark_second: bool| {
         let mut w = world(base, 2);
-        w.check.per_node = true;
         w.check.landed("t", 0, 0, MS);
         w.check.landed("t", 1, 0, MS);
         w.check.delete_sent("t", 0, 2 * MS);

@@ -9,9 +9,10 @@ use crate::algorithm::round::{Key, NodeResult, Op};
 use crate::clock::Clock;
 use crate::driver::node::round::Round;
 use crate::driver::node::shared::Defects;
-use crate::lock::transport::{Decided, Transport, Undo};
+use crate::lock::transport::{Decided, Transport, Undo, Watch};
 use crate::testing::sim::links::SimLinks;
 use crate::testing::sim::sched::Sched;
+use crate::testing::sim::wakeups::Watches;
 
 /// A simulated client's [`Transport`]: the production round over
 /// [`SimLinks`].
@@ -20,7 +21,8 @@ pub(crate) struct SimEngine {
     sched: Arc<Sched>,
     /// Yield to the scheduler before every round.
     preempt: bool,
-    watches: crate::testing::sim::wakeups::Watches,
+    /// Its waits for releases (see [`wakeups`](crate::testing::sim::wakeups)).
+    watches: Watches,
 }
 
 impl SimEngine {
@@ -59,7 +61,29 @@ impl Transport for SimEngine {
         self.links.reads()
     }
 
-    crate::testing::sim::wakeups::wake_ups_of!(links.names);
+    fn watch(&self, resource: &str, _confirm_by: Instant) -> Option<Box<dyn Watch>> {
+        self.watches.watch(&self.sched, resource, false)
+    }
+
+    fn watch_existing(&self, resource: &str) -> Option<Box<dyn Watch>> {
+        self.watches.watch(&self.sched, resource, true)
+    }
+
+    fn watch_all(&self, resources: &[&str], _confirm_by: Instant) -> Option<Box<dyn Watch>> {
+        self.watches.watch_all(&self.sched, resources)
+    }
+
+    fn releasing(&self, resource: &str, notice: u64) {
+        self.watches.releasing(resource, notice);
+    }
+
+    fn released(&self, resources: &[&str]) {
+        self.watches.released(resources);
+    }
+
+    fn watching(&self, resource: &str) -> Vec<bool> {
+        self.watches.watching(resource, self.links.names.len())
+    }
 
     fn run(
         &self,

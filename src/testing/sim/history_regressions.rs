@@ -1,8 +1,7 @@
 //! Scripted schedules of the restart rule's lock histories (issue 38): a
 //! longer TTL first used on young nodes holds back only what the rule
-//! needs. Each runs over the simulation's transport and over the
-//! production node engine (whose connections learn the histories at
-//! connect, from the nodes' replies).
+//! needs, with the clients' connections learning the histories at
+//! connect, from the nodes' replies.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,10 +14,8 @@ use crate::testing::sim::{simulate, Ctx, MS};
 
 const T: fn(u64) -> Duration = Duration::from_millis;
 
-fn script(seed: u64, engine: bool, f: fn(&Arc<Ctx>)) -> Report {
-    let mut plan = Plan::calm(seed, 3);
-    plan.engine = engine;
-    simulate(plan, Box::new(move |ctx, _| f(ctx)))
+fn script(seed: u64, f: fn(&Arc<Ctx>)) -> Report {
+    simulate(Plan::calm(seed, 3), Box::new(move |ctx, _| f(ctx)))
 }
 
 /// Every node restarts empty at 1 ms; a first client's 100 ms locks
@@ -46,30 +43,28 @@ fn young_nodes(ctx: &Arc<Ctx>) {
 /// lock failed for 3 s.
 #[test]
 fn a_long_ttl_first_used_on_young_nodes_holds_no_other_client_back() {
-    for engine in [false, true] {
-        for seed in 0..4 {
-            let r = script(seed, engine, |ctx| {
-                young_nodes(ctx);
-                let long = ctx.client(ctx.plan.settings.clone());
-                if let Ok(g) = long.try_lock("long", T(3_000)) {
-                    ctx.fail(
-                        Kind::Liveness,
-                        "young nodes voted for their first 3 s lock".into(),
-                    );
+    for seed in 0..4 {
+        let r = script(seed, |ctx| {
+            young_nodes(ctx);
+            let long = ctx.client(ctx.plan.settings.clone());
+            if let Ok(g) = long.try_lock("long", T(3_000)) {
+                ctx.fail(
+                    Kind::Liveness,
+                    "young nodes voted for their first 3 s lock".into(),
+                );
+                let _ = g.release();
+            }
+            let other = ctx.client(ctx.plan.settings.clone());
+            match other.try_lock("other", T(100)) {
+                Ok(g) => {
+                    let id = ctx.grant(&g, "other");
                     let _ = g.release();
+                    ctx.end(id, true);
                 }
-                let other = ctx.client(ctx.plan.settings.clone());
-                match other.try_lock("other", T(100)) {
-                    Ok(g) => {
-                        let id = ctx.grant(&g, "other");
-                        let _ = g.release();
-                        ctx.end(id, true);
-                    }
-                    Err(e) => ctx.fail(Kind::Liveness, format!("held back by another's TTL: {e}")),
-                }
-            });
-            assert!(r.violations.is_empty(), "engine {engine}: {}", describe(&r));
-        }
+                Err(e) => ctx.fail(Kind::Liveness, format!("held back by another's TTL: {e}")),
+            }
+        });
+        assert!(r.violations.is_empty(), "{}", describe(&r));
     }
 }
 
@@ -80,11 +75,9 @@ fn a_long_ttl_first_used_on_young_nodes_holds_no_other_client_back() {
 /// longer TTL after it) never wins nodes 0 and 2 while X holds.
 #[test]
 fn a_node_restarted_after_a_long_ttl_was_first_used_is_held_back() {
-    for engine in [false, true] {
-        for seed in 0..4 {
-            let r = script(seed, engine, restarted_under_a_long_ttl);
-            assert!(r.violations.is_empty(), "engine {engine}: {}", describe(&r));
-        }
+    for seed in 0..4 {
+        let r = script(seed, restarted_under_a_long_ttl);
+        assert!(r.violations.is_empty(), "{}", describe(&r));
     }
 }
 

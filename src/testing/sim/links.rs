@@ -41,7 +41,6 @@ use crate::testing::sim::world::{Msg, NodeState};
 struct SimLink {
     wire: Wire,
     lane: u64,
-    entry: usize,
     node: usize,
     inbox: Arc<Inbox>,
 }
@@ -154,15 +153,12 @@ impl Link for SimConn {
             }
             let msg = Msg {
                 node: l.node,
-                entry: l.entry,
                 sent: now,
-                op: Op::Fence { value: 0 },
-                keys: Vec::new(),
-                round: None,
-                wire: Some((cmd, l.inbox.clone())),
+                cmd,
+                inbox: l.inbox.clone(),
                 lane: l.lane,
             };
-            world.send(msg, l.lane, now);
+            world.send(msg, now);
         }
         drop(core);
         l.wire.written(bytes.len());
@@ -321,7 +317,6 @@ impl SimLinks {
             link: Some(SimLink {
                 wire,
                 lane,
-                entry: i,
                 node,
                 inbox,
             }),

@@ -5,15 +5,15 @@
 //!
 //! - [`sched`]: logical threads on virtual time, one running at a time.
 //! - [`world`]: nodes (the fake nodes' script semantics, each with its own
-//!   clock rate and jumps), the network (delay, loss, duplication,
-//!   reordering across connections, FIFO within one), faults (pause, crash,
+//!   clock rate and jumps), the network (delay, reordering across
+//!   connections, FIFO within one, a loss that resets or hangs its
+//!   connection; wake-up messages lost and doubled), faults (pause, crash,
 //!   restart with or without data, isolation, `CLIENT KILL`, `SCRIPT
-//!   FLUSH`).
-//! - Two transports for the clients: the simulation's own
-//!   ([`transport`]), or the production node engine ([`links`]: the
-//!   driver's rounds, late replies, undo, closes and release retries over
-//!   simulated connections that carry the driver's bytes, which [`redis`]
-//!   reads and [`serve`] answers).
+//!   FLUSH`, `FLUSHALL`).
+//! - The clients run the production node engine ([`engine`] over
+//!   [`links`]: the driver's rounds, admission, late replies, undo, closes
+//!   and release retries over simulated connections that carry the
+//!   driver's bytes, which [`redis`] reads and [`serve`] answers).
 //! - [`check`]: safety, liveness and accounting checkers.
 //!
 //! What it does not run: the sockets and `poll`, the r2d2 pools' limits
@@ -37,7 +37,6 @@ pub(crate) mod rng;
 pub(crate) mod rw;
 pub(crate) mod sched;
 pub(crate) mod serve;
-pub(crate) mod transport;
 pub(crate) mod wakeups;
 pub(crate) mod workload;
 pub(crate) mod world;
@@ -65,7 +64,6 @@ use plan::Fault;
 use plan::MS;
 use rng::SimRng;
 use sched::{Sched, SimClock};
-use transport::SimTransport;
 use world::World;
 
 /// Runs the plan of `seed` under `mix`.
@@ -73,76 +71,37 @@ pub(crate) fn run(seed: u64, mix: Mix) -> Report {
     run_plan(Plan::new(seed, mix))
 }
 
-/// [`run`], the clients running the production node engine over simulated
-/// connections.
-pub(crate) fn run_engine(seed: u64, mix: Mix) -> Report {
-    run_defective(seed, mix, Default::default())
-}
-
-/// [`run_engine`] with engine defects put back.
+/// [`run`] with node engine defects put back.
 pub(crate) fn run_defective(
     seed: u64,
     mix: Mix,
     defects: crate::driver::node::shared::Defects,
 ) -> Report {
-    run_plan(engine_plan(seed, mix, defects))
+    run_as(seed, mix, |p| p.defects = defects)
 }
 
-/// [`run`] (or, `engine`, [`run_engine`]) with releases waking the waiters
-/// of other clients (see [`wakeups`]).
-pub(crate) fn run_wakeups(seed: u64, mix: Mix, engine: bool) -> Report {
-    let mut plan = plan_of(seed, mix, engine);
-    plan.wakeups = true;
-    run_plan(plan)
+/// [`run`] with releases waking the waiters of other clients (see
+/// [`wakeups`]).
+pub(crate) fn run_wakeups(seed: u64, mix: Mix) -> Report {
+    run_as(seed, mix, |p| p.wakeups = true)
 }
 
-/// The plan of `seed` under `mix`, over the node engine (without defects)
-/// where `engine`, else over the simulation's transport.
-fn plan_of(seed: u64, mix: Mix, engine: bool) -> Plan {
-    if engine {
-        engine_plan(seed, mix, Default::default())
-    } else {
-        Plan::new(seed, mix)
-    }
+/// [`run`] with some sections locks of several resources (and, `wakeups`,
+/// releases waking waiters).
+pub(crate) fn run_sets(seed: u64, mix: Mix, wakeups: bool) -> Report {
+    run_as(seed, mix, |p| {
+        p.sets = true;
+        p.wakeups = wakeups;
+    })
 }
 
-/// [`run`] (or, `engine`, [`run_engine`]) with some sections locks of
-/// several resources (and, `wakeups`, releases waking waiters).
-pub(crate) fn run_sets(seed: u64, mix: Mix, engine: bool, wakeups: bool) -> Report {
-    let mut plan = plan_of(seed, mix, engine);
-    plan.sets = true;
-    plan.wakeups = wakeups;
-    run_plan(plan)
-}
-
-/// [`run`] (or, `engine`, [`run_engine`]) with the plan's flags set by `f`
-/// (wake-ups, locks of several resources, read locks: see [`Plan`]; and
-/// [`rw`] for the schedules of a writer behind a stream of readers).
-pub(crate) fn run_as(seed: u64, mix: Mix, engine: bool, f: impl FnOnce(&mut Plan)) -> Report {
-    let mut plan = plan_of(seed, mix, engine);
+/// [`run`] with the plan's flags set by `f` (wake-ups, locks of several
+/// resources, read locks: see [`Plan`]; and [`rw`] for the schedules of a
+/// writer behind a stream of readers).
+pub(crate) fn run_as(seed: u64, mix: Mix, f: impl FnOnce(&mut Plan)) -> Report {
+    let mut plan = Plan::new(seed, mix);
     f(&mut plan);
     run_plan(plan)
-}
-
-/// The plan of `seed` under `mix`, over the node engine with `defects`.
-fn engine_plan(seed: u64, mix: Mix, defects: crate::driver::node::shared::Defects) -> Plan {
-    let mut plan = Plan::new(seed, mix);
-    plan.engine = true;
-    plan.defects = defects;
-    // Connections closed under the clients (CLIENT KILL storms), drawn
-    // apart from the plan so that its other draws stay as they were.
-    let mut r = SimRng::new(seed ^ 0x6b69_6c6c);
-    for _ in 0..r.below(12) {
-        let at = r.below(plan.run_for);
-        let node = r.below(plan.nodes as u64) as usize;
-        plan.faults.push((at, Fault::Kill(node)));
-    }
-    for _ in 0..r.below(4) {
-        let at = r.below(plan.run_for);
-        let node = r.below(plan.nodes as u64) as usize;
-        plan.faults.push((at, Fault::FlushScripts(node)));
-    }
-    plan
 }
 
 /// A shared view of the run for the workload threads.
@@ -207,10 +166,11 @@ impl Ctx {
         self.with(|c| c.end(id, now, told_held));
     }
 
-    /// Changes the world now.
+    /// Changes the world now: what the caller does next meets it (a fault
+    /// scheduled for now would wait until no thread is ready to run).
     pub(crate) fn fault(&self, f: Fault) {
         let now = self.now();
-        self.sched.lock().world.schedule(now, f);
+        self.sched.lock().world.fault(f, now);
     }
 
     /// Another client's lock on `resource`, on `node` only.
@@ -290,7 +250,6 @@ pub(crate) fn simulate(plan: Plan, main: Script) -> Report {
     let base = Instant::now();
     let mut rng = SimRng::new(plan.seed ^ 0xa076_1d64_78bd_642f);
     let mut check = Checker::new(base, plan.net.max_delay());
-    check.per_node = plan.engine;
     check.node_timeout = u64::try_from(plan.settings.node_timeout.as_nanos()).unwrap_or(u64::MAX);
     let mut world = World::new(
         base,
@@ -359,23 +318,14 @@ pub(crate) fn simulate(plan: Plan, main: Script) -> Report {
 
 fn client(ctx: &Ctx, settings: Settings, seed: u64) -> Redlock {
     let clock: Arc<dyn Clock> = Arc::new(SimClock(ctx.sched.clone()));
-    let transport: Box<dyn crate::lock::transport::Transport> = if ctx.plan.engine {
-        Box::new(engine::SimEngine::new(
-            &ctx.sched,
-            clock.clone(),
-            settings.node_timeout,
-            ctx.plan.preempt,
-            settings.rules(),
-            ctx.plan.defects,
-        ))
-    } else {
-        Box::new(SimTransport::new(
-            &ctx.sched,
-            settings.node_timeout,
-            ctx.plan.preempt,
-            settings.rules(),
-        ))
-    };
+    let transport = Box::new(engine::SimEngine::new(
+        &ctx.sched,
+        clock.clone(),
+        settings.node_timeout,
+        ctx.plan.preempt,
+        settings.rules(),
+        ctx.plan.defects,
+    ));
     Redlock::from_parts(settings, transport, clock, Rng::new(seed))
 }
 

@@ -15,7 +15,9 @@ pub(crate) struct Net {
     pub(crate) spike_max: u64,
     /// Chance that one message (request or reply) is lost.
     pub(crate) loss: f64,
-    /// Chance that a request is delivered twice (the copy later).
+    /// Chance that a release's message to a waiting client is delivered
+    /// twice (the copy later); commands and replies on a connection are
+    /// never repeated (a lost one resets it).
     pub(crate) dup: f64,
 }
 
@@ -57,10 +59,10 @@ pub(crate) enum Fault {
     /// under memory pressure, or a failover to a replica that lagged.
     LoseKeys(usize),
     /// `CLIENT KILL` on the node: every connection to it is closed; the
-    /// node stays up with its data (only simulated connections notice).
+    /// node stays up with its data.
     Kill(usize),
     /// `SCRIPT FLUSH` on the node: its connections stay, the next `EVALSHA`
-    /// meets NOSCRIPT (only simulated connections notice).
+    /// meets NOSCRIPT.
     FlushScripts(usize),
     /// `FLUSHALL` on the node: it loses every key and its lock history,
     /// as a restart without data does, but its connections stay.
@@ -108,9 +110,9 @@ pub(crate) enum Mix {
     /// stays long enough to be seen.
     Releases,
     /// Calm nodes and network; `CLIENT KILL` on every node at once now and
-    /// then (and, as in every run over the engine, on single nodes, and
-    /// `SCRIPT FLUSH`); half the attempts on keys of their own, each of
-    /// which must succeed unless a connection was closed during it.
+    /// then (and, as in every run, on single nodes, and `SCRIPT FLUSH`);
+    /// half the attempts on keys of their own, each of which must succeed
+    /// unless a connection was closed during it.
     KillStorm,
 }
 
@@ -174,11 +176,7 @@ pub(crate) struct Plan {
     pub(crate) ttls: Vec<u64>,
     /// Threads may be preempted just before each round is sent.
     pub(crate) preempt: bool,
-    /// The clients run the production node engine over simulated
-    /// connections (the driver's rounds, bytes and late replies), instead
-    /// of the simulation's own transport.
-    pub(crate) engine: bool,
-    /// Engine defects put back (with `engine`), to show they are found.
+    /// Node engine defects put back, to show they are found.
     pub(crate) defects: crate::driver::node::shared::Defects,
     /// Releases wake the waiters of other clients (see
     /// [`crate::testing::sim::wakeups`]); off, they poll.
@@ -333,7 +331,6 @@ impl Plan {
             stall,
             ttls: vec![30, 60, 120, 250],
             preempt: r.chance(0.5),
-            engine: false,
             defects: Default::default(),
             wakeups: false,
             sets: false,
@@ -386,6 +383,19 @@ impl Plan {
                 plan.faults.push((at, Fault::Flush(node)));
             }
         }
+        // Connections closed under the clients (`CLIENT KILL`) and script
+        // caches emptied (`SCRIPT FLUSH`), drawn apart too.
+        let mut r = SimRng::new(seed ^ 0x6b69_6c6c);
+        for _ in 0..r.below(12) {
+            let at = r.below(plan.run_for);
+            let node = r.below(plan.nodes as u64) as usize;
+            plan.faults.push((at, Fault::Kill(node)));
+        }
+        for _ in 0..r.below(4) {
+            let at = r.below(plan.run_for);
+            let node = r.below(plan.nodes as u64) as usize;
+            plan.faults.push((at, Fault::FlushScripts(node)));
+        }
         plan
     }
 }
@@ -414,7 +424,6 @@ impl Plan {
             stall: 0.0,
             ttls: Vec::new(),
             preempt: false,
-            engine: false,
             defects: Default::default(),
             wakeups: false,
             sets: false,
@@ -448,7 +457,6 @@ impl Report {
     pub(crate) fn replay(&self) -> String {
         let p = &self.plan;
         let flags: String = [
-            (p.engine, " QUORUMLOCK_SIM_ENGINE=1"),
             (p.wakeups, " QUORUMLOCK_SIM_WAKEUPS=1"),
             (p.sets, " QUORUMLOCK_SIM_SETS=1"),
             (p.readers, " QUORUMLOCK_SIM_READERS=1"),

@@ -254,10 +254,11 @@ pub(crate) fn command(v: &Value) -> Command {
             known_max: ms(arg(1)),
             fence: arg(2).parse().ok().filter(|f| *f > 0),
         },
-        // The delete's keep-until is the client's, not sent.
+        // The delete's keep-until is the client's, not sent; its notice
+        // (nonzero: the freed key is published to its waiters) is.
         "release" => Op::Release {
             keep_until: std::time::Instant::now(),
-            notice: 0,
+            notice: arg(0).parse().unwrap_or(0),
         },
         "extend" => {
             let (known_max, after, known_prev) = known(arg(1));
@@ -416,14 +417,14 @@ mod tests {
         let release = Encoded::new(
             Op::Release {
                 keep_until: Instant::now(),
-                notice: 0,
+                notice: 77,
             },
             &keys,
         );
         assert!(matches!(
             command(&commands(&release.packed)[0]),
             Command::Script {
-                op: Op::Release { .. },
+                op: Op::Release { notice: 77, .. },
                 ..
             }
         ));

@@ -17,7 +17,7 @@ use crate::clock::Clock;
 use crate::testing::sim::check::Kind;
 use crate::testing::sim::plan::{Mix, Net, Plan, Report};
 use crate::testing::sim::rng::SimRng;
-use crate::testing::sim::{client, plan_of, simulate, Ctx};
+use crate::testing::sim::{client, simulate, Ctx};
 use crate::testing::store::Broken;
 
 /// The resource the stream's readers and its writer meet on.
@@ -29,8 +29,6 @@ const WRITES: u32 = 3;
 /// How a reader-stream schedule runs.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Stream {
-    /// Over the production node engine (else the simulation's transport).
-    pub(crate) engine: bool,
     /// Releases wake waiters of other clients.
     pub(crate) wakeups: bool,
     /// The nodes' scripts break a reader-writer rule.
@@ -44,7 +42,7 @@ pub(crate) struct Stream {
 /// A writer behind a stream of readers (see the module's documentation),
 /// run as `how` says.
 pub(crate) fn run_reader_stream(seed: u64, how: Stream) -> Report {
-    let mut plan = calm(plan_of(seed, Mix::Standard, how.engine));
+    let mut plan = calm(Plan::new(seed, Mix::Standard));
     plan.wakeups = how.wakeups;
     plan.readers = true;
     plan.broken = how.broken;

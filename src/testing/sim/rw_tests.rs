@@ -11,40 +11,32 @@ use super::rw::{run_reader_stream, Stream};
 use super::tests::{describe, env_u64, within_assumptions};
 use crate::testing::store::Broken;
 
-/// A schedule of the random workload with read locks: over the node engine
-/// one in four, with wake-ups one in two, with locks of several resources
-/// one in three; on nodes whose scripts break `broken`.
+/// A schedule of the random workload with read locks: with wake-ups one in
+/// two, with locks of several resources one in three; on nodes whose
+/// scripts break `broken`.
 fn run_rw(seed: u64, broken: Broken) -> Report {
-    super::run_as(
-        seed,
-        within_assumptions(seed),
-        seed % 4 == 3,
-        |p: &mut Plan| {
-            p.readers = true;
-            p.wakeups = seed % 2 == 1;
-            p.sets = seed % 3 == 2;
-            p.broken = broken;
-        },
-    )
+    super::run_as(seed, within_assumptions(seed), |p: &mut Plan| {
+        p.readers = true;
+        p.wakeups = seed % 2 == 1;
+        p.sets = seed % 3 == 2;
+        p.broken = broken;
+    })
 }
 
 /// A failing reader-stream schedule, with the line that replays it.
 fn describe_stream(r: &Report) -> String {
     let v: Vec<String> = r.violations.iter().map(|v| format!("    {v}")).collect();
     format!(
-        "seed {:#x} (reader stream, engine {}, wake-ups {}):\n{}",
+        "seed {:#x} (reader stream, wake-ups {}):\n{}",
         r.plan.seed,
-        r.plan.engine,
         r.plan.wakeups,
         v.join("\n")
     )
 }
 
-/// The reader stream of `seed`: over the node engine one in four, with
-/// wake-ups one in two.
+/// The reader stream of `seed`: with wake-ups one in two.
 fn stream(seed: u64, broken: Broken, short_writer: bool) -> Report {
     let how = Stream {
-        engine: seed % 4 == 3,
         wakeups: seed % 2 == 1,
         broken,
         short_writer,
@@ -55,8 +47,7 @@ fn stream(seed: u64, broken: Broken, short_writer: bool) -> Report {
 /// Schedules of the random workload where some sections are read locks
 /// (`read().try_acquire`, `read().acquire`, `acquire_for`, `run`;
 /// renewed, extended, stalled, released or dropped) beside writers and
-/// plain locks of the same resources, with the plans' faults, over the
-/// simulation's transport and the production node engine, with and
+/// plain locks of the same resources, with the plans' faults, with and
 /// without wake-ups, keep every check: readers share, but never a writer
 /// with a reader or another writer; a held read lock's entries are on a
 /// majority; no entry outlives its TTL or is left without a delete; every
@@ -86,7 +77,7 @@ fn read_write_locks_keep_every_check() {
 /// A writer calling `acquire_for` behind a
 /// stream of overlapping readers (calm network, healthy nodes) gets in
 /// within one reader TTL, its retry pause and a few rounds of its call, in
-/// every schedule, over both transports, with and without wake-ups. And
+/// every schedule, with and without wake-ups. And
 /// it really was behind readers.
 #[test]
 fn a_writer_behind_a_stream_of_readers_gets_in_within_a_reader_ttl() {
@@ -245,12 +236,14 @@ fn a_readers_release_wakes_waiters_only_when_the_last_reader_leaves() {
 /// A waiting writer's intent was cut to its TTL (`Engine::acquire`), so a
 /// writer whose TTL is shorter than its retry pause left a gap between its
 /// tries in which new readers entered, and a stream of readers starved it.
-/// Seed 0xb (4 nodes, node engine, wake-ups): the writer's second call
+/// Seed 0xb (4 nodes, wake-ups): the writer's second call
 /// (`acquire_for`, TTL 54 ms; retry 87 ms + 2 ms, node timeout 41 ms)
 /// marked its intent at 529.7 ms, which lapsed at 583.7 ms; readers
 /// entered again from 606.7 ms, each of its tries (every ~90 ms) met them,
 /// and the call failed after its whole wait (1.35 s). The intent now lasts
-/// the retry pause and three node timeouts, whatever the TTL.
+/// the retry pause and three node timeouts, whatever the TTL. (The
+/// schedule has moved since, as releases on simulated connections now wake
+/// waiters; the seed stays pinned, clean.)
 #[test]
 fn a_writer_with_a_ttl_below_its_retry_pause_is_not_starved() {
     let r = stream(0xb, Broken::default(), true);

@@ -3,10 +3,10 @@
 //! Every logical thread is an OS thread, but only the one holding the handed
 //! runs; the others are parked on their own condition variable. A thread
 //! gives the handed up only where production code blocks, that is through
-//! [`Clock`] (sleep, wait on a [`Signal`]) or the simulated transport (wait
-//! for replies). The scheduler then picks the next thread among those whose
-//! wait is over, with the run's seeded RNG, and when none is, moves virtual
-//! time to the next timer or world event and fires it. One seed, one
+//! [`Clock`] (sleep, wait on a [`Signal`]) or the simulated connections
+//! (wait for replies). The scheduler then picks the next thread among those
+//! whose wait is over, with the run's seeded RNG, and when none is, moves
+//! virtual time to the next timer or world event and fires it. One seed, one
 //! interleaving: a failing schedule replays exactly.
 
 use std::cell::Cell;

@@ -6,8 +6,8 @@
 
 use crate::algorithm::health::Outcome;
 use crate::clock::after;
-use crate::testing::sim::world::NodeState;
 use crate::testing::sim::world::SimNode;
+use crate::testing::sim::world::{NodeState, CLOCK_START};
 use crate::testing::store::Store;
 use std::time::Duration;
 use std::time::Instant;
@@ -69,23 +69,19 @@ impl World {
             // The TTL a message's write of this lineage would set, if it
             // carries one.
             let writes = |m: &Msg| -> Option<std::time::Duration> {
-                let ttl = |op: Op| match op {
-                    Op::Acquire { ttl, .. }
-                    | Op::Swap { ttl, .. }
-                    | Op::Extend { ttl, .. }
-                    | Op::Restore { ttl } => Some(ttl),
-                    Op::Release { .. } | Op::Fence { .. } => None,
-                };
-                if m.keys.iter().any(|mk| lineage(&mk.token) == l) {
-                    return ttl(m.op);
-                }
-                match m.wire.as_ref().map(|(cmd, _)| command(cmd)) {
-                    Some(Command::Script { op, keys, .. })
+                match command(&m.cmd) {
+                    Command::Script { op, keys, .. }
                         if keys.iter().any(|mk| lineage(&mk.token) == l) =>
                     {
-                        ttl(op)
+                        match op {
+                            Op::Acquire { ttl, .. }
+                            | Op::Swap { ttl, .. }
+                            | Op::Extend { ttl, .. }
+                            | Op::Restore { ttl } => Some(ttl),
+                            Op::Release { .. } | Op::Fence { .. } => None,
+                        }
                     }
-                    Some(Command::Set { key, ttl }) if lineage(&key.token) == l => Some(ttl),
+                    Command::Set { key, ttl } if lineage(&key.token) == l => Some(ttl),
                     _ => None,
                 }
             };
@@ -128,13 +124,16 @@ impl World {
         }
     }
 
-    /// What node `i`'s `INFO` says: who it is (its process) and whether its
-    /// memory policy can evict lock keys.
+    /// What node `i`'s `INFO` says: who it is (its process), its uptime
+    /// ([`CLOCK_START`], whatever restarts it had: no node here restarts
+    /// from a snapshot, whose history a client caps at the uptime) and
+    /// whether its memory policy can evict lock keys.
     fn info(&self, i: usize) -> redis::Value {
         let node = &self.nodes[i];
         let mut text = format!(
-            "# Server\r\nrun_id:sim{i}run{}\r\nuptime_in_seconds:3600\r\n# Replication\r\nrole:master\r\n",
-            node.run
+            "# Server\r\nrun_id:sim{i}run{}\r\nuptime_in_seconds:{}\r\n# Replication\r\nrole:master\r\n",
+            node.run,
+            CLOCK_START / 1_000_000_000,
         );
         if node.evicting {
             text.push_str("maxmemory:1000000\r\nmaxmemory_policy:volatile-lru\r\n");
@@ -142,22 +141,17 @@ impl World {
         redis::Value::BulkString(text.into_bytes())
     }
 
-    /// Node `msg.node` runs a command of a simulated connection and replies
-    /// on it (unless the reply is lost).
-    pub(crate) fn process_wire(
-        &mut self,
-        msg: &Msg,
-        cmd: &redis::Value,
-        inbox: Arc<Inbox>,
-        now: u64,
-    ) {
+    /// Node `msg.node` runs a command of a simulated connection now and
+    /// replies on it (unless the reply is lost).
+    pub(crate) fn process(&mut self, msg: Msg, now: u64) {
         use crate::testing::sim::redis::{self as wire, Command};
-        let i = msg.node;
+        let Msg { node: i, inbox, .. } = &msg;
+        let (i, inbox) = (*i, inbox.clone());
         if inbox.is_severed() || self.dead.contains(&msg.lane) {
             // The connection was gone before the node read the command.
             return;
         }
-        let reply = match wire::command(cmd) {
+        let reply = match wire::command(&msg.cmd) {
             Command::Info => self.info(i),
             Command::Load => {
                 self.nodes[i].loaded = true;

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use super::check::Kind;
 use super::plan::{Mix, Report};
-use super::{run, run_engine};
+use super::run;
 
 pub(super) fn env_u64(name: &str) -> Option<u64> {
     let v = std::env::var(name).ok()?;
@@ -66,17 +66,24 @@ pub(crate) fn describe(r: &Report) -> String {
     )
 }
 
-/// At least 2,000 schedules within Redlock's assumptions (one in eight with
-/// clock jumps; one in sixteen with a server listed twice, one in sixteen
-/// with a node that evicts keys, each under the rule that covers it) find
-/// no violation of safety, liveness or accounting.
-/// `QUORUMLOCK_SIM_SEEDS=100000` runs more; `QUORUMLOCK_SIM_FIRST` moves
-/// the window.
+/// Schedules within Redlock's assumptions (see [`sweep_mix`]), the
+/// clients running the production node engine (rounds, late replies, undo,
+/// NOSCRIPT fallback, closes, release retries) over simulated connections
+/// that carry the driver's own bytes, find no violation of safety,
+/// fencing, liveness or accounting: no key outliving its TTL, and every
+/// key of ours that landed had a delete sent after it (or could not be
+/// sent one: its node took no connection until the key expired).
+/// `QUORUMLOCK_SIM_SEEDS=2000` runs more; `QUORUMLOCK_SIM_FIRST` moves the
+/// window.
 #[test]
 fn seeded_schedules_within_the_assumptions_break_nothing() {
-    let count = env_u64("QUORUMLOCK_SIM_SEEDS").unwrap_or(2_000);
-    sweep_clean("schedules", count, within_assumptions, run);
+    let count = env_u64("QUORUMLOCK_SIM_SEEDS").unwrap_or(SEEDS);
+    sweep_clean("schedules", count, sweep_mix, run);
 }
+
+/// Schedules [`seeded_schedules_within_the_assumptions_break_nothing`]
+/// runs in `cargo test` (a debug build).
+const SEEDS: u64 = 300;
 
 /// The mixes within Redlock's assumptions: one schedule in eight with clock
 /// jumps, one in sixteen with a server listed twice, one in sixteen with a
@@ -87,6 +94,17 @@ pub(super) fn within_assumptions(seed: u64) -> Mix {
         11 => Mix::ListedTwice,
         13 => Mix::Evicting,
         _ => Mix::Standard,
+    }
+}
+
+/// The sweep's mixes: those [`within_assumptions`] (but for some standard
+/// ones), one schedule in four heavy with releases, one in eight a storm of
+/// closed connections.
+fn sweep_mix(seed: u64) -> Mix {
+    match seed % 16 {
+        1 | 3 | 5 | 9 => Mix::Releases,
+        2 | 6 => Mix::KillStorm,
+        _ => within_assumptions(seed),
     }
 }
 
@@ -109,57 +127,32 @@ fn sweep_clean(what: &str, count: u64, mix: fn(u64) -> Mix, run: fn(u64, Mix) ->
     );
 }
 
-/// Schedules within Redlock's assumptions, the clients running the
-/// production node engine (rounds, late replies, undo, NOSCRIPT fallback,
-/// closes, release retries) over simulated connections that carry the
-/// driver's own bytes, find nothing either: no safety, fencing or liveness
-/// violation, no key outliving its TTL, and every key of ours that landed
-/// had a delete sent after it (or could not be sent one: its node took no
-/// connection until the key expired). `QUORUMLOCK_SIM_ENGINE_SEEDS` runs
-/// more.
+/// The schedules exercise shared connections: rounds of several threads of
+/// a client carried on one connection, a connection that ends (a close, a
+/// timeout) while it owes replies to two rounds or more, and late replies
+/// taken for rounds that had left. A change that stopped sharing (or
+/// stopped leaving late replies to the line) fails this.
 #[test]
-fn seeded_schedules_over_the_node_engine_break_nothing() {
-    let count = env_u64("QUORUMLOCK_SIM_ENGINE_SEEDS").unwrap_or(300);
-    sweep_clean("engine schedules", count, over_the_engine, run_engine);
-}
-
-/// The engine's schedules exercise shared connections: rounds of several
-/// threads of a client carried on one connection, a connection that ends
-/// (a close, a timeout) while it owes replies to two rounds or more, and
-/// late replies taken for rounds that had left. A change that stopped
-/// sharing (or stopped leaving late replies to the line) fails this.
-#[test]
-fn engine_schedules_share_connections_between_rounds() {
+fn schedules_share_connections_between_rounds() {
     let (mut batched, mut closed, mut orphans, mut deferred) = (0, 0, 0, 0);
     for seed in 0..48 {
-        let r = run_engine(seed, over_the_engine(seed));
+        let r = run(seed, sweep_mix(seed));
         batched += r.stats.batched;
         closed += r.stats.closed_batches;
         orphans += r.stats.orphan_replies;
         deferred += r.stats.deferred;
     }
-    println!("48 engine schedules: {batched} writes carrying two rounds' commands, {closed} lines ended owing two rounds, {orphans} late replies of rounds that left, {deferred} sends left staged for the reader");
+    println!("48 schedules: {batched} writes carrying two rounds' commands, {closed} lines ended owing two rounds, {orphans} late replies of rounds that left, {deferred} sends left staged for the reader");
     assert!(deferred > 0, "no send ever waited staged for the reader");
     assert!(batched > 0, "no write ever carried two rounds' commands");
     assert!(closed > 0, "no shared connection ended mid-batch");
     assert!(orphans > 0, "no late reply was taken for a round that left");
 }
 
-/// The mixes over the node engine: those within the assumptions (but for
-/// some standard ones), one schedule in four heavy with releases, one in
-/// eight a storm of closed connections.
-fn over_the_engine(seed: u64) -> Mix {
-    match seed % 16 {
-        1 | 3 | 5 | 9 => Mix::Releases,
-        2 | 6 => Mix::KillStorm,
-        _ => within_assumptions(seed),
-    }
-}
-
 /// Replays one schedule, with everything it found:
 /// `QUORUMLOCK_SIM_SEED=… QUORUMLOCK_SIM_MIX=… cargo test --lib sim::tests::replay -- --nocapture`
-/// (and `QUORUMLOCK_SIM_ENGINE`, `_WAKEUPS`, `_SETS`, `_READERS` set to
-/// anything for the plan's flags).
+/// (and `QUORUMLOCK_SIM_WAKEUPS`, `_SETS`, `_READERS` set to anything for
+/// the plan's flags).
 /// Without them it replays seed 1 twice and checks that both runs made the
 /// same decisions.
 #[test]
@@ -171,9 +164,8 @@ fn replay() {
         .unwrap_or(Mix::Standard);
     // The plan's flags, as `Report::replay` prints them.
     let flag = |name: &str| std::env::var_os(name).is_some();
-    let engine = flag("QUORUMLOCK_SIM_ENGINE");
     let run = |seed, mix| {
-        super::run_as(seed, mix, engine, |p| {
+        super::run_as(seed, mix, |p| {
             p.wakeups = flag("QUORUMLOCK_SIM_WAKEUPS");
             p.sets = flag("QUORUMLOCK_SIM_SETS");
             p.readers = flag("QUORUMLOCK_SIM_READERS");
@@ -246,13 +238,13 @@ fn an_evicting_node_whose_votes_count_lets_two_hold() {
     find(Mix::EvictingCounted, Kind::TwoHolders, 3_000);
 }
 
-/// A schedule over the node engine replays exactly: the same decisions,
-/// steps and virtual time twice.
+/// More schedules replay exactly (seed 1: [`replay`]): the same
+/// decisions, steps and virtual time twice.
 #[test]
-fn engine_schedules_replay_exactly() {
-    for seed in [1, 0x3f, 0x11] {
-        let a = run_engine(seed, Mix::Standard);
-        let b = run_engine(seed, Mix::Standard);
+fn schedules_replay_exactly() {
+    for seed in [0x3f, 0x11] {
+        let a = run(seed, Mix::Standard);
+        let b = run(seed, Mix::Standard);
         assert_eq!(
             (a.trace, a.steps, a.virtual_ns),
             (b.trace, b.steps, b.virtual_ns),
@@ -303,8 +295,8 @@ fn find_defect_seeds() {
         if only.as_deref().is_some_and(|o| o != name) {
             continue;
         }
-        let found = (0..env_u64("QUORUMLOCK_SIM_ENGINE_SEEDS").unwrap_or(300)).find_map(|seed| {
-            let r = super::run_defective(seed, over_the_engine(seed), defects);
+        let found = (0..env_u64("QUORUMLOCK_SIM_SEEDS").unwrap_or(300)).find_map(|seed| {
+            let r = super::run_defective(seed, sweep_mix(seed), defects);
             (!r.violations.is_empty()).then_some(r)
         });
         match found {
@@ -315,13 +307,12 @@ fn find_defect_seeds() {
 }
 
 /// The checkers reach the node engine: with one of its fixed defects put
-/// back, a seeded schedule over the engine fails, and the same schedule
-/// without it passes. (A change to the simulation moves the seeds:
+/// back, a seeded schedule fails, and the same schedule without it passes. (A change to the simulation moves the seeds:
 /// `find_defect_seeds` finds new ones.)
 mod engine_defects {
     use super::{describe, Kind, Mix};
     use crate::driver::node::shared::Defects;
-    use crate::testing::sim::{run_defective, run_engine};
+    use crate::testing::sim::{run, run_defective};
 
     fn found(seed: u64, mix: Mix, defects: Defects, kind: Kind) {
         let bad = run_defective(seed, mix, defects);
@@ -330,7 +321,7 @@ mod engine_defects {
             "seed {seed:#x} with {defects:?}: {kind:?} not found:\n{}",
             describe(&bad)
         );
-        let good = run_engine(seed, mix);
+        let good = run(seed, mix);
         assert!(good.violations.is_empty(), "{}", describe(&good));
     }
 
@@ -343,7 +334,7 @@ mod engine_defects {
             close_is_answer: true,
             ..Defects::default()
         };
-        found(0x12, Mix::KillStorm, defects, Kind::Liveness);
+        found(0x16, Mix::KillStorm, defects, Kind::Liveness);
     }
 
     /// A failed attempt's undo that skips a node whose connection closed
@@ -354,7 +345,7 @@ mod engine_defects {
             undo_skips_lost: true,
             ..Defects::default()
         };
-        found(0x8f, Mix::ClockJumps, defects, Kind::Leaked);
+        found(0x11a, Mix::Standard, defects, Kind::Leaked);
     }
 
     /// A release retry job that sends the same batch every time: the
@@ -382,10 +373,10 @@ mod engine_defects {
     }
 }
 
-/// Schedules over the node engine that found defects in it, pinned.
+/// Schedules that found defects in the node engine, pinned.
 mod engine_found {
     use super::{describe, Mix};
-    use crate::testing::sim::run_engine;
+    use crate::testing::sim::run;
 
     /// A round whose pooled connection (older than the round) was closed by
     /// a `CLIENT KILL` sends its command again, even when another round's
@@ -393,7 +384,7 @@ mod engine_found {
     /// meanwhile: one kill fails no attempt that began after it.
     #[test]
     fn a_close_after_another_rounds_close_still_sends_again() {
-        let r = run_engine(0x36a, Mix::KillStorm);
+        let r = run(0x36a, Mix::KillStorm);
         assert!(r.violations.is_empty(), "{}", describe(&r));
     }
 }
@@ -409,12 +400,11 @@ fn wake_ups_lost_and_doubled_keep_every_check() {
     let (mut woken, mut lost, mut doubled) = (0, 0, 0);
     let seeds = env_u64("QUORUMLOCK_SIM_WAKEUP_SEEDS").unwrap_or(24);
     for seed in 0..seeds {
-        let (mix, engine) = match seed % 3 {
-            0 => (Mix::Standard, false),
-            1 => (Mix::Standard, true),
-            _ => (Mix::KillStorm, true),
+        let mix = match seed % 3 {
+            2 => Mix::KillStorm,
+            _ => Mix::Standard,
         };
-        let r = super::run_wakeups(seed, mix, engine);
+        let r = super::run_wakeups(seed, mix);
         assert!(r.violations.is_empty(), "{}", describe(&r));
         woken += r.wakes.woken;
         lost += r.wakes.lost;
@@ -426,8 +416,7 @@ fn wake_ups_lost_and_doubled_keep_every_check() {
 }
 
 /// Schedules where some sections are locks of two or three resources (in
-/// random orders, overlapping other sets and single locks), over the
-/// simulation's transport and the production node engine, half of them
+/// random orders, overlapping other sets and single locks), half of them
 /// with wake-ups (lost and doubled among them), keep every
 /// check: never two valid holders of one resource (a set against a set or
 /// a single lock), every node of a held set's majority holding every key of
@@ -439,7 +428,7 @@ fn locks_of_several_resources_keep_every_check() {
     let mut sets = 0;
     for seed in 0..seeds {
         let mix = within_assumptions(seed);
-        let r = super::run_sets(seed, mix, seed % 4 == 3, seed % 2 == 1);
+        let r = super::run_sets(seed, mix, seed % 2 == 1);
         assert!(r.violations.is_empty(), "{}", describe(&r));
         sets += r.stats.sets;
     }

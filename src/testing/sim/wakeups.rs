@@ -88,49 +88,6 @@ impl World {
     }
 }
 
-/// The [`Transport`](crate::lock::transport::Transport) methods of a
-/// simulated transport with `watches` and `sched` fields, whose node names
-/// are `self.$($names).+`.
-macro_rules! wake_ups_of {
-    ($($names:ident).+) => {
-        fn watch(
-            &self,
-            resource: &str,
-            _confirm_by: std::time::Instant,
-        ) -> Option<Box<dyn crate::lock::transport::Watch>> {
-            self.watches.watch(&self.sched, resource, false)
-        }
-
-        fn watch_existing(
-            &self,
-            resource: &str,
-        ) -> Option<Box<dyn crate::lock::transport::Watch>> {
-            self.watches.watch(&self.sched, resource, true)
-        }
-
-        fn watch_all(
-            &self,
-            resources: &[&str],
-            _confirm_by: std::time::Instant,
-        ) -> Option<Box<dyn crate::lock::transport::Watch>> {
-            self.watches.watch_all(&self.sched, resources)
-        }
-
-        fn releasing(&self, resource: &str, notice: u64) {
-            self.watches.releasing(resource, notice);
-        }
-
-        fn released(&self, resources: &[&str]) {
-            self.watches.released(resources);
-        }
-
-        fn watching(&self, resource: &str) -> Vec<bool> {
-            self.watches.watching(resource, self.$($names).+.len())
-        }
-    };
-}
-pub(crate) use wake_ups_of;
-
 /// One client's subscriptions (shared by its threads, as the driver's one
 /// subscriber connection per node is).
 #[derive(Default)]

@@ -1,28 +1,24 @@
 //! The simulated world: nodes with their own clocks, a network that delays,
-//! loses, duplicates and reorders messages, faults on a schedule, and the
-//! transport through which the production algorithm talks to it.
+//! loses and reorders messages (and resets or hangs the connections that
+//! carry them), and faults on a schedule.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
-
-use crate::algorithm::health::{NodeHealth, Outcome};
-use crate::algorithm::quorum::VoteRules;
-use crate::algorithm::round::{Key, NodeResult, Op, ServerKind, ServerTag};
-use crate::clock::{after, Signal};
-use crate::error::{NodeError, NodeErrorKind};
+use crate::algorithm::round::{Key, Op};
+use crate::clock::after;
 use crate::testing::sim::check::Checker;
 use crate::testing::sim::plan::{Fault, Net};
 use crate::testing::sim::redis::{Inbox, OwnedKey};
 use crate::testing::sim::rng::SimRng;
 use crate::testing::store::Store;
 
-/// Where every node's clock starts (ns): an hour in, so that clocks can
-/// jump back.
-pub(crate) const CLOCK_START: u64 = 3_600_000_000_000;
+/// Where every node's clock starts (ns), and how long each node has been
+/// up with its lock history: two hours, so that clocks can jump back, and
+/// every history is older than any TTL in use ([`MAX_TTL`](crate::MAX_TTL))
+/// even as a client bounds it by the uptime `INFO` says, less a second.
+pub(crate) const CLOCK_START: u64 = 7_200_000_000_000;
 
 /// A node's wall clock: `local(t) = local + (t − anchor) × rate`.
 #[derive(Debug, Clone, Copy)]
@@ -102,45 +98,21 @@ pub(crate) struct SimNode {
     pub(crate) resumed: Vec<u64>,
 }
 
-/// One round in flight: the replies so far, and who to wake.
-pub(crate) struct Round {
-    /// Per entry of the node list: the reply, or the error it counts as
-    /// until one arrives.
-    pub(crate) results: Mutex<Vec<Option<NodeResult>>>,
-    /// Per entry: a reply arrived (it replaces a not-waited-for error).
-    pub(crate) replied: Mutex<Vec<bool>>,
-    pub(crate) signal: Arc<Signal>,
-    pub(crate) open: AtomicBool,
-    pub(crate) health: Arc<Mutex<Vec<NodeHealth>>>,
-    /// How the client counts answers.
-    pub(crate) rules: VoteRules,
-}
-
-#[derive(Clone)]
+/// A command on a simulated connection (the driver's own bytes), answered
+/// into the connection's inbox.
 pub(crate) struct Msg {
     /// The server it goes to.
     pub(crate) node: usize,
-    /// The entry of the client's node list it was sent to.
-    pub(crate) entry: usize,
     /// When the client sent it (virtual ns).
     pub(crate) sent: u64,
-    pub(crate) op: Op,
-    pub(crate) keys: Vec<OwnedKey>,
-    pub(crate) round: Option<Arc<Round>>,
-    /// Instead of `op`: a command on a simulated connection (the driver's
-    /// own bytes), answered into the connection's inbox.
-    pub(crate) wire: Option<(redis::Value, Arc<Inbox>)>,
+    pub(crate) cmd: redis::Value,
+    pub(crate) inbox: Arc<Inbox>,
     /// The connection it travels on.
     pub(crate) lane: u64,
 }
 
 pub(crate) enum Event {
     Arrive(Msg),
-    Reply {
-        round: Arc<Round>,
-        entry: usize,
-        result: NodeResult,
-    },
     Fault(Fault),
     /// A reply reaches a simulated connection.
     Wire(Arc<Inbox>, redis::Value),
@@ -191,7 +163,7 @@ impl World {
         let nodes = rates
             .iter()
             .map(|&rate| SimNode {
-                // Running for an hour already: its votes count at once.
+                // Running for two hours already: its votes count at once.
                 store: Store::with_history(base),
                 state: NodeState::Up,
                 isolated: false,
@@ -275,30 +247,6 @@ impl World {
             let ((at, _), e) = entry.remove_entry();
             match e {
                 Event::Arrive(msg) => self.arrive(msg, at),
-                Event::Reply {
-                    round,
-                    entry,
-                    result,
-                } => {
-                    let t = after(self.base, Duration::from_nanos(at));
-                    round.health.lock()[entry].observe(t, Outcome::Answered);
-                    if round.open.load(Ordering::Acquire) {
-                        let mut replied = round.replied.lock();
-                        if !replied[entry] {
-                            replied[entry] = true;
-                            // The production rule for what counts as a vote.
-                            crate::algorithm::quorum::insert_vote(
-                                &mut round.results.lock(),
-                                &self.names,
-                                entry,
-                                result,
-                                round.rules,
-                            );
-                        }
-                        drop(replied);
-                        round.signal.notify();
-                    }
-                }
                 Event::Fault(f) => self.fault(f, at),
                 Event::Wire(inbox, v) => inbox.push(v),
                 Event::Reset(inbox) => inbox.close(),
@@ -345,65 +293,32 @@ impl World {
         }
     }
 
-    /// Sends `msg` on connection `lane` at `now`.
-    pub(crate) fn send(&mut self, msg: Msg, lane: u64, now: u64) {
-        let (i, e) = (msg.node, msg.entry);
-        if let Some((_, inbox)) = &msg.wire {
-            if self.dead.contains(&lane) {
-                return;
-            }
-            if self.nodes[i].state == NodeState::Down {
-                inbox.close();
-                return;
-            }
-            if self.nodes[i].isolated {
-                // Cut off: the connection hangs from here on.
-                self.dead.insert(lane);
-                return;
-            }
-            if self.rng.chance(self.net.loss) {
-                // TCP does not lose a command: the connection resets.
-                self.dead.insert(lane);
-                self.resetting.insert(lane);
-                let at = now + self.delay();
-                self.push(at, Event::Reset(inbox.clone()));
-                return;
-            }
-            let last = self.lanes.get(&lane).copied().unwrap_or(0);
-            let at = (now + self.delay()).max(last + 1);
-            self.lanes.insert(lane, at);
-            self.push(at, Event::Arrive(msg));
+    /// Sends `msg` on its connection at `now`.
+    pub(crate) fn send(&mut self, msg: Msg, now: u64) {
+        let (i, lane) = (msg.node, msg.lane);
+        if self.dead.contains(&lane) {
             return;
         }
         if self.nodes[i].state == NodeState::Down {
-            if let Some(round) = &msg.round {
-                round.health.lock()[e].observe(self.instant(now), Outcome::Refused);
-                round.replied.lock()[e] = true;
-                round.results.lock()[e] = Some(Err(NodeError::new(
-                    &self.names[e],
-                    NodeErrorKind::Unavailable,
-                    "connection refused",
-                )));
-            }
+            msg.inbox.close();
             return;
         }
-        if self.nodes[i].isolated || self.rng.chance(self.net.loss) {
+        if self.nodes[i].isolated {
+            // Cut off: the connection hangs from here on.
+            self.dead.insert(lane);
+            return;
+        }
+        if self.rng.chance(self.net.loss) {
+            // TCP does not lose a command: the connection resets.
+            self.dead.insert(lane);
+            self.resetting.insert(lane);
+            let at = now + self.delay();
+            self.push(at, Event::Reset(msg.inbox));
             return;
         }
         let last = self.lanes.get(&lane).copied().unwrap_or(0);
         let at = (now + self.delay()).max(last + 1);
         self.lanes.insert(lane, at);
-        // Over TCP only the client's own retries repeat a command, and it
-        // retries only deletes.
-        if matches!(msg.op, Op::Release { .. }) && self.rng.chance(self.net.dup) {
-            let copy = Msg {
-                round: None,
-                wire: None,
-                ..msg.clone()
-            };
-            let later = at + self.delay();
-            self.push(later, Event::Arrive(copy));
-        }
         self.push(at, Event::Arrive(msg));
     }
 
@@ -465,45 +380,5 @@ impl World {
             );
         }
         reply
-    }
-
-    /// The node runs the command now and replies.
-    pub(crate) fn process(&mut self, mut msg: Msg, now: u64) {
-        if let Some((cmd, inbox)) = msg.wire.take() {
-            return self.process_wire(&msg, &cmd, inbox, now);
-        }
-        let i = msg.node;
-        let reply = self.run_script(i, msg.op, &msg.keys, msg.sent, now);
-        let Some(round) = msg.round else { return };
-        if self.nodes[i].isolated || self.nodes[i].muted || self.rng.chance(self.net.loss) {
-            return;
-        }
-        let e = msg.entry;
-        let kind = if self.nodes[i].evicting {
-            ServerKind::Evicting("volatile-lru")
-        } else {
-            ServerKind::Fit
-        };
-        let history = self.nodes[i].store.id();
-        let result = reply
-            .map(|mut r| {
-                // Who answered, as its INFO and lock history say.
-                r.server = Some(ServerTag {
-                    run: Some(i as u64 + 1),
-                    history: Some(history),
-                    kind,
-                });
-                r
-            })
-            .map_err(|why| NodeError::new(&self.names[e], NodeErrorKind::Server, why));
-        let at = now + self.delay();
-        self.push(
-            at,
-            Event::Reply {
-                round,
-                entry: e,
-                result,
-            },
-        );
     }
 }
