@@ -7,7 +7,7 @@
 //! the order they arrive.
 //!
 //! What a connection owes (the replies to the commands sent on it, and the
-//! bytes not yet written) is its [`Wire`], which does no I/O: a round that
+//! bytes not yet written) is its [`ConnState`], which does no I/O: a round that
 //! ended before a slow node answered leaves its reply owed there, and the
 //! next user of the connection reads it first.
 
@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 use redis::Value;
 
 use crate::clock::after;
+use crate::driver::conn_state::{ConnState, InFlight, Setup};
 use crate::driver::resp::frame_len;
-use crate::driver::wire::{Pending, Setup, Wire};
 
 /// The smallest socket timeout we set (`Some(ZERO)` is an error for std).
 pub(crate) const MIN_TIMEOUT: Duration = Duration::from_millis(1);
@@ -104,7 +104,7 @@ impl Stream {
 }
 
 /// A connection to one node: its socket, what has been read of it, and
-/// what it owes ([`Wire`]).
+/// what it owes ([`ConnState`]).
 #[derive(Debug)]
 pub(crate) struct Conn {
     stream: Stream,
@@ -115,7 +115,7 @@ pub(crate) struct Conn {
     /// How much of `wire`'s output the socket took.
     wpos: usize,
     /// The commands sent and the replies owed; the bytes to write.
-    pub wire: Wire,
+    pub wire: ConnState,
     /// The same socket, to poll while the connection is in use elsewhere
     /// (see [`poll_handle`](Self::poll_handle)); made once.
     poll: Option<std::sync::Arc<TcpStream>>,
@@ -252,7 +252,7 @@ impl Conn {
             rbuf: Vec::with_capacity(512),
             chunk: vec![0; READ_CHUNK].into_boxed_slice(),
             wpos: 0,
-            wire: Wire::new(Instant::now()),
+            wire: ConnState::new(Instant::now()),
         };
         conn.tls_handshake(timeout)?;
         let mut checked = false;
@@ -371,7 +371,7 @@ impl Conn {
     }
 
     /// Gives up the connection: first sends (without waiting) what
-    /// [`Wire::give_up`] queues, so that the node, when it gets to a SET
+    /// [`ConnState::give_up`] queues, so that the node, when it gets to a SET
     /// still in flight, deletes the key right after it.
     pub(crate) fn abandon(&mut self) {
         if self.wire.give_up(Instant::now()) {
@@ -471,7 +471,7 @@ impl Conn {
 
     /// Takes the next complete reply off the buffer, with the command it
     /// answers. A malformed or unexpected reply marks the connection broken.
-    pub(crate) fn next_reply(&mut self) -> io::Result<Option<(Pending, Value)>> {
+    pub(crate) fn next_reply(&mut self) -> io::Result<Option<(InFlight, Value)>> {
         loop {
             let len = match frame_len(&self.rbuf) {
                 Ok(Some(len)) => len,
@@ -529,7 +529,7 @@ impl Conn {
 
 /// Queues what a new connection for `purpose` sends before its first
 /// command (see [`For`]).
-pub(crate) fn queue_connect_commands(wire: &mut Wire, purpose: For, now: Instant) {
+pub(crate) fn queue_connect_commands(wire: &mut ConnState, purpose: For, now: Instant) {
     if purpose != For::Query {
         for load in &crate::driver::scripts::load_commands() {
             wire.queue_setup(load, now, Setup::Load);

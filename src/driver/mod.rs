@@ -2,6 +2,7 @@
 //! implements [`crate::lock::transport::Transport`].
 
 pub(crate) mod conn;
+pub(crate) mod conn_state;
 pub(crate) mod node;
 pub(crate) mod notify;
 pub(crate) mod poll;
@@ -10,4 +11,3 @@ pub(crate) mod scripts;
 #[cfg(feature = "tls-rustls")]
 pub(crate) mod tls;
 pub(crate) mod url;
-pub(crate) mod wire;

@@ -27,7 +27,7 @@ pub(crate) struct Encoded {
     /// The script's source, for a node that answers NOSCRIPT.
     pub(crate) code: &'static str,
     /// How many frames a node's reply is (see
-    /// [`Pending::frames`](crate::driver::wire::Pending::frames)).
+    /// [`InFlight::frames`](crate::driver::conn_state::InFlight::frames)).
     pub(crate) frames: usize,
     /// A lean acquire's resource (see [`Encoded::script`]).
     lean_key: Option<String>,
@@ -457,7 +457,7 @@ pub(crate) fn unexpected(v: Value) -> (NodeErrorKind, String) {
 /// intent in ms (zero: none, not rounded up; at most a day, far above any
 /// TTL, so that the sum stays exact in Lua's doubles). One argument, so
 /// that the command keeps its shape (its element count tells it from a
-/// swap's on the wire).
+/// swap's on the connection state).
 pub(crate) fn acquire_mode(fenced: bool, intent: Duration) -> u64 {
     let intent = if intent.is_zero() {
         0

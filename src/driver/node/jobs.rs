@@ -1,13 +1,13 @@
 //! A node's background work: releases sent again, granted locks' writes
 //! that missed their round, and what is owed when the client goes.
 
+use crate::driver::node::conns::NodeConns;
 use crate::driver::node::encode::Encoded;
-use crate::driver::node::inner::NodeInner;
 use crate::driver::node::link::Link;
 use crate::driver::node::queries::release_once;
 use crate::driver::node::replies::catch_up;
 use crate::driver::node::retries::Retry;
-use crate::driver::node::shared::NodeShared;
+use crate::driver::node::state::NodeState;
 use crate::driver::node::{RedisTransport, CONN_RECHECK, MIN_IDLE};
 
 use std::collections::HashSet;
@@ -157,7 +157,7 @@ pub(crate) struct LateWrite {
 /// Runs on the node's thread: sends `w` on a free connection, or looks
 /// again shortly (connects run on this thread too), until `w.give_up`.
 pub(crate) fn late_write(
-    weak: &Weak<NodeInner>,
+    weak: &Weak<NodeConns>,
     threads: &Weak<ScheduledThreadPool>,
     w: LateWrite,
 ) {
@@ -231,7 +231,7 @@ pub(crate) fn late_write(
 /// A retried release was answered: its entries leave the queue, but for
 /// those whose SET may still land here (tokens are one per attempt: they
 /// name the entries), which are watched until it is read.
-pub(crate) fn retries_answered(node: &NodeShared, tokens: &[String]) {
+pub(crate) fn retries_answered(node: &NodeState, tokens: &[String]) {
     let (watched, done): (HashSet<&str>, HashSet<&str>) = {
         let unsettled = node.unsettled.lock();
         tokens
@@ -257,11 +257,11 @@ pub(crate) fn retries_answered(node: &NodeShared, tokens: &[String]) {
 }
 
 /// Starts the node's release-retry job unless it is already scheduled.
-pub(crate) fn schedule_retry(node: &Arc<NodeInner>, threads: &Arc<ScheduledThreadPool>) {
+pub(crate) fn schedule_retry(node: &Arc<NodeConns>, threads: &Arc<ScheduledThreadPool>) {
     if node.shared.retry_scheduled.swap(true, Ordering::AcqRel) {
         return;
     }
-    let weak: Weak<NodeInner> = Arc::downgrade(node);
+    let weak: Weak<NodeConns> = Arc::downgrade(node);
     let pool = Arc::downgrade(threads);
     threads.execute_after(RETRY_EVERY, move || retry_job(&weak, &pool));
 }
@@ -269,7 +269,7 @@ pub(crate) fn schedule_retry(node: &Arc<NodeInner>, threads: &Arc<ScheduledThrea
 /// Sends the node's unanswered releases again (one command for up to
 /// [`RETRY_BATCH`] keys); drops those answered or expired; reschedules
 /// itself while any remain. Stops when the client is gone.
-pub(crate) fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPool>) {
+pub(crate) fn retry_job(weak: &Weak<NodeConns>, threads: &Weak<ScheduledThreadPool>) {
     let Some(node) = weak.upgrade() else {
         return;
     };
@@ -302,7 +302,7 @@ pub(crate) fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPo
         line.pump(None);
     }
     resend_releases(shared, now, RETRY_BATCH, || {
-        crate::driver::node::line::join(&node.line, shared, &node.role, None, now, || {
+        crate::driver::node::multiplexed::join(&node.line, shared, &node.role, None, now, || {
             let mut c = node.pool.try_get()?;
             catch_up(&mut c, shared, Instant::now()).then_some(c)
         })
@@ -322,7 +322,7 @@ pub(crate) fn retry_job(weak: &Weak<NodeInner>, threads: &Weak<ScheduledThreadPo
 /// release is still owed its reply (it may come back NOSCRIPT: the job
 /// looks again).
 pub(crate) fn drain_owing<L: Link>(
-    shared: &NodeShared,
+    shared: &NodeState,
     now: Instant,
     mut take: impl FnMut() -> Option<L>,
 ) -> bool {
@@ -352,7 +352,7 @@ pub(crate) fn drain_owing<L: Link>(
 /// (not waited for) on the connection `checkout` gives, if any. The batch
 /// stays queued until the node answers it.
 pub(crate) fn resend_releases<L: Link>(
-    shared: &NodeShared,
+    shared: &NodeState,
     now: Instant,
     batch_size: usize,
     checkout: impl FnOnce() -> Option<L>,

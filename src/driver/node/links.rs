@@ -2,15 +2,15 @@
 //! connections to each node, time, and waiting for replies. Production
 //! gives it r2d2 pools of sockets and `poll(2)` ([`super::sockets`]); the
 //! simulation gives it its own connections and virtual time. The round
-//! itself ([`super::round::Round`]) is the same code for both.
+//! itself ([`super::round::RoundRunner`]) is the same code for both.
 
 use std::time::{Duration, Instant};
 
 use crate::algorithm::quorum::VoteRules;
 use crate::algorithm::round::Key;
 use crate::driver::node::link::Link;
-use crate::driver::node::part::Part;
-use crate::driver::node::shared::NodeShared;
+use crate::driver::node::node_round::NodeRound;
+use crate::driver::node::state::NodeState;
 
 /// The world of one client's rounds.
 pub(crate) trait Links {
@@ -19,7 +19,7 @@ pub(crate) trait Links {
     /// The node list's names.
     fn names(&self) -> &[String];
     /// Node `i`'s shared state.
-    fn node(&self, i: usize) -> &NodeShared;
+    fn node(&self, i: usize) -> &NodeState;
     /// How answers count as votes.
     fn rules(&self) -> VoteRules;
     /// The node timeout.
@@ -47,7 +47,7 @@ pub(crate) trait Links {
     /// the wait ends.
     fn wait_ready(
         &self,
-        parts: &[Part<Self::Link>],
+        parts: &[NodeRound<Self::Link>],
         wait: Duration,
         need: usize,
         ready: &mut Vec<(usize, <Self::Link as Link>::Ready)>,

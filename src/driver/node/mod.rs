@@ -13,11 +13,11 @@
 //! (see [`crate::algorithm::health`]). Replies still in flight when a round ends stay on
 //! their connection and are read by its next user.
 
-use crate::driver::node::inner::{Node, NodeInner};
+use crate::driver::node::conns::{Node, NodeConns};
 use crate::driver::node::queries::{inspect_one, probe_one};
 use crate::driver::node::replies::catch_up;
 use crate::driver::node::servers::Servers;
-use crate::driver::node::shared::{ConnectErrors, Manager, NodeShared};
+use crate::driver::node::state::{ConnectErrors, Manager, NodeState};
 
 use std::fmt;
 use std::sync::atomic::Ordering;
@@ -36,20 +36,20 @@ use crate::error::{InvalidInput, NodeError, NodeErrorKind};
 use crate::events::Events;
 use crate::lock::transport::{Decided, Stored, Transport, Undo};
 
+pub(crate) mod conns;
 pub(crate) mod encode;
-pub(crate) mod inner;
 pub(crate) mod jobs;
-pub(crate) mod line;
 pub(crate) mod link;
 pub(crate) mod links;
-pub(crate) mod part;
+pub(crate) mod multiplexed;
+pub(crate) mod node_round;
 pub(crate) mod queries;
 pub(crate) mod replies;
 pub(crate) mod retries;
 pub(crate) mod round;
 pub(crate) mod servers;
-pub(crate) mod shared;
 pub(crate) mod sockets;
+pub(crate) mod state;
 
 /// A parsed node address.
 #[derive(Clone)]
@@ -86,8 +86,8 @@ const CONN_RECHECK: Duration = Duration::from_micros(200);
 
 /// The production [`Transport`].
 pub(crate) struct RedisTransport {
-    /// Who reads the lines (see [`line::role`]).
-    role: Arc<line::Role<shared::Pooled>>,
+    /// Who reads the multiplexed connections (see [`multiplexed::role`]).
+    role: Arc<multiplexed::Role<state::Pooled>>,
     names: Vec<String>,
     nodes: Vec<Node>,
     timeout: Duration,
@@ -116,7 +116,7 @@ impl RedisTransport {
             specs.iter().map(|s| s.name.clone()).collect(),
             config.rules.allow_evicting,
         ));
-        let role: Arc<line::Role<shared::Pooled>> = Arc::default();
+        let role: Arc<multiplexed::Role<state::Pooled>> = Arc::default();
         let mut names = Vec::with_capacity(specs.len());
         let mut nodes = Vec::with_capacity(specs.len());
         for (i, spec) in specs.into_iter().enumerate() {
@@ -127,7 +127,7 @@ impl RedisTransport {
                     .on_drop_behavior(OnPoolDropBehavior::DiscardPendingScheduled)
                     .build(),
             );
-            let shared = Arc::new(NodeShared::new(
+            let shared = Arc::new(NodeState::new(
                 i,
                 servers.clone(),
                 spec.name.clone(),
@@ -154,7 +154,7 @@ impl RedisTransport {
                 .build_unchecked(manager);
             names.push(spec.name);
             nodes.push(Node {
-                inner: Arc::new(NodeInner {
+                inner: Arc::new(NodeConns {
                     shared,
                     pool,
                     line: Arc::default(),
@@ -361,7 +361,7 @@ impl Transport for RedisTransport {
         decided: Option<Decided<'_>>,
         undo: Option<Undo<'_>>,
     ) -> Vec<NodeResult> {
-        round::Round::run_round(self, op, keys, deadline, decided, undo)
+        round::RoundRunner::run_round(self, op, keys, deadline, decided, undo)
     }
 }
 

@@ -12,8 +12,8 @@ use crate::algorithm::round::{is_token, Key};
 use crate::algorithm::round::{After, Answer, Op, Reply};
 use crate::clock::after;
 use crate::driver::conn::{self, Conn, Target};
+use crate::driver::conn_state::Setup;
 use crate::driver::scripts::READERS_MARK;
-use crate::driver::wire::Setup;
 use crate::error::NodeErrorKind;
 use crate::lock::transport::{Probe, Readers, Stored};
 

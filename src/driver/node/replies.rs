@@ -2,7 +2,7 @@
 //! next use, and the replies to the commands sent at connect.
 
 use crate::driver::node::encode::acquired_any;
-use crate::driver::node::shared::NodeShared;
+use crate::driver::node::state::NodeState;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -16,14 +16,14 @@ use crate::algorithm::round::allowance;
 use crate::algorithm::round::history_key;
 use crate::algorithm::server::{id_hash, ServerInfo};
 use crate::driver::conn::MAX_PENDING;
+use crate::driver::conn_state::{ConnState, InFlight, Setup};
 use crate::driver::node::link::Link;
 use crate::driver::scripts;
-use crate::driver::wire::{Pending, Setup, Wire};
 use crate::error::{NodeError, NodeErrorKind};
 
 /// Reads late replies off a checked-out connection. False (and the
 /// connection marked broken) when it cannot take a new command.
-pub(crate) fn catch_up<L: Link>(c: &mut L, node: &NodeShared, now: Instant) -> bool {
+pub(crate) fn catch_up<L: Link>(c: &mut L, node: &NodeState, now: Instant) -> bool {
     if let Some(n) = c.wire_mut().owing.take() {
         n.fetch_sub(1, Ordering::AcqRel);
     }
@@ -69,7 +69,7 @@ pub(crate) fn catch_up<L: Link>(c: &mut L, node: &NodeShared, now: Instant) -> b
 /// reply owed is older than its allowance, the node timeout (one more per
 /// 200 keys it names: the node's timeout, the connection is given up),
 /// or it owes too many; asks `INFO` again when due.
-pub(crate) fn keep_using<L: Link>(c: &mut L, node: &NodeShared, now: Instant) -> bool {
+pub(crate) fn keep_using<L: Link>(c: &mut L, node: &NodeState, now: Instant) -> bool {
     if let Some(overdue) = give_up_why(c.wire(), node, now) {
         c.abandon();
         if overdue {
@@ -84,7 +84,7 @@ pub(crate) fn keep_using<L: Link>(c: &mut L, node: &NodeShared, now: Instant) ->
 /// reply owed is older than its allowance (the node timeout, one more per
 /// 200 keys the command names: see [`allowance`]; the node's own doing),
 /// `Some(false)` when it owes too many replies.
-pub(crate) fn give_up_why(wire: &Wire, node: &NodeShared, now: Instant) -> Option<bool> {
+pub(crate) fn give_up_why(wire: &ConnState, node: &NodeState, now: Instant) -> Option<bool> {
     let oldest = wire.pending().front()?;
     if now.saturating_duration_since(oldest.sent) >= allowance(node.timeout, oldest.keys) {
         return Some(true);
@@ -124,8 +124,8 @@ pub(crate) const INFO_EVERY: Duration = Duration::from_secs(10);
 /// [`late_reply`] on a connection, and what it queued sent at once.
 pub(crate) fn late_reply_on<L: Link>(
     c: &mut L,
-    node: &NodeShared,
-    p: Pending,
+    node: &NodeState,
+    p: InFlight,
     v: &Value,
     now: Instant,
 ) -> std::io::Result<()> {
@@ -142,9 +142,9 @@ pub(crate) fn late_reply_on<L: Link>(
 /// `Err` when the connection cannot be used: its node refused it
 /// (`ConnectionRefused`, with the server's words). No I/O.
 pub(crate) fn late_reply(
-    c: &mut Wire,
-    node: &NodeShared,
-    p: Pending,
+    c: &mut ConnState,
+    node: &NodeState,
+    p: InFlight,
     v: &Value,
     now: Instant,
 ) -> std::io::Result<bool> {
@@ -217,8 +217,8 @@ pub(crate) fn late_reply(
 /// says the server turned the connection away (`max number of clients
 /// reached`, still loading its data) is the node's answer: it refused.
 pub(crate) fn setup_reply(
-    c: &mut Wire,
-    node: &NodeShared,
+    c: &mut ConnState,
+    node: &NodeState,
     setup: Setup,
     v: &Value,
 ) -> std::io::Result<()> {
@@ -301,7 +301,7 @@ pub(crate) fn setup_reply(
 
 /// Whether this reply is a server turning the connection away (see
 /// [`refuses_connection`]): not an answer that makes the node healthy.
-pub(crate) fn turned_away(p: &Pending, v: &Value) -> bool {
+pub(crate) fn turned_away(p: &InFlight, v: &Value) -> bool {
     p.setup != Setup::None && matches!(v, Value::ServerError(e) if refuses_connection(e))
 }
 
@@ -329,8 +329,8 @@ mod tests {
     use crate::driver::node::encode::FACTS;
     use crate::driver::node::retries::Unsettled;
 
-    fn node() -> NodeShared {
-        NodeShared::for_tests()
+    fn node() -> NodeState {
+        NodeState::for_tests()
     }
 
     fn value(resp: &[u8]) -> Value {
@@ -345,17 +345,17 @@ mod tests {
         Value::Array(items)
     }
 
-    /// A wire that sent `cmd` as a round's SET that ended without its
+    /// A connection state that sent `cmd` as a round's SET that ended without its
     /// reply: the reply is owed, no longer wanted, with its undo.
-    fn late_set(token: &str) -> Wire {
-        let mut w = Wire::new(Instant::now());
+    fn late_set(token: &str) -> ConnState {
+        let mut w = ConnState::new(Instant::now());
         w.queue(b"SET", Instant::now(), true);
         w.unwant(Some(b"UNDO"), &[token.to_owned()], None);
         w.written(w.output().len());
         w
     }
 
-    fn unsettled(node: &NodeShared, token: &str, released: bool) {
+    fn unsettled(node: &NodeState, token: &str, released: bool) {
         let until = Instant::now() + Duration::from_secs(10);
         node.unsettled
             .lock()
@@ -432,7 +432,7 @@ mod tests {
     #[test]
     fn a_late_noscript_release_sent_again_keeps_its_queued_keys() {
         let n = node();
-        let mut w = Wire::new(Instant::now());
+        let mut w = ConnState::new(Instant::now());
         w.queue(b"EVALSHA release", Instant::now(), true);
         w.unwant_release(None, &[], Some(b"EVAL release"), &["t".to_owned()]);
         w.written(w.output().len());
@@ -451,7 +451,7 @@ mod tests {
     #[test]
     fn a_late_noscript_release_is_sent_again_as_eval_and_the_scripts_loaded() {
         let n = node();
-        let mut w = Wire::new(Instant::now());
+        let mut w = ConnState::new(Instant::now());
         w.queue(b"EVALSHA release", Instant::now(), true);
         w.unwant(None, &[], Some(b"EVAL release"));
         w.written(w.output().len());
@@ -473,7 +473,7 @@ mod tests {
     #[test]
     fn a_retried_release_answered_is_handed_to_the_retry_job() {
         let n = node();
-        let mut w = Wire::new(Instant::now());
+        let mut w = ConnState::new(Instant::now());
         w.queue_retry(
             b"EVALSHA",
             Instant::now(),
@@ -489,7 +489,7 @@ mod tests {
             vec![vec!["a".to_owned(), "b".to_owned()]]
         );
         // A NOSCRIPT is no answer: the batch stays queued, sent again as EVAL.
-        let mut w = Wire::new(Instant::now());
+        let mut w = ConnState::new(Instant::now());
         w.queue_retry(
             b"EVALSHA",
             Instant::now(),
@@ -508,7 +508,7 @@ mod tests {
     #[test]
     fn a_server_that_turns_the_connection_away_refuses_it() {
         let n = node();
-        let mut w = Wire::new(Instant::now());
+        let mut w = ConnState::new(Instant::now());
         w.queue_setup(b"INFO", Instant::now(), Setup::Info);
         let (p, v) = w
             .answer(value(b"-ERR max number of clients reached\r\n"))
@@ -522,7 +522,7 @@ mod tests {
         );
         // An INFO the ACL refuses is only a missing fact.
         let n = node();
-        let mut w = Wire::new(Instant::now());
+        let mut w = ConnState::new(Instant::now());
         w.queue_setup(b"INFO", Instant::now(), Setup::Info);
         let (p, v) = w
             .answer(value(b"-NOPERM no INFO for you\r\n"))
@@ -539,7 +539,7 @@ mod tests {
     fn a_connect_learns_the_lock_history_that_had_begun() {
         let connect = |run: &[u8], history: &[u8]| {
             let n = node();
-            let mut w = Wire::new(Instant::now());
+            let mut w = ConnState::new(Instant::now());
             w.queue_setup(b"INFO", Instant::now(), Setup::Info);
             w.queue_setup(b"EVAL", Instant::now(), Setup::History);
             for reply in [run, history] {
@@ -569,7 +569,7 @@ mod tests {
 
     #[test]
     fn a_reply_to_no_command_breaks_the_wire() {
-        let mut w = Wire::new(Instant::now());
+        let mut w = ConnState::new(Instant::now());
         assert!(w.answer(Value::Okay).is_err());
         assert!(w.broken);
     }

@@ -5,8 +5,8 @@
 use crate::driver::node::encode::Encoded;
 use crate::driver::node::link::Link;
 use crate::driver::node::links::Links;
-use crate::driver::node::part::{
-    end_part, lose_connection, take_reply, Ballot, End, Leftovers, Part,
+use crate::driver::node::node_round::{
+    end_part, lose_connection, take_reply, End, LateReplies, NodeRound, VoteContext,
 };
 use crate::driver::node::CONN_RECHECK;
 
@@ -31,7 +31,7 @@ pub(crate) struct Trip<'a> {
 
 /// The round, for every [`Links`]: production's sockets and the
 /// simulation's connections run this same code.
-pub(crate) trait Round: Links + Sized {
+pub(crate) trait RoundRunner: Links + Sized {
     /// [`Transport::run`](crate::lock::transport::Transport::run): one round, and what the caller decides after it
     /// (the undo of a failed attempt, or the writes a granted lock missed).
     fn run_round(
@@ -64,7 +64,7 @@ pub(crate) trait Round: Links + Sized {
 
     /// Each node's part in a round of `op` starting at `start`, admitted
     /// by its health (see [`health::admit_round`]), before anything is sent.
-    fn admit_parts(&self, op: Op, start: Instant) -> Vec<Part<Self::Link>> {
+    fn admit_parts(&self, op: Op, start: Instant) -> Vec<NodeRound<Self::Link>> {
         let n = self.names().len();
         let release = matches!(op, Op::Release { .. });
         let mut admits: Vec<Admit> = (0..n)
@@ -74,7 +74,7 @@ pub(crate) trait Round: Links + Sized {
         health::admit_round(&mut admits, release, quorum::quorum(n), &twins);
         admits
             .into_iter()
-            .map(|admit| Part {
+            .map(|admit| NodeRound {
                 admit,
                 conn: None,
                 sent: None,
@@ -92,7 +92,7 @@ pub(crate) trait Round: Links + Sized {
     fn write_missed(
         &self,
         keys: &[Key<'_>],
-        parts: &[Part<Self::Link>],
+        parts: &[NodeRound<Self::Link>],
         results: &[NodeResult],
         start: Instant,
         (ttl, known_max): (Duration, Duration),
@@ -123,7 +123,7 @@ pub(crate) trait Round: Links + Sized {
         &self,
         op: Op,
         keys: &[Key<'_>],
-        parts: &mut [Part<Self::Link>],
+        parts: &mut [NodeRound<Self::Link>],
         results: &[NodeResult],
         keep_until: Instant,
     ) {
@@ -151,7 +151,7 @@ pub(crate) trait Round: Links + Sized {
     /// Admits each node anew for the undo of `op`, by what the round's
     /// `results` say of it, and clears what the round's command left on
     /// its part (the connection stays).
-    fn admit_undo(&self, op: Op, parts: &mut [Part<Self::Link>], results: &[NodeResult]) {
+    fn admit_undo(&self, op: Op, parts: &mut [NodeRound<Self::Link>], results: &[NodeResult]) {
         for (i, (s, r)) in parts.iter_mut().zip(results).enumerate() {
             // Only where our SET left this client, on the same
             // connection so that the delete lands after it; waiting
@@ -181,7 +181,7 @@ pub(crate) trait Round: Links + Sized {
         &self,
         enc: &Encoded,
         keys: &[Key<'_>],
-        parts: &mut [Part<Self::Link>],
+        parts: &mut [NodeRound<Self::Link>],
         start: Instant,
         deadline: Instant,
         decided: Option<Decided<'_>>,
@@ -237,7 +237,7 @@ pub(crate) trait Round: Links + Sized {
     fn send_all(
         &self,
         t: &Trip<'_>,
-        parts: &mut [Part<Self::Link>],
+        parts: &mut [NodeRound<Self::Link>],
         results: &mut [Option<NodeResult>],
     ) {
         // Queueing for a busy pool is safe only while this round holds no
@@ -275,7 +275,7 @@ pub(crate) trait Round: Links + Sized {
     fn gather(
         &self,
         t: &Trip<'_>,
-        parts: &mut [Part<Self::Link>],
+        parts: &mut [NodeRound<Self::Link>],
         decided: Option<Decided<'_>>,
         results: &mut [Option<NodeResult>],
     ) -> bool {
@@ -341,7 +341,7 @@ pub(crate) trait Round: Links + Sized {
     fn look_again(
         &self,
         enc: &Encoded,
-        parts: &mut [Part<Self::Link>],
+        parts: &mut [NodeRound<Self::Link>],
         now: Instant,
         may_send: bool,
         results: &mut [Option<NodeResult>],
@@ -371,13 +371,13 @@ pub(crate) trait Round: Links + Sized {
     fn end_parts(
         &self,
         t: &Trip<'_>,
-        parts: &mut [Part<Self::Link>],
+        parts: &mut [NodeRound<Self::Link>],
         settled: bool,
         results: &mut [Option<NodeResult>],
     ) {
         let now = self.now();
-        let left = Leftovers::of(t.enc, t.keys, parts, t.start);
-        let ballot = Ballot {
+        let left = LateReplies::of(t.enc, t.keys, parts, t.start);
+        let ballot = VoteContext {
             enc: t.enc,
             names: self.names(),
             rules: self.rules(),
@@ -412,7 +412,7 @@ pub(crate) trait Round: Links + Sized {
     fn keep_unanswered(
         &self,
         keys: &[Key<'_>],
-        parts: &[Part<Self::Link>],
+        parts: &[NodeRound<Self::Link>],
         results: &[Option<NodeResult>],
         keep_until: Instant,
     ) {
@@ -444,7 +444,7 @@ pub(crate) trait Round: Links + Sized {
     /// One non-blocking pass over the connections still owing a reply.
     fn collect_arrived(
         &self,
-        parts: &mut [Part<Self::Link>],
+        parts: &mut [NodeRound<Self::Link>],
         enc: &Encoded,
         results: &mut [Option<NodeResult>],
     ) {
@@ -455,7 +455,7 @@ pub(crate) trait Round: Links + Sized {
         }
     }
 
-    /// The error of node `i`, not waited for (see [`NodeShared::not_waited`](crate::driver::node::shared::NodeShared::not_waited)).
+    /// The error of node `i`, not waited for (see [`NodeState::not_waited`](crate::driver::node::state::NodeState::not_waited)).
     fn not_waited(&self, i: usize, admit: Admit) -> NodeError {
         self.node(i).not_waited(admit, self.now())
     }
@@ -465,7 +465,7 @@ pub(crate) trait Round: Links + Sized {
     fn send(
         &self,
         i: usize,
-        s: &mut Part<Self::Link>,
+        s: &mut NodeRound<Self::Link>,
         enc: &Encoded,
         now: Instant,
         results: &mut [Option<NodeResult>],
@@ -501,12 +501,12 @@ pub(crate) trait Round: Links + Sized {
     fn failed(
         &self,
         i: usize,
-        s: &mut Part<Self::Link>,
+        s: &mut NodeRound<Self::Link>,
         e: std::io::Error,
         enc: &Encoded,
         results: &mut [Option<NodeResult>],
     ) {
-        let ballot = Ballot {
+        let ballot = VoteContext {
             enc,
             names: self.names(),
             rules: self.rules(),
@@ -518,7 +518,7 @@ pub(crate) trait Round: Links + Sized {
     fn on_ready(
         &self,
         i: usize,
-        s: &mut Part<Self::Link>,
+        s: &mut NodeRound<Self::Link>,
         flags: <Self::Link as Link>::Ready,
         enc: &Encoded,
         results: &mut [Option<NodeResult>],
@@ -543,7 +543,7 @@ pub(crate) trait Round: Links + Sized {
                 Err(e) => return self.failed(i, s, e, enc, results),
             };
             let now = self.now();
-            let ballot = Ballot {
+            let ballot = VoteContext {
                 enc,
                 names: self.names(),
                 rules: self.rules(),
@@ -571,4 +571,4 @@ pub(crate) trait Round: Links + Sized {
     }
 }
 
-impl<L: Links> Round for L {}
+impl<L: Links> RoundRunner for L {}

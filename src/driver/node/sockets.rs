@@ -15,16 +15,16 @@ use redis::Value;
 use crate::algorithm::quorum::VoteRules;
 use crate::algorithm::round::Key;
 use crate::driver::conn::{self, PollFlags};
-use crate::driver::node::line::{self, Await, Line, ReplyCount, Share, Wake};
+use crate::driver::conn_state::{ConnState, InFlight};
 use crate::driver::node::link::Link;
 use crate::driver::node::links::Links;
-use crate::driver::node::part::Part;
+use crate::driver::node::multiplexed::{self, Await, Multiplexed, ReplyCount, RoundConn, Wake};
+use crate::driver::node::node_round::NodeRound;
 use crate::driver::node::replies::catch_up;
-use crate::driver::node::shared::{Manager, NodeShared};
+use crate::driver::node::state::{Manager, NodeState};
 use crate::driver::node::{RedisTransport, CONN_RECHECK};
-use crate::driver::wire::{Pending, Wire};
 
-pub(crate) use crate::driver::node::shared::Pooled;
+pub(crate) use crate::driver::node::state::Pooled;
 
 impl Link for Pooled {
     type Ready = PollFlags;
@@ -34,11 +34,11 @@ impl Link for Pooled {
         self.poll_handle()
     }
 
-    fn wire(&self) -> &Wire {
+    fn wire(&self) -> &ConnState {
         &self.wire
     }
 
-    fn wire_mut(&mut self) -> &mut Wire {
+    fn wire_mut(&mut self) -> &mut ConnState {
         &mut self.wire
     }
 
@@ -50,7 +50,7 @@ impl Link for Pooled {
         conn::Conn::on_ready(self, ready)
     }
 
-    fn next_reply(&mut self) -> std::io::Result<Option<(Pending, Value)>> {
+    fn next_reply(&mut self) -> std::io::Result<Option<(InFlight, Value)>> {
         conn::Conn::next_reply(self)
     }
 
@@ -92,19 +92,19 @@ impl RedisTransport {
 }
 
 impl RedisTransport {
-    /// This thread's round on node `i`'s current line, or on a new one over
+    /// This thread's round on node `i`'s current multiplexed connection, or on a new one over
     /// the connection `fresh` gives.
     fn share(
         &self,
         i: usize,
         now: Instant,
         fresh: impl FnOnce() -> Option<Pooled>,
-    ) -> Option<Share<Pooled>> {
+    ) -> Option<RoundConn<Pooled>> {
         let node = &self.nodes[i].inner;
         let waker = thread_waker().map(|w| w as Arc<dyn Wake>);
-        line::join(&node.line, &node.shared, &self.role, waker, now, || {
+        multiplexed::join(&node.line, &node.shared, &self.role, waker, now, || {
             if self.line_starting(i, now) {
-                // A connection for the line is on its way: an idle one is
+                // A connection for the multiplexed connection is on its way: an idle one is
                 // taken, none is started.
                 let mut c = node.pool.try_get()?;
                 return catch_up(&mut c, &node.shared, now).then_some(c);
@@ -117,7 +117,7 @@ impl RedisTransport {
         })
     }
 
-    /// Whether a connection for node `i`'s line was started less than a
+    /// Whether a connection for node `i`'s multiplexed connection was started less than a
     /// node timeout ago.
     fn line_starting(&self, i: usize, now: Instant) -> bool {
         self.nodes[i]
@@ -224,7 +224,7 @@ fn thread_waker() -> Option<Arc<PipeWaker>> {
     WAKER.try_with(Clone::clone).ok().flatten()
 }
 
-/// How often a thread that cannot be woken (or reads a line it cannot
+/// How often a thread that cannot be woken (or reads a multiplexed connection it cannot
 /// poll) looks again.
 const UNWOKEN: Duration = Duration::from_millis(1);
 
@@ -233,7 +233,7 @@ impl Await<Pooled> for RedisTransport {
         Instant::now()
     }
 
-    fn role(&self) -> &line::Role<Pooled> {
+    fn role(&self) -> &multiplexed::Role<Pooled> {
         &self.role
     }
 
@@ -246,7 +246,7 @@ impl Await<Pooled> for RedisTransport {
         0
     }
 
-    fn block(&self, lines: &[Arc<Line<Pooled>>], until: Instant, _mark: u64) {
+    fn block(&self, lines: &[Arc<Multiplexed<Pooled>>], until: Instant, _mark: u64) {
         let waker = thread_waker();
         let mut wait = until.saturating_duration_since(Instant::now());
         let mut fds = Vec::with_capacity(lines.len() + 1);
@@ -293,13 +293,13 @@ impl Await<Pooled> for RedisTransport {
 }
 
 impl Links for RedisTransport {
-    type Link = Share<Pooled>;
+    type Link = RoundConn<Pooled>;
 
     fn names(&self) -> &[String] {
         &self.names
     }
 
-    fn node(&self, i: usize) -> &NodeShared {
+    fn node(&self, i: usize) -> &NodeState {
         &self.nodes[i].inner.shared
     }
 
@@ -319,17 +319,17 @@ impl Links for RedisTransport {
         Instant::now()
     }
 
-    fn checkout(&self, i: usize, now: Instant) -> Option<Share<Pooled>> {
+    fn checkout(&self, i: usize, now: Instant) -> Option<RoundConn<Pooled>> {
         self.share(i, now, || self.take_pooled(i, now, false))
     }
 
-    fn checkout_anyway(&self, i: usize, now: Instant) -> Option<Share<Pooled>> {
+    fn checkout_anyway(&self, i: usize, now: Instant) -> Option<RoundConn<Pooled>> {
         self.share(i, now, || self.take_pooled(i, now, true))
     }
 
-    fn wait_for_free(&self, i: usize, deadline: Instant) -> Option<Share<Pooled>> {
+    fn wait_for_free(&self, i: usize, deadline: Instant) -> Option<RoundConn<Pooled>> {
         if self.line_starting(i, Instant::now()) {
-            // A connection for the line is on its way: waited for (in node
+            // A connection for the multiplexed connection is on its way: waited for (in node
             // order, as a pool wait is) without starting one more.
             loop {
                 if !self.nodes[i].inner.shared.is_healthy() {
@@ -356,12 +356,12 @@ impl Links for RedisTransport {
 
     fn wait_ready(
         &self,
-        parts: &[Part<Share<Pooled>>],
+        parts: &[NodeRound<RoundConn<Pooled>>],
         wait: Duration,
         need: usize,
         ready: &mut Vec<(usize, ())>,
     ) {
-        line::wait_ready(self, parts, wait, need, ready);
+        multiplexed::wait_ready(self, parts, wait, need, ready);
     }
 
     fn retry_later(&self, i: usize, keys: &[Key<'_>], until: Instant) {

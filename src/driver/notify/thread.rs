@@ -33,7 +33,7 @@ enum Owed {
 }
 
 /// One node's subscriber connection, as the thread keeps it.
-struct Link {
+struct Subscriber {
     name: String,
     target: Target,
     conn: Option<Conn>,
@@ -54,9 +54,9 @@ pub(super) fn run(
     mut wake: UnixStream,
 ) {
     let now = Instant::now();
-    let mut links: Vec<Link> = targets
+    let mut links: Vec<Subscriber> = targets
         .into_iter()
-        .map(|(name, target)| Link {
+        .map(|(name, target)| Subscriber {
             name,
             target,
             conn: None,
@@ -139,7 +139,7 @@ pub(super) fn run(
 
 /// Sends a `PING` on a connection silent for [`KEEPALIVE`]; makes anew one
 /// that did not answer it within `ping_wait`.
-fn keep_alive(sh: &Shared, links: &mut [Link], ping_wait: Duration) {
+fn keep_alive(sh: &Shared, links: &mut [Subscriber], ping_wait: Duration) {
     let now = Instant::now();
     for (i, l) in links.iter_mut().enumerate() {
         let Some(c) = l.conn.as_mut() else {
@@ -166,7 +166,7 @@ fn keep_alive(sh: &Shared, links: &mut [Link], ping_wait: Duration) {
 
 /// Makes node `i`'s subscriber connection; every channel is subscribed on
 /// it next.
-fn connect(sh: &Shared, i: usize, l: &mut Link, timeout: Duration) {
+fn connect(sh: &Shared, i: usize, l: &mut Subscriber, timeout: Duration) {
     let made = Conn::connect_for(&l.target, timeout, For::Query);
     let mut st = sh.st.lock();
     st.tried[i] = true;
@@ -196,7 +196,7 @@ fn connect(sh: &Shared, i: usize, l: &mut Link, timeout: Duration) {
 /// Node `i`'s connection is gone: its confirmations with it (those
 /// channels lost what was published meanwhile). Made again after a pause
 /// that doubles while the node keeps failing.
-fn down(sh: &Shared, i: usize, l: &mut Link) {
+fn down(sh: &Shared, i: usize, l: &mut Subscriber) {
     l.conn = None;
     l.owed.clear();
     l.pinged = None;
@@ -215,7 +215,7 @@ fn down(sh: &Shared, i: usize, l: &mut Link) {
 
 /// Nobody waits for anything: every connection closes, and the next wait
 /// waits for them to be made again.
-fn close_all(sh: &Shared, links: &mut [Link]) {
+fn close_all(sh: &Shared, links: &mut [Subscriber]) {
     let mut st = sh.st.lock();
     for (i, l) in links.iter_mut().enumerate() {
         if l.conn.take().is_some() {
@@ -234,7 +234,7 @@ fn close_all(sh: &Shared, links: &mut [Link]) {
 
 /// Writes the subscriptions (one channel per command, so that each answer
 /// names its own) and unsubscriptions the connections lack.
-fn write_subscriptions(sh: &Shared, links: &mut [Link]) {
+fn write_subscriptions(sh: &Shared, links: &mut [Subscriber]) {
     let mut failed = Vec::new();
     {
         let mut st = sh.st.lock();
@@ -284,7 +284,7 @@ fn word(items: &[Value], j: usize) -> &[u8] {
 
 /// Reads what node `i` sent: messages wake their key's waiters, answers
 /// are paired with the commands they answer.
-fn read_frames(sh: &Shared, i: usize, l: &mut Link, ready: PollFlags) -> io::Result<()> {
+fn read_frames(sh: &Shared, i: usize, l: &mut Subscriber, ready: PollFlags) -> io::Result<()> {
     let Some(conn) = l.conn.as_mut() else {
         return Ok(());
     };

@@ -9,14 +9,14 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::{read_frames, Link, Owed, RECONNECT};
+use super::{read_frames, Owed, Subscriber, RECONNECT};
 use crate::driver::conn::{Conn, For, Target};
 use crate::driver::notify::{Chan, Shared, St};
 use crate::driver::poll::PollFlags;
 
 /// A link connected to a listener, the listener's side, and the state of
 /// one node with the channel of key `k` (generation 1).
-fn linked() -> (Shared, Link, std::net::TcpStream) {
+fn linked() -> (Shared, Subscriber, std::net::TcpStream) {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     let target = Target::local(listener.local_addr().expect("addr").port());
     let conn = Conn::connect_for(&target, Duration::from_secs(2), For::Query).expect("connect");
@@ -35,7 +35,7 @@ fn linked() -> (Shared, Link, std::net::TcpStream) {
         nodes: 1,
     };
     let now = Instant::now();
-    let link = Link {
+    let link = Subscriber {
         name: "n".into(),
         target,
         conn: Some(conn),
@@ -49,7 +49,7 @@ fn linked() -> (Shared, Link, std::net::TcpStream) {
 }
 
 /// Feeds `bytes` from the node and reads them.
-fn feed(sh: &Shared, l: &mut Link, server: &mut std::net::TcpStream, bytes: &[u8]) -> bool {
+fn feed(sh: &Shared, l: &mut Subscriber, server: &mut std::net::TcpStream, bytes: &[u8]) -> bool {
     server.write_all(bytes).expect("write");
     std::thread::sleep(Duration::from_millis(20));
     read_frames(sh, 0, l, PollFlags::IN).is_ok()

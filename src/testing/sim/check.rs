@@ -137,7 +137,7 @@ pub(crate) struct Stats {
     pub(crate) writes: u64,
     pub(crate) refused: u64,
     pub(crate) lapsed: u64,
-    /// Shared connections (see `line::LineStats`), summed over clients.
+    /// Shared connections (see `multiplexed::MultiplexedStats`), summed over clients.
     pub(crate) batched: u64,
     pub(crate) closed_batches: u64,
     pub(crate) orphan_replies: u64,

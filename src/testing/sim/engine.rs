@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use crate::algorithm::quorum::VoteRules;
 use crate::algorithm::round::{Key, NodeResult, Op};
 use crate::clock::Clock;
-use crate::driver::node::round::Round;
-use crate::driver::node::shared::Defects;
+use crate::driver::node::round::RoundRunner;
+use crate::driver::node::state::Defects;
 use crate::lock::transport::{Decided, Transport, Undo, Watch};
 use crate::testing::sim::links::SimLinks;
 use crate::testing::sim::sched::Sched;
@@ -101,6 +101,6 @@ impl Transport for SimEngine {
             let now = self.sched.nanos();
             self.sched.lock().world.let_go(keys, now);
         }
-        Round::run_round(&*self.links, op, keys, deadline, decided, undo)
+        RoundRunner::run_round(&*self.links, op, keys, deadline, decided, undo)
     }
 }

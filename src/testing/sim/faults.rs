@@ -2,7 +2,7 @@
 //! network.
 
 use crate::testing::sim::plan::{Fault, Net};
-use crate::testing::sim::world::{NodeState, World};
+use crate::testing::sim::world::{ServerStatus, World};
 use crate::testing::store::Store;
 
 impl World {
@@ -21,13 +21,13 @@ impl World {
     pub(crate) fn fault(&mut self, f: Fault, now: u64) {
         match f {
             Fault::Pause(i) => {
-                if self.nodes[i].state == NodeState::Up {
-                    self.nodes[i].state = NodeState::Paused;
+                if self.nodes[i].state == ServerStatus::Up {
+                    self.nodes[i].state = ServerStatus::Paused;
                 }
             }
             Fault::Resume(i) => {
-                if self.nodes[i].state == NodeState::Paused {
-                    self.nodes[i].state = NodeState::Up;
+                if self.nodes[i].state == ServerStatus::Paused {
+                    self.nodes[i].state = ServerStatus::Up;
                     self.nodes[i].resumed.push(now);
                     for msg in std::mem::take(&mut self.nodes[i].backlog) {
                         self.process(msg, now);
@@ -35,7 +35,7 @@ impl World {
                 }
             }
             Fault::Crash(i) => {
-                self.nodes[i].state = NodeState::Down;
+                self.nodes[i].state = ServerStatus::Down;
                 self.nodes[i].backlog.clear();
                 // Its process is gone, and its connections with it.
                 self.sever(i, now);
@@ -43,11 +43,11 @@ impl World {
                 self.nodes[i].loaded = false;
             }
             Fault::Restart { node, wipe } => {
-                if self.nodes[node].state == NodeState::Down {
+                if self.nodes[node].state == ServerStatus::Down {
                     if wipe {
                         self.wipe(node, now);
                     }
-                    self.nodes[node].state = NodeState::Up;
+                    self.nodes[node].state = ServerStatus::Up;
                 }
             }
             Fault::Isolate(i) => self.nodes[i].isolated = true,
@@ -56,7 +56,7 @@ impl World {
             Fault::Unmute(i) => self.nodes[i].muted = false,
             Fault::Jump(i, delta) => self.nodes[i].clock.jump(now, delta),
             Fault::LoseKeys(i) => {
-                if self.nodes[i].state != NodeState::Down {
+                if self.nodes[i].state != ServerStatus::Down {
                     // Writers' keys and reader sets alike.
                     self.nodes[i].store.keys.clear();
                     self.nodes[i].store.readers.clear();
@@ -65,7 +65,7 @@ impl World {
             }
             Fault::FlushScripts(i) => self.nodes[i].loaded = false,
             Fault::Flush(i) => {
-                if self.nodes[i].state != NodeState::Down {
+                if self.nodes[i].state != ServerStatus::Down {
                     self.wipe(i, now);
                 }
             }
@@ -77,15 +77,15 @@ impl World {
                     self.nodes[i].isolated = false;
                     self.nodes[i].muted = false;
                     match self.nodes[i].state {
-                        NodeState::Paused => self.fault(Fault::Resume(i), now),
-                        NodeState::Down => self.fault(
+                        ServerStatus::Paused => self.fault(Fault::Resume(i), now),
+                        ServerStatus::Down => self.fault(
                             Fault::Restart {
                                 node: i,
                                 wipe: false,
                             },
                             now,
                         ),
-                        NodeState::Up => {}
+                        ServerStatus::Up => {}
                     }
                 }
             }

@@ -17,29 +17,29 @@ use crate::algorithm::quorum::VoteRules;
 use crate::algorithm::round::{Key, Op};
 use crate::clock::Clock;
 use crate::driver::conn::{queue_connect_commands, For};
+use crate::driver::conn_state::{ConnState, InFlight};
 use crate::driver::node::encode::Encoded;
 use crate::driver::node::jobs::{drain_owing, resend_releases};
-use crate::driver::node::line::{self, Await, Line, Share, Wake};
 use crate::driver::node::link::Link;
 use crate::driver::node::links::Links;
-use crate::driver::node::part::Part;
+use crate::driver::node::multiplexed::{self, Await, Multiplexed, RoundConn, Wake};
+use crate::driver::node::node_round::NodeRound;
 use crate::driver::node::replies::catch_up;
 use crate::driver::node::retries::Retry;
 use crate::driver::node::servers::Servers;
-use crate::driver::node::shared::{Defects, NodeShared};
-use crate::driver::wire::{Pending, Wire};
+use crate::driver::node::state::{Defects, NodeState};
 use crate::error::{NodeError, NodeErrorKind};
 use crate::events::Events;
 use crate::testing::sim::check::{RETRY_BATCH, RETRY_EVERY};
 use crate::testing::sim::redis::Inbox;
 use crate::testing::sim::redis::{command, commands, Command, OwnedKey};
 use crate::testing::sim::sched::Sched;
-use crate::testing::sim::world::{Msg, NodeState};
+use crate::testing::sim::world::{Msg, ServerStatus};
 
 /// One simulated connection: what it owes, the connection (lane) it is in
 /// the world, and what it has received.
 struct SimLink {
-    wire: Wire,
+    wire: ConnState,
     lane: u64,
     node: usize,
     inbox: Arc<Inbox>,
@@ -90,11 +90,11 @@ impl Link for SimConn {
         Some(())
     }
 
-    fn wire(&self) -> &Wire {
+    fn wire(&self) -> &ConnState {
         &self.link().wire
     }
 
-    fn wire_mut(&mut self) -> &mut Wire {
+    fn wire_mut(&mut self) -> &mut ConnState {
         &mut self.link_mut().wire
     }
 
@@ -115,7 +115,7 @@ impl Link for SimConn {
         let mut core = sched.lock();
         let world = &mut core.world;
         let node = &world.nodes[l.node];
-        let reaches = node.state != NodeState::Down
+        let reaches = node.state != ServerStatus::Down
             && !node.isolated
             && !l.inbox.is_severed()
             && (!world.dead.contains(&l.lane) || world.resetting.contains(&l.lane));
@@ -175,7 +175,7 @@ impl Link for SimConn {
         Ok(())
     }
 
-    fn next_reply(&mut self) -> std::io::Result<Option<(Pending, Value)>> {
+    fn next_reply(&mut self) -> std::io::Result<Option<(InFlight, Value)>> {
         let l = self.link_mut();
         while let Some(v) = l.inbox.pop() {
             if let Some(r) = l.wire.gather(v)? {
@@ -208,9 +208,9 @@ pub(crate) struct SimLinks {
     pub(crate) names: Vec<String>,
     /// Per entry, the node (server) it reaches.
     entries: Vec<usize>,
-    nodes: Vec<Arc<NodeShared>>,
+    nodes: Vec<Arc<NodeState>>,
     /// Per entry, the connection its rounds share now.
-    lines: Vec<Arc<line::Slot<SimConn>>>,
+    lines: Vec<Arc<multiplexed::MultiplexedSlot<SimConn>>>,
     pub(crate) servers: Arc<Servers>,
     rules: VoteRules,
     timeout: Duration,
@@ -218,8 +218,8 @@ pub(crate) struct SimLinks {
     /// Wakes this client's rounds when a reply reaches one of its
     /// connections.
     signal: Arc<crate::clock::Signal>,
-    /// Who reads the lines.
-    role: Arc<line::Role<SimConn>>,
+    /// Who reads the multiplexed connections.
+    role: Arc<multiplexed::Role<SimConn>>,
     /// Per entry, a retry thread is scheduled.
     retrying: Vec<AtomicBool>,
 
@@ -247,7 +247,7 @@ impl SimLinks {
             (core.world.names.clone(), core.world.entries.clone())
         };
         let servers = Arc::new(Servers::new(names.clone(), rules.allow_evicting));
-        let line_stats = Arc::new(crate::driver::node::line::LineStats::default());
+        let line_stats = Arc::new(crate::driver::node::multiplexed::MultiplexedStats::default());
         sched.lock().world.line_stats.push(line_stats.clone());
         Arc::new_cyclic(|me| SimLinks {
             sched: sched.clone(),
@@ -255,7 +255,7 @@ impl SimLinks {
                 .iter()
                 .enumerate()
                 .map(|(i, n)| {
-                    let mut shared = NodeShared::new(
+                    let mut shared = NodeState::new(
                         i,
                         servers.clone(),
                         n.clone(),
@@ -311,7 +311,7 @@ impl SimLinks {
                 return None;
             }
         };
-        let mut wire = Wire::new(now);
+        let mut wire = ConnState::new(now);
         queue_connect_commands(&mut wire, For::Rounds, now);
         let mut c = SimConn {
             link: Some(SimLink {
@@ -441,7 +441,7 @@ impl Await<SimConn> for SimLinks {
         Links::now(self)
     }
 
-    fn role(&self) -> &line::Role<SimConn> {
+    fn role(&self) -> &multiplexed::Role<SimConn> {
         &self.role
     }
 
@@ -453,7 +453,7 @@ impl Await<SimConn> for SimLinks {
         self.signal.seen()
     }
 
-    fn block(&self, lines: &[Arc<Line<SimConn>>], until: Instant, mark: u64) {
+    fn block(&self, lines: &[Arc<Multiplexed<SimConn>>], until: Instant, mark: u64) {
         // What arrived before the reader looked is read first (a socket's
         // poll would report it at once): a reply it routes wakes the wait.
         for l in lines {
@@ -467,13 +467,13 @@ impl Await<SimConn> for SimLinks {
 }
 
 impl Links for SimLinks {
-    type Link = Share<SimConn>;
+    type Link = RoundConn<SimConn>;
 
     fn names(&self) -> &[String] {
         &self.names
     }
 
-    fn node(&self, i: usize) -> &NodeShared {
+    fn node(&self, i: usize) -> &NodeState {
         &self.nodes[i]
     }
 
@@ -493,9 +493,9 @@ impl Links for SimLinks {
         self.sched.instant(self.sched.nanos())
     }
 
-    fn checkout(&self, i: usize, now: Instant) -> Option<Share<SimConn>> {
+    fn checkout(&self, i: usize, now: Instant) -> Option<RoundConn<SimConn>> {
         let waker = Some(self.signal.clone() as Arc<dyn Wake>);
-        line::join(
+        multiplexed::join(
             &self.lines[i],
             &self.nodes[i],
             &self.role,
@@ -515,12 +515,12 @@ impl Links for SimLinks {
         )
     }
 
-    fn checkout_anyway(&self, i: usize, now: Instant) -> Option<Share<SimConn>> {
+    fn checkout_anyway(&self, i: usize, now: Instant) -> Option<RoundConn<SimConn>> {
         // On demand whatever the node's health already (see `checkout`).
         self.checkout(i, now)
     }
 
-    fn wait_for_free(&self, _i: usize, _deadline: Instant) -> Option<Share<SimConn>> {
+    fn wait_for_free(&self, _i: usize, _deadline: Instant) -> Option<RoundConn<SimConn>> {
         // The simulated pools have no size limit: never all busy.
         None
     }
@@ -531,12 +531,12 @@ impl Links for SimLinks {
 
     fn wait_ready(
         &self,
-        parts: &[Part<Share<SimConn>>],
+        parts: &[NodeRound<RoundConn<SimConn>>],
         wait: Duration,
         need: usize,
         ready: &mut Vec<(usize, ())>,
     ) {
-        line::wait_ready(self, parts, wait, need, ready);
+        multiplexed::wait_ready(self, parts, wait, need, ready);
     }
 
     fn retry_later(&self, i: usize, keys: &[Key<'_>], until: Instant) {

@@ -75,7 +75,7 @@ pub(crate) fn run(seed: u64, mix: Mix) -> Report {
 pub(crate) fn run_defective(
     seed: u64,
     mix: Mix,
-    defects: crate::driver::node::shared::Defects,
+    defects: crate::driver::node::state::Defects,
 ) -> Report {
     run_as(seed, mix, |p| p.defects = defects)
 }

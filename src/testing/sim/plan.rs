@@ -177,7 +177,7 @@ pub(crate) struct Plan {
     /// Threads may be preempted just before each round is sent.
     pub(crate) preempt: bool,
     /// Node engine defects put back, to show they are found.
-    pub(crate) defects: crate::driver::node::shared::Defects,
+    pub(crate) defects: crate::driver::node::state::Defects,
     /// Releases wake the waiters of other clients (see
     /// [`crate::testing::sim::wakeups`]); off, they poll.
     pub(crate) wakeups: bool,

@@ -518,7 +518,7 @@ fn holders(ctx: &Ctx, resource: &str, token: &str) -> Vec<usize> {
 }
 
 /// Found by the simulation once renewals restored missing copies (seed
-/// 0x74d): a release while the renewal's restore was on the wire
+/// 0x74d): a release while the renewal's restore was on the connection state
 /// deleted the key first, and the restore set it again after, so the
 /// key outlived the release by a TTL. A release now waits for the
 /// renewal round, restore included, to end.
@@ -539,7 +539,7 @@ fn a_release_during_a_restoring_renewal_leaves_no_copy() {
                 node: 2,
                 wipe: true,
             });
-            // Released while the renewal's rounds are on the wire.
+            // Released while the renewal's rounds are on the connection state.
             ctx.sleep_until(100);
             ctx.clock()
                 .sleep(Duration::from_nanos(seed * 131_000 % (6 * MS)));

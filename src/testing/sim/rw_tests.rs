@@ -23,7 +23,7 @@ fn run_rw(seed: u64, broken: Broken) -> Report {
     })
 }
 
-/// A failing reader-stream schedule, with the line that replays it.
+/// A failing reader-stream schedule, with the multiplexed connection that replays it.
 fn describe_stream(r: &Report) -> String {
     let v: Vec<String> = r.violations.iter().map(|v| format!("    {v}")).collect();
     format!(

@@ -7,7 +7,7 @@
 use crate::algorithm::health::Outcome;
 use crate::clock::after;
 use crate::testing::sim::world::SimNode;
-use crate::testing::sim::world::{NodeState, CLOCK_START};
+use crate::testing::sim::world::{ServerStatus, CLOCK_START};
 use crate::testing::store::Store;
 use std::time::Duration;
 use std::time::Instant;
@@ -26,7 +26,7 @@ impl World {
     pub(crate) fn connect(&mut self, i: usize, inbox: &Arc<Inbox>) -> Result<u64, Outcome> {
         let node = &mut self.nodes[i];
         match node.state {
-            NodeState::Down => Err(Outcome::Refused),
+            ServerStatus::Down => Err(Outcome::Refused),
             _ if node.isolated => Err(Outcome::TimedOut),
             _ => {
                 self.next_lane += 1;
@@ -225,7 +225,7 @@ impl World {
         let last = self.lanes.get(&back).copied().unwrap_or(0);
         let at = (now + self.delay()).max(last + 1);
         self.lanes.insert(back, at);
-        self.push(at, Event::Wire(inbox, reply));
+        self.push(at, Event::ConnState(inbox, reply));
     }
 }
 
@@ -247,7 +247,7 @@ impl Observed for SimNode {
     }
 
     fn judged(&self) -> bool {
-        self.state == NodeState::Up && !self.isolated && !self.clock.jumped_back
+        self.state == ServerStatus::Up && !self.isolated && !self.clock.jumped_back
     }
 
     fn local(&self, base: Instant, now: u64) -> Instant {

@@ -110,7 +110,7 @@ fn sweep_mix(seed: u64) -> Mix {
 
 /// Runs `count` schedules (from `QUORUMLOCK_SIM_FIRST`) of the mixes `mix`
 /// gives with `run`, prints the rate, and fails with every failing
-/// schedule's replay line.
+/// schedule's replay multiplexed connection.
 fn sweep_clean(what: &str, count: u64, mix: fn(u64) -> Mix, run: fn(u64, Mix) -> Report) {
     let first = env_u64("QUORUMLOCK_SIM_FIRST").unwrap_or(0);
     let (failed, secs, steps) = sweep_with(first, count, mix, run);
@@ -131,7 +131,7 @@ fn sweep_clean(what: &str, count: u64, mix: fn(u64) -> Mix, run: fn(u64, Mix) ->
 /// a client carried on one connection, a connection that ends (a close, a
 /// timeout) while it owes replies to two rounds or more, and late replies
 /// taken for rounds that had left. A change that stopped sharing (or
-/// stopped leaving late replies to the line) fails this.
+/// stopped leaving late replies to the multiplexed connection) fails this.
 #[test]
 fn schedules_share_connections_between_rounds() {
     let (mut batched, mut closed, mut orphans, mut deferred) = (0, 0, 0, 0);
@@ -259,7 +259,7 @@ fn schedules_replay_exactly() {
 #[test]
 #[ignore = "a search, run by hand"]
 fn find_defect_seeds() {
-    use crate::driver::node::shared::Defects;
+    use crate::driver::node::state::Defects;
     let all = [
         (
             "close_is_answer",
@@ -311,7 +311,7 @@ fn find_defect_seeds() {
 /// `find_defect_seeds` finds new ones.)
 mod engine_defects {
     use super::{describe, Kind, Mix};
-    use crate::driver::node::shared::Defects;
+    use crate::driver::node::state::Defects;
     use crate::testing::sim::{run, run_defective};
 
     fn found(seed: u64, mix: Mix, defects: Defects, kind: Kind) {

@@ -54,7 +54,7 @@ impl NodeClock {
 
 /// How a node runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum NodeState {
+pub(crate) enum ServerStatus {
     Up,
     /// SIGSTOPped: messages queue up and run at resume.
     Paused,
@@ -64,7 +64,7 @@ pub(crate) enum NodeState {
 
 pub(crate) struct SimNode {
     pub(crate) store: Store,
-    pub(crate) state: NodeState,
+    pub(crate) state: ServerStatus,
     /// Messages and replies to and from it are dropped (a black hole).
     pub(crate) isolated: bool,
     /// It runs commands, but its replies are lost.
@@ -115,7 +115,7 @@ pub(crate) enum Event {
     Arrive(Msg),
     Fault(Fault),
     /// A reply reaches a simulated connection.
-    Wire(Arc<Inbox>, redis::Value),
+    ConnState(Arc<Inbox>, redis::Value),
     /// A simulated connection is reset (a lost packet, as TCP shows it).
     Reset(Arc<Inbox>),
     /// A release's message reaches a client waiting for its key.
@@ -133,7 +133,7 @@ pub(crate) struct World {
     pub(crate) net: Net,
     pub(crate) check: Checker,
     /// Each client's shared-connection counts.
-    pub(crate) line_stats: Vec<Arc<crate::driver::node::line::LineStats>>,
+    pub(crate) line_stats: Vec<Arc<crate::driver::node::multiplexed::MultiplexedStats>>,
     pub(crate) events: BTreeMap<(u64, u64), Event>,
     seq: u64,
     pub(crate) rng: SimRng,
@@ -165,7 +165,7 @@ impl World {
             .map(|&rate| SimNode {
                 // Running for two hours already: its votes count at once.
                 store: Store::with_history(base),
-                state: NodeState::Up,
+                state: ServerStatus::Up,
                 isolated: false,
                 muted: false,
                 backlog: Vec::new(),
@@ -248,7 +248,7 @@ impl World {
             match e {
                 Event::Arrive(msg) => self.arrive(msg, at),
                 Event::Fault(f) => self.fault(f, at),
-                Event::Wire(inbox, v) => inbox.push(v),
+                Event::ConnState(inbox, v) => inbox.push(v),
                 Event::Reset(inbox) => inbox.close(),
                 Event::Notify(chan, notice) => {
                     if chan.deliver(notice) {
@@ -273,7 +273,7 @@ impl World {
         let n = &mut self.nodes[node];
         // A muted node takes connections, but the first reply it loses
         // leaves that connection hanging: nothing more reaches it there.
-        let dark = n.state == NodeState::Down || n.isolated || n.muted;
+        let dark = n.state == ServerStatus::Down || n.isolated || n.muted;
         match (dark, n.dark_since) {
             (true, None) => n.dark_since = Some(now),
             (false, Some(s)) => {
@@ -282,7 +282,7 @@ impl World {
             }
             _ => {}
         }
-        let down = n.state != NodeState::Up || n.isolated;
+        let down = n.state != ServerStatus::Up || n.isolated;
         match (down, n.since) {
             (true, None) => n.since = Some(now),
             (false, Some(s)) => {
@@ -299,7 +299,7 @@ impl World {
         if self.dead.contains(&lane) {
             return;
         }
-        if self.nodes[i].state == NodeState::Down {
+        if self.nodes[i].state == ServerStatus::Down {
             msg.inbox.close();
             return;
         }
@@ -329,10 +329,10 @@ impl World {
     fn arrive(&mut self, msg: Msg, now: u64) {
         let node = &mut self.nodes[msg.node];
         match node.state {
-            NodeState::Down => {}
-            NodeState::Paused => node.backlog.push(msg),
-            NodeState::Up if node.isolated => {}
-            NodeState::Up => self.process(msg, now),
+            ServerStatus::Down => {}
+            ServerStatus::Paused => node.backlog.push(msg),
+            ServerStatus::Up if node.isolated => {}
+            ServerStatus::Up => self.process(msg, now),
         }
     }
 

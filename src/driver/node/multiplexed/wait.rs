@@ -1,17 +1,17 @@
-//! How rounds on lines wait: one of the client's waiting rounds reads every
-//! line that owes replies (see [`super::role`]), the others sleep until a
+//! How rounds on multiplexed connections wait: one of the client's waiting rounds reads every
+//! multiplexed connection that owes replies (see [`super::role`]), the others sleep until a
 //! reply is theirs; each until its own deadline.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::role::wait_id;
-use super::{Line, Role, Share, Wake};
+use super::{Multiplexed, Role, RoundConn, Wake};
 use crate::clock::after;
 use crate::driver::node::link::Link;
-use crate::driver::node::part::Part;
+use crate::driver::node::node_round::NodeRound;
 
-/// How a client's threads block while their rounds wait on lines.
+/// How a client's threads block while their rounds wait on multiplexed connections.
 pub(crate) trait Await<C: Link> {
     /// Now.
     fn clock_now(&self) -> Instant;
@@ -24,18 +24,18 @@ pub(crate) trait Await<C: Link> {
     fn mark(&self) -> u64;
     /// Blocks until one of `lines` (which this thread reads) has something
     /// to read, or this thread is woken, or `until`; reads what arrived on
-    /// each of `lines` ([`Line::pump`]).
-    fn block(&self, lines: &[Arc<Line<C>>], until: Instant, mark: u64);
+    /// each of `lines` ([`Multiplexed::pump`]).
+    fn block(&self, lines: &[Arc<Multiplexed<C>>], until: Instant, mark: u64);
 }
 
 /// [`Links::wait_ready`](crate::driver::node::links::Links::wait_ready) for
-/// rounds on lines: waits at most `wait` until `need` parts awaiting a
-/// reply have one (or their line's end) in their mailboxes, reading every
+/// rounds on multiplexed connections: waits at most `wait` until `need` parts awaiting a
+/// reply have one (or their multiplexed connection's end) in their mailboxes, reading every
 /// line of the client that owes replies while it holds the reader role.
 /// The round is not woken for fewer replies than it needs.
 pub(crate) fn wait_ready<C: Link>(
     a: &impl Await<C>,
-    parts: &[Part<Share<C>>],
+    parts: &[NodeRound<RoundConn<C>>],
     wait: Duration,
     need: usize,
     ready: &mut Vec<(usize, ())>,
@@ -46,7 +46,7 @@ pub(crate) fn wait_ready<C: Link>(
     // holds the reader role no longer and sleeps no more.
     let _leave = Leave { role: a.role(), id };
     let waker = a.waker();
-    let mut waiting: Vec<&Share<C>> = Vec::with_capacity(parts.len());
+    let mut waiting: Vec<&RoundConn<C>> = Vec::with_capacity(parts.len());
     loop {
         let mark = a.mark();
         let count = waker.as_ref().and_then(|w| w.replies());

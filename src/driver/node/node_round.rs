@@ -3,7 +3,7 @@
 //! fallback after NOSCRIPT, the vote it casts), the connection lost
 //! ([`lose_connection`]), and the round's end ([`end_part`]: what stays
 //! owed, and the result of a node without one). No I/O: the connection
-//! reads the replies and sends what these queue on its [`Wire`].
+//! reads the replies and sends what these queue on its [`ConnState`].
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -20,16 +20,16 @@ use crate::algorithm::round::{
 };
 use crate::clock::after;
 use crate::driver::conn;
+use crate::driver::conn_state::{ConnState, InFlight};
 use crate::driver::node::encode::Encoded;
 use crate::driver::node::link::Link;
 use crate::driver::node::replies::{late_reply, turned_away};
-use crate::driver::node::shared::NodeShared;
-use crate::driver::wire::{Pending, Wire};
+use crate::driver::node::state::NodeState;
 use crate::error::{NodeError, NodeErrorKind};
 
 /// What a round's replies are counted against: its command, the node
 /// names, and the client's voting rules.
-pub(crate) struct Ballot<'a> {
+pub(crate) struct VoteContext<'a> {
     pub(crate) enc: &'a Encoded,
     pub(crate) names: &'a [String],
     pub(crate) rules: VoteRules,
@@ -43,13 +43,13 @@ pub(crate) struct Ballot<'a> {
 /// to send now; `Err` when the connection cannot be used.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn take_reply(
-    ballot: &Ballot<'_>,
+    ballot: &VoteContext<'_>,
     i: usize,
     fell_back: &mut bool,
     lost: bool,
-    wire: &mut Wire,
-    shared: &NodeShared,
-    (p, v): (Pending, Value),
+    wire: &mut ConnState,
+    shared: &NodeState,
+    (p, v): (InFlight, Value),
     now: Instant,
     results: &mut [Option<NodeResult>],
 ) -> std::io::Result<bool> {
@@ -148,7 +148,7 @@ pub(crate) fn take_reply(
 /// and `None` where not (where the history changed, the next acquire's
 /// script reads it again).
 fn read_or_confirm(
-    shared: &NodeShared,
+    shared: &NodeState,
     lean: Option<u64>,
     f: NodeFacts,
     sent: Instant,
@@ -187,7 +187,7 @@ fn read_or_confirm(
 }
 
 /// One node's part in a round.
-pub(crate) struct Part<C> {
+pub(crate) struct NodeRound<C> {
     pub(crate) admit: Admit,
     pub(crate) conn: Option<C>,
     /// When our command was queued on `conn` (or on a connection since lost).
@@ -213,10 +213,10 @@ pub(crate) struct Part<C> {
 /// the round is most likely not the node's answer, and the command is to be
 /// sent again (`part.sent` cleared); otherwise `e` is node `i`'s result.
 pub(crate) fn lose_connection<C: Link>(
-    ballot: &Ballot<'_>,
+    ballot: &VoteContext<'_>,
     i: usize,
-    s: &mut Part<C>,
-    shared: &NodeShared,
+    s: &mut NodeRound<C>,
+    shared: &NodeState,
     e: std::io::Error,
     results: &mut [Option<NodeResult>],
 ) {
@@ -262,7 +262,7 @@ pub(crate) fn lose_connection<C: Link>(
         );
         return;
     }
-    if crate::driver::wire::is_given_up(&e) {
+    if crate::driver::conn_state::is_given_up(&e) {
         // A shared connection another round gave up: a reply on it was
         // owed past the node timeout (observed once, by that round).
         let detail = e.to_string();
@@ -297,7 +297,7 @@ pub(crate) fn lose_connection<C: Link>(
 /// reply: the undo of an acquire or a swap (sent if the late reply says
 /// set, and the lock was released meanwhile), the tokens whose write may
 /// still land, and a release again as `EVAL` (in case it met NOSCRIPT).
-pub(crate) struct Leftovers {
+pub(crate) struct LateReplies {
     undo: Option<Vec<u8>>,
     tokens: Vec<String>,
     resend: Option<Vec<u8>>,
@@ -308,15 +308,15 @@ pub(crate) struct Leftovers {
     unsettled_until: Option<Instant>,
 }
 
-impl Leftovers {
+impl LateReplies {
     /// What the round of `enc` on `keys`, started at `start`, leaves on
     /// `parts` (built only when some reply is still owed).
     pub(crate) fn of<C: Link>(
         enc: &Encoded,
         keys: &[Key<'_>],
-        parts: &[Part<C>],
+        parts: &[NodeRound<C>],
         start: Instant,
-    ) -> Leftovers {
+    ) -> LateReplies {
         // An acquire reply still owed may yet say "set": keep its undo.
         let owed = parts
             .iter()
@@ -348,7 +348,7 @@ impl Leftovers {
             }
             _ => None,
         };
-        Leftovers {
+        LateReplies {
             undo,
             tokens,
             resend,
@@ -417,17 +417,17 @@ fn timed_out(
 const OVERRUN: Duration = Duration::from_millis(1);
 
 /// Node `i`'s part when the round ended: a reply still owed stays owed on
-/// its connection with the round's [`Leftovers`] (and gives the connection
+/// its connection with the round's [`LateReplies`] (and gives the connection
 /// up when the node let it pass the node timeout: its own doing), and a node
 /// without a result gets one that says why (not awaited, timed out, a lost
 /// command, no connection, not waited for). True when the connection was
 /// given up and queued commands to send.
 pub(crate) fn end_part<C: Link>(
-    ballot: &Ballot<'_>,
+    ballot: &VoteContext<'_>,
     i: usize,
-    s: &mut Part<C>,
-    shared: &NodeShared,
-    left: &Leftovers,
+    s: &mut NodeRound<C>,
+    shared: &NodeState,
+    left: &LateReplies,
     end: &End<'_>,
     result: &mut Option<NodeResult>,
 ) -> bool {
@@ -500,9 +500,9 @@ pub(crate) fn end_part<C: Link>(
 }
 
 #[cfg(test)]
-#[path = "part_tests.rs"]
+#[path = "node_round_tests.rs"]
 mod tests;
 
 #[cfg(test)]
-#[path = "part_end_tests.rs"]
+#[path = "node_round_end_tests.rs"]
 mod end_tests;

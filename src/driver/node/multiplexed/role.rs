@@ -2,13 +2,13 @@
 //! line of the client that owes replies, and hands each reply to its
 //! owner; the others sleep until a reply (or the role) is theirs.
 //!
-//! One reader for all of a client's lines means one `poll(2)` for all of
+//! One reader for all of a client's multiplexed connections means one `poll(2)` for all of
 //! them, one wake per round per pass however many of its nodes answered in
-//! it, and the next batch of every line written as soon as the last reply
+//! it, and the next batch of every multiplexed connection written as soon as the last reply
 //! of the one in flight is read. A reader that stops waiting (it has
 //! replies of its own to take, or its round ended) hands the role to one
 //! round that waits, and wakes only that one; when none waits, the next
-//! round that waits takes it. A line that comes to owe replies while the
+//! round that waits takes it. A multiplexed connection that comes to owe replies while the
 //! reader polls others wakes the reader, which polls it too.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,10 +16,10 @@ use std::sync::{Arc, Weak};
 
 use super::sync::Mutex;
 
-use super::{Line, Wake};
+use super::{Multiplexed, Wake};
 use crate::driver::node::link::Link;
 
-/// Ids of waits ([`crate::driver::node::line::wait_ready`] calls), unique
+/// Ids of waits ([`crate::driver::node::multiplexed::wait_ready`] calls), unique
 /// in the process.
 static NEXT_WAIT: AtomicU64 = AtomicU64::new(1);
 
@@ -28,14 +28,14 @@ pub(crate) fn wait_id() -> u64 {
     NEXT_WAIT.fetch_add(1, Ordering::Relaxed)
 }
 
-/// A client's reader role, and the lines it reads.
+/// A client's reader role, and the multiplexed connections it reads.
 pub(crate) struct Role<C: Link> {
     st: Mutex<RoleState<C>>,
 }
 
 struct RoleState<C: Link> {
     /// Every line of the client still alive.
-    lines: Vec<Weak<Line<C>>>,
+    lines: Vec<Weak<Multiplexed<C>>>,
     /// The wait that holds the role, and what wakes it.
     holder: Option<(u64, Option<Arc<dyn Wake>>)>,
     /// Waits sleeping until a reply is theirs, oldest first.
@@ -56,7 +56,7 @@ impl<C: Link> Default for Role<C> {
 
 impl<C: Link> Role<C> {
     /// A new line of the client.
-    pub(crate) fn register(&self, line: &Arc<Line<C>>) {
+    pub(crate) fn register(&self, line: &Arc<Multiplexed<C>>) {
         let mut st = self.st.lock();
         st.lines.retain(|l| l.strong_count() > 0);
         st.lines.push(Arc::downgrade(line));
@@ -105,10 +105,10 @@ impl<C: Link> Role<C> {
         }
     }
 
-    /// The lines that owe replies (or have bytes to write), for the
+    /// The multiplexed connections that owe replies (or have bytes to write), for the
     /// reader to poll.
-    pub(crate) fn owing(&self) -> Vec<Arc<Line<C>>> {
-        let lines: Vec<Arc<Line<C>>> = {
+    pub(crate) fn owing(&self) -> Vec<Arc<Multiplexed<C>>> {
+        let lines: Vec<Arc<Multiplexed<C>>> = {
             let mut st = self.st.lock();
             st.lines.retain(|l| l.strong_count() > 0);
             st.lines.iter().filter_map(Weak::upgrade).collect()
@@ -123,7 +123,7 @@ impl<C: Link> Role<C> {
         st.holder.is_none() && st.waiting.is_empty()
     }
 
-    /// A line came to owe replies: the reader polls it too.
+    /// A multiplexed connection came to owe replies: the reader polls it too.
     pub(crate) fn began_owing(&self) {
         let waker = self.st.lock().holder.as_ref().and_then(|h| h.1.clone());
         if let Some(w) = waker.filter(|w| !w.is_current()) {

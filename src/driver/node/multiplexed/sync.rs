@@ -1,4 +1,4 @@
-//! The locks and counters the line's hand-offs are made of: `parking_lot`'s
+//! The locks and counters the multiplexed connection's hand-offs are made of: `parking_lot`'s
 //! and the standard library's, or, in the model tests (built with
 //! `RUSTFLAGS="--cfg quorumlock_shuttle"`), `shuttle`'s, so that its
 //! scheduler explores their interleavings (see `model_tests`).

@@ -1,4 +1,4 @@
-//! What a line does under its lock: carry commands onto the connection,
+//! What a multiplexed connection does under its lock: carry commands onto the connection,
 //! read and route replies, end, give up.
 
 use std::io;
@@ -10,11 +10,11 @@ use redis::Value;
 
 #[cfg(test)]
 use super::count;
-use super::{Owner, ReplyCount, Staged, State, Wake};
+use super::{Owner, Pipeline, ReplyCount, State, Wake};
+use crate::driver::conn_state::{is_given_up, ConnState, InFlight, Owed};
 use crate::driver::node::link::Link;
 use crate::driver::node::replies::{late_reply, turned_away};
-use crate::driver::node::shared::NodeShared;
-use crate::driver::wire::{is_given_up, Owed, Pending, Wire};
+use crate::driver::node::state::NodeState;
 
 impl<C> State<C>
 where
@@ -25,7 +25,7 @@ where
     }
 
     /// Carries what `wire` (owner `id`'s) has queued onto the connection.
-    pub(super) fn carry(&mut self, id: u64, wire: &mut Wire) {
+    pub(super) fn carry(&mut self, id: u64, wire: &mut ConnState) {
         let mut bytes = Vec::new();
         let mut cmds = Vec::new();
         if wire.take_uncarried(&mut bytes, |o| cmds.push((id, o))) > 0 || !bytes.is_empty() {
@@ -47,9 +47,9 @@ where
         self.conn.wire_mut().carry(bytes, counted);
     }
 
-    /// Carries what rounds staged (see [`Line::send`](super::Line::send)).
+    /// Carries what rounds staged (see [`Multiplexed::send`](super::Multiplexed::send)).
     /// Whether anything was.
-    pub(super) fn drain(&mut self, staged: &Mutex<Staged>, _node: &NodeShared) -> bool {
+    pub(super) fn drain(&mut self, staged: &Mutex<Pipeline>, _node: &NodeState) -> bool {
         // Under the stage's lock (a copy), so that its buffers are reused.
         let mut sg = staged.lock();
         if sg.bytes.is_empty() && sg.cmds.is_empty() {
@@ -60,7 +60,7 @@ where
         if sg.cmds.iter().any(|c| c.0 != sg.cmds[0].0) {
             count(&_node.line_stats.batched);
         }
-        let Staged { bytes, cmds, since } = &mut *sg;
+        let Pipeline { bytes, cmds, since } = &mut *sg;
         self.carry_staged(bytes, cmds.drain(..));
         bytes.clear();
         *since = None;
@@ -68,11 +68,11 @@ where
     }
 
     /// Writes what rounds staged (and what a full socket left unwritten);
-    /// ends the line on an error.
+    /// ends the multiplexed connection on an error.
     pub(super) fn write_staged(
         &mut self,
-        staged: &Mutex<Staged>,
-        node: &NodeShared,
+        staged: &Mutex<Pipeline>,
+        node: &NodeState,
         wake: &mut Vec<Arc<dyn Wake>>,
     ) {
         if self.drain(staged, node) || self.conn.wants_write() {
@@ -96,7 +96,7 @@ where
     }
 
     /// Whether round `id`'s commands wait staged: a batch is in flight and
-    /// another round uses the line. A round alone on it (replies owed, if
+    /// another round uses the multiplexed connection. A round alone on it (replies owed, if
     /// any, only to rounds that left: a single thread's stragglers) writes
     /// at once: waiting would cost it a round trip and batch nothing.
     pub(super) fn holds_back(&self, id: u64) -> bool {
@@ -106,8 +106,8 @@ where
     /// Writes what is staged, unless a batch is in flight.
     pub(super) fn next_batch(
         &mut self,
-        staged: &Mutex<Staged>,
-        node: &NodeShared,
+        staged: &Mutex<Pipeline>,
+        node: &NodeState,
         wake: &mut Vec<Arc<dyn Wake>>,
     ) {
         if !self.in_flight() {
@@ -115,7 +115,7 @@ where
         }
     }
 
-    /// Ends the line: every owner still owed a reply gets `e`; wakers of
+    /// Ends the multiplexed connection: every owner still owed a reply gets `e`; wakers of
     /// every round on it are returned.
     pub(super) fn close(&mut self, e: &io::Error) -> Vec<Arc<dyn Wake>> {
         #[cfg(test)]
@@ -158,8 +158,8 @@ where
     /// left: its late reply, taken here).
     pub(super) fn route(
         &mut self,
-        node: &NodeShared,
-        (p, v): (Pending, Value),
+        node: &NodeState,
+        (p, v): (InFlight, Value),
         now: Instant,
         wake: &mut Vec<Arc<dyn Wake>>,
     ) -> io::Result<()> {
@@ -222,10 +222,10 @@ where
     }
 
     /// Reads what arrived (what `ready` reports, or all there is), hands
-    /// each reply to its owner, and ends the line on an error.
+    /// each reply to its owner, and ends the multiplexed connection on an error.
     pub(super) fn read(
         &mut self,
-        node: &NodeShared,
+        node: &NodeState,
         ready: Option<C::Ready>,
         now: Instant,
         wake: &mut Vec<Arc<dyn Wake>>,

@@ -1,4 +1,4 @@
-//! The reader role: who reads, who sleeps, who is woken when a line comes
+//! The reader role: who reads, who sleeps, who is woken when a multiplexed connection comes
 //! to owe replies, and a wait that panics.
 
 use std::sync::atomic::Ordering;
@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use super::tests::{line, send, Count, Script, Scripted, TestAwait};
 use super::*;
-use crate::driver::wire::Wire;
+use crate::driver::conn_state::ConnState;
 
 /// The reader role: one wait holds it; the others sleep; when the holder
 /// leaves, the oldest sleeper is handed it and woken, and no one else.
@@ -40,11 +40,11 @@ fn the_reader_role_passes_to_one_sleeping_wait() {
 /// later round of the client would sleep to its deadline, no one reading.
 #[test]
 fn a_wait_that_panics_gives_the_reader_role_up() {
-    use crate::driver::node::part::Part;
+    use crate::driver::node::node_round::NodeRound;
     let (line, _, _) = line();
     let mut a = line.admit(None, Instant::now()).expect("open");
     send(&mut a, b"A1");
-    let parts = vec![Part {
+    let parts = vec![NodeRound {
         admit: crate::algorithm::health::Admit::Wait,
         conn: Some(a),
         sent: Some(Instant::now()),
@@ -74,19 +74,19 @@ fn a_wait_that_panics_gives_the_reader_role_up() {
     );
 }
 
-/// A line that comes to owe replies wakes the reader (which polls only
-/// the lines that owed when it began to wait); one that owed already does
+/// A multiplexed connection that comes to owe replies wakes the reader (which polls only
+/// the multiplexed connections that owed when it began to wait); one that owed already does
 /// not.
 #[test]
 fn a_line_that_comes_to_owe_replies_wakes_the_reader() {
     let role: Arc<Role<Scripted>> = Arc::default();
     let script = Arc::new(Mutex::new(Script::default()));
-    let node = Arc::new(NodeShared::for_tests());
+    let node = Arc::new(NodeState::for_tests());
     let conn = Scripted {
-        wire: Wire::new(Instant::now()),
+        wire: ConnState::new(Instant::now()),
         script: script.clone(),
     };
-    let line = Line::new(conn, node, Weak::new(), Arc::downgrade(&role));
+    let line = Multiplexed::new(conn, node, Weak::new(), Arc::downgrade(&role));
     role.register(&line);
     let woken = Arc::new(Count::default());
     assert!(role.take(9, Some(&(woken.clone() as Arc<dyn Wake>))));
@@ -102,17 +102,17 @@ fn a_line_that_comes_to_owe_replies_wakes_the_reader() {
 
 /// A new line whose connection still owes replies (its connect commands,
 /// or late replies read into a pooled connection) wakes the reader, which
-/// polls only the lines that owed when it began to wait: else a round whose
+/// polls only the multiplexed connections that owed when it began to wait: else a round whose
 /// command is staged behind those replies sleeps to the reader's deadline.
 #[test]
 fn a_new_line_that_owes_replies_wakes_the_reader() {
     let role: Arc<Role<Scripted>> = Arc::default();
     let woken = Arc::new(Count::default());
     assert!(role.take(9, Some(&(woken.clone() as Arc<dyn Wake>))));
-    let node = Arc::new(NodeShared::for_tests());
-    let slot: Arc<Slot<Scripted>> = Arc::default();
+    let node = Arc::new(NodeState::for_tests());
+    let slot: Arc<MultiplexedSlot<Scripted>> = Arc::default();
     let share = join(&slot, &node, &role, None, Instant::now(), || {
-        let mut wire = Wire::new(Instant::now());
+        let mut wire = ConnState::new(Instant::now());
         // A connect command, written, its reply owed.
         wire.queue(b"HELLO", Instant::now(), false);
         let mut c = Scripted {
@@ -128,23 +128,23 @@ fn a_new_line_that_owes_replies_wakes_the_reader() {
     drop(share);
 }
 
-/// A line that asks its server's `INFO` again as a round joins it comes to
+/// A multiplexed connection that asks its server's `INFO` again as a round joins it comes to
 /// owe that reply: the reader is woken to poll it.
 #[test]
 fn an_info_asked_as_a_round_joins_wakes_the_reader() {
     let role: Arc<Role<Scripted>> = Arc::default();
     let script = Arc::new(Mutex::new(Script::default()));
-    let node = Arc::new(NodeShared::for_tests());
+    let node = Arc::new(NodeState::for_tests());
     let long_ago = Instant::now()
         .checked_sub(crate::driver::node::replies::INFO_EVERY * 2)
         .expect("a monotonic clock this old");
-    let mut wire = Wire::new(long_ago);
+    let mut wire = ConnState::new(long_ago);
     wire.info_at = long_ago;
     let conn = Scripted {
         wire,
         script: script.clone(),
     };
-    let line = Line::new(conn, node, Weak::new(), Arc::downgrade(&role));
+    let line = Multiplexed::new(conn, node, Weak::new(), Arc::downgrade(&role));
     role.register(&line);
     let woken = Arc::new(Count::default());
     assert!(role.take(9, Some(&(woken.clone() as Arc<dyn Wake>))));

@@ -1,5 +1,5 @@
 //! One node's part in a round, driven by parsed replies and errors on a
-//! [`Wire`](crate::driver::wire::Wire), no socket.
+//! [`ConnState`](crate::driver::conn_state::ConnState), no socket.
 
 use std::time::{Duration, Instant};
 
@@ -8,8 +8,8 @@ use crate::algorithm::round::Key;
 
 const NAMES: [&str; 1] = ["n0"];
 
-pub(super) fn node() -> NodeShared {
-    NodeShared::for_tests()
+pub(super) fn node() -> NodeState {
+    NodeState::for_tests()
 }
 
 pub(super) fn release() -> Encoded {
@@ -20,22 +20,22 @@ pub(super) fn release() -> Encoded {
     Encoded::new(op, &[Key::new("r", "t")])
 }
 
-/// Sends `enc` as a wanted command on a new wire, and takes reply `v`
-/// to it; returns what `take_reply` said, the wire and the result.
+/// Sends `enc` as a wanted command on a new connection state, and takes reply `v`
+/// to it; returns what `take_reply` said, the connection state and the result.
 fn take(
     enc: &Encoded,
-    n: &NodeShared,
+    n: &NodeState,
     fell_back: &mut bool,
     lost: bool,
     v: Value,
-) -> (std::io::Result<bool>, Wire, Option<NodeResult>) {
+) -> (std::io::Result<bool>, ConnState, Option<NodeResult>) {
     let names: Vec<String> = NAMES.iter().map(|s| s.to_string()).collect();
-    let ballot = Ballot {
+    let ballot = VoteContext {
         enc,
         names: &names,
         rules: VoteRules::default(),
     };
-    let mut w = Wire::new(Instant::now());
+    let mut w = ConnState::new(Instant::now());
     w.queue(&enc.packed, Instant::now(), true);
     w.written(w.output().len());
     let pv = w.answer(v).expect("owed");
@@ -142,7 +142,7 @@ fn a_reply_names_the_server_that_answered() {
     assert!(n.is_healthy());
 }
 
-pub(super) struct TestLink(pub(super) Wire);
+pub(super) struct TestLink(pub(super) ConnState);
 
 impl Link for TestLink {
     type Handle = ();
@@ -152,11 +152,11 @@ impl Link for TestLink {
     }
     type Ready = ();
 
-    fn wire(&self) -> &Wire {
+    fn wire(&self) -> &ConnState {
         &self.0
     }
 
-    fn wire_mut(&mut self) -> &mut Wire {
+    fn wire_mut(&mut self) -> &mut ConnState {
         &mut self.0
     }
 
@@ -170,7 +170,7 @@ impl Link for TestLink {
         Ok(())
     }
 
-    fn next_reply(&mut self) -> std::io::Result<Option<(Pending, Value)>> {
+    fn next_reply(&mut self) -> std::io::Result<Option<(InFlight, Value)>> {
         Ok(None)
     }
 
@@ -202,10 +202,10 @@ pub(super) fn acquire() -> Encoded {
 }
 
 /// A part that sent `enc` at `began` on a connection made at `made`.
-pub(super) fn sent_on(enc: &Encoded, made: Instant, began: Instant) -> Part<TestLink> {
-    let mut w = Wire::new(made);
+pub(super) fn sent_on(enc: &Encoded, made: Instant, began: Instant) -> NodeRound<TestLink> {
+    let mut w = ConnState::new(made);
     w.queue_keys(&enc.packed, began, true, enc.n);
-    Part {
+    NodeRound {
         admit: Admit::Wait,
         conn: Some(TestLink(w)),
         sent: Some(began),
@@ -216,8 +216,8 @@ pub(super) fn sent_on(enc: &Encoded, made: Instant, began: Instant) -> Part<Test
     }
 }
 
-pub(super) fn ballot_for<'a>(enc: &'a Encoded, names: &'a [String]) -> Ballot<'a> {
-    Ballot {
+pub(super) fn ballot_for<'a>(enc: &'a Encoded, names: &'a [String]) -> VoteContext<'a> {
+    VoteContext {
         enc,
         names,
         rules: VoteRules::default(),
@@ -298,7 +298,7 @@ fn a_connections_info_caps_the_age_and_names_the_history() {
     let (n, enc) = (node(), acquire());
     let names = vec!["n0".to_owned()];
     let now = Instant::now();
-    let facts = |w: &mut Wire, age_ms: i64| {
+    let facts = |w: &mut ConnState, age_ms: i64| {
         w.queue(&enc.packed, now, true);
         w.written(w.output().len());
         // epoch 1000, age, longest TTL 10 s, prev 10 s, after "", set.
@@ -327,7 +327,7 @@ fn a_connections_info_caps_the_age_and_names_the_history() {
         let reply = results.pop().flatten().expect("voted").expect("a reply");
         reply.facts.expect("facts")
     };
-    let mut w = Wire::new(now);
+    let mut w = ConnState::new(now);
     w.run_id = Some("8a3f".into());
     // Up for 3 s (INFO said 4, less its one-second resolution), read now.
     w.uptime = Some((Duration::from_secs(3), now));
@@ -338,7 +338,7 @@ fn a_connections_info_caps_the_age_and_names_the_history() {
         crate::algorithm::round::history_key(Some("8a3f"), 1000)
     );
     // No INFO (an ACL refused it): no cap, and the epoch alone names it.
-    let mut w = Wire::new(now);
+    let mut w = ConnState::new(now);
     let f = facts(&mut w, 3_600_000);
     assert_eq!(f.age, Duration::from_secs(3600));
     assert_eq!(f.history, crate::algorithm::round::history_key(None, 1000));
@@ -361,7 +361,7 @@ fn a_connections_info_caps_the_age_and_names_the_history() {
 #[test]
 fn the_uptime_bound_grows_slower_than_the_clock() {
     let read = Instant::now();
-    let mut w = Wire::new(read);
+    let mut w = ConnState::new(read);
     assert_eq!(w.uptime_at(read), None, "no INFO read");
     w.uptime = Some((Duration::from_secs(3), read));
     assert_eq!(w.uptime_at(read), Some(Duration::from_secs(3)));
@@ -390,7 +390,7 @@ fn the_history_key_is_the_one_the_scripts_made() {
 /// before it is held back, and leaves the new read in place.
 #[test]
 fn a_history_read_again_keeps_its_generation_and_a_new_one_voids_older_decisions() {
-    let shared = NodeShared::for_tests();
+    let shared = NodeState::for_tests();
     let facts = |history: u64, epoch: u64| NodeFacts {
         epoch,
         age: Duration::from_secs(60),
@@ -400,13 +400,13 @@ fn a_history_read_again_keeps_its_generation_and_a_new_one_voids_older_decisions
         prev_max: Duration::ZERO,
     };
     let sent = Instant::now();
-    let gen = |s: &NodeShared| s.read.lock().map(|r| r.gen);
+    let gen = |s: &NodeState| s.read.lock().map(|r| r.gen);
     assert!(read_or_confirm(&shared, None, facts(7, 1), sent).is_some());
     let first = gen(&shared).expect("read");
     read_or_confirm(&shared, None, facts(7, 1), sent);
     assert_eq!(gen(&shared), Some(first), "the same history");
     // A lean reply of a round decided on it stands, with the read's facts.
-    let lean = |s: &NodeShared, history: u64, decided: u64| {
+    let lean = |s: &NodeState, history: u64, decided: u64| {
         read_or_confirm(s, Some(decided), facts(history, 1), sent)
     };
     assert_eq!(

@@ -1,6 +1,6 @@
 //! One node's part at the end of a round (`end_part`): what stays owed,
 //! the errors of nodes without a result, and what a late release reply
-//! does to the retry queue. On a [`Wire`](crate::driver::wire::Wire), no
+//! does to the retry queue. On a [`ConnState`](crate::driver::conn_state::ConnState), no
 //! socket.
 
 use std::time::{Duration, Instant};
@@ -16,15 +16,15 @@ const MS: Duration = Duration::from_millis(1);
 /// `now`, with the round's `deadline`, settled or not: whether the
 /// connection was given up with commands to send, and node 0's result.
 fn end_at(
-    n: &NodeShared,
+    n: &NodeState,
     enc: &Encoded,
     keys: &[Key<'_>],
-    part: &mut Part<TestLink>,
+    part: &mut NodeRound<TestLink>,
     start: Instant,
     (now, deadline, settled): (Instant, Instant, bool),
 ) -> (bool, Option<NodeResult>) {
     let names = vec!["n0".to_owned()];
-    let left = Leftovers::of(enc, keys, std::slice::from_ref(&*part), start);
+    let left = LateReplies::of(enc, keys, std::slice::from_ref(&*part), start);
     let none = |_: usize| None;
     let ended = End {
         now,
@@ -147,7 +147,7 @@ fn a_round_settled_before_a_reply_leaves_it_owed_with_its_undo() {
 fn a_node_left_without_a_connection_says_why() {
     let (n, enc, names) = (node(), acquire(), vec!["n0".to_owned()]);
     let start = Instant::now();
-    let unsent = || Part::<TestLink> {
+    let unsent = || NodeRound::<TestLink> {
         admit: Admit::Wait,
         conn: None,
         sent: None,
@@ -156,7 +156,7 @@ fn a_node_left_without_a_connection_says_why() {
         lost: false,
         again: false,
     };
-    let left = Leftovers::of(&enc, &[], &[unsent()], start);
+    let left = LateReplies::of(&enc, &[], &[unsent()], start);
     let detail = |busy: Option<u32>, lost: bool| {
         let pool = move |_: usize| busy;
         let ended = End {
@@ -166,7 +166,7 @@ fn a_node_left_without_a_connection_says_why() {
             settled: false,
             pool_busy: &pool,
         };
-        let mut part = Part { lost, ..unsent() };
+        let mut part = NodeRound { lost, ..unsent() };
         let mut result = None;
         end_part(
             &ballot_for(&enc, &names),

@@ -1,9 +1,9 @@
 //! Model tests of the hand-offs between rounds on shared connections,
 //! under `shuttle`'s scheduler (build with `RUSTFLAGS="--cfg
 //! quorumlock_shuttle"`; `.ci/run` does): rounds of several threads write
-//! to lines of two nodes, one of them reads for all (the reader role), each
+//! to multiplexed connections of two nodes, one of them reads for all (the reader role), each
 //! sleeps until as many replies as it needs are in, and a server thread
-//! answers what was written. The lines, the role, the reply count and
+//! answers what was written. The multiplexed connections, the role, the reply count and
 //! `wait_ready` are the production code; only the sockets and the threads'
 //! sleep are the model's.
 //!
@@ -11,7 +11,7 @@
 //! sent for, its own (the replies are paired with their owners), and
 //! returns (a lost wake-up leaves every thread asleep, which `shuttle`
 //! reports as a deadlock); the reader role is left held by no one, with no
-//! one asleep. (One batch in flight is the line's own tests'.)
+//! one asleep. (One batch in flight is the multiplexed connection's own tests'.)
 
 use std::collections::VecDeque;
 use std::io;
@@ -22,12 +22,12 @@ use redis::Value;
 use shuttle::sync::{Condvar, Mutex as ShuttleMutex};
 
 use super::role::Role;
-use super::{join, Line, ReplyCount, Share, Slot, Wake};
+use super::{join, Multiplexed, MultiplexedSlot, ReplyCount, RoundConn, Wake};
 use crate::algorithm::health::Admit;
+use crate::driver::conn_state::{ConnState, InFlight};
 use crate::driver::node::link::Link;
-use crate::driver::node::part::Part;
-use crate::driver::node::shared::NodeShared;
-use crate::driver::wire::{Pending, Wire};
+use crate::driver::node::node_round::NodeRound;
+use crate::driver::node::state::NodeState;
 
 /// What the threads share: each connection's bytes and replies, and who
 /// was woken.
@@ -65,7 +65,7 @@ impl Shared {
 
 /// A connection of the model: what it writes reaches the world.
 struct ModelConn {
-    wire: Wire,
+    wire: ConnState,
     index: usize,
     shared: Arc<Shared>,
 }
@@ -78,11 +78,11 @@ impl Link for ModelConn {
         None
     }
 
-    fn wire(&self) -> &Wire {
+    fn wire(&self) -> &ConnState {
         &self.wire
     }
 
-    fn wire_mut(&mut self) -> &mut Wire {
+    fn wire_mut(&mut self) -> &mut ConnState {
         &mut self.wire
     }
 
@@ -107,7 +107,7 @@ impl Link for ModelConn {
         Ok(())
     }
 
-    fn next_reply(&mut self) -> io::Result<Option<(Pending, Value)>> {
+    fn next_reply(&mut self) -> io::Result<Option<(InFlight, Value)>> {
         let i = self.index;
         match self.shared.with(|w| w.conns[i].1.pop_front()) {
             Some(v) => self.wire.answer(v).map(Some),
@@ -170,12 +170,12 @@ impl super::Await<ModelConn> for ModelAwait {
         0
     }
 
-    fn block(&self, lines: &[Arc<Line<ModelConn>>], _until: Instant, _mark: u64) {
+    fn block(&self, lines: &[Arc<Multiplexed<ModelConn>>], _until: Instant, _mark: u64) {
         let me = self.waker.me;
         let shared = &self.waker.shared;
         let mut w = shared.world.lock().unwrap_or_else(|e| e.into_inner());
         let seen = w.answered;
-        // A reader also wakes for replies on its lines (a poll would).
+        // A reader also wakes for replies on its multiplexed connections (a poll would).
         let unread = |w: &World| -> bool {
             !lines.is_empty() && (w.answered != seen || w.conns.iter().any(|c| !c.1.is_empty()))
         };
@@ -199,7 +199,7 @@ fn serve(shared: &Shared) {
         let hold = w.hold_first.is_some_and(|others| w.finished < others);
         for c in &mut w.conns {
             if hold && c.0.front().is_some_and(|id| id / 1000 == 0) {
-                // Its line only: no one else's reply is behind it.
+                // Its multiplexed connection only: no one else's reply is behind it.
                 continue;
             }
             if let Some(id) = c.0.pop_front() {
@@ -222,7 +222,7 @@ fn serve(shared: &Shared) {
     }
 }
 
-/// `threads` threads, `rounds` rounds each, on `nodes` lines; each round
+/// `threads` threads, `rounds` rounds each, on `nodes` multiplexed connections; each round
 /// needs the replies of `need` of its nodes before it looks. With
 /// `hold_first`, thread 0 makes one round on a line of its own (the last),
 /// whose reply comes only once the others are done; they use the others.
@@ -237,8 +237,8 @@ fn model(threads: usize, rounds: usize, nodes: usize, need: usize, hold_first: b
         changed: Condvar::new(),
     });
     let role: Arc<Role<ModelConn>> = Arc::default();
-    let node = Arc::new(NodeShared::for_tests());
-    let slots: Vec<Arc<Slot<ModelConn>>> = (0..nodes).map(|_| Arc::default()).collect();
+    let node = Arc::new(NodeState::for_tests());
+    let slots: Vec<Arc<MultiplexedSlot<ModelConn>>> = (0..nodes).map(|_| Arc::default()).collect();
     let server = {
         let shared = shared.clone();
         shuttle::thread::spawn(move || serve(&shared))
@@ -266,7 +266,7 @@ fn model(threads: usize, rounds: usize, nodes: usize, need: usize, hold_first: b
                 for r in 0..rounds {
                     let id = (me * 1000 + r) as u64;
                     let now = Instant::now();
-                    let mut parts: Vec<Part<Share<ModelConn>>> = Vec::new();
+                    let mut parts: Vec<NodeRound<RoundConn<ModelConn>>> = Vec::new();
                     for (i, slot) in slots.iter().enumerate() {
                         if !mine.contains(&i) {
                             continue;
@@ -275,7 +275,7 @@ fn model(threads: usize, rounds: usize, nodes: usize, need: usize, hold_first: b
                         let shared = shared.clone();
                         let mut s = join(slot, &node, &role, w, now, move || {
                             Some(ModelConn {
-                                wire: Wire::new(now),
+                                wire: ConnState::new(now),
                                 index: i,
                                 shared,
                             })
@@ -283,7 +283,7 @@ fn model(threads: usize, rounds: usize, nodes: usize, need: usize, hold_first: b
                         .expect("a line");
                         s.wire_mut().queue(format!("{id};").as_bytes(), now, true);
                         s.flush().expect("sent");
-                        parts.push(Part {
+                        parts.push(NodeRound {
                             admit: Admit::Wait,
                             conn: Some(s),
                             sent: Some(now),

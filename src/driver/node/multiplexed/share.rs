@@ -1,5 +1,5 @@
-//! A round's place on a line, as the round sees it: its connection; and
-//! the line's connection given back when the last round leaves.
+//! A round's place on a multiplexed connection, as the round sees it: its connection; and
+//! the multiplexed connection's connection given back when the last round leaves.
 
 use std::io;
 
@@ -7,19 +7,19 @@ use redis::Value;
 
 #[cfg(test)]
 use super::count;
-use super::{Line, Share};
+use super::{Multiplexed, RoundConn};
+use crate::driver::conn_state::{ConnState, InFlight};
 use crate::driver::node::link::Link;
-use crate::driver::wire::{Pending, Wire};
 
-impl<C: Link> Drop for Share<C> {
+impl<C: Link> Drop for RoundConn<C> {
     fn drop(&mut self) {
         let made = self.wire.made;
-        let wire = std::mem::replace(&mut self.wire, Wire::new(made));
+        let wire = std::mem::replace(&mut self.wire, ConnState::new(made));
         self.line.leave(self.id, wire);
     }
 }
 
-impl<C: Link> Link for Share<C> {
+impl<C: Link> Link for RoundConn<C> {
     type Ready = ();
     type Handle = ();
 
@@ -27,11 +27,11 @@ impl<C: Link> Link for Share<C> {
         None
     }
 
-    fn wire(&self) -> &Wire {
+    fn wire(&self) -> &ConnState {
         &self.wire
     }
 
-    fn wire_mut(&mut self) -> &mut Wire {
+    fn wire_mut(&mut self) -> &mut ConnState {
         &mut self.wire
     }
 
@@ -44,7 +44,7 @@ impl<C: Link> Link for Share<C> {
         Ok(())
     }
 
-    fn next_reply(&mut self) -> io::Result<Option<(Pending, Value)>> {
+    fn next_reply(&mut self) -> io::Result<Option<(InFlight, Value)>> {
         match self.line.take(self.id) {
             Some(Ok((v, facts))) => {
                 if let Some(f) = facts {
@@ -61,7 +61,7 @@ impl<C: Link> Link for Share<C> {
     }
 
     fn wants_write(&self) -> bool {
-        // Its bytes are the line's once flushed.
+        // Its bytes are the multiplexed connection's once flushed.
         false
     }
 
@@ -78,7 +78,7 @@ impl<C: Link> Link for Share<C> {
     }
 }
 
-impl<C: Link> Drop for Line<C> {
+impl<C: Link> Drop for Multiplexed<C> {
     /// No round left on it: the connection goes back to its pool owing what
     /// the rounds that left are owed, each entry its owner's own.
     fn drop(&mut self) {

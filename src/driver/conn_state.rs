@@ -1,7 +1,7 @@
 //! What one connection owes: the commands sent on it whose replies have not
 //! been read, oldest first, and the bytes not yet handed to the socket. No
-//! I/O: the connection writes [`Wire::output`], and hands every reply it
-//! reads to [`Wire::answer`], which pairs it with the command it answers.
+//! I/O: the connection writes [`ConnState::output`], and hands every reply it
+//! reads to [`ConnState::answer`], which pairs it with the command it answers.
 //!
 //! A round that ended before a slow node answered leaves its reply owed
 //! here, marked no longer wanted: the next user of the connection reads it
@@ -18,7 +18,7 @@ use redis::Value;
 
 use crate::algorithm::round::ServerTag;
 
-/// Why a line was given up: a reply on it was owed past the node timeout
+/// Why a multiplexed connection was given up: a reply on it was owed past the node timeout
 /// (observed once, by whoever gave it up).
 #[derive(Debug)]
 struct GivenUp;
@@ -31,7 +31,7 @@ impl std::fmt::Display for GivenUp {
 
 impl std::error::Error for GivenUp {}
 
-/// The error a line ends with when it is given up.
+/// The error a multiplexed connection ends with when it is given up.
 pub(crate) fn timed_out() -> io::Error {
     io::Error::new(io::ErrorKind::TimedOut, GivenUp)
 }
@@ -57,7 +57,7 @@ pub(crate) enum Setup {
 
 /// One reply the connection still owes.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Pending {
+pub(crate) struct InFlight {
     /// When the command was queued.
     pub sent: Instant,
     /// How many keys the command names: its reply may take a node timeout
@@ -87,7 +87,7 @@ pub(crate) struct Pending {
     /// On a connection several rounds share (see
     /// [`crate::driver::node::line`]): whose command this is (0: the
     /// connection's own, and what it owes is in this entry; another: a
-    /// round's, whose own wire holds the entry).
+    /// round's, whose own connection state holds the entry).
     pub owner: u64,
     /// How many frames the reply is: 1, or several for a command of
     /// several (the lean acquire, see
@@ -97,8 +97,8 @@ pub(crate) struct Pending {
 }
 
 /// A command's entry as it is carried onto a shared connection: when it
-/// was queued, how many keys it names ([`Pending::keys`]) and how many
-/// frames its reply is ([`Pending::frames`]).
+/// was queued, how many keys it names ([`InFlight::keys`]) and how many
+/// frames its reply is ([`InFlight::frames`]).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Owed {
     pub sent: Instant,
@@ -106,9 +106,9 @@ pub(crate) struct Owed {
     pub frames: usize,
 }
 
-impl Pending {
+impl InFlight {
     fn new(sent: Instant, wanted: bool, setup: Setup) -> Self {
-        Pending {
+        InFlight {
             sent,
             keys: 1,
             wanted,
@@ -125,11 +125,11 @@ impl Pending {
 
 /// The protocol state of one connection.
 #[derive(Debug)]
-pub(crate) struct Wire {
+pub(crate) struct ConnState {
     /// Commands queued and not yet taken by the socket (see
     /// [`written`](Self::written)).
     out: Vec<u8>,
-    pending: VecDeque<Pending>,
+    pending: VecDeque<InFlight>,
     /// Must not be reused: an error, a timeout, a half-written command.
     pub broken: bool,
     /// When the connection was made.
@@ -151,7 +151,7 @@ pub(crate) struct Wire {
     /// node's idle connections that owe replies) until a checkout reads
     /// them or the connection is dropped.
     pub owing: Option<Arc<AtomicUsize>>,
-    /// Commands queued on this wire so far.
+    /// Commands queued on this connection state so far.
     pushed: u64,
     /// Of those, the ones carried onto a shared connection (see
     /// [`take_uncarried`](Self::take_uncarried)).
@@ -160,7 +160,7 @@ pub(crate) struct Wire {
     /// server ([`Facts`]).
     pub facts_seq: u64,
     /// The frames read so far of a reply of several (see
-    /// [`Pending::frames`]).
+    /// [`InFlight::frames`]).
     partial: Vec<Value>,
 }
 
@@ -173,7 +173,7 @@ pub(crate) struct Facts {
     run_id: Option<Arc<str>>,
 }
 
-impl Drop for Wire {
+impl Drop for ConnState {
     fn drop(&mut self) {
         if let Some(n) = self.owing.take() {
             n.fetch_sub(1, Ordering::AcqRel);
@@ -181,7 +181,7 @@ impl Drop for Wire {
     }
 }
 
-impl Wire {
+impl ConnState {
     /// A lower bound on the server's uptime when it ran a command sent at
     /// `sent` on this connection: at least its last `INFO`'s, plus the time
     /// from reading that reply to sending the command, less 1 % (the two
@@ -206,7 +206,7 @@ impl Wire {
 
     /// A connection made at `now`, owing nothing.
     pub(crate) fn new(now: Instant) -> Self {
-        Wire {
+        ConnState {
             out: Vec::new(),
             pending: VecDeque::new(),
             broken: false,
@@ -244,10 +244,10 @@ impl Wire {
         self.run_id = f.run_id;
     }
 
-    /// A round's own wire on a shared connection whose wire is `line`: what
+    /// A round's own connection state on a shared connection (whose own state is `line`): what
     /// the connection knows of its server, owing nothing.
-    pub(crate) fn joining(line: &Wire) -> Self {
-        let mut w = Wire::new(line.made);
+    pub(crate) fn joining(line: &ConnState) -> Self {
+        let mut w = ConnState::new(line.made);
         w.server = line.server;
         w.info_at = line.info_at;
         w.uptime = line.uptime;
@@ -279,13 +279,13 @@ impl Wire {
         n
     }
 
-    /// Carries rounds' commands onto this shared connection's wire: their
+    /// Carries rounds' commands onto this shared connection's own state: their
     /// bytes, and one entry per command (its owner, when it was queued,
     /// and how many keys it names) that says whose reply it is.
     pub(crate) fn carry(&mut self, bytes: &[u8], cmds: impl Iterator<Item = (u64, Owed)>) {
         self.out.extend_from_slice(bytes);
         for (owner, o) in cmds {
-            let mut p = Pending::new(o.sent, false, Setup::None);
+            let mut p = InFlight::new(o.sent, false, Setup::None);
             p.owner = owner;
             p.keys = o.keys;
             p.frames = o.frames;
@@ -296,7 +296,7 @@ impl Wire {
     /// The connection is no longer shared: each entry of another owner is
     /// replaced by that owner's own (`take` gives it, oldest first). False
     /// (and the connection broken) when one is missing.
-    pub(crate) fn unshare(&mut self, mut take: impl FnMut(u64) -> Option<Pending>) -> bool {
+    pub(crate) fn unshare(&mut self, mut take: impl FnMut(u64) -> Option<InFlight>) -> bool {
         for p in &mut self.pending {
             if p.owner != 0 {
                 match take(p.owner) {
@@ -329,14 +329,14 @@ impl Wire {
     /// socket parses the frame first, see [`answered`](Self::answered);
     /// the simulation's connections carry parsed replies.)
     #[cfg_attr(not(test), allow(dead_code))]
-    pub(crate) fn answer(&mut self, v: Value) -> io::Result<(Pending, Value)> {
+    pub(crate) fn answer(&mut self, v: Value) -> io::Result<(InFlight, Value)> {
         Ok((self.answered()?, v))
     }
 
     /// A frame read off the connection (parsed): the reply to the oldest
-    /// command owed once all its frames are in (see [`Pending::frames`]),
+    /// command owed once all its frames are in (see [`InFlight::frames`]),
     /// as one array where it has several.
-    pub(crate) fn gather(&mut self, v: Value) -> io::Result<Option<(Pending, Value)>> {
+    pub(crate) fn gather(&mut self, v: Value) -> io::Result<Option<(InFlight, Value)>> {
         let frames = self.pending.front().map_or(1, |p| p.frames);
         if frames <= 1 {
             return self.answer(v).map(Some);
@@ -350,7 +350,7 @@ impl Wire {
     }
 
     /// The last command queued answers in `frames` frames (see
-    /// [`Pending::frames`]).
+    /// [`InFlight::frames`]).
     pub(crate) fn last_frames(&mut self, frames: usize) {
         if let Some(p) = self.pending.back_mut() {
             p.frames = frames.max(1);
@@ -360,7 +360,7 @@ impl Wire {
     /// A reply to the oldest command owed has arrived (whether or not it
     /// parses, that command is answered): takes it off the list. A reply
     /// to no command marks the connection broken.
-    pub(crate) fn answered(&mut self) -> io::Result<Pending> {
+    pub(crate) fn answered(&mut self) -> io::Result<InFlight> {
         match self.pending.pop_front() {
             Some(p) => Ok(p),
             None => Err(self.protocol_error("reply to no command")),
@@ -385,7 +385,7 @@ impl Wire {
     }
 
     /// [`queue`](Self::queue) for a command that names `keys` keys (see
-    /// [`Pending::keys`]).
+    /// [`InFlight::keys`]).
     pub(crate) fn queue_keys(&mut self, cmd: &[u8], now: Instant, wanted: bool, keys: usize) {
         self.push(cmd, now, wanted, Setup::None);
         if let Some(p) = self.pending.back_mut() {
@@ -394,7 +394,7 @@ impl Wire {
     }
 
     /// Appends a command no round waits for that may write a key of ours
-    /// (see [`Pending::undo`]).
+    /// (see [`InFlight::undo`]).
     pub(crate) fn queue_late(
         &mut self,
         cmd: &[u8],
@@ -416,11 +416,11 @@ impl Wire {
     fn push(&mut self, cmd: &[u8], now: Instant, wanted: bool, setup: Setup) {
         self.out.extend_from_slice(cmd);
         self.pushed += 1;
-        self.pending.push_back(Pending::new(now, wanted, setup));
+        self.pending.push_back(InFlight::new(now, wanted, setup));
     }
 
     /// Appends a retried release no round waits for (see
-    /// [`Pending::retried`]); `resend` is the same release as `EVAL`.
+    /// [`InFlight::retried`]); `resend` is the same release as `EVAL`.
     pub(crate) fn queue_retry(
         &mut self,
         cmd: &[u8],
@@ -446,7 +446,7 @@ impl Wire {
         });
     }
 
-    fn push_unwanted(&mut self, cmd: &[u8], now: Instant, complete: impl FnOnce(&mut Pending)) {
+    fn push_unwanted(&mut self, cmd: &[u8], now: Instant, complete: impl FnOnce(&mut InFlight)) {
         self.push(cmd, now, false, Setup::None);
         if let Some(p) = self.pending.back_mut() {
             complete(p);
@@ -473,7 +473,7 @@ impl Wire {
     }
 
     /// Replies still owed, oldest first.
-    pub(crate) fn pending(&self) -> &VecDeque<Pending> {
+    pub(crate) fn pending(&self) -> &VecDeque<InFlight> {
         &self.pending
     }
 
@@ -497,7 +497,7 @@ impl Wire {
     /// [`unwant`](Self::unwant), for a release whose keys (tokens
     /// `retried`) its round queued for the retry job: its late reply takes
     /// them off the queue, as a retried release's does (see
-    /// [`Pending::retried`]), so that a delete the node did run is not
+    /// [`InFlight::retried`]), so that a delete the node did run is not
     /// sent again.
     pub(crate) fn unwant_release(
         &mut self,
@@ -527,7 +527,7 @@ mod tests {
     #[test]
     fn a_reply_of_several_frames_is_handed_out_whole() {
         let now = Instant::now();
-        let mut w = Wire::new(now);
+        let mut w = ConnState::new(now);
         w.queue(b"PING", now, true);
         w.queue(b"SET PTTL HGET", now, true);
         w.last_frames(3);

@@ -91,7 +91,7 @@ fn emit_or_hold(events: &Events, node: &str, change: NodeChange) {
 pub(crate) type Pooled = r2d2::PooledConnection<Manager>;
 
 /// What one node's connections, rounds and background jobs share.
-pub(crate) struct NodeShared {
+pub(crate) struct NodeState {
     /// The node's place in the node list.
     pub(crate) index: usize,
     pub(crate) servers: Arc<Servers>,
@@ -142,9 +142,9 @@ pub(crate) struct NodeShared {
     /// What the shared connections did (the simulation checks that its
     /// schedules cover each case).
     #[cfg(test)]
-    pub(crate) line_stats: Arc<crate::driver::node::line::LineStats>,
+    pub(crate) line_stats: Arc<crate::driver::node::multiplexed::MultiplexedStats>,
     /// Lets other simulated threads run between a round's staging of its
-    /// commands and its write (see `line::Line::send`).
+    /// commands and its write (see `multiplexed::Multiplexed::send`).
     #[cfg(test)]
     pub(crate) stage_yield: Option<Arc<dyn Fn() + Send + Sync>>,
 }
@@ -173,7 +173,7 @@ pub(crate) struct Defects {
     pub(crate) lean_ignores_history: bool,
 }
 
-impl NodeShared {
+impl NodeState {
     /// Node `index` of the list, named `name`, healthy, owing nothing.
     pub(crate) fn new(
         index: usize,
@@ -183,7 +183,7 @@ impl NodeShared {
         events: Events,
         clock: Arc<dyn Clock>,
     ) -> Self {
-        NodeShared {
+        NodeState {
             index,
             servers,
             name,
@@ -275,7 +275,7 @@ impl NodeShared {
     #[cfg(test)]
     pub(crate) fn for_tests() -> Self {
         let servers = Arc::new(Servers::new(vec!["n0".to_owned()], false));
-        NodeShared::new(
+        NodeState::new(
             0,
             servers,
             "n0".into(),
@@ -325,7 +325,7 @@ impl NodeShared {
 /// timed-out connect is the node's answer; a successful one changes nothing.
 pub(crate) struct Manager {
     pub(crate) target: Target,
-    pub(crate) shared: Arc<NodeShared>,
+    pub(crate) shared: Arc<NodeState>,
 }
 
 impl fmt::Debug for Manager {
@@ -423,7 +423,7 @@ mod held_tests {
     #[test]
     fn node_events_wait_until_no_lock_is_held() {
         let count = Arc::new(Count::default());
-        let mut node = NodeShared::for_tests();
+        let mut node = NodeState::for_tests();
         node.events = Events(Some(count.clone()));
         let outer = HeldEvents::new();
         let inner = HeldEvents::new();

@@ -1,30 +1,30 @@
 //! Connection sharing: the rounds of one client that overlap in time send
-//! their commands to a node on one connection, a *line*.
+//! their commands to a node on one connection, a *multiplexed connection*.
 //!
-//! - Each round queues on its own [`Wire`] (its [`Share`], which the round
+//! - Each round queues on its own [`ConnState`] (its [`RoundConn`], which the round
 //!   sees as its connection: every node-layer rule runs on it unchanged).
-//!   Flushing carries those bytes onto the line's connection behind the
+//!   Flushing carries those bytes onto the multiplexed connection behind the
 //!   others', with one entry per command that says whose reply it is; Redis
 //!   answers one connection's commands in order, so the entries pair every
 //!   reply with its owner.
-//! - One batch in flight: commands sent while a line owes replies wait
+//! - One batch in flight: commands sent while a multiplexed connection owes replies wait
 //!   staged, and whoever reads the batch's last reply writes everything
 //!   staged meanwhile in one write (the server reads it in one read). A
-//!   round alone on an idle line writes at once.
+//!   round alone on an idle multiplexed connection writes at once.
 //! - One waiting round of the client at a time, the *reader* (see
-//!   [`role`]), waits on the sockets of every line that owes replies; it
+//!   [`role`]), waits on the sockets of every multiplexed connection that owes replies; it
 //!   reads every reply that arrived and hands each to its owner's mailbox,
 //!   waking the owner, who takes it on its own thread. No round waits for
 //!   another's batch past its own deadline: it waits on its mailbox (or the
 //!   sockets) until then, and at its deadline reads the socket itself.
-//! - A round that ends with replies owed leaves its wire to the line: the
-//!   line reads those late replies for it, by the node layer's late-reply
-//!   rules, as the next user of a pooled connection would (a line no round
-//!   uses reads what arrived before it takes the next). A line stays
+//! - A round that ends with replies owed leaves its connection state to the multiplexed connection: the
+//!   multiplexed connection reads those late replies for it, by the node layer's late-reply
+//!   rules, as the next user of a pooled connection would (a multiplexed connection no round
+//!   uses reads what arrived before it takes the next). A multiplexed connection stays
 //!   between rounds; when it goes (the client is dropped), the connection
 //!   goes back to its pool owing exactly what it owed, each entry its
 //!   owner's own.
-//! - A close, or a reply owed past the node timeout, ends the line for every
+//! - A close, or a reply owed past the node timeout, ends the multiplexed connection for every
 //!   owner at once: each gets the close (or the timeout) as its answer, and
 //!   nothing is sent again but by the node layer's rules for a close.
 //!
@@ -40,15 +40,15 @@ use redis::Value;
 use sync::Mutex;
 
 use crate::algorithm::health::Outcome;
+use crate::driver::conn_state::{timed_out, ConnState, Facts, Owed};
 use crate::driver::node::link::Link;
 use crate::driver::node::replies::{ask_info_when_due, give_up_why, late_reply, turned_away};
-use crate::driver::node::shared::{HeldEvents, NodeShared};
-use crate::driver::wire::{timed_out, Facts, Owed, Wire};
+use crate::driver::node::state::{HeldEvents, NodeState};
 
-/// What lines did, for the simulation's coverage check.
+/// What multiplexed connections did, for the simulation's coverage check.
 #[cfg(test)]
 #[derive(Debug, Default)]
-pub(crate) struct LineStats {
+pub(crate) struct MultiplexedStats {
     /// Writes that carried two rounds' commands or more.
     pub(crate) batched: std::sync::atomic::AtomicU64,
     /// Lines that ended with replies owed to two rounds or more.
@@ -64,45 +64,45 @@ fn count(n: &std::sync::atomic::AtomicU64) {
     n.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// A round on the line, or (`orphan`) one that left owing replies.
+/// A round on the multiplexed connection, or (`orphan`) one that left owing replies.
 struct Owner {
     id: u64,
     /// Replies read for it, not yet taken, each with what the connection
     /// knew of its server when it read it, if that changed since the last.
     replies: VecDeque<(Value, Option<Facts>)>,
-    /// The connection's [`Wire::facts_seq`] its last reply was read with.
+    /// The connection's [`ConnState::facts_seq`] its last reply was read with.
     facts_seq: u64,
     /// Its commands on the connection whose replies have not been read.
     owed: usize,
     /// Its commands left staged behind a batch in flight (see
-    /// [`State::in_flight`]): owed too, should the line end first.
+    /// [`State::in_flight`]): owed too, should the multiplexed connection end first.
     staged: usize,
     waker: Option<Arc<dyn Wake>>,
     /// Blocked waiting for its replies.
     waiting: bool,
-    /// The wire of a round that left, whose late replies the line takes.
-    orphan: Option<Wire>,
+    /// The connection state of a round that left, whose late replies the multiplexed connection takes.
+    orphan: Option<ConnState>,
 }
 
 struct State<C> {
     conn: C,
     owners: Vec<Owner>,
     next_id: u64,
-    /// Why the line ended, for every owner still owed a reply.
+    /// Why the multiplexed connection ended, for every owner still owed a reply.
     closed: Option<(io::ErrorKind, String, bool)>,
     /// It ended with replies owed to two rounds or more.
     #[cfg(test)]
     closed_batches: bool,
 }
 
-/// A node's current line, kept between rounds.
-pub(crate) type Slot<C> = Mutex<Option<Arc<Line<C>>>>;
+/// A node's current multiplexed connection, kept between rounds.
+pub(crate) type MultiplexedSlot<C> = Mutex<Option<Arc<Multiplexed<C>>>>;
 
-/// Commands rounds queued for the line's next write, in order: their
+/// Commands rounds queued for the multiplexed connection's next write, in order: their
 /// bytes, per command its owner and when it was queued, and since when the
 /// oldest waits.
 #[derive(Default)]
-struct Staged {
+struct Pipeline {
     bytes: Vec<u8>,
     cmds: Vec<(u64, Owed)>,
     since: Option<Instant>,
@@ -113,25 +113,25 @@ struct Staged {
 pub(crate) const STAGE_MAX: std::time::Duration = std::time::Duration::from_micros(1000);
 
 /// One connection shared by rounds.
-pub(crate) struct Line<C: Link> {
+pub(crate) struct Multiplexed<C: Link> {
     state: Mutex<State<C>>,
     /// What rounds queued while another round wrote (or read): the next
     /// writer sends it all in one write.
-    staged: Mutex<Staged>,
-    node: Arc<NodeShared>,
+    staged: Mutex<Pipeline>,
+    node: Arc<NodeState>,
     /// What the client's reader waits on.
     pub(crate) handle: Option<C::Handle>,
-    /// The client's reader role, told when the line comes to owe replies.
+    /// The client's reader role, told when the multiplexed connection comes to owe replies.
     role: Weak<Role<C>>,
     /// Where it is kept while it takes rounds.
-    slot: Weak<Slot<C>>,
+    slot: Weak<MultiplexedSlot<C>>,
 }
 
-/// A round's place on a line: the connection as the round sees it.
-pub(crate) struct Share<C: Link> {
-    line: Arc<Line<C>>,
+/// A round's place on a multiplexed connection: the connection as the round sees it.
+pub(crate) struct RoundConn<C: Link> {
+    line: Arc<Multiplexed<C>>,
     id: u64,
-    wire: Wire,
+    wire: ConnState,
 }
 
 impl Owner {
@@ -156,16 +156,16 @@ fn wake_all(wake: Vec<Arc<dyn Wake>>) {
     }
 }
 
-impl<C: Link> Line<C> {
-    /// A line over `conn`, a connection to `node` whose late replies were
+impl<C: Link> Multiplexed<C> {
+    /// A multiplexed connection over `conn`, a connection to `node` whose late replies were
     /// read, read by `role`'s reader.
     pub(crate) fn new(
         conn: C,
-        node: Arc<NodeShared>,
-        slot: Weak<Slot<C>>,
+        node: Arc<NodeState>,
+        slot: Weak<MultiplexedSlot<C>>,
         role: Weak<Role<C>>,
     ) -> Arc<Self> {
-        Arc::new(Line {
+        Arc::new(Multiplexed {
             handle: conn.handle(),
             role,
             state: Mutex::new(State {
@@ -182,7 +182,7 @@ impl<C: Link> Line<C> {
         })
     }
 
-    /// Takes the line out of its slot (if it is still there): it takes no
+    /// Takes the multiplexed connection out of its slot (if it is still there): it takes no
     /// new round, and goes when its last round does.
     fn unslot(&self) {
         let Some(slot) = self.slot.upgrade() else {
@@ -196,17 +196,17 @@ impl<C: Link> Line<C> {
         }
     }
 
-    /// A new round on the line, woken by `waker`; None when the line cannot
+    /// A new round on the multiplexed connection, woken by `waker`; None when the multiplexed connection cannot
     /// take a command: it closed, or is given up now by the node layer's
     /// rule for a connection in use (a reply owed past the node timeout),
     /// or it owes as many replies as a connection may (it goes on for its
     /// rounds; the new one takes another connection).
-    fn admit(self: &Arc<Self>, waker: Option<Arc<dyn Wake>>, now: Instant) -> Option<Share<C>> {
+    fn admit(self: &Arc<Self>, waker: Option<Arc<dyn Wake>>, now: Instant) -> Option<RoundConn<C>> {
         let mut st = self.state.lock();
         if st.closed.is_some() {
             return None;
         }
-        // What arrived is read first when no round reads the line (late
+        // What arrived is read first when no round reads the multiplexed connection (late
         // replies; a close while idle, which is no answer: not charged), and
         // before a reply is taken as overdue (it may be there, unread).
         let idle = st.owners.iter().all(|o| o.orphan.is_some());
@@ -266,8 +266,8 @@ impl<C: Link> Line<C> {
             waiting: false,
             orphan: None,
         });
-        let wire = Wire::joining(st.conn.wire());
-        Some(Share {
+        let wire = ConnState::joining(st.conn.wire());
+        Some(RoundConn {
             line: self.clone(),
             id,
             wire,
@@ -299,8 +299,8 @@ impl<C: Link> Line<C> {
         None
     }
 
-    /// Runs `f` on the state of the line unless it ended; then wakes the
-    /// rounds `f` woke, and takes the line out of its slot if it ended.
+    /// Runs `f` on the state of the multiplexed connection unless it ended; then wakes the
+    /// rounds `f` woke, and takes the multiplexed connection out of its slot if it ended.
     fn act(&self, f: impl FnOnce(&mut State<C>, &mut Vec<Arc<dyn Wake>>)) {
         let _held = HeldEvents::new();
         let mut wake = Vec::new();
@@ -323,7 +323,7 @@ impl<C: Link> Line<C> {
         self.state.lock().conn.wants_write()
     }
 
-    /// Whether round `id` has news (replies, or the line's end); if not,
+    /// Whether round `id` has news (replies, or the multiplexed connection's end); if not,
     /// it waits: a reply read for it wakes it.
     fn watch(&self, id: u64) -> bool {
         let mut st = self.state.lock();
@@ -344,14 +344,14 @@ impl<C: Link> Line<C> {
         }
     }
 
-    /// Whether the line owes replies or has bytes to write: the reader
+    /// Whether the multiplexed connection owes replies or has bytes to write: the reader
     /// polls it.
     pub(crate) fn owes_reads(&self) -> bool {
         let st = self.state.lock();
         st.closed.is_none() && st.owes_reads()
     }
 
-    /// Tells the reader role that the line came to owe replies (it did not
+    /// Tells the reader role that the multiplexed connection came to owe replies (it did not
     /// before `st`'s change): the reader polls it too.
     fn began_owing(&self, owed_before: bool, st: &State<C>) {
         if !owed_before && st.closed.is_none() && st.owes_reads() {
@@ -368,7 +368,7 @@ impl<C: Link> Line<C> {
             .is_some_and(|o| !o.replies.is_empty() || (closed && o.owes()))
     }
 
-    /// Owner `id`'s next reply, or the line's end.
+    /// Owner `id`'s next reply, or the multiplexed connection's end.
     fn take(&self, id: u64) -> Option<io::Result<(Value, Option<Facts>)>> {
         let mut st = self.state.lock();
         let closed = st.closed.clone();
@@ -387,17 +387,17 @@ impl<C: Link> Line<C> {
     }
 
     /// Sends what `wire` (round `id`'s) queued. Its commands are staged
-    /// first; whichever round takes the line next writes everything staged
+    /// first; whichever round takes the multiplexed connection next writes everything staged
     /// in one write, so rounds that send while another writes share its
     /// next write (and the server reads them in one read). While a batch is
     /// in flight they stay staged: whoever reads its last reply writes them
     /// (see [`State::in_flight`]), with every command staged meanwhile.
-    fn send(&self, id: u64, wire: &mut Wire) -> io::Result<()> {
+    fn send(&self, id: u64, wire: &mut ConnState) -> io::Result<()> {
         let _held = HeldEvents::new();
         let now = self.node.clock.now();
         {
             let mut sg = self.staged.lock();
-            let Staged { bytes, cmds, since } = &mut *sg;
+            let Pipeline { bytes, cmds, since } = &mut *sg;
             wire.take_uncarried(bytes, |o| cmds.push((id, o)));
             since.get_or_insert(now);
         }
@@ -430,7 +430,7 @@ impl<C: Link> Line<C> {
         } else if drained || st.conn.wants_write() {
             st.conn.flush()
         } else {
-            // Written by a round that took the line first.
+            // Written by a round that took the multiplexed connection first.
             Ok(())
         };
         let wake = match &r {
@@ -446,8 +446,8 @@ impl<C: Link> Line<C> {
         r
     }
 
-    /// Round `id` leaves, its wire as the round left it.
-    fn leave(&self, id: u64, mut wire: Wire) {
+    /// Round `id` leaves, its connection state as the round left it.
+    fn leave(&self, id: u64, mut wire: ConnState) {
         let _held = HeldEvents::new();
         let now = self.node.clock.now();
         let mut wake = Vec::new();
@@ -462,7 +462,7 @@ impl<C: Link> Line<C> {
                 return;
             }
             // The history's key the round worked out (a hash), for the
-            // next rounds on the line (see `NodeFacts::seen_by`).
+            // next rounds on the multiplexed connection (see `NodeFacts::seen_by`).
             let line_wire = st.conn.wire_mut();
             if wire.history_key.is_some() && line_wire.run_id == wire.run_id {
                 line_wire.history_key = wire.history_key;
@@ -488,7 +488,7 @@ impl<C: Link> Line<C> {
                 }
             }
             // What is staged goes out now if this round's commands are in it
-            // (its replies are then owed where the line can take them as
+            // (its replies are then owed where the multiplexed connection can take them as
             // late ones), else with the next batch.
             if !st.in_flight() || st.owners[k].staged > 0 {
                 st.drain(&self.staged, &self.node);
@@ -515,7 +515,7 @@ impl<C: Link> Line<C> {
                 }
             }
             // Late replies of rounds that left are read by the client's
-            // reader, or the next round on the line (which reads what
+            // reader, or the next round on the multiplexed connection (which reads what
             // arrived before it joins).
             self.began_owing(owed_before, &st);
             st.closed.is_some()
@@ -527,17 +527,17 @@ impl<C: Link> Line<C> {
     }
 }
 
-/// Round `waker`'s place on node `node`'s current line (kept in `slot`),
+/// Round `waker`'s place on node `node`'s current multiplexed connection (kept in `slot`),
 /// or on a new line over a connection `fresh` gives, read by `role`'s
 /// reader.
 pub(crate) fn join<C: Link>(
-    slot: &Arc<Slot<C>>,
-    node: &Arc<NodeShared>,
+    slot: &Arc<MultiplexedSlot<C>>,
+    node: &Arc<NodeState>,
     role: &Arc<Role<C>>,
     waker: Option<Arc<dyn Wake>>,
     now: Instant,
     fresh: impl FnOnce() -> Option<C>,
-) -> Option<Share<C>> {
+) -> Option<RoundConn<C>> {
     let _held = HeldEvents::new();
     let mut current = slot.lock();
     if let Some(line) = current.as_ref() {
@@ -548,7 +548,7 @@ pub(crate) fn join<C: Link>(
     // Closed or given up: it goes when its last round does.
     let old = current.take();
     let share = fresh().and_then(|conn| {
-        let line = Line::new(
+        let line = Multiplexed::new(
             conn,
             node.clone(),
             Arc::downgrade(slot),

@@ -7,27 +7,27 @@ use r2d2::Pool;
 use scheduled_thread_pool::ScheduledThreadPool;
 
 use crate::driver::conn::Target;
-use crate::driver::node::line::Slot;
-use crate::driver::node::shared::{Manager, NodeShared, Pooled};
+use crate::driver::node::multiplexed::MultiplexedSlot;
+use crate::driver::node::state::{Manager, NodeState, Pooled};
 
 /// A node: its shared state and pool.
-pub(crate) struct NodeInner {
-    pub(crate) shared: Arc<NodeShared>,
+pub(crate) struct NodeConns {
+    pub(crate) shared: Arc<NodeState>,
     pub(crate) pool: Pool<Manager>,
     /// The connection this client's rounds share now (see
     /// [`crate::driver::node::line`]).
-    pub(crate) line: Arc<Slot<Pooled>>,
-    /// When a connection for the line was last started (a checkout found
+    pub(crate) line: Arc<MultiplexedSlot<Pooled>>,
+    /// When a connection to multiplex was last started (a checkout found
     /// none idle): for a node timeout after it, rounds take only idle
     /// connections and wait on the pool for none (each failed checkout and
-    /// each pool wait starts one), and join the line once it is made.
+    /// each pool wait starts one), and join the multiplexed connection once it is made.
     pub(crate) line_started: parking_lot::Mutex<Option<std::time::Instant>>,
     /// The client's reader role (shared by its nodes).
-    pub(crate) role: Arc<crate::driver::node::line::Role<Pooled>>,
+    pub(crate) role: Arc<crate::driver::node::multiplexed::Role<Pooled>>,
 }
 
 pub(crate) struct Node {
-    pub(crate) inner: Arc<NodeInner>,
+    pub(crate) inner: Arc<NodeConns>,
     /// Where to connect outside the pool (status queries).
     pub(crate) target: Target,
     /// This node's own background thread: connects and release retries, so

@@ -1,4 +1,4 @@
-//! The line's rules on a scripted connection: replies paired with their
+//! The multiplexed connection's rules on a scripted connection: replies paired with their
 //! owners, late replies of rounds that left, the close and the timeout for
 //! every owner, one batch in flight, the reader role's hand-over, and the
 //! connection given back.
@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use super::*;
-use crate::driver::wire::{is_given_up, Pending};
+use crate::driver::conn_state::{is_given_up, InFlight};
 
 /// What a scripted connection was sent, what it will read, and what it
 /// owed when it was given back.
@@ -16,11 +16,11 @@ pub(super) struct Script {
     pub(super) written: Vec<u8>,
     replies: VecDeque<Value>,
     closed: bool,
-    given_back: Option<Vec<Pending>>,
+    given_back: Option<Vec<InFlight>>,
 }
 
 pub(super) struct Scripted {
-    pub(super) wire: Wire,
+    pub(super) wire: ConnState,
     pub(super) script: Arc<Mutex<Script>>,
 }
 
@@ -39,11 +39,11 @@ impl Link for Scripted {
         None
     }
 
-    fn wire(&self) -> &Wire {
+    fn wire(&self) -> &ConnState {
         &self.wire
     }
 
-    fn wire_mut(&mut self) -> &mut Wire {
+    fn wire_mut(&mut self) -> &mut ConnState {
         &mut self.wire
     }
 
@@ -58,7 +58,7 @@ impl Link for Scripted {
         self.read_all()
     }
 
-    fn next_reply(&mut self) -> io::Result<Option<(Pending, Value)>> {
+    fn next_reply(&mut self) -> io::Result<Option<(InFlight, Value)>> {
         let v = self.script.lock().replies.pop_front();
         match v {
             Some(v) => self.wire.answer(v).map(Some),
@@ -99,15 +99,19 @@ impl Wake for Count {
     }
 }
 
-pub(super) fn line() -> (Arc<Line<Scripted>>, Arc<Mutex<Script>>, Arc<NodeShared>) {
+pub(super) fn line() -> (
+    Arc<Multiplexed<Scripted>>,
+    Arc<Mutex<Script>>,
+    Arc<NodeState>,
+) {
     let script = Arc::new(Mutex::new(Script::default()));
-    let node = Arc::new(NodeShared::for_tests());
+    let node = Arc::new(NodeState::for_tests());
     let conn = Scripted {
-        wire: Wire::new(Instant::now()),
+        wire: ConnState::new(Instant::now()),
         script: script.clone(),
     };
     (
-        Line::new(conn, node.clone(), Weak::new(), Weak::new()),
+        Multiplexed::new(conn, node.clone(), Weak::new(), Weak::new()),
         script,
         node,
     )
@@ -117,12 +121,12 @@ fn int(n: i64) -> Value {
     Value::Int(n)
 }
 
-pub(super) fn send(s: &mut Share<Scripted>, cmd: &[u8]) {
+pub(super) fn send(s: &mut RoundConn<Scripted>, cmd: &[u8]) {
     s.wire_mut().queue(cmd, Instant::now(), true);
     s.flush().expect("sent");
 }
 
-fn reply(s: &mut Share<Scripted>) -> Option<Value> {
+fn reply(s: &mut RoundConn<Scripted>) -> Option<Value> {
     s.next_reply().expect("no error").map(|(_, v)| v)
 }
 
@@ -314,7 +318,7 @@ fn a_line_given_up_says_so_apart_from_a_socket_timeout() {
     );
 }
 
-/// A line owing as many replies as a connection may owe takes no new round,
+/// A multiplexed connection owing as many replies as a connection may owe takes no new round,
 /// but stays for the rounds on it: their replies still come (too many
 /// owed is no failure of theirs, nor of the node).
 #[test]
@@ -337,7 +341,7 @@ fn a_full_line_refuses_new_rounds_and_keeps_its_own() {
     assert!(!a.wire().broken);
 }
 
-/// While another round reads the line and replies are owed, a round's
+/// While another round reads the multiplexed connection and replies are owed, a round's
 /// commands wait staged for the reader's next write: nothing is written
 /// until the reader has read, then all of it at once. A close before that
 /// is the staged round's answer too.
@@ -360,7 +364,7 @@ fn commands_staged_behind_a_batch_in_flight_go_out_with_the_readers_next_write()
     assert_eq!(reply(&mut b), Some(int(2)));
     assert_eq!(reply(&mut c), Some(int(3)));
 
-    // Staged, then the line closes before the reader wrote it.
+    // Pipeline, then the multiplexed connection closes before the reader wrote it.
     send(&mut a, b"A2");
     send(&mut b, b"B2");
     script.lock().closed = true;
@@ -464,7 +468,7 @@ fn a_reader_reading_its_own_reply_does_not_wake_itself() {
 }
 
 /// A round that worked out the lock history's key (a hash of the server's
-/// run id and the epoch) leaves it to the line, so the next round starts
+/// run id and the epoch) leaves it to the multiplexed connection, so the next round starts
 /// with it; one that read its replies against another server's run id does
 /// not.
 #[test]
@@ -483,7 +487,7 @@ fn the_history_key_a_round_worked_out_stays_with_the_line() {
     assert_eq!(c.wire().history_key, Some((7, 99)), "another server's key");
 }
 
-/// A round alone on a line whose replies are owed only to rounds that left
+/// A round alone on a multiplexed connection whose replies are owed only to rounds that left
 /// (a single thread's stragglers) writes at once: waiting would cost it a
 /// round trip and batch nothing.
 #[test]
@@ -520,7 +524,7 @@ impl Await<Scripted> for TestAwait {
     fn mark(&self) -> u64 {
         0
     }
-    fn block(&self, _: &[Arc<Line<Scripted>>], until: Instant, _: u64) {
+    fn block(&self, _: &[Arc<Multiplexed<Scripted>>], until: Instant, _: u64) {
         (self.block)(until);
     }
 }
@@ -532,14 +536,14 @@ impl Await<Scripted> for TestAwait {
 /// stays for the others.
 #[test]
 fn a_round_past_its_deadline_behind_another_batch_returns_on_time_and_keeps_the_line() {
-    use crate::driver::node::part::Part;
+    use crate::driver::node::node_round::NodeRound;
     let (line, script, _) = line();
     let mut a = line.admit(None, Instant::now()).expect("open");
     let mut b = line.admit(None, Instant::now()).expect("open");
     send(&mut a, b"A1");
     send(&mut b, b"B1");
     assert_eq!(script.lock().written, b"A1", "B1 waits behind A1");
-    let mut parts = vec![Part {
+    let mut parts = vec![NodeRound {
         admit: crate::algorithm::health::Admit::Wait,
         conn: Some(b),
         sent: Some(Instant::now()),
