@@ -36,7 +36,7 @@ mod history;
 #[cfg(test)]
 mod history_tests;
 #[cfg(test)]
-mod node_rules;
+mod node_rules_tests;
 mod remote;
 mod report;
 mod several;
