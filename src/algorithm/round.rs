@@ -410,7 +410,7 @@ pub(crate) struct Reply {
 }
 
 impl Reply {
-    #[cfg(test)]
+    /// A reply of `answers` alone.
     pub(crate) fn new(answers: Vec<Answer>) -> Self {
         Reply {
             answers,
