@@ -391,6 +391,16 @@ impl Tally {
     }
 }
 
+/// The [`validity`] a round that won left, or `ValidityExhausted`.
+fn valid(ttl: Duration, elapsed: Duration, drift: Duration) -> Result<Duration, Error> {
+    let v = validity(ttl, elapsed, drift);
+    if v.is_zero() {
+        Err(Error::ValidityExhausted { elapsed, ttl })
+    } else {
+        Ok(v)
+    }
+}
+
 /// Outcome of an acquisition round: the remaining validity, or why not.
 pub(crate) fn decide_acquire(
     t: Tally,
@@ -401,12 +411,7 @@ pub(crate) fn decide_acquire(
     let nodes = t.nodes();
     let q = quorum(nodes);
     if t.ok >= q {
-        let v = validity(ttl, elapsed, drift);
-        if v.is_zero() {
-            Err(Error::ValidityExhausted { elapsed, ttl })
-        } else {
-            Ok(v)
-        }
+        valid(ttl, elapsed, drift)
     } else {
         Err(t.shortfall(
             q,
@@ -442,12 +447,7 @@ pub(crate) fn decide_extend(
         if elapsed >= time_left {
             return Err(Error::Expired);
         }
-        let v = validity(ttl, elapsed, drift);
-        if v.is_zero() {
-            Err(Error::ValidityExhausted { elapsed, ttl })
-        } else {
-            Ok(v)
-        }
+        valid(ttl, elapsed, drift)
     } else {
         Err(t.shortfall(q, |nodes| Error::NotOwner { nodes }, Error::Expired))
     }

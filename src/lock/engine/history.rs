@@ -143,27 +143,14 @@ impl Engine {
         *ttls = next;
     }
 
-    /// The lock histories this client has seen begin: the last one each
-    /// node reported in a reply, and the one each node had when a
-    /// connection to it was made (the transport's, learnt at connect;
-    /// with `until`, waiting until then at most for nodes still
-    /// connecting). Every one had begun before this call.
-    pub(super) fn begun(&self, until: Option<Instant>) -> After {
-        let mut out = After::NONE;
-        for k in &self.histories {
-            out.insert(k.load(Ordering::Relaxed));
-        }
-        for k in self.transport.begun(until) {
-            out.insert(k);
-        }
-        out
-    }
-
-    /// What a round using `ttl` sends as the histories it comes after: the
-    /// ones this client has seen begin if `ttl` is longer than any it knows
-    /// of (a first use), else none (nothing is recorded). A first use waits
-    /// until `until` at most for the histories of nodes still connecting
-    /// (a fresh client's first round is one: it knows no TTL yet).
+    /// What a round using `ttl` sends as the histories it comes after: if
+    /// `ttl` is longer than any it knows of (a first use), the ones this
+    /// client has seen begin, the last one each node reported in a reply
+    /// and the one each had when a connection to it was made (learnt at
+    /// connect; with `until`, waiting until then at most for nodes still
+    /// connecting: a fresh client's first round is one, it knows no TTL
+    /// yet), every one begun before this call; else none (nothing is
+    /// recorded).
     ///
     /// Why a history learnt at connect may be sent. The restart rule rests
     /// on one property of every record a node keeps: each history in its
@@ -192,11 +179,16 @@ impl Engine {
         known: &TtlHistory,
         until: Option<Instant>,
     ) -> After {
+        let mut out = After::NONE;
         if ttl > known.max {
-            self.begun(until)
-        } else {
-            After::NONE
+            for k in &self.histories {
+                out.insert(k.load(Ordering::Relaxed));
+            }
+            for k in self.transport.begun(until) {
+                out.insert(k);
+            }
         }
+        out
     }
 }
 
