@@ -148,9 +148,8 @@ fn run(client: &Weak<Engine>, clock: &dyn Clock, rx: &Receiver<Msg>, wake: &Arc<
                 Err(TryRecvError::Disconnected) => return,
             }
         }
-        let ticked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            tick(&engine, &mut entries)
-        }));
+        let ticked =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| tick(&engine, &mut entries)));
         if ticked.is_err() {
             error!("a renewal tick panicked; the watchdog keeps running");
         }

@@ -48,7 +48,6 @@ impl Engine {
             *ttls = ttls.used(ttl, begun);
             (known.max, super::history::told(ttl, &known, begun))
         };
-        // What each lock had left when the round started.
         let time_left: Vec<Duration> = states
             .iter()
             .map(|s| s.deadline().saturating_duration_since(start))
@@ -63,7 +62,6 @@ impl Engine {
             end,
             loud,
         };
-        // Each lock's outcome, decided on its own.
         let decided: Vec<(usize, Result<Duration>, bool)> = states
             .iter()
             .enumerate()

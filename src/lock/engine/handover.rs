@@ -74,18 +74,16 @@ impl Engine {
     }
 
     /// Makes a lock handed over by this process's last holder a new critical
-    /// section. Unfenced, without a round trip: the key, its token and its
-    /// expiry stay as they are, and the section number tells the sections
-    /// apart (see [`continue_section`](Self::continue_section)). Fenced, by
-    /// one swap round that gives the key a fresh token, keeping its
-    /// expiry, on every node where it holds the old token, and writes the
-    /// new section's fencing token. It counts like an
-    /// extension: a majority, inside the old validity, which the new section
-    /// inherits unchanged (so hand-overs never keep a key longer than one
-    /// TTL). Not tried for another TTL than the lock's, or with less than
-    /// [`node_timeout`](crate::Builder::node_timeout) of validity left. On
-    /// any failure the old lock (and any new token) is deleted: the caller
-    /// then locks anew.
+    /// section: unfenced, with nothing sent (see
+    /// [`continue_section`](Self::continue_section)); fenced, by one swap
+    /// round that gives the key a fresh token where it holds the old one,
+    /// keeping its expiry, and writes the new section's fencing token. The
+    /// swap counts like an extension: a majority, inside the old validity,
+    /// which the new section inherits unchanged (so hand-overs never keep a
+    /// key longer than one TTL). Not tried for another TTL than the lock's,
+    /// or with less than [`node_timeout`](crate::Builder::node_timeout) of
+    /// validity left. On any failure the old lock (and any new token) is
+    /// deleted: the caller then locks anew.
     pub(crate) fn accept_hand_over(&self, handed: &LockState, ttl: Duration) -> Result<LockState> {
         let start = self.clock.now();
         let timing = handed.timing();

@@ -61,16 +61,16 @@ impl Engine {
     /// [`Op::Acquire`](crate::algorithm::round::Op::Acquire); the caller
     /// checks that it is one writer's key, unfenced, with no intent or on
     /// the call's first try, which then marks none: readers refuse it, and
-    /// the next try marks the intent): it
-    /// has nothing to record (not a first use, and every node's record
-    /// knows the longest TTL this client knows of), and every node's
-    /// history was read by a script, each of them begun before the
-    /// earliest of those reads, and counts under this rule as if every
-    /// node answered now (`Some`: the generation of those reads). The lean reply stands for that read where the
-    /// history it reads after its SET is the same one: nothing older than
-    /// the reads can be lost unseen (a node that loses its data loses the
-    /// history with it), and a TTL first used since came after every one
-    /// of those histories began, so it holds none of them back.
+    /// the next try marks the intent): nothing to record (no first use, and
+    /// every node's record knows this client's longest TTL), and every
+    /// node's history was read by a script, each begun before the earliest
+    /// of those reads, and counts under this rule as if every node answered
+    /// now (`Some`: the generation of those reads). The lean reply stands
+    /// for that read where the history it reads after its SET is the same
+    /// one: nothing older than the reads can be lost unseen (a node that
+    /// loses its data loses the history with it), and a TTL first used
+    /// since came after every one of those histories began, so it holds
+    /// none of them back.
     pub(super) fn lean(&self, ttl: Duration, rule: &RestartRule) -> Option<u64> {
         let known = &rule.known;
         if ttl > known.max {
