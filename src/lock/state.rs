@@ -95,12 +95,10 @@ impl LockState {
         }
     }
 
-    /// The next critical section of this lock, handed over locally, under
-    /// `token` and `fence` (a fenced section's are new, written by a swap):
-    /// the same expiry, reach and node count, section number one more,
-    /// begun at `now`. The reach stays the lock's: an extension the old
-    /// section sent may still land (the extend script takes any token of
-    /// the lineage), and the release's retries must outlast it.
+    /// The next section of this lock, handed over locally, under `token`
+    /// and `fence` (new where a swap wrote them), begun at `now`: the same
+    /// expiry, node count and reach (an extension the old section sent may
+    /// still land: the extend script takes any token of the lineage).
     pub(crate) fn next_section(
         &self,
         now: Instant,
