@@ -223,7 +223,7 @@ fn tick(engine: &Engine, entries: &mut Vec<Entry>) {
     for group in due.chunk_by(|a, b| (a.0, a.1) == (b.0, b.1)) {
         // Batches of at most `MAX_BATCH` keys (a lock of several resources
         // has one per resource), at least one lock each.
-        let mut rest = group;
+        let (ttl, mut rest) = (group[0].0, group);
         while !rest.is_empty() {
             let mut keys = 0usize;
             let n = rest
@@ -234,11 +234,8 @@ fn tick(engine: &Engine, entries: &mut Vec<Entry>) {
                 })
                 .count()
                 .max(1);
-            let (batch, tail) = rest.split_at(n.min(rest.len()));
+            let (batch, tail) = rest.split_at(n);
             rest = tail;
-            let Some(&(ttl, _, _)) = batch.first() else {
-                continue;
-            };
             // Rounds of earlier batches let other threads run: a lock may
             // have been released or lost meanwhile, and is not renewed. A
             // release from now on waits for this round to end (the renewal
