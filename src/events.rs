@@ -238,9 +238,7 @@ impl<'a> AttemptEvent<'a> {
         self.resource
     }
 
-    /// The critical section's number in its lock's lineage: 1 for a lock
-    /// acquired at the nodes, one more at each hand-over to another thread
-    /// of this process (see [`LockGuard::section`](crate::LockGuard::section)).
+    /// The critical section's number ([`LockGuard::section`](crate::LockGuard::section)).
     pub fn section(&self) -> u64 {
         self.section
     }
@@ -304,9 +302,7 @@ impl<'a> RenewalEvent<'a> {
         self.resource
     }
 
-    /// The critical section's number in its lock's lineage: 1 for a lock
-    /// acquired at the nodes, one more at each hand-over to another thread
-    /// of this process (see [`LockGuard::section`](crate::LockGuard::section)).
+    /// The critical section's number ([`LockGuard::section`](crate::LockGuard::section)).
     pub fn section(&self) -> u64 {
         self.section
     }
@@ -353,9 +349,7 @@ impl<'a> LostEvent<'a> {
         self.resource
     }
 
-    /// The critical section's number in its lock's lineage: 1 for a lock
-    /// acquired at the nodes, one more at each hand-over to another thread
-    /// of this process (see [`LockGuard::section`](crate::LockGuard::section)).
+    /// The critical section's number ([`LockGuard::section`](crate::LockGuard::section)).
     pub fn section(&self) -> u64 {
         self.section
     }
@@ -387,9 +381,7 @@ impl<'a> ReleaseEvent<'a> {
         self.resource
     }
 
-    /// The critical section's number in its lock's lineage: 1 for a lock
-    /// acquired at the nodes, one more at each hand-over to another thread
-    /// of this process (see [`LockGuard::section`](crate::LockGuard::section)).
+    /// The critical section's number ([`LockGuard::section`](crate::LockGuard::section)).
     pub fn section(&self) -> u64 {
         self.section
     }

@@ -59,10 +59,6 @@ impl LockGuard {
         &self.state
     }
 
-    fn engine(&self) -> &Engine {
-        &self.engine
-    }
-
     /// The locked resource (the Redis key); for a lock of several
     /// ([`LockRequest::and`](crate::LockRequest::and)), the first.
     pub fn resource(&self) -> &str {
@@ -167,7 +163,7 @@ impl LockGuard {
         if self.state.is_lost() {
             return Duration::ZERO;
         }
-        let now = self.engine().clock.now();
+        let now = self.engine.clock.now();
         self.state.deadline().saturating_duration_since(now)
     }
 
@@ -292,7 +288,7 @@ impl LockGuard {
     /// [`auto_renew(true)`](crate::Builder::auto_renew) are renewed already.
     pub fn auto_renew(&self) -> &Self {
         if !self.state.is_lost() && !self.state.is_released() && self.state.start_renewing() {
-            self.engine().watchdog().add(self.state.clone());
+            self.engine.watchdog().add(self.state.clone());
         }
         self
     }
@@ -319,7 +315,7 @@ impl LockGuard {
         if self.state.is_lost() || self.state.is_released() {
             return Err(Error::Expired);
         }
-        self.engine().extend(&self.state, ttl)
+        self.engine.extend(&self.state, ttl)
     }
 
     /// Releases the lock on every node and reports the outcome. Renewal
@@ -351,14 +347,14 @@ impl LockGuard {
             let t = self.state.timing();
             let left = t
                 .deadline
-                .saturating_duration_since(self.engine().clock.now());
+                .saturating_duration_since(self.engine.clock.now());
             let handable = !self.state.is_renewing()
                 && !self.state.is_lost()
                 && !self.state.is_released()
                 && left >= t.ttl / 2
                 && turn.has_waiters()
                 // Other clients wait too: they get it by the nodes.
-                && !self.engine().others_wait(&self.state.resource);
+                && !self.engine.remote.others_wait(&self.state.resource);
             if handable {
                 // With nobody left waiting, the lock and the turn come back:
                 // released below, the turn passing on after.
@@ -390,13 +386,13 @@ impl LockGuard {
             return None;
         }
         if self.state.is_renewing() {
-            self.engine().watchdog().remove(self.state.id);
+            self.engine.watchdog().remove(self.state.id);
         }
         // Released holding the turn (the next local waiter must not race the
         // release on the nodes); the event handler is told after.
-        let (outcome, results) = self.engine().release_round(&self.state);
+        let (outcome, results) = self.engine.release_round(&self.state);
         self.turn.take();
-        self.engine().release_event(&self.state, &outcome, &results);
+        self.engine.release_event(&self.state, &outcome, &results);
         Some(outcome)
     }
 }

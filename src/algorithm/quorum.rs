@@ -31,12 +31,12 @@ pub(crate) struct VoteRules {
     pub allow_evicting: bool,
 }
 
-// Not derived: the test builds' `one_per_server` defaults to true.
-#[allow(clippy::derivable_impls)]
+// Not derived: `one_per_server` defaults to true. (Tests only: a client's
+// rules come from its settings.)
+#[cfg(test)]
 impl Default for VoteRules {
     fn default() -> Self {
         VoteRules {
-            #[cfg(test)]
             one_per_server: true,
             allow_evicting: false,
         }
@@ -128,7 +128,7 @@ pub(crate) fn settled(results: &[Option<NodeResult>]) -> bool {
 /// settled when a majority said OK, or too few nodes are left to make
 /// one. A round waits on its replies without waking for fewer.
 pub(crate) fn to_settle(results: &[Option<NodeResult>]) -> usize {
-    to_settle_acquire(results, |_, _| true, |_, _| true)
+    to_settle_key(results, 0, |_, _| true, |_, _| true)
 }
 
 /// Whether a round of `keys` keys is settled for every key (see
@@ -144,42 +144,31 @@ pub(crate) fn settled_all(results: &[Option<NodeResult>], keys: usize) -> bool {
 /// settled. Each reply adds one OK at most to a key, and is one fewer to
 /// come.
 pub(crate) fn to_settle_all(results: &[Option<NodeResult>], keys: usize) -> usize {
-    let q = quorum(results.len());
-    let pending = results.iter().filter(|r| r.is_none()).count();
     (0..keys)
-        .map(|k| {
-            let ok = results
-                .iter()
-                .filter(|r| matches!(r, Some(Ok(rep)) if rep.answers.get(k) == Some(&Answer::Ok)))
-                .count();
-            if ok >= q || ok + pending < q {
-                0
-            } else {
-                (q - ok).min(ok + pending + 1 - q)
-            }
-        })
+        .map(|k| to_settle_key(results, k, |_, _| true, |_, _| true))
         .max()
         .unwrap_or(0)
 }
 
-/// How many more replies an acquire round needs at least before it is
-/// settled (0 when it is): settled by a majority of OKs that `certain`ly
-/// count (no reply still to come can disqualify them), or by too few OKs
-/// that `count` now, even with every pending reply, to make one. Where every OK that
-/// counts counts certainly, a reply adds one certain OK at most, and takes
+/// How many more replies a round needs at least before its `k`-th key is
+/// settled (0 when it is; an acquire's, key 0): settled by a majority of
+/// OKs that `certain`ly count (no reply still to come can disqualify
+/// them), or by too few OKs that `count` now, even with every pending
+/// reply, to make one. Where every OK that counts counts certainly, a reply adds one certain OK at most, and takes
 /// one at most from the OKs that may still come to count (a reply can
 /// disqualify only votes that are not certain, each one added by a reply
 /// of its own); otherwise a reply may disqualify several at once, and the
 /// round looks at every reply.
-pub(crate) fn to_settle_acquire(
+pub(crate) fn to_settle_key(
     results: &[Option<NodeResult>],
+    k: usize,
     certain: impl Fn(usize, Option<&NodeFacts>) -> bool,
     counts: impl Fn(usize, Option<&NodeFacts>) -> bool,
 ) -> usize {
     let q = quorum(results.len());
     let oks = || {
         results.iter().enumerate().filter_map(|(i, r)| match r {
-            Some(Ok(rep)) if rep.answers.first() == Some(&Answer::Ok) => {
+            Some(Ok(rep)) if rep.answers.get(k) == Some(&Answer::Ok) => {
                 Some((i, rep.facts.as_ref()))
             }
             _ => None,
@@ -391,6 +380,16 @@ impl Tally {
     }
 }
 
+/// The [`validity`] a round that won left, or `ValidityExhausted`.
+fn valid(ttl: Duration, elapsed: Duration, drift: Duration) -> Result<Duration, Error> {
+    let v = validity(ttl, elapsed, drift);
+    if v.is_zero() {
+        Err(Error::ValidityExhausted { elapsed, ttl })
+    } else {
+        Ok(v)
+    }
+}
+
 /// Outcome of an acquisition round: the remaining validity, or why not.
 pub(crate) fn decide_acquire(
     t: Tally,
@@ -401,12 +400,7 @@ pub(crate) fn decide_acquire(
     let nodes = t.nodes();
     let q = quorum(nodes);
     if t.ok >= q {
-        let v = validity(ttl, elapsed, drift);
-        if v.is_zero() {
-            Err(Error::ValidityExhausted { elapsed, ttl })
-        } else {
-            Ok(v)
-        }
+        valid(ttl, elapsed, drift)
     } else {
         Err(t.shortfall(
             q,
@@ -442,12 +436,7 @@ pub(crate) fn decide_extend(
         if elapsed >= time_left {
             return Err(Error::Expired);
         }
-        let v = validity(ttl, elapsed, drift);
-        if v.is_zero() {
-            Err(Error::ValidityExhausted { elapsed, ttl })
-        } else {
-            Ok(v)
-        }
+        valid(ttl, elapsed, drift)
     } else {
         Err(t.shortfall(q, |nodes| Error::NotOwner { nodes }, Error::Expired))
     }

@@ -569,8 +569,8 @@ fn a_round_with_votes_a_reply_may_disqualify_looks_at_every_reply() {
     use crate::algorithm::round::Reply;
     let ok = || Some(Ok(Reply::new(vec![Answer::Ok])));
     let r = [ok(), ok(), None, None, None];
-    assert_eq!(to_settle_acquire(&r, |_, _| true, |_, _| true), 1);
+    assert_eq!(to_settle_key(&r, 0, |_, _| true, |_, _| true), 1);
     let r = [ok(), None, None, None, None];
-    assert_eq!(to_settle_acquire(&r, |_, _| true, |_, _| true), 2);
-    assert_eq!(to_settle_acquire(&r, |_, _| false, |_, _| true), 1);
+    assert_eq!(to_settle_key(&r, 0, |_, _| true, |_, _| true), 2);
+    assert_eq!(to_settle_key(&r, 0, |_, _| false, |_, _| true), 1);
 }

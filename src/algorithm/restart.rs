@@ -172,7 +172,7 @@ pub(crate) struct RestartRule {
     pub floor: Duration,
     /// What this client knew of the TTLs in use when the round began.
     pub known: TtlHistory,
-    /// Every node answered this round (see [`answered_all`]). Only then
+    /// Every node answered this round (see [`answered`]). Only then
     /// have all the records that may say a TTL was in use before a young
     /// history began been heard; otherwise every TTL known counts, as if
     /// it had always been in use.
@@ -189,7 +189,7 @@ impl RestartRule {
     /// answered.
     pub(crate) fn heard(self, results: &[NodeResult]) -> RestartRule {
         RestartRule {
-            complete: answered_all(results.iter().map(Some)),
+            complete: results.iter().all(answered),
             ..self
         }
     }
@@ -263,14 +263,9 @@ pub(crate) fn hold_back(
         .collect()
 }
 
-/// Whether every node answered the round (its reply was read, as a vote or
+/// Whether a node's result is its answer (its reply was read, as a vote or
 /// not): a node skipped as failing, not reached or timed out was not heard,
 /// whatever this client thinks of its health.
-pub(crate) fn answered_all<'a>(results: impl IntoIterator<Item = Option<&'a NodeResult>>) -> bool {
-    results.into_iter().all(|r| r.is_some_and(answered))
-}
-
-/// Whether a node's result is its answer (see [`answered_all`]).
 pub(crate) fn answered(r: &NodeResult) -> bool {
     match r {
         Ok(_) => true,
@@ -285,17 +280,9 @@ pub(crate) fn answered(r: &NodeResult) -> bool {
 /// the reports that could name a longer TTL in use been heard. Nodes the
 /// round did not wait for (failing) do not count.
 pub(crate) fn heard_all(results: &[NodeResult]) -> bool {
-    results.iter().all(|r| match r {
-        Ok(_) => true,
-        // Answered, though not as a vote: its report was heard.
-        Err(e) => matches!(
-            e.kind(),
-            NodeErrorKind::Skipped
-                | NodeErrorKind::Unavailable
-                | NodeErrorKind::Restarted
-                | NodeErrorKind::SameServer
-                | NodeErrorKind::Unsuitable
-        ),
+    results.iter().all(|r| {
+        answered(r)
+            || matches!(r, Err(e) if matches!(e.kind(), NodeErrorKind::Skipped | NodeErrorKind::Unavailable))
     })
 }
 

@@ -8,13 +8,10 @@
 //! processes is still settled by the nodes (jittered retry).
 //!
 //! A release with waiters queued and at least half its TTL of validity left
-//! hands the lock to the next thread, which makes it its own critical section
-//! (the next section number, the same expiry; unfenced with nothing sent, the
-//! same token; fenced with one swap round for a fresh token and the next
-//! fencing token: see `Engine::accept_hand_over`). Below half the TTL the
-//! lock is released on the nodes
-//! as usual, so one process cannot keep a key for longer than one TTL by
-//! handing it around.
+//! hands the lock to the next thread as its next critical section (see
+//! `Engine::accept_hand_over`). Below half the TTL the lock is released on
+//! the nodes as usual, so one process cannot keep a key for longer than one
+//! TTL by handing it around.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Weak};
@@ -22,7 +19,7 @@ use std::time::Instant;
 
 use parking_lot::{Mutex, MutexGuard};
 
-use crate::clock::{Clock, Signal, SystemClock};
+use crate::clock::{Clock, Signal};
 use crate::lock::state::LockState;
 
 /// The queues, one per resource that some thread holds or waits for.
@@ -31,12 +28,6 @@ pub(crate) struct Queues {
     map: Mutex<HashMap<String, Arc<Queue>>>,
     /// Time and waits (virtual in the simulation).
     clock: Arc<dyn Clock>,
-}
-
-impl Default for Queues {
-    fn default() -> Self {
-        Queues::new(Arc::new(SystemClock))
-    }
 }
 
 #[derive(Debug, Default)]
@@ -247,6 +238,12 @@ fn holder_deadline(st: &QueueState, now: Instant) -> Option<Instant> {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    impl Default for Queues {
+        fn default() -> Self {
+            Queues::new(Arc::new(crate::clock::SystemClock))
+        }
+    }
 
     #[test]
     fn one_turn_at_a_time_and_queues_are_forgotten() {

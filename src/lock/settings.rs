@@ -96,10 +96,10 @@ impl Settings {
                 max: MAX_NODE_TIMEOUT,
             });
         }
-        if self.max_ttl.is_some_and(|t| t.is_zero()) {
-            return Err(InvalidInput::ZeroDuration("max_ttl"));
-        }
         if let Some(max) = self.max_ttl {
+            if max.is_zero() {
+                return Err(InvalidInput::ZeroDuration("max_ttl"));
+            }
             if max > crate::MAX_TTL {
                 return Err(InvalidInput::DurationTooLong {
                     what: "max_ttl",

@@ -95,12 +95,17 @@ impl LockState {
         }
     }
 
-    /// The next critical section of this lock, handed over locally without a
-    /// round trip: the same token, expiry, reach and node count, section
-    /// number one more, begun at `now`. (Only for an unfenced lock: a fenced
-    /// section needs a fencing token of its own, written by a swap.)
-    pub(crate) fn next_section(&self, now: Instant) -> LockState {
-        let mut next = LockState::new(&self.resource, self.token.clone(), None, self.timing());
+    /// The next section of this lock, handed over locally, under `token`
+    /// and `fence` (new where a swap wrote them), begun at `now`: the same
+    /// expiry, node count and reach (an extension the old section sent may
+    /// still land: the extend script takes any token of the lineage).
+    pub(crate) fn next_section(
+        &self,
+        now: Instant,
+        token: String,
+        fence: Option<u64>,
+    ) -> LockState {
+        let mut next = LockState::new(&self.resource, token, fence, self.timing());
         next.section = self.section.saturating_add(1);
         next.acquired = now;
         *next.reach.get_mut() = self.reach();

@@ -66,43 +66,35 @@ pub(crate) trait Transport: Send + Sync + 'static {
     /// Subscribes to `resource`'s releases, waiting until `confirm_by` at
     /// most for the nodes to confirm. `None`: not supported (doubles, the
     /// simulation) or no room: the caller polls.
-    fn watch(&self, resource: &str, confirm_by: Instant) -> Option<Box<dyn Watch>> {
-        let _ = (resource, confirm_by);
+    fn watch(&self, _resource: &str, _confirm_by: Instant) -> Option<Box<dyn Watch>> {
         None
     }
 
     /// [`watch`](Self::watch) for every one of `resources` at once (a lock
     /// of several): woken by a release of any. `None`: not supported (the
     /// simulation's sets poll) or no room.
-    fn watch_all(&self, resources: &[&str], confirm_by: Instant) -> Option<Box<dyn Watch>> {
-        let _ = (resources, confirm_by);
+    fn watch_all(&self, _resources: &[&str], _confirm_by: Instant) -> Option<Box<dyn Watch>> {
         None
     }
 
     /// [`watch`](Self::watch), only where `resource` is subscribed already
     /// (then without waiting).
-    fn watch_existing(&self, resource: &str) -> Option<Box<dyn Watch>> {
-        let _ = resource;
+    fn watch_existing(&self, _resource: &str) -> Option<Box<dyn Watch>> {
         None
     }
 
     /// This client is about to release `resource` with `notice`: its own
     /// message wakes none of its waiters.
-    fn releasing(&self, resource: &str, notice: u64) {
-        let _ = (resource, notice);
-    }
+    fn releasing(&self, _resource: &str, _notice: u64) {}
 
     /// This client's release of `resources` ended: its own waiters for
     /// locks of several resources, which no local queue serves, try again.
-    fn released(&self, resources: &[&str]) {
-        let _ = resources;
-    }
+    fn released(&self, _resources: &[&str]) {}
 
     /// Per node, whether this client's own subscriber listens to
     /// `resource`'s releases there (a release's subscriber count includes
     /// it then); empty when it does not listen.
-    fn watching(&self, resource: &str) -> Vec<bool> {
-        let _ = resource;
+    fn watching(&self, _resource: &str) -> Vec<bool> {
         Vec::new()
     }
 
@@ -112,8 +104,7 @@ pub(crate) trait Transport: Send + Sync + 'static {
     /// waits until then at most for nodes still connecting (see
     /// [`wait_connected`](Self::wait_connected)). Every key names a history
     /// that had begun before this call. Empty: none known.
-    fn begun(&self, until: Option<Instant>) -> Vec<u64> {
-        let _ = until;
+    fn begun(&self, _until: Option<Instant>) -> Vec<u64> {
         Vec::new()
     }
 
@@ -131,16 +122,14 @@ pub(crate) trait Transport: Send + Sync + 'static {
     /// at most until `deadline`; returns how many nodes have a
     /// connection, or the first two entries found to reach one server.
     /// Doubles are always connected.
-    fn wait_connected(&self, deadline: Instant) -> Result<usize, crate::error::InvalidInput> {
-        let _ = deadline;
+    fn wait_connected(&self, _deadline: Instant) -> Result<usize, crate::error::InvalidInput> {
         Ok(self.node_names().len())
     }
 
     /// Gathers the facts of [`Redlock::check`](crate::Redlock::check) from
     /// every node. Doubles that do not model it report every node
     /// unreachable.
-    fn probe(&self, key: &str, timeout: Duration) -> Vec<Probe> {
-        let _ = (key, timeout);
+    fn probe(&self, _key: &str, _timeout: Duration) -> Vec<Probe> {
         self.node_names()
             .iter()
             .map(|_| Probe {
@@ -154,8 +143,11 @@ pub(crate) trait Transport: Send + Sync + 'static {
     /// a writer's intent) and remaining time to live on every node, each
     /// within `timeout`, outside of rounds and pools (an operator's status
     /// query). Doubles that do not model it answer with an error.
-    fn inspect(&self, resource: &str, timeout: Duration) -> Vec<Result<Option<Stored>, NodeError>> {
-        let _ = (resource, timeout);
+    fn inspect(
+        &self,
+        _resource: &str,
+        _timeout: Duration,
+    ) -> Vec<Result<Option<Stored>, NodeError>> {
         self.node_names()
             .iter()
             .map(|n| {

@@ -26,14 +26,12 @@ use super::{history, Budget, Engine, Want};
 type Decision = (Instant, Result<Duration>, Vec<NodeResult>);
 
 impl Engine {
-    /// Locks `resource` within `budget`: this thread's turn in the local
-    /// queue first (taking over a lock handed to it), then attempts with a
-    /// jittered pause between them. Returns the lock and the turn it holds.
-    ///
-    /// `want.also`: the other resources of a lock of several (see
-    /// `several`), validated by the caller. Such a lock, and a read lock,
-    /// has no turn in a local queue (its threads meet at the nodes); their
-    /// waiters are woken together, by a release of any of their resources.
+    /// Locks `resource` within `budget` (see the module doc); returns the
+    /// lock and the turn it holds. `want.also`: the other resources of a
+    /// lock of several (see `several`), validated by the caller. Such a
+    /// lock, and a read lock, has no turn in a local queue (its threads
+    /// meet at the nodes); their waiters are woken together, by a release
+    /// of any of their resources.
     /// A writer that waits (not `try_lock`) keeps new readers out while it
     /// does (see [`Op::Acquire`]).
     pub(crate) fn acquire(
@@ -241,7 +239,7 @@ impl Engine {
                     || !rule.enabled
                     || facts.is_none_or(|f| f.age >= horizon.max(longest) || self.trusted(i, f)))
         };
-        let need = quorum::to_settle_acquire(results, certain, counts);
+        let need = quorum::to_settle_key(results, 0, certain, counts);
         // A TTL longer than every client promised (`max_ttl`) in use:
         // a reply may then disqualify votes counted as certain, several
         // at once; the round looks at every reply.

@@ -48,7 +48,6 @@ impl Engine {
             *ttls = ttls.used(ttl, begun);
             (known.max, super::history::told(ttl, &known, begun))
         };
-        // What each lock had left when the round started.
         let time_left: Vec<Duration> = states
             .iter()
             .map(|s| s.deadline().saturating_duration_since(start))
@@ -63,7 +62,6 @@ impl Engine {
             end,
             loud,
         };
-        // Each lock's outcome, decided on its own.
         let decided: Vec<(usize, Result<Duration>, bool)> = states
             .iter()
             .enumerate()
@@ -299,33 +297,14 @@ fn merge_restored(
             let answer =
                 |r: &NodeResult, k: usize| r.as_ref().ok().and_then(|r| r.answers.get(k).copied());
             match (answer(ext, i), answer(rest, p)) {
-                (Some(Answer::Absent), Some(Answer::Restored | Answer::Ok)) => Ok(Reply {
-                    answers: vec![Answer::Restored],
-                    facts: None,
-                    fence: None,
-                    server: None,
-                    woke: 0,
-                    held: None,
-                }),
-                (Some(a), _) => Ok(Reply {
-                    answers: vec![a],
-                    facts: None,
-                    fence: None,
-                    server: None,
-                    woke: 0,
-                    held: None,
-                }),
-                (None, _) => match ext {
-                    Err(e) => Err(e.clone()),
-                    Ok(_) => Ok(Reply {
-                        answers: Vec::new(),
-                        facts: None,
-                        fence: None,
-                        server: None,
-                        woke: 0,
-                        held: None,
-                    }),
-                },
+                (Some(Answer::Absent), Some(Answer::Restored | Answer::Ok)) => {
+                    Ok(Reply::new(vec![Answer::Restored]))
+                }
+                (Some(a), _) => Ok(Reply::new(vec![a])),
+                (None, _) => ext
+                    .as_ref()
+                    .map(|_| Reply::new(Vec::new()))
+                    .map_err(Clone::clone),
             }
         })
         .collect()

@@ -13,7 +13,7 @@ use crate::algorithm::quorum::{self, Tally};
 use crate::algorithm::round::{Key, NodeResult, Op};
 use crate::error::Error;
 use crate::events::{AttemptEvent, Begun, Nodes};
-use crate::lock::state::{LockState, Timing};
+use crate::lock::state::LockState;
 use crate::lock::transport::AfterRound;
 use crate::Result;
 
@@ -74,18 +74,16 @@ impl Engine {
     }
 
     /// Makes a lock handed over by this process's last holder a new critical
-    /// section. Unfenced, without a round trip: the key, its token and its
-    /// expiry stay as they are, and the section number tells the sections
-    /// apart (see [`continue_section`](Self::continue_section)). Fenced, by
-    /// one swap round that gives the key a fresh token, keeping its
-    /// expiry, on every node where it holds the old token, and writes the
-    /// new section's fencing token. It counts like an
-    /// extension: a majority, inside the old validity, which the new section
-    /// inherits unchanged (so hand-overs never keep a key longer than one
-    /// TTL). Not tried for another TTL than the lock's, or with less than
-    /// [`node_timeout`](crate::Builder::node_timeout) of validity left. On
-    /// any failure the old lock (and any new token) is deleted: the caller
-    /// then locks anew.
+    /// section: unfenced, with nothing sent (see
+    /// [`continue_section`](Self::continue_section)); fenced, by one swap
+    /// round that gives the key a fresh token where it holds the old one,
+    /// keeping its expiry, and writes the new section's fencing token. The
+    /// swap counts like an extension: a majority, inside the old validity,
+    /// which the new section inherits unchanged (so hand-overs never keep a
+    /// key longer than one TTL). Not tried for another TTL than the lock's,
+    /// or with less than [`node_timeout`](crate::Builder::node_timeout) of
+    /// validity left. On any failure the old lock (and any new token) is
+    /// deleted: the caller then locks anew.
     pub(crate) fn accept_hand_over(&self, handed: &LockState, ttl: Duration) -> Result<LockState> {
         let start = self.clock.now();
         let timing = handed.timing();
@@ -155,56 +153,23 @@ impl Engine {
             // release of the handed reports it).
             self.release_event(handed, &Ok(()), &results);
         }
-        if let Some(h) = self.settings.events.get() {
-            let now = self.clock.now();
-            h.on_attempt(&AttemptEvent {
-                resource: &handed.resource,
-                section: handed.section.saturating_add(1),
-                elapsed: now.saturating_duration_since(start),
-                outcome: outcome
-                    .as_ref()
-                    .map(|_| timing.deadline.saturating_duration_since(now)),
-                nodes: Nodes::new(self.transport.node_names(), &results, 0),
-                begun: Begun::default(),
-            });
-        }
+        let until = outcome.as_ref().map(|_| timing.deadline);
+        self.hand_over_event(handed, start, until, &results);
         outcome?;
-        Ok(self.next_section(handed, token, fence, (start, timing), &results))
-    }
-
-    /// The lock's next section after a swap that `results` confirmed, under
-    /// `token` and `fence`, begun at `start`. A node the swap did not reach
-    /// keeps an earlier token of the lineage, with the lock's expiry; the
-    /// next swap or the release takes it from there.
-    fn next_section(
-        &self,
-        handed: &LockState,
-        token: String,
-        fence: Option<u64>,
-        (start, timing): (Instant, Timing),
-        results: &[NodeResult],
-    ) -> LockState {
-        let mut state = LockState::new(&handed.resource, token, fence, timing);
-        state.section = handed.section.saturating_add(1);
-        state.acquired = start;
-        // An extension the old section sent may still land (the extend
-        // script takes any token of the lineage): its reach stays the
-        // lock's, for the release's retries.
-        if let Some(r) = handed.reach() {
-            state.reach_until(r);
-        }
-        state.set_holding(quorum::holding(results, 0));
+        // A node the swap did not reach keeps an earlier token of the
+        // lineage, with the lock's expiry; the next swap or the release
+        // takes it from there.
+        let state = handed.next_section(start, token, fence);
+        state.set_holding(quorum::holding(&results, 0));
         trace!(
             "lock {:?}: section {} under token {}",
             state.resource,
             state.section,
             state.token
         );
-        state
+        Ok(state)
     }
-}
 
-impl Engine {
     /// An unfenced lock's next critical section, handed over locally: the
     /// nodes hold the same key, token and expiry as before, so nothing is
     /// sent. Only this process could tell the two sections apart by token,
@@ -212,24 +177,37 @@ impl Engine {
     /// section number tells them apart in the guard, the events and the
     /// logs. The handing-over section's release event and the new
     /// section's attempt event carry no node outcomes (no round was sent).
-    fn continue_section(&self, handed: &LockState, start: std::time::Instant) -> LockState {
-        let state = handed.next_section(start);
+    fn continue_section(&self, handed: &LockState, start: Instant) -> LockState {
+        let state = handed.next_section(start, handed.token.clone(), None);
         debug!(
             "lock {:?}: section {} handed over locally, nothing sent",
             state.resource, state.section
         );
         self.release_event(handed, &Ok(()), &[]);
+        self.hand_over_event(handed, start, Ok(state.deadline()), &[]);
+        state
+    }
+
+    /// Tells the event handler how the hand-over of `handed`, begun at
+    /// `start`, ended: its next section, valid until the deadline, or why
+    /// not.
+    fn hand_over_event(
+        &self,
+        handed: &LockState,
+        start: Instant,
+        outcome: Result<Instant, &Error>,
+        results: &[NodeResult],
+    ) {
         if let Some(h) = self.settings.events.get() {
             let now = self.clock.now();
             h.on_attempt(&AttemptEvent {
                 resource: &handed.resource,
-                section: state.section,
+                section: handed.section.saturating_add(1),
                 elapsed: now.saturating_duration_since(start),
-                outcome: Ok(state.deadline().saturating_duration_since(now)),
-                nodes: Nodes::new(self.transport.node_names(), &[], 0),
+                outcome: outcome.map(|d| d.saturating_duration_since(now)),
+                nodes: Nodes::new(self.transport.node_names(), results, 0),
                 begun: Begun::default(),
             });
         }
-        state
     }
 }

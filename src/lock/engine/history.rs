@@ -61,16 +61,16 @@ impl Engine {
     /// [`Op::Acquire`](crate::algorithm::round::Op::Acquire); the caller
     /// checks that it is one writer's key, unfenced, with no intent or on
     /// the call's first try, which then marks none: readers refuse it, and
-    /// the next try marks the intent): it
-    /// has nothing to record (not a first use, and every node's record
-    /// knows the longest TTL this client knows of), and every node's
-    /// history was read by a script, each of them begun before the
-    /// earliest of those reads, and counts under this rule as if every
-    /// node answered now (`Some`: the generation of those reads). The lean reply stands for that read where the
-    /// history it reads after its SET is the same one: nothing older than
-    /// the reads can be lost unseen (a node that loses its data loses the
-    /// history with it), and a TTL first used since came after every one
-    /// of those histories began, so it holds none of them back.
+    /// the next try marks the intent): nothing to record (no first use, and
+    /// every node's record knows this client's longest TTL), and every
+    /// node's history was read by a script, each begun before the earliest
+    /// of those reads, and counts under this rule as if every node answered
+    /// now (`Some`: the generation of those reads). The lean reply stands
+    /// for that read where the history it reads after its SET is the same
+    /// one: nothing older than the reads can be lost unseen (a node that
+    /// loses its data loses the history with it), and a TTL first used
+    /// since came after every one of those histories began, so it holds
+    /// none of them back.
     pub(super) fn lean(&self, ttl: Duration, rule: &RestartRule) -> Option<u64> {
         let known = &rule.known;
         if ttl > known.max {
@@ -143,27 +143,14 @@ impl Engine {
         *ttls = next;
     }
 
-    /// The lock histories this client has seen begin: the last one each
-    /// node reported in a reply, and the one each node had when a
-    /// connection to it was made (the transport's, learnt at connect;
-    /// with `until`, waiting until then at most for nodes still
-    /// connecting). Every one had begun before this call.
-    pub(super) fn begun(&self, until: Option<Instant>) -> After {
-        let mut out = After::NONE;
-        for k in &self.histories {
-            out.insert(k.load(Ordering::Relaxed));
-        }
-        for k in self.transport.begun(until) {
-            out.insert(k);
-        }
-        out
-    }
-
-    /// What a round using `ttl` sends as the histories it comes after: the
-    /// ones this client has seen begin if `ttl` is longer than any it knows
-    /// of (a first use), else none (nothing is recorded). A first use waits
-    /// until `until` at most for the histories of nodes still connecting
-    /// (a fresh client's first round is one: it knows no TTL yet).
+    /// What a round using `ttl` sends as the histories it comes after: if
+    /// `ttl` is longer than any it knows of (a first use), the ones this
+    /// client has seen begin, the last one each node reported in a reply
+    /// and the one each had when a connection to it was made (learnt at
+    /// connect; with `until`, waiting until then at most for nodes still
+    /// connecting: a fresh client's first round is one, it knows no TTL
+    /// yet), every one begun before this call; else none (nothing is
+    /// recorded).
     ///
     /// Why a history learnt at connect may be sent. The restart rule rests
     /// on one property of every record a node keeps: each history in its
@@ -192,11 +179,16 @@ impl Engine {
         known: &TtlHistory,
         until: Option<Instant>,
     ) -> After {
+        let mut out = After::NONE;
         if ttl > known.max {
-            self.begun(until)
-        } else {
-            After::NONE
+            for k in &self.histories {
+                out.insert(k.load(Ordering::Relaxed));
+            }
+            for k in self.transport.begun(until) {
+                out.insert(k);
+            }
         }
+        out
     }
 }
 

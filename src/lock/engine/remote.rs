@@ -73,14 +73,11 @@ impl Remote {
         self.marks.lock().get(resource).copied()
     }
 
-    /// Whether the last release of `resource` reached other clients' waiters.
+    /// Whether the last release of `resource` reached other clients'
+    /// waiters: a release then goes to the nodes rather than to the next
+    /// local thread (see [`crate::lock::queue`]).
     pub(crate) fn others_wait(&self, resource: &str) -> bool {
         self.any.load(Ordering::Acquire) && self.marks.lock().contains_key(resource)
-    }
-
-    /// Whether no call of this client waits for a lock of several now.
-    pub(crate) fn no_sets_wait(&self) -> bool {
-        self.set_waiters.load(Ordering::Acquire) == 0
     }
 
     /// A call waits for a lock of several until the returned mark drops.
@@ -121,13 +118,6 @@ impl Engine {
         }
     }
 
-    /// Whether the last release of `resource` reached waiters of other
-    /// clients: a release then goes to the nodes rather than to the next
-    /// local thread (see [`crate::lock::queue`]).
-    pub(crate) fn others_wait(&self, resource: &str) -> bool {
-        self.remote.others_wait(resource)
-    }
-
     /// After a release of `state` that began at `start` succeeded: marks
     /// its keys where it reached subscribers of other clients (the count
     /// less this client's own on each node), clears them where it reached
@@ -164,7 +154,7 @@ impl Engine {
         for k in state.keys() {
             self.remote.released(k.resource, woke > 0, after(now, took));
         }
-        if !self.remote.no_sets_wait() {
+        if self.remote.set_waiters.load(Ordering::Acquire) > 0 {
             let names: Vec<&str> = state.keys().map(|k| k.resource).collect();
             self.transport.released(&names);
         }

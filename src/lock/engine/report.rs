@@ -60,21 +60,7 @@ impl Engine {
         let Some(h) = self.settings.events.get() else {
             return;
         };
-        // How long each node's vote was held back by the restart rule.
         let rule = rule.heard(results);
-        let holds: Vec<Duration> = results
-            .iter()
-            .enumerate()
-            .map(|(i, r)| {
-                r.as_ref()
-                    .ok()
-                    .and_then(|r| r.facts)
-                    .map_or(Duration::ZERO, |f| {
-                        let all = restart::facts_of(results.iter());
-                        rule.hold(&f, all, self.trusted(i, &f))
-                    })
-            })
-            .collect();
         let now = self.clock.now();
         h.on_attempt(&AttemptEvent {
             resource,
@@ -90,7 +76,11 @@ impl Engine {
             let Some(flag) = self.held_back.get(i) else {
                 continue;
             };
-            let left = holds.get(i).copied().unwrap_or_default();
+            // How long the restart rule holds the node's vote back.
+            let facts = results.get(i).and_then(|r| r.as_ref().ok()?.facts);
+            let left = facts.map_or(Duration::ZERO, |f| {
+                rule.hold(&f, restart::facts_of(results.iter()), self.trusted(i, &f))
+            });
             let change = match r {
                 Err(e) if e.kind() == crate::NodeErrorKind::Restarted && !left.is_zero() => (!flag
                     .swap(true, Ordering::Relaxed))

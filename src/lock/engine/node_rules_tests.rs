@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::algorithm::round::ServerKind;
+use crate::error::Error;
 use crate::testing::fake::{client, client_over, client_with, Mode};
 
 const TTL: Duration = Duration::from_secs(10);
