@@ -17,9 +17,8 @@ use log::{debug, error};
 use parking_lot::Mutex;
 
 use crate::clock::{after, Clock, Signal};
-use crate::error::Error;
-use crate::lock::engine::Engine;
 use crate::lock::state::LockState;
+use crate::Result;
 
 /// Thread name (Linux shows 15 characters).
 pub(crate) const THREAD_NAME: &str = "qlock-watchdog";
@@ -27,6 +26,22 @@ pub(crate) const THREAD_NAME: &str = "qlock-watchdog";
 pub(crate) const MAX_BATCH: usize = 5_000;
 /// How long dropping the client waits for the thread to end.
 const JOIN_BOUND: Duration = Duration::from_secs(1);
+
+/// What the renewal thread needs of the engine that owns it.
+pub(crate) trait Renew: Send + Sync + 'static {
+    /// The engine's clock.
+    fn clock(&self) -> &dyn Clock;
+    /// The renewal fraction and the node timeout.
+    fn pacing(&self) -> (f64, Duration);
+    /// Extends `states` to `ttl` in one round, restoring missing copies.
+    fn renew(&self, states: &[&LockState], ttl: Duration) -> Vec<Result<Duration>>;
+    /// A renewal round ended (a release may be waiting for one).
+    fn renewed(&self);
+    /// Declares `state` lost: it ran out of validity before a renewal.
+    fn expire(&self, state: &LockState);
+    /// Deletes what may still be ours of lost locks.
+    fn release_lost(&self, states: &[&LockState]);
+}
 
 enum Msg {
     Add(Arc<LockState>),
@@ -45,7 +60,7 @@ pub(crate) struct Watchdog {
 }
 
 impl Watchdog {
-    pub(crate) fn spawn(client: Weak<Engine>, clock: Arc<dyn Clock>) -> Watchdog {
+    pub(crate) fn spawn(client: Weak<dyn Renew>, clock: Arc<dyn Clock>) -> Watchdog {
         let (tx, rx) = crossbeam_channel::unbounded();
         let wake = Arc::new(Signal::default());
         let exited = Arc::new(AtomicBool::new(false));
@@ -127,7 +142,7 @@ struct Entry {
     next: Instant,
 }
 
-fn run(client: &Weak<Engine>, clock: &dyn Clock, rx: &Receiver<Msg>, wake: &Arc<Signal>) {
+fn run(client: &Weak<dyn Renew>, clock: &dyn Clock, rx: &Receiver<Msg>, wake: &Arc<Signal>) {
     let mut entries: Vec<Entry> = Vec::new();
     loop {
         // Read before looking, so that a message sent meanwhile wakes us.
@@ -135,7 +150,7 @@ fn run(client: &Weak<Engine>, clock: &dyn Clock, rx: &Receiver<Msg>, wake: &Arc<
         let Some(engine) = client.upgrade() else {
             return;
         };
-        let fraction = engine.settings.renew_fraction;
+        let (fraction, _) = engine.pacing();
         loop {
             match rx.try_recv() {
                 Ok(Msg::Add(state)) => {
@@ -148,8 +163,9 @@ fn run(client: &Weak<Engine>, clock: &dyn Clock, rx: &Receiver<Msg>, wake: &Arc<
                 Err(TryRecvError::Disconnected) => return,
             }
         }
-        let ticked =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| tick(&engine, &mut entries)));
+        let ticked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            tick(&*engine, &mut entries)
+        }));
         if ticked.is_err() {
             error!("a renewal tick panicked; the watchdog keeps running");
         }
@@ -186,9 +202,9 @@ pub(crate) fn retry_at(
 }
 
 /// Renews every due lock; declares lost the ones that are gone or ran out.
-fn tick(engine: &Engine, entries: &mut Vec<Entry>) {
-    let now = engine.clock.now();
-    let (fraction, node_timeout) = (engine.settings.renew_fraction, engine.settings.node_timeout);
+fn tick(engine: &dyn Renew, entries: &mut Vec<Entry>) {
+    let now = engine.clock().now();
+    let (fraction, node_timeout) = engine.pacing();
 
     // Ran out of validity before a renewal succeeded: lost, and deleted
     // below with the others (the nodes may have executed renewals whose
@@ -199,9 +215,7 @@ fn tick(engine: &Engine, entries: &mut Vec<Entry>) {
             return false;
         }
         if e.state.deadline() <= now {
-            if e.state.lose(&Error::Expired, true) {
-                engine.lost_event(&e.state, &Error::Expired);
-            }
+            engine.expire(&e.state);
             expired.push(e.state.clone());
             return false;
         }
@@ -252,12 +266,12 @@ fn tick(engine: &Engine, entries: &mut Vec<Entry>) {
             }
             let states: Vec<&LockState> =
                 batch.iter().map(|&(_, _, i)| &*entries[i].state).collect();
-            let outcomes = engine.extend_many(&states, ttl, true);
+            let outcomes = engine.renew(&states, ttl);
             for s in &states {
                 s.end_renewal();
             }
-            engine.renewal_done.notify();
-            let after_round = engine.clock.now();
+            engine.renewed();
+            let after_round = engine.clock().now();
             for (&(_, _, i), outcome) in batch.iter().zip(outcomes) {
                 let e = &mut entries[i];
                 let t = e.state.timing();
@@ -281,13 +295,14 @@ fn tick(engine: &Engine, entries: &mut Vec<Entry>) {
     if !lost.is_empty() {
         entries.retain(|e| !e.state.is_lost());
         let states: Vec<&LockState> = lost.iter().map(|s| &**s).collect();
-        engine.release_many(&states);
+        engine.release_lost(&states);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Error;
     use crate::testing::fake::{client, Mode};
     use std::sync::atomic::Ordering;
 
@@ -345,7 +360,7 @@ mod tests {
         let mut entries: Vec<Entry> = guards.iter().map(|g| entry(g, 1.0 / 3.0)).collect();
         let before = nodes.rounds.load(Ordering::SeqCst);
 
-        tick(&locks.engine, &mut entries);
+        tick(&*locks.engine, &mut entries);
         assert_eq!(
             nodes.rounds.load(Ordering::SeqCst),
             before,
@@ -354,7 +369,7 @@ mod tests {
 
         clock.advance(900 * MS);
         let old = guards[0].deadline();
-        tick(&locks.engine, &mut entries);
+        tick(&*locks.engine, &mut entries);
         assert_eq!(
             nodes.rounds.load(Ordering::SeqCst),
             before + 1,
@@ -364,7 +379,7 @@ mod tests {
         // Kept alive well past the original TTL.
         for _ in 0..10 {
             clock.advance(1000 * MS);
-            tick(&locks.engine, &mut entries);
+            tick(&*locks.engine, &mut entries);
         }
         assert_eq!(nodes.rounds.load(Ordering::SeqCst), before + 11);
         assert!(guards.iter().all(|g| g.is_held() && !g.is_lost()));
@@ -379,7 +394,7 @@ mod tests {
         nodes.del(0, "k");
         nodes.del(1, "k");
         clock.advance(100 * MS);
-        tick(&locks.engine, &mut entries);
+        tick(&*locks.engine, &mut entries);
         assert!(g.is_lost() && !g.is_held());
         assert!(matches!(g.lost().check(), Some(Error::Expired)));
         assert!(entries.is_empty(), "lost locks are not touched again");
@@ -400,7 +415,7 @@ mod tests {
             if let Some(next) = next {
                 clock.advance(next.saturating_duration_since(clock.now()));
             }
-            tick(&locks.engine, &mut entries);
+            tick(&*locks.engine, &mut entries);
             ticks += 1;
         }
         assert!(g.is_lost(), "lost after {ticks} ticks");
@@ -425,7 +440,7 @@ mod tests {
             if let Some(next) = entries.first().map(|e| e.next) {
                 clock.advance(next.saturating_duration_since(clock.now()));
             }
-            tick(&locks.engine, &mut entries);
+            tick(&*locks.engine, &mut entries);
             ticks += 1;
         }
         assert!(g.is_lost());
@@ -443,7 +458,7 @@ mod tests {
         g.release().unwrap();
         let before = nodes.rounds.load(Ordering::SeqCst);
         clock.advance(100 * MS);
-        tick(&locks.engine, &mut entries);
+        tick(&*locks.engine, &mut entries);
         assert_eq!(nodes.rounds.load(Ordering::SeqCst), before);
         assert!(entries.is_empty());
     }
@@ -511,7 +526,7 @@ mod tests {
         let mut entries: Vec<Entry> = guards.iter().map(|g| entry(g, 1.0 / 3.0)).collect();
         let before = nodes.rounds.load(Ordering::SeqCst);
         clock.advance(10_500 * MS);
-        tick(&locks.engine, &mut entries);
+        tick(&*locks.engine, &mut entries);
         assert_eq!(nodes.rounds.load(Ordering::SeqCst), before + 2);
         assert!(guards
             .iter()
@@ -530,7 +545,7 @@ mod tests {
         let mut entries = vec![entry(&r, 1.0 / 3.0), entry(&w, 1.0 / 3.0)];
         let before = nodes.rounds.load(Ordering::SeqCst);
         clock.advance(110 * MS);
-        tick(&locks.engine, &mut entries);
+        tick(&*locks.engine, &mut entries);
         assert_eq!(nodes.rounds.load(Ordering::SeqCst), before + 2);
         assert!(w.deadline() > clock.now() + 250 * MS && r.deadline() > clock.now() + 250 * MS);
     }
@@ -543,7 +558,7 @@ mod tests {
         let mut entries = vec![entry(&a, 1.0 / 3.0), entry(&b, 1.0 / 3.0)];
         let before = nodes.rounds.load(Ordering::SeqCst);
         clock.advance(110 * MS);
-        tick(&locks.engine, &mut entries);
+        tick(&*locks.engine, &mut entries);
         assert_eq!(nodes.rounds.load(Ordering::SeqCst), before + 2);
         assert_eq!(a.ttl(), 300 * MS);
         assert_eq!(b.ttl(), 330 * MS);

@@ -3,7 +3,6 @@
 //! clock after it lost its counters.
 
 use super::*;
-use crate::error::Error;
 use crate::testing::fake::{client, client_over, client_with, Mode};
 use std::sync::atomic::Ordering;
 const MS: Duration = Duration::from_millis(1);

@@ -18,12 +18,12 @@ use crate::algorithm::quorum::{self, Tally};
 use crate::algorithm::restart::TtlHistory;
 use crate::algorithm::round::{self, is_reader, Key, NodeResult, Op};
 use crate::clock::{after, Clock, Rng, Throttle};
-use crate::error::InvalidInput;
+use crate::error::{Error, InvalidInput};
 use crate::lock::queue::{Queues, Turn};
 use crate::lock::settings::Settings;
 use crate::lock::state::LockState;
 use crate::lock::transport::Transport;
-use crate::lock::watchdog::Watchdog;
+use crate::lock::watchdog::{Renew, Watchdog};
 use crate::Result;
 use crate::MAX_TTL;
 
@@ -67,7 +67,17 @@ pub(crate) struct Want<'a> {
     pub read: bool,
 }
 
-impl Want<'_> {
+impl<'a> Want<'a> {
+    /// An exclusive lock of `resource` (and `also`).
+    pub(crate) fn write(resource: &'a str, also: &'a [String], ttl: Duration) -> Self {
+        Want {
+            resource,
+            also,
+            ttl,
+            read: false,
+        }
+    }
+
     /// Whether the call takes part in the local queue and waits for one key's
     /// wake-ups, one thread of this client at a time: an exclusive lock of
     /// one resource. (Readers share, and a lock of several waits for any of
@@ -84,6 +94,7 @@ pub(crate) struct Engine {
     rng: Rng,
     warned: Vec<Throttle>,
     queues: Arc<Queues>,
+    /// Longest TTL (ms) this client has used or seen reported by a node.
     /// The TTLs in use, as this client knows them (the restart rule).
     ttls: Mutex<TtlHistory>,
     /// Per node, the key of the lock history this client saw first (0:
@@ -111,21 +122,37 @@ impl Engine {
         clock: Arc<dyn Clock>,
         rng: Rng,
     ) -> Arc<Engine> {
-        let n = transport.node_names().len();
-        let per_node = || (0..n).map(|_| AtomicU64::new(0)).collect();
+        let warned = transport
+            .node_names()
+            .iter()
+            .map(|_| Throttle::default())
+            .collect();
+        let per_node = || {
+            transport
+                .node_names()
+                .iter()
+                .map(|_| AtomicU64::new(0))
+                .collect()
+        };
+        let (first_histories, histories) = (per_node(), per_node());
         // A configured longest TTL is in use since always.
         let known = TtlHistory::since_always(settings.max_ttl.unwrap_or_default().min(MAX_TTL));
+        let names_len_flags = transport
+            .node_names()
+            .iter()
+            .map(|_| AtomicBool::new(false))
+            .collect();
         Arc::new_cyclic(|me| Engine {
             settings,
             transport,
             clock: clock.clone(),
             rng,
-            warned: (0..n).map(|_| Throttle::default()).collect(),
+            warned,
             queues: Arc::new(Queues::new(clock.clone())),
             ttls: Mutex::new(known),
-            first_histories: per_node(),
-            histories: per_node(),
-            held_back: (0..n).map(|_| AtomicBool::new(false)).collect(),
+            first_histories,
+            histories,
+            held_back: names_len_flags,
             me: me.clone(),
             watchdog: OnceLock::new(),
             renewal_done: Arc::default(),
@@ -187,6 +214,15 @@ impl Engine {
         Ok(allowance)
     }
 
+    /// Runs a release of one lock on every node, bounded by the node timeout
+    /// (one more per 200 keys of a set).
+    fn round(&self, op: Op, state: &LockState) -> Vec<NodeResult> {
+        let deadline = self.round_deadline(self.clock.now(), state.size());
+        let results = self.run_locks(op, &[state], deadline, Some(&quorum::to_settle));
+        self.note_failures(&results);
+        results
+    }
+
     /// Until when a lock's key may still exist on some node: a release not
     /// answered by then need not be retried.
     fn keep_until(&self, state: &LockState) -> Instant {
@@ -224,10 +260,7 @@ impl Engine {
                 self.transport.releasing(k.resource, notice);
             }
         }
-        let op = Op::Release { keep_until, notice };
-        let deadline = self.round_deadline(self.clock.now(), state.size());
-        let results = self.run_locks(op, &[state], deadline, Some(&quorum::to_settle));
-        self.note_failures(&results);
+        let results = self.round(Op::Release { keep_until, notice }, state);
         let outcome = quorum::decide_release(Tally::of(&results, 0));
         if outcome.is_ok() {
             self.note_woken(state, &results, start);
@@ -293,6 +326,35 @@ impl Engine {
     pub(crate) fn watchdog(&self) -> &Watchdog {
         self.watchdog
             .get_or_init(|| Watchdog::spawn(self.me.clone(), self.clock.clone()))
+    }
+}
+
+/// The renewal thread's view of the engine.
+impl Renew for Engine {
+    fn clock(&self) -> &dyn Clock {
+        &*self.clock
+    }
+
+    fn pacing(&self) -> (f64, Duration) {
+        (self.settings.renew_fraction, self.settings.node_timeout)
+    }
+
+    fn renew(&self, states: &[&LockState], ttl: Duration) -> Vec<Result<Duration>> {
+        self.extend_many(states, ttl, true)
+    }
+
+    fn renewed(&self) {
+        self.renewal_done.notify();
+    }
+
+    fn expire(&self, state: &LockState) {
+        if state.lose(&Error::Expired, true) {
+            self.lost_event(state, &Error::Expired);
+        }
+    }
+
+    fn release_lost(&self, states: &[&LockState]) {
+        self.release_many(states);
     }
 }
 

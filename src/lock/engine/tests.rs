@@ -2,7 +2,6 @@
 //! fencing and the delayed-restart rule.
 
 use super::*;
-use crate::error::Error;
 use crate::testing::fake::{client, client_over, client_with, Mode};
 use std::sync::atomic::Ordering;
 
