@@ -62,7 +62,7 @@ impl<'a> Key<'a> {
 }
 
 /// The keys whose tokens a round of `op` writes, as keys to release: a
-/// swap's new token (whose lineage also covers the old one, see [`ours`]),
+/// swap's new token (whose lineage also covers the old one, see `ours`),
 /// else the keys themselves.
 pub(crate) fn written<'a>(op: Op, keys: &[Key<'a>]) -> Vec<Key<'a>> {
     match op {
@@ -174,7 +174,7 @@ pub(crate) enum Op {
         known_prev: Duration,
     },
     /// A held lock handed to a new critical section: where the key holds
-    /// our token (or an earlier one of its lineage, see [`ours`]), it gets
+    /// our token (or an earlier one of its lineage, see `ours`), it gets
     /// the key's `next` token, atomically, keeping its expiry. One key.
     /// `ttl` is the lock's; records and reports like `Acquire`. `fence`:
     /// the new section's fencing token, written to the counter where

@@ -85,7 +85,7 @@ pub(crate) struct InFlight {
     /// node's retry queue once the node answers it.
     pub retried: Vec<String>,
     /// On a connection several rounds share (see
-    /// [`crate::driver::node::line`]): whose command this is (0: the
+    /// [`crate::driver::node::multiplexed`]): whose command this is (0: the
     /// connection's own, and what it owes is in this entry; another: a
     /// round's, whose own connection state holds the entry).
     pub owner: u64,

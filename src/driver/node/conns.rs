@@ -15,7 +15,7 @@ pub(crate) struct NodeConns {
     pub(crate) shared: Arc<NodeState>,
     pub(crate) pool: Pool<Manager>,
     /// The connection this client's rounds share now (see
-    /// [`crate::driver::node::line`]).
+    /// [`crate::driver::node::multiplexed`]).
     pub(crate) line: Arc<MultiplexedSlot<Pooled>>,
     /// When a connection to multiplex was last started (a checkout found
     /// none idle): for a node timeout after it, rounds take only idle

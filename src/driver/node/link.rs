@@ -10,7 +10,7 @@ pub(crate) trait Link {
     /// What a wait says is ready on it.
     type Ready: Copy;
     /// What a thread waits on for it while it is shared (see
-    /// [`crate::driver::node::line`]).
+    /// [`crate::driver::node::multiplexed`]).
     type Handle: Send + Sync;
     /// That handle, when it can be had.
     fn handle(&self) -> Option<Self::Handle>;
