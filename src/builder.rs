@@ -110,6 +110,9 @@ impl Builder {
     }
 
     /// Sets how many attempts [`Redlock::lock`] makes before giving up (at least 1).
+    /// With 1, `lock` and [`LockRequest::acquire`](crate::LockRequest::acquire) make
+    /// one attempt, as `try_lock` does: they neither wait in the local queue nor for a
+    /// release.
     ///
     /// Defaults to 3.
     pub fn retry_count(mut self, attempts: u32) -> Self {
