@@ -328,7 +328,6 @@ impl ConnState {
     /// the oldest one owed. A reply to no command marks it broken. (A
     /// socket parses the frame first, see [`answered`](Self::answered);
     /// the simulation's connections carry parsed replies.)
-    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn answer(&mut self, v: Value) -> io::Result<(InFlight, Value)> {
         Ok((self.answered()?, v))
     }

@@ -514,7 +514,6 @@ pub(crate) trait RoundRunner: Links + Sized {
         lose_connection(&ballot, i, s, self.node(i), e, results);
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn on_ready(
         &self,
         i: usize,
