@@ -106,11 +106,21 @@ fn read_setup(c: &mut Conn, p: &mut Probe, timeout: Duration) -> Result<(), Stri
 /// `timeout`.
 fn ask(c: &mut Conn, cmd: &redis::Cmd, timeout: Duration) -> Result<(Value, Duration), String> {
     let io = |e: std::io::Error| e.to_string();
+    usable(c)?;
     let t0 = Instant::now();
     c.wire.queue(&cmd.get_packed_command(), t0, true);
     c.flush().map_err(io)?;
     let v = c.wait_reply(after(t0, timeout)).map_err(io)?;
     Ok((v, t0.elapsed()))
+}
+
+/// Whether the probe's connection may carry another command: not after one
+/// timed out or broke it (a late reply would be read as the next answer).
+fn usable(c: &Conn) -> Result<(), String> {
+    if c.wire.broken {
+        return Err("not asked: an earlier command timed out or broke the connection".to_owned());
+    }
+    Ok(())
 }
 
 /// The node's clock minus this machine's (µs, against the middle of the
@@ -165,6 +175,7 @@ fn probe_ops() -> (Op, Op) {
 /// decoded; within `timeout`.
 fn run_script(c: &mut Conn, enc: &Encoded, timeout: Duration) -> Result<Reply, String> {
     let io = |e: std::io::Error| e.to_string();
+    usable(c)?;
     let t0 = Instant::now();
     c.wire.queue(&enc.fallback(), t0, true);
     c.flush().map_err(io)?;
@@ -435,6 +446,34 @@ mod tests {
     }
 
     const TOKEN: &str = "0123456789abcdef0123456789abcdef";
+
+    /// After a probe's command timed out, its late reply is not taken as the
+    /// answer to the next command on that connection (`check` once printed a
+    /// `CONFIG GET`'s reply as the scripts' result): the next command is not
+    /// asked.
+    #[test]
+    fn a_command_after_a_timeout_is_not_answered_by_the_late_reply() {
+        use std::io::{Read as _, Write as _};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let target = Target::local(listener.local_addr().expect("addr").port());
+        let mut c =
+            Conn::connect_for(&target, Duration::from_secs(2), conn::For::Query).expect("connect");
+        let (mut server, _) = listener.accept().expect("accept");
+        let late = ask(&mut c, &redis::cmd("PING"), Duration::from_millis(50));
+        assert!(late.is_err(), "no answer yet: {late:?}");
+        // The PING's late reply, then what would answer an ECHO.
+        let mut buf = [0u8; 64];
+        let _ = server.read(&mut buf).expect("the PING");
+        server
+            .write_all(b"+PONG\r\n$1\r\nx\r\n")
+            .expect("late replies");
+        std::thread::sleep(Duration::from_millis(50));
+        let next = ask(&mut c, redis::cmd("ECHO").arg("x"), Duration::from_secs(1));
+        match next {
+            Err(why) => assert!(why.contains("timed out"), "{why}"),
+            Ok((v, _)) => panic!("the next command read {v:?}"),
+        }
+    }
 
     #[test]
     fn a_writers_key_is_its_value_whatever_the_set_commands_say() {
