@@ -379,6 +379,13 @@ impl NodeError {
         }
     }
 
+    /// A failure of `kind` on `node` caused by the I/O error `e` (its
+    /// message is the detail).
+    pub(crate) fn from_io(node: impl Into<String>, kind: NodeErrorKind, e: std::io::Error) -> Self {
+        let detail = e.to_string();
+        NodeError::new(node, kind, detail).caused_by(Some(std::sync::Arc::new(e)))
+    }
+
     /// This error with `source` as the error beneath it.
     pub(crate) fn caused_by(mut self, source: Option<Source>) -> Self {
         self.source = source;

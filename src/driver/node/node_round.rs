@@ -6,7 +6,6 @@
 //! reads the replies and sends what these queue on its [`ConnState`].
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use log::{debug, info};
@@ -265,13 +264,11 @@ pub(crate) fn lose_connection<C: Link>(
     if crate::driver::conn_state::is_given_up(&e) {
         // A shared connection another round gave up: a reply on it was
         // owed past the node timeout (observed once, by that round).
-        let detail = e.to_string();
-        results[i] = Some(Err(NodeError::new(
+        results[i] = Some(Err(NodeError::from_io(
             &ballot.names[i],
             NodeErrorKind::Timeout,
-            detail,
-        )
-        .caused_by(Some(Arc::new(e)))));
+            e,
+        )));
         return;
     }
     let kind = match e.kind() {
@@ -287,10 +284,7 @@ pub(crate) fn lose_connection<C: Link>(
             NodeErrorKind::Io
         }
     };
-    let detail = e.to_string();
-    results[i] = Some(Err(
-        NodeError::new(&ballot.names[i], kind, detail).caused_by(Some(Arc::new(e)))
-    ));
+    results[i] = Some(Err(NodeError::from_io(&ballot.names[i], kind, e)));
 }
 
 /// What a round that ended leaves on the connections still owing its

@@ -105,22 +105,22 @@ fn read_setup(c: &mut Conn, p: &mut Probe, timeout: Duration) -> Result<(), Stri
 /// One command on the probe's connection and its reply, timed; within
 /// `timeout`.
 fn ask(c: &mut Conn, cmd: &redis::Cmd, timeout: Duration) -> Result<(Value, Duration), String> {
-    let io = |e: std::io::Error| e.to_string();
-    usable(c)?;
-    let t0 = Instant::now();
-    c.wire.queue(&cmd.get_packed_command(), t0, true);
-    c.flush().map_err(io)?;
-    let v = c.wait_reply(after(t0, timeout)).map_err(io)?;
-    Ok((v, t0.elapsed()))
+    exchange(c, &cmd.get_packed_command(), timeout)
 }
 
-/// Whether the probe's connection may carry another command: not after one
-/// timed out or broke it (a late reply would be read as the next answer).
-fn usable(c: &Conn) -> Result<(), String> {
+/// Sends `bytes` (one command) and reads its reply, timed; within
+/// `timeout`. Not after a command timed out or broke the connection: its
+/// late reply would be read as this one's.
+fn exchange(c: &mut Conn, bytes: &[u8], timeout: Duration) -> Result<(Value, Duration), String> {
     if c.wire.broken {
         return Err("not asked: an earlier command timed out or broke the connection".to_owned());
     }
-    Ok(())
+    let io = |e: std::io::Error| e.to_string();
+    let t0 = Instant::now();
+    c.wire.queue(bytes, t0, true);
+    c.flush().map_err(io)?;
+    let v = c.wait_reply(after(t0, timeout)).map_err(io)?;
+    Ok((v, t0.elapsed()))
 }
 
 /// The node's clock minus this machine's (µs, against the middle of the
@@ -174,12 +174,7 @@ fn probe_ops() -> (Op, Op) {
 /// The script of `enc` (`EVAL`) on the probe's connection, its reply
 /// decoded; within `timeout`.
 fn run_script(c: &mut Conn, enc: &Encoded, timeout: Duration) -> Result<Reply, String> {
-    let io = |e: std::io::Error| e.to_string();
-    usable(c)?;
-    let t0 = Instant::now();
-    c.wire.queue(&enc.fallback(), t0, true);
-    c.flush().map_err(io)?;
-    let v = c.wait_reply(after(t0, timeout)).map_err(io)?;
+    let (v, _) = exchange(c, &enc.fallback(), timeout)?;
     enc.decode(v).map_err(|(_, why)| why)
 }
 

@@ -227,12 +227,12 @@ pub(crate) fn setup_reply(
         if refuses_connection(e) {
             c.broken = true;
             let detail = format!("it turned the connection away: {text}");
-            let refused =
-                || std::io::Error::new(std::io::ErrorKind::ConnectionRefused, detail.clone());
-            *node.connect_error.lock() = Some(
-                NodeError::new(&node.name, NodeErrorKind::Unavailable, detail.clone())
-                    .caused_by(Some(std::sync::Arc::new(refused()))),
-            );
+            let refused = || std::io::Error::new(std::io::ErrorKind::ConnectionRefused, &*detail);
+            *node.connect_error.lock() = Some(NodeError::from_io(
+                &node.name,
+                NodeErrorKind::Unavailable,
+                refused(),
+            ));
             node.observe(Outcome::Refused);
             return Err(refused());
         }

@@ -97,6 +97,12 @@ pub(crate) trait RoundRunner: Links + Sized {
         start: Instant,
         (ttl, known_max): (Duration, Duration),
     ) {
+        // Not for a lock of several resources: each key's write is settled
+        // on its own, and the node could end up with part of the set (the
+        // renewal restores copies of a held set).
+        let [k] = keys else {
+            return;
+        };
         for (i, (s, r)) in parts.iter().zip(results).enumerate() {
             // A healthy node the round waited for but never reached: no
             // connection was free in time (the pool was growing, or all
@@ -105,14 +111,9 @@ pub(crate) trait RoundRunner: Links + Sized {
                 && s.sent.is_none()
                 && !s.lost
                 && matches!(r, Err(e) if e.kind() == NodeErrorKind::NoConnection);
-            // Not for a lock of several resources: each key's write is
-            // settled on its own, and the node could end up with part
-            // of the set (the renewal restores copies of a held set).
-            if unreached && self.node(i).is_healthy() && keys.len() == 1 {
-                for k in keys {
-                    // Not a first use (the round recorded it).
-                    self.write_later(i, k, ttl, known_max.max(ttl), start);
-                }
+            if unreached && self.node(i).is_healthy() {
+                // Not a first use (the round recorded it).
+                self.write_later(i, k, ttl, known_max.max(ttl), start);
             }
         }
     }

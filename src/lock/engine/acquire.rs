@@ -43,7 +43,7 @@ impl Engine {
         let called = self.clock.now();
         let drift = self.validate(resource, ttl)?;
         // One deadline for the whole call, local wait and attempts alike.
-        let until = self.wait_deadline(budget, want.also.len().saturating_add(1));
+        let until = self.wait_deadline(budget, want.size());
         let mut turn = if want.alone() {
             self.queue_turn(resource, budget, until)
         } else {
@@ -101,12 +101,7 @@ impl Engine {
         until: Instant,
         seen: &mut Failed,
     ) -> Result<LockState> {
-        let Want {
-            resource,
-            also,
-            ttl,
-            read,
-        } = want;
+        let (resource, also, ttl, read) = (want.resource, want.also, want.ttl, want.read);
         let token = if read {
             new_reader_token()
         } else {
@@ -114,10 +109,15 @@ impl Engine {
         };
         // One key per resource, all with this token (a lock of several:
         // one vote per node for them all; see `several`).
-        let keys: Vec<Key<'_>> = std::iter::once(resource)
-            .chain(also.iter().map(String::as_str))
-            .map(|r| Key::new(r, &token))
-            .collect();
+        // (No allocation for a lock of one.)
+        let (one, several): ([Key<'_>; 1], Vec<Key<'_>>);
+        let keys: &[Key<'_>] = if also.is_empty() {
+            one = [Key::new(resource, &token)];
+            &one
+        } else {
+            several = want.resources().map(|r| Key::new(r, &token)).collect();
+            &several
+        };
         let mut start = self.clock.now();
         let known = *self.ttls.lock();
         // A first use learns the nodes' histories first (waiting at most
@@ -141,7 +141,7 @@ impl Engine {
             decision.set(Some(d));
             next
         };
-        let plain = !self.settings.fencing && !read && also.is_empty();
+        let plain = !self.settings.fencing && want.alone();
         let lean = (plain && (next.intent.is_zero() || next.first))
             .then(|| self.lean(ttl, &rule))
             .flatten();
@@ -157,7 +157,7 @@ impl Engine {
                 intent: lean.map_or(next.intent, |_| Duration::ZERO),
                 lean,
             },
-            &keys,
+            keys,
             &[keys.len()],
             after(start, budget),
             Some(&settled),
@@ -187,7 +187,7 @@ impl Engine {
             next.begun,
         );
         if result.is_err() {
-            *seen = Failed::of(&judged, 1 + also.len());
+            *seen = Failed::of(&judged, want.size());
         }
         result
     }

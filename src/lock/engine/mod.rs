@@ -85,6 +85,16 @@ impl<'a> Want<'a> {
     pub(crate) fn alone(&self) -> bool {
         self.also.is_empty() && !self.read
     }
+
+    /// The resources, the first one first (as [`LockState`]'s keys).
+    pub(crate) fn resources(&self) -> impl Iterator<Item = &'a str> {
+        std::iter::once(self.resource).chain(self.also.iter().map(String::as_str))
+    }
+
+    /// How many resources (keys) it names.
+    pub(crate) fn size(&self) -> usize {
+        self.also.len().saturating_add(1)
+    }
 }
 
 pub(crate) struct Engine {

@@ -22,7 +22,7 @@ use crate::algorithm::round::{Key, NodeResult};
 use crate::clock::after;
 use crate::lock::state::LockState;
 
-use super::Engine;
+use super::{Engine, Want};
 
 /// Keys remembered at most; the oldest mark goes first.
 const MAX_KEYS: usize = 4096;
@@ -104,10 +104,9 @@ impl Engine {
     /// releaser, which could try again at once, kept winning.
     ///
     /// A lock of several yields for the longest mark of its resources.
-    pub(super) fn yield_to_others(&self, resource: &str, also: &[String], until: Instant) {
-        let marks = std::iter::once(resource)
-            .chain(also.iter().map(String::as_str))
-            .filter_map(|r| self.remote.yield_until(r));
+    pub(super) fn yield_to_others(&self, want: Want<'_>, until: Instant) {
+        let resource = want.resource;
+        let marks = want.resources().filter_map(|r| self.remote.yield_until(r));
         let Some(end) = marks.max() else {
             return;
         };

@@ -104,9 +104,6 @@ pub(super) struct Waiter<'a> {
     seen: u64,
     /// Whether the current try was woken.
     woken: bool,
-    /// Whether the current try was made with the other waiters at once:
-    /// woken, or at the owners' expiry.
-    together: bool,
     /// Whether an owner's expiry may end a wait: not after a try at an
     /// expiry found the key still held (a live holder renews it; its
     /// waiters would try at every expiry they read), for the rest of the
@@ -145,7 +142,7 @@ impl<'a> Waiter<'a> {
         let waits = !matches!(budget, Budget::Attempts(1));
         let wakes = waits && engine.settings.wake_ups;
         if waits {
-            engine.yield_to_others(want.resource, want.also, until);
+            engine.yield_to_others(want, until);
         }
         // This client's own releases wake its waiters for locks of several
         // and its readers.
@@ -157,10 +154,9 @@ impl<'a> Waiter<'a> {
         // stream of them starved the writer.)
         let span = if waits && !want.read {
             let s = &engine.settings;
-            let keys = want.also.len().saturating_add(1);
             s.retry_delay
                 .saturating_add(s.retry_jitter)
-                .saturating_add(engine.allowance(keys).saturating_mul(3))
+                .saturating_add(engine.allowance(want.size()).saturating_mul(3))
         } else {
             Duration::ZERO
         };
@@ -183,7 +179,6 @@ impl<'a> Waiter<'a> {
             watch,
             seen: 0,
             woken: false,
-            together: false,
             trust_expiry: true,
             at_expiry: false,
             lost: 0,
@@ -269,18 +264,21 @@ impl<'a> Waiter<'a> {
         Ok(())
     }
 
+    /// Whether the current try was made with the other waiters at once:
+    /// woken, or at the owners' expiry.
+    fn together(&self) -> bool {
+        self.woken || self.at_expiry
+    }
+
     /// Subscribes to the releases of the call's resources, waiting for the
     /// nodes until `now` + the node timeout (within `left`): whether it is.
     fn subscribe(&mut self, now: Instant, left: Duration) -> bool {
         let engine = self.engine;
         let confirm_by = after(now, engine.settings.node_timeout.min(left));
-        let Want { resource, also, .. } = self.want;
         self.watch = if self.want.alone() {
-            engine.transport.watch(resource, confirm_by)
+            engine.transport.watch(self.want.resource, confirm_by)
         } else {
-            let names: Vec<&str> = std::iter::once(resource)
-                .chain(also.iter().map(String::as_str))
-                .collect();
+            let names: Vec<&str> = self.want.resources().collect();
             engine.transport.watch_all(&names, confirm_by)
         };
         self.watch.is_some()
@@ -321,7 +319,7 @@ impl<'a> Waiter<'a> {
         // rounds in a 1.2 s storm).
         let split = !deaf
             && self.watch.is_some()
-            && (self.together || self.quick > 0)
+            && (self.together() || self.quick > 0)
             && self.quick < QUICK_RETRIES
             && failed.ours > 0
             && matches!(err, Error::Taken { .. });
@@ -365,7 +363,7 @@ impl<'a> Waiter<'a> {
         let clock = &self.engine.clock;
         let resource = self.want.resource;
         let Some(w) = &self.watch else {
-            (self.together, self.at_expiry) = (false, false);
+            self.at_expiry = false;
             clock.sleep(pause);
             return;
         };
@@ -377,7 +375,7 @@ impl<'a> Waiter<'a> {
             w.wait(self.seen, after(clock.now(), pause))
         };
         // Woken, or at the owners' expiry: every waiter would try at once.
-        self.together = self.woken || self.at_expiry;
+        let together = self.together();
         if self.woken {
             // (The expiry stays untrusted where it was: a woken try that
             // fails may meet the same renewed holder, after a forged or
@@ -385,7 +383,7 @@ impl<'a> Waiter<'a> {
             // cap.)
             self.at_expiry = false;
         }
-        if !self.together {
+        if !together {
             trace!("lock {resource:?}: not woken; trying again");
             return;
         }
