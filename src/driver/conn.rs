@@ -206,13 +206,8 @@ impl Conn {
     /// Connects within `timeout` per resolved address (name resolution itself
     /// is not bounded), runs the TLS handshake (within `timeout` again),
     /// authenticates and selects the database, each within `timeout`; then
-    /// queues, for a connection of the pools, what [`For::Rounds`] says.
-    pub(crate) fn connect(t: &Target, timeout: Duration) -> Result<Conn, ConnectError> {
-        Conn::connect_for(t, timeout, For::Rounds)
-    }
-
-    /// [`connect`](Self::connect), with the setup commands `purpose` needs.
-    pub(crate) fn connect_for(
+    /// queues the setup commands `purpose` needs (see [`For`]).
+    pub(crate) fn connect(
         t: &Target,
         timeout: Duration,
         purpose: For,
@@ -569,8 +564,7 @@ mod tests {
     fn answered_with(reply: &[u8]) -> Conn {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
         let target = Target::local(listener.local_addr().expect("addr").port());
-        let mut c =
-            Conn::connect_for(&target, Duration::from_secs(2), For::Query).expect("connect");
+        let mut c = Conn::connect(&target, Duration::from_secs(2), For::Query).expect("connect");
         let (mut server, _) = listener.accept().expect("accept");
         c.wire.queue(b"*1\r\n$4\r\nPING\r\n", Instant::now(), true);
         c.flush().expect("sent");

@@ -392,21 +392,6 @@ impl ConnState {
         }
     }
 
-    /// Appends a command no round waits for that may write a key of ours
-    /// (see [`InFlight::undo`]).
-    pub(crate) fn queue_late(
-        &mut self,
-        cmd: &[u8],
-        now: Instant,
-        undo: Vec<u8>,
-        tokens: Vec<String>,
-    ) {
-        self.push_unwanted(cmd, now, |p| {
-            p.undo = Some(undo);
-            p.tokens = tokens;
-        });
-    }
-
     /// Appends a command sent at connect, whose reply is read and dropped.
     pub(crate) fn queue_setup(&mut self, cmd: &[u8], now: Instant, setup: Setup) {
         self.push(cmd, now, false, setup);
@@ -427,7 +412,7 @@ impl ConnState {
         resend: Vec<u8>,
         retried: Vec<String>,
     ) {
-        self.push_unwanted(cmd, now, |p| {
+        self.queue_unwanted(cmd, now, |p| {
             p.resend = Some(resend);
             p.keys = retried.len().max(1);
             p.retried = retried;
@@ -436,16 +421,12 @@ impl ConnState {
 
     /// Appends a command no round waits for, its pending entry completed
     /// by `complete`.
-    /// Appends a release no round waits for, sent again as `resend` (its
-    /// `EVAL`) should it meet NOSCRIPT.
-    pub(crate) fn queue_resent(&mut self, cmd: &[u8], now: Instant, keys: usize, resend: Vec<u8>) {
-        self.push_unwanted(cmd, now, |p| {
-            p.keys = keys.max(1);
-            p.resend = Some(resend);
-        });
-    }
-
-    fn push_unwanted(&mut self, cmd: &[u8], now: Instant, complete: impl FnOnce(&mut InFlight)) {
+    pub(crate) fn queue_unwanted(
+        &mut self,
+        cmd: &[u8],
+        now: Instant,
+        complete: impl FnOnce(&mut InFlight),
+    ) {
         self.push(cmd, now, false, Setup::None);
         if let Some(p) = self.pending.back_mut() {
             complete(p);
@@ -489,16 +470,11 @@ impl ConnState {
     /// The round is over: replies still owed are read and dropped later;
     /// `tokens` are those whose write may still land until such a reply is
     /// read, and `undo` (for an acquire or a swap) is sent if it says set.
-    pub(crate) fn unwant(&mut self, undo: Option<&[u8]>, tokens: &[String], resend: Option<&[u8]>) {
-        self.unwant_release(undo, tokens, resend, &[]);
-    }
-
-    /// [`unwant`](Self::unwant), for a release whose keys (tokens
-    /// `retried`) its round queued for the retry job: its late reply takes
-    /// them off the queue, as a retried release's does (see
-    /// [`InFlight::retried`]), so that a delete the node did run is not
-    /// sent again.
-    pub(crate) fn unwant_release(
+    /// For a release whose keys (tokens `retried`) its round queued for the
+    /// retry job, its late reply takes them off the queue, as a retried
+    /// release's does (see [`InFlight::retried`]), so that a delete the
+    /// node did run is not sent again.
+    pub(crate) fn unwant(
         &mut self,
         undo: Option<&[u8]>,
         tokens: &[String],

@@ -7,11 +7,12 @@ use r2d2::Pool;
 use scheduled_thread_pool::ScheduledThreadPool;
 
 use crate::driver::conn::Target;
-use crate::driver::node::multiplexed::MultiplexedSlot;
+use crate::driver::node::multiplexed::{MultiplexedSlot, Role};
 use crate::driver::node::state::{Manager, NodeState, Pooled};
 
-/// A node: its shared state and pool.
-pub(crate) struct NodeConns {
+/// A node: its shared state, pool, shared connection and thread. Its
+/// background jobs hold it weakly: they stop once the client is gone.
+pub(crate) struct Node {
     pub(crate) shared: Arc<NodeState>,
     pub(crate) pool: Pool<Manager>,
     /// The connection this client's rounds share now (see
@@ -23,11 +24,7 @@ pub(crate) struct NodeConns {
     /// each pool wait starts one), and join the multiplexed connection once it is made.
     pub(crate) line_started: parking_lot::Mutex<Option<std::time::Instant>>,
     /// The client's reader role (shared by its nodes).
-    pub(crate) role: Arc<crate::driver::node::multiplexed::Role<Pooled>>,
-}
-
-pub(crate) struct Node {
-    pub(crate) inner: Arc<NodeConns>,
+    pub(crate) role: Arc<Role<Pooled>>,
     /// Where to connect outside the pool (status queries).
     pub(crate) target: Target,
     /// This node's own background thread: connects and release retries, so

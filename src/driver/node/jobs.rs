@@ -1,7 +1,7 @@
 //! A node's background work: releases sent again, granted locks' writes
 //! that missed their round, and what is owed when the client goes.
 
-use crate::driver::node::conns::NodeConns;
+use crate::driver::node::conns::Node;
 use crate::driver::node::encode::Encoded;
 use crate::driver::node::link::Link;
 use crate::driver::node::queries::release_once;
@@ -16,7 +16,6 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use log::debug;
-use scheduled_thread_pool::ScheduledThreadPool;
 
 use crate::algorithm::round::{allowance, Key};
 use crate::algorithm::round::{After, Op};
@@ -38,7 +37,7 @@ impl RedisTransport {
         start: Instant,
     ) {
         let node = &self.nodes[i];
-        let shared = &node.inner.shared;
+        let shared = &node.shared;
         let until = after(start, ttl);
         // Unsettled from now on: a release marks it, and keeps deleting.
         shared.unsettle(&[k.token.to_owned()], until, Instant::now());
@@ -50,9 +49,8 @@ impl RedisTransport {
             start,
             give_up: after(Instant::now(), self.timeout),
         };
-        let weak = Arc::downgrade(&node.inner);
-        let pool = Arc::downgrade(&node.threads);
-        node.threads.execute(move || late_write(&weak, &pool, job));
+        let weak = Arc::downgrade(node);
+        node.threads.execute(move || late_write(&weak, job));
     }
 
     pub(crate) fn enqueue_retries(&self, i: usize, keys: &[Key<'_>], until: Instant) {
@@ -61,7 +59,7 @@ impl RedisTransport {
         }
         let node = &self.nodes[i];
         {
-            let mut q = node.inner.shared.retries.lock();
+            let mut q = node.shared.retries.lock();
             for k in keys {
                 q.push(
                     Retry {
@@ -70,11 +68,11 @@ impl RedisTransport {
                         until,
                     },
                     false,
-                    &node.inner.shared.name,
+                    &node.shared.name,
                 );
             }
         }
-        schedule_retry(&node.inner, &node.threads);
+        schedule_retry(node);
     }
 }
 
@@ -97,7 +95,7 @@ impl Drop for RedisTransport {
             .nodes
             .iter()
             .enumerate()
-            .map(|(i, node)| (i, node.inner.shared.retries.lock().take(usize::MAX, now)))
+            .map(|(i, node)| (i, node.shared.retries.lock().take(usize::MAX, now)))
             .filter(|(_, batch)| !batch.is_empty())
             .collect();
         if owed.is_empty() {
@@ -156,11 +154,7 @@ pub(crate) struct LateWrite {
 
 /// Runs on the node's thread: sends `w` on a free connection, or looks
 /// again shortly (connects run on this thread too), until `w.give_up`.
-pub(crate) fn late_write(
-    weak: &Weak<NodeConns>,
-    threads: &Weak<ScheduledThreadPool>,
-    w: LateWrite,
-) {
+pub(crate) fn late_write(weak: &Weak<Node>, w: LateWrite) {
     let Some(node) = weak.upgrade() else {
         return;
     };
@@ -204,12 +198,12 @@ pub(crate) fn late_write(
                 &[key],
             )
             .packed;
-            c.wire.queue_late(
-                &Encoded::new(op, &[key]).packed,
-                now,
-                undo,
-                vec![w.token.clone()],
-            );
+            // It may write a key of ours (see `InFlight::undo`).
+            c.wire
+                .queue_unwanted(&Encoded::new(op, &[key]).packed, now, |p| {
+                    p.undo = Some(undo);
+                    p.tokens = vec![w.token.clone()];
+                });
             if c.flush().is_err() {
                 shared.unsettled.lock().remove(&w.token);
             } else {
@@ -220,10 +214,9 @@ pub(crate) fn late_write(
             }
         }
         _ => {
-            if let Some(threads) = threads.upgrade() {
-                let (weak, pool) = (weak.clone(), Arc::downgrade(&threads));
-                threads.execute_after(CONN_RECHECK, move || late_write(&weak, &pool, w));
-            }
+            let weak = weak.clone();
+            node.threads
+                .execute_after(CONN_RECHECK, move || late_write(&weak, w));
         }
     }
 }
@@ -257,19 +250,19 @@ pub(crate) fn retries_answered(node: &NodeState, tokens: &[String]) {
 }
 
 /// Starts the node's release-retry job unless it is already scheduled.
-pub(crate) fn schedule_retry(node: &Arc<NodeConns>, threads: &Arc<ScheduledThreadPool>) {
+pub(crate) fn schedule_retry(node: &Arc<Node>) {
     if node.shared.retry_scheduled.swap(true, Ordering::AcqRel) {
         return;
     }
-    let weak: Weak<NodeConns> = Arc::downgrade(node);
-    let pool = Arc::downgrade(threads);
-    threads.execute_after(RETRY_EVERY, move || retry_job(&weak, &pool));
+    let weak = Arc::downgrade(node);
+    node.threads
+        .execute_after(RETRY_EVERY, move || retry_job(&weak));
 }
 
 /// Sends the node's unanswered releases again (one command for up to
 /// [`RETRY_BATCH`] keys); drops those answered or expired; reschedules
 /// itself while any remain. Stops when the client is gone.
-pub(crate) fn retry_job(weak: &Weak<NodeConns>, threads: &Weak<ScheduledThreadPool>) {
+pub(crate) fn retry_job(weak: &Weak<Node>) {
     let Some(node) = weak.upgrade() else {
         return;
     };
@@ -310,9 +303,7 @@ pub(crate) fn retry_job(weak: &Weak<NodeConns>, threads: &Weak<ScheduledThreadPo
     shared.retry_scheduled.store(false, Ordering::Release);
     let more = owed || !shared.retries.lock().is_empty();
     if more {
-        if let Some(threads) = threads.upgrade() {
-            schedule_retry(&node, &threads);
-        }
+        schedule_retry(&node);
     }
 }
 

@@ -13,7 +13,7 @@
 //! (see [`crate::algorithm::health`]). Replies still in flight when a round ends stay on
 //! their connection and are read by its next user.
 
-use crate::driver::node::conns::{Node, NodeConns};
+use crate::driver::node::conns::Node;
 use crate::driver::node::queries::{inspect_one, probe_one};
 use crate::driver::node::replies::catch_up;
 use crate::driver::node::servers::Servers;
@@ -89,7 +89,7 @@ pub(crate) struct RedisTransport {
     /// Who reads the multiplexed connections (see [`multiplexed::role`]).
     role: Arc<multiplexed::Role<state::Pooled>>,
     names: Vec<String>,
-    nodes: Vec<Node>,
+    nodes: Vec<Arc<Node>>,
     timeout: Duration,
     rules: VoteRules,
     servers: Arc<Servers>,
@@ -153,17 +153,15 @@ impl RedisTransport {
                 .thread_pool(threads.clone())
                 .build_unchecked(manager);
             names.push(spec.name);
-            nodes.push(Node {
-                inner: Arc::new(NodeConns {
-                    shared,
-                    pool,
-                    line: Arc::default(),
-                    line_started: Default::default(),
-                    role: role.clone(),
-                }),
+            nodes.push(Arc::new(Node {
+                shared,
+                pool,
+                line: Arc::default(),
+                line_started: Default::default(),
+                role: role.clone(),
                 target: spec.target,
                 threads,
-            });
+            }));
         }
         RedisTransport {
             role,
@@ -215,7 +213,7 @@ impl RedisTransport {
         now: Instant,
         anyway: bool,
     ) -> Option<PooledConnection<Manager>> {
-        let node = &self.nodes[i].inner;
+        let node = &self.nodes[i];
         // Only a healthy node gets new connections started on demand; a
         // failing one is reconnected by the pool's background retries
         // (but for a command whose connection closed under it, which the
@@ -299,7 +297,7 @@ impl Transport for RedisTransport {
 
     fn reads(&self) -> (u64, Vec<Option<crate::algorithm::restart::Read>>) {
         let gen = self.servers.reads_made();
-        let reads = self.nodes.iter().map(|n| *n.inner.shared.read.lock());
+        let reads = self.nodes.iter().map(|n| *n.shared.read.lock());
         (gen, reads.collect())
     }
 
@@ -381,8 +379,8 @@ impl RedisTransport {
             let mut connected = 0;
             let mut pending = false;
             for (i, node) in self.nodes.iter().enumerate() {
-                let shared = &node.inner.shared;
-                if node.inner.pool.state().connections > 0 {
+                let shared = &node.shared;
+                if node.pool.state().connections > 0 {
                     connected += 1;
                     if !self.servers.begun_read(i) && shared.is_healthy() {
                         // Read what its connections have been told (who the
@@ -390,7 +388,7 @@ impl RedisTransport {
                         let now = Instant::now();
                         let c = &mut held[i];
                         if c.is_none() {
-                            *c = node.inner.pool.try_get();
+                            *c = node.pool.try_get();
                         }
                         if let Some(conn) = c.as_mut() {
                             if !catch_up(conn, shared, now) {

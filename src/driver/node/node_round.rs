@@ -22,7 +22,7 @@ use crate::driver::conn;
 use crate::driver::conn_state::{ConnState, InFlight};
 use crate::driver::node::encode::Encoded;
 use crate::driver::node::link::Link;
-use crate::driver::node::replies::{late_reply, turned_away};
+use crate::driver::node::replies::late_reply;
 use crate::driver::node::state::NodeState;
 use crate::error::{NodeError, NodeErrorKind};
 
@@ -53,12 +53,10 @@ pub(crate) fn take_reply(
     results: &mut [Option<NodeResult>],
 ) -> std::io::Result<bool> {
     let enc = ballot.enc;
-    if !turned_away(&p, &v) {
-        shared.replied();
-    }
     if !p.wanted {
         return late_reply(wire, shared, p, &v, now);
     }
+    shared.replied();
     if let (Value::ServerError(e), false) = (&v, *fell_back) {
         if e.kind() == Some(redis::ServerErrorKind::NoScript) {
             debug!("node {}: script not cached, sending EVAL", ballot.names[i]);
@@ -227,7 +225,7 @@ pub(crate) fn lose_connection<C: Link>(
     if let Some(c) = s.conn.as_mut() {
         let w = c.wire_mut();
         w.broken = true;
-        w.unwant(None, &[], None);
+        w.unwant(None, &[], None, &[]);
     }
     s.conn = None;
     s.lost |= lost;
@@ -434,7 +432,7 @@ pub(crate) fn end_part<C: Link>(
     if let Some(c) = s.conn.as_mut() {
         let wire = c.wire_mut();
         if wire.awaits_wanted() {
-            wire.unwant_release(
+            wire.unwant(
                 left.undo.as_deref(),
                 &left.tokens,
                 left.resend.as_deref(),

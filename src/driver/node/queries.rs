@@ -25,20 +25,12 @@ pub(crate) fn release_once(
     cmd: &[u8],
     (connect, reply): (Duration, Duration),
 ) -> Result<(), String> {
-    let mut c = Conn::connect_for(target, connect, conn::For::Query).map_err(|e| e.to_string())?;
-    let now = Instant::now();
-    c.wire.queue(cmd, now, true);
-    c.flush().map_err(|e| e.to_string())?;
-    let deadline = after(now, reply);
-    loop {
-        let wanted = c.wire.pending().front().is_some_and(|p| p.wanted);
-        let v = c.wait_reply(deadline).map_err(|e| e.to_string())?;
-        if wanted {
-            return match v {
-                Value::ServerError(e) => Err(server_text(&e)),
-                _ => Ok(()),
-            };
-        }
+    // A query's connection sends nothing at connect: the first reply is
+    // this command's.
+    let mut c = Conn::connect(target, connect, conn::For::Query).map_err(|e| e.to_string())?;
+    match exchange(&mut c, cmd, reply)?.0 {
+        Value::ServerError(e) => Err(server_text(&e)),
+        _ => Ok(()),
     }
 }
 
@@ -50,7 +42,7 @@ pub(crate) fn release_once(
 /// one second at most: no lock is granted by one node).
 pub(crate) fn probe_one(target: &Target, key: &str, timeout: Duration) -> Probe {
     let mut p = Probe::default();
-    let mut c = match Conn::connect_for(target, timeout, conn::For::Check) {
+    let mut c = match Conn::connect(target, timeout, conn::For::Check) {
         Ok(c) => c,
         Err(e) => {
             p.connect = Some(e.to_string());
@@ -233,7 +225,7 @@ pub(crate) fn inspect_one(
     timeout: Duration,
 ) -> Result<Option<Stored>, (NodeErrorKind, String)> {
     let mut c =
-        Conn::connect_for(target, timeout, conn::For::Query).map_err(|e| (e.kind(), e.detail()))?;
+        Conn::connect(target, timeout, conn::For::Query).map_err(|e| (e.kind(), e.detail()))?;
     let now = Instant::now();
     let cmds = [
         redis::cmd("GET").arg(resource).get_packed_command(),
@@ -259,18 +251,10 @@ pub(crate) fn inspect_one(
     };
     c.flush().map_err(io)?;
     let deadline = after(now, timeout);
-    // Replies to the connect's script loads come first.
-    let mut replies = Vec::with_capacity(cmds.len());
-    while replies.len() < cmds.len() {
-        let wanted = c.wire.pending().front().is_some_and(|p| p.wanted);
-        let v = c.wait_reply(deadline).map_err(io)?;
-        if wanted {
-            replies.push(v);
-        }
-    }
-    let mut replies = replies.into_iter();
-    let mut next = || replies.next().unwrap_or(Value::Nil);
-    stored_of(next(), next(), next(), next())
+    // A query's connection sends nothing at connect: the replies are the
+    // four commands', in order.
+    let mut next = || c.wait_reply(deadline).map_err(io);
+    stored_of(next()?, next()?, next()?, next()?)
 }
 
 /// What [`inspect_one`]'s four replies say of the key.
@@ -452,7 +436,7 @@ mod tests {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let target = Target::local(listener.local_addr().expect("addr").port());
         let mut c =
-            Conn::connect_for(&target, Duration::from_secs(2), conn::For::Query).expect("connect");
+            Conn::connect(&target, Duration::from_secs(2), conn::For::Query).expect("connect");
         let (mut server, _) = listener.accept().expect("accept");
         let late = ask(&mut c, &redis::cmd("PING"), Duration::from_millis(50));
         assert!(late.is_err(), "no answer yet: {late:?}");

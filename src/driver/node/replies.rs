@@ -36,9 +36,6 @@ pub(crate) fn catch_up<L: Link>(c: &mut L, node: &NodeState, now: Instant) -> bo
     loop {
         match c.next_reply() {
             Ok(Some((p, v))) => {
-                if !turned_away(&p, &v) {
-                    node.replied();
-                }
                 if late_reply_on(c, node, p, &v, now).is_err() {
                     return false;
                 }
@@ -135,7 +132,8 @@ pub(crate) fn late_reply_on<L: Link>(
     Ok(())
 }
 
-/// A reply no round waits for any more: a command sent at connect (who the
+/// A reply no round waits for any more: the node's answer (but for a
+/// server turning the connection away); a command sent at connect (who the
 /// server is), or a late reply; if it says a write of an ended round landed
 /// on a lock released meanwhile, queues that key's delete on the same
 /// connection (behind the SET). `Ok(true)` when it queued commands to send;
@@ -148,6 +146,9 @@ pub(crate) fn late_reply(
     v: &Value,
     now: Instant,
 ) -> std::io::Result<bool> {
+    if !turned_away(&p, v) {
+        node.replied();
+    }
     if p.setup != Setup::None {
         return setup_reply(c, node, p.setup, v).map(|()| false);
     }
@@ -172,7 +173,10 @@ pub(crate) fn late_reply(
             // As `EVAL` again should it meet NOSCRIPT (a plain SET lands
             // whatever the script cache holds).
             let resend = crate::driver::node::encode::eval_form(undo, scripts::RELEASE_LUA);
-            c.queue_resent(undo, now, p.keys, resend);
+            c.queue_unwanted(undo, now, |u| {
+                u.keys = p.keys.max(1);
+                u.resend = Some(resend);
+            });
             queued = true;
             let mut undone = node.undone.lock();
             for t in &p.tokens {
@@ -301,7 +305,7 @@ pub(crate) fn setup_reply(
 
 /// Whether this reply is a server turning the connection away (see
 /// [`refuses_connection`]): not an answer that makes the node healthy.
-pub(crate) fn turned_away(p: &InFlight, v: &Value) -> bool {
+fn turned_away(p: &InFlight, v: &Value) -> bool {
     p.setup != Setup::None && matches!(v, Value::ServerError(e) if refuses_connection(e))
 }
 
@@ -350,7 +354,7 @@ mod tests {
     fn late_set(token: &str) -> ConnState {
         let mut w = ConnState::new(Instant::now());
         w.queue(b"SET", Instant::now(), true);
-        w.unwant(Some(b"UNDO"), &[token.to_owned()], None);
+        w.unwant(Some(b"UNDO"), &[token.to_owned()], None, &[]);
         w.written(w.output().len());
         w
     }
@@ -434,7 +438,7 @@ mod tests {
         let n = node();
         let mut w = ConnState::new(Instant::now());
         w.queue(b"EVALSHA release", Instant::now(), true);
-        w.unwant_release(None, &[], Some(b"EVAL release"), &["t".to_owned()]);
+        w.unwant(None, &[], Some(b"EVAL release"), &["t".to_owned()]);
         w.written(w.output().len());
         let (p, v) = w
             .answer(value(b"-NOSCRIPT No matching script.\r\n"))
@@ -453,7 +457,7 @@ mod tests {
         let n = node();
         let mut w = ConnState::new(Instant::now());
         w.queue(b"EVALSHA release", Instant::now(), true);
-        w.unwant(None, &[], Some(b"EVAL release"));
+        w.unwant(None, &[], Some(b"EVAL release"), &[]);
         w.written(w.output().len());
         let (p, v) = w
             .answer(value(b"-NOSCRIPT No matching script.\r\n"))

@@ -73,7 +73,7 @@ impl RedisTransport {
     /// (until `deadline`) for one to come back. None when the node is not in
     /// that state (it is connecting, or failing).
     fn wait_pooled(&self, i: usize, deadline: Instant) -> Option<PooledConnection<Manager>> {
-        let node = &self.nodes[i].inner;
+        let node = &self.nodes[i];
         if !node.shared.is_healthy() {
             return None;
         }
@@ -100,7 +100,7 @@ impl RedisTransport {
         now: Instant,
         fresh: impl FnOnce() -> Option<Pooled>,
     ) -> Option<RoundConn<Pooled>> {
-        let node = &self.nodes[i].inner;
+        let node = &self.nodes[i];
         let waker = thread_waker().map(|w| w as Arc<dyn Wake>);
         multiplexed::join(&node.line, &node.shared, &self.role, waker, now, || {
             if self.line_starting(i, now) {
@@ -121,7 +121,6 @@ impl RedisTransport {
     /// node timeout ago.
     fn line_starting(&self, i: usize, now: Instant) -> bool {
         self.nodes[i]
-            .inner
             .line_started
             .lock()
             .is_some_and(|t| now.saturating_duration_since(t) < self.timeout)
@@ -300,7 +299,7 @@ impl Links for RedisTransport {
     }
 
     fn node(&self, i: usize) -> &NodeState {
-        &self.nodes[i].inner.shared
+        &self.nodes[i].shared
     }
 
     fn rules(&self) -> VoteRules {
@@ -332,7 +331,7 @@ impl Links for RedisTransport {
             // A connection for the multiplexed connection is on its way: waited for (in node
             // order, as a pool wait is) without starting one more.
             loop {
-                if !self.nodes[i].inner.shared.is_healthy() {
+                if !self.nodes[i].shared.is_healthy() {
                     return None;
                 }
                 let now = Instant::now();
@@ -350,7 +349,7 @@ impl Links for RedisTransport {
     }
 
     fn pool_busy(&self, i: usize) -> Option<u32> {
-        let pool = &self.nodes[i].inner.pool;
+        let pool = &self.nodes[i].pool;
         (pool.state().connections >= pool.max_size()).then_some(pool.max_size())
     }
 

@@ -341,7 +341,7 @@ impl ManageConnection for Manager {
     type Error = ConnectError;
 
     fn connect(&self) -> Result<Conn, ConnectError> {
-        let mut result = Conn::connect(&self.target, self.shared.timeout);
+        let mut result = Conn::connect(&self.target, self.shared.timeout, conn::For::Rounds);
         if let Err(ConnectError::Io(e)) = &result {
             if conn::is_close(e) {
                 // Closed before the node answered: a proxy in front of a dead
@@ -351,7 +351,7 @@ impl ManageConnection for Manager {
                     "node {}: connection closed while connecting ({e}), trying again",
                     self.shared.name
                 );
-                result = Conn::connect(&self.target, self.shared.timeout);
+                result = Conn::connect(&self.target, self.shared.timeout, conn::For::Rounds);
             }
         }
         // Kept until the node answers again (a connect that succeeds may

@@ -167,7 +167,7 @@ fn keep_alive(sh: &Shared, links: &mut [Subscriber], ping_wait: Duration) {
 /// Makes node `i`'s subscriber connection; every channel is subscribed on
 /// it next.
 fn connect(sh: &Shared, i: usize, l: &mut Subscriber, timeout: Duration) {
-    let made = Conn::connect_for(&l.target, timeout, For::Query);
+    let made = Conn::connect(&l.target, timeout, For::Query);
     let mut st = sh.st.lock();
     st.tried[i] = true;
     match made {

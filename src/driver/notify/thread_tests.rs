@@ -19,7 +19,7 @@ use crate::driver::poll::PollFlags;
 fn linked() -> (Shared, Subscriber, std::net::TcpStream) {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     let target = Target::local(listener.local_addr().expect("addr").port());
-    let conn = Conn::connect_for(&target, Duration::from_secs(2), For::Query).expect("connect");
+    let conn = Conn::connect(&target, Duration::from_secs(2), For::Query).expect("connect");
     let (server, _) = listener.accept().expect("accept");
     let (_, tx) = UnixStream::pair().expect("pair");
     let mut st = St {

@@ -42,7 +42,7 @@ use sync::Mutex;
 use crate::algorithm::health::Outcome;
 use crate::driver::conn_state::{timed_out, ConnState, Facts, Owed};
 use crate::driver::node::link::Link;
-use crate::driver::node::replies::{ask_info_when_due, give_up_why, late_reply, turned_away};
+use crate::driver::node::replies::{ask_info_when_due, give_up_why, late_reply};
 use crate::driver::node::state::{HeldEvents, NodeState};
 
 /// What multiplexed connections did, for the simulation's coverage check.
@@ -476,12 +476,9 @@ impl<C: Link> Multiplexed<C> {
                 }
                 #[cfg(test)]
                 count(&self.node.line_stats.orphan_replies);
-                let r = wire.answered().and_then(|p| {
-                    if !turned_away(&p, &v) {
-                        self.node.replied();
-                    }
-                    late_reply(&mut wire, &self.node, p, &v, now)
-                });
+                let r = wire
+                    .answered()
+                    .and_then(|p| late_reply(&mut wire, &self.node, p, &v, now));
                 if let Err(e) = r {
                     failed = Some(e);
                     break;

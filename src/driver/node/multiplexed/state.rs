@@ -13,7 +13,7 @@ use super::count;
 use super::{Owner, Pipeline, ReplyCount, State, Wake};
 use crate::driver::conn_state::{is_given_up, ConnState, InFlight, Owed};
 use crate::driver::node::link::Link;
-use crate::driver::node::replies::{late_reply, turned_away};
+use crate::driver::node::replies::{late_reply, late_reply_on};
 use crate::driver::node::state::NodeState;
 
 impl<C> State<C>
@@ -165,13 +165,7 @@ where
     ) -> io::Result<()> {
         if p.owner == 0 {
             // The connection's own: sent at connect, or queued since by it.
-            if !turned_away(&p, &v) {
-                node.replied();
-            }
-            if late_reply(self.conn.wire_mut(), node, p, &v, now)? {
-                self.conn.flush()?;
-            }
-            return Ok(());
+            return late_reply_on(&mut self.conn, node, p, &v, now);
         }
         let Some(k) = self.owners.iter().position(|o| o.id == p.owner) else {
             return Err(self.conn.wire_mut().protocol_error("reply for no round"));
@@ -199,9 +193,6 @@ where
         let own = w.answered()?;
         #[cfg(test)]
         count(&node.line_stats.orphan_replies);
-        if !turned_away(&own, &v) {
-            node.replied();
-        }
         let queued = late_reply(&mut w, node, own, &v, now)?;
         let id = p.owner;
         if queued {

@@ -163,7 +163,7 @@ fn a_late_reply_of_a_round_that_left_is_taken_by_the_late_reply_rules() {
     send(&mut a, b"RELEASE");
     // The round ended before the reply: a release is sent again as EVAL
     // if it met NOSCRIPT.
-    a.wire_mut().unwant(None, &[], Some(b"EVAL-RELEASE"));
+    a.wire_mut().unwant(None, &[], Some(b"EVAL-RELEASE"), &[]);
     drop(a);
     let noscript = redis::parse_redis_value(b"-NOSCRIPT No matching script.\r\n").expect("RESP");
     script.lock().replies.push_back(noscript);
@@ -187,7 +187,7 @@ fn the_last_round_out_gives_the_connection_back_owing_what_it_owed() {
     let (line, script, _) = line();
     let mut a = line.admit(None, Instant::now()).expect("open");
     send(&mut a, b"RELEASE");
-    a.wire_mut().unwant(None, &[], Some(b"EVAL-RELEASE"));
+    a.wire_mut().unwant(None, &[], Some(b"EVAL-RELEASE"), &[]);
     drop(a);
     drop(line);
     let owed = script.lock().given_back.clone().expect("given back");
@@ -569,7 +569,7 @@ fn a_round_past_its_deadline_behind_another_batch_returns_on_time_and_keeps_the_
     assert_eq!(script.lock().written, b"A1B1", "written by its round");
     // The round ends: its reply is no longer wanted, and it leaves.
     let mut b = parts.pop().and_then(|p| p.conn).expect("its connection");
-    b.wire_mut().unwant(None, &[], None);
+    b.wire_mut().unwant(None, &[], None, &[]);
     drop(b);
     script.lock().replies.extend([int(1), int(2)]);
     line.pump(None);
