@@ -413,19 +413,11 @@ impl Conn {
         self.wpos < self.wire.output().len() || self.stream.wants_write()
     }
 
-    /// Reads what has arrived, without waiting. End of stream or an error
-    /// marks the connection broken.
-    pub(crate) fn fill(&mut self) -> io::Result<()> {
-        self.read_available(false)
-    }
-
-    /// [`fill`](Self::fill), reading until the socket would block even
-    /// after a short read: a close right behind the last reply is seen.
-    pub(crate) fn fill_to_end(&mut self) -> io::Result<()> {
-        self.read_available(true)
-    }
-
-    fn read_available(&mut self, to_end: bool) -> io::Result<()> {
+    /// Reads what has arrived, without waiting; `to_end`: until the socket
+    /// would block even after a short read, so that a close right behind
+    /// the last reply is seen. End of stream or an error marks the
+    /// connection broken.
+    pub(crate) fn fill(&mut self, to_end: bool) -> io::Result<()> {
         let chunk = &mut self.chunk;
         loop {
             match self.stream.read(chunk) {
@@ -459,7 +451,7 @@ impl Conn {
             self.flush()?;
         }
         if ready.intersects(PollFlags::IN | PollFlags::HUP | PollFlags::ERR) {
-            self.fill()?;
+            self.fill(false)?;
         }
         Ok(())
     }
@@ -467,14 +459,7 @@ impl Conn {
     /// Takes the next complete reply off the buffer, with the command it
     /// answers. A malformed or unexpected reply marks the connection broken.
     pub(crate) fn next_reply(&mut self) -> io::Result<Option<(InFlight, Value)>> {
-        loop {
-            let len = match frame_len(&self.rbuf) {
-                Ok(Some(len)) => len,
-                Ok(None) => return Ok(None),
-                Err(()) => return Err(self.wire.protocol_error("malformed reply")),
-            };
-            let value = crate::driver::resp::parse(&self.rbuf[..len]);
-            self.rbuf.drain(..len);
+        while let Some(value) = self.take_frame("malformed reply")? {
             match value {
                 Ok(v) => {
                     if let Some(r) = self.wire.gather(v)? {
@@ -489,21 +474,28 @@ impl Conn {
                 }
             }
         }
+        Ok(None)
     }
 
     /// Takes the next complete frame off the buffer without pairing it with
     /// a command owed (a subscriber connection's pushes and answers).
     pub(crate) fn next_frame(&mut self) -> io::Result<Option<Value>> {
+        self.take_frame("malformed frame")?
+            .transpose()
+            .map_err(|e| self.wire.protocol_error(&e.to_string()))
+    }
+
+    /// The next complete frame off the buffer, decoded or not; `Err` (the
+    /// connection broken, saying `malformed`) when the bytes are not RESP.
+    fn take_frame(&mut self, malformed: &str) -> io::Result<Option<redis::RedisResult<Value>>> {
         let len = match frame_len(&self.rbuf) {
             Ok(Some(len)) => len,
             Ok(None) => return Ok(None),
-            Err(()) => return Err(self.wire.protocol_error("malformed frame")),
+            Err(()) => return Err(self.wire.protocol_error(malformed)),
         };
         let value = crate::driver::resp::parse(&self.rbuf[..len]);
         self.rbuf.drain(..len);
-        value
-            .map(Some)
-            .map_err(|e| self.wire.protocol_error(&e.to_string()))
+        Ok(Some(value))
     }
 
     /// A handle to poll this connection's socket by while the connection
@@ -571,7 +563,7 @@ mod tests {
         server.write_all(reply).expect("reply");
         let deadline = after(Instant::now(), Duration::from_secs(2));
         while c.rbuf.len() < reply.len() && Instant::now() < deadline {
-            let _ = c.fill();
+            let _ = c.fill(false);
             std::thread::sleep(Duration::from_millis(1));
         }
         c

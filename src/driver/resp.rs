@@ -129,7 +129,7 @@ fn fast(buf: &[u8], pos: usize, depth: usize) -> Option<(Value, usize)> {
     }
 }
 
-/// An integer multiplexed connection, trimmed as the `redis` crate trims it (a multiplexed connection only
+/// An integer line, trimmed as the `redis` crate trims it (a line only
 /// Unicode whitespace would trim goes to that parser).
 fn int(line: &[u8]) -> Option<i64> {
     parse_int(line.trim_ascii()).ok()

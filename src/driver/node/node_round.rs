@@ -56,7 +56,7 @@ pub(crate) fn take_reply(
     if !p.wanted {
         return late_reply(wire, shared, p, &v, now);
     }
-    shared.replied();
+    shared.observe(Outcome::Answered);
     if let (Value::ServerError(e), false) = (&v, *fell_back) {
         if e.kind() == Some(redis::ServerErrorKind::NoScript) {
             debug!("node {}: script not cached, sending EVAL", ballot.names[i]);

@@ -146,8 +146,11 @@ pub(crate) fn late_reply(
     v: &Value,
     now: Instant,
 ) -> std::io::Result<bool> {
+    // When it arrived is not known for a reply read late (at the
+    // connection's next use), so any reply is an answer; a timeout is only
+    // ever seen as a reply still missing after the node timeout.
     if !turned_away(&p, v) {
-        node.replied();
+        node.observe(Outcome::Answered);
     }
     if p.setup != Setup::None {
         return setup_reply(c, node, p.setup, v).map(|()| false);

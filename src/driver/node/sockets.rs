@@ -59,7 +59,7 @@ impl Link for Pooled {
     }
 
     fn read_all(&mut self) -> std::io::Result<()> {
-        conn::Conn::fill_to_end(self)
+        conn::Conn::fill(self, true)
     }
 
     fn abandon(&mut self) {
@@ -89,9 +89,7 @@ impl RedisTransport {
         let mut c = node.pool.get_timeout(wait).ok()?;
         catch_up(&mut c, &node.shared, Instant::now()).then_some(c)
     }
-}
 
-impl RedisTransport {
     /// This thread's round on node `i`'s current multiplexed connection, or on a new one over
     /// the connection `fresh` gives.
     fn share(

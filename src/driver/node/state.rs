@@ -229,10 +229,9 @@ impl NodeState {
     /// The error of this node when a round did not wait for it (`admit`):
     /// why (refusing, not answering, its TLS or handshake error), since when.
     pub(crate) fn not_waited(&self, admit: Admit, now: Instant) -> NodeError {
-        let shared = self;
-        let h = *shared.health.lock();
+        let h = *self.health.lock();
         let connect_error = match h {
-            NodeHealth::Failing { .. } => shared.connect_error.lock().clone(),
+            NodeHealth::Failing { .. } => self.connect_error.lock().clone(),
             NodeHealth::Healthy => None,
         };
         let tried = if admit == Admit::Trial {
@@ -306,13 +305,6 @@ impl NodeState {
                 emit_or_hold(&self.events, &self.name, change);
             }
         }
-    }
-
-    /// A reply was read. When it arrived is not known for one read late
-    /// (at the connection's next use), so any reply is an answer; a timeout
-    /// is only ever seen as a reply still missing after the node timeout.
-    pub(crate) fn replied(&self) {
-        self.observe(Outcome::Answered);
     }
 
     pub(crate) fn is_healthy(&self) -> bool {
