@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, RecvTimeoutError};
+use crossbeam_channel::RecvTimeoutError;
 use log::{debug, warn};
 
 use crate::error::Error;
@@ -229,7 +229,6 @@ impl LockGuard {
     pub fn lost(&self) -> LostSignal {
         LostSignal {
             state: self.state.clone(),
-            ended: self.state.ended(),
         }
     }
 
@@ -435,7 +434,6 @@ impl Drop for LockGuard {
 #[derive(Clone)]
 pub struct LostSignal {
     state: Arc<LockState>,
-    ended: Receiver<()>,
 }
 
 impl fmt::Debug for LostSignal {
@@ -461,7 +459,7 @@ impl LostSignal {
 
     /// Blocks until the lock is lost (the reason) or released (`None`).
     pub fn wait(&self) -> Option<Error> {
-        let _ = self.ended.recv();
+        let _ = self.state.ended().recv();
         self.check()
     }
 
@@ -470,7 +468,7 @@ impl LostSignal {
     /// returns `None` at once: a loop that waits on it checks
     /// [`is_ended`](Self::is_ended) too.
     pub fn wait_timeout(&self, timeout: Duration) -> Option<Error> {
-        match self.ended.recv_timeout(timeout) {
+        match self.state.ended().recv_timeout(timeout) {
             Err(RecvTimeoutError::Timeout) => None,
             _ => self.check(),
         }

@@ -177,8 +177,10 @@ impl<'a> LockRequest<'a> {
             }
         }
         let want = Want {
+            resource: self.resource,
+            also: &self.also,
+            ttl: self.ttl,
             read: self.read,
-            ..Want::write(self.resource, &self.also, self.ttl)
         };
         let (state, turn) = engine.acquire(want, budget)?;
         if let Some(turn) = &turn {

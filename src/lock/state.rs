@@ -256,8 +256,8 @@ impl LockState {
     }
 
     /// Disconnected once the lock is lost or released.
-    pub(crate) fn ended(&self) -> Receiver<()> {
-        self.ended.clone()
+    pub(crate) fn ended(&self) -> &Receiver<()> {
+        &self.ended
     }
 
     /// Why the lock was lost, if it was.

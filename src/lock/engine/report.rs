@@ -73,7 +73,7 @@ impl Engine {
         });
         let names = self.transport.node_names();
         for (i, r) in judged.iter().enumerate() {
-            let Some(flag) = self.held_back.get(i) else {
+            let Some(flag) = self.nodes.get(i).map(|n| &n.held_back) else {
                 continue;
             };
             // How long the restart rule holds the node's vote back.
@@ -104,7 +104,11 @@ impl Engine {
             if let Err(e) = r {
                 if e.kind() == crate::NodeErrorKind::NotAwaited {
                     trace!("{e}");
-                } else if self.warned.get(i).is_some_and(|t| t.ready(now, WARN_EVERY)) {
+                } else if self
+                    .nodes
+                    .get(i)
+                    .is_some_and(|n| n.warned.ready(now, WARN_EVERY))
+                {
                     warn!("{e} (further failures of this node logged at debug for {WARN_EVERY:?})");
                 } else {
                     debug!("{e}");
