@@ -375,10 +375,12 @@ pub(crate) fn client_with(
 /// Another client (another process) over the same fake nodes.
 pub(crate) fn client_over(nodes: &Arc<FakeNodes>, settings: Settings) -> Redlock {
     let rules = settings.rules();
-    Redlock::from_parts(
-        settings,
-        Box::new(Shared(nodes.clone(), rules)),
-        nodes.clock.clone(),
-        Rng::new(42),
-    )
+    crate::redlock::Redlock {
+        engine: crate::lock::engine::Engine::new(
+            settings,
+            Box::new(Shared(nodes.clone(), rules)),
+            nodes.clock.clone(),
+            Rng::new(42),
+        ),
+    }
 }

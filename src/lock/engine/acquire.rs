@@ -44,10 +44,14 @@ impl Engine {
         let drift = self.validate(resource, ttl)?;
         // One deadline for the whole call, local wait and attempts alike.
         let until = self.wait_deadline(budget, want.size());
-        let mut turn = if want.alone() {
-            self.queue_turn(resource, budget, until)
-        } else {
-            None
+        // This thread's turn among the threads of this process that want
+        // `resource` (see [`crate::lock::queue`]). One attempt never waits;
+        // when the wait runs out the call still makes its attempts at the
+        // nodes, which report the real state.
+        let mut turn = match budget {
+            _ if !want.alone() || !self.settings.local_queue => None,
+            Budget::Attempts(1) => self.queues.try_acquire(resource),
+            _ => self.queues.acquire(resource, until),
         };
         if let Some(handed) = turn.as_ref().and_then(Turn::take_hand_over) {
             let held = handed.holding();
@@ -272,9 +276,10 @@ impl Engine {
             ttl: want.ttl,
         };
         let lock = |fence| {
-            let state = LockState::new(want.resource, token, fence, timing);
+            let mut state = LockState::new(want.resource, token, fence, timing);
             state.set_holding(holding);
-            state.with_also(want.also.to_vec())
+            state.also = want.also.to_vec();
+            state
         };
         if !self.settings.fencing || want.read {
             return Ok(lock(None));

@@ -19,7 +19,7 @@ use crate::algorithm::restart::TtlHistory;
 use crate::algorithm::round::{self, is_reader, Key, NodeResult, Op};
 use crate::clock::{after, Clock, Rng, Throttle};
 use crate::error::{Error, InvalidInput};
-use crate::lock::queue::{Queues, Turn};
+use crate::lock::queue::Queues;
 use crate::lock::settings::Settings;
 use crate::lock::state::LockState;
 use crate::lock::transport::Transport;
@@ -151,25 +151,6 @@ impl Engine {
         })
     }
 
-    /// Waits for this thread's turn among the threads of this process that
-    /// want `resource` (see [`crate::lock::queue`]). One attempt never waits; when
-    /// the wait runs out the caller still makes its attempts at the nodes,
-    /// which report the real state.
-    pub(crate) fn queue_turn(
-        &self,
-        resource: &str,
-        budget: Budget,
-        until: Instant,
-    ) -> Option<Turn> {
-        if !self.settings.local_queue {
-            return None;
-        }
-        match budget {
-            Budget::Attempts(1) => self.queues.try_acquire(resource),
-            _ => self.queues.acquire(resource, until),
-        }
-    }
-
     /// The most a call for a lock of `keys` keys may wait: `lock()` gets
     /// `retry_count × (retry_delay + retry_jitter + node_timeout)` (one more
     /// node timeout per 200 keys of a set), `acquire_for()` its own wait.
@@ -274,29 +255,6 @@ impl Engine {
         }
     }
 
-    /// Best-effort release of many locks in one round trip per node.
-    pub(crate) fn release_many(&self, states: &[&LockState]) {
-        let keys: Vec<Key<'_>> = states.iter().flat_map(|s| s.keys()).collect();
-        let deadline = self.round_deadline(self.clock.now(), keys.len());
-        let keep_until = states
-            .iter()
-            .map(|s| self.keep_until(s))
-            .max()
-            .unwrap_or(deadline);
-        let notice = keys.first().map_or(1, remote::notice_of);
-        for k in keys.iter().filter(|k| !is_reader(k.token)) {
-            self.transport.releasing(k.resource, notice);
-        }
-        let results = self.transport.run(
-            Op::Release { keep_until, notice },
-            &keys,
-            deadline,
-            None,
-            None,
-        );
-        self.note_failures(&results);
-    }
-
     /// How long a round of `keys` keys waits for a node (see
     /// [`round::allowance`]): the node timeout for a lone lock.
     fn allowance(&self, keys: usize) -> Duration {
@@ -339,8 +297,27 @@ impl Renew for Engine {
         }
     }
 
+    /// Best-effort release of many locks in one round trip per node.
     fn release_lost(&self, states: &[&LockState]) {
-        self.release_many(states);
+        let keys: Vec<Key<'_>> = states.iter().flat_map(|s| s.keys()).collect();
+        let deadline = self.round_deadline(self.clock.now(), keys.len());
+        let keep_until = states
+            .iter()
+            .map(|s| self.keep_until(s))
+            .max()
+            .unwrap_or(deadline);
+        let notice = keys.first().map_or(1, remote::notice_of);
+        for k in keys.iter().filter(|k| !is_reader(k.token)) {
+            self.transport.releasing(k.resource, notice);
+        }
+        let results = self.transport.run(
+            Op::Release { keep_until, notice },
+            &keys,
+            deadline,
+            None,
+            None,
+        );
+        self.note_failures(&results);
     }
 }
 
