@@ -275,10 +275,6 @@ impl Engine {
 
 /// The renewal thread's view of the engine.
 impl Renew for Engine {
-    fn clock(&self) -> &dyn Clock {
-        &*self.clock
-    }
-
     fn pacing(&self) -> (f64, Duration) {
         (self.settings.renew_fraction, self.settings.node_timeout)
     }
