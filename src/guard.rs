@@ -28,8 +28,6 @@ pub struct LockGuard {
     /// This thread's turn among local waiters; dropped (handing over) only
     /// after the release.
     turn: Option<Turn>,
-    /// Released or handed over: nothing left for `Drop` to do.
-    done: bool,
 }
 
 impl fmt::Debug for LockGuard {
@@ -50,7 +48,6 @@ impl LockGuard {
             engine,
             state,
             turn,
-            done: false,
         }
     }
 
@@ -339,7 +336,9 @@ impl LockGuard {
     /// TTL left, hands the held lock to the next of them (unfenced, without
     /// a round trip).
     fn finish(&mut self) -> Option<Result<()>> {
-        if std::mem::replace(&mut self.done, true) {
+        // Released or handed over already (either marks the lock released):
+        // nothing left to do.
+        if self.state.is_released() {
             return None;
         }
         if let Some(turn) = self.turn.take() {
@@ -349,7 +348,6 @@ impl LockGuard {
                 .saturating_duration_since(self.engine.clock.now());
             let handable = !self.state.is_renewing()
                 && !self.state.is_lost()
-                && !self.state.is_released()
                 && left >= t.ttl / 2
                 && turn.has_waiters()
                 // Other clients wait too: they get it by the nodes.
