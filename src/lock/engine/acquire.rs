@@ -182,14 +182,10 @@ impl Engine {
             let elapsed = end.saturating_duration_since(start);
             debug!("lock {resource:?}: not acquired in {elapsed:?}: {e}");
         }
-        let outcome = result.as_ref();
-        self.attempt_event(
-            resource,
-            start,
-            outcome,
-            (&judged, &results, &rule),
-            next.begun,
-        );
+        // An attempt at the nodes begins a lineage: section 1.
+        let outcome = result.as_ref().map(|s| s.deadline());
+        self.attempt_event((resource, 1), start, outcome, &judged, next.begun);
+        self.held_back_events((&judged, &results, &rule));
         if result.is_err() {
             *seen = Failed::of(&judged, want.size());
         }
