@@ -245,21 +245,20 @@ fn clock(offset: i64, rtt: Duration) -> Finding {
 /// Whether the lock's scripts ran on `key` (`Ok(held by someone)`) or
 /// failed: a node they fail on cannot vote. `None` where not tried.
 fn scripts(tried: Option<&Result<bool, String>>, key: &str) -> Option<Finding> {
-    match tried? {
-        Ok(other) => Some(Finding::new(
+    let (verdict, text) = match tried? {
+        Ok(other) => (
             Verdict::Ok,
-            "scripts",
             format!(
                 "the lock's scripts run on {key:?}{}",
                 if *other { " (held by someone now)" } else { "" }
             ),
-        )),
-        Err(why) => Some(Finding::new(
+        ),
+        Err(why) => (
             Verdict::Fail,
-            "scripts",
             format!("the lock's scripts fail on {key:?}: {why} (see the minimal ACL in the crate's docs, \"TLS and ACL\")"),
-        )),
-    }
+        ),
+    };
+    Some(Finding::new(verdict, "scripts", text))
 }
 
 /// Whether the read locks' scripts ran on `key` (`Ok(a writer held it)`)
