@@ -8,6 +8,7 @@ use crate::clock::{Rng, SystemClock};
 use crate::driver::node::{DriverConfig, RedisTransport};
 use crate::driver::url::{parse_nodes_with, redact, TlsSettings};
 use crate::error::InvalidInput;
+use crate::lock::engine::Engine;
 use crate::lock::settings::{Settings, MAX_POOL_SIZE};
 use crate::redlock::Redlock;
 use crate::Result;
@@ -391,11 +392,13 @@ impl Builder {
                 rules: self.settings.rules(),
             },
         );
-        Ok(Redlock::from_parts(
-            self.settings,
-            Box::new(transport),
-            Arc::new(SystemClock),
-            Rng::from_os(),
-        ))
+        Ok(Redlock {
+            engine: Engine::new(
+                self.settings,
+                Box::new(transport),
+                Arc::new(SystemClock),
+                Rng::from_os(),
+            ),
+        })
     }
 }

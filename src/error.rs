@@ -77,17 +77,12 @@ impl fmt::Display for Error {
                 quorum,
                 failures,
             } => {
+                let failed: Vec<String> = failures.iter().map(ToString::to_string).collect();
                 write!(
                     f,
-                    "no quorum: {agreed} nodes agreed, {quorum} needed; failed nodes: "
-                )?;
-                for (i, e) in failures.iter().enumerate() {
-                    if i > 0 {
-                        f.write_str("; ")?;
-                    }
-                    write!(f, "{e}")?;
-                }
-                Ok(())
+                    "no quorum: {agreed} nodes agreed, {quorum} needed; failed nodes: {}",
+                    failed.join("; ")
+                )
             }
             Error::ValidityExhausted { elapsed, ttl } => write!(
                 f,

@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, RecvTimeoutError};
+use crossbeam_channel::RecvTimeoutError;
 use log::{debug, warn};
 
 use crate::error::Error;
@@ -28,8 +28,6 @@ pub struct LockGuard {
     /// This thread's turn among local waiters; dropped (handing over) only
     /// after the release.
     turn: Option<Turn>,
-    /// Released or handed over: nothing left for `Drop` to do.
-    done: bool,
 }
 
 impl fmt::Debug for LockGuard {
@@ -50,7 +48,6 @@ impl LockGuard {
             engine,
             state,
             turn,
-            done: false,
         }
     }
 
@@ -229,7 +226,6 @@ impl LockGuard {
     pub fn lost(&self) -> LostSignal {
         LostSignal {
             state: self.state.clone(),
-            ended: self.state.ended(),
         }
     }
 
@@ -340,7 +336,9 @@ impl LockGuard {
     /// TTL left, hands the held lock to the next of them (unfenced, without
     /// a round trip).
     fn finish(&mut self) -> Option<Result<()>> {
-        if std::mem::replace(&mut self.done, true) {
+        // Released or handed over already (either marks the lock released):
+        // nothing left to do.
+        if self.state.is_released() {
             return None;
         }
         if let Some(turn) = self.turn.take() {
@@ -350,7 +348,6 @@ impl LockGuard {
                 .saturating_duration_since(self.engine.clock.now());
             let handable = !self.state.is_renewing()
                 && !self.state.is_lost()
-                && !self.state.is_released()
                 && left >= t.ttl / 2
                 && turn.has_waiters()
                 // Other clients wait too: they get it by the nodes.
@@ -435,7 +432,6 @@ impl Drop for LockGuard {
 #[derive(Clone)]
 pub struct LostSignal {
     state: Arc<LockState>,
-    ended: Receiver<()>,
 }
 
 impl fmt::Debug for LostSignal {
@@ -461,7 +457,7 @@ impl LostSignal {
 
     /// Blocks until the lock is lost (the reason) or released (`None`).
     pub fn wait(&self) -> Option<Error> {
-        let _ = self.ended.recv();
+        let _ = self.state.ended().recv();
         self.check()
     }
 
@@ -470,7 +466,7 @@ impl LostSignal {
     /// returns `None` at once: a loop that waits on it checks
     /// [`is_ended`](Self::is_ended) too.
     pub fn wait_timeout(&self, timeout: Duration) -> Option<Error> {
-        match self.ended.recv_timeout(timeout) {
+        match self.state.ended().recv_timeout(timeout) {
             Err(RecvTimeoutError::Timeout) => None,
             _ => self.check(),
         }

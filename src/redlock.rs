@@ -6,12 +6,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::algorithm::quorum;
-use crate::clock::{after, Clock, Rng};
+use crate::clock::after;
 use crate::guard::LockGuard;
 use crate::inspect::NodeKey;
 use crate::lock::engine::{validate_resource, Engine};
-use crate::lock::settings::Settings;
-use crate::lock::transport::Transport;
 use crate::request::LockRequest;
 use crate::Result;
 
@@ -46,17 +44,6 @@ impl fmt::Debug for Redlock {
 }
 
 impl Redlock {
-    pub(crate) fn from_parts(
-        settings: Settings,
-        transport: Box<dyn Transport>,
-        clock: Arc<dyn Clock>,
-        rng: Rng,
-    ) -> Self {
-        Redlock {
-            engine: Engine::new(settings, transport, clock, rng),
-        }
-    }
-
     /// Number of nodes.
     pub fn node_count(&self) -> usize {
         self.engine.transport.node_names().len()

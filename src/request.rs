@@ -167,19 +167,18 @@ impl<'a> LockRequest<'a> {
 
     fn take(self, budget: Budget) -> Result<LockGuard> {
         let engine = self.engine;
+        let want = Want {
+            resource: self.resource,
+            also: &self.also,
+            ttl: self.ttl,
+            read: self.read,
+        };
         if !self.also.is_empty() {
-            let mut names = Vec::with_capacity(self.also.len() + 1);
-            names.push(self.resource);
-            names.extend(self.also.iter().map(String::as_str));
-            validate_resources(&names)?;
+            validate_resources(&want.resources().collect::<Vec<_>>())?;
             if self.read {
                 return Err(InvalidInput::ReadOfSeveral.into());
             }
         }
-        let want = Want {
-            read: self.read,
-            ..Want::write(self.resource, &self.also, self.ttl)
-        };
         let (state, turn) = engine.acquire(want, budget)?;
         if let Some(turn) = &turn {
             // Local waiters wait for this lock, not for its guard.

@@ -57,13 +57,13 @@ pub(crate) enum NodeHealth {
 impl NodeHealth {
     /// The one input. Returns true when the node's state flips (for logs).
     pub(crate) fn observe(&mut self, now: Instant, outcome: Outcome) -> bool {
-        match (outcome, *self) {
-            (Outcome::Answered, NodeHealth::Healthy) => false,
-            (Outcome::Answered, NodeHealth::Failing { .. }) => {
+        match self {
+            _ if outcome == Outcome::Answered => {
+                let flips = !self.is_healthy();
                 *self = NodeHealth::Healthy;
-                true
+                flips
             }
-            (_, NodeHealth::Healthy) => {
+            NodeHealth::Healthy => {
                 *self = NodeHealth::Failing {
                     since: now,
                     next_trial: after(now, TRIAL_EVERY),
@@ -71,17 +71,8 @@ impl NodeHealth {
                 };
                 true
             }
-            (
-                _,
-                NodeHealth::Failing {
-                    since, next_trial, ..
-                },
-            ) => {
-                *self = NodeHealth::Failing {
-                    since,
-                    next_trial,
-                    last: outcome,
-                };
+            NodeHealth::Failing { last, .. } => {
+                *last = outcome;
                 false
             }
         }

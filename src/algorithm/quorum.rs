@@ -271,17 +271,20 @@ pub(crate) enum Seen {
 pub(crate) fn seen(results: &[NodeResult], keys: usize) -> Vec<Seen> {
     results
         .iter()
-        .flat_map(|r| {
-            (0..keys).map(move |index| match r {
-                Ok(rep) => match rep.answers.get(index) {
-                    Some(Answer::Other) => Seen::Held(rep.held.unwrap_or(Duration::MAX)),
-                    Some(_) => Seen::Free,
-                    None => Seen::Unknown,
-                },
-                Err(_) => Seen::Unknown,
-            })
-        })
+        .flat_map(|r| (0..keys).map(move |index| seen_of(r, index)))
         .collect()
+}
+
+/// What one node's result says of the `index`-th key's owner.
+fn seen_of(r: &NodeResult, index: usize) -> Seen {
+    match r {
+        Ok(rep) => match rep.answers.get(index) {
+            Some(Answer::Other) => Seen::Held(rep.held.unwrap_or(Duration::MAX)),
+            Some(_) => Seen::Free,
+            None => Seen::Unknown,
+        },
+        Err(_) => Seen::Unknown,
+    }
 }
 
 /// Whether a woken attempt that failed (`now`: what it saw, `at` when)
@@ -347,13 +350,10 @@ pub(crate) fn new_owner(
 pub(crate) fn free_in(results: &[NodeResult], index: usize) -> Option<Duration> {
     let mut free: Vec<Duration> = results
         .iter()
-        .map(|r| match r {
-            Ok(rep) => match rep.answers.get(index) {
-                Some(Answer::Other) => rep.held.unwrap_or(Duration::MAX),
-                Some(_) => Duration::ZERO,
-                None => Duration::MAX,
-            },
-            Err(_) => Duration::MAX,
+        .map(|r| match seen_of(r, index) {
+            Seen::Held(left) => left,
+            Seen::Free => Duration::ZERO,
+            Seen::Unknown => Duration::MAX,
         })
         .collect();
     free.sort_unstable();

@@ -115,20 +115,19 @@ pub(crate) fn assess(
 /// The findings for one node, `name`, from its probe `p`, against the
 /// client's node `timeout`, with the scripts tried on `key`.
 pub(super) fn assess_node(name: &str, p: &Probe, timeout: Duration, key: &str) -> NodeCheck {
-    let mut f = Vec::new();
     let mut out = NodeCheck {
         node: name.to_owned(),
         findings: Vec::new(),
         round_trip: None,
         clock_offset_us: None,
     };
+    let f = &mut out.findings;
     if let Some(why) = &p.connect {
         f.push(Finding::new(
             Verdict::Fail,
             "connect",
             format!("unreachable: {why}"),
         ));
-        out.findings = f;
         return out;
     }
     f.extend(server(p));
@@ -149,7 +148,6 @@ pub(super) fn assess_node(name: &str, p: &Probe, timeout: Duration, key: &str) -
     }
     f.extend(scripts(p.scripts.as_ref(), key));
     f.extend(read_locks(p.read_scripts.as_ref(), key));
-    out.findings = f;
     out
 }
 
@@ -213,21 +211,14 @@ fn latency(rtts: &[Duration], timeout: Duration) -> Option<(Duration, Finding)> 
         human(*max),
         human(timeout)
     );
-    let finding = if *max >= timeout {
-        Finding::new(
-            Verdict::Warn,
-            "latency",
-            format!("{text}: rounds will often miss it"),
-        )
+    let (verdict, advice) = if *max >= timeout {
+        (Verdict::Warn, ": rounds will often miss it")
     } else if *median > timeout / 2 {
-        Finding::new(
-            Verdict::Warn,
-            "latency",
-            format!("{text}: raise the node timeout"),
-        )
+        (Verdict::Warn, ": raise the node timeout")
     } else {
-        Finding::new(Verdict::Ok, "latency", text)
+        (Verdict::Ok, "")
     };
+    let finding = Finding::new(verdict, "latency", format!("{text}{advice}"));
     Some((*median, finding))
 }
 
@@ -254,47 +245,38 @@ fn clock(offset: i64, rtt: Duration) -> Finding {
 /// Whether the lock's scripts ran on `key` (`Ok(held by someone)`) or
 /// failed: a node they fail on cannot vote. `None` where not tried.
 fn scripts(tried: Option<&Result<bool, String>>, key: &str) -> Option<Finding> {
-    match tried? {
-        Ok(other) => Some(Finding::new(
+    let (verdict, text) = match tried? {
+        Ok(other) => (
             Verdict::Ok,
-            "scripts",
             format!(
                 "the lock's scripts run on {key:?}{}",
                 if *other { " (held by someone now)" } else { "" }
             ),
-        )),
-        Err(why) => Some(Finding::new(
+        ),
+        Err(why) => (
             Verdict::Fail,
-            "scripts",
             format!("the lock's scripts fail on {key:?}: {why} (see the minimal ACL in the crate's docs, \"TLS and ACL\")"),
-        )),
-    }
+        ),
+    };
+    Some(Finding::new(verdict, "scripts", text))
 }
 
 /// Whether the read locks' scripts ran on `key` (`Ok(a writer held it)`)
 /// or failed, a warning only: read locks are optional. `None` where not
 /// tried.
 fn read_locks(tried: Option<&Result<bool, String>>, key: &str) -> Option<Finding> {
-    match tried? {
-        Ok(true) => Some(Finding::new(
-            Verdict::Ok,
-            "read locks",
-            format!("not tried: a writer holds {key:?} now"),
-        )),
-        Ok(false) => Some(Finding::new(
-            Verdict::Ok,
-            "read locks",
-            format!("the read locks' scripts run on {key:?}"),
-        )),
+    let (verdict, text) = match tried? {
+        Ok(true) => (Verdict::Ok, format!("not tried: a writer holds {key:?} now")),
+        Ok(false) => (Verdict::Ok, format!("the read locks' scripts run on {key:?}")),
         // Read locks are optional: a client without them locks as before.
-        Err(why) => Some(Finding::new(
+        Err(why) => (
             Verdict::Warn,
-            "read locks",
             format!(
                 "the read locks' scripts fail on {key:?}: {why} (read locks need the sorted-set commands the crate's docs list)"
             ),
-        )),
-    }
+        ),
+    };
+    Some(Finding::new(verdict, "read locks", text))
 }
 
 pub(super) fn memory(info: &ServerInfo) -> Finding {

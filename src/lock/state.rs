@@ -123,12 +123,6 @@ impl LockState {
         Key::new(&self.resource, &self.token)
     }
 
-    /// The lock with the other resources of a lock of several.
-    pub(crate) fn with_also(mut self, also: Vec<String>) -> Self {
-        self.also = also;
-        self
-    }
-
     /// How many keys the lock has on each node.
     pub(crate) fn size(&self) -> usize {
         self.also.len().saturating_add(1)
@@ -256,8 +250,8 @@ impl LockState {
     }
 
     /// Disconnected once the lock is lost or released.
-    pub(crate) fn ended(&self) -> Receiver<()> {
-        self.ended.clone()
+    pub(crate) fn ended(&self) -> &Receiver<()> {
+        &self.ended
     }
 
     /// Why the lock was lost, if it was.

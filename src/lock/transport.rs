@@ -66,37 +66,29 @@ pub(crate) trait Transport: Send + Sync + 'static {
     /// Subscribes to `resource`'s releases, waiting until `confirm_by` at
     /// most for the nodes to confirm. `None`: not supported (doubles, the
     /// simulation) or no room: the caller polls.
-    fn watch(&self, _resource: &str, _confirm_by: Instant) -> Option<Box<dyn Watch>> {
-        None
-    }
+    fn watch(&self, resource: &str, confirm_by: Instant) -> Option<Box<dyn Watch>>;
 
     /// [`watch`](Self::watch) for every one of `resources` at once (a lock
     /// of several): woken by a release of any. `None`: not supported (the
     /// simulation's sets poll) or no room.
-    fn watch_all(&self, _resources: &[&str], _confirm_by: Instant) -> Option<Box<dyn Watch>> {
-        None
-    }
+    fn watch_all(&self, resources: &[&str], confirm_by: Instant) -> Option<Box<dyn Watch>>;
 
     /// [`watch`](Self::watch), only where `resource` is subscribed already
     /// (then without waiting).
-    fn watch_existing(&self, _resource: &str) -> Option<Box<dyn Watch>> {
-        None
-    }
+    fn watch_existing(&self, resource: &str) -> Option<Box<dyn Watch>>;
 
     /// This client is about to release `resource` with `notice`: its own
     /// message wakes none of its waiters.
-    fn releasing(&self, _resource: &str, _notice: u64) {}
+    fn releasing(&self, resource: &str, notice: u64);
 
     /// This client's release of `resources` ended: its own waiters for
     /// locks of several resources, which no local queue serves, try again.
-    fn released(&self, _resources: &[&str]) {}
+    fn released(&self, resources: &[&str]);
 
     /// Per node, whether this client's own subscriber listens to
     /// `resource`'s releases there (a release's subscriber count includes
     /// it then); empty when it does not listen.
-    fn watching(&self, _resource: &str) -> Vec<bool> {
-        Vec::new()
-    }
+    fn watching(&self, resource: &str) -> Vec<bool>;
 
     /// Per node, the key of the lock history that had begun on it when a
     /// connection to it was made (0: none had begun, or not known), for a
@@ -104,61 +96,30 @@ pub(crate) trait Transport: Send + Sync + 'static {
     /// waits until then at most for nodes still connecting (see
     /// [`wait_connected`](Self::wait_connected)). Every key names a history
     /// that had begun before this call. Empty: none known.
-    fn begun(&self, _until: Option<Instant>) -> Vec<u64> {
-        Vec::new()
-    }
+    fn begun(&self, until: Option<Instant>) -> Vec<u64>;
 
     /// Each node's lock history as the last acquire script read it there,
     /// in node order (see [`Read`](crate::algorithm::restart::Read)), for
     /// the lean acquire, with the generation of the last read made before
     /// them (every read at or below it is among them); empty: this
     /// transport sends no lean acquire.
-    fn reads(&self) -> (u64, Vec<Option<crate::algorithm::restart::Read>>) {
-        (0, Vec::new())
-    }
+    fn reads(&self) -> (u64, Vec<Option<crate::algorithm::restart::Read>>);
 
     /// Waits until every node has a connection whose server and lock
     /// history are known (its connect commands answered), or is failing,
     /// at most until `deadline`; returns how many nodes have a
     /// connection, or the first two entries found to reach one server.
-    /// Doubles are always connected.
-    fn wait_connected(&self, _deadline: Instant) -> Result<usize, crate::error::InvalidInput> {
-        Ok(self.node_names().len())
-    }
+    fn wait_connected(&self, deadline: Instant) -> Result<usize, crate::error::InvalidInput>;
 
     /// Gathers the facts of [`Redlock::check`](crate::Redlock::check) from
-    /// every node. Doubles that do not model it report every node
-    /// unreachable.
-    fn probe(&self, _key: &str, _timeout: Duration) -> Vec<Probe> {
-        self.node_names()
-            .iter()
-            .map(|_| Probe {
-                connect: Some("not supported by this transport".into()),
-                ..Default::default()
-            })
-            .collect()
-    }
+    /// every node.
+    fn probe(&self, key: &str, timeout: Duration) -> Vec<Probe>;
 
     /// Reads `resource`'s value (a writer's token, or its live readers and
     /// a writer's intent) and remaining time to live on every node, each
     /// within `timeout`, outside of rounds and pools (an operator's status
-    /// query). Doubles that do not model it answer with an error.
-    fn inspect(
-        &self,
-        _resource: &str,
-        _timeout: Duration,
-    ) -> Vec<Result<Option<Stored>, NodeError>> {
-        self.node_names()
-            .iter()
-            .map(|n| {
-                Err(NodeError::new(
-                    n,
-                    crate::error::NodeErrorKind::Protocol,
-                    "not supported by this transport",
-                ))
-            })
-            .collect()
-    }
+    /// query).
+    fn inspect(&self, resource: &str, timeout: Duration) -> Vec<Result<Option<Stored>, NodeError>>;
 }
 
 /// A key as one node stores it: its value (empty for a reader set) and

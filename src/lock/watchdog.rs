@@ -29,8 +29,6 @@ const JOIN_BOUND: Duration = Duration::from_secs(1);
 
 /// What the renewal thread needs of the engine that owns it.
 pub(crate) trait Renew: Send + Sync + 'static {
-    /// The engine's clock.
-    fn clock(&self) -> &dyn Clock;
     /// The renewal fraction and the node timeout.
     fn pacing(&self) -> (f64, Duration);
     /// Extends `states` to `ttl` in one round, restoring missing copies.
@@ -164,7 +162,7 @@ fn run(client: &Weak<dyn Renew>, clock: &dyn Clock, rx: &Receiver<Msg>, wake: &A
             }
         }
         let ticked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            tick(&*engine, &mut entries)
+            tick(&*engine, clock, &mut entries)
         }));
         if ticked.is_err() {
             error!("a renewal tick panicked; the watchdog keeps running");
@@ -202,8 +200,8 @@ pub(crate) fn retry_at(
 }
 
 /// Renews every due lock; declares lost the ones that are gone or ran out.
-fn tick(engine: &dyn Renew, entries: &mut Vec<Entry>) {
-    let now = engine.clock().now();
+fn tick(engine: &dyn Renew, clock: &dyn Clock, entries: &mut Vec<Entry>) {
+    let now = clock.now();
     let (fraction, node_timeout) = engine.pacing();
 
     // Ran out of validity before a renewal succeeded: lost, and deleted
@@ -271,7 +269,7 @@ fn tick(engine: &dyn Renew, entries: &mut Vec<Entry>) {
                 s.end_renewal();
             }
             engine.renewed();
-            let after_round = engine.clock().now();
+            let after_round = clock.now();
             for (&(_, _, i), outcome) in batch.iter().zip(outcomes) {
                 let e = &mut entries[i];
                 let t = e.state.timing();
@@ -360,7 +358,7 @@ mod tests {
         let mut entries: Vec<Entry> = guards.iter().map(|g| entry(g, 1.0 / 3.0)).collect();
         let before = nodes.rounds.load(Ordering::SeqCst);
 
-        tick(&*locks.engine, &mut entries);
+        tick(&*locks.engine, &*locks.engine.clock, &mut entries);
         assert_eq!(
             nodes.rounds.load(Ordering::SeqCst),
             before,
@@ -369,7 +367,7 @@ mod tests {
 
         clock.advance(900 * MS);
         let old = guards[0].deadline();
-        tick(&*locks.engine, &mut entries);
+        tick(&*locks.engine, &*locks.engine.clock, &mut entries);
         assert_eq!(
             nodes.rounds.load(Ordering::SeqCst),
             before + 1,
@@ -379,7 +377,7 @@ mod tests {
         // Kept alive well past the original TTL.
         for _ in 0..10 {
             clock.advance(1000 * MS);
-            tick(&*locks.engine, &mut entries);
+            tick(&*locks.engine, &*locks.engine.clock, &mut entries);
         }
         assert_eq!(nodes.rounds.load(Ordering::SeqCst), before + 11);
         assert!(guards.iter().all(|g| g.is_held() && !g.is_lost()));
@@ -394,7 +392,7 @@ mod tests {
         nodes.del(0, "k");
         nodes.del(1, "k");
         clock.advance(100 * MS);
-        tick(&*locks.engine, &mut entries);
+        tick(&*locks.engine, &*locks.engine.clock, &mut entries);
         assert!(g.is_lost() && !g.is_held());
         assert!(matches!(g.lost().check(), Some(Error::Expired)));
         assert!(entries.is_empty(), "lost locks are not touched again");
@@ -415,7 +413,7 @@ mod tests {
             if let Some(next) = next {
                 clock.advance(next.saturating_duration_since(clock.now()));
             }
-            tick(&*locks.engine, &mut entries);
+            tick(&*locks.engine, &*locks.engine.clock, &mut entries);
             ticks += 1;
         }
         assert!(g.is_lost(), "lost after {ticks} ticks");
@@ -440,7 +438,7 @@ mod tests {
             if let Some(next) = entries.first().map(|e| e.next) {
                 clock.advance(next.saturating_duration_since(clock.now()));
             }
-            tick(&*locks.engine, &mut entries);
+            tick(&*locks.engine, &*locks.engine.clock, &mut entries);
             ticks += 1;
         }
         assert!(g.is_lost());
@@ -458,7 +456,7 @@ mod tests {
         g.release().unwrap();
         let before = nodes.rounds.load(Ordering::SeqCst);
         clock.advance(100 * MS);
-        tick(&*locks.engine, &mut entries);
+        tick(&*locks.engine, &*locks.engine.clock, &mut entries);
         assert_eq!(nodes.rounds.load(Ordering::SeqCst), before);
         assert!(entries.is_empty());
     }
@@ -526,7 +524,7 @@ mod tests {
         let mut entries: Vec<Entry> = guards.iter().map(|g| entry(g, 1.0 / 3.0)).collect();
         let before = nodes.rounds.load(Ordering::SeqCst);
         clock.advance(10_500 * MS);
-        tick(&*locks.engine, &mut entries);
+        tick(&*locks.engine, &*locks.engine.clock, &mut entries);
         assert_eq!(nodes.rounds.load(Ordering::SeqCst), before + 2);
         assert!(guards
             .iter()
@@ -545,7 +543,7 @@ mod tests {
         let mut entries = vec![entry(&r, 1.0 / 3.0), entry(&w, 1.0 / 3.0)];
         let before = nodes.rounds.load(Ordering::SeqCst);
         clock.advance(110 * MS);
-        tick(&*locks.engine, &mut entries);
+        tick(&*locks.engine, &*locks.engine.clock, &mut entries);
         assert_eq!(nodes.rounds.load(Ordering::SeqCst), before + 2);
         assert!(w.deadline() > clock.now() + 250 * MS && r.deadline() > clock.now() + 250 * MS);
     }
@@ -558,7 +556,7 @@ mod tests {
         let mut entries = vec![entry(&a, 1.0 / 3.0), entry(&b, 1.0 / 3.0)];
         let before = nodes.rounds.load(Ordering::SeqCst);
         clock.advance(110 * MS);
-        tick(&*locks.engine, &mut entries);
+        tick(&*locks.engine, &*locks.engine.clock, &mut entries);
         assert_eq!(nodes.rounds.load(Ordering::SeqCst), before + 2);
         assert_eq!(a.ttl(), 300 * MS);
         assert_eq!(b.ttl(), 330 * MS);

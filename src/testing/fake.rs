@@ -16,7 +16,7 @@ use crate::algorithm::round::{NodeResult, Op, ServerKind, ServerTag};
 use crate::clock::{after, Clock, Rng};
 use crate::error::{NodeError, NodeErrorKind};
 use crate::lock::settings::Settings;
-use crate::lock::transport::{AfterRound, Transport};
+use crate::lock::transport::{AfterRound, Transport, Watch};
 use crate::redlock::Redlock;
 
 /// Virtual time: starts at a fixed instant, moves only when told (or slept).
@@ -244,6 +244,48 @@ impl Transport for Shared {
         &self.0.names
     }
 
+    // No wake-ups (waiters poll), no lean acquire, always connected, and
+    // neither `check` nor `inspect` modelled.
+    fn watch(&self, _resource: &str, _confirm_by: Instant) -> Option<Box<dyn Watch>> {
+        None
+    }
+
+    fn watch_all(&self, _resources: &[&str], _confirm_by: Instant) -> Option<Box<dyn Watch>> {
+        None
+    }
+
+    fn watch_existing(&self, _resource: &str) -> Option<Box<dyn Watch>> {
+        None
+    }
+
+    fn releasing(&self, _resource: &str, _notice: u64) {}
+
+    fn released(&self, _resources: &[&str]) {}
+
+    fn watching(&self, _resource: &str) -> Vec<bool> {
+        Vec::new()
+    }
+
+    fn reads(&self) -> (u64, Vec<Option<crate::algorithm::restart::Read>>) {
+        (0, Vec::new())
+    }
+
+    fn wait_connected(&self, _deadline: Instant) -> Result<usize, crate::error::InvalidInput> {
+        Ok(self.0.names.len())
+    }
+
+    fn probe(&self, _key: &str, _timeout: Duration) -> Vec<crate::lock::transport::Probe> {
+        crate::testing::unsupported_probes(&self.0.names)
+    }
+
+    fn inspect(
+        &self,
+        _resource: &str,
+        _timeout: Duration,
+    ) -> Vec<Result<Option<crate::lock::transport::Stored>, NodeError>> {
+        crate::testing::unsupported_inspect(&self.0.names)
+    }
+
     /// As a connection made now learns them: every node that answers.
     fn begun(&self, _until: Option<Instant>) -> Vec<u64> {
         let modes = self.0.modes.lock().clone();
@@ -333,10 +375,12 @@ pub(crate) fn client_with(
 /// Another client (another process) over the same fake nodes.
 pub(crate) fn client_over(nodes: &Arc<FakeNodes>, settings: Settings) -> Redlock {
     let rules = settings.rules();
-    Redlock::from_parts(
-        settings,
-        Box::new(Shared(nodes.clone(), rules)),
-        nodes.clock.clone(),
-        Rng::new(42),
-    )
+    crate::redlock::Redlock {
+        engine: crate::lock::engine::Engine::new(
+            settings,
+            Box::new(Shared(nodes.clone(), rules)),
+            nodes.clock.clone(),
+            Rng::new(42),
+        ),
+    }
 }

@@ -44,10 +44,14 @@ impl Engine {
         let drift = self.validate(resource, ttl)?;
         // One deadline for the whole call, local wait and attempts alike.
         let until = self.wait_deadline(budget, want.size());
-        let mut turn = if want.alone() {
-            self.queue_turn(resource, budget, until)
-        } else {
-            None
+        // This thread's turn among the threads of this process that want
+        // `resource` (see [`crate::lock::queue`]). One attempt never waits;
+        // when the wait runs out the call still makes its attempts at the
+        // nodes, which report the real state.
+        let mut turn = match budget {
+            _ if !want.alone() || !self.settings.local_queue => None,
+            Budget::Attempts(1) => self.queues.try_acquire(resource),
+            _ => self.queues.acquire(resource, until),
         };
         if let Some(handed) = turn.as_ref().and_then(Turn::take_hand_over) {
             let held = handed.holding();
@@ -178,14 +182,10 @@ impl Engine {
             let elapsed = end.saturating_duration_since(start);
             debug!("lock {resource:?}: not acquired in {elapsed:?}: {e}");
         }
-        let outcome = result.as_ref();
-        self.attempt_event(
-            resource,
-            start,
-            outcome,
-            (&judged, &results, &rule),
-            next.begun,
-        );
+        // An attempt at the nodes begins a lineage: section 1.
+        let outcome = result.as_ref().map(|s| s.deadline());
+        self.attempt_event((resource, 1), start, outcome, &judged, next.begun);
+        self.held_back_events((&judged, &results, &rule));
         if result.is_err() {
             *seen = Failed::of(&judged, want.size());
         }
@@ -272,9 +272,10 @@ impl Engine {
             ttl: want.ttl,
         };
         let lock = |fence| {
-            let state = LockState::new(want.resource, token, fence, timing);
+            let mut state = LockState::new(want.resource, token, fence, timing);
             state.set_holding(holding);
-            state.with_also(want.also.to_vec())
+            state.also = want.also.to_vec();
+            state
         };
         if !self.settings.fencing || want.read {
             return Ok(lock(None));

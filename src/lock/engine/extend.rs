@@ -144,9 +144,7 @@ impl Engine {
             // validity no longer costs the lock).
             // (Each lock's answers folded into one: see `several`.)
             let n = states.len();
-            let all = move |r: &[Option<NodeResult>]| quorum::to_settle_all(r, n);
-            let settled: crate::lock::transport::Decided<'_> =
-                if n == 1 { &quorum::to_settle } else { &all };
+            let settled = move |r: &[Option<NodeResult>]| quorum::to_settle_all(r, n);
             let op = Op::Extend {
                 ttl,
                 linger: loud,
@@ -154,7 +152,7 @@ impl Engine {
                 after: told.0,
                 known_prev: told.1,
             };
-            self.run_keys(op, &keys, &sizes, deadline, Some(settled), None)
+            self.run_keys(op, &keys, &sizes, deadline, Some(&settled), None)
         } else {
             Vec::new()
         }

@@ -12,7 +12,7 @@ use log::{debug, trace};
 use crate::algorithm::quorum::{self, Tally};
 use crate::algorithm::round::{Key, NodeResult, Op};
 use crate::error::Error;
-use crate::events::{AttemptEvent, Begun, Nodes};
+use crate::events::Begun;
 use crate::lock::state::LockState;
 use crate::lock::transport::AfterRound;
 use crate::Result;
@@ -154,7 +154,8 @@ impl Engine {
             self.release_event(handed, &Ok(()), &results);
         }
         let until = outcome.as_ref().map(|_| timing.deadline);
-        self.hand_over_event(handed, start, until, &results);
+        let next = (handed.resource.as_str(), handed.section.saturating_add(1));
+        self.attempt_event(next, start, until, &results, Begun::default());
         outcome?;
         // A node the swap did not reach keeps an earlier token of the
         // lineage, with the lock's expiry; the next swap or the release
@@ -184,30 +185,8 @@ impl Engine {
             state.resource, state.section
         );
         self.release_event(handed, &Ok(()), &[]);
-        self.hand_over_event(handed, start, Ok(state.deadline()), &[]);
+        let next = (state.resource.as_str(), state.section);
+        self.attempt_event(next, start, Ok(state.deadline()), &[], Begun::default());
         state
-    }
-
-    /// Tells the event handler how the hand-over of `handed`, begun at
-    /// `start`, ended: its next section, valid until the deadline, or why
-    /// not.
-    fn hand_over_event(
-        &self,
-        handed: &LockState,
-        start: Instant,
-        outcome: Result<Instant, &Error>,
-        results: &[NodeResult],
-    ) {
-        if let Some(h) = self.settings.events.get() {
-            let now = self.clock.now();
-            h.on_attempt(&AttemptEvent {
-                resource: &handed.resource,
-                section: handed.section.saturating_add(1),
-                elapsed: now.saturating_duration_since(start),
-                outcome: outcome.map(|d| d.saturating_duration_since(now)),
-                nodes: Nodes::new(self.transport.node_names(), results, 0),
-                begun: Begun::default(),
-            });
-        }
     }
 }

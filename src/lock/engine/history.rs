@@ -20,9 +20,9 @@ impl Engine {
         // By key, not epoch: a node restarted from a snapshot keeps its
         // epoch but may have lost its latest locks (its key is new).
         let seen = self
-            .first_histories
+            .nodes
             .get(i)
-            .map_or(0, |e| e.load(Ordering::Relaxed));
+            .map_or(0, |n| n.first_history.load(Ordering::Relaxed));
         seen == 0 || seen == facts.history
     }
 
@@ -125,11 +125,10 @@ impl Engine {
             };
             let h = TtlHistory::reported(&f);
             heard = Some(heard.map_or(h, |k| k.merge(h)));
-            if let Some(e) = self.first_histories.get(i) {
-                let _ = e.compare_exchange(0, f.history, Ordering::Relaxed, Ordering::Relaxed);
-            }
-            if let Some(k) = self.histories.get(i) {
-                k.store(f.history, Ordering::Relaxed);
+            if let Some(n) = self.nodes.get(i) {
+                let first = &n.first_history;
+                let _ = first.compare_exchange(0, f.history, Ordering::Relaxed, Ordering::Relaxed);
+                n.history.store(f.history, Ordering::Relaxed);
             }
         }
         if heard.is_none() && used.is_none() {
@@ -181,8 +180,8 @@ impl Engine {
     ) -> After {
         let mut out = After::NONE;
         if ttl > known.max {
-            for k in &self.histories {
-                out.insert(k.load(Ordering::Relaxed));
+            for n in &self.nodes {
+                out.insert(n.history.load(Ordering::Relaxed));
             }
             for k in self.transport.begun(until) {
                 out.insert(k);

@@ -19,7 +19,7 @@ use crate::algorithm::restart::TtlHistory;
 use crate::algorithm::round::{self, is_reader, Key, NodeResult, Op};
 use crate::clock::{after, Clock, Rng, Throttle};
 use crate::error::{Error, InvalidInput};
-use crate::lock::queue::{Queues, Turn};
+use crate::lock::queue::Queues;
 use crate::lock::settings::Settings;
 use crate::lock::state::LockState;
 use crate::lock::transport::Transport;
@@ -68,16 +68,6 @@ pub(crate) struct Want<'a> {
 }
 
 impl<'a> Want<'a> {
-    /// An exclusive lock of `resource` (and `also`).
-    pub(crate) fn write(resource: &'a str, also: &'a [String], ttl: Duration) -> Self {
-        Want {
-            resource,
-            also,
-            ttl,
-            read: false,
-        }
-    }
-
     /// Whether the call takes part in the local queue and waits for one key's
     /// wake-ups, one thread of this client at a time: an exclusive lock of
     /// one resource. (Readers share, and a lock of several waits for any of
@@ -102,25 +92,32 @@ pub(crate) struct Engine {
     pub(crate) transport: Box<dyn Transport>,
     pub(crate) clock: Arc<dyn Clock>,
     rng: Rng,
-    warned: Vec<Throttle>,
     queues: Arc<Queues>,
-    /// Longest TTL (ms) this client has used or seen reported by a node.
     /// The TTLs in use, as this client knows them (the restart rule).
     ttls: Mutex<TtlHistory>,
-    /// Per node, the key of the lock history this client saw first (0:
-    /// none yet), for `fresh_cluster`.
-    first_histories: Vec<AtomicU64>,
-    /// Per node, the key of the last lock history it reported (0: none
-    /// yet): the histories a TTL this client uses first comes after.
-    histories: Vec<AtomicU64>,
-    /// Per node, whether the last event said its votes are held back.
-    held_back: Vec<AtomicBool>,
+    /// What the engine remembers of each node, in node order.
+    nodes: Vec<NodeMemo>,
     me: Weak<Engine>,
     watchdog: OnceLock<Watchdog>,
     /// Notified when a renewal round ends (a release may wait for one).
     pub(crate) renewal_done: Arc<crate::clock::Signal>,
     /// The keys whose last release reached other clients' waiters.
     pub(crate) remote: remote::Remote,
+}
+
+/// What the engine remembers of one node.
+#[derive(Default)]
+struct NodeMemo {
+    /// Its failures' warn-level log throttle.
+    warned: Throttle,
+    /// The key of the lock history this client saw first (0: none yet),
+    /// for `fresh_cluster`.
+    first_history: AtomicU64,
+    /// The key of the last lock history it reported (0: none yet): the
+    /// histories a TTL this client uses first comes after.
+    history: AtomicU64,
+    /// Whether the last event said its votes are held back.
+    held_back: AtomicBool,
 }
 
 impl Engine {
@@ -132,61 +129,26 @@ impl Engine {
         clock: Arc<dyn Clock>,
         rng: Rng,
     ) -> Arc<Engine> {
-        let warned = transport
+        let nodes = transport
             .node_names()
             .iter()
-            .map(|_| Throttle::default())
+            .map(|_| NodeMemo::default())
             .collect();
-        let per_node = || {
-            transport
-                .node_names()
-                .iter()
-                .map(|_| AtomicU64::new(0))
-                .collect()
-        };
-        let (first_histories, histories) = (per_node(), per_node());
         // A configured longest TTL is in use since always.
         let known = TtlHistory::since_always(settings.max_ttl.unwrap_or_default().min(MAX_TTL));
-        let names_len_flags = transport
-            .node_names()
-            .iter()
-            .map(|_| AtomicBool::new(false))
-            .collect();
         Arc::new_cyclic(|me| Engine {
             settings,
             transport,
             clock: clock.clone(),
             rng,
-            warned,
             queues: Arc::new(Queues::new(clock.clone())),
             ttls: Mutex::new(known),
-            first_histories,
-            histories,
-            held_back: names_len_flags,
+            nodes,
             me: me.clone(),
             watchdog: OnceLock::new(),
             renewal_done: Arc::default(),
             remote: remote::Remote::default(),
         })
-    }
-
-    /// Waits for this thread's turn among the threads of this process that
-    /// want `resource` (see [`crate::lock::queue`]). One attempt never waits; when
-    /// the wait runs out the caller still makes its attempts at the nodes,
-    /// which report the real state.
-    pub(crate) fn queue_turn(
-        &self,
-        resource: &str,
-        budget: Budget,
-        until: Instant,
-    ) -> Option<Turn> {
-        if !self.settings.local_queue {
-            return None;
-        }
-        match budget {
-            Budget::Attempts(1) => self.queues.try_acquire(resource),
-            _ => self.queues.acquire(resource, until),
-        }
     }
 
     /// The most a call for a lock of `keys` keys may wait: `lock()` gets
@@ -222,15 +184,6 @@ impl Engine {
             return Err(InvalidInput::TtlTooShort { ttl, allowance }.into());
         }
         Ok(allowance)
-    }
-
-    /// Runs a release of one lock on every node, bounded by the node timeout
-    /// (one more per 200 keys of a set).
-    fn round(&self, op: Op, state: &LockState) -> Vec<NodeResult> {
-        let deadline = self.round_deadline(self.clock.now(), state.size());
-        let results = self.run_locks(op, &[state], deadline, Some(&quorum::to_settle));
-        self.note_failures(&results);
-        results
     }
 
     /// Until when a lock's key may still exist on some node: a release not
@@ -270,7 +223,11 @@ impl Engine {
                 self.transport.releasing(k.resource, notice);
             }
         }
-        let results = self.round(Op::Release { keep_until, notice }, state);
+        // Bounded by the node timeout (one more per 200 keys of a set).
+        let deadline = self.round_deadline(self.clock.now(), state.size());
+        let op = Op::Release { keep_until, notice };
+        let results = self.run_locks(op, &[state], deadline, Some(&quorum::to_settle));
+        self.note_failures(&results);
         let outcome = quorum::decide_release(Tally::of(&results, 0));
         if outcome.is_ok() {
             self.note_woken(state, &results, start);
@@ -298,29 +255,6 @@ impl Engine {
         }
     }
 
-    /// Best-effort release of many locks in one round trip per node.
-    pub(crate) fn release_many(&self, states: &[&LockState]) {
-        let keys: Vec<Key<'_>> = states.iter().flat_map(|s| s.keys()).collect();
-        let deadline = self.round_deadline(self.clock.now(), keys.len());
-        let keep_until = states
-            .iter()
-            .map(|s| self.keep_until(s))
-            .max()
-            .unwrap_or(deadline);
-        let notice = keys.first().map_or(1, remote::notice_of);
-        for k in keys.iter().filter(|k| !is_reader(k.token)) {
-            self.transport.releasing(k.resource, notice);
-        }
-        let results = self.transport.run(
-            Op::Release { keep_until, notice },
-            &keys,
-            deadline,
-            None,
-            None,
-        );
-        self.note_failures(&results);
-    }
-
     /// How long a round of `keys` keys waits for a node (see
     /// [`round::allowance`]): the node timeout for a lone lock.
     fn allowance(&self, keys: usize) -> Duration {
@@ -341,10 +275,6 @@ impl Engine {
 
 /// The renewal thread's view of the engine.
 impl Renew for Engine {
-    fn clock(&self) -> &dyn Clock {
-        &*self.clock
-    }
-
     fn pacing(&self) -> (f64, Duration) {
         (self.settings.renew_fraction, self.settings.node_timeout)
     }
@@ -363,8 +293,27 @@ impl Renew for Engine {
         }
     }
 
+    /// Best-effort release of many locks in one round trip per node.
     fn release_lost(&self, states: &[&LockState]) {
-        self.release_many(states);
+        let keys: Vec<Key<'_>> = states.iter().flat_map(|s| s.keys()).collect();
+        let deadline = self.round_deadline(self.clock.now(), keys.len());
+        let keep_until = states
+            .iter()
+            .map(|s| self.keep_until(s))
+            .max()
+            .unwrap_or(deadline);
+        let notice = keys.first().map_or(1, remote::notice_of);
+        for k in keys.iter().filter(|k| !is_reader(k.token)) {
+            self.transport.releasing(k.resource, notice);
+        }
+        let results = self.transport.run(
+            Op::Release { keep_until, notice },
+            &keys,
+            deadline,
+            None,
+            None,
+        );
+        self.note_failures(&results);
     }
 }
 

@@ -164,11 +164,7 @@ impl Engine {
 /// that the copies of one release, and its repeats, wake a waiter once. (A
 /// hash, not a random draw: the simulation's schedules stay as they were.)
 pub(super) fn notice_of(key: &Key<'_>) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in key.token.bytes() {
-        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
-    }
-    h | 1
+    crate::algorithm::server::id_hash(key.token.as_bytes()) | 1
 }
 
 #[cfg(test)]

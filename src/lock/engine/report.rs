@@ -47,33 +47,45 @@ impl Engine {
         }
     }
 
-    /// Tells the event handler an attempt ended, and which nodes the
-    /// delayed-restart rule started or stopped holding back.
+    /// Tells the event handler an attempt at `resource`'s critical section
+    /// `section`, begun at `start`, ended: the lock, valid until the given
+    /// deadline, or why not; `nodes`: what each node answered (none for a
+    /// hand-over that sent nothing).
     pub(super) fn attempt_event(
         &self,
-        resource: &str,
+        (resource, section): (&str, u64),
         start: Instant,
-        outcome: Result<&LockState, &Error>,
-        (judged, results, rule): (&[NodeResult], &[NodeResult], &RestartRule),
+        outcome: Result<Instant, &Error>,
+        nodes: &[NodeResult],
         begun: Begun,
+    ) {
+        if let Some(h) = self.settings.events.get() {
+            let now = self.clock.now();
+            h.on_attempt(&AttemptEvent {
+                resource,
+                section,
+                elapsed: now.saturating_duration_since(start),
+                outcome: outcome.map(|d| d.saturating_duration_since(now)),
+                nodes: Nodes::new(self.transport.node_names(), nodes, 0),
+                begun,
+            });
+        }
+    }
+
+    /// Tells the event handler which nodes the delayed-restart rule started
+    /// or stopped holding back in an acquire round (`judged`: its results
+    /// after the rule).
+    pub(super) fn held_back_events(
+        &self,
+        (judged, results, rule): (&[NodeResult], &[NodeResult], &RestartRule),
     ) {
         let Some(h) = self.settings.events.get() else {
             return;
         };
         let rule = rule.heard(results);
-        let now = self.clock.now();
-        h.on_attempt(&AttemptEvent {
-            resource,
-            // An attempt at the nodes begins a lineage.
-            section: 1,
-            elapsed: now.saturating_duration_since(start),
-            outcome: outcome.map(|s| s.deadline().saturating_duration_since(now)),
-            nodes: Nodes::new(self.transport.node_names(), judged, 0),
-            begun,
-        });
         let names = self.transport.node_names();
         for (i, r) in judged.iter().enumerate() {
-            let Some(flag) = self.held_back.get(i) else {
+            let Some(flag) = self.nodes.get(i).map(|n| &n.held_back) else {
                 continue;
             };
             // How long the restart rule holds the node's vote back.
@@ -104,7 +116,11 @@ impl Engine {
             if let Err(e) = r {
                 if e.kind() == crate::NodeErrorKind::NotAwaited {
                     trace!("{e}");
-                } else if self.warned.get(i).is_some_and(|t| t.ready(now, WARN_EVERY)) {
+                } else if self
+                    .nodes
+                    .get(i)
+                    .is_some_and(|n| n.warned.ready(now, WARN_EVERY))
+                {
                     warn!("{e} (further failures of this node logged at debug for {WARN_EVERY:?})");
                 } else {
                     debug!("{e}");

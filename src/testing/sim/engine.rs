@@ -61,6 +61,22 @@ impl Transport for SimEngine {
         self.links.reads()
     }
 
+    fn wait_connected(&self, _deadline: Instant) -> Result<usize, crate::error::InvalidInput> {
+        Ok(self.links.names.len())
+    }
+
+    fn probe(&self, _key: &str, _timeout: Duration) -> Vec<crate::lock::transport::Probe> {
+        crate::testing::unsupported_probes(&self.links.names)
+    }
+
+    fn inspect(
+        &self,
+        _resource: &str,
+        _timeout: Duration,
+    ) -> Vec<Result<Option<crate::lock::transport::Stored>, crate::NodeError>> {
+        crate::testing::unsupported_inspect(&self.links.names)
+    }
+
     fn watch(&self, resource: &str, _confirm_by: Instant) -> Option<Box<dyn Watch>> {
         self.watches.watch(&self.sched, resource, false)
     }

@@ -326,7 +326,9 @@ fn client(ctx: &Ctx, settings: Settings, seed: u64) -> Redlock {
         settings.rules(),
         ctx.plan.defects,
     ));
-    Redlock::from_parts(settings, transport, clock, Rng::new(seed))
+    crate::redlock::Redlock {
+        engine: crate::lock::engine::Engine::new(settings, transport, clock, Rng::new(seed)),
+    }
 }
 
 fn main_thread(ctx: &Arc<Ctx>, mut rng: SimRng) {
