@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use log::{debug, trace};
 
 use crate::algorithm::quorum;
+use crate::algorithm::round::NodeResult;
 use crate::clock::after;
 use crate::error::Error;
 use crate::events::Begun;
@@ -49,13 +50,26 @@ pub(super) struct Failed {
 }
 
 impl Failed {
-    /// What an attempt at `keys` keys saw, from its results after the
-    /// restart rule.
-    pub(super) fn of(judged: &[crate::algorithm::round::NodeResult], keys: usize) -> Self {
+    /// What an attempt at `keys` keys saw: from its results after the
+    /// restart rule (`judged`: one answer per node for the lock), and the
+    /// owners key by key from the nodes' answers per key (`per_key`; a node
+    /// the rule held back is not compared). (Folded, a set's other keys
+    /// read as unknown: a set woken by the release of its shorter-held key
+    /// met "the same owners", and three such wake-ups stopped it
+    /// listening.)
+    pub(super) fn of(judged: &[NodeResult], per_key: &[NodeResult], keys: usize) -> Self {
+        let counted: Vec<NodeResult> = per_key
+            .iter()
+            .zip(judged)
+            .map(|(r, j)| match j {
+                Ok(_) => r.clone(),
+                Err(e) => Err(e.clone()),
+            })
+            .collect();
         Failed {
             ours: quorum::Tally::of(judged, 0).ok,
             free_in: quorum::free_in(judged, 0),
-            owners: quorum::seen(judged, keys),
+            owners: quorum::seen(&counted, keys),
         }
     }
 }
@@ -406,5 +420,67 @@ impl<'a> Waiter<'a> {
             self.woken
         );
         clock.sleep(wait);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::Failed;
+    use super::NodeResult;
+    use crate::algorithm::quorum::new_owner;
+    use crate::algorithm::round::{fold, After, Answer, Op, Reply};
+
+    /// What a set's attempt hears from 3 nodes: per key, its answer; the
+    /// other owners' longest time left.
+    fn round(answers: &[Answer]) -> Vec<NodeResult> {
+        (0..3)
+            .map(|_| {
+                let mut r = Reply::new(answers.to_vec());
+                r.held = Some(Duration::from_secs(1));
+                Ok(r)
+            })
+            .collect()
+    }
+
+    /// A set's attempt is judged on one answer per node (its keys folded),
+    /// but what it saw of the owners is kept per key: a woken set that
+    /// finds its shorter-held key freed meets a new owner, not the same
+    /// ones (it was read as the same, and three such wake-ups made the set
+    /// stop listening while single locks of its resources took turns).
+    #[test]
+    fn a_set_that_finds_one_of_its_keys_freed_meets_a_new_owner() {
+        let op = Op::Acquire {
+            ttl: Duration::from_secs(1),
+            known_max: Duration::from_secs(1),
+            fenced: false,
+            after: After::NONE,
+            known_prev: Duration::ZERO,
+            intent: Duration::ZERO,
+            lean: None,
+        };
+        let fold_all = |raw: &[NodeResult]| -> Vec<NodeResult> {
+            raw.iter().map(|r| fold(op, r, &[2])).collect()
+        };
+        let before_raw = round(&[Answer::Other, Answer::Other]);
+        let after_raw = round(&[Answer::Other, Answer::Ok]);
+        let before = Failed::of(&fold_all(&before_raw), &before_raw, 2);
+        let after = Failed::of(&fold_all(&after_raw), &after_raw, 2);
+        let t0 = Instant::now();
+        let slack = Duration::from_millis(2);
+        let at = t0 + Duration::from_millis(1);
+        assert!(new_owner(
+            Some((t0, &before.owners[..])),
+            &after.owners,
+            at,
+            slack
+        ));
+        assert!(!new_owner(
+            Some((t0, &before.owners[..])),
+            &before.owners,
+            at,
+            slack
+        ));
     }
 }
