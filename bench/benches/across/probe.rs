@@ -151,7 +151,7 @@ pub fn breakdown(got: &Got) -> Vec<String> {
         .collect();
     let mut steps: Vec<Vec<i128>> = vec![Vec::new(); STEPS.len()];
     let (mut total, mut spacing, mut not_woken) = (Vec::new(), Vec::new(), Vec::new());
-    let mut to_read = Vec::new();
+    let (mut to_read, mut overshoot) = (Vec::new(), Vec::new());
     let (mut handovers, mut unmatched) = (0, 0);
     for w in got.secs.windows(2) {
         let (s0, s1) = (&w[0], &w[1]);
@@ -184,6 +184,7 @@ pub fn breakdown(got: &Got) -> Vec<String> {
         total.push(at[6] - at[0]);
         to_read.push(at[2] - at[0]);
         spacing.push(slept as i128);
+        overshoot.push(at[4] - at[3] - slept as i128);
     }
     let us = |v: &mut Vec<i128>, q: f64| {
         v.sort_unstable();
@@ -225,6 +226,12 @@ pub fn breakdown(got: &Got) -> Vec<String> {
         "of d>e: the spacing slept after the wake-up",
         us(&mut spacing, 0.5),
         us(&mut spacing, 0.9),
+    ));
+    lines.push(format!(
+        "  {:<52} p50 {:>7.0} us  p90 {:>7.0} us",
+        "of d>e: the rest (sleep overshoot, scheduling)",
+        us(&mut overshoot, 0.5),
+        us(&mut overshoot, 0.9),
     ));
     lines
 }

@@ -459,6 +459,8 @@ pub struct Across {
     /// The gap between sections: from one section's end to the next's
     /// start, any process (the lock's idle time): p50, p90, p99.
     pub gap: [Duration; 3],
+    /// The same where the next section is another process's: p50, p90.
+    pub gap_across: [Duration; 2],
 }
 
 /// Measures a run on one key.
@@ -475,6 +477,12 @@ pub fn measure(got: &Got) -> Across {
         .map(|w| nanos(w[1].start.saturating_sub(w[0].end)))
         .collect();
     gaps.sort_unstable();
+    let mut gaps_across: Vec<Duration> = secs
+        .windows(2)
+        .filter(|w| w[1].pid != w[0].pid)
+        .map(|w| nanos(w[1].start.saturating_sub(w[0].end)))
+        .collect();
+    gaps_across.sort_unstable();
     let same = secs.windows(2).filter(|w| w[1].pid == w[0].pid).count();
     let held: u128 = secs.iter().map(|s| s.end.saturating_sub(s.start)).sum();
     let span = match (secs.first(), secs.last()) {
@@ -524,6 +532,7 @@ pub fn measure(got: &Got) -> Across {
         starved,
         attempts: attempts.map(|a| a as f64 / secs.len().max(1) as f64),
         gap: [0.5, 0.9, 0.99].map(|q| quantile(&gaps, q)),
+        gap_across: [0.5, 0.9].map(|q| quantile(&gaps_across, q)),
     }
 }
 
@@ -535,12 +544,14 @@ impl Across {
     /// One row for the bench's table.
     pub fn row(&self, name: &str) -> String {
         format!(
-            "{name:<28} {:>6.0} sections/s  busy {:>3.0} %  gap between sections p50 {:.2} ms p90 {:.2} ms p99 {:.2} ms  wait p50 {:.1} ms p99 {:.1} ms max {:.1} ms  Jain {:.2}  overlaps {}  same process next {:>3.0} %  per process {:?}  longest starved {:.0} ms  attempts/section {:.2} (woken {:.2}, split {:.2})",
+            "{name:<28} {:>6.0} sections/s  busy {:>3.0} %  gap between sections p50 {:.2} ms p90 {:.2} ms p99 {:.2} ms (to another process p50 {:.2} ms p90 {:.2} ms)  wait p50 {:.1} ms p99 {:.1} ms max {:.1} ms  Jain {:.2}  overlaps {}  same process next {:>3.0} %  per process {:?}  longest starved {:.0} ms  attempts/section {:.2} (woken {:.2}, split {:.2})",
             self.sections_per_sec,
             self.busy * 100.0,
             ms(self.gap[0]),
             ms(self.gap[1]),
             ms(self.gap[2]),
+            ms(self.gap_across[0]),
+            ms(self.gap_across[1]),
             ms(self.wait_p50),
             ms(self.wait_p99),
             ms(self.wait_max),
