@@ -6,6 +6,8 @@
 //! ```text
 //! cargo bench --bench cycle                 # everything
 //! QUORUMLOCK_TEST_BACKEND=process cargo bench --bench cycle   # redis-server processes (less noise)
+//! QUORUMLOCK_BENCH_ACROSS_ONLY=1 cargo bench --bench cycle     # the across-process rows alone (~50 s)
+//! QUORUMLOCK_BENCH_ACROSS_ONLY=4x1,poll,breakdown cargo bench --bench cycle   # some of them
 //! ```
 //! Prints medians, p99 and max per scenario, and the ratios the README quotes.
 
@@ -21,8 +23,14 @@ mod common;
 
 use common::Cluster;
 
+#[path = "across/poll.rs"]
+mod poll;
+#[path = "across/probe.rs"]
+mod probe;
 #[path = "across/processes.rs"]
 mod processes;
+#[path = "across/sets.rs"]
+mod sets;
 
 const TTL: Duration = Duration::from_secs(10);
 static CYCLES: std::sync::LazyLock<usize> =
@@ -442,38 +450,88 @@ fn main() {
     }
 }
 
-/// Waiting across processes (issue 22's baseline): 4 processes × 1 thread,
-/// then 3 × 4 with a short TTL, one key, 2 ms holds; then 4 × 1 again with
-/// a node restarted mid-run. Alone with `QUORUMLOCK_BENCH_ACROSS_ONLY` set.
+/// Which across-process rows run: all, or those named in
+/// `QUORUMLOCK_BENCH_ACROSS_ONLY` (comma-separated, of `4x1`, `poll`,
+/// `breakdown`, `3x4`, `sets`, `restart`; `1` or empty: all).
+fn across_rows() -> impl Fn(&str) -> bool {
+    let only = std::env::var("QUORUMLOCK_BENCH_ACROSS_ONLY").unwrap_or_default();
+    let names: Vec<String> = only
+        .split(',')
+        .map(|n| n.trim().to_owned())
+        .filter(|n| !n.is_empty() && n != "1" && n != "all")
+        .collect();
+    move |row| names.is_empty() || names.iter().any(|n| n == row)
+}
+
+/// Waiting across processes (issues 22 and 41): 4 processes × 1 thread on
+/// one key with 2 ms holds, next to a plain polling loop doing the same,
+/// and a probed run of the same that breaks a hand-over down into its
+/// steps; 3 × 4 with a short TTL; sets of 1 and 3 of 4 resources (4 × 2);
+/// then 4 × 1 again with a node restarted mid-run.
 fn across(c: &Cluster, rows: &mut Vec<String>) {
+    use processes::Mode;
     let smoke = common::bench_smoke();
     let span = |full: u64| Duration::from_millis(if smoke { 600 } else { full });
-    for (name, procs, threads, secs, ttl) in [
-        ("4 processes x 1 thread", 4, 1, span(10_000), TTL),
-        (
-            "3 processes x 4 threads",
+    let run = across_rows();
+    let urls = c.urls();
+    for (row, name, mode) in [
+        ("4x1", "4 processes x 1 thread", Mode::Lock),
+        ("poll", "4 x 1, a plain polling loop", Mode::Poll),
+        ("breakdown", "4 x 1, probed", Mode::Probe),
+    ] {
+        if !run(row) {
+            continue;
+        }
+        let key = format!("bench:across:4x1:{row}");
+        let secs = span(if mode == Mode::Probe { 5_000 } else { 10_000 });
+        let got = processes::run(&urls, (&key, mode), 4, 1, (secs, TTL), || {});
+        rows.push(processes::measure(&got).row(name));
+        if mode == Mode::Probe {
+            rows.extend(probe::breakdown(&got));
+        }
+    }
+    if run("3x4") {
+        let (secs, ttl) = (span(4_000), Duration::from_millis(500));
+        let got = processes::run(
+            &urls,
+            ("bench:across:3x4", Mode::Lock),
             3,
             4,
-            span(4_000),
-            Duration::from_millis(500),
-        ),
-    ] {
-        let key = format!("bench:across:{procs}x{threads}");
-        let r = processes::run(&c.urls(), &key, procs, threads, (secs, ttl), || {});
-        rows.push(r.row(name));
+            (secs, ttl),
+            || {},
+        );
+        rows.push(processes::measure(&got).row("3 processes x 4 threads"));
     }
-    // The same with node 4 killed a quarter into the run and restarted
-    // empty at half (its votes held back for a TTL, 2 s, as a restarted
-    // node's are): sections go on over the other four, none overlap, and
-    // no key is left.
-    let (secs, ttl) = (span(10_000), Duration::from_secs(2));
+    if run("sets") {
+        let got = processes::run(
+            &urls,
+            ("bench:across:sets", Mode::Sets),
+            4,
+            2,
+            (span(10_000), TTL),
+            || {},
+        );
+        rows.push(sets::row("sets of 1 and 3 of 4, 4 x 2", &got));
+    }
+    if run("restart") {
+        restarted(c, span(10_000), rows);
+    }
+}
+
+/// 4 × 1 with node 4 killed a quarter into the run and restarted empty at
+/// half (its votes held back for a TTL, 2 s, as a restarted node's are):
+/// sections go on over the other four, none overlap, and no key is left.
+fn restarted(c: &Cluster, secs: Duration, rows: &mut Vec<String>) {
+    let ttl = Duration::from_secs(2);
     let key = "bench:across:4x1:restarted";
-    let r = processes::run(&c.urls(), key, 4, 1, (secs, ttl), || {
+    let mode = processes::Mode::Lock;
+    let got = processes::run(&c.urls(), (key, mode), 4, 1, (secs, ttl), || {
         std::thread::sleep(secs / 4);
         c.stop(4);
         std::thread::sleep(secs / 4);
         c.restart(4);
     });
+    let r = processes::measure(&got);
     let left = !c.gone_everywhere(key, Duration::from_secs(2));
     rows.push(format!(
         "{}  key left {left}",

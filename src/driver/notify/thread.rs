@@ -365,6 +365,7 @@ fn message(sh: &Shared, items: &[Value]) {
     let notice = word(items, 2);
     let notice = &notice[..notice.len().min(64)];
     if c.seen_notice(notice.to_vec()) {
+        log::trace!("lock {key:?}: release message read; waking its waiters");
         c.wake();
         st.any.notify_all();
     }
