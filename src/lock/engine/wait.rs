@@ -32,6 +32,11 @@ const QUICK_RETRIES: u32 = 2;
 /// most three rounds per fallback pause.
 const SAME_OWNERS: u32 = 3;
 
+/// Wake-ups lost after which a woken waiter tries at once (see
+/// [`Waiter::sleep`]): with three waiting clients, the one that lost to
+/// both others.
+const FRONT: u32 = 3;
+
 /// The longest a subscribed waiter waits for a wake-up before it tries
 /// again (its retry pause or the owner's expiry, where shorter): a lost
 /// message costs at most this.
@@ -401,16 +406,17 @@ impl<'a> Waiter<'a> {
             trace!("lock {resource:?}: not woken; trying again");
             return;
         }
-        // Every woken waiter would try at once. Each waits one attempt's
-        // time over one more than the wake-ups it lost (less up to a
-        // quarter, at random): who lost more rounds goes first, close to
-        // first come, first served, and the votes rarely split. Never sooner
+        // Every woken waiter would try at once. Who lost more wake-ups goes
+        // first: one that lost [`FRONT`] or more at once, the others half an
+        // attempt's time later for each wake-up they lost fewer (less up to
+        // a quarter, at random), close to first come, first served, and the
+        // votes rarely split. (Each waited an attempt's time over its
+        // wake-ups lost, the first too: a third of every hand-over between
+        // processes was that wait and the sleep's overshoot.) Never sooner
         // than one attempt's time after its last one ended: a stream of
         // messages cannot drive rounds back to back.
         self.lost = self.lost.saturating_add(1);
-        let ahead = took / self.lost;
-        let rng = self.engine.rng.next_u64();
-        let spread = ahead.saturating_sub(quorum::retry_delay(ahead / 8, ahead / 8, rng));
+        let spread = woken_spacing(took, self.lost, self.engine.rng.next_u64());
         let spaced = after(now, took).saturating_duration_since(clock.now());
         let wait = spread
             .max(spaced)
@@ -419,16 +425,27 @@ impl<'a> Waiter<'a> {
             "lock {resource:?}: woken ({}); trying in {wait:?}",
             self.woken
         );
-        clock.sleep(wait);
+        if !wait.is_zero() {
+            clock.sleep(wait);
+        }
     }
+}
+
+/// How long a woken waiter whose attempts take `took` and that lost
+/// `lost` wake-ups (this one counted) waits before it tries: none from
+/// [`FRONT`] on, half an attempt's time more for each one fewer, less up to
+/// a quarter at random (`rng`).
+fn woken_spacing(took: Duration, lost: u32, rng: u64) -> Duration {
+    let ahead = (took / 2).saturating_mul(FRONT.saturating_sub(lost));
+    ahead.saturating_sub(quorum::retry_delay(ahead / 8, ahead / 8, rng))
 }
 
 #[cfg(test)]
 mod tests {
     use std::time::{Duration, Instant};
 
-    use super::Failed;
     use super::NodeResult;
+    use super::{woken_spacing, Failed, FRONT};
     use crate::algorithm::quorum::new_owner;
     use crate::algorithm::round::{fold, After, Answer, Op, Reply};
 
@@ -482,5 +499,21 @@ mod tests {
             at,
             slack
         ));
+    }
+
+    /// Woken together, who lost the most wake-ups tries at once (it waited
+    /// an attempt's time over its wake-ups lost: a third of every hand-over
+    /// between processes), the others later, in order of what they lost.
+    #[test]
+    fn the_waiter_that_lost_the_most_wake_ups_tries_at_once() {
+        let took = Duration::from_micros(300);
+        for rng in [0, 1 << 20, u64::MAX / 3, u64::MAX] {
+            assert_eq!(woken_spacing(took, FRONT, rng), Duration::ZERO);
+            assert_eq!(woken_spacing(took, FRONT + 5, rng), Duration::ZERO);
+            let two = woken_spacing(took, FRONT - 1, rng);
+            let one = woken_spacing(took, FRONT - 2, rng);
+            assert!(two > Duration::ZERO && one > two, "{one:?} {two:?}");
+            assert!(one <= took, "{one:?}");
+        }
     }
 }
