@@ -451,7 +451,7 @@ fn main() {
 }
 
 /// Which across-process rows run: all, or those named in
-/// `QUORUMLOCK_BENCH_ACROSS_ONLY` (comma-separated, of `4x1`, `poll`,
+/// `QUORUMLOCK_BENCH_ACROSS_ONLY` (comma-separated, of `4x1`, `8x1`, `poll`,
 /// `breakdown`, `3x4`, `sets`, `restart`; `1` or empty: all).
 fn across_rows() -> impl Fn(&str) -> bool {
     let only = std::env::var("QUORUMLOCK_BENCH_ACROSS_ONLY").unwrap_or_default();
@@ -489,6 +489,19 @@ fn across(c: &Cluster, rows: &mut Vec<String>) {
         if mode == Mode::Probe {
             rows.extend(probe::breakdown(&got));
         }
+    }
+    if run("8x1") {
+        // More waiting processes than the woken waiters' order ranks
+        // (see `FRONT` in the library's wait.rs): several try at once.
+        let got = processes::run(
+            &urls,
+            ("bench:across:8x1", Mode::Lock),
+            8,
+            1,
+            (span(5_000), TTL),
+            || {},
+        );
+        rows.push(processes::measure(&got).row("8 processes x 1 thread"));
     }
     if run("3x4") {
         let (secs, ttl) = (span(4_000), Duration::from_millis(500));

@@ -32,29 +32,30 @@ pub(crate) struct Remote {
     /// Whether `marks` holds anything (read without the lock on every
     /// acquire and release).
     any: AtomicBool,
-    /// Key → until when this client's next attempt yields.
-    marks: Mutex<HashMap<String, Instant>>,
+    /// Key → until when this client's next attempt yields, and how many
+    /// other clients its last release of the key reached.
+    marks: Mutex<HashMap<String, (Instant, u32)>>,
     /// Calls of this client waiting for a lock of several resources now
     /// (its own releases wake them: see `Engine::note_woken`).
     set_waiters: std::sync::atomic::AtomicUsize,
 }
 
 impl Remote {
-    /// A release of `resource` succeeded; `others`: it reached waiters of
-    /// other clients, who get until `yield_until` to go first.
-    pub(crate) fn released(&self, resource: &str, others: bool, yield_until: Instant) {
-        if others {
+    /// A release of `resource` succeeded; `others`: how many other clients'
+    /// waiters it reached, who get until `yield_until` to go first.
+    pub(crate) fn released(&self, resource: &str, others: u32, yield_until: Instant) {
+        if others > 0 {
             let mut marks = self.marks.lock();
             if marks.len() >= MAX_KEYS && !marks.contains_key(resource) {
                 let oldest = marks
                     .iter()
-                    .min_by_key(|(_, t)| **t)
+                    .min_by_key(|(_, (t, _))| *t)
                     .map(|(k, _)| k.clone());
                 if let Some(k) = oldest {
                     marks.remove(&k);
                 }
             }
-            marks.insert(resource.to_owned(), yield_until);
+            marks.insert(resource.to_owned(), (yield_until, others));
             self.any.store(true, Ordering::Release);
         } else if self.any.load(Ordering::Acquire) {
             let mut marks = self.marks.lock();
@@ -70,7 +71,16 @@ impl Remote {
         if !self.any.load(Ordering::Acquire) {
             return None;
         }
-        self.marks.lock().get(resource).copied()
+        self.marks.lock().get(resource).map(|m| m.0)
+    }
+
+    /// How many other clients' waiters this client's last release of
+    /// `resource` reached (none: no mark).
+    pub(crate) fn others_waiting(&self, resource: &str) -> Option<u32> {
+        if !self.any.load(Ordering::Acquire) {
+            return None;
+        }
+        self.marks.lock().get(resource).map(|m| m.1)
     }
 
     /// Whether the last release of `resource` reached other clients'
@@ -151,7 +161,7 @@ impl Engine {
             .saturating_duration_since(start)
             .min(self.settings.node_timeout);
         for k in state.keys() {
-            self.remote.released(k.resource, woke > 0, after(now, took));
+            self.remote.released(k.resource, woke, after(now, took));
         }
         if self.remote.set_waiters.load(Ordering::Acquire) > 0 {
             let names: Vec<&str> = state.keys().map(|k| k.resource).collect();
@@ -177,12 +187,14 @@ mod tests {
         let r = Remote::default();
         let t = Instant::now() + Duration::from_millis(1);
         assert!(!r.others_wait("k") && r.yield_until("k").is_none());
-        r.released("k", true, t);
+        r.released("k", 3, t);
         assert!(r.others_wait("k"));
         assert_eq!(r.yield_until("k"), Some(t));
+        assert_eq!(r.others_waiting("k"), Some(3));
         assert!(!r.others_wait("other"));
-        r.released("k", false, t);
+        r.released("k", 0, t);
         assert!(!r.others_wait("k") && r.yield_until("k").is_none());
+        assert_eq!(r.others_waiting("k"), None);
     }
 
     #[test]
@@ -190,7 +202,7 @@ mod tests {
         let r = Remote::default();
         let t0 = Instant::now();
         for i in 0..MAX_KEYS + 10 {
-            r.released(&format!("k{i}"), true, t0 + Duration::from_micros(i as u64));
+            r.released(&format!("k{i}"), 1, t0 + Duration::from_micros(i as u64));
         }
         assert_eq!(r.marks.lock().len(), MAX_KEYS);
         assert!(!r.others_wait("k0"), "the oldest went first");

@@ -33,9 +33,15 @@ const QUICK_RETRIES: u32 = 2;
 const SAME_OWNERS: u32 = 3;
 
 /// Wake-ups lost after which a woken waiter tries at once (see
-/// [`Waiter::sleep`]): with three waiting clients, the one that lost to
-/// both others.
+/// [`Waiter::sleep`]) where this client has not seen how many others wait:
+/// with four clients taking turns, the one that lost to the three others.
+/// Otherwise the other clients its last release of the key reached (at
+/// most [`MAX_FRONT`]).
 const FRONT: u32 = 3;
+
+/// The most wake-ups a woken waiter waits to have lost before it tries at
+/// once.
+const MAX_FRONT: u32 = 16;
 
 /// The longest a subscribed waiter waits for a wake-up before it tries
 /// again (its retry pause or the owner's expiry, where shorter): a lost
@@ -132,6 +138,8 @@ pub(super) struct Waiter<'a> {
     at_expiry: bool,
     /// Wake-ups this call lost (the last one woken is not lost yet).
     lost: u32,
+    /// Wake-ups lost after which a woken try goes at once (see [`FRONT`]).
+    front: u32,
     /// What the last try saw of the owners, when, and how long it took: a
     /// woken try that meets the same owners again may have been woken by a
     /// message no release sent (forged, or from another database: pub/sub
@@ -184,8 +192,14 @@ impl<'a> Waiter<'a> {
         } else {
             None
         };
+        let front = want
+            .resources()
+            .filter_map(|r| engine.remote.others_waiting(r))
+            .max()
+            .map_or(FRONT, |n| n.clamp(1, MAX_FRONT));
         Waiter {
             engine,
+            front,
             want,
             budget,
             until,
@@ -407,7 +421,8 @@ impl<'a> Waiter<'a> {
             return;
         }
         // Every woken waiter would try at once. Who lost more wake-ups goes
-        // first: one that lost [`FRONT`] or more at once, the others half an
+        // first: one that lost as many as other clients wait (see
+        // [`FRONT`]) at once, the others half an
         // attempt's time later for each wake-up they lost fewer (less up to
         // a quarter, at random), close to first come, first served, and the
         // votes rarely split. (Each waited an attempt's time over its
@@ -416,7 +431,7 @@ impl<'a> Waiter<'a> {
         // than one attempt's time after its last one ended: a stream of
         // messages cannot drive rounds back to back.
         self.lost = self.lost.saturating_add(1);
-        let spread = woken_spacing(took, self.lost, self.engine.rng.next_u64());
+        let spread = woken_spacing(took, (self.lost, self.front), self.engine.rng.next_u64());
         let spaced = after(now, took).saturating_duration_since(clock.now());
         let wait = spread
             .max(spaced)
@@ -433,10 +448,10 @@ impl<'a> Waiter<'a> {
 
 /// How long a woken waiter whose attempts take `took` and that lost
 /// `lost` wake-ups (this one counted) waits before it tries: none from
-/// [`FRONT`] on, half an attempt's time more for each one fewer, less up to
-/// a quarter at random (`rng`).
-fn woken_spacing(took: Duration, lost: u32, rng: u64) -> Duration {
-    let ahead = (took / 2).saturating_mul(FRONT.saturating_sub(lost));
+/// `front` on (see [`FRONT`]), half an attempt's time more for each one
+/// fewer, less up to a quarter at random (`rng`).
+fn woken_spacing(took: Duration, (lost, front): (u32, u32), rng: u64) -> Duration {
+    let ahead = (took / 2).saturating_mul(front.saturating_sub(lost));
     ahead.saturating_sub(quorum::retry_delay(ahead / 8, ahead / 8, rng))
 }
 
@@ -501,17 +516,24 @@ mod tests {
         ));
     }
 
-    /// Woken together, who lost the most wake-ups tries at once (it waited
-    /// an attempt's time over its wake-ups lost: a third of every hand-over
-    /// between processes), the others later, in order of what they lost.
+    /// Woken together, who lost as many wake-ups as other clients wait
+    /// tries at once (it waited an attempt's time over its wake-ups lost: a
+    /// third of every hand-over between processes), the others later, in
+    /// order of what they lost. (One front for every count of waiters let
+    /// eight processes' waiters try together and split the votes.)
     #[test]
     fn the_waiter_that_lost_the_most_wake_ups_tries_at_once() {
         let took = Duration::from_micros(300);
         for rng in [0, 1 << 20, u64::MAX / 3, u64::MAX] {
-            assert_eq!(woken_spacing(took, FRONT, rng), Duration::ZERO);
-            assert_eq!(woken_spacing(took, FRONT + 5, rng), Duration::ZERO);
-            let two = woken_spacing(took, FRONT - 1, rng);
-            let one = woken_spacing(took, FRONT - 2, rng);
+            for front in [1, FRONT, 7] {
+                assert_eq!(woken_spacing(took, (front, front), rng), Duration::ZERO);
+                assert_eq!(woken_spacing(took, (front + 5, front), rng), Duration::ZERO);
+            }
+            // Seven other clients wait: every rank is apart.
+            let ranks: Vec<Duration> = (1..=7).map(|l| woken_spacing(took, (l, 7), rng)).collect();
+            assert!(ranks.windows(2).all(|w| w[0] > w[1]), "{ranks:?}");
+            let two = woken_spacing(took, (FRONT - 1, FRONT), rng);
+            let one = woken_spacing(took, (FRONT - 2, FRONT), rng);
             assert!(two > Duration::ZERO && one > two, "{one:?} {two:?}");
             assert!(one <= took, "{one:?}");
         }
