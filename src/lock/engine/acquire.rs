@@ -149,7 +149,7 @@ impl Engine {
         let lean = (plain && (next.intent.is_zero() || next.first))
             .then(|| self.lean(ttl, &rule))
             .flatten();
-        let (folded, per_key) = self.run_keys_per_key(
+        let results = self.run_keys(
             Op::Acquire {
                 ttl,
                 known_max: known.max,
@@ -167,15 +167,14 @@ impl Engine {
             Some(&settled),
             Some(&decide),
         );
-        let results = folded.as_deref().unwrap_or(&per_key);
         // (A transport that did not call `undo`: decided now.)
         let (end, outcome, judged) = decision
             .take()
-            .unwrap_or_else(|| self.decide(&rule, (start, ttl, drift), results).1);
-        self.record_histories(results, Some((ttl, first)));
+            .unwrap_or_else(|| self.decide(&rule, (start, ttl, drift), &results).1);
+        self.record_histories(&results, Some((ttl, first)));
         self.note_failures(&judged);
         // Where our key is now (held-back votes included: the key is set).
-        let holding = quorum::holding(results, 0);
+        let holding = quorum::holding(&results, 0);
         let result = outcome.and_then(|validity| {
             self.granted(want, token, (start, end, validity), &judged, holding)
         });
@@ -186,9 +185,9 @@ impl Engine {
         // An attempt at the nodes begins a lineage: section 1.
         let outcome = result.as_ref().map(|s| s.deadline());
         self.attempt_event((resource, 1), start, outcome, &judged, next.begun);
-        self.held_back_events((&judged, results, &rule));
+        self.held_back_events((&judged, &results, &rule));
         if result.is_err() {
-            *seen = Failed::of(&judged, &per_key, want.size());
+            *seen = Failed::of(&judged, want.size());
         }
         result
     }

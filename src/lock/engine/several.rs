@@ -81,24 +81,8 @@ impl Engine {
         decided: Option<Decided<'_>>,
         undo: Option<Undo<'_>>,
     ) -> Vec<NodeResult> {
-        let (results, per_key) = self.run_keys_per_key(op, keys, sizes, deadline, decided, undo);
-        results.unwrap_or(per_key)
-    }
-
-    /// [`run_keys`](Self::run_keys), keeping the answers per key too: the
-    /// folded results where any lock has several keys (`None`: the per-key
-    /// results are the lock's), and the transport's own.
-    pub(super) fn run_keys_per_key(
-        &self,
-        op: Op,
-        keys: &[Key<'_>],
-        sizes: &[usize],
-        deadline: Instant,
-        decided: Option<Decided<'_>>,
-        undo: Option<Undo<'_>>,
-    ) -> (Option<Vec<NodeResult>>, Vec<NodeResult>) {
         if !round::grouped(sizes) {
-            return (None, self.transport.run(op, keys, deadline, decided, undo));
+            return self.transport.run(op, keys, deadline, decided, undo);
         }
         let fold_all = |results: &[NodeResult]| -> Vec<NodeResult> {
             results.iter().map(|r| round::fold(op, r, sizes)).collect()
@@ -116,8 +100,8 @@ impl Engine {
             undo.map(|u| move |results: &[NodeResult]| -> AfterRound { u(&fold_all(results)) });
         let decided: Option<Decided<'_>> = folded_decided.as_ref().map(|d| d as _);
         let undo: Option<Undo<'_>> = folded_undo.as_ref().map(|u| u as _);
-        let per_key = self.transport.run(op, keys, deadline, decided, undo);
-        (Some(fold_all(&per_key)), per_key)
+        let results = self.transport.run(op, keys, deadline, decided, undo);
+        fold_all(&results)
     }
 }
 
