@@ -66,28 +66,20 @@ impl Remote {
         }
     }
 
-    /// Until when this client's next attempt on `resource` yields.
-    pub(crate) fn yield_until(&self, resource: &str) -> Option<Instant> {
+    /// `resource`'s mark: until when this client's next attempt on it
+    /// yields, and how many other clients' waiters its last release reached.
+    pub(crate) fn mark(&self, resource: &str) -> Option<(Instant, u32)> {
         if !self.any.load(Ordering::Acquire) {
             return None;
         }
-        self.marks.lock().get(resource).map(|m| m.0)
-    }
-
-    /// How many other clients' waiters this client's last release of
-    /// `resource` reached (none: no mark).
-    pub(crate) fn others_waiting(&self, resource: &str) -> Option<u32> {
-        if !self.any.load(Ordering::Acquire) {
-            return None;
-        }
-        self.marks.lock().get(resource).map(|m| m.1)
+        self.marks.lock().get(resource).copied()
     }
 
     /// Whether the last release of `resource` reached other clients'
     /// waiters: a release then goes to the nodes rather than to the next
     /// local thread (see [`crate::lock::queue`]).
     pub(crate) fn others_wait(&self, resource: &str) -> bool {
-        self.any.load(Ordering::Acquire) && self.marks.lock().contains_key(resource)
+        self.mark(resource).is_some()
     }
 
     /// A call waits for a lock of several until the returned mark drops.
@@ -111,20 +103,23 @@ impl Engine {
     /// After this client's release of `resource` reached waiters of other
     /// clients, its next attempt on it waits as long as that release took
     /// (about one round trip), so that they, woken by it, go first: the
-    /// releaser, which could try again at once, kept winning.
+    /// releaser, which could try again at once, kept winning. Returns how
+    /// many other clients' waiters that release reached (none: no mark).
     ///
-    /// A lock of several yields for the longest mark of its resources.
-    pub(super) fn yield_to_others(&self, want: Want<'_>, until: Instant) {
+    /// A lock of several yields for the longest mark of its resources, and
+    /// counts the most waiters of any.
+    pub(super) fn yield_to_others(&self, want: Want<'_>, until: Instant) -> Option<u32> {
         let resource = want.resource;
-        let marks = want.resources().filter_map(|r| self.remote.yield_until(r));
-        let Some(end) = marks.max() else {
-            return;
-        };
+        let (end, others) = want
+            .resources()
+            .filter_map(|r| self.remote.mark(r))
+            .reduce(|(a, n), (b, m)| (a.max(b), n.max(m)))?;
         let wait = end.min(until).saturating_duration_since(self.clock.now());
         if !wait.is_zero() {
             trace!("lock {resource:?}: yielding {wait:?} to the waiters of other clients");
             self.clock.sleep(wait);
         }
+        Some(others)
     }
 
     /// After a release of `state` that began at `start` succeeded: marks
@@ -186,15 +181,13 @@ mod tests {
     fn a_release_that_reached_others_marks_the_key_until_one_reaches_nobody() {
         let r = Remote::default();
         let t = Instant::now() + Duration::from_millis(1);
-        assert!(!r.others_wait("k") && r.yield_until("k").is_none());
+        assert!(!r.others_wait("k") && r.mark("k").is_none());
         r.released("k", 3, t);
         assert!(r.others_wait("k"));
-        assert_eq!(r.yield_until("k"), Some(t));
-        assert_eq!(r.others_waiting("k"), Some(3));
+        assert_eq!(r.mark("k"), Some((t, 3)));
         assert!(!r.others_wait("other"));
         r.released("k", 0, t);
-        assert!(!r.others_wait("k") && r.yield_until("k").is_none());
-        assert_eq!(r.others_waiting("k"), None);
+        assert!(!r.others_wait("k") && r.mark("k").is_none());
     }
 
     #[test]

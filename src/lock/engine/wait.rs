@@ -154,9 +154,11 @@ impl<'a> Waiter<'a> {
     ) -> Self {
         let waits = !matches!(budget, Budget::Attempts(1));
         let wakes = waits && engine.settings.wake_ups;
-        if waits {
-            engine.yield_to_others(want, until);
-        }
+        let others = if waits {
+            engine.yield_to_others(want, until)
+        } else {
+            None
+        };
         // This client's own releases wake its waiters for locks of several
         // and its readers.
         let set_waiting = (waits && !want.alone()).then(|| engine.remote.set_waiting());
@@ -178,14 +180,7 @@ impl<'a> Waiter<'a> {
         } else {
             None
         };
-        let front = if wakes {
-            want.resources()
-                .filter_map(|r| engine.remote.others_waiting(r))
-                .max()
-                .map_or(FRONT, |n| n.clamp(1, MAX_FRONT))
-        } else {
-            FRONT
-        };
+        let front = others.map_or(FRONT, |n| n.clamp(1, MAX_FRONT));
         Waiter {
             engine,
             front,
