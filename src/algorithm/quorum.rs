@@ -266,8 +266,7 @@ pub(crate) enum Seen {
 }
 
 /// Each node's [`Seen`] of each of a lock's `keys` after a failed
-/// acquire, node by node (a node's time left is its longest over the
-/// keys: one reply per node).
+/// acquire, node by node.
 pub(crate) fn seen(results: &[NodeResult], keys: usize) -> Vec<Seen> {
     results
         .iter()
@@ -275,16 +274,41 @@ pub(crate) fn seen(results: &[NodeResult], keys: usize) -> Vec<Seen> {
         .collect()
 }
 
-/// What one node's result says of the `index`-th key's owner.
+/// What one node's result says of the `index`-th key's owner (a set's
+/// reply is folded into one answer, but keeps its keys' times).
 fn seen_of(r: &NodeResult, index: usize) -> Seen {
     match r {
-        Ok(rep) => match rep.answers.get(index) {
-            Some(Answer::Other) => Seen::Held(rep.held.unwrap_or(Duration::MAX)),
-            Some(_) => Seen::Free,
-            None => Seen::Unknown,
+        Ok(rep) => match rep.held.get(index) {
+            Some(Some(left)) => Seen::Held(*left),
+            Some(None) => Seen::Free,
+            // (An answer of another owner with no time: none known.)
+            None if rep.answers.contains(&Answer::Other) => Seen::Held(Duration::MAX),
+            None => Seen::Free,
         },
         Err(_) => Seen::Unknown,
     }
+}
+
+/// Per key of a lock of `keys` after a failed acquire (`seen`, as
+/// [`seen`] gives it), whether a release of it may let the lock in: held
+/// by another owner with time left on some node, or no node answered for
+/// it. Where none is, every key (the wait listens to them all).
+pub(crate) fn blocking(seen: &[Seen], keys: usize) -> Vec<bool> {
+    let mut any = vec![false; keys];
+    let mut known = vec![false; keys];
+    for (i, s) in seen.iter().enumerate() {
+        let k = i % keys.max(1);
+        match s {
+            Seen::Held(left) if !left.is_zero() => any[k] = true,
+            Seen::Unknown => {}
+            _ => known[k] = true,
+        }
+    }
+    let mut out: Vec<bool> = any.iter().zip(&known).map(|(a, k)| *a || !k).collect();
+    if !out.contains(&true) {
+        out.fill(true);
+    }
+    out
 }
 
 /// Whether a woken attempt that failed (`now`: what it saw, `at` when)
@@ -347,13 +371,19 @@ pub(crate) fn new_owner(
 /// node where our SET landed is free once undone): the bound of a waiter's
 /// fallback (see `Engine::acquire`). `None`: unknown (too many nodes failed
 /// or hold keys that never expire).
-pub(crate) fn free_in(results: &[NodeResult], index: usize) -> Option<Duration> {
+pub(crate) fn free_in(results: &[NodeResult]) -> Option<Duration> {
     let mut free: Vec<Duration> = results
         .iter()
-        .map(|r| match seen_of(r, index) {
-            Seen::Held(left) => left,
-            Seen::Free => Duration::ZERO,
-            Seen::Unknown => Duration::MAX,
+        .map(|r| match r {
+            // The longest over the keys: the lock needs them all.
+            Ok(rep) => (0..rep.held.len().max(1))
+                .map(|i| match seen_of(r, i) {
+                    Seen::Held(left) => left,
+                    _ => Duration::ZERO,
+                })
+                .max()
+                .unwrap_or(Duration::ZERO),
+            Err(_) => Duration::MAX,
         })
         .collect();
     free.sort_unstable();

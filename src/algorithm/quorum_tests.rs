@@ -318,46 +318,61 @@ fn retry_delay_stays_in_its_band() {
 }
 /// The fallback's bound: a majority is free once the quorum-th
 /// soonest owner's key expires; a node our SET landed on is free now;
-/// failures and keys without expiry are "never".
+/// failures and keys without expiry are "never"; a set's node is free
+/// once its longest-held key is.
 #[test]
 fn free_in_is_the_quorum_th_soonest_expiry() {
     use crate::algorithm::round::Reply;
-    let held = |ms: Option<u64>| -> NodeResult {
+    let keys = |held: Vec<Option<u64>>| -> NodeResult {
         let mut r = Reply::new(vec![Answer::Other]);
-        r.held = Some(ms.map_or(Duration::MAX, Duration::from_millis));
+        r.held = held
+            .into_iter()
+            .map(|ms| {
+                ms.map(|ms| {
+                    if ms == u64::MAX {
+                        Duration::MAX
+                    } else {
+                        Duration::from_millis(ms)
+                    }
+                })
+            })
+            .collect();
         Ok(r)
     };
+    let held = |ms: Option<u64>| keys(vec![Some(ms.unwrap_or(u64::MAX))]);
     let ours = || -> NodeResult { Ok(Reply::new(vec![Answer::Ok])) };
     let ms = |n| Some(Duration::from_millis(n));
     assert_eq!(
-        free_in(&[held(Some(300)), held(Some(100)), held(Some(200))], 0),
+        free_in(&[held(Some(300)), held(Some(100)), held(Some(200))]),
         ms(200)
     );
     assert_eq!(
-        free_in(&[ours(), held(Some(900)), held(Some(400))], 0),
+        free_in(&[ours(), held(Some(900)), held(Some(400))]),
         ms(400)
     );
-    assert_eq!(free_in(&[fail("a"), held(Some(900)), held(None)], 0), None);
+    assert_eq!(free_in(&[fail("a"), held(Some(900)), held(None)]), None);
     assert_eq!(
-        free_in(&[fail("a"), held(Some(900)), held(Some(5))], 0),
+        free_in(&[fail("a"), held(Some(900)), held(Some(5))]),
         ms(900)
     );
     assert_eq!(
-        free_in(
-            &[
-                held(Some(1)),
-                held(Some(2)),
-                fail("c"),
-                fail("d"),
-                held(Some(3))
-            ],
-            0
-        ),
+        free_in(&[
+            held(Some(1)),
+            held(Some(2)),
+            fail("c"),
+            fail("d"),
+            held(Some(3))
+        ]),
         ms(3)
     );
-    assert_eq!(free_in(&[], 0), None);
-    // A reply without that key's answer says nothing.
-    assert_eq!(free_in(&[ours(), ours(), ours()], 1), None);
+    assert_eq!(free_in(&[]), None);
+    // A set: each node by its longest-held key (a free key, zero; ours, none).
+    let set = [
+        keys(vec![Some(0), Some(700)]),
+        keys(vec![Some(300), None]),
+        keys(vec![Some(50), Some(60)]),
+    ];
+    assert_eq!(free_in(&set), ms(300));
 }
 
 /// A round of many keys is not settled before any node answered: with no
@@ -437,27 +452,55 @@ fn a_woken_attempt_tells_a_new_owner_from_the_same_one() {
     assert!(new_owner(None, &never, later, slack));
 }
 
-/// A lock of several: each key of each node is compared (node by node, key by key):
-/// another key of the set freed is a change, though the first is held as before.
+/// A lock of several: each key of each node is compared (node by node, key by key),
+/// from the folded reply's times per key: another key of the set freed (a blocked
+/// set's free key answers zero time left) is a change, though the first is held as
+/// before.
 #[test]
 fn a_sets_other_key_freed_is_a_new_owner() {
     use crate::algorithm::round::Reply;
     let t0 = Instant::now();
-    let reply = |answers: Vec<Answer>| {
-        let mut r = Reply::new(answers);
-        r.held = Some(1000 * MS);
+    let reply = |second: Duration| {
+        // (Folded: one answer for the set.)
+        let mut r = Reply::new(vec![Answer::Other]);
+        r.held = vec![Some(1000 * MS), Some(second)];
         Ok(r)
     };
-    let before: Vec<NodeResult> = (0..3)
-        .map(|_| reply(vec![Answer::Other, Answer::Other]))
-        .collect();
-    let after: Vec<NodeResult> = (0..3)
-        .map(|_| reply(vec![Answer::Other, Answer::Ok]))
-        .collect();
+    let before: Vec<NodeResult> = (0..3).map(|_| reply(500 * MS)).collect();
+    let after: Vec<NodeResult> = (0..3).map(|_| reply(Duration::ZERO)).collect();
     let (was, now) = (seen(&before, 2), seen(&after, 2));
     assert_eq!(was.len(), 6);
+    assert_eq!(now[1], Seen::Held(Duration::ZERO));
     assert!(new_owner(Some((t0, &was[..])), &now, t0 + MS, 2 * MS));
     assert!(!new_owner(Some((t0, &was[..])), &was, t0 + MS, 2 * MS));
+}
+
+/// A set listens to the keys held elsewhere with time left, and to those no
+/// node answered for; never to none.
+#[test]
+fn a_set_listens_to_the_keys_that_keep_it_out() {
+    use Seen::{Free, Held, Unknown};
+    let z = Duration::ZERO;
+    // Node by node, two keys each: `a` held, `b` free (zero time left) or ours.
+    let seen = [
+        Held(900 * MS),
+        Held(z),
+        Held(905 * MS),
+        Free,
+        Unknown,
+        Unknown,
+    ];
+    assert_eq!(blocking(&seen, 2), [true, false]);
+    // Held on one node is enough.
+    let seen = [Held(z), Held(z), Held(z), Held(3 * MS), Unknown, Unknown];
+    assert_eq!(blocking(&seen, 2), [false, true]);
+    // No node answered for it: listened to.
+    let seen = [Unknown, Free, Unknown, Free];
+    assert_eq!(blocking(&seen, 2), [true, false]);
+    // Nothing held anywhere (every node failed, or all free): every key.
+    assert_eq!(blocking(&[Free, Held(z), Free, Free], 2), [true, true]);
+    assert_eq!(blocking(&[Unknown; 6], 3), [true, true, true]);
+    assert_eq!(blocking(&[Held(Duration::MAX), Free], 2), [true, false]);
 }
 
 /// Every way `results` can go on with replies from `more` of its pending

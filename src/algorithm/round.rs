@@ -403,10 +403,11 @@ pub(crate) struct Reply {
     /// A release's: how many subscribers on the node its freed-key message
     /// reached (waiters of any client, this one's included).
     pub woke: u32,
-    /// An acquire's: how long the key, held by another owner, has left on
-    /// the node (the longest over the keys; `Duration::MAX` where it never
-    /// expires). `None`: no key held by another.
-    pub held: Option<Duration>,
+    /// An acquire's, per key: how long another owner still holds it on the
+    /// node (`Duration::MAX`: no end known; zero: free, where another key
+    /// of the set kept it from being set, or ending), `None` where it was
+    /// set. Empty where no key is held by another.
+    pub held: Vec<Option<Duration>>,
 }
 
 impl Reply {
@@ -418,7 +419,7 @@ impl Reply {
             fence: None,
             server: None,
             woke: 0,
-            held: None,
+            held: Vec::new(),
         }
     }
 }

@@ -38,10 +38,17 @@ pub(crate) type Undo<'a> = &'a dyn Fn(&[NodeResult]) -> AfterRound;
 /// One thread's wait for a resource to be freed by another client (see
 /// [`crate::driver::notify`]): a hint to try again, never a grant.
 pub(crate) trait Watch: Send {
-    /// Wake-ups so far: read before an attempt, waited past after it.
-    fn seen(&self) -> u64;
-    /// Waits until a wake-up after `seen`, or `until`; whether one came.
-    fn wait(&self, seen: u64, until: Instant) -> bool;
+    /// Marks the wake-ups so far (before an attempt): [`wait`](Self::wait)
+    /// waits past them.
+    fn mark(&mut self);
+    /// Waits until a wake-up after the mark (of a key listened to), or
+    /// `until`; whether one came.
+    fn wait(&self, until: Instant) -> bool;
+    /// A wait for several keys listens from now on only to the keys marked
+    /// `true` in `keys` (in the order watched): a release of a key its last
+    /// try found free cannot be what it waits for. A wait for one key
+    /// always listens.
+    fn listen_to(&mut self, keys: &[bool]);
 }
 
 /// Access to the N nodes.

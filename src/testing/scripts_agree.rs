@@ -364,15 +364,20 @@ fn the_lua_scripts_and_the_rust_model_agree() {
         if matches!(op, Op::Acquire { .. }) {
             // How long the owner has left: both none, both no end known, or
             // close (the two clocks are read a moment apart).
-            let far = |h: Option<Duration>| h.map(|d| d.min(Duration::from_secs(3600)));
-            let (g, w) = (far(got.held), far(want.held));
-            let close = match (g, w) {
-                (Some(a), Some(b)) => {
-                    a.abs_diff(b)
-                        <= Duration::from_millis(6).saturating_add(slowest.saturating_mul(2))
-                }
-                (a, b) => a == b,
+            let far = |h: &[Option<Duration>]| -> Vec<Option<Duration>> {
+                h.iter()
+                    .map(|h| h.map(|d| d.min(Duration::from_secs(3600))))
+                    .collect()
             };
+            let (g, w) = (far(&got.held), far(&want.held));
+            let close = g.len() == w.len()
+                && g.iter().zip(&w).all(|pair| match pair {
+                    (Some(a), Some(b)) => {
+                        a.abs_diff(*b)
+                            <= Duration::from_millis(6).saturating_add(slowest.saturating_mul(2))
+                    }
+                    (a, b) => a == b,
+                });
             assert!(
                 close,
                 "round {n}: {op:?} {keys:?}: held {g:?} against {w:?}"

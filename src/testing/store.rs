@@ -231,7 +231,7 @@ impl Store {
             Op::Release { .. } | Op::Fence { .. } | Op::Restore { .. } => None,
         };
         let mut fence = None;
-        let mut held = None;
+        let mut held = Vec::with_capacity(keys.len());
         self.prune(now);
         // The keys of an acquire are one lock: all set or none (see
         // `ACQUIRE_LUA`), none where any has another owner or live readers.
@@ -274,9 +274,11 @@ impl Store {
                     _ => self.apply(op, k, now, micros),
                 };
                 fence = fence.max(f);
-                if matches!((op, a), (Op::Acquire { .. }, Answer::Other)) {
-                    held = held.max(left);
-                }
+                // (A free key of a set kept out by another: no time left.)
+                held.push(
+                    matches!((op, a), (Op::Acquire { .. }, Answer::Other))
+                        .then(|| left.unwrap_or(Duration::ZERO)),
+                );
                 a
             })
             .collect();
@@ -286,7 +288,11 @@ impl Store {
             fence,
             server: None,
             woke: 0,
-            held,
+            held: if held.iter().any(Option::is_some) {
+                held
+            } else {
+                Vec::new()
+            },
         })
     }
 

@@ -174,7 +174,7 @@ impl Encoded {
             fence: None,
             server: None,
             woke: 0,
-            held,
+            held: held.map_or_else(Vec::new, |h| vec![Some(h)]),
         })
     }
 
@@ -251,10 +251,12 @@ impl Encoded {
         let release = matches!(self.op, Op::Release { .. });
         let mut fence = None;
         let mut woke = 0u32;
-        let mut held = None;
+        let mut held = vec![None; rest.len()];
+        let mut any_held = false;
         let answers = rest
             .iter()
-            .map(|v| match (int(v), acquire) {
+            .zip(held.iter_mut())
+            .map(|(v, h)| match (int(v), acquire) {
                 (Some(2), false) if restore => Ok(Answer::Restored),
                 // A release's `1 + subscribers reached` (see `RELEASE_LUA`).
                 (Some(c), false) if release && c >= 1 => {
@@ -272,7 +274,8 @@ impl Encoded {
                         Ok(ms) => Duration::from_millis(ms),
                         Err(_) => Duration::MAX,
                     };
-                    held = held.max(Some(left));
+                    *h = Some(left);
+                    any_held = true;
                     Ok(Answer::Other)
                 }
                 (Some(0), false) => Ok(Answer::Absent),
@@ -286,7 +289,7 @@ impl Encoded {
             fence,
             server: None,
             woke,
-            held,
+            held: if any_held { held } else { Vec::new() },
         })
     }
 }

@@ -112,27 +112,27 @@ fn a_lean_acquire_sends_three_commands_and_reads_their_replies() {
     let r = read(Value::Okay, Value::Int(1500), epoch("1796000000000")).expect("set");
     assert_eq!(
         (r.answers.as_slice(), r.held),
-        ([Answer::Ok].as_slice(), None)
+        ([Answer::Ok].as_slice(), Vec::new())
     );
     assert_eq!(r.facts.map(|f| f.epoch), Some(1_796_000_000_000));
     let r = read(Value::Nil, Value::Int(900), Value::Nil).expect("held");
     assert_eq!(r.answers, [Answer::Other]);
-    assert_eq!(r.held, Some(Duration::from_millis(900)));
+    assert_eq!(r.held, [Some(Duration::from_millis(900))]);
     assert_eq!(r.facts.map(|f| f.epoch), Some(0), "no history");
     let never = read(Value::Nil, Value::Int(-1), epoch("5")).expect("held");
-    assert_eq!(never.held, Some(Duration::MAX));
+    assert_eq!(never.held, [Some(Duration::MAX)]);
     let refused =
         crate::testing::sim::redis::error("NOPERM no permissions to run the 'pttl' command");
     let r = read(Value::Nil, refused.clone(), epoch("5")).expect("held");
-    assert_eq!(r.held, Some(Duration::MAX), "no end known");
+    assert_eq!(r.held, [Some(Duration::MAX)], "no end known");
     assert!(read(Value::Okay, Value::Int(1), refused.clone()).is_err());
     assert!(read(refused, Value::Int(1), epoch("5")).is_err());
     assert!(e.decode(Value::Array(vec![Value::Okay])).is_err());
 }
 
 /// An acquire that found the key held reports the owner's remaining
-/// TTL (`-1 - PTTL`; 0: no expiry), fenced or not; a fenced counter is
-/// still "set".
+/// TTL (`-1 - PTTL`; 0: no expiry), key by key, fenced or not; a fenced
+/// counter is still "set".
 #[test]
 fn an_acquire_reports_how_long_the_owner_holds() {
     let keys = [Key::new("a", "t1"), Key::new("b", "t2")];
@@ -155,16 +155,17 @@ fn an_acquire_reports_how_long_the_owner_holds() {
         };
         let r = reply(-1 - 250, -1 - 900);
         assert_eq!(r.answers, [Answer::Other, Answer::Other]);
-        assert_eq!(r.held, Some(Duration::from_millis(900)), "the longest");
+        let ms = |n| Some(Duration::from_millis(n));
+        assert_eq!(r.held, [ms(250), ms(900)], "each key's own");
         let r = reply(-1, 1);
         assert_eq!(r.answers, [Answer::Other, Answer::Ok], "fenced {fenced}");
-        assert_eq!(r.held, Some(Duration::ZERO));
-        assert_eq!(reply(0, -5).held, Some(Duration::MAX), "no expiry");
+        assert_eq!(r.held, [ms(0), None]);
+        assert_eq!(reply(0, -5).held, [Some(Duration::MAX), ms(4)], "no expiry");
         assert_eq!(
-            reply(i64::MIN, 1).held.map(|d| d.as_millis()),
+            reply(i64::MIN, 1).held[0].map(|d| d.as_millis()),
             Some(i64::MAX as u128)
         );
-        assert_eq!(reply(1, 1).held, None);
+        assert!(reply(1, 1).held.is_empty());
     }
 }
 

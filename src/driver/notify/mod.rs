@@ -256,7 +256,8 @@ impl Notifier {
         self.await_confirmed(&mut st, resources, confirm_by);
         let any = st.any.clone();
         drop(st);
-        Some(Box::new(WaitingAll { parts, any }))
+        let listen = vec![true; parts.len()];
+        Some(Box::new(WaitingAll { parts, any, listen }))
     }
 
     /// This client's own release of `resources` ended: its waiters for a
@@ -321,6 +322,7 @@ impl Notifier {
             shared: self.shared.clone(),
             cv,
             resource: resource.to_owned(),
+            seen: 0,
         })
     }
 
@@ -457,25 +459,32 @@ struct Waiting {
     shared: Arc<Shared>,
     cv: Arc<Condvar>,
     resource: String,
+    /// The key's wake-ups at the mark.
+    seen: u64,
 }
 
 impl Waiting {
     fn count(&self, st: &MutexGuard<'_, St>) -> Option<u64> {
         st.chans.get(&self.resource).map(|c| c.count)
     }
+
+    /// The key's wake-ups of waits for several keys.
+    fn sets(&self, st: &MutexGuard<'_, St>) -> u64 {
+        st.chans.get(&self.resource).map_or(0, |c| c.sets)
+    }
 }
 
 impl Watch for Waiting {
-    fn seen(&self) -> u64 {
-        self.count(&self.shared.st.lock()).unwrap_or(0)
+    fn mark(&mut self) {
+        self.seen = self.count(&self.shared.st.lock()).unwrap_or(0);
     }
 
-    fn wait(&self, seen: u64, until: Instant) -> bool {
+    fn wait(&self, until: Instant) -> bool {
         let mut st = self.shared.st.lock();
         loop {
             // (Never without its channel while this wait lives; if it were,
             // the wait would still last until `until`.)
-            if self.count(&st).is_some_and(|c| c != seen) {
+            if self.count(&st).is_some_and(|c| c != self.seen) {
                 return true;
             }
             if self.cv.wait_until(&mut st, until).timed_out() {
@@ -485,42 +494,58 @@ impl Watch for Waiting {
             }
         }
     }
+
+    fn listen_to(&mut self, _keys: &[bool]) {}
 }
 
 /// One thread's wait for any of several keys (see [`Notifier::watch_all`]).
 struct WaitingAll {
     parts: Vec<Waiting>,
     any: Arc<Condvar>,
+    /// Per part, whether its wake-ups wake this wait.
+    listen: Vec<bool>,
 }
 
 impl WaitingAll {
-    fn count(&self, st: &MutexGuard<'_, St>) -> u64 {
-        self.parts.iter().fold(0u64, |n, w| {
-            n.wrapping_add(st.chans.get(&w.resource).map_or(0, |c| c.sets))
-        })
+    fn woken(&self, st: &MutexGuard<'_, St>) -> bool {
+        self.parts
+            .iter()
+            .zip(&self.listen)
+            .any(|(w, l)| *l && w.sets(st) != w.seen)
     }
 }
 
 impl Watch for WaitingAll {
-    fn seen(&self) -> u64 {
+    fn mark(&mut self) {
         let Some(first) = self.parts.first() else {
-            return 0;
+            return;
         };
-        self.count(&first.shared.st.lock())
+        let st = first.shared.st.lock();
+        let seen: Vec<u64> = self.parts.iter().map(|w| w.sets(&st)).collect();
+        drop(st);
+        for (w, s) in self.parts.iter_mut().zip(seen) {
+            w.seen = s;
+        }
     }
 
-    fn wait(&self, seen: u64, until: Instant) -> bool {
+    fn wait(&self, until: Instant) -> bool {
         let Some(first) = self.parts.first() else {
             return false;
         };
         let mut st = first.shared.st.lock();
         loop {
-            if self.count(&st) != seen {
+            if self.woken(&st) {
                 return true;
             }
             if self.any.wait_until(&mut st, until).timed_out() {
-                return self.count(&st) != seen;
+                return self.woken(&st);
             }
+        }
+    }
+
+    fn listen_to(&mut self, keys: &[bool]) {
+        if keys.len() == self.listen.len() {
+            self.listen.copy_from_slice(keys);
         }
     }
 }

@@ -65,7 +65,7 @@ impl Failed {
     pub(super) fn of(judged: &[crate::algorithm::round::NodeResult], keys: usize) -> Self {
         Failed {
             ours: quorum::Tally::of(judged, 0).ok,
-            free_in: quorum::free_in(judged, 0),
+            free_in: quorum::free_in(judged),
             owners: quorum::seen(judged, keys),
         }
     }
@@ -111,8 +111,6 @@ pub(super) struct Waiter<'a> {
     /// attempt on, or from the start where this client is subscribed
     /// already.
     watch: Option<Box<dyn Watch>>,
-    /// Wake-ups seen before the current try.
-    seen: u64,
     /// Whether the current try was woken.
     woken: bool,
     /// Whether an owner's expiry may end a wait: not after a try at an
@@ -194,7 +192,6 @@ impl<'a> Waiter<'a> {
             attempt: 1,
             due: None,
             watch,
-            seen: 0,
             woken: false,
             trust_expiry: true,
             at_expiry: false,
@@ -209,8 +206,8 @@ impl<'a> Waiter<'a> {
 
     /// Starts a try: what the attempt is told.
     pub(super) fn next_try(&mut self) -> Try {
-        if let Some(w) = &self.watch {
-            self.seen = w.seen();
+        if let Some(w) = &mut self.watch {
+            w.mark();
         }
         self.tried = self.engine.clock.now();
         // An attempt after which no try may come (the last counted one, or
@@ -271,6 +268,11 @@ impl<'a> Waiter<'a> {
         }
         // What is left of the retry pause.
         let pause = self.due.map_or(pause, |d| d.saturating_duration_since(now));
+        // A set listens to the releases of the keys held elsewhere.
+        let keys = self.want.size();
+        if let Some(w) = self.watch.as_mut().filter(|_| keys > 1) {
+            w.listen_to(&quorum::blocking(&failed.owners, keys));
+        }
         let took = now.saturating_duration_since(self.tried);
         let pause = self.pause(&err, failed, (now, took), pause);
         debug!(
@@ -389,7 +391,7 @@ impl<'a> Waiter<'a> {
             clock.sleep(pause);
             false
         } else {
-            w.wait(self.seen, after(clock.now(), pause))
+            w.wait(after(clock.now(), pause))
         };
         // Woken, or at the owners' expiry: every waiter would try at once.
         let together = self.together();

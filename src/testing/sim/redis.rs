@@ -321,12 +321,12 @@ pub(crate) fn reply(op: Op, r: Result<Reply, &str>) -> Value {
     };
     let fenced = matches!(op, Op::Acquire { fenced: true, .. });
     let acquire = matches!(op, Op::Acquire { .. });
-    let answer = |a: &Answer| match (a, acquire) {
+    let answer = |(i, a): (usize, &Answer)| match (a, acquire) {
         (Answer::Ok, true) if fenced => i64::try_from(reply.fence.unwrap_or(1)).unwrap_or(1),
         (Answer::Ok, _) => 1,
         (Answer::Restored, _) => 2,
         // As the script: `-1 - PTTL` (0: no expiry).
-        (Answer::Other, true) => match reply.held {
+        (Answer::Other, true) => match reply.held.get(i).copied().flatten() {
             Some(left) if left != Duration::MAX => (-1i64).saturating_sub(millis(left)),
             _ => 0,
         },
@@ -350,7 +350,13 @@ pub(crate) fn reply(op: Op, r: Result<Reply, &str>) -> Value {
         items.push(Value::Int(millis(prev_max)));
         items.push(Value::BulkString(after.to_text().into_bytes()));
     }
-    items.extend(reply.answers.iter().map(|a| Value::Int(answer(a))));
+    items.extend(
+        reply
+            .answers
+            .iter()
+            .enumerate()
+            .map(|a| Value::Int(answer(a))),
+    );
     Value::Array(items)
 }
 
@@ -482,7 +488,7 @@ mod tests {
             fence: None,
             server: None,
             woke: 0,
-            held: Some(Duration::from_millis(800)),
+            held: vec![None, Some(Duration::from_millis(800))],
         };
         let enc = Encoded::new(op, &keys);
         let got = enc.decode(reply(op, Ok(said.clone()))).expect("decodes");
@@ -509,7 +515,7 @@ mod tests {
             fence: None,
             server: None,
             woke: 0,
-            held: None,
+            held: Vec::new(),
         };
         assert_eq!(
             enc.decode(reply(release, Ok(said)))

@@ -120,6 +120,7 @@ impl Watches {
         Some(Box::new(SimWatch {
             chan,
             sched: sched.clone(),
+            seen: 0,
         }))
     }
 
@@ -131,17 +132,22 @@ impl Watches {
         resources: &[&str],
     ) -> Option<Box<dyn Watch>> {
         let signal = Arc::new(crate::clock::Signal::default());
+        let mut parts = Vec::with_capacity(resources.len());
         for r in resources {
             // (Subscribed as a lone waiter would be; its watch is dropped.)
             let _ = self.watch(sched, r, false)?;
+            let part = Arc::new(crate::clock::Signal::default());
             if let Some(c) = self.chans.lock().get(*r) {
                 let mut also = c.also.lock();
                 also.retain(|s| s.strong_count() > 0);
                 also.push(Arc::downgrade(&signal));
+                also.push(Arc::downgrade(&part));
             }
+            parts.push((part, 0, true));
         }
         Some(Box::new(SimWatchAll {
             signal,
+            parts,
             sched: sched.clone(),
         }))
     }
@@ -179,33 +185,66 @@ impl Watches {
 struct SimWatch {
     chan: Arc<SimChan>,
     sched: Arc<Sched>,
+    seen: u64,
 }
 
 impl Watch for SimWatch {
-    fn seen(&self) -> u64 {
-        self.chan.signal.seen()
+    fn mark(&mut self) {
+        self.seen = self.chan.signal.seen();
     }
 
-    fn wait(&self, seen: u64, until: Instant) -> bool {
-        self.sched.wait_signal(&self.chan.signal, seen, Some(until));
-        self.chan.signal.seen() != seen
+    fn wait(&self, until: Instant) -> bool {
+        self.sched
+            .wait_signal(&self.chan.signal, self.seen, Some(until));
+        self.chan.signal.seen() != self.seen
     }
+
+    fn listen_to(&mut self, _keys: &[bool]) {}
 }
 
 /// A wait for any of several keys: its own signal, which each key's
-/// channel also notifies.
+/// channel also notifies, and one per key (with its count at the mark and
+/// whether it is listened to).
 struct SimWatchAll {
     signal: Arc<crate::clock::Signal>,
+    parts: Vec<(Arc<crate::clock::Signal>, u64, bool)>,
     sched: Arc<Sched>,
 }
 
+impl SimWatchAll {
+    fn woken(&self) -> bool {
+        self.parts
+            .iter()
+            .any(|(s, seen, l)| *l && s.seen() != *seen)
+    }
+}
+
 impl Watch for SimWatchAll {
-    fn seen(&self) -> u64 {
-        self.signal.seen()
+    fn mark(&mut self) {
+        for (s, seen, _) in &mut self.parts {
+            *seen = s.seen();
+        }
     }
 
-    fn wait(&self, seen: u64, until: Instant) -> bool {
-        self.sched.wait_signal(&self.signal, seen, Some(until));
-        self.signal.seen() != seen
+    fn wait(&self, until: Instant) -> bool {
+        loop {
+            if self.woken() {
+                return true;
+            }
+            // Any key's wake-up ends the wait; one not listened to waits on.
+            let any = self.signal.seen();
+            self.sched.wait_signal(&self.signal, any, Some(until));
+            if self.signal.seen() == any {
+                return false;
+            }
+        }
+    }
+
+    fn listen_to(&mut self, keys: &[bool]) {
+        if keys.len() == self.parts.len() {
+            for ((_, _, l), k) in self.parts.iter_mut().zip(keys) {
+                *l = *k;
+            }
+        }
     }
 }
