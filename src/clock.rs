@@ -32,6 +32,15 @@ pub(crate) trait Clock: Send + Sync + fmt::Debug + 'static {
         signal.wait_real(seen, real);
     }
 
+    /// The wall clock in ms since the Unix epoch: not for measuring time
+    /// (that is [`now`](Self::now)), only for the order of waiting calls
+    /// across processes (see [`crate::algorithm::round::Place`]).
+    fn wall_ms(&self) -> u64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    }
+
     /// Starts a thread whose time and waits go through this clock.
     fn spawn(&self, name: &str, f: Box<dyn FnOnce() + Send>) -> io::Result<JoinHandle<()>> {
         std::thread::Builder::new().name(name.into()).spawn(f)

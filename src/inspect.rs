@@ -46,6 +46,7 @@ pub struct KeyInfo {
     token: String,
     ttl: Option<Duration>,
     set: Option<ReaderSet>,
+    claim: bool,
 }
 
 /// The reader set's live entries.
@@ -122,12 +123,26 @@ impl KeyInfo {
     pub fn writer_waiting(&self) -> Option<Duration> {
         self.set.as_ref().and_then(|s| s.intent)
     }
+
+    /// A waiting lock of several resources' claim on this free key, and
+    /// how long it still lasts: no lock holds the key, and calls that
+    /// began after that lock's keep out of it until the lock gets in or
+    /// the claim ends (see the guide's "Locks of several resources").
+    /// `None` when no such lock claims it.
+    pub fn set_waiting(&self) -> Option<Duration> {
+        if self.claim {
+            self.ttl
+        } else {
+            None
+        }
+    }
 }
 
 impl From<Stored> for KeyInfo {
     fn from(s: Stored) -> Self {
         KeyInfo {
             lock: s.lock,
+            claim: s.claim,
             token: s.value,
             ttl: s.ttl,
             set: s.readers.map(|r| ReaderSet {
@@ -147,6 +162,7 @@ impl fmt::Debug for KeyInfo {
         let mut d = f.debug_struct("KeyInfo");
         match &self.set {
             None if !self.lock => d.field("lock", &false).field("ttl", &self.ttl),
+            None if self.claim => d.field("set_waiting", &self.ttl),
             None => d.field("token", &"<hidden>").field("ttl", &self.ttl),
             Some(s) => d
                 .field("ttl", &self.ttl)
@@ -200,6 +216,7 @@ mod tests {
             value: "secret-writer".into(),
             ttl: Some(Duration::from_secs(3)),
             readers: None,
+            claim: false,
         });
         assert!(!writer.is_read() && writer.readers().is_empty());
         assert_eq!(writer.writer_waiting(), None);
@@ -211,6 +228,7 @@ mod tests {
                 live: vec![("rsecret-reader".into(), Duration::from_secs(9))],
                 intent: Some(Duration::from_millis(300)),
             }),
+            claim: false,
         });
         assert!(set.is_read());
         assert_eq!(set.readers()[0].token(), "rsecret-reader");

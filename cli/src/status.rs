@@ -61,8 +61,10 @@ pub(crate) fn status(args: StatusArgs) -> u8 {
 
 /// One node's key: `held  ttl=12.3s`, or for a set of readers `read
 /// readers=2  ttl=9.8s,9.1s`, `  writer waiting` where a writer's intent
-/// lives; a set with no live reader is `free` (with its waiting writer).
-/// Tokens only when asked for, control characters escaped.
+/// lives; a set with no live reader is `free` (with its waiting writer);
+/// a free key a waiting lock of several claims, `free  claimed by a
+/// waiting lock of several  ttl=0.3s`. Tokens only when asked for,
+/// control characters escaped.
 fn key_line(k: &KeyInfo, show_token: bool) -> String {
     let waiting = if k.writer_waiting().is_some() {
         "  writer waiting"
@@ -71,6 +73,12 @@ fn key_line(k: &KeyInfo, show_token: bool) -> String {
     };
     if !k.is_lock() {
         return "not a lock key (another owner's value: no lock takes or changes it)".to_owned();
+    }
+    if let Some(ttl) = k.set_waiting() {
+        return format!(
+            "free  claimed by a waiting lock of several  ttl={}",
+            seconds(ttl)
+        );
     }
     if !k.is_read() {
         let ttl = k.ttl().map_or_else(|| "none".to_owned(), seconds);
@@ -106,18 +114,23 @@ fn key_line(k: &KeyInfo, show_token: bool) -> String {
 /// a majority, N the fewest nodes any of them is on; where none is on a
 /// majority, those on the most nodes, N), or `KEY: free on every node that
 /// answered`; then `; writer waiting on W of M nodes` where a writer's
-/// intent lives. A lock on a bare majority is one node failure from loss.
+/// intent lives, and `; claimed by a waiting lock of several on C of M
+/// nodes` where a set's claim does. A lock on a bare majority is one node
+/// failure from loss.
 fn summary(key: &str, nodes: &[NodeKey], quorum: usize) -> String {
     let mut writers: Vec<(&str, usize)> = Vec::new();
     let mut readers: Vec<(&str, usize)> = Vec::new();
     let mut waiting = 0;
     let mut foreign = 0;
+    let mut claimed = 0;
     for k in nodes.iter().filter_map(|n| n.key().ok().flatten()) {
         if k.writer_waiting().is_some() {
             waiting += 1;
         }
         if !k.is_lock() {
             foreign += 1;
+        } else if k.set_waiting().is_some() {
+            claimed += 1;
         } else if k.is_read() {
             for r in k.readers() {
                 count(&mut readers, r.token());
@@ -152,6 +165,11 @@ fn summary(key: &str, nodes: &[NodeKey], quorum: usize) -> String {
     };
     if waiting > 0 {
         line.push_str(&format!("; writer waiting on {waiting} of {m} nodes"));
+    }
+    if claimed > 0 {
+        line.push_str(&format!(
+            "; claimed by a waiting lock of several on {claimed} of {m} nodes"
+        ));
     }
     line
 }

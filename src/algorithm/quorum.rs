@@ -290,23 +290,16 @@ fn seen_of(r: &NodeResult, index: usize) -> Seen {
 }
 
 /// Per key of a lock of `keys` after a failed acquire (`seen`, as
-/// [`seen`] gives it), whether a release of it may let the lock in: held
-/// by another owner with time left on some node, or no node answered for
-/// it. Where none is, every key (the wait listens to them all).
+/// [`seen`] gives it), whether another owner holds it with time left on
+/// some node: what a release of it may let in.
 pub(crate) fn blocking(seen: &[Seen], keys: usize) -> Vec<bool> {
-    let mut any = vec![false; keys];
-    let mut known = vec![false; keys];
+    let mut out = vec![false; keys];
     for (i, s) in seen.iter().enumerate() {
-        let k = i % keys.max(1);
-        match s {
-            Seen::Held(left) if !left.is_zero() => any[k] = true,
-            Seen::Unknown => {}
-            _ => known[k] = true,
+        if matches!(s, Seen::Held(left) if !left.is_zero()) {
+            if let Some(o) = out.get_mut(i % keys.max(1)) {
+                *o = true;
+            }
         }
-    }
-    let mut out: Vec<bool> = any.iter().zip(&known).map(|(a, k)| *a || !k).collect();
-    if !out.contains(&true) {
-        out.fill(true);
     }
     out
 }
@@ -364,6 +357,46 @@ pub(crate) fn new_owner(
         }
     }
     !compared
+}
+
+/// The keys of a lock of `keys` that kept their owner from one failed try
+/// to the next (`before`: what the first saw, and when; `now`: what the
+/// second saw, and `at` when, off by up to `slack`): those the first found
+/// held with time left where every node that answered both shows the same
+/// owner (see [`new_owner`]). As `now` reads, the other keys
+/// [`Seen::Unknown`]; `None` where no key kept its owner.
+pub(crate) fn kept(
+    (then, was): (Instant, &[Seen]),
+    now: &[Seen],
+    (at, slack): (Instant, Duration),
+    keys: usize,
+) -> Option<Vec<Seen>> {
+    let keys = keys.max(1);
+    let only = |v: &[Seen], k: usize| -> Vec<Seen> {
+        v.iter()
+            .enumerate()
+            .map(|(i, s)| if i % keys == k { *s } else { Seen::Unknown })
+            .collect()
+    };
+    let mut out = vec![Seen::Unknown; now.len()];
+    let mut any = false;
+    for k in 0..keys {
+        let held = was
+            .iter()
+            .skip(k)
+            .step_by(keys)
+            .any(|s| matches!(s, Seen::Held(left) if !left.is_zero()));
+        let (a, b) = (only(was, k), only(now, k));
+        if held && !new_owner(Some((then, &a)), &b, at, slack) {
+            any = true;
+            for (o, s) in out.iter_mut().zip(&b) {
+                if !matches!(s, Seen::Unknown) {
+                    *o = *s;
+                }
+            }
+        }
+    }
+    any.then_some(out)
 }
 
 /// After a failed acquire, how long until a majority of the nodes could

@@ -475,10 +475,9 @@ fn a_sets_other_key_freed_is_a_new_owner() {
     assert!(!new_owner(Some((t0, &was[..])), &was, t0 + MS, 2 * MS));
 }
 
-/// A set listens to the keys held elsewhere with time left, and to those no
-/// node answered for; never to none.
+/// A set's keys held elsewhere with time left, on any node.
 #[test]
-fn a_set_listens_to_the_keys_that_keep_it_out() {
+fn a_sets_blocking_keys_are_those_held_with_time_left() {
     use Seen::{Free, Held, Unknown};
     let z = Duration::ZERO;
     // Node by node, two keys each: `a` held, `b` free (zero time left) or ours.
@@ -494,12 +493,8 @@ fn a_set_listens_to_the_keys_that_keep_it_out() {
     // Held on one node is enough.
     let seen = [Held(z), Held(z), Held(z), Held(3 * MS), Unknown, Unknown];
     assert_eq!(blocking(&seen, 2), [false, true]);
-    // No node answered for it: listened to.
-    let seen = [Unknown, Free, Unknown, Free];
-    assert_eq!(blocking(&seen, 2), [true, false]);
-    // Nothing held anywhere (every node failed, or all free): every key.
-    assert_eq!(blocking(&[Free, Held(z), Free, Free], 2), [true, true]);
-    assert_eq!(blocking(&[Unknown; 6], 3), [true, true, true]);
+    assert_eq!(blocking(&[Free, Held(z), Free, Free], 2), [false, false]);
+    assert_eq!(blocking(&[Unknown; 6], 3), [false, false, false]);
     assert_eq!(blocking(&[Held(Duration::MAX), Free], 2), [true, false]);
 }
 

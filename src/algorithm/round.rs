@@ -115,6 +115,64 @@ pub(crate) fn is_token(value: &str) -> bool {
     }
 }
 
+/// A waiting writer's place among the waiters of its keys, in the order
+/// their calls began: a lock of several that another key keeps out claims
+/// each key it waited for once that key is free, and a claim gives way to
+/// a call that began before the set's (see `ACQUIRE_LUA`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct Place {
+    /// When the call began, in ms of the wall clock (the one order every
+    /// process and node shares; only fairness rests on it). 0: no place
+    /// (the call does not wait).
+    pub since: u64,
+    /// A lock of several's claim: its id, random per call (0: a lock of
+    /// one, which claims nothing).
+    pub claim: u64,
+    /// How long the set's claims live (zero: its claims go).
+    pub life: Duration,
+    /// The keys a set claims where free (bit `i`: the `i`-th key; the
+    /// keys its last try found held): its claims already made stay.
+    pub keys: u64,
+}
+
+impl Place {
+    /// No place: a call that does not wait.
+    pub(crate) const NONE: Place = Place {
+        since: 0,
+        claim: 0,
+        life: Duration::ZERO,
+        keys: 0,
+    };
+
+    /// The keys to claim of a set of `n`, as the script reads them: `1`
+    /// for each key to claim, `0` for the others.
+    pub(crate) fn mask(&self, n: usize) -> String {
+        (0..n)
+            .map(|i| {
+                if i < 64 && self.keys & (1 << i) != 0 {
+                    '1'
+                } else {
+                    '0'
+                }
+            })
+            .collect()
+    }
+
+    /// The place as the script reads it: `since` in 12 hex digits, then a
+    /// set's id in 16 (`None`: no place).
+    pub(crate) fn order(&self) -> Option<String> {
+        match (self.since, self.claim) {
+            (0, _) => None,
+            (s, 0) => Some(format!("{:012x}", s.min(0xffff_ffff_ffff))),
+            (s, c) => Some(format!("{:012x}{c:016x}", s.min(0xffff_ffff_ffff))),
+        }
+    }
+}
+
+/// The value of a key a waiting set claims: this prefix, then its
+/// [`Place::order`] (no token of a lock begins with a NUL).
+pub(crate) const CLAIM_PREFIX: &str = "\0claim:";
+
 /// What to do to every key of a round, on every node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Op {
@@ -139,6 +197,9 @@ pub(crate) enum Op {
         /// no new reader enters it for this long (zero: none; see
         /// [`is_reader`]).
         intent: Duration,
+        /// A waiting call's place among the waiters of its keys (see
+        /// [`Place`]).
+        place: Place,
         /// The lean form: plain `SET key token NX PX ttl`, `PTTL key` and
         /// `HMGET` of the lock history's epoch and id, read after the SET,
         /// in one write; no script. Only for one writer's key, unfenced,

@@ -141,6 +141,9 @@ pub(crate) struct Stored {
     pub value: String,
     pub ttl: Option<Duration>,
     pub readers: Option<Readers>,
+    /// A free key a waiting lock of several claims (see
+    /// [`Place`](crate::algorithm::round::Place)): `value` empty.
+    pub claim: bool,
 }
 
 /// A reader set's live entries, as one node stores them.

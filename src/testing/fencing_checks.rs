@@ -112,6 +112,7 @@ fn commands_sent_again_count_what_they_did_the_first_time() {
     let acquire = Op::Acquire {
         lean: None,
         intent: std::time::Duration::ZERO,
+        place: crate::algorithm::round::Place::NONE,
         ttl: TTL,
         known_max: TTL,
         fenced: true,

@@ -9,6 +9,7 @@ use crate::algorithm::round::Key;
 use crate::algorithm::round::NodeFacts;
 use crate::algorithm::round::Op;
 use crate::algorithm::round::Reply;
+use crate::algorithm::round::CLAIM_PREFIX;
 use crate::clock::after;
 use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
@@ -238,15 +239,30 @@ impl Store {
         // Where any has another owner, readers are not all that keeps the
         // lock out: no intent.
         let several = matches!(op, Op::Acquire { .. }) && keys.len() > 1;
+        // A waiting call's place (see `Place`): a set's claims of this
+        // set or of one that began after it are no owner.
+        let (order, claim_life, claims) = match op {
+            Op::Acquire { place, .. } => (place.order(), place.life, place.keys),
+            _ => (None, Duration::ZERO, 0),
+        };
+        let yields = |t: &str| {
+            order.as_deref().is_some_and(|o| {
+                t.strip_prefix(CLAIM_PREFIX)
+                    .is_some_and(|c| c >= o && several)
+            })
+        };
         let owned = several
             && keys.iter().any(|k| {
-                self.keys.get(k.resource).is_some_and(|(t, _)| t != k.token)
+                self.keys
+                    .get(k.resource)
+                    .is_some_and(|(t, _)| t != k.token && !yields(t))
                     || self.is_foreign(k.resource)
             });
         let taken = owned || several && keys.iter().any(|k| self.live_readers(k.resource) > 0);
         let answers: Vec<Answer> = keys
             .iter()
-            .map(|k| {
+            .enumerate()
+            .map(|(i, k)| {
                 // How long the owner has left: a writer's key, or the last
                 // reader's entry (a reader refused by an intent: no end
                 // known, as the script's `0`).
@@ -261,6 +277,7 @@ impl Store {
                     ),
                     (None, None) => None,
                 };
+                let claim = self.keys.get(k.resource).is_some_and(|(t, _)| yields(t));
                 let (a, f) = match self.keys.get(k.resource) {
                     _ if self.is_foreign(k.resource) => (Answer::Other, None),
                     _ if taken && self.live_readers(k.resource) > 0 => {
@@ -269,16 +286,53 @@ impl Store {
                         }
                         (Answer::Other, None)
                     }
-                    Some((t, _)) if taken && t != k.token => (Answer::Other, None),
-                    None if taken => (Answer::Other, None),
-                    _ => self.apply(op, k, now, micros),
+                    Some((t, _)) if taken && t != k.token && !claim => (Answer::Other, None),
+                    Some(_) | None if taken && (claim || !self.keys.contains_key(k.resource)) => {
+                        // Free, or claimed by this set or a later one: a
+                        // claim while the set waits, its own gone when it
+                        // stops. (Not a reader set that no reader lives in.)
+                        let free = claim || !self.readers.contains_key(k.resource);
+                        if let Some(o) = order.as_deref().filter(|_| several && free) {
+                            let value = format!("{CLAIM_PREFIX}{o}");
+                            let mine = self.keys.get(k.resource).is_some_and(|(t, _)| *t == value);
+                            let wanted = i < 64 && claims & (1 << i) != 0;
+                            if !claim_life.is_zero() && (mine || wanted) {
+                                self.keys
+                                    .insert(k.resource.into(), (value, after(now, claim_life)));
+                            } else if self.keys.get(k.resource).is_some_and(|(t, _)| *t == value) {
+                                self.keys.remove(k.resource);
+                            }
+                        }
+                        (Answer::Other, None)
+                    }
+                    _ => {
+                        // A claim that gives way: to its own set, to a set
+                        // that began before, to a lock of one whose call did.
+                        let gives = self.keys.get(k.resource).is_some_and(|(t, _)| {
+                            claim
+                                || order.as_deref().is_some_and(|o| {
+                                    !several
+                                        && !is_reader(k.token)
+                                        && t.strip_prefix(CLAIM_PREFIX)
+                                            .and_then(|c| c.get(..12))
+                                            .is_some_and(|since| since > o)
+                                })
+                        });
+                        if gives {
+                            self.keys.remove(k.resource);
+                        }
+                        self.apply(op, k, now, micros)
+                    }
                 };
                 fence = fence.max(f);
-                // (A free key of a set kept out by another: no time left.)
-                held.push(
-                    matches!((op, a), (Op::Acquire { .. }, Answer::Other))
-                        .then(|| left.unwrap_or(Duration::ZERO)),
-                );
+                // (A free key of a set kept out by another, or one it
+                // claims: no time left.)
+                let left = if claim || left.is_none() {
+                    Duration::ZERO
+                } else {
+                    left.unwrap_or(Duration::ZERO)
+                };
+                held.push(matches!((op, a), (Op::Acquire { .. }, Answer::Other)).then_some(left));
                 a
             })
             .collect();
@@ -429,9 +483,11 @@ impl Store {
 
     /// Every writer's key and reader's entry: resource, token, expiry.
     pub(crate) fn entries(&self) -> impl Iterator<Item = (&str, &str, Instant)> {
+        // (A set's claim is no lock's copy.)
         let writers = self
             .keys
             .iter()
+            .filter(|(_, (t, _))| !t.starts_with(CLAIM_PREFIX))
             .map(|(r, (t, exp))| (r.as_str(), t.as_str(), *exp));
         let readers = self.readers.iter().flat_map(|(r, rs)| {
             rs.entries

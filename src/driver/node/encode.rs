@@ -393,9 +393,18 @@ fn pack(verb: &str, body: &str, op: Op, keys: &[Key<'_>], args: &[u64]) -> Vec<u
     if meta {
         cmd.arg(scripts::META_KEY);
     }
+    // An acquire's mode, with a waiting call's place (see `Place`).
+    let place = match op {
+        Op::Acquire { place, .. } => place.order().map(|o| {
+            let life = place.life.as_millis().min(86_400_000);
+            format!("{o};{life};{}", place.mask(keys.len()))
+        }),
+        _ => None,
+    };
     for (j, a) in args.iter().enumerate() {
-        match &begun {
-            Some(b) if j == 1 => cmd.arg(format!("{a};{b}")),
+        match (&begun, &place) {
+            (Some(b), _) if j == 1 => cmd.arg(format!("{a};{b}")),
+            (_, Some(p)) if j == 2 => cmd.arg(format!("{a};{p}")),
             _ => cmd.arg(*a),
         };
     }

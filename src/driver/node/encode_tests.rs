@@ -10,6 +10,7 @@ fn fallback_is_the_same_command_as_eval() {
         Op::Acquire {
             lean: None,
             intent: std::time::Duration::ZERO,
+            place: crate::algorithm::round::Place::NONE,
             ttl: Duration::from_millis(1500),
             known_max: Duration::from_secs(3),
             fenced: true,
@@ -88,6 +89,7 @@ fn a_lean_acquire_sends_three_commands_and_reads_their_replies() {
     let op = Op::Acquire {
         lean: Some(7),
         intent: Duration::ZERO,
+        place: crate::algorithm::round::Place::NONE,
         ttl: Duration::from_millis(1500),
         known_max: Duration::from_secs(3),
         fenced: false,
@@ -140,6 +142,7 @@ fn an_acquire_reports_how_long_the_owner_holds() {
         let op = Op::Acquire {
             lean: None,
             intent: std::time::Duration::ZERO,
+            place: crate::algorithm::round::Place::NONE,
             ttl: Duration::from_secs(1),
             known_max: Duration::ZERO,
             fenced,

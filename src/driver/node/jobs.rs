@@ -189,6 +189,7 @@ pub(crate) fn late_write(weak: &Weak<Node>, w: LateWrite) {
                 known_prev: std::time::Duration::ZERO,
                 lean: None,
                 intent: Duration::ZERO,
+                place: crate::algorithm::round::Place::NONE,
             };
             let undo = Encoded::new(
                 Op::Release {

@@ -192,6 +192,7 @@ pub(super) fn acquire() -> Encoded {
     let op = Op::Acquire {
         lean: None,
         intent: std::time::Duration::ZERO,
+        place: crate::algorithm::round::Place::NONE,
         ttl: Duration::from_secs(10),
         known_max: Duration::from_secs(10),
         fenced: false,

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use redis::Value;
 
-use crate::algorithm::round::{is_token, Key};
+use crate::algorithm::round::{is_token, Key, CLAIM_PREFIX};
 use crate::algorithm::round::{After, Answer, Op, Reply};
 use crate::clock::after;
 use crate::driver::conn::{self, Conn, Target};
@@ -155,6 +155,7 @@ fn probe_ops() -> (Op, Op) {
         known_prev: std::time::Duration::ZERO,
         lean: None,
         intent: Duration::ZERO,
+        place: crate::algorithm::round::Place::NONE,
     };
     let release = Op::Release {
         keep_until: Instant::now(),
@@ -265,10 +266,15 @@ fn stored_of(
     time: Value,
 ) -> Result<Option<Stored>, (NodeErrorKind, String)> {
     let server = |e: &redis::ServerError| (NodeErrorKind::Server, server_text(e));
+    let mut claim = false;
     let (value, readers) = match get {
         Value::Nil => return Ok(None),
         Value::BulkString(b) => match String::from_utf8(b) {
             Ok(v) if is_token(&v) => (v, None),
+            Ok(v) if v.starts_with(CLAIM_PREFIX) => {
+                claim = true;
+                (String::new(), None)
+            }
             // An application's string: not a lock's.
             _ => (String::new(), None),
         },
@@ -308,10 +314,11 @@ fn stored_of(
         v => return Err(protocol("PTTL", &v)),
     };
     Ok(Some(Stored {
-        lock: !value.is_empty() || readers.is_some(),
+        lock: !value.is_empty() || readers.is_some() || claim,
         value,
         ttl,
         readers,
+        claim,
     }))
 }
 
@@ -465,6 +472,7 @@ mod tests {
                     value: token,
                     ttl: Some(Duration::from_millis(1500)),
                     readers: None,
+                    claim: false,
                 }))
             );
         }
@@ -501,6 +509,7 @@ mod tests {
                 ],
                 intent: Some(Duration::from_millis(300)),
             }),
+            claim: false,
         };
         assert_eq!(s, Ok(Some(want.clone())));
         // RESP3: pairs, scores as doubles.
@@ -524,6 +533,27 @@ mod tests {
         );
     }
 
+    /// A free key a waiting set claims: the crate's own, no token, its
+    /// time left.
+    #[test]
+    fn a_sets_claim_is_read_as_one() {
+        let claim = format!("{CLAIM_PREFIX}0193a1b2c3d40123456789abcdef");
+        let s = stored_of(bulk(&claim), Value::Int(300), wrongtype(), Value::Nil);
+        assert_eq!(
+            s,
+            Ok(Some(Stored {
+                lock: true,
+                value: String::new(),
+                ttl: Some(Duration::from_millis(300)),
+                readers: None,
+                claim: true,
+            }))
+        );
+        let k = crate::KeyInfo::from(s.ok().flatten().expect("a key"));
+        assert_eq!(k.set_waiting(), Some(Duration::from_millis(300)));
+        assert!(k.is_lock() && !k.is_read() && k.token().is_empty());
+    }
+
     #[test]
     fn an_applications_key_of_any_type_is_no_lock_and_its_value_not_shown() {
         let foreign = |ttl: Option<Duration>| {
@@ -532,6 +562,7 @@ mod tests {
                 value: String::new(),
                 ttl,
                 readers: None,
+                claim: false,
             }))
         };
         // A string of another shape.

@@ -70,9 +70,13 @@ pub(crate) const FREED_PREFIX: &str = "quorumlock:free:";
 pub(crate) const ACQUIRE_LUA: &str = concat!(
     history_lua!(),
     r"local micros = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local mode = tonumber(ARGV[3]) or 0
+local mode = tonumber(string.match(ARGV[3], '^%d+')) or 0
 local fenced = mode % 2 == 1
 local life = math.floor(mode / 2)
+-- A waiting call's place, how long a set's claims live and which keys it
+-- claims where free (see `Place`).
+local order, claim_ms, claims = string.match(ARGV[3], ';(%x+);(%d+);([01]*)$')
+claim_ms = tonumber(claim_ms) or 0
 if fenced then
   if micros >= 9007199254740991 - 1099511627776 then
     return redis.error_reply('ERR quorumlock: the node clock is past the year 2255; fencing tokens must stay below 2^53')
@@ -93,6 +97,14 @@ if single then
     r"    return out
   end
   local v = redis.pcall('GET', KEYS[1])
+  if type(v) == 'string' and order and string.sub(v, 1, 7) == '\0claim:'
+      and string.sub(v, 8, 19) > order then
+    -- A set's claim gives way to a call that began before the set's.
+    redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[1])
+",
+    granted_lua!("KEYS[1]", "out[6]"),
+    r"    return out
+  end
   if type(v) ~= 'table' and v ~= ARGV[4] then
 ",
     held_lua!("KEYS[1]", "out[6]"),
@@ -129,14 +141,19 @@ end
 -- Several keys are one lock (`request().and()`): all or nothing. Where any
 -- has another owner or live readers, none is set (a free one answers as
 -- held with no time left: its PTTL is -2). Where any has another owner
--- (`owned`), readers are not the only obstacle here: no intent.
+-- (`owned`), readers are not the only obstacle here: no intent. A claim of
+-- this set, or of a set that began after it (see `Place`), is no owner.
+local function yields(v)
+  return order and type(v) == 'string' and string.sub(v, 1, 7) == '\0claim:'
+    and string.sub(v, 8) >= order
+end
 local taken, owned = false, false
 if n > 1 then
   for i = 1, n do
     local v = value(KEYS[i])
     if v == true then
       if live(KEYS[i]) > 0 then taken = true end
-    elseif v and v ~= ARGV[i + 3] then
+    elseif v and v ~= ARGV[i + 3] and not yields(v) then
       taken, owned = true, true
     end
   end
@@ -145,13 +162,16 @@ for i = 1, n do
   local k, tok = KEYS[i], ARGV[i + 3]
   -- (The lone writer's SET failed already.)
   local set = not taken and not single and redis.call('SET', k, tok, 'NX', 'PX', ARGV[1])
-  local v = false
+  local v, mine = false, false
   if not set then
     v = value(k)
     if v == true and not taken and live(k) == 0 then
       -- Readers all gone: the intent is served, the set goes.
       redis.call('DEL', k)
       set = redis.call('SET', k, tok, 'NX', 'PX', ARGV[1])
+    elseif not single and yields(v) then
+      mine = string.sub(v, 8) == order
+      if taken then v = false else set = redis.call('SET', k, tok, 'PX', ARGV[1]) end
     end
   end
   if set then
@@ -180,6 +200,17 @@ for i = 1, n do
       end
     end
     out[i + 5] = -1 - math.max(last, 0)
+  elseif not v and order and not single then
+    -- A free key of a set another key keeps out: claimed while the set
+    -- waits, where it waited for it; its own claim goes (and its waiters
+    -- hear) when it stops.
+    if claim_ms > 0 and (mine or string.sub(claims, i, i) == '1') then
+      redis.call('SET', k, '\0claim:' .. order, 'PX', claim_ms)
+    elseif mine then
+      redis.call('DEL', k)
+      redis.pcall('PUBLISH', 'quorumlock:free:' .. k, 'claim:' .. order .. ':' .. now)
+    end
+    out[i + 5] = -1
   else
 ",
     held_lua!("k", "out[i + 5]"),

@@ -10,7 +10,7 @@ use log::{debug, trace};
 
 use crate::algorithm::quorum::{self, Tally};
 use crate::algorithm::restart::{self, RestartRule, TtlHistory};
-use crate::algorithm::round::{Key, NodeFacts, NodeResult, Op};
+use crate::algorithm::round::{Key, NodeFacts, NodeResult, Op, Place};
 use crate::clock::{after, new_reader_token, new_token};
 use crate::error::Error;
 use crate::lock::queue::Turn;
@@ -159,6 +159,7 @@ impl Engine {
                 known_prev: told.1,
                 // (A lean acquire marks none.)
                 intent: lean.map_or(next.intent, |_| Duration::ZERO),
+                place: lean.map_or(next.place, |_| Place::NONE),
                 lean,
             },
             keys,

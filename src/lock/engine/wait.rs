@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use log::{debug, trace};
 
 use crate::algorithm::quorum;
+use crate::algorithm::round::Place;
 use crate::clock::after;
 use crate::error::Error;
 use crate::events::Begun;
@@ -80,6 +81,9 @@ pub(super) struct Try {
     pub intent: Duration,
     /// The call's first try.
     pub first: bool,
+    /// A waiting writer's place among the waiters of its keys, and a
+    /// set's claims (see [`Place`]).
+    pub place: Place,
 }
 
 /// One call's waiting between its attempts: the counted attempts and the
@@ -132,6 +136,18 @@ pub(super) struct Waiter<'a> {
     owners: Option<(Instant, Duration, Vec<quorum::Seen>)>,
     /// Woken tries in a row that met the same owners.
     same: u32,
+    /// A waiting writer's place (see [`Place`]): its call's start; a set's
+    /// claim id.
+    place: Place,
+    /// A set's keys whose owner stayed through a try by the clock (no
+    /// wake-up came for a whole fallback), as that try read them (the
+    /// others unknown), and when: until one of them changes owner, the set
+    /// claims nothing (a claim must not keep others out while a long
+    /// holder keeps the set out).
+    stuck: Option<(Instant, Vec<quorum::Seen>)>,
+    /// Whether a set's tries since its claims last went may have claimed
+    /// keys.
+    claiming: bool,
     /// Quick retries in a row (see [`QUICK_RETRIES`]).
     quick: u32,
     /// Tries so far, counted or not.
@@ -179,7 +195,25 @@ impl<'a> Waiter<'a> {
             None
         };
         let front = others.map_or(FRONT, |n| n.clamp(1, MAX_FRONT));
+        // A waiting writer's place: its call's start; a set's claim id.
+        let place = if waits && !want.read {
+            Place {
+                since: engine.clock.wall_ms(),
+                claim: if want.alone() {
+                    0
+                } else {
+                    engine.rng.next_u64() | 1
+                },
+                life: Duration::ZERO,
+                keys: 0,
+            }
+        } else {
+            Place::NONE
+        };
         Waiter {
+            place,
+            stuck: None,
+            claiming: false,
             engine,
             front,
             want,
@@ -222,7 +256,23 @@ impl<'a> Waiter<'a> {
         };
         let first = self.tries == 0;
         self.tries += 1;
+        // A set's claims live as its intent: once it has waited a retry
+        // pause (before, it competes as any lock: claims cost the keys'
+        // other users the time a claimed key waits for the set's other
+        // keys), and never while a key it waits for is stuck with one owner.
+        let starved =
+            self.tried.saturating_duration_since(self.called) >= self.engine.settings.retry_delay;
+        let place = Place {
+            life: if self.stuck.is_some() || !starved {
+                Duration::ZERO
+            } else {
+                intent
+            },
+            ..self.place
+        };
+        self.claiming = !place.life.is_zero() && (place.keys != 0 || self.claiming);
         Try {
+            place,
             begun: Begun {
                 waited: self.tried.saturating_duration_since(self.called),
                 woken: self.woken,
@@ -268,19 +318,53 @@ impl<'a> Waiter<'a> {
         }
         // What is left of the retry pause.
         let pause = self.due.map_or(pause, |d| d.saturating_duration_since(now));
-        // A set listens to the releases of the keys held elsewhere.
-        let keys = self.want.size();
-        if let Some(w) = self.watch.as_mut().filter(|_| keys > 1) {
-            w.listen_to(&quorum::blocking(&failed.owners, keys));
-        }
         let took = now.saturating_duration_since(self.tried);
-        let pause = self.pause(&err, failed, (now, took), pause);
+        let keys = self.want.size();
+        let blocking = (keys > 1).then(|| quorum::blocking(&failed.owners, keys));
+        let was_stuck = self.stuck.is_some();
+        let mut pause = self.pause(&err, failed, (now, took), pause);
+        if let Some(blocking) = blocking {
+            if self.listen_and_claim(blocking) && !was_stuck {
+                // Claims out behind a holder that stays: they go at once.
+                pause = Duration::ZERO;
+            }
+        }
         debug!(
             "lock {:?}: attempt failed ({err}); retrying within {pause:?}",
             self.want.resource
         );
         self.sleep(pause, now, took);
         Ok(())
+    }
+
+    /// A set's waiting after a try that found `blocking` of its keys held
+    /// elsewhere: it claims them once free (see [`Place`]) and listens to
+    /// their releases (to every key where none is held); while a key is
+    /// stuck with one owner, to the stuck keys alone. Whether claims of
+    /// its are out that a stuck key makes it drop.
+    fn listen_and_claim(&mut self, mut blocking: Vec<bool>) -> bool {
+        self.place.keys = blocking
+            .iter()
+            .take(64)
+            .enumerate()
+            .filter(|(_, b)| **b)
+            .fold(0, |m, (i, _)| m | 1 << i);
+        if let Some((_, seen)) = &self.stuck {
+            let keys = blocking.len().max(1);
+            blocking.fill(false);
+            for (i, s) in seen.iter().enumerate() {
+                if !matches!(s, quorum::Seen::Unknown) {
+                    blocking[i % keys] = true;
+                }
+            }
+        }
+        if !blocking.contains(&true) {
+            blocking.fill(true);
+        }
+        if let Some(w) = self.watch.as_mut() {
+            w.listen_to(&blocking);
+        }
+        self.stuck.is_some() && self.claiming
     }
 
     /// Whether the current try was made with the other waiters at once:
@@ -325,6 +409,7 @@ impl<'a> Waiter<'a> {
             0
         };
         let deaf = self.same >= SAME_OWNERS;
+        self.stuck = self.stuck_keys(before, &failed.owners, now, slack);
         self.owners = Some((now, took, failed.owners));
         // A woken attempt that set the key on some nodes and still lost:
         // maybe waiters woken together split the votes and each undid its
@@ -373,6 +458,33 @@ impl<'a> Waiter<'a> {
         .min(self.until.saturating_duration_since(now));
         self.at_expiry = !split && expiry.is_some_and(|e| e <= pause);
         pause
+    }
+
+    /// A set's stuck keys after a try that saw `seen` at `now` (see
+    /// [`Waiter::stuck`]), the try before it having seen `before`: those
+    /// still stuck, or after a try by the clock, the keys it held back
+    /// that kept their owner through it.
+    fn stuck_keys(
+        &self,
+        before: Option<(Instant, &[quorum::Seen])>,
+        seen: &[quorum::Seen],
+        now: Instant,
+        slack: Duration,
+    ) -> Option<(Instant, Vec<quorum::Seen>)> {
+        let keys = self.want.size();
+        if keys < 2 || self.place.claim == 0 {
+            return None;
+        }
+        if let Some((t, was)) = &self.stuck {
+            if !quorum::new_owner(Some((*t, was)), seen, now, slack) {
+                return self.stuck.clone();
+            }
+        }
+        if self.woken {
+            return None;
+        }
+        let stuck = quorum::kept(before?, seen, (now, slack), keys)?;
+        Some((now, stuck))
     }
 
     /// Waits up to `pause` after a try that ended at `now`, `took` after

@@ -105,6 +105,7 @@ fn a_key_left_long_after_its_round_is_reported() {
     let op = Op::Acquire {
         lean: None,
         intent: std::time::Duration::ZERO,
+        place: crate::algorithm::round::Place::NONE,
         ttl,
         known_max: ttl,
         fenced: false,

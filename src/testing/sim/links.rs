@@ -147,6 +147,7 @@ impl Link for SimConn {
                     after: crate::algorithm::round::After::NONE,
                     known_prev: Duration::ZERO,
                     intent: Duration::ZERO,
+                    place: crate::algorithm::round::Place::NONE,
                     lean: Some(0),
                 };
                 world.check.sent(op, &[key.key()], now);

@@ -48,6 +48,8 @@ mod regressions;
 #[cfg(test)]
 mod rw_tests;
 #[cfg(test)]
+mod sets_tests;
+#[cfg(test)]
 mod tests;
 
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -237,10 +237,32 @@ pub(crate) fn command(v: &Value) -> Command {
     let op = match kind {
         "acquire" => {
             let (known_max, after, known_prev) = known(arg(1));
-            // The mode: fenced in its low bit, the intent (ms) above.
-            let mode: u64 = arg(2).parse().unwrap_or(0);
+            // The mode: fenced in its low bit, the intent (ms) above; then
+            // a waiting call's place (`Place::order`) and its claims' life.
+            let mut parts = arg(2).split(';');
+            let mode: u64 = parts.next().and_then(|m| m.parse().ok()).unwrap_or(0);
+            let place = match (parts.next(), parts.next(), parts.next()) {
+                (Some(o), Some(life), Some(mask)) => crate::algorithm::round::Place {
+                    keys: mask
+                        .bytes()
+                        .enumerate()
+                        .filter(|&(i, b)| b == b'1' && i < 64)
+                        .fold(0, |m, (i, _)| m | 1 << i),
+                    since: o
+                        .get(..12)
+                        .and_then(|s| u64::from_str_radix(s, 16).ok())
+                        .unwrap_or(0),
+                    claim: o
+                        .get(12..)
+                        .and_then(|s| u64::from_str_radix(s, 16).ok())
+                        .unwrap_or(0),
+                    life: ms(life),
+                },
+                _ => crate::algorithm::round::Place::NONE,
+            };
             Op::Acquire {
                 lean: None,
+                place,
                 intent: Duration::from_millis(mode / 2),
                 ttl: ms(arg(0)),
                 known_max,
@@ -380,6 +402,12 @@ mod tests {
         let ops = [
             Op::Acquire {
                 lean: None,
+                place: crate::algorithm::round::Place {
+                    since: 1_796_000_000_123,
+                    claim: u64::MAX - 5,
+                    life: Duration::from_millis(350),
+                    keys: 0b10,
+                },
                 intent: Duration::from_millis(350),
                 ttl: Duration::from_millis(5000),
                 known_max: Duration::from_millis(7000),
@@ -476,6 +504,7 @@ mod tests {
         let op = Op::Acquire {
             lean: None,
             intent: std::time::Duration::ZERO,
+            place: crate::algorithm::round::Place::NONE,
             ttl: Duration::from_millis(5000),
             known_max: Duration::from_millis(5000),
             fenced: false,

@@ -205,6 +205,7 @@ fn a_readers_release_wakes_waiters_only_when_the_last_reader_leaves() {
         known_prev: std::time::Duration::ZERO,
         lean: None,
         intent: Duration::ZERO,
+        place: crate::algorithm::round::Place::NONE,
     };
     let release = Op::Release {
         keep_until: base + ttl,

@@ -296,6 +296,11 @@ impl Clock for SimClock {
         self.0.instant(self.0.nanos())
     }
 
+    /// Virtual too: every client of a run on one wall clock, replayed.
+    fn wall_ms(&self) -> u64 {
+        1_796_000_000_000 + self.0.nanos() / 1_000_000
+    }
+
     fn sleep(&self, d: Duration) {
         let until = self
             .0
