@@ -8,6 +8,8 @@
 //! QUORUMLOCK_TEST_BACKEND=process cargo bench --bench cycle   # redis-server processes (less noise)
 //! QUORUMLOCK_BENCH_ACROSS_ONLY=1 cargo bench --bench cycle     # the across-process rows alone (~50 s)
 //! QUORUMLOCK_BENCH_ACROSS_ONLY=4x1,poll,breakdown cargo bench --bench cycle   # some of them
+//! QUORUMLOCK_BENCH_ACROSS_ONLY=outage cargo bench --bench cycle   # majority outages (~35 s)
+//! QUORUMLOCK_BENCH_TRACE_DIR=/tmp/t ...      # the children's library logs, <pid>.log
 //! ```
 //! Prints medians, p99 and max per scenario, and the ratios the README quotes.
 
@@ -23,6 +25,8 @@ mod common;
 
 use common::Cluster;
 
+#[path = "across/outage.rs"]
+mod outage;
 #[path = "across/poll.rs"]
 mod poll;
 #[path = "across/probe.rs"]
@@ -452,7 +456,7 @@ fn main() {
 
 /// Which across-process rows run: all, or those named in
 /// `QUORUMLOCK_BENCH_ACROSS_ONLY` (comma-separated, of `4x1`, `8x1`, `poll`,
-/// `breakdown`, `3x4`, `sets`, `restart`; `1` or empty: all).
+/// `breakdown`, `3x4`, `sets`, `restart`, `outage`; `1` or empty: all).
 fn across_rows() -> impl Fn(&str) -> bool {
     let only = std::env::var("QUORUMLOCK_BENCH_ACROSS_ONLY").unwrap_or_default();
     let names: Vec<String> = only
@@ -467,7 +471,8 @@ fn across_rows() -> impl Fn(&str) -> bool {
 /// one key with 2 ms holds, next to a plain polling loop doing the same,
 /// and a probed run of the same that breaks a hand-over down into its
 /// steps; 3 × 4 with a short TTL; sets of 1 and 3 of 4 resources (4 × 2);
-/// then 4 × 1 again with a node restarted mid-run.
+/// then 4 × 1 again with a node restarted mid-run, and with majority
+/// outages (3 of 5 nodes hung or paused for 1 s, six times).
 fn across(c: &Cluster, rows: &mut Vec<String>) {
     use processes::Mode;
     let smoke = common::bench_smoke();
@@ -529,6 +534,34 @@ fn across(c: &Cluster, rows: &mut Vec<String>) {
     if run("restart") {
         restarted(c, span(10_000), rows);
     }
+    if run("outage") {
+        outages(c, rows);
+    }
+}
+
+/// 4 × 1 while a majority (3 of 5) goes away for 1 s, six times, hung and
+/// then paused (see `across/outage.rs`): per outage, the time from the
+/// majority's return to the next section; none overlap, no key is left.
+fn outages(c: &Cluster, rows: &mut Vec<String>) {
+    use outage::Kind;
+    let mut bad = Vec::new();
+    for (tag, kind) in [("hung", Kind::Hung), ("paused", Kind::Paused)] {
+        let key = format!("bench:across:4x1:outage:{tag}");
+        let (got, outages) = outage::run(c, &key, kind, TTL);
+        let left = !c.gone_everywhere(&key, Duration::from_secs(2));
+        let lines = outage::rows("4 x 1, majority outages", kind, &got, &outages, left);
+        for l in &lines {
+            eprintln!("{l}");
+        }
+        rows.extend(lines);
+        let overlaps = processes::overlaps(got.secs.iter());
+        if overlaps != 0 || left {
+            bad.push(format!(
+                "{tag}: {overlaps} overlapping sections, key left {left}"
+            ));
+        }
+    }
+    assert!(bad.is_empty(), "majority outages: {}", bad.join("; "));
 }
 
 /// 4 × 1 with node 4 killed a quarter into the run and restarted empty at
