@@ -243,6 +243,7 @@ pub fn unfinished(asked: u128, mask: u8) -> String {
 fn locking_child(spec: &Spec, end: Instant) -> Vec<String> {
     let probed = spec.mode == Mode::Probe;
     let probe = probed.then(probe::Probe::install);
+    let diag = if probed { None } else { trace_file() };
     let attempts = Arc::new(Attempts {
         sent: probed.then(Default::default),
         ..Attempts::default()
@@ -280,6 +281,9 @@ fn locking_child(spec: &Spec, end: Instant) -> Vec<String> {
     if let Some(p) = probe {
         lines.extend(p.lines());
     }
+    if let Some(d) = diag {
+        log::Log::flush(d);
+    }
     lines
 }
 
@@ -304,6 +308,7 @@ impl Attempts {
 
 impl EventHandler for Attempts {
     fn on_attempt(&self, e: &AttemptEvent<'_>) {
+        log::debug!(target: "quorumlock::bench::attempt", "attempt took {:?} woken {} acquired {} agreed {} held {} err {:?}", e.elapsed(), e.woken(), e.acquired(), e.nodes().agreed(), e.nodes().held(), e.error().map(|e| e.to_string()));
         self.all.fetch_add(1, Ordering::Relaxed);
         if e.woken() {
             self.woken.fetch_add(1, Ordering::Relaxed);
@@ -565,4 +570,44 @@ impl Across {
             self.attempts[2],
         )
     }
+}
+
+/// With `QUORUMLOCK_BENCH_TRACE_DIR` set: every quorumlock log line of a child, with the wall clock, to
+/// `$QUORUMLOCK_BENCH_TRACE_DIR/<pid>.log`.
+struct TraceFile(std::sync::Mutex<std::io::BufWriter<std::fs::File>>);
+
+impl log::Log for TraceFile {
+    fn enabled(&self, m: &log::Metadata<'_>) -> bool {
+        m.target().starts_with("quorumlock")
+    }
+    fn log(&self, r: &log::Record<'_>) {
+        if self.enabled(r.metadata()) {
+            let line = format!(
+                "{} {:?} {} {} {}\n",
+                wall_ns(),
+                std::thread::current().name().unwrap_or("-"),
+                r.level(),
+                r.target(),
+                r.args()
+            );
+            let mut f = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            let _ = std::io::Write::write_all(&mut *f, line.as_bytes());
+        }
+    }
+    fn flush(&self) {
+        let mut f = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = std::io::Write::flush(&mut *f);
+    }
+}
+
+fn trace_file() -> Option<&'static TraceFile> {
+    let dir = std::env::var_os("QUORUMLOCK_BENCH_TRACE_DIR")?;
+    let path = std::path::Path::new(&dir).join(format!("{}.log", std::process::id()));
+    let f = std::fs::File::create(path).ok()?;
+    let t: &'static TraceFile = Box::leak(Box::new(TraceFile(std::sync::Mutex::new(
+        std::io::BufWriter::new(f),
+    ))));
+    log::set_logger(t).ok()?;
+    log::set_max_level(log::LevelFilter::Trace);
+    Some(t)
 }
