@@ -19,6 +19,7 @@ use log::debug;
 
 use crate::algorithm::round::{allowance, Key};
 use crate::algorithm::round::{After, Op};
+use crate::algorithm::server::id_hash;
 use crate::clock::after;
 
 impl RedisTransport {
@@ -370,10 +371,25 @@ pub(crate) fn resend_releases<L: Link>(
             .iter()
             .map(|r| Key::new(&r.resource, &r.token))
             .collect();
+        // Published where it frees a key: after an outage a key's last
+        // copies (a release or an undo the node missed) go only now, and
+        // with no message the waiters of every other client slept out their
+        // retry pause on a free key (issue 41). Its own notice per token
+        // and node, not the release's: the release's copies on the nodes
+        // that answered woke the waiters already (to a key still held
+        // here), and a repeat of their notice wakes nobody. So each node's
+        // retry wakes them once; a batch's later tokens share the first's.
+        // Only what a node failed to answer is retried: no message comes
+        // from here on the happy path, and none a third party could not
+        // send itself.
+        let notice = batch.first().map_or(1, |r| {
+            let (token, node) = (r.token.as_bytes(), shared.name.as_bytes());
+            (id_hash(token) ^ id_hash(node).rotate_left(17)) | 1
+        });
         let enc = Encoded::new(
             Op::Release {
                 keep_until: now,
-                notice: 0,
+                notice,
             },
             &keys,
         );
