@@ -885,3 +885,33 @@ fn a_set_woken_by_its_other_keys_releases_keeps_listening() {
         "the set got in {late:?} after a's release ({woken} woken tries during b's 6 releases)"
     );
 }
+
+/// A release that a majority missed (two of three nodes hung) frees the key only when the
+/// nodes come back and run it: their messages must wake the other clients' waiters. They
+/// carried the notice of the release's first copy, which had woken the waiter already (to a
+/// key still held), so they woke nobody, and the waiter slept out its fallback (a second
+/// here) on a free key. Found measuring issue 41's "after a majority outage" goal.
+#[test]
+fn a_release_the_nodes_run_when_back_wakes_the_waiters() {
+    let c = Cluster::start(3);
+    let key = unique_key("outage-retry");
+    let holder = client(c.urls(), Duration::from_secs(5));
+    let w = Arc::new(client(c.urls(), Duration::from_secs(5)));
+    let g = holder.try_lock(&key, TTL).expect("the holder");
+    let wait = waiter(w, &key);
+    await_subscribers(&c, &key, 1);
+    c.pause(1);
+    c.pause(2);
+    // Reaches node 0 alone: the retries owe nodes 1 and 2 the delete.
+    let _ = g.release();
+    std::thread::sleep(Duration::from_millis(400));
+    c.unpause(1);
+    c.unpause(2);
+    let back = Instant::now();
+    let (got, _) = wait.join().expect("waiter");
+    let late = got.saturating_duration_since(back);
+    assert!(
+        late < Duration::from_millis(500),
+        "the waiter got in {late:?} after the nodes came back"
+    );
+}

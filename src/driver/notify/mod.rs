@@ -59,23 +59,51 @@ const CONNECT_MAX: Duration = Duration::from_millis(250);
 /// one notice; releases closer together than this many are told apart).
 const RECENT: usize = 8;
 
-/// The last [`RECENT`] notices a key's waiters saw: the rule that one
-/// release wakes them once, whichever node its message comes from (the
+/// A release's copy that completes a majority this long after its first
+/// copy wakes the waiters again (see [`Notices::heard`]).
+const LATE: Duration = Duration::from_millis(10);
+
+/// The last [`RECENT`] notices a key's waiters saw, each with when its
+/// first copy came and the nodes its copies came from: the rule that one
+/// release wakes them once, whichever node its message comes from, and
+/// again where the nodes that free the key for a majority come late (the
 /// simulation keeps its clients' notices in one too).
 #[derive(Debug, Default)]
-pub(crate) struct Notices<T>(VecDeque<T>);
+pub(crate) struct Notices<T>(VecDeque<(T, Instant, u64)>);
 
 impl<T: PartialEq> Notices<T> {
-    /// Remembers `notice`; whether it was new (only then does it wake).
-    pub(crate) fn first_time(&mut self, notice: T) -> bool {
-        if self.0.contains(&notice) {
-            return false;
+    /// Remembers `notice` from node `node` at `now`: whether it wakes. Its
+    /// first copy does (the others follow within a round trip); and the
+    /// copy that makes `majority` nodes where that comes [`LATE`]: the key
+    /// was held on a majority until then (nodes that missed the release
+    /// while down and ran it when back, the first copy having woken the
+    /// waiters to a key still held).
+    pub(crate) fn heard(&mut self, notice: T, node: usize, now: Instant, majority: usize) -> bool {
+        let bit = 1u64 << node.min(63);
+        if let Some((_, first, nodes)) = self.0.iter_mut().find(|(n, _, _)| *n == notice) {
+            let was = nodes.count_ones() as usize;
+            *nodes |= bit;
+            let is = nodes.count_ones() as usize;
+            return was < majority
+                && is >= majority
+                && now.saturating_duration_since(*first) >= LATE;
         }
+        self.remember(notice, now, bit);
+        true
+    }
+
+    /// This client's own release's `notice`: none of its copies wakes
+    /// (heard from every node already; the time is never read).
+    pub(crate) fn mine(&mut self, notice: T) {
+        self.0.retain(|(n, _, _)| *n != notice);
+        self.remember(notice, Instant::now(), u64::MAX);
+    }
+
+    fn remember(&mut self, notice: T, now: Instant, nodes: u64) {
         if self.0.len() >= RECENT {
             self.0.pop_front();
         }
-        self.0.push_back(notice);
-        true
+        self.0.push_back((notice, now, nodes));
     }
 }
 
@@ -164,10 +192,11 @@ impl Chan {
         }
     }
 
-    /// Remembers `notice` as seen: its messages wake nobody; whether it was
-    /// new.
-    fn seen_notice(&mut self, notice: Vec<u8>) -> bool {
-        self.recent.first_time(notice)
+    /// Remembers `notice` as heard from node `node` of `nodes`: whether it
+    /// wakes (see [`Notices::heard`]).
+    fn heard(&mut self, notice: Vec<u8>, node: usize, nodes: usize) -> bool {
+        self.recent
+            .heard(notice, node, Instant::now(), nodes / 2 + 1)
     }
 
     /// A release's message: one waiter tries.
@@ -362,7 +391,7 @@ impl Notifier {
     pub(crate) fn releasing(&self, resource: &str, notice: u64) {
         let mut st = self.shared.st.lock();
         if let Some(c) = st.chans.get_mut(resource) {
-            c.seen_notice(notice.to_string().into_bytes());
+            c.recent.mine(notice.to_string().into_bytes());
         }
     }
 
@@ -556,6 +585,43 @@ impl Drop for Waiting {
         if let Some(c) = st.chans.get_mut(&self.resource) {
             c.users = c.users.saturating_sub(1);
             c.last_used = Instant::now();
+        }
+    }
+}
+
+#[cfg(test)]
+mod notices_tests {
+    use std::time::{Duration, Instant};
+
+    use super::{Notices, LATE};
+
+    /// One release wakes once, whichever node's copy comes first; again
+    /// only where the copy that frees the key on a majority comes late (the
+    /// nodes ran the release when back from an outage: the first copy woke
+    /// the waiters to a key still held); this client's own never.
+    #[test]
+    fn a_release_wakes_once_and_again_when_its_majority_comes_late() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut n = Notices::default();
+        assert!(n.heard(7u64, 0, at(0), 2), "the first copy");
+        assert!(!n.heard(7, 1, at(0), 2), "the majority at once");
+        assert!(!n.heard(7, 2, at(500), 2), "past the majority");
+        assert!(!n.heard(7, 0, at(600), 2), "a copy again");
+        // Nodes 1 and 2 ran it late.
+        assert!(n.heard(8, 0, at(0), 2));
+        assert!(!n.heard(8, 0, at(1), 2), "the same node again");
+        let late = LATE.as_millis() as u64;
+        assert!(n.heard(8, 2, at(late), 2), "the late majority");
+        assert!(!n.heard(8, 1, at(late + 5), 2));
+        // Five nodes: the third copy is the majority.
+        assert!(n.heard(9, 4, at(0), 3));
+        assert!(!n.heard(9, 3, at(400), 3));
+        assert!(n.heard(9, 1, at(400), 3));
+        // This client's own release.
+        n.mine(10);
+        for node in 0..5 {
+            assert!(!n.heard(10, node, at(900), 3));
         }
     }
 }

@@ -293,7 +293,7 @@ fn read_frames(sh: &Shared, i: usize, l: &mut Subscriber, ready: PollFlags) -> i
         l.last_heard = Instant::now();
         if let Value::Array(items) = &v {
             if word(items, 0).eq_ignore_ascii_case(b"message") {
-                message(sh, items);
+                message(sh, i, items);
                 continue;
             }
         }
@@ -349,8 +349,9 @@ fn read_frames(sh: &Shared, i: usize, l: &mut Subscriber, ready: PollFlags) -> i
     Ok(())
 }
 
-/// A message on a key's channel: a notice not seen lately wakes its waiters.
-fn message(sh: &Shared, items: &[Value]) {
+/// A message on a key's channel from node `node`: a notice not heard
+/// lately wakes its waiters (see [`super::Notices::heard`]).
+fn message(sh: &Shared, node: usize, items: &[Value]) {
     let Some(key) = word(items, 1)
         .strip_prefix(FREED_PREFIX.as_bytes())
         .and_then(|c| std::str::from_utf8(c).ok())
@@ -364,7 +365,7 @@ fn message(sh: &Shared, items: &[Value]) {
     // A forged message's notice is kept short.
     let notice = word(items, 2);
     let notice = &notice[..notice.len().min(64)];
-    if c.seen_notice(notice.to_vec()) {
+    if c.heard(notice.to_vec(), node, sh.nodes) {
         log::trace!("lock {key:?}: release message read; waking its waiters");
         c.wake();
         st.any.notify_all();

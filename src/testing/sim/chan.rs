@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Instant;
 
 use parking_lot::Mutex;
 
@@ -20,9 +21,10 @@ pub(crate) struct SimChan {
 }
 
 impl SimChan {
-    /// A message arrives: whether it woke the waiters.
-    pub(crate) fn deliver(&self, notice: u64) -> bool {
-        let new = self.seen(notice);
+    /// A message from node `node` of `nodes` arrives at `at`: whether it
+    /// woke the waiters (see [`Notices::heard`](crate::driver::notify::Notices::heard)).
+    pub(crate) fn deliver(&self, notice: u64, (node, nodes): (usize, usize), at: Instant) -> bool {
+        let new = self.recent.lock().heard(notice, node, at, nodes / 2 + 1);
         if new {
             self.signal.notify();
             self.wake_sets();
@@ -41,10 +43,9 @@ impl SimChan {
         });
     }
 
-    /// Remembers `notice` (its messages wake nobody again); whether it was
-    /// new.
-    pub(crate) fn seen(&self, notice: u64) -> bool {
-        self.recent.lock().first_time(notice)
+    /// This client's own release's `notice`: none of its messages wakes.
+    pub(crate) fn mine(&self, notice: u64) {
+        self.recent.lock().mine(notice);
     }
 }
 

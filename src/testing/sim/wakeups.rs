@@ -59,11 +59,11 @@ impl World {
                 continue;
             }
             let at = now + self.delay();
-            self.push(at, Event::Notify(chan.clone(), notice));
+            self.push(at, Event::Notify(chan.clone(), notice, node));
             if self.rng.chance(self.net.dup) {
                 self.wakes.doubled += 1;
                 let later = at + self.delay();
-                self.push(later, Event::Notify(chan, notice));
+                self.push(later, Event::Notify(chan, notice, node));
             }
         }
     }
@@ -82,7 +82,8 @@ impl World {
             for _ in 0..n {
                 let notice = self.rng.below(u64::MAX) | 1;
                 let at = now + self.delay();
-                self.push(at, Event::Notify(chan.clone(), notice));
+                let node = self.rng.below(self.nodes.len() as u64) as usize;
+                self.push(at, Event::Notify(chan.clone(), notice, node));
             }
         }
     }
@@ -167,7 +168,7 @@ impl Watches {
     /// none of its waiters (as in the driver).
     pub(crate) fn releasing(&self, resource: &str, notice: u64) {
         if let Some(c) = self.chans.lock().get(resource) {
-            c.seen(notice);
+            c.mine(notice);
         }
     }
 

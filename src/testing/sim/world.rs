@@ -119,7 +119,8 @@ pub(crate) enum Event {
     /// A simulated connection is reset (a lost packet, as TCP shows it).
     Reset(Arc<Inbox>),
     /// A release's message reaches a client waiting for its key.
-    Notify(Arc<crate::testing::sim::chan::SimChan>, u64),
+    /// A release's message, from a node.
+    Notify(Arc<crate::testing::sim::chan::SimChan>, u64, usize),
 }
 
 /// Nodes, network and checkers, guarded by the scheduler's lock.
@@ -250,8 +251,9 @@ impl World {
                 Event::Fault(f) => self.fault(f, at),
                 Event::ConnState(inbox, v) => inbox.push(v),
                 Event::Reset(inbox) => inbox.close(),
-                Event::Notify(chan, notice) => {
-                    if chan.deliver(notice) {
+                Event::Notify(chan, notice, node) => {
+                    let (nodes, at) = (self.nodes.len(), self.instant(at));
+                    if chan.deliver(notice, (node, nodes), at) {
                         self.wakes.woken += 1;
                     }
                 }
