@@ -25,7 +25,9 @@ pub(crate) const READERS_MARK: &str = "\0quorumlock";
 /// longest TTL the client knew of before this command (and, for a first
 /// use, the lock histories it knows: see `raise_lua!`), `ARGV[3]` the mode:
 /// `1` for a fenced lock, plus twice the writers' intent in ms (`0`:
-/// unfenced, no intent; see [`ACQUIRE_LUA`]), `ARGV[4..]` the tokens. Answers `{epoch, age_ms,
+/// unfenced, no intent; see [`ACQUIRE_LUA`]), for a waiting writer followed
+/// by `;order;claim_ms;mask` (its place: see
+/// [`Place`](crate::algorithm::round::Place)), `ARGV[4..]` the tokens. Answers `{epoch, age_ms,
 /// max_ttl, prev_max, after, r1, …}`: the node's history before this
 /// command (see `history_lua!`), then `ri`: where held by another owner,
 /// `-1 - PTTL` (0 where it never expires, or where the ACL refuses
@@ -67,6 +69,16 @@ pub(crate) const FREED_PREFIX: &str = "quorumlock:free:";
 /// and the intent go with it); where readers live it answers how long the
 /// last one has left, and, with an intent in the mode (ms, `0`: none) it gets
 /// at least that long: a waiting writer keeps new readers out.
+///
+/// A set that another key keeps out, with a place and `claim_ms` above
+/// zero, claims its free keys that `mask` names (and renews its own
+/// claims): the key's value becomes `'\0claim:' .. order` for `claim_ms`
+/// (answered as free: `-1`). With `claim_ms` zero its own claims go, each
+/// published as a release is. A claim of the set's own, or of a set whose
+/// order is later, is no obstacle to the set; a lone writer whose order
+/// (its call's start) is earlier than a claim's takes the claimed key as a
+/// free one. No token begins with a NUL, and a claim is only ever written
+/// on a free key.
 pub(crate) const ACQUIRE_LUA: &str = concat!(
     history_lua!(),
     r"local micros = tonumber(t[1]) * 1000000 + tonumber(t[2])
