@@ -359,46 +359,6 @@ pub(crate) fn new_owner(
     !compared
 }
 
-/// The keys of a lock of `keys` that kept their owner from one failed try
-/// to the next (`before`: what the first saw, and when; `now`: what the
-/// second saw, and `at` when, off by up to `slack`): those the first found
-/// held with time left where every node that answered both shows the same
-/// owner (see [`new_owner`]). As `now` reads, the other keys
-/// [`Seen::Unknown`]; `None` where no key kept its owner.
-pub(crate) fn kept(
-    (then, was): (Instant, &[Seen]),
-    now: &[Seen],
-    (at, slack): (Instant, Duration),
-    keys: usize,
-) -> Option<Vec<Seen>> {
-    let keys = keys.max(1);
-    let only = |v: &[Seen], k: usize| -> Vec<Seen> {
-        v.iter()
-            .enumerate()
-            .map(|(i, s)| if i % keys == k { *s } else { Seen::Unknown })
-            .collect()
-    };
-    let mut out = vec![Seen::Unknown; now.len()];
-    let mut any = false;
-    for k in 0..keys {
-        let held = was
-            .iter()
-            .skip(k)
-            .step_by(keys)
-            .any(|s| matches!(s, Seen::Held(left) if !left.is_zero()));
-        let (a, b) = (only(was, k), only(now, k));
-        if held && !new_owner(Some((then, &a)), &b, at, slack) {
-            any = true;
-            for (o, s) in out.iter_mut().zip(&b) {
-                if !matches!(s, Seen::Unknown) {
-                    *o = *s;
-                }
-            }
-        }
-    }
-    any.then_some(out)
-}
-
 /// After a failed acquire, how long until a majority of the nodes could
 /// take the key (by the owners' remaining TTLs the answers reported; a
 /// node where our SET landed is free once undone): the bound of a waiter's

@@ -438,3 +438,178 @@ fn the_lua_scripts_and_the_rust_model_agree() {
     );
     assert!(claimed > 50, "too few sets' claims ({claimed}) to compare");
 }
+
+/// Sets' claims: targeted rounds on which the Lua and the model (and the
+/// crate's own rules) must agree (found by review).
+mod claims {
+    use super::*;
+    use crate::algorithm::round::{Place, CLAIM_PREFIX};
+
+    fn acquire(place: Place) -> Op {
+        Op::Acquire {
+            ttl: Duration::from_millis(5000),
+            known_max: Duration::from_millis(5000),
+            fenced: false,
+            after: After::NONE,
+            known_prev: Duration::ZERO,
+            lean: None,
+            intent: Duration::from_millis(300),
+            place,
+        }
+    }
+
+    fn both(server: &mut Server, store: &mut Store, op: Op, keys: &[Key<'_>]) {
+        let base = Instant::now();
+        let enc = Encoded::new(op, keys);
+        let got = enc.decode(server.run(&enc.packed));
+        let want = store.round(op, keys, Instant::now(), base, 1);
+        eprintln!("server answers {:?}", got.as_ref().map(|r| &r.answers));
+        eprintln!("model  answers {:?}", want.as_ref().map(|r| &r.answers));
+    }
+
+    /// A set's claim life under 1 ms (its call's last moments: the life is
+    /// `span.min(until - tried)`): the Lua reads `claim_ms` = 0 (drops its
+    /// claim, DEL + PUBLISH), the model keeps/renews the claim.
+    #[test]
+    fn a_claim_life_under_a_millisecond_is_a_claim_on_both() {
+        let Some(mut server) = Server::start() else {
+            return;
+        };
+        for load in scripts::load_commands() {
+            server.run(&load);
+        }
+        let mut store = Store::default();
+        let place = Place {
+            since: 1_000,
+            claim: 7,
+            life: Duration::from_millis(400),
+            keys: 0b10,
+        };
+        // "rev:a" held by another writer on both sides.
+        server.query(
+            redis::cmd("SET")
+                .arg("rev:a")
+                .arg("b2")
+                .arg("PX")
+                .arg(60_000),
+        );
+        store.keys.insert(
+            "rev:a".into(),
+            ("b2".into(), Instant::now() + Duration::from_secs(60)),
+        );
+        let keys = [Key::new("rev:a", "c3"), Key::new("rev:b", "c3")];
+        // Try 1: claims rev:b (life 400 ms) on both.
+        both(&mut server, &mut store, acquire(place), &keys);
+        assert_eq!(
+            server.held("rev:b"),
+            model_held(&mut store, "rev:b", Instant::now())
+        );
+        // Try 2: life 0.6 ms.
+        let short = Place {
+            life: Duration::from_micros(600),
+            ..place
+        };
+        both(&mut server, &mut store, acquire(short), &keys);
+        let (s, m) = (
+            server.held("rev:b"),
+            model_held(&mut store, "rev:b", Instant::now()),
+        );
+        eprintln!("after a 0.6 ms life: server {s:?}, model {m:?}");
+        assert_eq!(s, m, "the server and the model differ on rev:b");
+    }
+
+    /// A claim-shaped string shorter than a place (an application's value,
+    /// or any string beginning "\0claim:"): a waiting single's Lua compares
+    /// `string.sub(v, 8, 19) > order` (bytes, any length) and takes it; the
+    /// model's `c.get(..12)` is `None` and keeps it.
+    #[test]
+    fn a_string_shorter_than_a_claim_is_no_claim_on_both() {
+        let Some(mut server) = Server::start() else {
+            return;
+        };
+        for load in scripts::load_commands() {
+            server.run(&load);
+        }
+        let mut store = Store::default();
+        let v = format!("{CLAIM_PREFIX}ab");
+        server.query(redis::cmd("SET").arg("rev:s").arg(&v).arg("PX").arg(60_000));
+        store.keys.insert(
+            "rev:s".into(),
+            (v.clone(), Instant::now() + Duration::from_secs(60)),
+        );
+        let place = Place {
+            since: 1_000,
+            claim: 0,
+            life: Duration::ZERO,
+            keys: 0,
+        };
+        let keys = [Key::new("rev:s", "c3")];
+        both(&mut server, &mut store, acquire(place), &keys);
+        let (s, m) = (
+            server.held("rev:s"),
+            model_held(&mut store, "rev:s", Instant::now()),
+        );
+        eprintln!("server {s:?}, model {m:?}");
+        assert_eq!(s, m, "the server and the model differ on rev:s");
+    }
+
+    /// An application's string under a lock's name, no TTL, that begins
+    /// with "\0claim:": before 2691474 every lock met it as another owner
+    /// and never changed it (`KeyInfo::is_lock`: "no lock takes it ...
+    /// or changes it"); now a waiting set and a waiting single overwrite it.
+    #[test]
+    fn an_applications_string_that_looks_like_a_claim_is_never_taken() {
+        let Some(mut server) = Server::start() else {
+            return;
+        };
+        for load in scripts::load_commands() {
+            server.run(&load);
+        }
+        let mut taken = Vec::new();
+        // Any string, and one of a claim's very shape, but without a TTL.
+        for app in [
+            format!("{CLAIM_PREFIX}zzzz-application-data"),
+            format!("{CLAIM_PREFIX}ffffffffffffffffffffffffffff"),
+        ] {
+            for (name, keys, place) in [
+                (
+                    "single",
+                    vec![Key::new("rev:app1", "c3")],
+                    Place {
+                        since: 1_000,
+                        claim: 0,
+                        life: Duration::ZERO,
+                        keys: 0,
+                    },
+                ),
+                (
+                    "set",
+                    vec![Key::new("rev:app2", "c3"), Key::new("rev:free", "c3")],
+                    Place {
+                        since: 1_000,
+                        claim: 7,
+                        life: Duration::from_millis(300),
+                        keys: 0,
+                    },
+                ),
+            ] {
+                server.query(redis::cmd("SET").arg(keys[0].resource).arg(&app));
+                let enc = Encoded::new(acquire(place), &keys);
+                let got = enc.decode(server.run(&enc.packed));
+                let now = server.held(keys[0].resource);
+                let ttl = server.query(redis::cmd("PTTL").arg(keys[0].resource));
+                eprintln!(
+                    "{name}: answers {:?}; key now {now:?}, PTTL {ttl:?}",
+                    got.map(|r| r.answers)
+                );
+                if now != format!("writer {app}") {
+                    taken.push(name);
+                }
+            }
+        }
+        assert!(
+            taken.is_empty(),
+            "an application's string was overwritten by: {taken:?}"
+        );
+    }
+}

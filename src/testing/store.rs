@@ -242,14 +242,21 @@ impl Store {
         // A waiting call's place (see `Place`): a set's claims of this
         // set or of one that began after it are no owner.
         let (order, claim_life, claims) = match op {
-            Op::Acquire { place, .. } => (place.order(), place.life, place.keys),
+            // (The life as sent: whole ms, rounded up.)
+            Op::Acquire { place, .. } => (
+                place.order(),
+                Duration::from_nanos(
+                    u64::try_from(place.life.as_nanos().div_ceil(1_000_000) * 1_000_000)
+                        .unwrap_or(u64::MAX),
+                ),
+                place.keys,
+            ),
             _ => (None, Duration::ZERO, 0),
         };
         let yields = |t: &str| {
-            order.as_deref().is_some_and(|o| {
-                t.strip_prefix(CLAIM_PREFIX)
-                    .is_some_and(|c| c >= o && several)
-            })
+            order
+                .as_deref()
+                .is_some_and(|o| claim_of(t).is_some_and(|c| o.len() == 28 && c >= o && several))
         };
         let owned = several
             && keys.iter().any(|k| {
@@ -313,9 +320,7 @@ impl Store {
                                 || order.as_deref().is_some_and(|o| {
                                     !several
                                         && !is_reader(k.token)
-                                        && t.strip_prefix(CLAIM_PREFIX)
-                                            .and_then(|c| c.get(..12))
-                                            .is_some_and(|since| since > o)
+                                        && claim_of(t).is_some_and(|c| &c[..12] > o)
                                 })
                         });
                         if gives {
@@ -629,4 +634,13 @@ impl Store {
 /// An epoch as a number, as the scripts answer it (never 0).
 fn epoch_number(epoch: Instant, base: Instant) -> u64 {
     u64::try_from(epoch.saturating_duration_since(base).as_nanos()).unwrap_or(0) + 1
+}
+
+/// A set's claim's order, where `value` is one (see `claim` in the acquire
+/// script): the prefix, then 28 hex digits. (Every key the model keeps has
+/// a TTL; an application's keys are `foreign`.)
+fn claim_of(value: &str) -> Option<&str> {
+    value
+        .strip_prefix(CLAIM_PREFIX)
+        .filter(|c| c.len() == 28 && c.bytes().all(|b| b.is_ascii_hexdigit()))
 }

@@ -396,7 +396,12 @@ fn pack(verb: &str, body: &str, op: Op, keys: &[Key<'_>], args: &[u64]) -> Vec<u
     // An acquire's mode, with a waiting call's place (see `Place`).
     let place = match op {
         Op::Acquire { place, .. } => place.order().map(|o| {
-            let life = place.life.as_millis().min(86_400_000);
+            // (Rounded up: a life under a millisecond is one, not a drop.)
+            let life = if place.life.is_zero() {
+                0
+            } else {
+                millis_ceil(place.life).min(86_400_000)
+            };
             format!("{o};{life};{}", place.mask(keys.len()))
         }),
         _ => None,

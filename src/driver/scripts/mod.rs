@@ -82,12 +82,22 @@ pub(crate) const FREED_PREFIX: &str = "quorumlock:free:";
 pub(crate) const ACQUIRE_LUA: &str = concat!(
     history_lua!(),
     r"local micros = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local mode = tonumber(string.match(ARGV[3], '^%d+')) or 0
+local mode = tonumber(ARGV[3]) or tonumber(string.match(ARGV[3], '^%d+')) or 0
 local fenced = mode % 2 == 1
 local life = math.floor(mode / 2)
 -- A waiting call's place, how long a set's claims live and which keys it
--- claims where free (see `Place`).
-local order, claim_ms, claims = string.match(ARGV[3], ';(%x+);(%d+);([01]*)$')
+-- claims where free (see `Place`); and `claim(k, v)`: whether `v`, under
+-- `k`, is a set's claim (its shape, with a TTL: an application's string
+-- without one never is).
+-- (Made only for a call with a place: a closure costs every round.)
+local order, claim_ms, claims, claim
+if string.find(ARGV[3], ';', 1, true) then
+  order, claim_ms, claims = string.match(ARGV[3], ';(%x+);(%d+);([01]*)$')
+  claim = function(k, v)
+    return type(v) == 'string' and #v == 35 and string.sub(v, 1, 7) == '\0claim:'
+      and string.find(v, '^%x+$', 8) ~= nil and redis.call('PTTL', k) > 0
+  end
+end
 claim_ms = tonumber(claim_ms) or 0
 if fenced then
   if micros >= 9007199254740991 - 1099511627776 then
@@ -109,8 +119,7 @@ if single then
     r"    return out
   end
   local v = redis.pcall('GET', KEYS[1])
-  if type(v) == 'string' and order and string.sub(v, 1, 7) == '\0claim:'
-      and string.sub(v, 8, 19) > order then
+  if order and claim(KEYS[1], v) and string.sub(v, 8, 19) > order then
     -- A set's claim gives way to a call that began before the set's.
     redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[1])
 ",
@@ -155,9 +164,8 @@ end
 -- held with no time left: its PTTL is -2). Where any has another owner
 -- (`owned`), readers are not the only obstacle here: no intent. A claim of
 -- this set, or of a set that began after it (see `Place`), is no owner.
-local function yields(v)
-  return order and type(v) == 'string' and string.sub(v, 1, 7) == '\0claim:'
-    and string.sub(v, 8) >= order
+local function yields(k, v)
+  return order and #order == 28 and claim(k, v) and string.sub(v, 8) >= order
 end
 local taken, owned = false, false
 if n > 1 then
@@ -165,7 +173,7 @@ if n > 1 then
     local v = value(KEYS[i])
     if v == true then
       if live(KEYS[i]) > 0 then taken = true end
-    elseif v and v ~= ARGV[i + 3] and not yields(v) then
+    elseif v and v ~= ARGV[i + 3] and not yields(KEYS[i], v) then
       taken, owned = true, true
     end
   end
@@ -181,7 +189,7 @@ for i = 1, n do
       -- Readers all gone: the intent is served, the set goes.
       redis.call('DEL', k)
       set = redis.call('SET', k, tok, 'NX', 'PX', ARGV[1])
-    elseif not single and yields(v) then
+    elseif not single and yields(k, v) then
       mine = string.sub(v, 8) == order
       if taken then v = false else set = redis.call('SET', k, tok, 'PX', ARGV[1]) end
     end
@@ -220,7 +228,8 @@ for i = 1, n do
       redis.call('SET', k, '\0claim:' .. order, 'PX', claim_ms)
     elseif mine then
       redis.call('DEL', k)
-      redis.pcall('PUBLISH', 'quorumlock:free:' .. k, 'claim:' .. order .. ':' .. now)
+      -- (One notice on every node: the try's, hashed.)
+      redis.pcall('PUBLISH', 'quorumlock:free:' .. k, redis.sha1hex(ARGV[i + 3]))
     end
     out[i + 5] = -1
   else

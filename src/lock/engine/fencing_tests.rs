@@ -159,3 +159,32 @@ fn a_node_that_lost_its_counters_restarts_them_from_its_clock() {
     let t3 = t3.fencing_token().unwrap();
     assert!(t3 < t2, "assumption broken: {t3} after {t2}");
 }
+
+/// A waiting call's place (see `Place`) is sent only from its second try:
+/// a first try is the youngest call anyway, so an uncontended lock (a
+/// fenced one is never lean) sends nothing more than before (found by
+/// review).
+#[test]
+fn a_first_try_sends_no_place_and_a_retry_does() {
+    let (locks, nodes, _) = client_with(3, fenced());
+    for node in 0..3 {
+        crate::testing::fake::plant(&nodes, node, "r", "someone-else", TTL);
+    }
+    let places = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let seen = places.clone();
+    *nodes.before_round.lock() = Some(crate::testing::fake::Hook(Box::new(move |_, op| {
+        if let Op::Acquire { place, .. } = op {
+            seen.lock().push(place);
+        }
+    })));
+    let _ = locks
+        .request("r", TTL)
+        .acquire_for(Duration::from_millis(350));
+    let places = places.lock().clone();
+    assert!(places.len() >= 2, "{places:?}");
+    assert_eq!(places[0], crate::algorithm::round::Place::NONE);
+    assert!(
+        places[1..].iter().all(|p| p.since > 0 && p.claim == 0),
+        "{places:?}"
+    );
+}

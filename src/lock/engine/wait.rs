@@ -139,12 +139,17 @@ pub(super) struct Waiter<'a> {
     /// A waiting writer's place (see [`Place`]): its call's start; a set's
     /// claim id.
     place: Place,
-    /// A set's keys whose owner stayed through a try by the clock (no
-    /// wake-up came for a whole fallback), as that try read them (the
-    /// others unknown), and when: until one of them changes owner, the set
-    /// claims nothing (a claim must not keep others out while a long
-    /// holder keeps the set out).
-    stuck: Option<(Instant, Vec<quorum::Seen>)>,
+    /// A set's keys that kept it out through a whole wait with no wake-up
+    /// (a try by the clock found them held, as the try before did: their
+    /// holders stay, renewed or not): until a release of one wakes it, or
+    /// a try finds them free, the set claims nothing and listens to them
+    /// alone (a claim must not keep others out while a long holder keeps
+    /// the set out).
+    stuck: Option<Vec<bool>>,
+    /// The keys that kept a set out at its last failed try.
+    blocked: Vec<bool>,
+    /// Whether the wait before the current try ran out with no wake-up.
+    quiet: bool,
     /// Whether a set's tries since its claims last went may have claimed
     /// keys.
     claiming: bool,
@@ -195,8 +200,9 @@ impl<'a> Waiter<'a> {
             None
         };
         let front = others.map_or(FRONT, |n| n.clamp(1, MAX_FRONT));
-        // A waiting writer's place: its call's start; a set's claim id.
-        let place = if waits && !want.read {
+        // A waiting writer's place: its call's start; a set's claim id. (A
+        // set of more than 64 keys has none: it polls, and claims nothing.)
+        let place = if waits && !want.read && want.size() <= u64::BITS as usize {
             Place {
                 since: engine.clock.wall_ms(),
                 claim: if want.alone() {
@@ -213,6 +219,8 @@ impl<'a> Waiter<'a> {
         Waiter {
             place,
             stuck: None,
+            blocked: Vec::new(),
+            quiet: false,
             claiming: false,
             engine,
             front,
@@ -262,13 +270,18 @@ impl<'a> Waiter<'a> {
         // keys), and never while a key it waits for is stuck with one owner.
         let starved =
             self.tried.saturating_duration_since(self.called) >= self.engine.settings.retry_delay;
-        let place = Place {
-            life: if self.stuck.is_some() || !starved {
-                Duration::ZERO
-            } else {
-                intent
-            },
-            ..self.place
+        // (A first try sends no place: it is the youngest call anyway.)
+        let place = if first {
+            Place::NONE
+        } else {
+            Place {
+                life: if self.stuck.is_some() || !starved {
+                    Duration::ZERO
+                } else {
+                    intent
+                },
+                ..self.place
+            }
         };
         self.claiming = !place.life.is_zero() && (place.keys != 0 || self.claiming);
         Try {
@@ -295,7 +308,11 @@ impl<'a> Waiter<'a> {
         if left.is_zero() {
             return Err(err);
         }
+        // A set's claims and what it listens to, from what this try saw.
+        let keys = self.want.size();
+        let drop_claims = keys > 1 && self.listen_and_claim(quorum::blocking(&failed.owners, keys));
         if self.watch.is_none() && self.wakes && self.subscribe(now, left) {
+            self.quiet = false;
             // Tried again at once (not counted as an attempt): the release
             // may have come before the subscription.
             debug!(
@@ -319,15 +336,10 @@ impl<'a> Waiter<'a> {
         // What is left of the retry pause.
         let pause = self.due.map_or(pause, |d| d.saturating_duration_since(now));
         let took = now.saturating_duration_since(self.tried);
-        let keys = self.want.size();
-        let blocking = (keys > 1).then(|| quorum::blocking(&failed.owners, keys));
-        let was_stuck = self.stuck.is_some();
         let mut pause = self.pause(&err, failed, (now, took), pause);
-        if let Some(blocking) = blocking {
-            if self.listen_and_claim(blocking) && !was_stuck {
-                // Claims out behind a holder that stays: they go at once.
-                pause = Duration::ZERO;
-            }
+        if drop_claims {
+            // Claims out behind a holder that stays: they go at once.
+            pause = Duration::ZERO;
         }
         debug!(
             "lock {:?}: attempt failed ({err}); retrying within {pause:?}",
@@ -339,32 +351,37 @@ impl<'a> Waiter<'a> {
 
     /// A set's waiting after a try that found `blocking` of its keys held
     /// elsewhere: it claims them once free (see [`Place`]) and listens to
-    /// their releases (to every key where none is held); while a key is
-    /// stuck with one owner, to the stuck keys alone. Whether claims of
-    /// its are out that a stuck key makes it drop.
-    fn listen_and_claim(&mut self, mut blocking: Vec<bool>) -> bool {
+    /// their releases (to every key where none is held). A try by the
+    /// clock that finds keys held that the try before found held too makes
+    /// them stuck (see [`Waiter::stuck`]): then it listens to them alone.
+    /// Whether claims of its are out that a newly stuck key makes it drop.
+    fn listen_and_claim(&mut self, blocking: Vec<bool>) -> bool {
+        let both = |a: &[bool]| -> Option<Vec<bool>> {
+            let v: Vec<bool> = a.iter().zip(&blocking).map(|(x, y)| *x && *y).collect();
+            v.contains(&true).then_some(v)
+        };
+        let was = self.stuck.is_some();
+        self.stuck = match self.stuck.take() {
+            _ if self.woken => None,
+            Some(s) => both(&s),
+            None if self.quiet => both(&self.blocked),
+            None => None,
+        };
         self.place.keys = blocking
             .iter()
             .take(64)
             .enumerate()
             .filter(|(_, b)| **b)
             .fold(0, |m, (i, _)| m | 1 << i);
-        if let Some((_, seen)) = &self.stuck {
-            let keys = blocking.len().max(1);
-            blocking.fill(false);
-            for (i, s) in seen.iter().enumerate() {
-                if !matches!(s, quorum::Seen::Unknown) {
-                    blocking[i % keys] = true;
-                }
-            }
-        }
-        if !blocking.contains(&true) {
-            blocking.fill(true);
+        let mut listen = self.stuck.clone().unwrap_or_else(|| blocking.clone());
+        if !listen.contains(&true) {
+            listen.fill(true);
         }
         if let Some(w) = self.watch.as_mut() {
-            w.listen_to(&blocking);
+            w.listen_to(&listen);
         }
-        self.stuck.is_some() && self.claiming
+        self.blocked = blocking;
+        !was && self.stuck.is_some() && self.claiming
     }
 
     /// Whether the current try was made with the other waiters at once:
@@ -409,7 +426,6 @@ impl<'a> Waiter<'a> {
             0
         };
         let deaf = self.same >= SAME_OWNERS;
-        self.stuck = self.stuck_keys(before, &failed.owners, now, slack);
         self.owners = Some((now, took, failed.owners));
         // A woken attempt that set the key on some nodes and still lost:
         // maybe waiters woken together split the votes and each undid its
@@ -460,39 +476,14 @@ impl<'a> Waiter<'a> {
         pause
     }
 
-    /// A set's stuck keys after a try that saw `seen` at `now` (see
-    /// [`Waiter::stuck`]), the try before it having seen `before`: those
-    /// still stuck, or after a try by the clock, the keys it held back
-    /// that kept their owner through it.
-    fn stuck_keys(
-        &self,
-        before: Option<(Instant, &[quorum::Seen])>,
-        seen: &[quorum::Seen],
-        now: Instant,
-        slack: Duration,
-    ) -> Option<(Instant, Vec<quorum::Seen>)> {
-        let keys = self.want.size();
-        if keys < 2 || self.place.claim == 0 {
-            return None;
-        }
-        if let Some((t, was)) = &self.stuck {
-            if !quorum::new_owner(Some((*t, was)), seen, now, slack) {
-                return self.stuck.clone();
-            }
-        }
-        if self.woken {
-            return None;
-        }
-        let stuck = quorum::kept(before?, seen, (now, slack), keys)?;
-        Some((now, stuck))
-    }
-
     /// Waits up to `pause` after a try that ended at `now`, `took` after
     /// it began: for a wake-up where subscribed (unless deaf to them), then,
     /// woken, a spacing that puts who lost more wake-ups first.
     fn sleep(&mut self, pause: Duration, now: Instant, took: Duration) {
         let clock = &self.engine.clock;
         let resource = self.want.resource;
+        // (A wait that runs out with no wake-up: see `Waiter::stuck`.)
+        self.quiet = !pause.is_zero() && self.quick == 0;
         let Some(w) = &self.watch else {
             self.at_expiry = false;
             clock.sleep(pause);
@@ -505,6 +496,7 @@ impl<'a> Waiter<'a> {
         } else {
             w.wait(after(clock.now(), pause))
         };
+        self.quiet &= !self.woken;
         // Woken, or at the owners' expiry: every waiter would try at once.
         let together = self.together();
         if self.woken {
