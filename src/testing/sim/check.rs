@@ -148,6 +148,8 @@ pub(crate) struct Stats {
 pub(crate) struct Checker {
     pub(crate) violations: Vec<Violation>,
     pub(crate) stats: Stats,
+    /// When each section began (virtual ns), in order.
+    pub(crate) grants_at: Vec<u64>,
     base: Instant,
     sections: BTreeMap<usize, Section>,
     next_section: usize,
@@ -178,6 +180,7 @@ impl Checker {
         Checker {
             violations: Vec::new(),
             stats: Stats::default(),
+            grants_at: Vec::new(),
             base,
             sections: BTreeMap::new(),
             next_section: 0,
@@ -219,6 +222,7 @@ impl Checker {
     /// A lock of several resources is one section over all of them.
     pub(crate) fn grant(&mut self, now: u64, state: &Arc<LockState>, who: &str) -> usize {
         self.stats.grants += 1;
+        self.grants_at.push(now);
         self.stats.sets += u64::from(!state.also.is_empty());
         self.stats.reads += u64::from(state.is_read());
         let mut overlap = None;

@@ -44,6 +44,8 @@ pub(crate) mod world;
 #[cfg(test)]
 mod history_regressions;
 #[cfg(test)]
+mod outage_tests;
+#[cfg(test)]
 mod regressions;
 #[cfg(test)]
 mod rw_tests;
@@ -311,6 +313,7 @@ pub(crate) fn simulate(plan: Plan, main: Script) -> Report {
         plan,
         violations: core.world.check.violations.clone(),
         stats: core.world.check.stats,
+        grants_at: std::mem::take(&mut core.world.check.grants_at),
         wakes: core.world.wakes,
         steps: core.steps,
         virtual_ns: sched.nanos(),

@@ -440,6 +440,8 @@ pub(crate) struct Report {
     pub(crate) plan: Plan,
     pub(crate) violations: Vec<Violation>,
     pub(crate) stats: Stats,
+    /// When each section began (virtual ns), in order.
+    pub(crate) grants_at: Vec<u64>,
     pub(crate) wakes: crate::testing::sim::chan::WakeStats,
     pub(crate) steps: u64,
     /// Virtual time the run covered (ns).
