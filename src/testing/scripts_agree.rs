@@ -163,19 +163,28 @@ fn near_an_expiry(store: &Store, now: Instant, margin: Duration) -> bool {
         || store.readers.values().filter_map(|r| r.intent).any(near)
 }
 
-#[test]
-fn the_lua_scripts_and_the_rust_model_agree() {
+/// A server with the scripts loaded; `None` (skipped, said) without a
+/// `redis-server`, which CI always has.
+fn loaded() -> Option<Server> {
     let Some(mut server) = Server::start() else {
         assert!(
             std::env::var_os("CI").is_none(),
             "no redis-server to run the scripts on (CI installs one)"
         );
         eprintln!("skipped: no redis-server on the PATH");
-        return;
+        return None;
     };
     for load in scripts::load_commands() {
         server.run(&load);
     }
+    Some(server)
+}
+
+#[test]
+fn the_lua_scripts_and_the_rust_model_agree() {
+    let Some(mut server) = loaded() else {
+        return;
+    };
     let mut store = Store::default();
     let base = Instant::now();
     let mut rng = SimRng::new(0x5c21_7a9e);
@@ -478,12 +487,9 @@ mod claims {
     /// claim, DEL + PUBLISH), the model keeps/renews the claim.
     #[test]
     fn a_claim_life_under_a_millisecond_is_a_claim_on_both() {
-        let Some(mut server) = Server::start() else {
+        let Some(mut server) = loaded() else {
             return;
         };
-        for load in scripts::load_commands() {
-            server.run(&load);
-        }
         let mut store = Store::default();
         let place = Place {
             since: 1_000,
@@ -530,12 +536,9 @@ mod claims {
     /// model's `c.get(..12)` is `None` and keeps it.
     #[test]
     fn a_string_shorter_than_a_claim_is_no_claim_on_both() {
-        let Some(mut server) = Server::start() else {
+        let Some(mut server) = loaded() else {
             return;
         };
-        for load in scripts::load_commands() {
-            server.run(&load);
-        }
         let mut store = Store::default();
         let v = format!("{CLAIM_PREFIX}ab");
         server.query(redis::cmd("SET").arg("rev:s").arg(&v).arg("PX").arg(60_000));
@@ -565,12 +568,9 @@ mod claims {
     /// or changes it"); now a waiting set and a waiting single overwrite it.
     #[test]
     fn an_applications_string_that_looks_like_a_claim_is_never_taken() {
-        let Some(mut server) = Server::start() else {
+        let Some(mut server) = loaded() else {
             return;
         };
-        for load in scripts::load_commands() {
-            server.run(&load);
-        }
         let mut taken = Vec::new();
         // Any string, and one of a claim's very shape, but without a TTL.
         for app in [

@@ -402,6 +402,19 @@ fn single_lockers(
     threads
 }
 
+/// Stops the single lockers: the longest wait any of their calls had.
+fn stop_lockers(
+    stop: &std::sync::atomic::AtomicBool,
+    singles: Vec<std::thread::JoinHandle<Duration>>,
+) -> Duration {
+    stop.store(true, Ordering::Relaxed);
+    singles
+        .into_iter()
+        .map(|t| t.join().expect("a single locker"))
+        .max()
+        .unwrap_or_default()
+}
+
 /// A set of three resources among clients that take turns on each of them: it gets its
 /// turn. Each key is free only between one single lock and the next, so a set that needs
 /// all three free at once waited seconds here; it now claims each as it comes free (after
@@ -422,12 +435,7 @@ fn a_set_among_single_locks_of_its_resources_gets_its_turn() {
     let waited = asked.elapsed();
     g.release().expect("released");
     std::thread::sleep(Duration::from_millis(200));
-    stop.store(true, Ordering::Relaxed);
-    let longest = singles
-        .into_iter()
-        .map(|t| t.join().expect("a single locker"))
-        .max()
-        .unwrap_or_default();
+    let longest = stop_lockers(&stop, singles);
     assert!(waited < Duration::from_secs(2), "the set waited {waited:?}");
     assert!(
         longest < Duration::from_secs(2),
@@ -462,12 +470,7 @@ fn a_set_behind_a_long_holder_keeps_no_one_out() {
     let released = Instant::now();
     ga.release().expect("a released");
     let got = set.join().expect("the set");
-    stop.store(true, Ordering::Relaxed);
-    let longest = singles
-        .into_iter()
-        .map(|t| t.join().expect("a single locker"))
-        .max()
-        .unwrap_or_default();
+    let longest = stop_lockers(&stop, singles);
     assert!(
         longest < Duration::from_secs(1),
         "a single lock of b waited {longest:?} behind the set"

@@ -72,13 +72,14 @@ const LATE: Duration = Duration::from_millis(10);
 pub(crate) struct Notices<T>(VecDeque<(T, Instant, u64)>);
 
 impl<T: PartialEq> Notices<T> {
-    /// Remembers `notice` from node `node` at `now`: whether it wakes. Its
-    /// first copy does (the others follow within a round trip); and the
-    /// copy that makes `majority` nodes where that comes [`LATE`]: the key
+    /// Remembers `notice` from node `node` of `nodes` at `now`: whether it
+    /// wakes. Its first copy does (the others follow within a round trip);
+    /// and the copy that makes a majority where that comes [`LATE`]: the key
     /// was held on a majority until then (nodes that missed the release
     /// while down and ran it when back, the first copy having woken the
     /// waiters to a key still held).
-    pub(crate) fn heard(&mut self, notice: T, node: usize, now: Instant, majority: usize) -> bool {
+    pub(crate) fn heard(&mut self, notice: T, node: usize, now: Instant, nodes: usize) -> bool {
+        let majority = crate::algorithm::quorum::quorum(nodes);
         let bit = 1u64 << node.min(63);
         if let Some((_, first, nodes)) = self.0.iter_mut().find(|(n, _, _)| *n == notice) {
             let was = nodes.count_ones() as usize;
@@ -190,13 +191,6 @@ impl Chan {
             users: 0,
             last_used: Instant::now(),
         }
-    }
-
-    /// Remembers `notice` as heard from node `node` of `nodes`: whether it
-    /// wakes (see [`Notices::heard`]).
-    fn heard(&mut self, notice: Vec<u8>, node: usize, nodes: usize) -> bool {
-        self.recent
-            .heard(notice, node, Instant::now(), nodes / 2 + 1)
     }
 
     /// A release's message: one waiter tries.
@@ -604,24 +598,24 @@ mod notices_tests {
         let t0 = Instant::now();
         let at = |ms: u64| t0 + Duration::from_millis(ms);
         let mut n = Notices::default();
-        assert!(n.heard(7u64, 0, at(0), 2), "the first copy");
-        assert!(!n.heard(7, 1, at(0), 2), "the majority at once");
-        assert!(!n.heard(7, 2, at(500), 2), "past the majority");
-        assert!(!n.heard(7, 0, at(600), 2), "a copy again");
+        assert!(n.heard(7u64, 0, at(0), 3), "the first copy");
+        assert!(!n.heard(7, 1, at(0), 3), "the majority at once");
+        assert!(!n.heard(7, 2, at(500), 3), "past the majority");
+        assert!(!n.heard(7, 0, at(600), 3), "a copy again");
         // Nodes 1 and 2 ran it late.
-        assert!(n.heard(8, 0, at(0), 2));
-        assert!(!n.heard(8, 0, at(1), 2), "the same node again");
+        assert!(n.heard(8, 0, at(0), 3));
+        assert!(!n.heard(8, 0, at(1), 3), "the same node again");
         let late = LATE.as_millis() as u64;
-        assert!(n.heard(8, 2, at(late), 2), "the late majority");
-        assert!(!n.heard(8, 1, at(late + 5), 2));
+        assert!(n.heard(8, 2, at(late), 3), "the late majority");
+        assert!(!n.heard(8, 1, at(late + 5), 3));
         // Five nodes: the third copy is the majority.
-        assert!(n.heard(9, 4, at(0), 3));
-        assert!(!n.heard(9, 3, at(400), 3));
-        assert!(n.heard(9, 1, at(400), 3));
+        assert!(n.heard(9, 4, at(0), 5));
+        assert!(!n.heard(9, 3, at(400), 5));
+        assert!(n.heard(9, 1, at(400), 5));
         // This client's own release.
         n.mine(10);
         for node in 0..5 {
-            assert!(!n.heard(10, node, at(900), 3));
+            assert!(!n.heard(10, node, at(900), 5));
         }
     }
 }

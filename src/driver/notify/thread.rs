@@ -365,7 +365,9 @@ fn message(sh: &Shared, node: usize, items: &[Value]) {
     // A forged message's notice is kept short.
     let notice = word(items, 2);
     let notice = &notice[..notice.len().min(64)];
-    if c.heard(notice.to_vec(), node, sh.nodes) {
+    if c.recent
+        .heard(notice.to_vec(), node, Instant::now(), sh.nodes)
+    {
         log::trace!("lock {key:?}: release message read; waking its waiters");
         c.wake();
         st.any.notify_all();

@@ -24,7 +24,7 @@ impl SimChan {
     /// A message from node `node` of `nodes` arrives at `at`: whether it
     /// woke the waiters (see [`Notices::heard`](crate::driver::notify::Notices::heard)).
     pub(crate) fn deliver(&self, notice: u64, (node, nodes): (usize, usize), at: Instant) -> bool {
-        let new = self.recent.lock().heard(notice, node, at, nodes / 2 + 1);
+        let new = self.recent.lock().heard(notice, node, at, nodes);
         if new {
             self.signal.notify();
             self.wake_sets();
