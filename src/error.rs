@@ -50,6 +50,9 @@ pub enum Error {
     },
     /// The configuration or an argument was rejected before any I/O.
     InvalidInput(InvalidInput),
+    /// The election was stopped ([`Election::stop`](crate::Election::stop))
+    /// before this candidate was elected.
+    Stopped,
 }
 
 impl Error {
@@ -96,6 +99,7 @@ impl fmt::Display for Error {
                 "no longer ours: the lock expired and another owner took it on {nodes} nodes"
             ),
             Error::InvalidInput(e) => write!(f, "invalid input: {e}"),
+            Error::Stopped => f.write_str("stopped: the election was stopped"),
         }
     }
 }
@@ -208,6 +212,12 @@ pub enum InvalidInput {
     /// The TLS settings cannot be used: a file that cannot be read or holds
     /// no certificate or key, a key that does not match its certificate.
     Tls(String),
+    /// A candidate's id ([`Election::id`](crate::Election::id)) is empty
+    /// or longer than [`MAX_ID_LEN`](crate::MAX_ID_LEN) bytes.
+    BadCandidateId {
+        /// Its length in bytes.
+        len: usize,
+    },
 }
 
 impl fmt::Display for InvalidInput {
@@ -264,6 +274,11 @@ impl fmt::Display for InvalidInput {
             ),
             InvalidInput::TtlTooLong(ttl) => write!(f, "ttl {ttl:?} is too long"),
             InvalidInput::Tls(why) => write!(f, "TLS settings: {why}"),
+            InvalidInput::BadCandidateId { len } => write!(
+                f,
+                "a candidate's id is {len} bytes long; 1 to {} are accepted",
+                crate::MAX_ID_LEN
+            ),
         }
     }
 }

@@ -72,6 +72,13 @@ pub trait EventHandler: Send + Sync + 'static {
         let _ = event;
     }
 
+    /// A candidate of an [`Election`](crate::Election) was elected, lost
+    /// its lease, or resigned. (Its lock's own events come too: the
+    /// attempt, the renewals, the loss or the release.)
+    fn on_leadership(&self, event: &LeadershipEvent<'_>) {
+        let _ = event;
+    }
+
     /// A node's state changed: rounds stopped waiting for it, it answers
     /// again, or the delayed-restart rule holds its votes back.
     fn on_node(&self, event: &NodeEvent<'_>) {
@@ -122,6 +129,10 @@ impl PanicSafe<'_> {
 
     pub(crate) fn on_release(&self, e: &ReleaseEvent<'_>) {
         self.call("on_release", || self.0.on_release(e));
+    }
+
+    pub(crate) fn on_leadership(&self, e: &LeadershipEvent<'_>) {
+        self.call("on_leadership", || self.0.on_leadership(e));
     }
 
     pub(crate) fn on_node(&self, e: &NodeEvent<'_>) {
@@ -362,6 +373,58 @@ impl<'a> LostEvent<'a> {
     /// From the start of its acquisition to the loss.
     pub fn held(&self) -> Duration {
         self.held
+    }
+}
+
+/// What happened to a candidate's leadership ([`LeadershipEvent::change`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LeadershipChange {
+    /// It was elected: its campaign took the lease.
+    Elected,
+    /// It lost its lease while leading ([`LeadershipEvent::error`] says how).
+    Lost,
+    /// It resigned ([`Leadership::resign`](crate::Leadership::resign), or
+    /// its `Leadership` dropped).
+    Resigned,
+}
+
+/// A candidate of an [`Election`](crate::Election) was elected, lost its
+/// lease, or resigned.
+#[derive(Debug)]
+pub struct LeadershipEvent<'a> {
+    pub(crate) name: &'a str,
+    pub(crate) id: &'a str,
+    pub(crate) term: u64,
+    pub(crate) change: LeadershipChange,
+    pub(crate) error: Option<&'a Error>,
+}
+
+impl<'a> LeadershipEvent<'a> {
+    /// The election's name.
+    pub fn name(&self) -> &'a str {
+        self.name
+    }
+
+    /// The candidate's id ([`Election::id`](crate::Election::id)).
+    pub fn id(&self) -> &'a str {
+        self.id
+    }
+
+    /// Its term ([`Leadership::term`](crate::Leadership::term)).
+    pub fn term(&self) -> u64 {
+        self.term
+    }
+
+    /// What happened.
+    pub fn change(&self) -> LeadershipChange {
+        self.change
+    }
+
+    /// For [`LeadershipChange::Lost`], how it was found lost
+    /// ([`Error::Expired`], [`Error::NotOwner`]); else `None`.
+    pub fn error(&self) -> Option<&'a Error> {
+        self.error
     }
 }
 

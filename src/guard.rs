@@ -51,7 +51,10 @@ impl LockGuard {
         }
     }
 
-    #[cfg(test)]
+    pub(crate) fn engine(&self) -> &Arc<Engine> {
+        &self.engine
+    }
+
     pub(crate) fn state(&self) -> &Arc<LockState> {
         &self.state
     }

@@ -9,6 +9,7 @@ mod builder;
 mod check;
 mod clock;
 mod driver;
+mod election;
 mod error;
 mod events;
 mod guard;
@@ -24,10 +25,11 @@ pub use builder::Builder;
 pub use check::{Check, Finding, NodeCheck, Verdict};
 #[cfg(feature = "tls-rustls")]
 pub use driver::tls::Tls;
+pub use election::{Election, Leader, Leadership, Observer};
 pub use error::{Error, InvalidInput, NodeError, NodeErrorKind};
 pub use events::{
-    AttemptEvent, EventHandler, LostEvent, NodeChange, NodeEvent, NodeOutcome, Nodes, ReleaseEvent,
-    RenewalEvent,
+    AttemptEvent, EventHandler, LeadershipChange, LeadershipEvent, LostEvent, NodeChange,
+    NodeEvent, NodeOutcome, Nodes, ReleaseEvent, RenewalEvent,
 };
 pub use guard::{LockGuard, LostSignal};
 pub use inspect::{KeyInfo, NodeKey, ReaderInfo};
@@ -44,6 +46,10 @@ pub const MAX_RESOURCE_LEN: usize = 1024;
 /// resources ([`LockRequest::and`]): sixteen times
 /// [`MAX_RESOURCE_LEN`]. Every round sends them all to every node.
 pub const MAX_RESOURCES_LEN: usize = 16 * MAX_RESOURCE_LEN;
+
+/// Longest candidate id accepted ([`Election::id`]), in bytes: every
+/// round of the leader's lock carries it in its token.
+pub const MAX_ID_LEN: usize = 128;
 
 /// Longest TTL accepted for a lock (and for `Builder::max_ttl`): one hour.
 ///

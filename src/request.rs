@@ -35,6 +35,9 @@ pub struct LockRequest<'a> {
     also: Vec<String>,
     ttl: Duration,
     read: bool,
+    /// An election's candidate (see [`crate::election`]): its id,
+    /// hex-encoded; empty for a lock.
+    tag: &'a str,
 }
 
 impl fmt::Debug for LockRequest<'_> {
@@ -56,7 +59,14 @@ impl<'a> LockRequest<'a> {
             also: Vec::new(),
             ttl,
             read: false,
+            tag: "",
         }
+    }
+
+    /// A candidate's request: fenced, its id (hex) in its token.
+    pub(crate) fn candidate(mut self, tag: &'a str) -> Self {
+        self.tag = tag;
+        self
     }
 
     /// Adds `resource` to the lock: the lock is of every resource named, as
@@ -165,13 +175,15 @@ impl<'a> LockRequest<'a> {
         self.take(Budget::Until(deadline))
     }
 
-    fn take(self, budget: Budget) -> Result<LockGuard> {
+    pub(crate) fn take(self, budget: Budget) -> Result<LockGuard> {
         let engine = self.engine;
         let want = Want {
             resource: self.resource,
             also: &self.also,
             ttl: self.ttl,
             read: self.read,
+            fenced: !self.read && (engine.settings.fencing || !self.tag.is_empty()),
+            tag: self.tag,
         };
         if !self.also.is_empty() {
             validate_resources(&want.resources().collect::<Vec<_>>())?;

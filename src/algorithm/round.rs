@@ -99,20 +99,54 @@ pub(crate) fn is_reader(token: &str) -> bool {
 
 /// Whether `value`, stored under a lock's name, has the shape of a
 /// writer's token this crate writes: 32 lowercase hex digits (see
-/// `crate::clock::new_token`), perhaps followed by a section's `.` and 16
-/// more (`crate::clock::section_token`). Any other value is not a lock's:
-/// `inspect` calls it so (the scripts never take it for ours either: they
-/// compare whole tokens).
+/// `crate::clock::new_token`), for a candidate of an election followed by
+/// `@` and its id in hex (see [`candidate_of`]), perhaps followed by a
+/// section's `.` and 16 more (`crate::clock::section_token`). Any other
+/// value is not a lock's: `inspect` calls it so (the scripts never take it
+/// for ours either: they compare whole tokens).
 pub(crate) fn is_token(value: &str) -> bool {
-    let hex = |s: &str, n: usize| {
-        s.len() == n
-            && s.bytes()
-                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    let (lineage, section) = match value.split_once('.') {
+        Some((l, s)) => (l, Some(s)),
+        None => (value, None),
     };
-    match value.split_once('.') {
-        Some((lineage, section)) => hex(lineage, 32) && hex(section, 16),
-        None => hex(value, 32),
+    let (random, id) = match lineage.split_once('@') {
+        Some((r, id)) => (r, Some(id)),
+        None => (lineage, None),
+    };
+    is_hex(random)
+        && random.len() == 32
+        && section.is_none_or(|s| is_hex(s) && s.len() == 16)
+        && id.is_none_or(|id| candidate_of_hex(id).is_some())
+}
+
+/// Whether `s` is lowercase hex digits only.
+fn is_hex(s: &str) -> bool {
+    s.bytes()
+        .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// The id of the election's candidate whose token is `token` (see
+/// `crate::election`): what its lineage carries after `@`, in hex.
+pub(crate) fn candidate_of(token: &str) -> Option<String> {
+    let lineage = token.split('.').next()?;
+    candidate_of_hex(lineage.split_once('@')?.1)
+}
+
+/// A candidate's id from its hex: 1 to `MAX_ID_LEN` bytes of UTF-8.
+fn candidate_of_hex(hex: &str) -> Option<String> {
+    if hex.is_empty() || hex.len() % 2 != 0 || hex.len() > 2 * crate::MAX_ID_LEN || !is_hex(hex) {
+        return None;
     }
+    let bytes = (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).ok())
+        .collect::<Option<Vec<u8>>>()?;
+    String::from_utf8(bytes).ok()
+}
+
+/// A candidate's id as its token carries it (see [`candidate_of`]).
+pub(crate) fn candidate_hex(id: &str) -> String {
+    id.bytes().map(|b| format!("{b:02x}")).collect()
 }
 
 /// A waiting writer's place among the waiters of its keys, in the order
@@ -246,7 +280,7 @@ pub(crate) enum Op {
         fence: Option<u64>,
     },
     /// A fenced lock's write-back: where the key holds exactly our token,
-    /// its fencing counter becomes at least `value`.
+    /// its fencing counter becomes `value` (see `FENCE_LUA`).
     Fence { value: u64 },
     /// A held lock's missing copies: where the key is absent, set it with
     /// our token for `ttl` (`SET NX PX`); never where another owner has it.

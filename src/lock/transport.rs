@@ -144,6 +144,8 @@ pub(crate) struct Stored {
     /// A free key a waiting lock of several claims (see
     /// [`Place`](crate::algorithm::round::Place)): `value` empty.
     pub claim: bool,
+    /// The resource's fencing counter on the node, where it has one.
+    pub fence: Option<u64>,
 }
 
 /// A reader set's live entries, as one node stores them.

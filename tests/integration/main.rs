@@ -6,6 +6,7 @@ mod common;
 
 mod closes;
 mod degraded;
+mod election;
 mod events;
 mod eviction;
 mod fence_workers;

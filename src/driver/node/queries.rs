@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use redis::Value;
 
-use crate::algorithm::round::{is_token, Key, CLAIM_PREFIX};
+use crate::algorithm::round::{is_token, Key, CLAIM_PREFIX, META_KEY};
 use crate::algorithm::round::{After, Answer, Op, Reply};
 use crate::clock::after;
 use crate::driver::conn::{self, Conn, Target};
@@ -214,8 +214,8 @@ fn reader_scripts(
     Ok(other)
 }
 
-/// `GET`, `PTTL`, `ZREVRANGE … WITHSCORES` and `TIME` of one key on a new
-/// connection, pipelined, within `timeout` each for the connect and for the
+/// `GET`, `PTTL`, `ZREVRANGE … WITHSCORES` and `TIME` of one key, and its
+/// fencing counter (`HGET` of the lock metadata), on a new connection, pipelined, within `timeout` each for the connect and for the
 /// replies. The last two matter only where `GET` answers `WRONGTYPE` (a
 /// reader set: see `readers_lua!`); elsewhere their answers, errors
 /// included (an ACL without them), are ignored. All are commands the
@@ -238,6 +238,10 @@ pub(crate) fn inspect_one(
             .arg("WITHSCORES")
             .get_packed_command(),
         redis::cmd("TIME").get_packed_command(),
+        redis::cmd("HGET")
+            .arg(META_KEY)
+            .arg(format!("fence:{resource}"))
+            .get_packed_command(),
     ];
     for cmd in &cmds {
         c.wire.queue(cmd, now, true);
@@ -255,7 +259,14 @@ pub(crate) fn inspect_one(
     // A query's connection sends nothing at connect: the replies are the
     // four commands', in order.
     let mut next = || c.wait_reply(deadline).map_err(io);
-    stored_of(next()?, next()?, next()?, next()?)
+    let stored = stored_of(next()?, next()?, next()?, next()?)?;
+    // The fencing counter: a term for an election's leader (an ACL without
+    // the lock's metadata, or anything else, reads as none).
+    let fence = match next()? {
+        Value::BulkString(b) => std::str::from_utf8(&b).ok().and_then(|v| v.parse().ok()),
+        _ => None,
+    };
+    Ok(stored.map(|s| Stored { fence, ..s }))
 }
 
 /// What [`inspect_one`]'s four replies say of the key.
@@ -319,6 +330,7 @@ fn stored_of(
         ttl,
         readers,
         claim,
+        fence: None,
     }))
 }
 
@@ -473,6 +485,7 @@ mod tests {
                     ttl: Some(Duration::from_millis(1500)),
                     readers: None,
                     claim: false,
+                    fence: None,
                 }))
             );
         }
@@ -510,6 +523,7 @@ mod tests {
                 intent: Some(Duration::from_millis(300)),
             }),
             claim: false,
+            fence: None,
         };
         assert_eq!(s, Ok(Some(want.clone())));
         // RESP3: pairs, scores as doubles.
@@ -547,6 +561,7 @@ mod tests {
                 ttl: Some(Duration::from_millis(300)),
                 readers: None,
                 claim: true,
+                fence: None,
             }))
         );
         let k = crate::KeyInfo::from(s.ok().flatten().expect("a key"));
@@ -563,6 +578,7 @@ mod tests {
                 ttl,
                 readers: None,
                 claim: false,
+                fence: None,
             }))
         };
         // A string of another shape.

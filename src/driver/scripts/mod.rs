@@ -315,10 +315,14 @@ return out"
 );
 
 /// A fenced lock's write-back: where `KEYS[i]` still holds exactly token
-/// `ARGV[i + 1]`, its counter (in [`META_KEY`], the last key) becomes at
-/// least `ARGV[1]`, the token granted. Answers as [`RELEASE`]. Because it
-/// only writes where the key is ours, any later holder's `SET` on that
-/// node comes after it, and its counter starts above our token.
+/// `ARGV[i + 1]`, its counter (in [`META_KEY`], the last key) becomes
+/// `ARGV[1]`, the token granted. Answers as [`RELEASE`]. Because it only
+/// writes where the key is ours, any later holder's `SET` on that node
+/// comes after it, and its counter starts above our token. It may lower a
+/// counter: a node whose grant the round did not wait for set its own,
+/// higher, which no one was given; where the key is ours, no grant since
+/// has read it. So a counter read where a lock's key is held is the
+/// lock's token, once written back (`Election::leader` reads a term so).
 pub(crate) static FENCE: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(FENCE_LUA));
 
 /// Source of [`FENCE`].
@@ -329,9 +333,7 @@ local meta = KEYS[#KEYS]
     each_own_key_lua!(
         1,
         r"    local f = 'fence:' .. key
-    if (tonumber(redis.call('HGET', meta, f)) or 0) < tonumber(ARGV[1]) then
-      redis.call('HSET', meta, f, ARGV[1])
-    end
+    redis.call('HSET', meta, f, ARGV[1])
     out[i] = 1
 ",
         r"    out[i] = 0

@@ -53,7 +53,17 @@ impl Engine {
             Budget::Attempts(1) => self.queues.try_acquire(resource),
             _ => self.queues.acquire(resource, until),
         };
-        if let Some(handed) = turn.as_ref().and_then(Turn::take_hand_over) {
+        let handed = turn.as_ref().and_then(Turn::take_hand_over);
+        // A candidate takes no other holder's lock: its token names another
+        // candidate, or none (a leader's lock is renewed, never handed).
+        let handed = match handed {
+            Some(h) if !want.tag.is_empty() => {
+                let _ = self.release(&h);
+                None
+            }
+            h => h,
+        };
+        if let Some(handed) = handed {
             let held = handed.holding();
             match self.accept_hand_over(&handed, ttl) {
                 Ok(state) => {
@@ -106,10 +116,10 @@ impl Engine {
         seen: &mut Failed,
     ) -> Result<LockState> {
         let (resource, also, ttl, read) = (want.resource, want.also, want.ttl, want.read);
-        let token = if read {
-            new_reader_token()
-        } else {
-            new_token()
+        let token = match (read, want.tag) {
+            (true, _) => new_reader_token(),
+            (false, "") => new_token(),
+            (false, tag) => format!("{}@{tag}", new_token()),
         };
         // One key per resource, all with this token (a lock of several:
         // one vote per node for them all; see `several`).
@@ -145,7 +155,7 @@ impl Engine {
             decision.set(Some(d));
             next
         };
-        let plain = !self.settings.fencing && want.alone();
+        let plain = !want.fenced && want.alone();
         let lean = (plain && (next.intent.is_zero() || next.first))
             .then(|| self.lean(ttl, &rule))
             .flatten();
@@ -154,7 +164,7 @@ impl Engine {
                 ttl,
                 known_max: known.max,
                 // A reader orders nothing: storage is guarded by its writers.
-                fenced: self.settings.fencing && !read,
+                fenced: want.fenced,
                 after: told.0,
                 known_prev: told.1,
                 // (A lean acquire marks none.)
@@ -278,7 +288,7 @@ impl Engine {
             state.also = want.also.to_vec();
             state
         };
-        if !self.settings.fencing || want.read {
+        if !want.fenced {
             return Ok(lock(None));
         }
         let fence = judged

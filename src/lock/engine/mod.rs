@@ -65,6 +65,11 @@ pub(crate) struct Want<'a> {
     /// A read lock: shared with other readers, one resource, never fenced
     /// (see [`crate::algorithm::round::is_reader`]).
     pub read: bool,
+    /// Whether the lock gets a fencing token (a reader never does).
+    pub fenced: bool,
+    /// A candidate's id, hex-encoded, carried in the token after `@` (see
+    /// [`crate::election`]); empty for any other lock.
+    pub tag: &'a str,
 }
 
 impl<'a> Want<'a> {
@@ -91,7 +96,7 @@ pub(crate) struct Engine {
     pub(crate) settings: Settings,
     pub(crate) transport: Box<dyn Transport>,
     pub(crate) clock: Arc<dyn Clock>,
-    rng: Rng,
+    pub(crate) rng: Rng,
     queues: Arc<Queues>,
     /// The TTLs in use, as this client knows them (the restart rule).
     ttls: Mutex<TtlHistory>,

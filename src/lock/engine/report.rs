@@ -7,10 +7,13 @@ use std::time::{Duration, Instant};
 use log::{debug, trace, warn};
 
 use crate::algorithm::restart::{self, RestartRule};
-use crate::algorithm::round::NodeResult;
+use crate::algorithm::round::{candidate_of, NodeResult};
 use crate::clock::WARN_EVERY;
 use crate::error::Error;
-use crate::events::{AttemptEvent, Begun, LostEvent, NodeChange, NodeEvent, Nodes, ReleaseEvent};
+use crate::events::{
+    AttemptEvent, Begun, LeadershipChange, LeadershipEvent, LostEvent, NodeChange, NodeEvent,
+    Nodes, ReleaseEvent,
+};
 use crate::lock::state::LockState;
 use crate::Result;
 
@@ -33,6 +36,9 @@ impl Engine {
                 nodes: Nodes::new(self.transport.node_names(), results, 0),
             });
         }
+        if !state.is_lost() {
+            self.leadership_event(state, LeadershipChange::Resigned, None);
+        }
     }
 
     /// Tells the event handler a lock was lost.
@@ -43,6 +49,29 @@ impl Engine {
                 section: state.section,
                 error,
                 held: self.clock.now().saturating_duration_since(state.acquired),
+            });
+        }
+        self.leadership_event(state, LeadershipChange::Lost, Some(error));
+    }
+
+    /// Tells the event handler what happened to a leader's lease, where
+    /// `state` is one (its token names a candidate: see `crate::election`).
+    pub(crate) fn leadership_event(
+        &self,
+        state: &LockState,
+        change: LeadershipChange,
+        error: Option<&Error>,
+    ) {
+        let Some(h) = self.settings.events.get() else {
+            return;
+        };
+        if let Some(id) = candidate_of(&state.token) {
+            h.on_leadership(&LeadershipEvent {
+                name: &state.resource,
+                id: &id,
+                term: state.fence.unwrap_or(0),
+                change,
+                error,
             });
         }
     }

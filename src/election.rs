@@ -1,0 +1,645 @@
+//! Leader election on the quorum: [`Election`] campaigns, a [`Leadership`]
+//! is the lease a leader holds, [`Leader`] is what anyone reads of it.
+//!
+//! An election is a lock of its name, taken with a fencing token (the
+//! term) and renewed by the client's renewal thread while the candidate
+//! leads. Its token carries the candidate's id, in hex after an `@`, so that
+//! anyone reading a majority of the nodes learns who leads.
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+use parking_lot::Mutex;
+
+use crate::algorithm::quorum;
+use crate::algorithm::round::{candidate_hex, candidate_of};
+use crate::clock::after;
+use crate::error::{Error, InvalidInput};
+use crate::events::{LeadershipChange, LeadershipEvent};
+use crate::guard::{LockGuard, LostSignal};
+use crate::lock::engine::Budget;
+use crate::lock::transport::{Stored, Watch};
+use crate::{NodeError, Redlock, Result};
+
+/// How long a campaign waits at the nodes before it looks at
+/// [`Election::stop`] again: a stopped campaign returns within about this
+/// (and a round).
+const STOP_CHECK: Duration = Duration::from_millis(250);
+
+/// An election of one leader among candidates, over the lock of its name:
+/// made by [`Redlock::election`], it campaigns for this process
+/// ([`campaign`](Self::campaign), [`run`](Self::run)) and tells anyone who
+/// leads ([`leader`](Self::leader), [`observe`](Self::observe)).
+///
+/// ```no_run
+/// use std::time::Duration;
+///
+/// let locks = quorumlock::Redlock::builder()
+///     .nodes(["redis://127.0.0.1:7001", "redis://127.0.0.1:7002", "redis://127.0.0.1:7003"])
+///     .build()?;
+/// let election = locks.election("reports", Duration::from_secs(10)).id("worker-7");
+/// let leadership = election.campaign()?; // blocks until this process leads
+/// println!("leading in term {}", leadership.term());
+/// while leadership.is_leader() {
+///     // one step of the leader's work, each write fenced by leadership.term()
+/// #   break;
+/// }
+/// leadership.resign()?; // the next candidate is woken at once
+/// # Ok::<(), quorumlock::Error>(())
+/// ```
+///
+/// Cheap to clone; clones are one candidate, and [`stop`](Self::stop)
+/// stops them all.
+#[derive(Clone)]
+pub struct Election {
+    locks: Redlock,
+    name: String,
+    ttl: Duration,
+    id: String,
+    stop: Arc<Stop>,
+}
+
+impl fmt::Debug for Election {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Election")
+            .field("name", &self.name)
+            .field("ttl", &self.ttl)
+            .field("id", &self.id)
+            .field("stopped", &self.is_stopped())
+            .finish()
+    }
+}
+
+impl Redlock {
+    /// An election of one leader for `name`, whose lease lasts `ttl` and is
+    /// renewed while its holder leads (see [`Election`]). The candidate's
+    /// id is the host's name and the process id (`host:1234`) until
+    /// [`Election::id`] sets another.
+    ///
+    /// The election is the lock of `name`: a plain lock of the same name
+    /// excludes it and is not a leader.
+    pub fn election(&self, name: impl Into<String>, ttl: Duration) -> Election {
+        Election {
+            locks: self.clone(),
+            name: name.into(),
+            ttl,
+            id: default_id(),
+            stop: Arc::new(Stop::new()),
+        }
+    }
+}
+
+impl Election {
+    /// Sets the candidate's id, which [`leader`](Self::leader) reports to
+    /// anyone: 1 to [`MAX_ID_LEN`](crate::MAX_ID_LEN) bytes, any text
+    /// (checked when it campaigns). Ids need not be unique; a term tells
+    /// two leaders of one id apart.
+    pub fn id(mut self, id: impl Into<String>) -> Self {
+        self.id = id.into();
+        self
+    }
+
+    /// The election's name: the lock's resource.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// This candidate's id.
+    pub fn candidate(&self) -> &str {
+        &self.id
+    }
+
+    /// Campaigns until this process leads: waits, woken by the leader's
+    /// resignation on any node, or trying when its lease would expire, and
+    /// goes on through node failures. Returns once elected, or with
+    /// [`Error::Stopped`] once [`stop`](Self::stop) is called (within about
+    /// 250 ms and a round).
+    ///
+    /// # Errors
+    /// [`Error::Stopped`]; [`Error::InvalidInput`] for a bad name, TTL or id.
+    pub fn campaign(&self) -> Result<Leadership> {
+        self.campaign_until(None)
+    }
+
+    /// [`campaign`](Self::campaign) for at most `wait` (at least one
+    /// attempt is made).
+    ///
+    /// # Errors
+    /// As [`campaign`](Self::campaign); when `wait` ran out, the last
+    /// attempt's error ([`Error::Taken`] where another candidate leads).
+    pub fn campaign_for(&self, wait: Duration) -> Result<Leadership> {
+        let until = after(self.locks.engine.clock.now(), wait);
+        self.campaign_until(Some(until))
+    }
+
+    fn campaign_until(&self, until: Option<Instant>) -> Result<Leadership> {
+        if self.id.is_empty() || self.id.len() > crate::MAX_ID_LEN {
+            return Err(InvalidInput::BadCandidateId { len: self.id.len() }.into());
+        }
+        let engine = &self.locks.engine;
+        let tag = candidate_hex(&self.id);
+        loop {
+            if self.is_stopped() {
+                return Err(Error::Stopped);
+            }
+            let now = engine.clock.now();
+            let chunk = after(now, STOP_CHECK);
+            let budget = Budget::Until(until.map_or(chunk, |u| u.min(chunk)));
+            let request = self.locks.request(&self.name, self.ttl).candidate(&tag);
+            match request.take(budget) {
+                Ok(guard) => return Ok(self.elected(guard)),
+                Err(e) if !e.is_retryable() => return Err(e),
+                Err(e) if until.is_some_and(|u| engine.clock.now() >= u) => return Err(e),
+                Err(_) => {}
+            }
+        }
+    }
+
+    /// A campaign's lock, now a leader's lease, renewed.
+    fn elected(&self, guard: LockGuard) -> Leadership {
+        guard.auto_renew();
+        let term = guard.fencing_token().unwrap_or(0);
+        let engine = &self.locks.engine;
+        if let Some(h) = engine.settings.events.get() {
+            h.on_leadership(&LeadershipEvent {
+                name: &self.name,
+                id: &self.id,
+                term,
+                change: LeadershipChange::Elected,
+                error: None,
+            });
+        }
+        log::debug!(
+            "election {:?}: {:?} leads in term {term}",
+            self.name,
+            self.id
+        );
+        Leadership {
+            guard: Some(guard),
+            id: self.id.clone(),
+            term,
+            stop: self.stop.clone(),
+        }
+    }
+
+    /// Who leads now, as a majority of the nodes store it: `None` where no
+    /// candidate's lease is on a majority. Takes no lock and campaigns for
+    /// nothing; each node is asked as [`Redlock::inspect`] asks it.
+    ///
+    /// The term of a leader still being elected (before its campaign
+    /// returns) may read lower than the one it gets, never as low as the
+    /// term of the leader before it.
+    ///
+    /// ```no_run
+    /// # use std::time::Duration;
+    /// # let locks = quorumlock::Redlock::builder().node("redis://127.0.0.1:6379").build()?;
+    /// match locks.election("reports", Duration::from_secs(10)).leader()? {
+    ///     Some(leader) => println!("{} leads in term {}", leader.id(), leader.term()),
+    ///     None => println!("no leader"),
+    /// }
+    /// # Ok::<(), quorumlock::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::NoQuorum`] when fewer than a majority of the nodes answered;
+    /// [`Error::InvalidInput`] for a bad name.
+    pub fn leader(&self) -> Result<Option<Leader>> {
+        let engine = &self.locks.engine;
+        crate::lock::engine::validate_resource(&self.name)?;
+        let found = engine
+            .transport
+            .inspect(&self.name, engine.settings.node_timeout);
+        leader_of(&found, quorum::quorum(found.len()))
+    }
+
+    /// Follows the election: an iterator that blocks until the leader
+    /// changes (another leader or term, none, or the nodes not answering)
+    /// and yields what [`leader`](Self::leader) then reads, the first time
+    /// at once. It ends once [`stop`](Self::stop) is called.
+    ///
+    /// It reads the nodes when woken by a resignation (where this client
+    /// can subscribe to the name's releases) and at least every quarter of
+    /// the TTL (between 10 ms and a second), sooner while no one leads.
+    ///
+    /// ```no_run
+    /// # use std::time::Duration;
+    /// # let locks = quorumlock::Redlock::builder().node("redis://127.0.0.1:6379").build()?;
+    /// for leader in locks.election("reports", Duration::from_secs(10)).observe() {
+    ///     match leader {
+    ///         Ok(Some(l)) => println!("{} leads in term {}", l.id(), l.term()),
+    ///         Ok(None) => println!("no leader"),
+    ///         Err(e) => println!("cannot tell: {e}"),
+    ///     }
+    /// }
+    /// # Ok::<(), quorumlock::Error>(())
+    /// ```
+    pub fn observe(&self) -> Observer {
+        let every = (self.ttl / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
+        Observer {
+            election: self.clone(),
+            last: None,
+            watch: None,
+            every,
+            soon: None,
+        }
+    }
+
+    /// Leads whenever elected, until [`stop`](Self::stop): campaigns, runs
+    /// `work` with the [`Leadership`], resigns when `work` returns, and
+    /// campaigns again after a jittered back-off (the retry pause, doubling
+    /// up to the TTL while terms end lost within a TTL of their start).
+    ///
+    /// `work` must return promptly once the leadership ends: check
+    /// [`Leadership::is_leader`] before each step, or wait with
+    /// [`Leadership::wait_end`]; both also see [`stop`](Self::stop).
+    ///
+    /// ```no_run
+    /// # use std::time::Duration;
+    /// # let locks = quorumlock::Redlock::builder().node("redis://127.0.0.1:6379").build()?;
+    /// let election = locks.election("scheduler", Duration::from_secs(5)).id("host-a");
+    /// let stopper = election.clone();
+    /// std::thread::spawn(move || {
+    ///     std::thread::sleep(Duration::from_secs(60));
+    ///     stopper.stop(); // on shutdown
+    /// });
+    /// election.run(|leadership| {
+    ///     while !leadership.wait_end(Duration::from_secs(1)) {
+    ///         println!("term {}: scheduling", leadership.term());
+    ///     }
+    /// })?;
+    /// # Ok::<(), quorumlock::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a bad name, TTL or id; `Ok` once stopped.
+    pub fn run(&self, mut work: impl FnMut(&Leadership)) -> Result<()> {
+        let engine = &self.locks.engine;
+        let base = engine.settings.retry_delay.max(Duration::from_millis(1));
+        let mut backoff = base;
+        loop {
+            let leadership = match self.campaign() {
+                Ok(l) => l,
+                Err(Error::Stopped) => return Ok(()),
+                Err(e) => return Err(e),
+            };
+            let began = engine.clock.now();
+            work(&leadership);
+            let lost = leadership.guard().is_lost() || !leadership.guard().is_held();
+            drop(leadership);
+            let short = engine.clock.now().saturating_duration_since(began) < self.ttl;
+            backoff = if lost && short {
+                backoff.saturating_mul(2).min(self.ttl)
+            } else {
+                base
+            };
+            // Jittered: half to all of it.
+            let pause = quorum::retry_delay(backoff * 3 / 4, backoff / 4, engine.rng.next_u64());
+            if self.stop.sleep(pause) {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Stops this candidate: a campaign returns [`Error::Stopped`],
+    /// [`run`](Self::run) returns once its `work` has, and an
+    /// [`observe`](Self::observe) iterator ends. A leader of this election
+    /// is no longer [`is_leader`](Leadership::is_leader), and
+    /// [`wait_end`](Leadership::wait_end) returns: its lease is held until
+    /// it resigns (or its `Leadership` drops). Clones stop together; it
+    /// cannot be undone.
+    pub fn stop(&self) {
+        self.stop.stop();
+    }
+
+    /// Whether [`stop`](Self::stop) was called.
+    pub fn is_stopped(&self) -> bool {
+        self.stop.is_stopped()
+    }
+}
+
+/// The default candidate id: `host:pid`.
+fn default_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "host".to_owned());
+    let mut id = format!("{host}:{}", std::process::id());
+    if id.len() > crate::MAX_ID_LEN {
+        let cut = (0..=crate::MAX_ID_LEN)
+            .rev()
+            .find(|&i| id.is_char_boundary(i))
+            .unwrap_or(0);
+        id.truncate(cut);
+    }
+    id
+}
+
+/// An election's stop: set once, seen by every clone and wait.
+struct Stop {
+    stopped: AtomicBool,
+    /// Dropped on stop: every wait on `ended` returns.
+    tx: Mutex<Option<Sender<()>>>,
+    ended: Receiver<()>,
+}
+
+impl Stop {
+    fn new() -> Self {
+        let (tx, ended) = crossbeam_channel::bounded(0);
+        Stop {
+            stopped: AtomicBool::new(false),
+            tx: Mutex::new(Some(tx)),
+            ended,
+        }
+    }
+
+    fn stop(&self) {
+        self.stopped.store(true, Ordering::Release);
+        self.tx.lock().take();
+    }
+
+    fn is_stopped(&self) -> bool {
+        self.stopped.load(Ordering::Acquire)
+    }
+
+    /// Sleeps `d`, or less if stopped meanwhile: whether stopped.
+    fn sleep(&self, d: Duration) -> bool {
+        if !self.is_stopped() {
+            let _ = self.ended.recv_timeout(d);
+        }
+        self.is_stopped()
+    }
+}
+
+/// A leader's lease: held while this candidate leads, renewed in the
+/// background, resigned when it drops ([`resign`](Self::resign) reports
+/// the outcome). Made by [`Election::campaign`].
+///
+/// Check [`is_leader`](Self::is_leader) before each action that needs
+/// leadership, and pass [`term`](Self::term) to storage that refuses a
+/// lower one: a leader paused past its lease (a stop, a swap storm, a long
+/// GC) reads `is_leader() == false` the moment it resumes, before its
+/// renewal thread has run, but an action already past that check is
+/// stopped only by the storage. See the fencing example in the guide.
+pub struct Leadership {
+    /// `None` once resigned.
+    guard: Option<LockGuard>,
+    id: String,
+    term: u64,
+    stop: Arc<Stop>,
+}
+
+impl fmt::Debug for Leadership {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Leadership")
+            .field("name", &self.name())
+            .field("id", &self.id)
+            .field("term", &self.term)
+            .field("leader", &self.is_leader())
+            .finish()
+    }
+}
+
+impl Leadership {
+    fn guard(&self) -> &LockGuard {
+        // Only `resign` and `drop` take it, and both consume `self`.
+        self.guard.as_ref().unwrap_or_else(|| unreachable!())
+    }
+
+    /// The term: the lease's fencing token, strictly greater than every
+    /// earlier leader's term of this election (under the guarantees of
+    /// [`LockGuard::fencing_token`]). Pass it with every write the leader
+    /// makes, to storage that refuses a term lower than the last it saw.
+    pub fn term(&self) -> u64 {
+        self.term
+    }
+
+    /// This leader's candidate id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The election's name.
+    pub fn name(&self) -> &str {
+        self.guard().resource()
+    }
+
+    /// Whether this process may act as the leader now: the lease is valid
+    /// (by this process's monotonic clock, whatever the renewal thread has
+    /// seen), not found lost, and the election not
+    /// [stopped](Election::stop).
+    pub fn is_leader(&self) -> bool {
+        self.guard().is_held() && !self.stop.is_stopped()
+    }
+
+    /// How long the lease may still be assumed held.
+    pub fn validity(&self) -> Duration {
+        self.guard().validity()
+    }
+
+    /// A signal of the lease's loss, to watch from any thread (see
+    /// [`LockGuard::lost`]).
+    pub fn lost(&self) -> LostSignal {
+        self.guard().lost()
+    }
+
+    /// Waits up to `timeout` for the leadership to end: the lease lost or
+    /// run out, or the election [stopped](Election::stop). Whether it has
+    /// ended (then [`is_leader`](Self::is_leader) is `false`).
+    pub fn wait_end(&self, timeout: Duration) -> bool {
+        let guard = self.guard();
+        let engine = &guard.engine();
+        let until = after(engine.clock.now(), timeout).min(guard.deadline());
+        let wait = until.saturating_duration_since(engine.clock.now());
+        if self.is_leader() && !wait.is_zero() {
+            crossbeam_channel::select! {
+                recv(guard.state().ended()) -> _ => {},
+                recv(self.stop.ended) -> _ => {},
+                default(wait) => {},
+            }
+        }
+        !self.is_leader()
+    }
+
+    /// Resigns: releases the lease on every node, which wakes the waiting
+    /// candidates at once. Dropping the `Leadership` does the same.
+    ///
+    /// # Errors
+    /// As [`LockGuard::release`]: the lease had already run out or been
+    /// taken, or too many nodes failed (the lease then expires by its TTL).
+    pub fn resign(mut self) -> Result<()> {
+        match self.guard.take() {
+            Some(g) => g.release(),
+            None => Ok(()),
+        }
+    }
+}
+
+/// A leader as a majority of the nodes store it ([`Election::leader`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Leader {
+    id: String,
+    term: u64,
+    nodes: usize,
+    ttl: Duration,
+}
+
+impl Leader {
+    /// Its candidate id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Its term (see [`Election::leader`] on a leader still being elected).
+    pub fn term(&self) -> u64 {
+        self.term
+    }
+
+    /// How many nodes hold its lease.
+    pub fn nodes(&self) -> usize {
+        self.nodes
+    }
+
+    /// How long its lease lasts on a majority, unless renewed: the
+    /// majority's shortest time to live.
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+}
+
+/// Who leads, from what each node stores for the election's name: the
+/// candidate whose token (one lineage) a `quorum` of nodes hold with time
+/// to live; `None` where none does.
+pub(crate) fn leader_of(
+    found: &[std::result::Result<Option<Stored>, NodeError>],
+    quorum: usize,
+) -> Result<Option<Leader>> {
+    let answered = found.iter().filter(|r| r.is_ok()).count();
+    if answered < quorum {
+        return Err(Error::NoQuorum {
+            agreed: answered,
+            quorum,
+            failures: found.iter().filter_map(|r| r.clone().err()).collect(),
+        });
+    }
+    let lineage = |v: &str| v.split('.').next().unwrap_or(v).to_owned();
+    let held: Vec<&Stored> = found
+        .iter()
+        .filter_map(|r| r.as_ref().ok()?.as_ref())
+        .filter(|s| {
+            s.lock && s.ttl.is_some_and(|t| !t.is_zero()) && candidate_of(&s.value).is_some()
+        })
+        .collect();
+    for s in &held {
+        let mine: Vec<&&Stored> = held
+            .iter()
+            .filter(|o| lineage(&o.value) == lineage(&s.value))
+            .collect();
+        if mine.len() < quorum {
+            continue;
+        }
+        let mut ttls: Vec<Duration> = mine.iter().filter_map(|o| o.ttl).collect();
+        ttls.sort_unstable_by(|a, b| b.cmp(a));
+        return Ok(candidate_of(&s.value).map(|id| Leader {
+            id,
+            term: mine.iter().filter_map(|o| o.fence).max().unwrap_or(0),
+            nodes: mine.len(),
+            ttl: ttls.get(quorum - 1).copied().unwrap_or_default(),
+        }));
+    }
+    Ok(None)
+}
+
+/// Follows an election ([`Election::observe`]): yields the leader each time
+/// it changes.
+pub struct Observer {
+    election: Election,
+    /// What was yielded last (`Err(())`: the nodes did not answer).
+    last: Option<std::result::Result<Option<(String, u64)>, ()>>,
+    watch: Option<Box<dyn Watch>>,
+    every: Duration,
+    /// While no one leads: the next, shorter, pause (doubling to `every`).
+    soon: Option<Duration>,
+}
+
+impl fmt::Debug for Observer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Observer")
+            .field("election", &self.election.name)
+            .field("every", &self.every)
+            .finish()
+    }
+}
+
+impl Observer {
+    /// Waits up to `timeout` for the leader to change: what it now is, or
+    /// `None` if it did not change (or the election was stopped).
+    pub fn next_within(&mut self, timeout: Duration) -> Option<Result<Option<Leader>>> {
+        let engine = self.election.locks.engine.clone();
+        let until = after(engine.clock.now(), timeout);
+        loop {
+            if self.election.is_stopped() {
+                return None;
+            }
+            if self.watch.is_none() && engine.settings.wake_ups {
+                let confirm_by = after(engine.clock.now(), engine.settings.node_timeout);
+                self.watch = engine.transport.watch(&self.election.name, confirm_by);
+            }
+            if let Some(w) = self.watch.as_mut() {
+                w.mark();
+            }
+            let now = self.election.leader();
+            let seen = match &now {
+                Ok(l) => Ok(l.as_ref().map(|l| (l.id.clone(), l.term))),
+                Err(_) => Err(()),
+            };
+            self.soon = match &seen {
+                Ok(None) => Some(
+                    self.soon
+                        .map_or(Duration::from_millis(10), |s| s.saturating_mul(2))
+                        .min(self.every),
+                ),
+                _ => None,
+            };
+            if self.last.as_ref() != Some(&seen) {
+                self.last = Some(seen);
+                return Some(now);
+            }
+            let pause_until = after(engine.clock.now(), self.soon.unwrap_or(self.every)).min(until);
+            if engine.clock.now() >= until {
+                return None;
+            }
+            let woken = match &self.watch {
+                Some(w) => w.wait(pause_until),
+                None => self
+                    .election
+                    .stop
+                    .sleep(pause_until.saturating_duration_since(engine.clock.now())),
+            };
+            if woken {
+                // A resignation: the next leader takes a round or so.
+                self.soon = Some(Duration::from_millis(10));
+            }
+        }
+    }
+}
+
+impl Iterator for Observer {
+    type Item = Result<Option<Leader>>;
+
+    /// Blocks until the leader changes; `None` once the election is stopped.
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            if self.election.is_stopped() {
+                return None;
+            }
+            if let Some(change) = self.next_within(Duration::from_secs(3600)) {
+                return Some(change);
+            }
+        }
+    }
+}
