@@ -643,3 +643,114 @@ impl Iterator for Observer {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithm::round::is_token;
+    use crate::error::NodeErrorKind;
+
+    const RANDOM: &str = "0123456789abcdef0123456789abcdef";
+
+    fn token(id: &str) -> String {
+        format!("{RANDOM}@{}", candidate_hex(id))
+    }
+
+    fn held(
+        value: &str,
+        ttl_ms: u64,
+        fence: u64,
+    ) -> std::result::Result<Option<Stored>, NodeError> {
+        Ok(Some(Stored {
+            lock: true,
+            value: value.to_owned(),
+            ttl: Some(Duration::from_millis(ttl_ms)),
+            readers: None,
+            claim: false,
+            fence: Some(fence),
+        }))
+    }
+
+    fn failed() -> std::result::Result<Option<Stored>, NodeError> {
+        Err(NodeError::new("n", NodeErrorKind::Timeout, "timed out"))
+    }
+
+    #[test]
+    fn a_candidates_token_carries_its_id_and_is_a_lock_token() {
+        for id in [
+            "worker-7",
+            "host.example.com:80",
+            "a@b.c",
+            "é",
+            &"x".repeat(crate::MAX_ID_LEN),
+        ] {
+            let t = token(id);
+            assert!(is_token(&t), "{t}");
+            assert_eq!(candidate_of(&t).as_deref(), Some(id));
+            // A handed-over section keeps its lineage, and so its id.
+            let section = crate::clock::section_token(&t);
+            assert!(is_token(&section));
+            assert_eq!(candidate_of(&section).as_deref(), Some(id));
+        }
+        assert_eq!(candidate_of(RANDOM), None);
+        let too_long = format!(
+            "{RANDOM}@{}",
+            candidate_hex(&"x".repeat(crate::MAX_ID_LEN + 1))
+        );
+        for bad in [
+            format!("{RANDOM}@"),
+            format!("{RANDOM}@abc"),
+            format!("{RANDOM}@zz"),
+            format!("{RANDOM}@ff"),
+            too_long,
+        ] {
+            assert!(!is_token(&bad), "{bad}");
+            assert_eq!(candidate_of(&bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_leader_is_the_candidate_a_majority_holds_with_its_term() {
+        let (a, b) = (token("a"), token("b"));
+        // Terms as written back: the holders' counter; the shortest TTL of
+        // the majority.
+        let found = [held(&a, 900, 7), held(&a, 500, 7), held(&b, 900, 3)];
+        let l = leader_of(&found, 2).expect("answered").expect("a leads");
+        assert_eq!(
+            (l.id(), l.term(), l.nodes(), l.ttl()),
+            ("a", 7, 2, Duration::from_millis(500))
+        );
+        // The lease on 2 of 3 but one copy expired: no majority.
+        let expired = Ok(Some(Stored {
+            ttl: Some(Duration::ZERO),
+            ..held(&a, 1, 7).unwrap().unwrap()
+        }));
+        assert_eq!(
+            leader_of(&[held(&a, 900, 7), expired, Ok(None)], 2).expect("answered"),
+            None
+        );
+        // A plain lock of the name leads nothing.
+        assert_eq!(
+            leader_of(&[held(RANDOM, 900, 1), held(RANDOM, 900, 1), Ok(None)], 2)
+                .expect("answered"),
+            None
+        );
+        // Split: none.
+        assert_eq!(
+            leader_of(&[held(&a, 900, 7), held(&b, 900, 8), Ok(None)], 2).expect("answered"),
+            None
+        );
+        // Too few answers to tell.
+        let r = leader_of(&[held(&a, 900, 7), failed(), failed()], 2);
+        assert!(
+            matches!(r, Err(Error::NoQuorum { agreed: 1, quorum: 2, ref failures }) if failures.len() == 2),
+            "{r:?}"
+        );
+        // Two answers of a lease: enough.
+        assert!(
+            leader_of(&[held(&a, 900, 7), held(&a, 900, 7), failed()], 2)
+                .expect("answered")
+                .is_some()
+        );
+    }
+}

@@ -134,7 +134,11 @@ pub(crate) fn candidate_of(token: &str) -> Option<String> {
 
 /// A candidate's id from its hex: 1 to `MAX_ID_LEN` bytes of UTF-8.
 fn candidate_of_hex(hex: &str) -> Option<String> {
-    if hex.is_empty() || hex.len() % 2 != 0 || hex.len() > 2 * crate::MAX_ID_LEN || !is_hex(hex) {
+    if hex.is_empty()
+        || !hex.len().is_multiple_of(2)
+        || hex.len() > 2 * crate::MAX_ID_LEN
+        || !is_hex(hex)
+    {
         return None;
     }
     let bytes = (0..hex.len())
