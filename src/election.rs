@@ -26,8 +26,10 @@ use crate::{NodeError, Redlock, Result};
 
 /// How long a campaign waits at the nodes before it looks at
 /// [`Election::stop`] again: a stopped campaign returns within about this
-/// (and a round).
-const STOP_CHECK: Duration = Duration::from_millis(250);
+/// (and a round). Each slice begins with an attempt; in between, a
+/// candidate tries when woken, at the lease's expiry, and by the clock
+/// once per this (see the engine's waiter).
+const STOP_CHECK: Duration = Duration::from_secs(1);
 
 /// An election of one leader among candidates, over the lock of its name:
 /// made by [`Redlock::election`], it campaigns for this process
@@ -115,8 +117,11 @@ impl Election {
     /// Campaigns until this process leads: waits, woken by the leader's
     /// resignation on any node, or trying when its lease would expire, and
     /// goes on through node failures. Returns once elected, or with
-    /// [`Error::Stopped`] once [`stop`](Self::stop) is called (within about
-    /// 250 ms and a round).
+    /// [`Error::Stopped`] once [`stop`](Self::stop) is called (within a
+    /// second and a round).
+    ///
+    /// A waiting candidate sends an attempt when woken, when the leader's
+    /// lease would expire, and otherwise about once a second.
     ///
     /// # Errors
     /// [`Error::Stopped`]; [`Error::InvalidInput`] for a bad name, TTL or id.

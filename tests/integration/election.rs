@@ -261,3 +261,44 @@ fn a_bad_candidate_id_is_refused_by_name() {
         l.resign().expect("resigned");
     }
 }
+
+#[derive(Default)]
+struct Attempts(std::sync::atomic::AtomicUsize);
+
+impl EventHandler for Attempts {
+    fn on_attempt(&self, _: &quorumlock::AttemptEvent<'_>) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn a_waiting_candidate_tries_about_once_a_second_not_once_per_retry_pause() {
+    let cluster = shared();
+    let name = unique_key("election-patient");
+    let leader = client(cluster.urls(), Duration::from_millis(20));
+    let held = leader
+        .election(&name, TTL)
+        .id("leader")
+        .campaign()
+        .expect("leads");
+    let attempts = Arc::new(Attempts::default());
+    let waiting = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(cluster.urls())
+        .retry_delay(Duration::from_millis(20))
+        .retry_jitter(Duration::ZERO)
+        .events(attempts.clone())
+        .build()
+        .expect("valid config");
+    let r = waiting
+        .election(&name, TTL)
+        .id("waiting")
+        .campaign_for(Duration::from_secs(3));
+    assert!(matches!(r, Err(Error::Taken { .. })), "{r:?}");
+    // A lock call would have tried every 20 ms: 150 times. A candidate tries
+    // at each 1 s slice's start, by the clock once a second, and at the
+    // lease's expiry as read (2 s, renewed every 0.67 s): about 6.
+    let n = attempts.0.load(std::sync::atomic::Ordering::SeqCst);
+    assert!((2..=12).contains(&n), "{n} attempts in 3 s");
+    drop(held);
+}

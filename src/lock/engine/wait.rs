@@ -331,7 +331,16 @@ impl<'a> Waiter<'a> {
                 }
             }
             self.attempt = self.attempt.saturating_add(1);
-            self.due = Some(after(now, pause));
+            // A subscribed candidate of an election tries by the clock once
+            // per fallback cap, not per retry pause: a leader renews its
+            // lease for as long as it leads, and its end comes as a
+            // wake-up (a resignation) or at the lease's expiry (a death).
+            let every = if self.want.tag.is_empty() || self.watch.is_none() {
+                pause
+            } else {
+                FALLBACK_CAP
+            };
+            self.due = Some(after(now, every));
         }
         // What is left of the retry pause.
         let pause = self.due.map_or(pause, |d| d.saturating_duration_since(now));
@@ -450,7 +459,9 @@ impl<'a> Waiter<'a> {
         // elsewhere may be waiters that split the votes with it: their
         // keys' expiry is a whole TTL, and the shorter of it and the pause
         // never waits longer.)
-        if self.at_expiry && !split {
+        // (A candidate's leader renews: its expiry moves on, and stays
+        // the moment to try should the leader die.)
+        if self.at_expiry && !split && self.want.tag.is_empty() {
             self.trust_expiry = false;
         }
         let expiry = self
