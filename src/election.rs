@@ -18,7 +18,7 @@ use crate::algorithm::quorum;
 use crate::algorithm::round::{candidate_hex, candidate_of};
 use crate::clock::after;
 use crate::error::{Error, InvalidInput};
-use crate::events::{LeadershipChange, LeadershipEvent};
+use crate::events::LeadershipChange;
 use crate::guard::{LockGuard, LostSignal};
 use crate::lock::engine::Budget;
 use crate::lock::transport::{Stored, Watch};
@@ -167,16 +167,8 @@ impl Election {
     fn elected(&self, guard: LockGuard) -> Leadership {
         guard.auto_renew();
         let term = guard.fencing_token().unwrap_or(0);
-        let engine = &self.locks.engine;
-        if let Some(h) = engine.settings.events.get() {
-            h.on_leadership(&LeadershipEvent {
-                name: &self.name,
-                id: &self.id,
-                term,
-                change: LeadershipChange::Elected,
-                error: None,
-            });
-        }
+        let engine = guard.engine();
+        engine.leadership_event(guard.state(), LeadershipChange::Elected, None);
         log::debug!(
             "election {:?}: {:?} leads in term {term}",
             self.name,
@@ -590,7 +582,7 @@ impl Observer {
             if self.election.is_stopped() {
                 return None;
             }
-            if self.watch.is_none() && engine.settings.wake_ups {
+            if self.last.is_none() && engine.settings.wake_ups {
                 let confirm_by = after(engine.clock.now(), engine.settings.node_timeout);
                 self.watch = engine.transport.watch(&self.election.name, confirm_by);
             }

@@ -302,3 +302,43 @@ fn a_waiting_candidate_tries_about_once_a_second_not_once_per_retry_pause() {
     assert!((2..=12).contains(&n), "{n} attempts in 3 s");
     drop(held);
 }
+
+#[test]
+fn an_observer_sees_each_leader_in_turn_with_rising_terms() {
+    let cluster = shared();
+    let name = unique_key("election-observe");
+    let (a, b, c) = (
+        client(cluster.urls(), Duration::from_millis(20)),
+        client(cluster.urls(), Duration::from_millis(20)),
+        client(cluster.urls(), Duration::from_millis(20)),
+    );
+    let watching = c.election(&name, TTL);
+    let mut seen = watching.observe();
+    let first = seen
+        .next_within(Duration::from_secs(5))
+        .expect("a first reading");
+    assert_eq!(first.expect("answered"), None, "no one leads yet");
+    let la = a.election(&name, TTL).id("a").campaign().expect("a leads");
+    let next = seen.next_within(Duration::from_secs(5)).expect("a change");
+    let got = next.expect("answered").expect("a leader");
+    assert_eq!((got.id(), got.term()), ("a", la.term()));
+    // Nothing changes while a leads (renewals keep its term).
+    assert!(seen.next_within(Duration::from_millis(1500)).is_none());
+    let eb = b.election(&name, TTL).id("b");
+    let waiting = std::thread::spawn(move || eb.campaign().map(|l| (l.term(), l)));
+    std::thread::sleep(Duration::from_millis(200));
+    let term_a = la.term();
+    la.resign().expect("resigned");
+    let (term_b, lb) = waiting.join().expect("no panic").expect("b leads");
+    let mut last = None;
+    while let Some(change) = seen.next_within(Duration::from_secs(5)) {
+        last = change.expect("answered");
+        if last.is_some() {
+            break;
+        }
+    }
+    let got = last.expect("b seen");
+    assert_eq!((got.id(), got.term()), ("b", term_b));
+    assert!(term_b > term_a, "{term_b} after {term_a}");
+    drop(lb);
+}
