@@ -186,9 +186,8 @@ impl Election {
     /// candidate's lease is on a majority. Takes no lock and campaigns for
     /// nothing; each node is asked as [`Redlock::inspect`] asks it.
     ///
-    /// The term of a leader still being elected (before its campaign
-    /// returns) may read lower than the one it gets, never as low as the
-    /// term of the leader before it.
+    /// A leader is reported once its term is recorded (by the round its
+    /// campaign ends with): a candidate still being elected reads as none.
     ///
     /// ```no_run
     /// # use std::time::Duration;
@@ -510,7 +509,8 @@ impl Leader {
 
 /// Who leads, from what each node stores for the election's name: the
 /// candidate whose token (one lineage) a `quorum` of nodes hold with time
-/// to live; `None` where none does.
+/// to live, and whose term one of them recorded with that token; `None`
+/// where none does.
 pub(crate) fn leader_of(
     found: &[std::result::Result<Option<Stored>, NodeError>],
     quorum: usize,
@@ -527,23 +527,31 @@ pub(crate) fn leader_of(
     let held: Vec<&Stored> = found
         .iter()
         .filter_map(|r| r.as_ref().ok()?.as_ref())
-        .filter(|s| {
-            s.lock && s.ttl.is_some_and(|t| !t.is_zero()) && candidate_of(&s.value).is_some()
-        })
+        .filter(|s| s.lock && s.ttl.is_some_and(|t| !t.is_zero()))
         .collect();
     for s in &held {
+        let Some(id) = candidate_of(&s.value) else {
+            continue;
+        };
         let mine: Vec<&&Stored> = held
             .iter()
             .filter(|o| lineage(&o.value) == lineage(&s.value))
             .collect();
-        if mine.len() < quorum {
+        // The term, where recorded with the token held: a majority holding
+        // it and the majority its write-back reached share a node.
+        let term = mine
+            .iter()
+            .filter_map(|o| o.term.as_ref().filter(|(_, t)| *t == o.value))
+            .map(|(t, _)| *t)
+            .max();
+        let (Some(term), true) = (term, mine.len() >= quorum) else {
             continue;
-        }
+        };
         let mut ttls: Vec<Duration> = mine.iter().filter_map(|o| o.ttl).collect();
         ttls.sort_unstable_by(|a, b| b.cmp(a));
-        return Ok(candidate_of(&s.value).map(|id| Leader {
+        return Ok(Some(Leader {
             id,
-            term: mine.iter().filter_map(|o| o.fence).max().unwrap_or(0),
+            term,
             nodes: mine.len(),
             ttl: ttls.get(quorum - 1).copied().unwrap_or_default(),
         }));
@@ -653,19 +661,28 @@ mod tests {
         format!("{RANDOM}@{}", candidate_hex(id))
     }
 
-    fn held(
-        value: &str,
-        ttl_ms: u64,
-        fence: u64,
-    ) -> std::result::Result<Option<Stored>, NodeError> {
+    /// A copy of `value` with its term recorded with it.
+    fn held(value: &str, ttl_ms: u64, term: u64) -> std::result::Result<Option<Stored>, NodeError> {
         Ok(Some(Stored {
             lock: true,
             value: value.to_owned(),
             ttl: Some(Duration::from_millis(ttl_ms)),
             readers: None,
             claim: false,
-            fence: Some(fence),
+            term: Some((term, value.to_owned())),
         }))
+    }
+
+    /// A copy with no term recorded with it: restored by a renewal on a
+    /// node restarted empty, or one the write-back did not reach; `term`:
+    /// another candidate's record there, or none.
+    fn bare(
+        value: &str,
+        term: Option<(u64, &str)>,
+    ) -> std::result::Result<Option<Stored>, NodeError> {
+        let mut s = held(value, 900, 0)?.unwrap_or_else(|| unreachable!());
+        s.term = term.map(|(t, v)| (t, v.to_owned()));
+        Ok(Some(s))
     }
 
     fn failed() -> std::result::Result<Option<Stored>, NodeError> {
@@ -709,8 +726,8 @@ mod tests {
     #[test]
     fn the_leader_is_the_candidate_a_majority_holds_with_its_term() {
         let (a, b) = (token("a"), token("b"));
-        // Terms as written back: the holders' counter; the shortest TTL of
-        // the majority.
+        // Terms recorded with the tokens held; the shortest TTL of the
+        // majority.
         let found = [held(&a, 900, 7), held(&a, 500, 7), held(&b, 900, 3)];
         let l = leader_of(&found, 2).expect("answered").expect("a leads");
         assert_eq!(
@@ -735,6 +752,18 @@ mod tests {
         // Split: none.
         assert_eq!(
             leader_of(&[held(&a, 900, 7), held(&b, 900, 8), Ok(None)], 2).expect("answered"),
+            None
+        );
+        // A copy restored on a node restarted empty: no term of its own
+        // there, and the counter another candidate's undone attempt left;
+        // the term is the one recorded with the token elsewhere.
+        let l = leader_of(&[held(&a, 900, 7), bare(&a, Some((99, &b))), Ok(None)], 2)
+            .expect("answered")
+            .expect("a leads");
+        assert_eq!((l.id(), l.term(), l.nodes()), ("a", 7, 2));
+        // Still being elected (no term recorded with the token): none yet.
+        assert_eq!(
+            leader_of(&[bare(&a, Some((5, &b))), bare(&a, None), Ok(None)], 2).expect("answered"),
             None
         );
         // Too few answers to tell.

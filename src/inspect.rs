@@ -217,7 +217,7 @@ mod tests {
             ttl: Some(Duration::from_secs(3)),
             readers: None,
             claim: false,
-            fence: None,
+            term: None,
         });
         assert!(!writer.is_read() && writer.readers().is_empty());
         assert_eq!(writer.writer_waiting(), None);
@@ -230,7 +230,7 @@ mod tests {
                 intent: Some(Duration::from_millis(300)),
             }),
             claim: false,
-            fence: None,
+            term: None,
         });
         assert!(set.is_read());
         assert_eq!(set.readers()[0].token(), "rsecret-reader");

@@ -144,8 +144,9 @@ pub(crate) struct Stored {
     /// A free key a waiting lock of several claims (see
     /// [`Place`](crate::algorithm::round::Place)): `value` empty.
     pub claim: bool,
-    /// The resource's fencing counter on the node, where it has one.
-    pub fence: Option<u64>,
+    /// An election's term on the node, with the token it is the term of
+    /// (see `FENCE_LUA`), where it has one.
+    pub term: Option<(u64, String)>,
 }
 
 /// A reader set's live entries, as one node stores them.

@@ -214,8 +214,8 @@ fn reader_scripts(
     Ok(other)
 }
 
-/// `GET`, `PTTL`, `ZREVRANGE … WITHSCORES` and `TIME` of one key, and its
-/// fencing counter (`HGET` of the lock metadata), on a new connection, pipelined, within `timeout` each for the connect and for the
+/// `GET`, `PTTL`, `ZREVRANGE … WITHSCORES` and `TIME` of one key, and an
+/// election's term (`HGET` of the lock metadata), on a new connection, pipelined, within `timeout` each for the connect and for the
 /// replies. The last two matter only where `GET` answers `WRONGTYPE` (a
 /// reader set: see `readers_lua!`); elsewhere their answers, errors
 /// included (an ACL without them), are ignored. All are commands the
@@ -240,7 +240,7 @@ pub(crate) fn inspect_one(
         redis::cmd("TIME").get_packed_command(),
         redis::cmd("HGET")
             .arg(META_KEY)
-            .arg(format!("fence:{resource}"))
+            .arg(format!("term:{resource}"))
             .get_packed_command(),
     ];
     for cmd in &cmds {
@@ -260,13 +260,16 @@ pub(crate) fn inspect_one(
     // four commands', in order.
     let mut next = || c.wait_reply(deadline).map_err(io);
     let stored = stored_of(next()?, next()?, next()?, next()?)?;
-    // The fencing counter: a term for an election's leader (an ACL without
-    // the lock's metadata, or anything else, reads as none).
-    let fence = match next()? {
-        Value::BulkString(b) => std::str::from_utf8(&b).ok().and_then(|v| v.parse().ok()),
+    // An election's term, with the token it is of (an ACL without the
+    // lock's metadata, or anything else, reads as none).
+    let term = match next()? {
+        Value::BulkString(b) => String::from_utf8(b).ok().and_then(|v| {
+            let (t, token) = v.split_once(' ')?;
+            Some((t.parse().ok()?, token.to_owned()))
+        }),
         _ => None,
     };
-    Ok(stored.map(|s| Stored { fence, ..s }))
+    Ok(stored.map(|s| Stored { term, ..s }))
 }
 
 /// What [`inspect_one`]'s four replies say of the key.
@@ -330,7 +333,7 @@ fn stored_of(
         ttl,
         readers,
         claim,
-        fence: None,
+        term: None,
     }))
 }
 
@@ -485,7 +488,7 @@ mod tests {
                     ttl: Some(Duration::from_millis(1500)),
                     readers: None,
                     claim: false,
-                    fence: None,
+                    term: None,
                 }))
             );
         }
@@ -523,7 +526,7 @@ mod tests {
                 intent: Some(Duration::from_millis(300)),
             }),
             claim: false,
-            fence: None,
+            term: None,
         };
         assert_eq!(s, Ok(Some(want.clone())));
         // RESP3: pairs, scores as doubles.
@@ -561,7 +564,7 @@ mod tests {
                 ttl: Some(Duration::from_millis(300)),
                 readers: None,
                 claim: true,
-                fence: None,
+                term: None,
             }))
         );
         let k = crate::KeyInfo::from(s.ok().flatten().expect("a key"));
@@ -578,7 +581,7 @@ mod tests {
                 ttl,
                 readers: None,
                 claim: false,
-                fence: None,
+                term: None,
             }))
         };
         // A string of another shape.

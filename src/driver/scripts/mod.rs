@@ -321,8 +321,11 @@ return out"
 /// comes after it, and its counter starts above our token. It may lower a
 /// counter: a node whose grant the round did not wait for set its own,
 /// higher, which no one was given; where the key is ours, no grant since
-/// has read it. So a counter read where a lock's key is held is the
-/// lock's token, once written back (`Election::leader` reads a term so).
+/// has read it. An election's candidate (a token with `@`) also records
+/// its term with its token, in the field `term:<key>`: where the key holds
+/// that token, `Election::leader` reads its term there (a node restarted
+/// empty and restored by a renewal has none, and its counter may be another
+/// candidate's, from an attempt undone meanwhile).
 pub(crate) static FENCE: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(FENCE_LUA));
 
 /// Source of [`FENCE`].
@@ -334,6 +337,9 @@ local meta = KEYS[#KEYS]
         1,
         r"    local f = 'fence:' .. key
     redis.call('HSET', meta, f, ARGV[1])
+    if string.find(ARGV[i + 1], '@', 1, true) then
+      redis.call('HSET', meta, 'term:' .. key, ARGV[1] .. ' ' .. ARGV[i + 1])
+    end
     out[i] = 1
 ",
         r"    out[i] = 0
