@@ -13,17 +13,17 @@ const BIN: &str = env!("CARGO_BIN_EXE_quorumlock");
 
 /// Node timeout for every run: generous, so that a loaded 2-core machine does
 /// not turn a slow healthy node into a failed vote.
-const NODE_TIMEOUT: &str = "250ms";
+pub(crate) const NODE_TIMEOUT: &str = "250ms";
 
 /// Bound for anything that should happen "soon" on an idle machine.
-const SOON: Duration = Duration::from_secs(15);
+pub(crate) const SOON: Duration = Duration::from_secs(15);
 
 // Exit codes documented by `quorumlock --help`.
-const EX_USAGE: i32 = 64;
+pub(crate) const EX_USAGE: i32 = 64;
 const EX_UNAVAILABLE: i32 = 69;
 const EX_SOFTWARE: i32 = 70;
 const EX_TEMPFAIL: i32 = 75;
-const EX_CONFIG: i32 = 78;
+pub(crate) const EX_CONFIG: i32 = 78;
 const EX_NOT_FOUND: i32 = 127;
 const EX_CANNOT_EXECUTE: i32 = 126;
 
@@ -42,13 +42,13 @@ impl Scratch {
     }
 
     /// The file's content, trimmed; `None` when it does not exist.
-    fn read(&self, name: &str) -> Option<String> {
+    pub(crate) fn read(&self, name: &str) -> Option<String> {
         std::fs::read_to_string(self.path(name))
             .ok()
             .map(|s| s.trim().to_owned())
     }
 
-    fn touch(&self, name: &str) {
+    pub(crate) fn touch(&self, name: &str) {
         std::fs::write(self.path(name), b"").expect("touch");
     }
 }
@@ -62,7 +62,7 @@ impl Drop for Scratch {
 /// `quorumlock` with stdout/stderr to files in `dir` (never pipes: a
 /// command's leftover children could hold a pipe open) and the scratch
 /// directory as `$D` for the scripts. `REDLOCK_NODES` is removed.
-fn quorumlock(dir: &Scratch, name: &str) -> Command {
+pub(crate) fn quorumlock(dir: &Scratch, name: &str) -> Command {
     let mut cmd = Command::new(BIN);
     let out = std::fs::File::create(dir.path(&format!("{name}.stdout"))).expect("stdout file");
     let err = std::fs::File::create(dir.path(&format!("{name}.stderr"))).expect("stderr file");
@@ -83,8 +83,21 @@ pub(crate) fn run_cmd(
     extra: &[&str],
     script: &str,
 ) -> Command {
+    supervisor_cmd("run", c, dir, (name, key), extra, script)
+}
+
+/// `quorumlock SUB --nodes … [extra] KEY -- sh -c SCRIPT`, for `run` and `lead`; `name`
+/// names its output files.
+pub(crate) fn supervisor_cmd(
+    sub: &str,
+    c: &Cluster,
+    dir: &Scratch,
+    (name, key): (&str, &str),
+    extra: &[&str],
+    script: &str,
+) -> Command {
     let mut cmd = quorumlock(dir, name);
-    cmd.arg("run")
+    cmd.arg(sub)
         .arg("--nodes")
         .arg(c.urls().join(","))
         .args(["--node-timeout", NODE_TIMEOUT, "--fresh-cluster"])
@@ -95,14 +108,14 @@ pub(crate) fn run_cmd(
 }
 
 /// A running `quorumlock`; on drop (a failed test) it is stopped.
-struct Proc {
+pub(crate) struct Proc {
     name: String,
     child: Child,
     stderr: PathBuf,
 }
 
 impl Proc {
-    fn spawn(mut cmd: Command, dir: &Scratch, name: &str) -> Proc {
+    pub(crate) fn spawn(mut cmd: Command, dir: &Scratch, name: &str) -> Proc {
         let child = cmd.spawn().expect("spawn quorumlock");
         Proc {
             name: name.to_owned(),
@@ -111,21 +124,21 @@ impl Proc {
         }
     }
 
-    fn pid(&self) -> Pid {
+    pub(crate) fn pid(&self) -> Pid {
         Pid::from_child(&self.child)
     }
 
-    fn stderr(&self) -> String {
+    pub(crate) fn stderr(&self) -> String {
         std::fs::read_to_string(&self.stderr).unwrap_or_default()
     }
 
-    fn running(&mut self) -> bool {
+    pub(crate) fn running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
     }
 
     /// Waits up to `limit` for the exit; its code. Panics (with the
     /// process's stderr) on timeout or a death by signal.
-    fn exit_code(&mut self, limit: Duration) -> i32 {
+    pub(crate) fn exit_code(&mut self, limit: Duration) -> i32 {
         let status = self.wait(limit);
         status.code().unwrap_or_else(|| {
             panic!(
@@ -136,7 +149,7 @@ impl Proc {
         })
     }
 
-    fn wait(&mut self, limit: Duration) -> ExitStatus {
+    pub(crate) fn wait(&mut self, limit: Duration) -> ExitStatus {
         let until = Instant::now() + limit;
         loop {
             match self.child.try_wait() {
@@ -176,13 +189,13 @@ pub(crate) fn finish(cmd: Command, dir: &Scratch, name: &str) -> (i32, String) {
 
 /// Whether `key` is stored on a majority of the nodes (a writer's token or a
 /// set of readers: `PTTL` answers both).
-fn held(c: &Cluster, key: &str) -> bool {
+pub(crate) fn held(c: &Cluster, key: &str) -> bool {
     (0..c.len()).filter(|&i| c.pttl(i, key) != -2).count() > c.len() / 2
 }
 
 /// Waits until the run's command has started (`file` exists) and the key is
 /// on a majority; panics with the run's stderr otherwise.
-fn until_started(c: &Cluster, dir: &Scratch, p: &mut Proc, file: &str, key: &str) {
+pub(crate) fn until_started(c: &Cluster, dir: &Scratch, p: &mut Proc, file: &str, key: &str) {
     let ok = wait_until(SOON, || {
         !p.running() || (dir.path(file).exists() && held(c, key))
     });
@@ -194,7 +207,7 @@ fn until_started(c: &Cluster, dir: &Scratch, p: &mut Proc, file: &str, key: &str
     );
 }
 
-fn assert_gone(c: &Cluster, key: &str, limit: Duration) {
+pub(crate) fn assert_gone(c: &Cluster, key: &str, limit: Duration) {
     // `PTTL`, not `GET`: a reader set is gone too.
     assert!(
         wait_until(limit, || (0..c.len()).all(|i| c.pttl(i, key) == -2)),
@@ -205,7 +218,7 @@ fn assert_gone(c: &Cluster, key: &str, limit: Duration) {
 
 /// A command that signals it started (`$D/<started>`), then waits for
 /// `$D/<started>.go` before exiting with `code`.
-fn hold_until_go(started: &str, code: i32) -> String {
+pub(crate) fn hold_until_go(started: &str, code: i32) -> String {
     format!(
         r#"touch "$D/{started}"; while [ ! -e "$D/{started}.go" ]; do sleep 0.05; done; exit {code}"#
     )
@@ -447,7 +460,7 @@ fn wait_is_woken_by_the_release() {
 }
 
 /// A command that records SIGTERM in `$D/term` and exits 143 on it.
-const TRAPS_TERM: &str = r#"trap 'echo term > "$D/term"; kill $! 2>/dev/null; exit 143' TERM
+pub(crate) const TRAPS_TERM: &str = r#"trap 'echo term > "$D/term"; kill $! 2>/dev/null; exit 143' TERM
     touch "$D/started"
     sleep 60 &
     wait"#;
@@ -783,7 +796,7 @@ fn a_node_hung_mid_run_costs_nothing() {
 }
 
 /// Whether process `pid` still exists (and is not a zombie).
-fn alive(pid: &str) -> bool {
+pub(crate) fn alive(pid: &str) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
         !s.rsplit(')')
             .next()
