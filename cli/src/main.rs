@@ -11,19 +11,16 @@
 
 use std::ffi::OsString;
 use std::io::{self, Write};
-use std::os::unix::process::{CommandExt, ExitStatusExt};
-use std::process::{Child, Command, ExitCode, ExitStatus};
+use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
 use quorumlock::{Error, LockGuard, Redlock};
-use rustix::process::{kill_process, kill_process_group, Pid, Signal};
+use rustix::process::Signal;
 
 mod watcher;
-
-use watcher::Watcher;
 
 // ---------------------------------------------------------------------------
 // Exit codes (sysexits.h where one fits; shell conventions for the command)
@@ -56,15 +53,6 @@ const SIGNAL_BASE: u8 = 128;
 /// Environment variable read when `--nodes` is absent.
 const NODES_ENV: &str = "REDLOCK_NODES";
 
-/// How often the supervisor looks at the child and at received signals,
-/// and tells the watcher it is alive: at most this, and a tenth of the TTL.
-const TICK: Duration = Duration::from_millis(50);
-
-/// The supervisor's tick for a lock of `ttl`: short enough that the watcher
-/// tells a stopped supervisor from a running one well inside the validity.
-fn watch_tick(ttl: Duration) -> Duration {
-    (ttl / 10).clamp(Duration::from_millis(1), TICK)
-}
 /// Longest single `acquire_for` call of `--wait`, so that a signal received
 /// while waiting is acted on promptly.
 const WAIT_SLICE: Duration = Duration::from_millis(250);
@@ -364,10 +352,12 @@ macro_rules! say {
     }};
 }
 
-// After `say!`, which it uses.
+// After `say!`, which they use.
 mod status;
+mod supervisor;
 
 use status::status;
+use supervisor::{Launch, Outcome};
 
 // ---------------------------------------------------------------------------
 // Durations
@@ -603,60 +593,36 @@ fn run(args: RunArgs) -> u8 {
         return signal_exit(sig);
     }
 
-    // The watcher stops the command if we die without doing so (SIGKILL,
-    // the OOM killer): without it, nothing could.
-    let mut watcher = match Watcher::start(args.grace, watch_tick(args.ttl)) {
-        Ok(w) => w,
-        Err(e) => {
-            say!("cannot start the watcher that stops the command if quorumlock dies: {e}");
-            release(guard);
-            return EX_OSERR;
-        }
+    let launch = Launch {
+        command: &args.command,
+        grace: args.grace,
+        ttl: args.ttl,
+        foreground: args.foreground,
     };
-    watcher.valid_until(guard.deadline());
-    let mut cmd = Command::new(&args.command[0]);
-    if !args.foreground {
-        // A process group of its own, as under timeout(1) (the watcher's,
-        // which lives as long as the command may): signals reach the
-        // command's children too, and a terminal's Ctrl-C reaches it once,
-        // through us.
-        cmd.process_group(watcher.group());
-    }
-    cmd.args(&args.command[1..])
-        .env("QUORUMLOCK_KEY", guard.resource())
-        .env(
+    let mut env = vec![
+        ("QUORUMLOCK_KEY", guard.resource().to_owned()),
+        (
             "QUORUMLOCK_KEYS",
             guard.resources().collect::<Vec<_>>().join("\n"),
-        )
-        .env("QUORUMLOCK_TOKEN", guard.token())
-        .env("QUORUMLOCK_TTL_MS", args.ttl.as_millis().to_string());
-    match guard.fencing_token() {
-        Some(f) => cmd.env("QUORUMLOCK_FENCING_TOKEN", f.to_string()),
-        // Never pass on an enclosing run's token.
-        None => cmd.env_remove("QUORUMLOCK_FENCING_TOKEN"),
-    };
-    let child = match cmd.spawn() {
-        Ok(c) => c,
-        Err(e) => {
-            let name = args.command[0].to_string_lossy();
-            say!("cannot run {name}: {e}");
-            watcher.done();
-            release(guard);
-            return spawn_failure(&e);
-        }
-    };
-    if args.foreground {
-        watcher.command(child.id());
+        ),
+        ("QUORUMLOCK_TOKEN", guard.token().to_owned()),
+        ("QUORUMLOCK_TTL_MS", args.ttl.as_millis().to_string()),
+    ];
+    if let Some(f) = guard.fencing_token() {
+        env.push(("QUORUMLOCK_FENCING_TOKEN", f.to_string()));
     }
-    let job = Job {
-        child,
-        group: (!args.foreground)
-            .then(|| Pid::from_raw(watcher.group()))
-            .flatten(),
-    };
-    let code = supervise(job, guard, args.grace, &signals, &mut watcher);
-    watcher.done();
-    code
+    match launch.supervise(&guard, &env, &signals) {
+        Outcome::Exited(code) => {
+            release(guard);
+            code
+        }
+        Outcome::Lost => {
+            // The watchdog already deletes what is left of the keys; the
+            // release on drop only confirms it.
+            drop(guard);
+            EX_SOFTWARE
+        }
+    }
 }
 
 /// Why `acquire` gave up.
@@ -718,199 +684,6 @@ fn release(guard: LockGuard) {
     let key = guard.resources().collect::<Vec<_>>().join(" and ");
     if let Err(e) = guard.release() {
         say!("releasing {key}: {e}");
-    }
-}
-
-fn spawn_failure(e: &io::Error) -> u8 {
-    use rustix::io::Errno;
-    if e.kind() == io::ErrorKind::NotFound {
-        return EX_NOT_FOUND;
-    }
-    match Errno::from_io_error(e) {
-        Some(Errno::ACCESS | Errno::PERM | Errno::NOEXEC | Errno::ISDIR | Errno::TXTBSY) => {
-            EX_CANNOT_EXECUTE
-        }
-        _ => EX_OSERR,
-    }
-}
-
-/// The command's exit status as ours: its code, or 128+N for signal N.
-fn status_code(status: ExitStatus) -> u8 {
-    if let Some(code) = status.code() {
-        // 0..=255 on Unix.
-        return u8::try_from(code & 0xff).unwrap_or(u8::MAX);
-    }
-    match status.signal() {
-        Some(n) => u8::try_from(n)
-            .ok()
-            .and_then(|n| SIGNAL_BASE.checked_add(n))
-            .unwrap_or(u8::MAX),
-        None => EX_OSERR,
-    }
-}
-
-/// The running command: its process, and the process group it runs in when
-/// not in ours (then signals go to the whole group).
-struct Job {
-    child: Child,
-    group: Option<Pid>,
-}
-
-impl Job {
-    /// Sends `sig` while the command runs. This process is the only one
-    /// that reaps it (`try_wait`), so a pid seen running is not reused.
-    fn signal(&mut self, sig: Signal) {
-        if let Ok(None) = self.child.try_wait() {
-            self.signal_any(sig);
-        }
-    }
-
-    /// Sends `sig` to the command's group (its id is the watcher's pid,
-    /// not reused while the watcher lives), or to the command alone.
-    fn signal_any(&self, sig: Signal) {
-        let sent = match self.group {
-            Some(group) => kill_process_group(group, sig),
-            None => kill_process(Pid::from_child(&self.child), sig),
-        };
-        if let Err(e) = sent {
-            if e != rustix::io::Errno::SRCH {
-                say!("cannot send signal {} to the command: {e}", sig.as_raw());
-            }
-        }
-    }
-}
-
-/// Why supervision ended.
-enum Ended {
-    Exited(ExitStatus),
-    Lost(Error),
-    WaitFailed(io::Error),
-}
-
-/// Watches the command, the lock and received signals until the command
-/// exits or the lock is lost.
-fn supervise(
-    mut job: Job,
-    guard: LockGuard,
-    grace: Duration,
-    signals: &Signals,
-    watcher: &mut Watcher,
-) -> u8 {
-    match watch(&mut job, &guard, signals, watcher) {
-        Ended::Exited(status) => {
-            release(guard);
-            status_code(status)
-        }
-        Ended::WaitFailed(e) => {
-            // Not expected for our own child; stop it rather than run
-            // unsupervised.
-            say!("cannot wait for the command: {e}; killing it");
-            job.signal(Signal::KILL);
-            let _ = job.child.wait();
-            release(guard);
-            EX_OSERR
-        }
-        Ended::Lost(why) => {
-            say!(
-                "lock {} lost: {why}; terminating the command",
-                guard.resource()
-            );
-            terminate(&mut job, grace, signals);
-            // The watchdog already deletes what is left of the keys; the
-            // release below only confirms it.
-            drop(guard);
-            EX_SOFTWARE
-        }
-    }
-}
-
-fn watch(job: &mut Job, guard: &LockGuard, signals: &Signals, watcher: &mut Watcher) -> Ended {
-    let lost = guard.lost();
-    let tick = watcher.tick();
-    loop {
-        // The watcher kills the command before this, should we die or stop.
-        watcher.valid_until(guard.deadline());
-        if watcher.lapsed() {
-            // We were stopped past the lock's validity, and the watcher
-            // stopped the command meanwhile.
-            let _ = job.child.wait();
-            return Ended::Lost(Error::Expired);
-        }
-        for sig in signals.take() {
-            if STOPS.contains(&sig) {
-                // Stop the command, then ourselves (renewals too: the lock
-                // may lapse meanwhile, and the command must not run on).
-                job.signal(sig);
-                let _ = kill_process(rustix::process::getpid(), Signal::STOP);
-                if let Some(why) = resumed(job, guard) {
-                    return Ended::Lost(why);
-                }
-            } else if sig == Signal::CONT {
-                if let Some(why) = resumed(job, guard) {
-                    return Ended::Lost(why);
-                }
-            } else {
-                job.signal(sig);
-            }
-        }
-        match job.child.try_wait() {
-            // Killed by a signal: the watcher's, if the lock was lapsing
-            // while we were stopped (it exits just after).
-            Ok(Some(status)) if status.signal().is_some() && watcher.lapsed_within(tick * 2) => {
-                return Ended::Lost(Error::Expired)
-            }
-            Ok(Some(status)) => return Ended::Exited(status),
-            Ok(None) => {}
-            Err(e) => return Ended::WaitFailed(e),
-        }
-        // The guard is ours until we return: the signal ends only with a
-        // loss.
-        if let Some(why) = lost.wait_timeout(tick) {
-            return Ended::Lost(why);
-        }
-    }
-}
-
-/// After a stop: the command continues only while the lock is still held
-/// (else the reason it is not; the command is then terminated).
-fn resumed(job: &mut Job, guard: &LockGuard) -> Option<Error> {
-    if !guard.is_held() {
-        return Some(Error::Expired);
-    }
-    job.signal(Signal::CONT);
-    None
-}
-
-/// SIGTERM (and SIGCONT, should it be stopped), up to `grace` for the
-/// command to exit, then SIGKILL; waits for it. Terminating signals
-/// received meanwhile are still forwarded.
-fn terminate(job: &mut Job, grace: Duration, signals: &Signals) {
-    job.signal(Signal::TERM);
-    job.signal(Signal::CONT);
-    let until = Instant::now() + grace;
-    while Instant::now() < until {
-        if let Some(sig) = signals.take_forwarded() {
-            job.signal(sig);
-        }
-        match job.child.try_wait() {
-            Ok(Some(_)) => break,
-            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
-            Err(_) => break,
-        }
-    }
-    if let Ok(None) = job.child.try_wait() {
-        say!(
-            "the command did not exit within {} of SIGTERM; sending SIGKILL",
-            seconds(grace)
-        );
-        job.signal(Signal::KILL);
-    }
-    let _ = job.child.wait();
-    if job.group.is_some() {
-        // Whatever of its group is left (children that ignored SIGTERM, or
-        // that it left behind) must not go on without the lock (the watcher
-        // goes with them: its work is done).
-        job.signal_any(Signal::KILL);
     }
 }
 
@@ -985,6 +758,9 @@ mod tests {
 
     #[test]
     fn exit_statuses() {
+        use std::os::unix::process::ExitStatusExt;
+        use std::process::ExitStatus;
+        use supervisor::status_code;
         assert_eq!(status_code(ExitStatus::from_raw(7 << 8)), 7);
         assert_eq!(status_code(ExitStatus::from_raw(15)), 143);
         assert_eq!(status_code(ExitStatus::from_raw(9)), 137);
