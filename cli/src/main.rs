@@ -1,7 +1,8 @@
 //! `quorumlock`: `flock(1)` for a cluster. Runs a command under a Redlock
 //! lock held on N Redis nodes, so that a job started on several hosts runs
-//! on one of them at a time (`quorumlock run`), and shows a lock's key on
-//! every node (`quorumlock status`).
+//! on one of them at a time (`quorumlock run`), or while its host leads an
+//! election (`quorumlock lead`), and shows a lock's key on every node
+//! (`quorumlock status`).
 //!
 //! The `quorumlock-cli` package: `cargo install quorumlock-cli` (or, from a
 //! checkout, `cargo install --path cli`).
@@ -12,7 +13,7 @@
 use std::ffi::OsString;
 use std::io::{self, Write};
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -73,6 +74,17 @@ Exit codes of `quorumlock run`:
            library refuses (EX_CONFIG)
   126      the command cannot be executed (permission denied, not a program)
   127      the command was not found
+Exit codes of `quorumlock lead` (it runs until its command exits by itself
+or it gets a signal):
+  N        the command exited by itself with status N while this host led
+           (128+N: a signal N killed it); the leadership was resigned
+  128+N    quorumlock got signal N while no command ran (campaigning, or
+           once the command of a lost leadership was stopped); a signal
+           that comes while the command runs is forwarded, and lead exits
+           when the command does, with its status, campaigning no more
+  64, 71, 78, 126, 127  as for run (78 also for an --id the library
+           refuses); never 69, 70 or 75: lead campaigns on through node
+           failures, lost leaderships and other leaders
 Exit codes of `quorumlock status`: 0 when a majority of nodes answered,
 69 otherwise; 64 and 78 as above.
 Exit codes of `quorumlock check`: 0 when the set is safe for Redlock, 2 when
@@ -120,6 +132,43 @@ QUORUMLOCK_TOKEN begins with `r`.
 Without --nodes, the nodes come from REDLOCK_NODES (comma-separated). A
 brand-new cluster (or nodes restarted without their data) refuses votes for
 one TTL, the Redlock delayed-restart rule: runs then exit 69.";
+
+const LEAD_ABOUT: &str = "\
+Run a command while this host leads the election NAME, and again each
+time it is elected.
+
+Campaigns for NAME (a lock on a majority of the nodes, whose token carries
+this candidate's --id) until elected, on through node failures and while
+another candidate leads; then runs the command and renews the leadership
+in the background. Each leader is elected in a term, a number above every
+earlier leader's term of NAME: pass it to storage that refuses a lower
+one. The command inherits stdin, stdout and stderr (quorumlock writes only
+to stderr, lines starting with `quorumlock: `) and gets in its environment:
+  QUORUMLOCK_NAME    the election's name (NAME)
+  QUORUMLOCK_ID      this candidate's id (--id)
+  QUORUMLOCK_TERM    the term: the leadership's fencing token
+  QUORUMLOCK_TTL_MS  the TTL in milliseconds
+
+The command runs as under `quorumlock run` (see its --help): in a process
+group of its own, which a watcher process stops if quorumlock dies or is
+stopped past the leadership's validity; signals are forwarded to the group.
+
+If the leadership is lost while the command runs (renewal failed, the key
+was deleted or taken, quorumlock was stopped past its validity), quorumlock
+sends the group SIGTERM, then SIGKILL after --grace, and campaigns again
+after a jittered pause (doubling up to the TTL while terms end lost within
+a TTL of their start); re-elected, it starts the command again, in a new
+term.
+
+When the command exits by itself, quorumlock resigns (the next candidate
+is elected at once) and exits with the command's status: a command that
+fails hands the leadership over rather than being restarted here.
+SIGTERM, SIGINT, SIGHUP and SIGQUIT are forwarded to the command's group,
+and quorumlock campaigns no more: it exits when the command does, with its
+status, or at once (128+N) while no command runs. Ctrl-Z stops the command
+and quorumlock as under run, and is ignored while no command runs.
+
+Without --nodes, the nodes come from REDLOCK_NODES (comma-separated).";
 
 const CHECK_ABOUT: &str = "\
 Audit the node list the way the client judges nodes at connect, and more,
@@ -182,6 +231,13 @@ enum Cmd {
         override_usage = "quorumlock run [OPTIONS] <KEY> [--and <KEY>]... -- <CMD> [ARGS]..."
     )]
     Run(RunArgs),
+    /// Run a command while this host leads the election NAME.
+    #[command(
+        long_about = LEAD_ABOUT,
+        after_help = EXIT_CODES,
+        override_usage = "quorumlock lead [OPTIONS] <NAME> -- <CMD> [ARGS]..."
+    )]
+    Lead(LeadArgs),
     /// Show KEY's state on every node.
     #[command(long_about = STATUS_ABOUT, after_help = EXIT_CODES)]
     Status(StatusArgs),
@@ -236,13 +292,29 @@ struct NodeArgs {
     tls_key: Option<std::path::PathBuf>,
 }
 
+/// The command `run` and `lead` supervise.
 #[derive(clap::Args, Debug)]
-struct RunArgs {
-    #[command(flatten)]
-    nodes: NodeArgs,
-    /// The lock's time to live; renewed every TTL/3 while the command runs.
-    /// It bounds how long KEY stays blocked if this host dies. Durations:
-    /// 500ms, 30s, 2m, 1h, or whole seconds; at most 1h.
+struct CommandLine {
+    /// The command and its arguments (after `--`).
+    #[arg(
+        value_name = "CMD",
+        required = true,
+        num_args = 1..,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_parser = clap::value_parser!(OsString)
+    )]
+    argv: Vec<OsString>,
+}
+
+/// The lease a supervised command runs under: `run`'s lock, `lead`'s
+/// leadership.
+#[derive(clap::Args, Debug)]
+struct LeaseArgs {
+    /// The lease's time to live (run: the lock's; lead: the leadership's);
+    /// renewed every TTL/3 while the command runs. It bounds how long KEY
+    /// stays blocked (NAME stays led) if this host dies. Durations: 500ms,
+    /// 30s, 2m, 1h, or whole seconds; at most 1h.
     ///
     /// A TTL longer than the nodes have recorded makes this command wait
     /// on nodes whose lock history is younger than it (started or
@@ -255,6 +327,18 @@ struct RunArgs {
     /// than it: until their histories are that old.
     #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_ttl)]
     ttl: Duration,
+    /// Time between SIGTERM and SIGKILL when the lock (the leadership) is
+    /// lost.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
+    grace: Duration,
+}
+
+#[derive(clap::Args, Debug)]
+struct RunArgs {
+    #[command(flatten)]
+    nodes: NodeArgs,
+    #[command(flatten)]
+    lease: LeaseArgs,
     /// If KEY is busy, retry for up to this long before giving up (exit 75).
     #[arg(long, value_name = "DURATION", value_parser = parse_duration, conflicts_with = "no_wait")]
     wait: Option<Duration>,
@@ -262,9 +346,6 @@ struct RunArgs {
     /// `flock -n`. The default.
     #[arg(long)]
     no_wait: bool,
-    /// Time between SIGTERM and SIGKILL when the lock is lost.
-    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
-    grace: Duration,
     /// Run the command in quorumlock's own process group, not one of its
     /// own, so that it can read from the terminal (as `timeout
     /// --foreground`): signals then go to the command alone, not to its
@@ -288,16 +369,27 @@ struct RunArgs {
     /// lock of several resources). Repeat for more.
     #[arg(long = "and", value_name = "KEY")]
     and: Vec<String>,
-    /// The command and its arguments (after `--`).
-    #[arg(
-        value_name = "CMD",
-        required = true,
-        num_args = 1..,
-        trailing_var_arg = true,
-        allow_hyphen_values = true,
-        value_parser = clap::value_parser!(OsString)
-    )]
-    command: Vec<OsString>,
+    #[command(flatten)]
+    command: CommandLine,
+}
+
+#[derive(clap::Args, Debug)]
+struct LeadArgs {
+    #[command(flatten)]
+    nodes: NodeArgs,
+    #[command(flatten)]
+    lease: LeaseArgs,
+    /// This candidate's id: the leader's, in `quorumlock status NAME`, and
+    /// the command's QUORUMLOCK_ID. 1 to 128 bytes of any text; ids need
+    /// not be unique (the term tells two leaders apart). Default: HOST:PID,
+    /// the host's name and this process's id.
+    #[arg(long, value_name = "ID")]
+    id: Option<String>,
+    /// The election's name (the Redis key of its lock).
+    #[arg(value_name = "NAME")]
+    name: String,
+    #[command(flatten)]
+    command: CommandLine,
 }
 
 #[derive(clap::Args, Debug)]
@@ -335,6 +427,7 @@ fn main() -> ExitCode {
     };
     ExitCode::from(match cli.command {
         Cmd::Run(args) => run(args),
+        Cmd::Lead(args) => lead(args),
         Cmd::Status(args) => status(args),
         Cmd::Check(args) => check(args),
         Cmd::Watch {
@@ -353,9 +446,11 @@ macro_rules! say {
 }
 
 // After `say!`, which they use.
+mod lead;
 mod status;
 mod supervisor;
 
+use lead::lead;
 use status::status;
 use supervisor::{Launch, Outcome};
 
@@ -486,7 +581,7 @@ fn exit_code(e: &Error) -> u8 {
 // Signals
 // ---------------------------------------------------------------------------
 
-/// The signals `run` catches and forwards to the command.
+/// The signals `run` and `lead` catch and forward to the command.
 const FORWARDED: [Signal; 4] = [Signal::TERM, Signal::INT, Signal::HUP, Signal::QUIT];
 /// Job-control stops: forwarded, then `run` stops itself (SIGSTOP) so that
 /// the command never runs while nothing renews its lock.
@@ -495,6 +590,9 @@ const STOPS: [Signal; 3] = [Signal::TSTP, Signal::TTIN, Signal::TTOU];
 /// One flag per caught signal, set by its handler, cleared when taken.
 struct Signals {
     flags: Vec<(Signal, Arc<AtomicBool>)>,
+    /// The first terminating signal taken (1 + its index in [`FORWARDED`]),
+    /// 0 before one is: `lead` then campaigns no more.
+    first: AtomicUsize,
 }
 
 impl Signals {
@@ -505,7 +603,22 @@ impl Signals {
             signal_hook::flag::register(sig.as_raw(), flag.clone())?;
             flags.push((sig, flag));
         }
-        Ok(Signals { flags })
+        Ok(Signals {
+            flags,
+            first: AtomicUsize::new(0),
+        })
+    }
+
+    /// The first terminating signal received, taken or not.
+    fn received(&self) -> Option<Signal> {
+        let first = self.first.load(Ordering::SeqCst);
+        let taken = first.checked_sub(1).and_then(|i| FORWARDED.get(i).copied());
+        taken.or_else(|| {
+            self.flags
+                .iter()
+                .find(|(s, f)| FORWARDED.contains(s) && f.load(Ordering::SeqCst))
+                .map(|(s, _)| *s)
+        })
     }
 
     /// The first terminating signal received since the last call (stops
@@ -516,11 +629,21 @@ impl Signals {
 
     /// The signals received since the last call.
     fn take(&self) -> Vec<Signal> {
-        self.flags
+        let taken: Vec<Signal> = self
+            .flags
             .iter()
             .filter(|(_, f)| f.swap(false, Ordering::SeqCst))
             .map(|(s, _)| *s)
-            .collect()
+            .collect();
+        if let Some(i) = taken
+            .iter()
+            .find_map(|s| FORWARDED.iter().position(|f| f == s))
+        {
+            let _ = self
+                .first
+                .compare_exchange(0, i + 1, Ordering::SeqCst, Ordering::SeqCst);
+        }
+        taken
     }
 }
 
@@ -573,7 +696,7 @@ fn run(args: RunArgs) -> u8 {
         return exit_code(&e);
     }
     let how = if args.read { How::Read } else { How::Write };
-    let guard = match acquire(&locks, &keys, how, args.ttl, wait, &signals) {
+    let guard = match acquire(&locks, &keys, how, args.lease.ttl, wait, &signals) {
         Ok(g) => g,
         Err(Stop::Signal(sig)) => return signal_exit(sig),
         Err(Stop::Failed(e)) => {
@@ -594,9 +717,9 @@ fn run(args: RunArgs) -> u8 {
     }
 
     let launch = Launch {
-        command: &args.command,
-        grace: args.grace,
-        ttl: args.ttl,
+        command: &args.command.argv,
+        grace: args.lease.grace,
+        ttl: args.lease.ttl,
         foreground: args.foreground,
     };
     let mut env = vec![
@@ -606,7 +729,7 @@ fn run(args: RunArgs) -> u8 {
             guard.resources().collect::<Vec<_>>().join("\n"),
         ),
         ("QUORUMLOCK_TOKEN", guard.token().to_owned()),
-        ("QUORUMLOCK_TTL_MS", args.ttl.as_millis().to_string()),
+        ("QUORUMLOCK_TTL_MS", args.lease.ttl.as_millis().to_string()),
     ];
     if let Some(f) = guard.fencing_token() {
         env.push(("QUORUMLOCK_FENCING_TOKEN", f.to_string()));
@@ -774,8 +897,8 @@ mod tests {
         let Cmd::Run(r) = c.command else {
             panic!("run")
         };
-        assert_eq!(r.command, ["sh", "-c", "exit 3"]);
-        assert_eq!(r.ttl, Duration::from_secs(30));
+        assert_eq!(r.command.argv, ["sh", "-c", "exit 3"]);
+        assert_eq!(r.lease.ttl, Duration::from_secs(30));
         assert!(
             Cli::try_parse_from(["quorumlock", "run", "--wait", "1s", "--no-wait", "k", "x"])
                 .is_err()

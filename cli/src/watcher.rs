@@ -1,6 +1,8 @@
 //! The watcher: a small process that outlives `quorumlock run` only to stop
 //! its command when `run` cannot do so itself (SIGKILL, the OOM killer, a
-//! SIGSTOP), before the lock's validity ends.
+//! SIGSTOP), before the lock's validity ends. `quorumlock lead` starts one
+//! for each term's command in the same way, with the leadership as the
+//! lock: `run` below stands for either.
 //!
 //! `run` starts it (this same binary, `quorumlock __watch`) before the
 //! command, in a process group of its own, and starts the command in that
@@ -97,9 +99,18 @@ impl Watcher {
         self.tick
     }
 
-    /// Tells the watcher the lock is valid until `deadline`, if that moved.
+    /// Tells the watcher the lock is valid until `deadline`, if that moved
+    /// by a millisecond or more (it is told in whole ms; a leadership's
+    /// deadline, read from its validity, moves by nanoseconds between reads
+    /// and is never past the lease's own).
     pub(crate) fn valid_until(&mut self, deadline: Instant) {
-        if self.told == Some(deadline) {
+        let moved = |told: Instant| {
+            let apart = deadline
+                .saturating_duration_since(told)
+                .max(told.saturating_duration_since(deadline));
+            apart >= Duration::from_millis(1)
+        };
+        if self.told.is_some_and(|t| !moved(t)) {
             return;
         }
         self.told = Some(deadline);

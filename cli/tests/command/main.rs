@@ -6,4 +6,5 @@
 mod common;
 
 mod cli;
+mod lead;
 mod processes;
