@@ -1,8 +1,8 @@
 //! `quorumlock`: `flock(1)` for a cluster. Runs a command under a Redlock
 //! lock held on N Redis nodes, so that a job started on several hosts runs
 //! on one of them at a time (`quorumlock run`), or while its host leads an
-//! election (`quorumlock lead`), and shows a lock's key on every node
-//! (`quorumlock status`).
+//! election (`quorumlock lead`), and shows a lock's key on every node and
+//! who leads (`quorumlock status`).
 //!
 //! The `quorumlock-cli` package: `cargo install quorumlock-cli` (or, from a
 //! checkout, `cargo install --path cli`).
@@ -168,7 +168,8 @@ and quorumlock campaigns no more: it exits when the command does, with its
 status, or at once (128+N) while no command runs. Ctrl-Z stops the command
 and quorumlock as under run, and is ignored while no command runs.
 
-Without --nodes, the nodes come from REDLOCK_NODES (comma-separated).";
+Without --nodes, the nodes come from REDLOCK_NODES (comma-separated).
+`quorumlock status NAME` shows who leads, and in which term.";
 
 const CHECK_ABOUT: &str = "\
 Audit the node list the way the client judges nodes at connect, and more,
@@ -205,7 +206,9 @@ a writer waits for the readers to leave (no new reader gets in) adds
 nodes holding the most common token), `KEY: held for reading by K readers
 on N of M nodes` (K readers each on a majority; N: the fewest nodes any of
 them is on) or `KEY: free on every node that answered`, followed by
-`; writer waiting on W of M nodes` where a writer waits. A lock on a bare
+`; writer waiting on W of M nodes` where a writer waits, and `; led by ID
+in term T` where KEY is the name of an election (`quorumlock lead`) and a
+candidate's lease is on a majority: its id and term. A lock on a bare
 majority is one node failure from loss. Tokens are printed only with
 --show-token. A node's copy alone says nothing about who holds the lock: a
 lock is held only on a majority, within its validity.";
@@ -238,7 +241,7 @@ enum Cmd {
         override_usage = "quorumlock lead [OPTIONS] <NAME> -- <CMD> [ARGS]..."
     )]
     Lead(LeadArgs),
-    /// Show KEY's state on every node.
+    /// Show KEY's state on every node, and who leads the election KEY.
     #[command(long_about = STATUS_ABOUT, after_help = EXIT_CODES)]
     Status(StatusArgs),
     /// Audit the node list: is it safe for Redlock?

@@ -1,7 +1,9 @@
 //! `quorumlock status KEY`: the key on every node, a writer's or a set of
-//! readers, and the verdict of the majority.
+//! readers, and the verdict of the majority, with the leader where KEY is
+//! an election's name.
 
 use std::io::{self, Write};
+use std::time::Duration;
 
 use quorumlock::{KeyInfo, NodeKey};
 
@@ -44,7 +46,20 @@ pub(crate) fn status(args: StatusArgs) -> u8 {
             return EX_OSERR;
         }
     }
-    if writeln!(out, "{}", summary(&args.key, &nodes, locks.quorum())).is_err() {
+    let mut verdict = summary(&args.key, &nodes, locks.quorum());
+    // Where a candidate of an election (`quorumlock lead`) holds the key
+    // on a majority: who, in which term. (Reading who leads takes no TTL:
+    // the election's is for campaigns.) A failure to read it leaves the
+    // verdict as it is; the node lines say what failed.
+    let election = locks.election(args.key.as_str(), Duration::from_secs(1));
+    if let Ok(Some(leader)) = election.leader() {
+        verdict.push_str(&format!(
+            "; led by {} in term {}",
+            leader.id().escape_debug(),
+            leader.term()
+        ));
+    }
+    if writeln!(out, "{verdict}").is_err() {
         return EX_OSERR;
     }
     if answered >= locks.quorum() {

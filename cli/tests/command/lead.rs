@@ -1,7 +1,7 @@
 //! `quorumlock lead NAME -- CMD` (issue 42, item 3): the command runs while this process
 //! leads the election NAME, with the term in QUORUMLOCK_TERM; it is stopped when the
 //! leadership is lost, and started again when re-elected; a command that ends by itself
-//! ends the lead (resigned, its status passed through).
+//! ends the lead (resigned, its status passed through). `status NAME` names the leader.
 
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -10,7 +10,7 @@ use rustix::process::{kill_process, Pid, Signal};
 
 use crate::cli::{
     alive, assert_gone, finish, held, quorumlock, supervisor_cmd, until_started, Proc, Scratch,
-    EX_CONFIG, EX_USAGE, SOON,
+    EX_CONFIG, EX_USAGE, NODE_TIMEOUT, SOON,
 };
 use crate::common::{proc_identity, shared, unique_key, wait_until, Cluster};
 
@@ -191,6 +191,53 @@ fn lead_runs_its_command_with_the_term_and_exits_with_its_status() {
     assert_eq!(p.exit_code(SOON), 7, "stderr:\n{}", p.stderr());
     // Resigned: not left to expire after 20 s.
     assert_gone(&c, &key, Duration::from_secs(1));
+}
+
+/// `status NAME` adds the leader to its verdict: its id (by default host:pid of the
+/// `lead` process) and term, as the leader's command sees them; none once it resigned.
+#[test]
+fn status_shows_the_leader_and_its_term() {
+    let c = shared();
+    let dir = Scratch::new("lead-status");
+    let key = unique_key("lead-status");
+    let script = r#"echo "$QUORUMLOCK_ID $QUORUMLOCK_TERM" > "$D/who.tmp"; mv "$D/who.tmp" "$D/who"
+        while [ ! -e "$D/go" ]; do sleep 0.05; done"#;
+    let mut p = Proc::spawn(lead_cmd(&c, &dir, "lead", &key, &[], script), &dir, "lead");
+    until_started(&c, &dir, &mut p, "who", &key);
+    let who = dir.read("who").unwrap_or_default();
+    let (id, term) = who.split_once(' ').expect("id and term");
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    assert_eq!(
+        id,
+        format!("{}:{}", host.trim(), p.pid().as_raw_nonzero()),
+        "the default id"
+    );
+    let status = |name: &str| -> String {
+        let mut cmd = quorumlock(&dir, name);
+        cmd.arg("status")
+            .arg("--nodes")
+            .arg(c.urls().join(","))
+            .args(["--node-timeout", NODE_TIMEOUT])
+            .arg(&key);
+        let (code, err) = finish(cmd, &dir, name);
+        let out = std::fs::read_to_string(dir.path(&format!("{name}.stdout"))).unwrap_or_default();
+        assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
+        out
+    };
+    let out = status("s1");
+    let verdict = out.lines().last().unwrap_or_default();
+    assert!(
+        verdict.starts_with(&format!("{key}: held on "))
+            && verdict.ends_with(&format!(" nodes; led by {id} in term {term}")),
+        "{out}"
+    );
+    assert_eq!(out.lines().count(), c.len() + 1, "{out}");
+
+    dir.touch("go");
+    assert_eq!(p.exit_code(SOON), 0, "stderr:\n{}", p.stderr());
+    assert_gone(&c, &key, Duration::from_secs(1));
+    let out = status("s2");
+    assert!(!out.contains("led by"), "{out}");
 }
 
 /// Two `lead` of one name: one runs its command at a time, and the other's starts once the
