@@ -4,13 +4,14 @@
 //! the leadership as its lease.
 
 use std::io::{self, Write};
+use std::sync::Arc;
 use std::time::Duration;
 
-use quorumlock::{Election, Leadership};
+use quorumlock::{Election, EventHandler, Leadership, NodeChange, NodeEvent};
 
 use super::supervisor::{Launch, Outcome};
 use super::{
-    client, exit_code, signal_exit, LeadArgs, Signals, CONNECT_WAIT, EX_OSERR, EX_SOFTWARE,
+    client, exit_code, seconds, signal_exit, LeadArgs, Signals, CONNECT_WAIT, EX_OSERR, EX_SOFTWARE,
 };
 
 /// How often a campaign (or the pause after a term) looks for a signal
@@ -27,7 +28,7 @@ pub(crate) fn lead(args: LeadArgs) -> u8 {
             return EX_OSERR;
         }
     };
-    let locks = match client(&args.nodes, false) {
+    let locks = match client(&args.nodes, |b| b.events(Arc::new(NodeLog))) {
         Ok(l) => l,
         Err(code) => return code,
     };
@@ -117,5 +118,31 @@ fn term(
         // Resigned by `Election::run` as the leadership drops.
         Outcome::Exited(code) => Some(code),
         Outcome::Lost => signals.received().map(signal_exit),
+    }
+}
+
+/// Says on stderr when a node stops or starts counting: `lead` campaigns on
+/// through node failures, and would otherwise wait in silence on nodes that
+/// do not answer (a wrong address, a majority down).
+struct NodeLog;
+
+impl EventHandler for NodeLog {
+    fn on_node(&self, event: &NodeEvent<'_>) {
+        let node = event.node();
+        match event.change() {
+            NodeChange::Skipped { refused: true } => {
+                say!("node {node} refused a connection; rounds go on without it")
+            }
+            NodeChange::Skipped { refused: false } => {
+                say!("node {node} did not answer in time; rounds go on without it")
+            }
+            NodeChange::Rejoined => say!("node {node} answers again"),
+            NodeChange::HeldBack { votes_in } => say!(
+                "node {node} is new or restarted empty: its votes count in {} (delayed restarts)",
+                seconds(votes_in)
+            ),
+            NodeChange::HoldOver => say!("node {node}: its votes count again"),
+            _ => {}
+        }
     }
 }

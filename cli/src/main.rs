@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use quorumlock::{Error, LockGuard, Redlock};
+use quorumlock::{Builder, Error, LockGuard, Redlock};
 use rustix::process::Signal;
 
 mod watcher;
@@ -139,8 +139,9 @@ time it is elected.
 
 Campaigns for NAME (a lock on a majority of the nodes, whose token carries
 this candidate's --id) until elected, on through node failures and while
-another candidate leads; then runs the command and renews the leadership
-in the background. Each leader is elected in a term, a number above every
+another candidate leads (it says on stderr when a node stops answering
+or answers again); then runs the command and renews the leadership in
+the background. Each leader is elected in a term, a number above every
 earlier leader's term of NAME: pass it to storage that refuses a lower
 one. The command inherits stdin, stdout and stderr (quorumlock writes only
 to stderr, lines starting with `quorumlock: `) and gets in its environment:
@@ -516,9 +517,10 @@ fn seconds(d: Duration) -> String {
 // Client and error mapping
 // ---------------------------------------------------------------------------
 
-/// The client for `--nodes` or `REDLOCK_NODES`; `Err(exit code)` after a
+/// The client for `--nodes` or `REDLOCK_NODES`, with what `more` sets on
+/// its builder (a command's own settings); `Err(exit code)` after a
 /// message.
-fn client(args: &NodeArgs, fencing: bool) -> Result<Redlock, u8> {
+fn client(args: &NodeArgs, more: impl FnOnce(Builder) -> Builder) -> Result<Redlock, u8> {
     let mut urls: Vec<String> = args
         .nodes
         .iter()
@@ -549,7 +551,6 @@ fn client(args: &NodeArgs, fencing: bool) -> Result<Redlock, u8> {
     }
     let mut builder = Redlock::builder()
         .nodes(urls)
-        .fencing(fencing)
         .fresh_cluster(args.fresh_cluster)
         .allow_evicting_nodes(args.allow_evicting_nodes);
     if let Some(t) = args.node_timeout {
@@ -562,7 +563,7 @@ fn client(args: &NodeArgs, fencing: bool) -> Result<Redlock, u8> {
     if let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) {
         tls = tls.client_auth(cert, key);
     }
-    builder = builder.tls(tls);
+    builder = more(builder.tls(tls));
     builder.build().map_err(|e| {
         say!("{e}");
         exit_code(&e)
@@ -679,7 +680,7 @@ fn run(args: RunArgs) -> u8 {
             return EX_OSERR;
         }
     };
-    let locks = match client(&args.nodes, args.fencing) {
+    let locks = match client(&args.nodes, |b| b.fencing(args.fencing)) {
         Ok(l) => l,
         Err(code) => return code,
     };
@@ -821,7 +822,7 @@ fn release(guard: LockGuard) {
 const EX_NOT_SAFE: u8 = 2;
 
 fn check(args: CheckArgs) -> u8 {
-    let locks = match client(&args.nodes, false) {
+    let locks = match client(&args.nodes, |b| b) {
         Ok(l) => l,
         Err(code) => return code,
     };

@@ -10,7 +10,7 @@ use quorumlock::{KeyInfo, NodeKey};
 use super::{client, error_detail, exit_code, seconds, StatusArgs, EX_OSERR, EX_UNAVAILABLE};
 
 pub(crate) fn status(args: StatusArgs) -> u8 {
-    let locks = match client(&args.nodes, false) {
+    let locks = match client(&args.nodes, |b| b) {
         Ok(l) => l,
         Err(code) => return code,
     };

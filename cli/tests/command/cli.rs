@@ -654,7 +654,7 @@ fn status_shows_each_node_without_the_token_unless_asked() {
 }
 
 /// Three URLs where nothing listens (ports just freed).
-fn dead_nodes() -> String {
+pub(crate) fn dead_nodes() -> String {
     let ports: Vec<u16> = (0..3)
         .map(|_| {
             let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

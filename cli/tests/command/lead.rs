@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use rustix::process::{kill_process, Pid, Signal};
 
 use crate::cli::{
-    alive, assert_gone, finish, held, quorumlock, supervisor_cmd, until_started, Proc, Scratch,
-    EX_CONFIG, EX_USAGE, NODE_TIMEOUT, SOON,
+    alive, assert_gone, dead_nodes, finish, held, quorumlock, supervisor_cmd, until_started, Proc,
+    Scratch, EX_CONFIG, EX_USAGE, NODE_TIMEOUT, SOON,
 };
 use crate::common::{proc_identity, shared, unique_key, wait_until, Cluster};
 
@@ -454,6 +454,34 @@ fn a_lead_paused_past_its_ttl_loses_its_command_and_campaigns_again() {
     assert!(term_of(&dir, "a") > term_of(&dir, "b"));
     kill_process(a.pid(), Signal::TERM).expect("signal a");
     assert_eq!(a.exit_code(SOON), 143, "a stderr:\n{}", a.stderr());
+    assert_gone(&c, &key, Duration::from_secs(1));
+}
+
+/// `lead` campaigns on through node failures, and says so: a node of its list where nothing
+/// listens is named on stderr, and the other two elect it.
+#[test]
+fn lead_names_the_nodes_that_do_not_answer() {
+    let c = shared();
+    let dir = Scratch::new("lead-dead-node");
+    let key = unique_key("lead-dead-node");
+    let dead = dead_nodes();
+    let dead = dead.split(',').next().unwrap_or_default();
+    let mut cmd = quorumlock(&dir, "a");
+    cmd.arg("lead")
+        .arg("--nodes")
+        .arg(format!("{},{},{dead}", c.url(0), c.url(1)))
+        .args(["--node-timeout", NODE_TIMEOUT, "--fresh-cluster", &key])
+        .args(["--", "sh", "-c", &turn("a")]);
+    let mut p = Proc::spawn(cmd, &dir, "a");
+    until_started(&c, &dir, &mut p, "a", &key);
+    let named = format!("quorumlock: node {} ", dead.trim_start_matches("redis://"));
+    assert!(
+        wait_until(SOON, || p.stderr().contains(&named)),
+        "{named:?} not in the stderr:\n{}",
+        p.stderr()
+    );
+    dir.touch("a.go");
+    assert_eq!(p.exit_code(SOON), 0, "stderr:\n{}", p.stderr());
     assert_gone(&c, &key, Duration::from_secs(1));
 }
 
