@@ -143,8 +143,8 @@ fn term_of(dir: &Scratch, me: &str) -> u64 {
 }
 
 /// The lead's command sees the election (QUORUMLOCK_NAME, _ID, _TERM, _TTL_MS) and
-/// none of an enclosing run's variables; the term is the fencing counter the nodes
-/// keep for NAME. A command that exits by itself ends the lead with its status, and
+/// none of an enclosing run's variables; the term is the one a majority of the nodes
+/// record with the leader's token. A command that exits by itself ends the lead with its status, and
 /// the leadership is resigned (gone at once, not after its TTL).
 #[test]
 fn lead_runs_its_command_with_the_term_and_exits_with_its_status() {
@@ -177,11 +177,28 @@ fn lead_runs_its_command_with_the_term_and_exits_with_its_status() {
     assert_eq!(lines[1], "worker-7");
     let term: u64 = lines[2].parse().expect("QUORUMLOCK_TERM is a number");
     assert!(term > 0, "term {term}");
-    let fences: Vec<u64> = (0..c.len()).filter_map(|i| c.fence(i, &key)).collect();
-    assert_eq!(
-        fences.iter().max(),
-        Some(&term),
-        "the term is not the election's fencing token: {fences:?}"
+    // The term the nodes record with the leader's token (`TERM TOKEN`).
+    let token = (0..c.len())
+        .find_map(|i| c.get(i, &key))
+        .expect("the leader's token");
+    let recorded: Vec<Option<String>> = (0..c.len())
+        .map(|i| {
+            redis::cmd("HGET")
+                .arg("quorumlock:meta")
+                .arg(format!("term:{key}"))
+                .query(&mut c.conn(i))
+                .expect("HGET the term")
+        })
+        .collect();
+    let with_token = format!("{term} {token}");
+    assert!(
+        recorded
+            .iter()
+            .flatten()
+            .filter(|r| **r == with_token)
+            .count()
+            > c.len() / 2,
+        "the command's term is not the one a majority records with {token}: {recorded:?}"
     );
     assert_eq!(lines[3], "20000");
     assert_eq!(lines[4], "unset", "an enclosing run's token passed on");
