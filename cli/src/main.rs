@@ -166,7 +166,7 @@ is elected at once) and exits with the command's status: a command that
 fails hands the leadership over rather than being restarted here.
 SIGTERM, SIGINT, SIGHUP and SIGQUIT are forwarded to the command's group,
 and quorumlock campaigns no more: it exits when the command does, with its
-status, or at once (128+N) while no command runs. Ctrl-Z stops the command
+status, or, while no command runs, within about a second (128+N). Ctrl-Z stops the command
 and quorumlock as under run, and is ignored while no command runs.
 
 Without --nodes, the nodes come from REDLOCK_NODES (comma-separated).
