@@ -437,6 +437,12 @@ impl Leadership {
         self.guard().validity()
     }
 
+    /// The monotonic instant until which the lease may be assumed held;
+    /// moves forward with each renewal.
+    pub fn deadline(&self) -> Instant {
+        self.guard().deadline()
+    }
+
     /// A signal of the lease's loss, to watch from any thread (see
     /// [`LockGuard::lost`]).
     pub fn lost(&self) -> LostSignal {

@@ -67,13 +67,8 @@ impl Lease for LockGuard {
 }
 
 impl Lease for Leadership {
-    /// A leadership tells its validity, not its deadline: now plus the
-    /// validity, which the library measures a moment later, so never past
-    /// the lease's own deadline (the watcher, told in whole ms, is not
-    /// told again for the nanoseconds it moves between calls).
     fn deadline(&self) -> Instant {
-        let now = Instant::now();
-        now.checked_add(self.validity()).unwrap_or(now)
+        Leadership::deadline(self)
     }
     fn is_held(&self) -> bool {
         // Not `is_leader`: a stopped election ends the campaign, not the

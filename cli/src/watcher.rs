@@ -99,18 +99,9 @@ impl Watcher {
         self.tick
     }
 
-    /// Tells the watcher the lock is valid until `deadline`, if that moved
-    /// by a millisecond or more (it is told in whole ms; a leadership's
-    /// deadline, read from its validity, moves by nanoseconds between reads
-    /// and is never past the lease's own).
+    /// Tells the watcher the lock is valid until `deadline`, if that moved.
     pub(crate) fn valid_until(&mut self, deadline: Instant) {
-        let moved = |told: Instant| {
-            let apart = deadline
-                .saturating_duration_since(told)
-                .max(told.saturating_duration_since(deadline));
-            apart >= Duration::from_millis(1)
-        };
-        if self.told.is_some_and(|t| !moved(t)) {
+        if self.told == Some(deadline) {
             return;
         }
         self.told = Some(deadline);
