@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use rustix::process::{kill_process, Pid, Signal};
 
-use crate::common::{shared, unique_key, wait_until, Cluster};
+use crate::common::{proc_identity, shared, unique_key, wait_until, Cluster};
 
 const BIN: &str = env!("CARGO_BIN_EXE_quorumlock");
 
@@ -804,6 +804,34 @@ pub(crate) fn alive(pid: &str) -> bool {
             .trim_start()
             .starts_with('Z')
     })
+}
+
+/// Processes the tests' commands started, SIGKILLed on drop if they are still running (the
+/// same processes: pid and start time), so that a failed test leaves none behind.
+#[derive(Default)]
+pub(crate) struct Leftovers(Vec<(u32, u64)>);
+
+impl Leftovers {
+    /// Adds the process whose pid `dir`'s file `name` holds; the pid.
+    pub(crate) fn add(&mut self, dir: &Scratch, name: &str) -> String {
+        let pid = dir.read(name).unwrap_or_else(|| panic!("no pid in {name}"));
+        if let Some(id) = pid.parse().ok().and_then(proc_identity) {
+            self.0.push(id);
+        }
+        pid
+    }
+}
+
+impl Drop for Leftovers {
+    fn drop(&mut self) {
+        for &(pid, start) in &self.0 {
+            let same = proc_identity(pid).is_some_and(|(_, s)| s == start);
+            let pid = i32::try_from(pid).ok().and_then(Pid::from_raw);
+            if let (true, Some(pid)) = (same, pid) {
+                let _ = kill_process(pid, Signal::KILL);
+            }
+        }
+    }
 }
 
 /// A script's own children go too: the command runs in a process group of

@@ -9,10 +9,10 @@ use std::time::{Duration, Instant};
 use rustix::process::{kill_process, Pid, Signal};
 
 use crate::cli::{
-    alive, assert_gone, dead_nodes, finish, held, quorumlock, supervisor_cmd, until_started, Proc,
-    Scratch, EX_CONFIG, EX_USAGE, NODE_TIMEOUT, SOON,
+    alive, assert_gone, dead_nodes, finish, held, quorumlock, supervisor_cmd, until_started,
+    Leftovers, Proc, Scratch, EX_CONFIG, EX_USAGE, NODE_TIMEOUT, SOON,
 };
-use crate::common::{proc_identity, shared, unique_key, wait_until, Cluster};
+use crate::common::{shared, unique_key, wait_until, Cluster};
 
 /// `quorumlock lead --nodes … [extra] NAME -- sh -c SCRIPT`.
 fn lead_cmd(
@@ -92,34 +92,6 @@ fn until_starts(dir: &Scratch, p: &mut Proc, me: &str, n: usize) {
         "{me}'s command did not start {n} times; stderr:\n{}",
         p.stderr()
     );
-}
-
-/// Processes the tests' commands started, SIGKILLed on drop if they are still running (the
-/// same processes: pid and start time), so that a failed test leaves none behind.
-#[derive(Default)]
-struct Leftovers(Vec<(u32, u64)>);
-
-impl Leftovers {
-    /// Adds the process whose pid `dir`'s file `name` holds; the pid.
-    fn add(&mut self, dir: &Scratch, name: &str) -> String {
-        let pid = dir.read(name).unwrap_or_else(|| panic!("no pid in {name}"));
-        if let Some(id) = pid.parse().ok().and_then(proc_identity) {
-            self.0.push(id);
-        }
-        pid
-    }
-}
-
-impl Drop for Leftovers {
-    fn drop(&mut self) {
-        for &(pid, start) in &self.0 {
-            let same = proc_identity(pid).is_some_and(|(_, s)| s == start);
-            let pid = i32::try_from(pid).ok().and_then(Pid::from_raw);
-            if let (true, Some(pid)) = (same, pid) {
-                let _ = kill_process(pid, Signal::KILL);
-            }
-        }
-    }
 }
 
 /// The starts `me`'s commands recorded in `$D/starts`: `(ns, term)`, in order.
