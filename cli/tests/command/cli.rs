@@ -848,6 +848,136 @@ fn a_lost_lock_terminates_the_commands_children_too() {
     );
 }
 
+/// A line of a script that leaves a process behind in the command's group: a subshell
+/// that appends a line to `$D/<name>.ticks` every 50 ms (ignoring SIGTERM if `stubborn`),
+/// its pid in `$D/<name>.pid`.
+pub(crate) fn leftover(name: &str, stubborn: bool) -> String {
+    let trap = if stubborn { "trap '' TERM; " } else { "" };
+    format!(
+        r#"({trap}while :; do echo x >> "$D/{name}.ticks"; sleep 0.05; done) &
+        echo $! > "$D/{name}.pid""#
+    )
+}
+
+/// The number of lines of the scratch file `name` (0 when it does not exist).
+pub(crate) fn lines(dir: &Scratch, name: &str) -> usize {
+    dir.read(name).map_or(0, |t| t.lines().count())
+}
+
+/// A command that exits by itself leaving a background child in its process group: `run`
+/// stops the child (SIGTERM to the group) before it releases the lock, without waiting out
+/// --grace, and exits with the command's status. The child used to run on after the
+/// release, beside the next holder's command.
+#[test]
+fn run_stops_what_its_command_left_behind_before_releasing() {
+    let c = shared();
+    let dir = Scratch::new("cli-leftovers");
+    let key = unique_key("cli-leftovers");
+    let mut leftovers = Leftovers::default();
+    let script = format!(
+        "{}\n{}",
+        leftover("child", false),
+        hold_until_go("started", 3)
+    );
+    let mut a = Proc::spawn(
+        run_cmd(&c, &dir, "a", &key, &["--grace", "20s"], &script),
+        &dir,
+        "a",
+    );
+    until_started(&c, &dir, &mut a, "started", &key);
+    let child = leftovers.add(&dir, "child.pid");
+    // The next holder, waiting for the lock: counts the child's lines as its command
+    // starts, and half a second later.
+    let next = r#"wc -l < "$D/child.ticks" > "$D/b.first"
+        sleep 0.5
+        wc -l < "$D/child.ticks" > "$D/b.last""#;
+    let mut b = Proc::spawn(
+        run_cmd(&c, &dir, "b", &key, &["--wait", "60s"], next),
+        &dir,
+        "b",
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(b.running(), "b ended; stderr:\n{}", b.stderr());
+
+    let go = Instant::now();
+    dir.touch("started.go");
+    assert_eq!(a.exit_code(SOON), 3, "stderr:\n{}", a.stderr());
+    let took = go.elapsed();
+    assert!(
+        !alive(&child),
+        "the command's child {child} outlived run; stderr:\n{}",
+        a.stderr()
+    );
+    assert!(
+        took < Duration::from_secs(10),
+        "took {took:?} (--grace 20s)"
+    );
+    assert_eq!(b.exit_code(SOON), 0, "b stderr:\n{}", b.stderr());
+    let (first, last) = (dir.read("b.first"), dir.read("b.last"));
+    assert!(first.is_some(), "b's command did not run");
+    assert_eq!(first, last, "a's leftover ran on beside b's command");
+    assert_gone(&c, &key, Duration::from_secs(1));
+}
+
+/// A leftover that ignores SIGTERM gets SIGKILL once --grace has passed since the command
+/// exited, and `run` still exits with the command's status. A command that leaves nothing
+/// behind is not held up by the grace.
+#[test]
+fn run_kills_a_leftover_that_ignores_sigterm_after_the_grace() {
+    let c = shared();
+    let dir = Scratch::new("cli-stubborn");
+    let key = unique_key("cli-stubborn");
+    let mut leftovers = Leftovers::default();
+    let script = format!(
+        r#"{}
+        touch "$D/started"
+        exit 4"#,
+        leftover("stubborn", true)
+    );
+    let mut p = Proc::spawn(
+        run_cmd(&c, &dir, "run", &key, &["--grace", "1s"], &script),
+        &dir,
+        "run",
+    );
+    assert!(
+        wait_until(SOON, || dir.path("started").exists()),
+        "the command did not start; stderr:\n{}",
+        p.stderr()
+    );
+    let exited = Instant::now();
+    let child = leftovers.add(&dir, "stubborn.pid");
+    assert_eq!(p.exit_code(SOON), 4, "stderr:\n{}", p.stderr());
+    let took = exited.elapsed();
+    assert!(
+        !alive(&child),
+        "the command's child {child} outlived run; stderr:\n{}",
+        p.stderr()
+    );
+    assert!(
+        took >= Duration::from_millis(800),
+        "released {took:?} after the command exited, within the 1 s grace"
+    );
+    assert!(p.stderr().contains("SIGKILL"), "{}", p.stderr());
+    let ticks = lines(&dir, "stubborn.ticks");
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(lines(&dir, "stubborn.ticks"), ticks, "the leftover went on");
+    assert_gone(&c, &key, Duration::from_secs(1));
+
+    let t = Instant::now();
+    let (code, err) = finish(
+        run_cmd(&c, &dir, "plain", &key, &["--grace", "30s"], "exit 6"),
+        &dir,
+        "plain",
+    );
+    assert_eq!(code, 6, "stderr:\n{err}");
+    let took = t.elapsed();
+    assert!(
+        took < Duration::from_secs(10),
+        "took {took:?} (--grace 30s)"
+    );
+    assert_gone(&c, &key, Duration::from_secs(1));
+}
+
 /// Ctrl-C in a terminal signals quorumlock's process group; the command,
 /// in a group of its own, gets it once, through quorumlock.
 #[test]
