@@ -978,6 +978,65 @@ fn run_kills_a_leftover_that_ignores_sigterm_after_the_grace() {
     assert_gone(&c, &key, Duration::from_secs(1));
 }
 
+/// The lock lost while a leftover that ignores SIGTERM is given its grace: it gets SIGKILL
+/// at once, not after the rest of the grace, and `run` still exits with the command's status.
+#[test]
+fn a_lock_lost_while_leftovers_are_ending_kills_them_at_once() {
+    let c = shared();
+    let dir = Scratch::new("cli-leftovers-lost");
+    let key = unique_key("cli-leftovers-lost");
+    let mut leftovers = Leftovers::default();
+    let script = format!(
+        r#"{}
+        touch "$D/started"
+        exit 5"#,
+        leftover("stubborn", true)
+    );
+    let mut p = Proc::spawn(
+        run_cmd(
+            &c,
+            &dir,
+            "run",
+            &key,
+            &["--ttl", "2s", "--grace", "60s"],
+            &script,
+        ),
+        &dir,
+        "run",
+    );
+    assert!(
+        wait_until(SOON, || dir.path("started").exists()),
+        "the command did not start; stderr:\n{}",
+        p.stderr()
+    );
+    let child = leftovers.add(&dir, "stubborn.pid");
+    assert!(
+        wait_until(SOON, || p.stderr().contains("SIGTERM")),
+        "the leftover was not sent SIGTERM; stderr:\n{}",
+        p.stderr()
+    );
+    let deleted = Instant::now();
+    for i in 0..c.len() {
+        c.del(i, &key);
+    }
+    assert_eq!(p.exit_code(SOON), 5, "stderr:\n{}", p.stderr());
+    let took = deleted.elapsed();
+    assert!(
+        took < Duration::from_secs(10),
+        "took {took:?} (--grace 60s)"
+    );
+    let err = p.stderr();
+    assert!(
+        err.contains(&format!("quorumlock: lock {key} lost: ")) && err.contains("SIGKILL"),
+        "{err}"
+    );
+    assert!(
+        !alive(&child),
+        "the leftover {child} outlived the lost lock"
+    );
+    assert_gone(&c, &key, Duration::from_secs(1));
+}
+
 /// Ctrl-C in a terminal signals quorumlock's process group; the command,
 /// in a group of its own, gets it once, through quorumlock.
 #[test]
@@ -1089,13 +1148,17 @@ fn a_stopped_run_stops_its_command_and_resumes_it_only_while_held() {
 }
 
 /// --foreground: the command shares quorumlock's process group (it can
-/// read the terminal) and still gets forwarded signals.
+/// read the terminal) and still gets forwarded signals. What it leaves
+/// behind is in quorumlock's group too, not told apart from the terminal's
+/// job: it is not stopped (as documented), and the test kills it.
 #[test]
 fn foreground_runs_in_quorumlocks_group() {
     let c = shared();
     let dir = Scratch::new("cli-fg");
     let key = unique_key("cli-fg");
-    let script = r#"cut -d' ' -f5 /proc/$$/stat > "$D/pgid"; trap 'exit 9' TERM; touch "$D/started"; sleep 60 & wait"#;
+    let mut leftovers = Leftovers::default();
+    let script = r#"cut -d' ' -f5 /proc/$$/stat > "$D/pgid"; trap 'exit 9' TERM
+        sleep 60 & echo $! > "$D/child"; touch "$D/started"; wait"#;
     let mut p = Proc::spawn(
         run_cmd(&c, &dir, "fg", &key, &["--foreground"], script),
         &dir,
@@ -1107,9 +1170,14 @@ fn foreground_runs_in_quorumlocks_group() {
         .as_raw_nonzero()
         .get();
     assert_eq!(dir.read("pgid").as_deref(), Some(own.to_string().as_str()));
+    let child = leftovers.add(&dir, "child");
     kill_process(p.pid(), Signal::TERM).expect("signal quorumlock");
     assert_eq!(p.exit_code(SOON), 9, "stderr:\n{}", p.stderr());
     assert_gone(&c, &key, Duration::from_secs(1));
+    assert!(
+        alive(&child),
+        "--foreground stopped the command's child: update docs/command.md"
+    );
 }
 
 /// A SIGKILLed run takes its command and the command's children with it. `quorumlock run`
