@@ -111,15 +111,20 @@ with `quorumlock: `) and gets in its environment:
 The command runs in a process group of its own, as under timeout(1), and
 signals go to that whole group (the command and its children). If the lock
 is lost while the command runs (renewal failed, the keys were deleted or
-taken), quorumlock sends the group SIGTERM, then SIGKILL after --grace (and
-SIGKILL to whatever of the group is left), and exits 70. SIGTERM, SIGINT,
-SIGHUP and SIGQUIT received by quorumlock are forwarded to the group; the
-lock is kept (and renewed) until the command exits, then released, and
-quorumlock exits with the command's status. Being outside the terminal's
+taken), quorumlock sends the group SIGTERM, then SIGKILL after --grace to
+whatever of the group is left, and exits 70. SIGTERM, SIGINT, SIGHUP and
+SIGQUIT received by quorumlock are forwarded to the group; the lock is kept
+(and renewed) until the command exits, then released, and quorumlock exits
+with the command's status. Being outside the terminal's
 foreground group, the command cannot read from the terminal (see
 --foreground). SIGTSTP (Ctrl-Z), SIGTTIN and SIGTTOU stop the command, then
 quorumlock; on SIGCONT the command continues only if the lock is still
 valid, else it is terminated as on a lost lock (exit 70).
+
+When the command exits, whatever it left running in its group (a job put
+in the background) is sent SIGTERM, then SIGKILL after --grace (at once if
+the lock is lost meanwhile), before the lock is released: nothing of the
+group outlives the lock. quorumlock still exits with the command's status.
 
 With --read, the lock is a read lock of KEY: any number of `run --read` of
 KEY hold it at once, and a writer (a `run` without --read, or any exclusive
@@ -161,9 +166,10 @@ after a jittered pause (doubling up to the TTL while terms end lost within
 a TTL of their start); re-elected, it starts the command again, in a new
 term.
 
-When the command exits by itself, quorumlock resigns (the next candidate
-is elected at once) and exits with the command's status: a command that
-fails hands the leadership over rather than being restarted here.
+When the command exits by itself, quorumlock ends what it left running in
+its group as `quorumlock run` does, resigns (the next candidate is elected
+at once) and exits with the command's status: a command that fails hands
+the leadership over rather than being restarted here.
 SIGTERM, SIGINT, SIGHUP and SIGQUIT are forwarded to the command's group,
 and quorumlock campaigns no more: it exits when the command does, with its
 status, or, while no command runs, within about a second (128+N). Ctrl-Z stops the command
@@ -353,7 +359,8 @@ struct RunArgs {
     /// Run the command in quorumlock's own process group, not one of its
     /// own, so that it can read from the terminal (as `timeout
     /// --foreground`): signals then go to the command alone, not to its
-    /// children, and a terminal's Ctrl-C reaches it twice.
+    /// children, a terminal's Ctrl-C reaches it twice, and children it
+    /// leaves behind when it exits are not stopped.
     #[arg(long)]
     foreground: bool,
     /// Take a fencing token with the lock and export it to the command as

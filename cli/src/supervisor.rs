@@ -1,7 +1,9 @@
 //! The supervisor `run` and `lead` share: it starts the watcher and the command (in the
 //! watcher's process group), forwards signals, follows the command, the lease it runs
 //! under (a lock's guard or a leadership) and the watcher, and terminates the command
-//! when the lease is lost.
+//! when the lease is lost. Nothing of the command's group outlives supervision: what
+//! the command leaves behind in it when it exits is terminated too, before the lease
+//! is released.
 
 use std::ffi::OsString;
 use std::io::{self, Write};
@@ -13,11 +15,19 @@ use quorumlock::{Error, Leadership, LockGuard, LostSignal};
 use rustix::process::{kill_process, kill_process_group, Pid, Signal};
 
 use super::{seconds, Signals, EX_CANNOT_EXECUTE, EX_NOT_FOUND, EX_OSERR, SIGNAL_BASE, STOPS};
-use crate::watcher::Watcher;
+use crate::watcher::{others_in_group, Watcher};
 
 /// How often the supervisor looks at the child and at received signals,
 /// and tells the watcher it is alive: at most this, and a tenth of the TTL.
 const TICK: Duration = Duration::from_millis(50);
+
+/// How often the command's group is looked at while it is being ended.
+const END_POLL: Duration = Duration::from_millis(20);
+
+/// How long, at most, for the processes of the command's group to be gone
+/// once sent SIGKILL (a process in an uninterruptible sleep finishes its
+/// system call first) before the lease is released anyway.
+const KILL_WAIT: Duration = Duration::from_secs(1);
 
 /// The supervisor's tick for a lease of `ttl`: short enough that the watcher
 /// tells a stopped supervisor from a running one well inside the validity.
@@ -98,8 +108,8 @@ pub(crate) struct Launch<'a> {
 /// How supervision ended.
 pub(crate) enum Outcome {
     /// The command exited by itself (or of a forwarded signal), or could not
-    /// be started or waited for: quorumlock's exit code. The lease is held
-    /// unless it ran out meanwhile.
+    /// be started or waited for: quorumlock's exit code. Whatever it left in
+    /// its group is gone. The lease is held unless it ran out meanwhile.
     Exited(u8),
     /// The lease was lost (or ran out while quorumlock was stopped) and the
     /// command was terminated.
@@ -161,18 +171,30 @@ impl Launch<'_> {
                 .flatten(),
         };
         let outcome = match watch(&mut job, lease, signals, &mut watcher) {
-            Ended::Exited(status) => Outcome::Exited(status_code(status)),
+            Ended::Exited(status) => {
+                // Its children may still run in its group (started in the
+                // background, or a daemon that did not leave the group): not
+                // past the lease, which is released (resigned) next.
+                let left = job.leftovers();
+                if left != Some(false) {
+                    if left == Some(true) {
+                        say!("the command exited and left processes in its group; sending them SIGTERM");
+                    }
+                    terminate(&mut job, self.grace, signals, &mut watcher, Some(lease));
+                }
+                Outcome::Exited(status_code(status))
+            }
             Ended::WaitFailed(e) => {
                 // Not expected for our own child; stop it rather than run
                 // unsupervised.
                 say!("cannot wait for the command: {e}; killing it");
                 job.signal(Signal::KILL);
-                let _ = job.child.wait();
+                job.until_gone();
                 Outcome::Exited(EX_OSERR)
             }
             Ended::Lost(why) => {
                 say!("{} lost: {why}; terminating the command", lease.what());
-                terminate(&mut job, self.grace, signals);
+                terminate(&mut job, self.grace, signals, &mut watcher, None);
                 Outcome::Lost
             }
         };
@@ -217,10 +239,11 @@ struct Job {
 }
 
 impl Job {
-    /// Sends `sig` while the command runs. This process is the only one
-    /// that reaps it (`try_wait`), so a pid seen running is not reused.
+    /// Sends `sig` to the command's group, or to the command alone while
+    /// it runs. This process is the only one that reaps it (`try_wait`),
+    /// so a pid seen running is not reused.
     fn signal(&mut self, sig: Signal) {
-        if let Ok(None) = self.child.try_wait() {
+        if self.group.is_some() || matches!(self.child.try_wait(), Ok(None)) {
             self.signal_any(sig);
         }
     }
@@ -236,6 +259,43 @@ impl Job {
             if e != rustix::io::Errno::SRCH {
                 say!("cannot send signal {} to the command: {e}", sig.as_raw());
             }
+        }
+    }
+
+    /// Whether a process of the command's group other than the watcher is
+    /// left: the command while it runs, and the children it may leave behind
+    /// when it exits (`None`: cannot be told, there is no /proc). With
+    /// `--foreground` none is found: the command's children are in our own
+    /// group, not told apart from its other processes.
+    fn leftovers(&self) -> Option<bool> {
+        match self.group {
+            // The group's leader is the (first) watcher.
+            Some(group) => others_in_group(group, group),
+            None => Some(false),
+        }
+    }
+
+    /// Whether the command has exited (it is reaped, or cannot be waited
+    /// for) and nothing is left of its group.
+    fn is_gone(&mut self) -> bool {
+        !matches!(self.child.try_wait(), Ok(None)) && self.leftovers() == Some(false)
+    }
+
+    /// After a SIGKILL to the group, waits up to [`KILL_WAIT`] for its
+    /// processes to be gone (a dying process may finish a system call, a
+    /// write, first), reaping the command.
+    fn until_gone(&mut self) {
+        let _ = self.child.wait();
+        let start = Instant::now();
+        while self.leftovers() == Some(true) {
+            if start.elapsed() >= KILL_WAIT {
+                say!(
+                    "processes of the command's group are still there {} after SIGKILL",
+                    seconds(KILL_WAIT)
+                );
+                return;
+            }
+            std::thread::sleep(END_POLL);
         }
     }
 }
@@ -306,35 +366,78 @@ fn resumed(job: &mut Job, lease: &dyn Lease) -> Option<Error> {
     None
 }
 
-/// SIGTERM (and SIGCONT, should it be stopped), up to `grace` for the
-/// command to exit, then SIGKILL; waits for it. Terminating signals
-/// received meanwhile are still forwarded.
-fn terminate(job: &mut Job, grace: Duration, signals: &Signals) {
+/// SIGTERM (and SIGCONT, should they be stopped) to the command's group
+/// (to the command alone with `--foreground`), up to `grace` for the
+/// command and whatever is left of its group to exit, then SIGKILL to what
+/// is left; reaps the command. Terminating signals received meanwhile are
+/// still forwarded.
+///
+/// `held`: the lease, when the command exited by itself and what it left
+/// behind is being ended. The watcher is then told its validity, and if it
+/// is lost meanwhile what is left gets SIGKILL at once: it must not run on
+/// past the lease.
+fn terminate(
+    job: &mut Job,
+    grace: Duration,
+    signals: &Signals,
+    watcher: &mut Watcher,
+    held: Option<&dyn Lease>,
+) {
+    if watcher.lapsed() {
+        // We were stopped past the lease's validity: the watcher ended the
+        // group itself (and its id is no longer held by it).
+        let _ = job.child.wait();
+        return;
+    }
     job.signal(Signal::TERM);
     job.signal(Signal::CONT);
+    let lost = held.map(|lease| (lease, lease.lost()));
     let start = Instant::now();
-    while start.elapsed() < grace {
+    let gone = loop {
         if let Some(sig) = signals.take_forwarded() {
             job.signal(sig);
         }
-        match job.child.try_wait() {
-            Ok(Some(_)) => break,
-            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
-            Err(_) => break,
+        if watcher.lapsed() {
+            break true;
         }
-    }
-    if let Ok(None) = job.child.try_wait() {
-        say!(
-            "the command did not exit within {} of SIGTERM; sending SIGKILL",
-            seconds(grace)
-        );
+        if let Some((lease, lost)) = &lost {
+            watcher.valid_until(lease.deadline());
+            let why = lost
+                .check()
+                .or_else(|| (!lease.is_held()).then_some(Error::Expired));
+            if let Some(why) = why {
+                say!(
+                    "{} lost: {why}; sending SIGKILL to what the command left in its group",
+                    lease.what()
+                );
+                break false;
+            }
+        }
+        if job.is_gone() {
+            break true;
+        }
+        if start.elapsed() >= grace {
+            if matches!(job.child.try_wait(), Ok(None)) {
+                say!(
+                    "the command did not exit within {} of SIGTERM; sending SIGKILL",
+                    seconds(grace)
+                );
+            } else if job.leftovers() == Some(true) {
+                say!(
+                    "processes of the command's group did not exit within {} of SIGTERM; sending SIGKILL",
+                    seconds(grace)
+                );
+            }
+            break false;
+        }
+        std::thread::sleep(END_POLL);
+    };
+    if gone {
+        let _ = job.child.wait();
+    } else {
+        // The watcher goes with them when the group is ours: its work is
+        // done (and it is reaped once told so).
         job.signal(Signal::KILL);
-    }
-    let _ = job.child.wait();
-    if job.group.is_some() {
-        // Whatever of its group is left (children that ignored SIGTERM, or
-        // that it left behind) must not go on without the lease (the watcher
-        // goes with them: its work is done).
-        job.signal_any(Signal::KILL);
+        job.until_gone();
     }
 }

@@ -365,21 +365,29 @@ fn stop(target: Target, me: Pid, grace: Duration, deadline: Option<Instant>) -> 
 fn left(target: Target, me: Pid) -> bool {
     match target {
         Target::Process(pid) => rustix::process::test_kill_process(pid).is_ok(),
-        Target::Group(group) => {
-            // Signal 0 to the group would reach us too (when it is ours):
-            // look for another member, in /proc (elsewhere: wait it out).
-            let Ok(dir) = std::fs::read_dir("/proc") else {
-                return true;
-            };
-            dir.flatten().any(|e| {
-                let name = e.file_name();
-                let Some(pid) = name.to_str().and_then(|n| n.parse::<i32>().ok()) else {
-                    return false;
-                };
-                pid != me.as_raw_nonzero().get() && pgrp(pid) == Some(group.as_raw_nonzero().get())
-            })
-        }
+        // Signal 0 to the group would reach us too (when it is ours): look
+        // for another member, in /proc (elsewhere: wait it out).
+        Target::Group(group) => others_in_group(group, me).unwrap_or(true),
     }
+}
+
+/// Whether a process of `group` other than `except` is left, zombies aside
+/// (they run nothing: they wait for their parent); `None` where there is no
+/// /proc to look in (not Linux), when it cannot be told.
+///
+/// Signal 0 to the group cannot tell: it reaches the watcher, a member
+/// (and its leader) for as long as the command may run.
+pub(crate) fn others_in_group(group: Pid, except: Pid) -> Option<bool> {
+    let dir = std::fs::read_dir("/proc").ok()?;
+    let (group, except) = (group.as_raw_nonzero().get(), except.as_raw_nonzero().get());
+    Some(dir.flatten().any(|e| {
+        let name = e.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            return false;
+        };
+        pid != except
+            && stat(pid).is_some_and(|(state, pgrp)| pgrp == group && !matches!(state, 'Z' | 'X'))
+    }))
 }
 
 /// Whether `run` (our parent) is stopped (SIGSTOP, or a job-control stop):
@@ -394,15 +402,14 @@ fn stopped(pid: Pid) -> bool {
         .is_some_and(|state| state == "T" || state == "t")
 }
 
-/// A process's group, from `/proc/<pid>/stat` (field 5, after the command
-/// name in parentheses); `None` when it is gone.
-fn pgrp(pid: i32) -> Option<i32> {
+/// A process's state and group, from `/proc/<pid>/stat` (fields 3 and 5,
+/// after the command name in parentheses); `None` when it is gone.
+fn stat(pid: i32) -> Option<(char, i32)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.get(stat.rfind(')')? + 1..)?
-        .split_whitespace()
-        .nth(2)?
-        .parse()
-        .ok()
+    let mut fields = stat.get(stat.rfind(')')? + 1..)?.split_whitespace();
+    let state = fields.next()?.chars().next()?;
+    let pgrp = fields.nth(1)?.parse().ok()?;
+    Some((state, pgrp))
 }
 
 #[cfg(test)]
@@ -413,11 +420,44 @@ mod tests {
     fn a_process_group_is_read_from_proc() {
         let me = i32::try_from(std::process::id()).unwrap_or(0);
         let own = rustix::process::getpgrp().as_raw_nonzero().get();
-        assert_eq!(pgrp(me), Some(own));
-        assert_eq!(pgrp(i32::MAX), None);
+        assert_eq!(stat(me).map(|s| s.1), Some(own));
+        assert_eq!(stat(i32::MAX), None);
         // Kernel threads and pid 1 (pgid 0 in a container) do not trip it.
         for pid in 1..64 {
-            let _ = pgrp(pid);
+            let _ = stat(pid);
         }
+    }
+
+    /// A child of the test, SIGKILLed and reaped on drop (a failed test too).
+    struct Reaped(Child);
+
+    impl Drop for Reaped {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    #[test]
+    fn the_members_of_a_group_are_found_zombies_aside() {
+        use std::os::unix::process::CommandExt;
+        let child = Command::new("sleep")
+            .arg("30")
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let mut child = Reaped(child);
+        let pid = Pid::from_child(&child.0);
+        let other = rustix::process::getpid();
+        assert_eq!(others_in_group(pid, other), Some(true));
+        assert_eq!(others_in_group(pid, pid), Some(false), "except the leader");
+        kill_process(pid, Signal::KILL).unwrap();
+        // A zombie until reaped: it runs nothing.
+        let gone = (0..500).any(|_| {
+            std::thread::sleep(Duration::from_millis(10));
+            others_in_group(pid, other) == Some(false)
+        });
+        assert!(gone, "a killed member (a zombie) still counted");
+        assert!(matches!(child.0.try_wait(), Ok(Some(_))), "not a zombie");
     }
 }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use rustix::process::{kill_process, Pid, Signal};
 
-use crate::common::{shared, unique_key, wait_until, Cluster};
+use crate::common::{proc_identity, shared, unique_key, wait_until, Cluster};
 
 const BIN: &str = env!("CARGO_BIN_EXE_quorumlock");
 
@@ -806,6 +806,34 @@ pub(crate) fn alive(pid: &str) -> bool {
     })
 }
 
+/// Processes the tests' commands started, SIGKILLed on drop if they are still running (the
+/// same processes: pid and start time), so that a failed test leaves none behind.
+#[derive(Default)]
+pub(crate) struct Leftovers(Vec<(u32, u64)>);
+
+impl Leftovers {
+    /// Adds the process whose pid `dir`'s file `name` holds; the pid.
+    pub(crate) fn add(&mut self, dir: &Scratch, name: &str) -> String {
+        let pid = dir.read(name).unwrap_or_else(|| panic!("no pid in {name}"));
+        if let Some(id) = pid.parse().ok().and_then(proc_identity) {
+            self.0.push(id);
+        }
+        pid
+    }
+}
+
+impl Drop for Leftovers {
+    fn drop(&mut self) {
+        for &(pid, start) in &self.0 {
+            let same = proc_identity(pid).is_some_and(|(_, s)| s == start);
+            let pid = i32::try_from(pid).ok().and_then(Pid::from_raw);
+            if let (true, Some(pid)) = (same, pid) {
+                let _ = kill_process(pid, Signal::KILL);
+            }
+        }
+    }
+}
+
 /// A script's own children go too: the command runs in a process group of
 /// its own (as under timeout(1)), and a lost lock terminates the group.
 #[test]
@@ -818,6 +846,195 @@ fn a_lost_lock_terminates_the_commands_children_too() {
         wait_until(Duration::from_secs(5), || !alive(pid)),
         "the command's child {pid} outlived the lost lock"
     );
+}
+
+/// A line of a script that leaves a process behind in the command's group: a subshell
+/// that appends a line to `$D/<name>.ticks` every 50 ms (ignoring SIGTERM if `stubborn`),
+/// its pid in `$D/<name>.pid`.
+pub(crate) fn leftover(name: &str, stubborn: bool) -> String {
+    let trap = if stubborn { "trap '' TERM; " } else { "" };
+    format!(
+        r#"({trap}while :; do echo x >> "$D/{name}.ticks"; sleep 0.05; done) &
+        echo $! > "$D/{name}.pid""#
+    )
+}
+
+/// The number of lines of the scratch file `name` (0 when it does not exist).
+pub(crate) fn lines(dir: &Scratch, name: &str) -> usize {
+    dir.read(name).map_or(0, |t| t.lines().count())
+}
+
+/// A command that exits by itself leaving a background child in its process group: `run`
+/// stops the child (SIGTERM to the group) before it releases the lock, without waiting out
+/// --grace, and exits with the command's status. The child used to run on after the
+/// release, beside the next holder's command.
+#[test]
+fn run_stops_what_its_command_left_behind_before_releasing() {
+    let c = shared();
+    let dir = Scratch::new("cli-leftovers");
+    let key = unique_key("cli-leftovers");
+    let mut leftovers = Leftovers::default();
+    let script = format!(
+        "{}\n{}",
+        leftover("child", false),
+        hold_until_go("started", 3)
+    );
+    let mut a = Proc::spawn(
+        run_cmd(&c, &dir, "a", &key, &["--grace", "20s"], &script),
+        &dir,
+        "a",
+    );
+    until_started(&c, &dir, &mut a, "started", &key);
+    let child = leftovers.add(&dir, "child.pid");
+    // The next holder, waiting for the lock: counts the child's lines as its command
+    // starts, and half a second later.
+    let next = r#"wc -l < "$D/child.ticks" > "$D/b.first"
+        sleep 0.5
+        wc -l < "$D/child.ticks" > "$D/b.last""#;
+    let mut b = Proc::spawn(
+        run_cmd(&c, &dir, "b", &key, &["--wait", "60s"], next),
+        &dir,
+        "b",
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(b.running(), "b ended; stderr:\n{}", b.stderr());
+
+    let go = Instant::now();
+    dir.touch("started.go");
+    assert_eq!(a.exit_code(SOON), 3, "stderr:\n{}", a.stderr());
+    let took = go.elapsed();
+    assert!(
+        !alive(&child),
+        "the command's child {child} outlived run; stderr:\n{}",
+        a.stderr()
+    );
+    assert!(
+        took < Duration::from_secs(10),
+        "took {took:?} (--grace 20s)"
+    );
+    assert_eq!(b.exit_code(SOON), 0, "b stderr:\n{}", b.stderr());
+    let (first, last) = (dir.read("b.first"), dir.read("b.last"));
+    assert!(first.is_some(), "b's command did not run");
+    assert_eq!(first, last, "a's leftover ran on beside b's command");
+    assert_gone(&c, &key, Duration::from_secs(1));
+}
+
+/// A leftover that ignores SIGTERM gets SIGKILL once --grace has passed since the command
+/// exited, and `run` still exits with the command's status. A command that leaves nothing
+/// behind is not held up by the grace.
+#[test]
+fn run_kills_a_leftover_that_ignores_sigterm_after_the_grace() {
+    let c = shared();
+    let dir = Scratch::new("cli-stubborn");
+    let key = unique_key("cli-stubborn");
+    let mut leftovers = Leftovers::default();
+    let script = format!(
+        r#"{}
+        touch "$D/started"
+        exit 4"#,
+        leftover("stubborn", true)
+    );
+    let mut p = Proc::spawn(
+        run_cmd(&c, &dir, "run", &key, &["--grace", "1s"], &script),
+        &dir,
+        "run",
+    );
+    assert!(
+        wait_until(SOON, || dir.path("started").exists()),
+        "the command did not start; stderr:\n{}",
+        p.stderr()
+    );
+    let exited = Instant::now();
+    let child = leftovers.add(&dir, "stubborn.pid");
+    assert_eq!(p.exit_code(SOON), 4, "stderr:\n{}", p.stderr());
+    let took = exited.elapsed();
+    assert!(
+        !alive(&child),
+        "the command's child {child} outlived run; stderr:\n{}",
+        p.stderr()
+    );
+    assert!(
+        took >= Duration::from_millis(800),
+        "released {took:?} after the command exited, within the 1 s grace"
+    );
+    assert!(p.stderr().contains("SIGKILL"), "{}", p.stderr());
+    let ticks = lines(&dir, "stubborn.ticks");
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(lines(&dir, "stubborn.ticks"), ticks, "the leftover went on");
+    assert_gone(&c, &key, Duration::from_secs(1));
+
+    let t = Instant::now();
+    let (code, err) = finish(
+        run_cmd(&c, &dir, "plain", &key, &["--grace", "30s"], "exit 6"),
+        &dir,
+        "plain",
+    );
+    assert_eq!(code, 6, "stderr:\n{err}");
+    let took = t.elapsed();
+    assert!(
+        took < Duration::from_secs(10),
+        "took {took:?} (--grace 30s)"
+    );
+    assert_gone(&c, &key, Duration::from_secs(1));
+}
+
+/// The lock lost while a leftover that ignores SIGTERM is given its grace: it gets SIGKILL
+/// at once, not after the rest of the grace, and `run` still exits with the command's status.
+#[test]
+fn a_lock_lost_while_leftovers_are_ending_kills_them_at_once() {
+    let c = shared();
+    let dir = Scratch::new("cli-leftovers-lost");
+    let key = unique_key("cli-leftovers-lost");
+    let mut leftovers = Leftovers::default();
+    let script = format!(
+        r#"{}
+        touch "$D/started"
+        exit 5"#,
+        leftover("stubborn", true)
+    );
+    let mut p = Proc::spawn(
+        run_cmd(
+            &c,
+            &dir,
+            "run",
+            &key,
+            &["--ttl", "2s", "--grace", "60s"],
+            &script,
+        ),
+        &dir,
+        "run",
+    );
+    assert!(
+        wait_until(SOON, || dir.path("started").exists()),
+        "the command did not start; stderr:\n{}",
+        p.stderr()
+    );
+    let child = leftovers.add(&dir, "stubborn.pid");
+    assert!(
+        wait_until(SOON, || p.stderr().contains("SIGTERM")),
+        "the leftover was not sent SIGTERM; stderr:\n{}",
+        p.stderr()
+    );
+    let deleted = Instant::now();
+    for i in 0..c.len() {
+        c.del(i, &key);
+    }
+    assert_eq!(p.exit_code(SOON), 5, "stderr:\n{}", p.stderr());
+    let took = deleted.elapsed();
+    assert!(
+        took < Duration::from_secs(10),
+        "took {took:?} (--grace 60s)"
+    );
+    let err = p.stderr();
+    assert!(
+        err.contains(&format!("quorumlock: lock {key} lost: ")) && err.contains("SIGKILL"),
+        "{err}"
+    );
+    assert!(
+        !alive(&child),
+        "the leftover {child} outlived the lost lock"
+    );
+    assert_gone(&c, &key, Duration::from_secs(1));
 }
 
 /// Ctrl-C in a terminal signals quorumlock's process group; the command,
@@ -931,13 +1148,17 @@ fn a_stopped_run_stops_its_command_and_resumes_it_only_while_held() {
 }
 
 /// --foreground: the command shares quorumlock's process group (it can
-/// read the terminal) and still gets forwarded signals.
+/// read the terminal) and still gets forwarded signals. What it leaves
+/// behind is in quorumlock's group too, not told apart from the terminal's
+/// job: it is not stopped (as documented), and the test kills it.
 #[test]
 fn foreground_runs_in_quorumlocks_group() {
     let c = shared();
     let dir = Scratch::new("cli-fg");
     let key = unique_key("cli-fg");
-    let script = r#"cut -d' ' -f5 /proc/$$/stat > "$D/pgid"; trap 'exit 9' TERM; touch "$D/started"; sleep 60 & wait"#;
+    let mut leftovers = Leftovers::default();
+    let script = r#"cut -d' ' -f5 /proc/$$/stat > "$D/pgid"; trap 'exit 9' TERM
+        sleep 60 & echo $! > "$D/child"; touch "$D/started"; wait"#;
     let mut p = Proc::spawn(
         run_cmd(&c, &dir, "fg", &key, &["--foreground"], script),
         &dir,
@@ -949,9 +1170,14 @@ fn foreground_runs_in_quorumlocks_group() {
         .as_raw_nonzero()
         .get();
     assert_eq!(dir.read("pgid").as_deref(), Some(own.to_string().as_str()));
+    let child = leftovers.add(&dir, "child");
     kill_process(p.pid(), Signal::TERM).expect("signal quorumlock");
     assert_eq!(p.exit_code(SOON), 9, "stderr:\n{}", p.stderr());
     assert_gone(&c, &key, Duration::from_secs(1));
+    assert!(
+        alive(&child),
+        "--foreground stopped the command's child: update docs/command.md"
+    );
 }
 
 /// A SIGKILLed run takes its command and the command's children with it. `quorumlock run`

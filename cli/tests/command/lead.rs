@@ -9,10 +9,10 @@ use std::time::{Duration, Instant};
 use rustix::process::{kill_process, Pid, Signal};
 
 use crate::cli::{
-    alive, assert_gone, dead_nodes, finish, held, quorumlock, supervisor_cmd, until_started, Proc,
-    Scratch, EX_CONFIG, EX_USAGE, NODE_TIMEOUT, SOON,
+    alive, assert_gone, dead_nodes, finish, held, leftover, lines, quorumlock, supervisor_cmd,
+    until_started, Leftovers, Proc, Scratch, EX_CONFIG, EX_USAGE, NODE_TIMEOUT, SOON,
 };
-use crate::common::{proc_identity, shared, unique_key, wait_until, Cluster};
+use crate::common::{shared, unique_key, wait_until, Cluster};
 
 /// `quorumlock lead --nodes … [extra] NAME -- sh -c SCRIPT`.
 fn lead_cmd(
@@ -92,34 +92,6 @@ fn until_starts(dir: &Scratch, p: &mut Proc, me: &str, n: usize) {
         "{me}'s command did not start {n} times; stderr:\n{}",
         p.stderr()
     );
-}
-
-/// Processes the tests' commands started, SIGKILLed on drop if they are still running (the
-/// same processes: pid and start time), so that a failed test leaves none behind.
-#[derive(Default)]
-struct Leftovers(Vec<(u32, u64)>);
-
-impl Leftovers {
-    /// Adds the process whose pid `dir`'s file `name` holds; the pid.
-    fn add(&mut self, dir: &Scratch, name: &str) -> String {
-        let pid = dir.read(name).unwrap_or_else(|| panic!("no pid in {name}"));
-        if let Some(id) = pid.parse().ok().and_then(proc_identity) {
-            self.0.push(id);
-        }
-        pid
-    }
-}
-
-impl Drop for Leftovers {
-    fn drop(&mut self) {
-        for &(pid, start) in &self.0 {
-            let same = proc_identity(pid).is_some_and(|(_, s)| s == start);
-            let pid = i32::try_from(pid).ok().and_then(Pid::from_raw);
-            if let (true, Some(pid)) = (same, pid) {
-                let _ = kill_process(pid, Signal::KILL);
-            }
-        }
-    }
 }
 
 /// The starts `me`'s commands recorded in `$D/starts`: `(ns, term)`, in order.
@@ -374,6 +346,41 @@ fn a_sigkilled_lead_takes_its_command_with_it_and_the_next_leads_within_the_ttl(
         "b led {took:?} after a was killed (TTL {ttl:?})"
     );
     assert!(term_of(&dir, "b") > term_of(&dir, "a"));
+    dir.touch("b.go");
+    assert_eq!(b.exit_code(SOON), 0, "b stderr:\n{}", b.stderr());
+    assert_gone(&c, &key, Duration::from_secs(1));
+}
+
+/// A leader's command that exits by itself leaving a background child in its group: `lead`
+/// stops the child before it resigns, and exits with the command's status; the next
+/// leader's command never runs beside it. The child used to run on after the resignation.
+#[test]
+fn a_lead_stops_what_its_command_left_behind_before_resigning() {
+    let c = shared();
+    let dir = Scratch::new("lead-leftovers");
+    let key = unique_key("lead-leftovers");
+    let mut leftovers = Leftovers::default();
+    let args = ["--ttl", "30s", "--grace", "20s"];
+    let script = format!("{}\n{}", leftover("child", false), turn("a"));
+    let mut a = leader(&c, &dir, (&key, "a"), &args, &script);
+    let child = leftovers.add(&dir, "child.pid");
+    let mut b = standby(&c, &dir, (&key, "b"), &args);
+
+    dir.touch("a.go");
+    assert_eq!(a.exit_code(SOON), 0, "a stderr:\n{}", a.stderr());
+    assert!(
+        !alive(&child),
+        "a's command's child {child} outlived its lead; stderr:\n{}",
+        a.stderr()
+    );
+    until_started(&c, &dir, &mut b, "b", &key);
+    let ticks = lines(&dir, "child.ticks");
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        lines(&dir, "child.ticks"),
+        ticks,
+        "a's leftover ran on beside b's command"
+    );
     dir.touch("b.go");
     assert_eq!(b.exit_code(SOON), 0, "b stderr:\n{}", b.stderr());
     assert_gone(&c, &key, Duration::from_secs(1));
