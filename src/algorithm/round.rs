@@ -284,7 +284,7 @@ pub(crate) enum Op {
         fence: Option<u64>,
     },
     /// A fenced lock's write-back: where the key holds exactly our token,
-    /// its fencing counter becomes `value` (see `FENCE_LUA`).
+    /// its fencing counter becomes at least `value`.
     Fence { value: u64 },
     /// A held lock's missing copies: where the key is absent, set it with
     /// our token for `ttl` (`SET NX PX`); never where another owner has it.

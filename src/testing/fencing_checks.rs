@@ -212,9 +212,8 @@ fn lock_retries_after_a_failed_write_back() {
 
 /// A node held back by the restart rule granted our SET with a much
 /// larger counter (its clock is ahead); the token comes from the counted
-/// nodes only, the write-back sets that node's counter to it (where the
-/// key is ours, no one else was given the larger one), and the next
-/// holder, granted by that node and one other, still gets a larger token.
+/// nodes only, and the next holder, granted by that node and one other,
+/// still gets a larger token.
 #[test]
 fn a_held_back_node_with_a_larger_counter() {
     let s = Settings {
@@ -236,7 +235,7 @@ fn a_held_back_node_with_a_larger_counter() {
     nodes.set_clock_offset(2, 5_000_000);
     let g = locks.try_lock("r", TTL).expect("nodes 0 and 1");
     let t = g.fencing_token().unwrap();
-    assert_eq!(nodes.fence(2, "r"), Some(t), "written back");
+    assert!(nodes.fence(2, "r").unwrap() > t, "node 2's own counter");
     g.release().unwrap();
     nodes.set_mode(0, Mode::Down);
     clock.advance(TTL + MS);

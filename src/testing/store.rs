@@ -605,7 +605,7 @@ impl Store {
             }
             (Op::Extend { .. } | Op::Fence { .. }, Some((t, _))) if t != k.token => Answer::Other,
             (Op::Fence { value }, Some(_)) => {
-                self.fences.insert(k.resource.into(), value);
+                self.raise_fence(k.resource, value);
                 Answer::Ok
             }
             (Op::Release { .. }, Some(_)) => {

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use quorumlock::Redlock;
 
-use crate::common::faults::{Blackhole, WritePause};
+use crate::common::faults::{Blackhole, HoldProxy, WritePause};
 use crate::common::{shared, unique_key, wait_until, ClockOffset, Cluster};
 use crate::fencing::{fenced, hand_over};
 
@@ -498,4 +498,105 @@ fn two_nodes_paused_during_a_fenced_attempt_leave_no_key() {
         counters.iter().flatten().all(|&f| t > f),
         "{t} vs {counters:?}"
     );
+}
+
+/// A fenced client over `urls` (review of issue 42).
+fn fenced_client(urls: Vec<String>) -> Redlock {
+    Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(urls)
+        .fencing(true)
+        .node_timeout(Duration::from_millis(100))
+        .retry_delay(Duration::from_millis(20))
+        .build()
+        .expect("valid config")
+}
+
+/// A write-back that SET the counter where the key holds our token (tried
+/// in issue 42, for an election's term) breaks fencing. A
+/// holder's SET can land late on a node (delayed in the network: the round
+/// did not wait for it), after later holders were granted there and wrote
+/// their tokens back; its write-back, delayed behind it, then finds its key
+/// and lowers the counter below a token already handed out. The docs say a
+/// node whose clock stepped back while keeping its data is harmless; after
+/// such a step the counters run ahead of the nodes' clocks, so nothing but
+/// the counters orders the tokens, and the next holder gets a token no
+/// larger than an earlier one. Plain fenced locks, no election involved.
+///
+/// Nodes n0, n1, n2. H reaches n2 through a proxy that holds its commands
+/// on the key for 1.5 s; C cannot reach n0; D cannot reach n1.
+#[test]
+fn a_late_write_back_lowers_a_counter_and_a_later_fenced_lock_gets_no_larger_token() {
+    let clock = ClockOffset::new();
+    let env = clock.env();
+    let cluster = Cluster::start_processes(3, |i| if i == 1 { env.clone() } else { Vec::new() })
+        .expect("3 redis-server processes");
+    let r = unique_key("fence-lowered");
+    // n1's clock was an hour ahead, and is stepped back (it keeps its data):
+    // every counter of `r` is now an hour ahead of the nodes' clocks.
+    clock.set(3600);
+    let p = fenced_client(cluster.urls());
+    assert_eq!(p.wait_connected(Duration::from_secs(5)).ok(), Some(3));
+    let g = p.lock(&r, Duration::from_secs(2)).expect("p locks");
+    let t_p = g.fencing_token().expect("fenced");
+    g.release().expect("released");
+    clock.set(0);
+    assert!(
+        (0..3).all(|i| cluster.fence(i, &r) == Some(t_p)),
+        "written back everywhere"
+    );
+
+    // H: its commands on `r` to n2 are held 1.5 s in the network.
+    let hold = HoldProxy::start(
+        &cluster.url(2),
+        r.as_bytes().to_vec(),
+        Duration::from_millis(1500),
+    );
+    let h = fenced_client(vec![cluster.url(0), cluster.url(1), hold.url()]);
+    let _ = h.wait_connected(Duration::from_secs(5));
+    let g = h
+        .try_lock(&r, Duration::from_secs(1))
+        .expect("h: n0 and n1");
+    let t_h = g.fencing_token().expect("fenced");
+    let _ = g.release();
+
+    // C (n0 unreachable) is granted by n1 and n2 and writes back t_c there.
+    let hole0 = Blackhole::start();
+    let c = fenced_client(vec![hole0.url(), cluster.url(1), cluster.url(2)]);
+    let _ = c.wait_connected(Duration::from_secs(5));
+    let g = c
+        .try_lock(&r, Duration::from_secs(1))
+        .expect("c: n1 and n2");
+    let t_c = g.fencing_token().expect("fenced");
+    assert!(t_c > t_h);
+    g.release().expect("released");
+    assert!(cluster.fence(2, &r).expect("n2's counter") >= t_c);
+
+    // H's held SET lands on n2 (free), then its write-back: n2's counter
+    // becomes t_h again. (Wait for the key to go: H's release or its TTL.)
+    assert!(wait_until(Duration::from_secs(6), || {
+        cluster.get(2, &r).is_none() && hold_landed(&cluster, &r, t_c)
+    }));
+    let n2 = cluster.fence(2, &r).expect("n2's counter");
+
+    // D (n1 unreachable) is granted by n0 and n2.
+    let hole1 = Blackhole::start();
+    let d = fenced_client(vec![cluster.url(0), hole1.url(), cluster.url(2)]);
+    let _ = d.wait_connected(Duration::from_secs(5));
+    let g = d
+        .try_lock(&r, Duration::from_secs(1))
+        .expect("d: n0 and n2");
+    let t_d = g.fencing_token().expect("fenced");
+    let _ = g.release();
+    assert!(
+        t_d > t_c,
+        "fencing order broken: D (after C) got {t_d}, C had {t_c} (H {t_h}; n2's counter \
+         was lowered from >= {t_c} to {n2} by H's late write-back)"
+    );
+}
+
+/// Whether H's held commands have reached n2: its counter moved since C's
+/// write-back (raised by H's late SET, or set by H's late write-back).
+fn hold_landed(cluster: &Cluster, r: &str, t_c: u64) -> bool {
+    cluster.fence(2, r) != Some(t_c)
 }

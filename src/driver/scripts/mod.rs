@@ -315,17 +315,15 @@ return out"
 );
 
 /// A fenced lock's write-back: where `KEYS[i]` still holds exactly token
-/// `ARGV[i + 1]`, its counter (in [`META_KEY`], the last key) becomes
-/// `ARGV[1]`, the token granted. Answers as [`RELEASE`]. Because it only
-/// writes where the key is ours, any later holder's `SET` on that node
-/// comes after it, and its counter starts above our token. It may lower a
-/// counter: a node whose grant the round did not wait for set its own,
-/// higher, which no one was given; where the key is ours, no grant since
-/// has read it. An election's candidate (a token with `@`) also records
-/// its term with its token, in the field `term:<key>`: where the key holds
-/// that token, `Election::leader` reads its term there (a node restarted
-/// empty and restored by a renewal has none, and its counter may be another
-/// candidate's, from an attempt undone meanwhile).
+/// `ARGV[i + 1]`, its counter (in [`META_KEY`], the last key) becomes at
+/// least `ARGV[1]`, the token granted. Answers as [`RELEASE`]. Because it
+/// only writes where the key is ours, any later holder's `SET` on that
+/// node comes after it, and its counter starts above our token. (Never
+/// lower: our `SET` may have landed late, after later holders were granted
+/// there, and their tokens were handed out.) An election's candidate (a
+/// token with `@`) also records its term with its token, in the field
+/// `term:<key>`: `Election::leader` reads the term there, where the key
+/// holds that token (a node's counter may be above it).
 pub(crate) static FENCE: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(FENCE_LUA));
 
 /// Source of [`FENCE`].
@@ -336,7 +334,9 @@ local meta = KEYS[#KEYS]
     each_own_key_lua!(
         1,
         r"    local f = 'fence:' .. key
-    redis.call('HSET', meta, f, ARGV[1])
+    if (tonumber(redis.call('HGET', meta, f)) or 0) < tonumber(ARGV[1]) then
+      redis.call('HSET', meta, f, ARGV[1])
+    end
     if string.find(ARGV[i + 1], '@', 1, true) then
       redis.call('HSET', meta, 'term:' .. key, ARGV[1] .. ' ' .. ARGV[i + 1])
     end
