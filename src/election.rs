@@ -121,7 +121,9 @@ impl Election {
     /// second and a round).
     ///
     /// A waiting candidate sends an attempt when woken, when the leader's
-    /// lease would expire, and otherwise about once a second.
+    /// lease would expire as its last attempt read it (about once per two
+    /// thirds of the TTL, as the leader renews), and otherwise about once a
+    /// second. A candidate elected as it is stopped resigns at once.
     ///
     /// # Errors
     /// [`Error::Stopped`]; [`Error::InvalidInput`] for a bad name, TTL or id.
@@ -155,6 +157,11 @@ impl Election {
             let budget = Budget::Until(until.map_or(chunk, |u| u.min(chunk)));
             let request = self.locks.request(&self.name, self.ttl).candidate(&tag);
             match request.take(budget) {
+                // Elected as it was stopped: it resigns at once.
+                Ok(guard) if self.is_stopped() => {
+                    drop(self.elected(guard));
+                    return Err(Error::Stopped);
+                }
                 Ok(guard) => return Ok(self.elected(guard)),
                 Err(e) if !e.is_retryable() => return Err(e),
                 Err(e) if until.is_some_and(|u| engine.clock.now() >= u) => return Err(e),
@@ -240,6 +247,8 @@ impl Election {
             watch: None,
             every,
             soon: None,
+            woken: false,
+            deaf_until: None,
         }
     }
 
@@ -575,6 +584,11 @@ pub struct Observer {
     every: Duration,
     /// While no one leads: the next, shorter, pause (doubling to `every`).
     soon: Option<Duration>,
+    /// Whether the coming reading was woken by a message.
+    woken: bool,
+    /// Until when messages wake no reading (one woke a reading that found
+    /// nothing changed).
+    deaf_until: Option<Instant>,
 }
 
 impl fmt::Debug for Observer {
@@ -616,24 +630,33 @@ impl Observer {
                 ),
                 _ => None,
             };
-            if self.last.as_ref() != Some(&seen) {
+            let changed = self.last.as_ref() != Some(&seen);
+            let at = engine.clock.now();
+            // Woken for nothing: a message is a hint anyone can send, and
+            // a stream of them must not drive reads of every node. Deaf
+            // to them until the next reading by the clock.
+            if std::mem::take(&mut self.woken) && !changed {
+                self.deaf_until = Some(after(at, self.every));
+            }
+            if changed {
                 self.last = Some(seen);
                 return Some(now);
             }
-            let pause_until = after(engine.clock.now(), self.soon.unwrap_or(self.every)).min(until);
-            if engine.clock.now() >= until {
+            let pause_until = after(at, self.soon.unwrap_or(self.every)).min(until);
+            if at >= until {
                 return None;
             }
             let woken = match &self.watch {
-                Some(w) => w.wait(pause_until),
-                None => self
+                Some(w) if self.deaf_until.is_none_or(|d| at >= d) => w.wait(pause_until),
+                _ => self
                     .election
                     .stop
-                    .sleep(pause_until.saturating_duration_since(engine.clock.now())),
+                    .sleep(pause_until.saturating_duration_since(at)),
             };
-            if woken {
+            if woken && !self.election.is_stopped() {
                 // A resignation: the next leader takes a round or so.
                 self.soon = Some(Duration::from_millis(10));
+                self.woken = true;
             }
         }
     }

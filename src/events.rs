@@ -382,7 +382,8 @@ impl<'a> LostEvent<'a> {
 pub enum LeadershipChange {
     /// It was elected: its campaign took the lease.
     Elected,
-    /// It lost its lease while leading ([`LeadershipEvent::error`] says how).
+    /// It lost its lease while leading, or its lease had run out or was
+    /// gone when it resigned ([`LeadershipEvent::error`] says how).
     Lost,
     /// It resigned ([`Leadership::resign`](crate::Leadership::resign), or
     /// its `Leadership` dropped).

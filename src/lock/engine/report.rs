@@ -36,8 +36,18 @@ impl Engine {
                 nodes: Nodes::new(self.transport.node_names(), results, 0),
             });
         }
-        if !state.is_lost() {
-            self.leadership_event(state, LeadershipChange::Resigned, None);
+        // A leader's end: lost where its lease had run out or was gone
+        // (unless its loss was told already), else resigned.
+        let ran_out = self.clock.now() >= state.deadline();
+        match outcome {
+            _ if state.is_lost() => {}
+            Err(e @ (Error::Expired | Error::NotOwner { .. })) => {
+                self.leadership_event(state, LeadershipChange::Lost, Some(e));
+            }
+            _ if ran_out => {
+                self.leadership_event(state, LeadershipChange::Lost, Some(&Error::Expired))
+            }
+            _ => self.leadership_event(state, LeadershipChange::Resigned, None),
         }
     }
 
