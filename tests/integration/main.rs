@@ -7,6 +7,7 @@ mod common;
 mod closes;
 mod degraded;
 mod election;
+mod election_processes;
 mod events;
 mod eviction;
 mod fence_workers;
