@@ -16,7 +16,7 @@
 //! HELDBACK who node ns                            (an attempt where the restart rule held the node's vote back)
 //! RESTORED who node ns                            (a renewal restored the lease's copy on the node)
 //! WON      who woken ns                           (an attempt that got the lease: woken by a release, 1, or not, 0)
-//! COUNTS   who attempts woken                     (at exit)
+//! COUNTS   who attempts woken alive-ms            (at exit)
 //! ```
 //!
 //! Its stdin takes `resign <term>` (the leader of that term resigns) and
@@ -248,6 +248,7 @@ pub fn child_main() {
     let Ok(raw) = std::env::var(CHILD_ENV) else {
         return;
     };
+    let born = Instant::now();
     let spec = Spec::parse(&raw).unwrap_or_else(|| panic!("bad {CHILD_ENV}: {raw}"));
     let events = Arc::new(Events {
         who: spec.who,
@@ -314,10 +315,11 @@ pub fn child_main() {
         .expect("the election loop runs");
     let n = |a: &AtomicUsize| a.load(Ordering::Relaxed);
     say(format!(
-        "COUNTS {} {} {}",
+        "COUNTS {} {} {} {}",
         spec.who,
         n(&events.attempts),
-        n(&events.woken)
+        n(&events.woken),
+        born.elapsed().as_millis()
     ));
     std::process::exit(0);
 }
