@@ -9,6 +9,7 @@
 //! QUORUMLOCK_BENCH_ACROSS_ONLY=1 cargo bench --bench cycle     # the across-process rows alone (~50 s)
 //! QUORUMLOCK_BENCH_ACROSS_ONLY=4x1,poll,breakdown cargo bench --bench cycle   # some of them
 //! QUORUMLOCK_BENCH_ACROSS_ONLY=outage cargo bench --bench cycle   # majority outages (~35 s)
+//! QUORUMLOCK_BENCH_ACROSS_ONLY=election cargo bench --bench cycle   # leader election, failovers (~60 s)
 //! QUORUMLOCK_BENCH_TRACE_DIR=/tmp/t ...      # the children's library logs, <pid>.log
 //! ```
 //! Prints medians, p99 and max per scenario, and the ratios the README quotes.
@@ -25,6 +26,8 @@ mod common;
 
 use common::Cluster;
 
+#[path = "across/election.rs"]
+mod election;
 #[path = "across/outage.rs"]
 mod outage;
 #[path = "across/poll.rs"]
@@ -256,8 +259,9 @@ fn contention(locks: &Redlock, key: &str, ttl: Duration, run_for: Duration) -> C
 }
 
 fn main() {
-    // A child process of the cross-process scenario runs only that.
+    // A child process of the cross-process scenarios runs only that.
     processes::child_main();
+    common::candidates::child_main();
     if std::env::var_os("QUORUMLOCK_BENCH_ACROSS_ONLY").is_some() {
         let mut rows = Vec::new();
         across(&Cluster::start(5), &mut rows);
@@ -456,7 +460,8 @@ fn main() {
 
 /// Which across-process rows run: all, or those named in
 /// `QUORUMLOCK_BENCH_ACROSS_ONLY` (comma-separated, of `4x1`, `8x1`, `poll`,
-/// `breakdown`, `3x4`, `sets`, `restart`, `outage`; `1` or empty: all).
+/// `breakdown`, `3x4`, `sets`, `restart`, `outage`, `election`; `1` or
+/// empty: all).
 fn across_rows() -> impl Fn(&str) -> bool {
     let only = std::env::var("QUORUMLOCK_BENCH_ACROSS_ONLY").unwrap_or_default();
     let names: Vec<String> = only
@@ -472,7 +477,8 @@ fn across_rows() -> impl Fn(&str) -> bool {
 /// and a probed run of the same that breaks a hand-over down into its
 /// steps; 3 × 4 with a short TTL; sets of 1 and 3 of 4 resources (4 × 2);
 /// then 4 × 1 again with a node restarted mid-run, and with majority
-/// outages (3 of 5 nodes hung or paused for 1 s, six times).
+/// outages (3 of 5 nodes hung or paused for 1 s, six times); then leader
+/// election among 4 candidate processes (issue 42).
 fn across(c: &Cluster, rows: &mut Vec<String>) {
     use processes::Mode;
     let smoke = common::bench_smoke();
@@ -537,6 +543,28 @@ fn across(c: &Cluster, rows: &mut Vec<String>) {
     if run("outage") {
         outages(c, rows);
     }
+    if run("election") {
+        elections(c, rows);
+    }
+}
+
+/// Leader election (issue 42): 4 candidate processes, leaders resigning
+/// and SIGKILLed, the nodes healthy, then one and two hung, then one
+/// restarted empty (see `across/election.rs`): failover times, and no two
+/// valid leases at once, terms rising.
+fn elections(c: &Cluster, rows: &mut Vec<String>) {
+    let (resigns, kills) = if common::bench_smoke() {
+        (2, 1)
+    } else {
+        (30, 4)
+    };
+    let (lines, ok) = election::run(c, resigns, kills);
+    for l in &lines {
+        eprintln!("{l}");
+    }
+    let summary = lines.first().cloned().unwrap_or_default();
+    rows.extend(lines);
+    assert!(ok, "election: {summary}");
 }
 
 /// 4 × 1 while a majority (3 of 5) goes away for 1 s, six times, hung and

@@ -28,6 +28,7 @@
 // clippy rejects the same lint allowed twice (duplicated_attributes).
 #![allow(unused)]
 
+pub mod candidates;
 mod docker;
 pub mod faults;
 mod process;

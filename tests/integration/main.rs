@@ -7,6 +7,7 @@ mod common;
 mod closes;
 mod degraded;
 mod election;
+mod election_processes;
 mod election_review;
 mod events;
 mod eviction;
