@@ -148,6 +148,9 @@ impl Election {
         }
         let engine = &self.locks.engine;
         let tag = candidate_hex(&self.id);
+        // The name's subscription, kept from slice to slice (each slice's
+        // call finds it, instead of subscribing again and trying twice).
+        let mut subscribed = None;
         loop {
             if self.is_stopped() {
                 return Err(Error::Stopped);
@@ -165,6 +168,10 @@ impl Election {
                 Ok(guard) => return Ok(self.elected(guard)),
                 Err(e) if !e.is_retryable() => return Err(e),
                 Err(e) if until.is_some_and(|u| engine.clock.now() >= u) => return Err(e),
+                Err(_) if subscribed.is_none() && engine.settings.wake_ups => {
+                    let confirm_by = after(engine.clock.now(), engine.settings.node_timeout);
+                    subscribed = engine.transport.watch(&self.name, confirm_by);
+                }
                 Err(_) => {}
             }
         }

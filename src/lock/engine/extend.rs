@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use crate::algorithm::quorum::{self, Tally};
-use crate::algorithm::round::{After, Key, NodeResult, Op};
+use crate::algorithm::round::{candidate_of, After, Key, NodeResult, Op};
 use log::{debug, trace};
 
 use crate::clock::after;
@@ -274,6 +274,18 @@ impl Engine {
                 .sum::<usize>(),
             locks.len()
         );
+        // A leader's lease restored on a node (restarted empty, say) has
+        // its term recorded there again, so that observers that read the
+        // nodes the restart did not spare still find it (see `FENCE_LUA`).
+        for (k, lock) in locks.iter().enumerate() {
+            if let (Some(term), true) = (lock.fence, candidate_of(&lock.token).is_some()) {
+                if Tally::of(&results, k).restored > 0 {
+                    let d = self.round_deadline(self.clock.now(), lock.size());
+                    let d = by.map_or(d, |by| by.min(d));
+                    let _ = self.run_locks(Op::Fence { value: term }, &[lock], d, None);
+                }
+            }
+        }
         results
     }
 }
