@@ -333,7 +333,11 @@ impl World {
         match node.state {
             ServerStatus::Down => {}
             ServerStatus::Paused => node.backlog.push(msg),
-            ServerStatus::Up if node.isolated => {}
+            ServerStatus::Up if node.isolated => {
+                // Cut off while it was on its way: the connection hangs
+                // from here on (nothing after it may arrive in its place).
+                self.dead.insert(msg.lane);
+            }
             ServerStatus::Up => self.process(msg, now),
         }
     }
