@@ -33,6 +33,9 @@ pub(crate) struct Store {
     pub(crate) meta: Option<Meta>,
     /// Fencing counters, per resource (they go with the lock history).
     pub(crate) fences: HashMap<String, u64>,
+    /// An election's term, per resource, with the candidate's token it is
+    /// the term of (`term:<key>` in the lock history: see `FENCE_LUA`).
+    pub(crate) terms: HashMap<String, (u64, String)>,
     /// The metadata's id: unique per store, new when its data is lost
     /// (what the connect-time script writes on a real node).
     pub(crate) id: u64,
@@ -128,6 +131,7 @@ impl Default for Store {
             foreign: Default::default(),
             meta: None,
             fences: HashMap::new(),
+            terms: HashMap::new(),
             id: NEXT.fetch_add(1, Ordering::Relaxed),
             broken: Broken::default(),
         }
@@ -606,6 +610,10 @@ impl Store {
             (Op::Extend { .. } | Op::Fence { .. }, Some((t, _))) if t != k.token => Answer::Other,
             (Op::Fence { value }, Some(_)) => {
                 self.raise_fence(k.resource, value);
+                if k.token.contains('@') {
+                    let term = (value, k.token.to_owned());
+                    self.terms.insert(k.resource.into(), term);
+                }
                 Answer::Ok
             }
             (Op::Release { .. }, Some(_)) => {

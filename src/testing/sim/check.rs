@@ -71,6 +71,21 @@ pub(crate) enum Kind {
     /// many nodes that the others are short of a majority (the scripts took
     /// another owner's key).
     ForeignTaken,
+    /// Two leaders of one election whose leases were both valid at once
+    /// (see [`leaders`](crate::testing::sim::leaders)).
+    TwoLeaders,
+    /// A term granted twice, or below one granted before it.
+    TermOrder,
+    /// A leader paused past its lease read `is_leader() == true` when it
+    /// resumed (or `wait_end` said its leadership had not ended).
+    StaleLeader,
+    /// After a leader resigned or died, with a majority of nodes up and a
+    /// candidate campaigning, no candidate led within the TTL, a retry pause
+    /// and some slack.
+    Failover,
+    /// `Election::leader` named another leader (or term) than the one
+    /// whose lease was valid throughout the call.
+    LeaderMisread,
     /// A logical thread panicked, or the run deadlocked or hung.
     Crash,
 }
@@ -173,6 +188,11 @@ pub(crate) struct Checker {
     last_keys_check: u64,
     /// The longest a message can be in flight in this run (ns).
     max_delay: u64,
+    /// Lineages of clients whose process died: their keys expire by their
+    /// TTL, no delete is owed (see [`abandon`](Self::abandon)).
+    abandoned: std::collections::BTreeSet<String>,
+    /// The elections' leaders (see [`leaders`](crate::testing::sim::leaders)).
+    pub(crate) leaders: crate::testing::sim::leaders::Leaders,
 }
 
 impl Checker {
@@ -193,6 +213,8 @@ impl Checker {
             stores: BTreeMap::new(),
             last_keys_check: 0,
             max_delay,
+            abandoned: Default::default(),
+            leaders: Default::default(),
         }
     }
 
@@ -413,6 +435,7 @@ impl Checker {
             .iter()
             .filter(|(k, &(t, _))| self.deleted.get(*k).is_none_or(|&d| d < t))
             .filter(|((_, node), &(_, at))| kept(*node, at))
+            .filter(|((l, _), _)| !self.abandoned.contains(l))
             .filter(|((l, node), &(t, _))| !unsendable(l, *node, t))
             .map(|((l, node), (t, _))| {
                 format!("{l} on node {node} (written at {:.3} ms)", *t as f64 / 1e6)
@@ -452,6 +475,9 @@ impl Checker {
             }
         }
         if let Some((kind, what)) = two {
+            self.fail(now, kind, what);
+        }
+        for (kind, what) in self.leaders.observe(now, nodes) {
             self.fail(now, kind, what);
         }
         // What the guard reports held must be on a majority of the nodes.

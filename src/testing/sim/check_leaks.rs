@@ -61,4 +61,11 @@ impl Checker {
             .or_default();
         *t = (t.0.max(sent), t.1.max(now));
     }
+
+    /// A client's process died having written `lineages`: what it left on
+    /// the nodes expires by its TTL (the key checks still hold it to
+    /// that), and no delete of it is owed.
+    pub(crate) fn abandon(&mut self, lineages: impl IntoIterator<Item = String>) {
+        self.abandoned.extend(lineages);
+    }
 }

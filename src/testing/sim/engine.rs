@@ -1,8 +1,12 @@
 //! A simulated client's [`Transport`]: the production round over the
 //! simulated connections ([`SimLinks`]).
 
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
 
 use crate::algorithm::quorum::VoteRules;
 use crate::algorithm::round::{Key, NodeResult, Op};
@@ -10,9 +14,53 @@ use crate::clock::Clock;
 use crate::driver::node::round::RoundRunner;
 use crate::driver::node::state::Defects;
 use crate::lock::transport::{Decided, Transport, Undo, Watch};
+use crate::testing::sim::check::lineage;
 use crate::testing::sim::links::SimLinks;
-use crate::testing::sim::sched::Sched;
+use crate::testing::sim::sched::{Sched, SimClock};
 use crate::testing::sim::wakeups::Watches;
+
+/// What becomes of a simulated client's process: it dies (it writes
+/// nothing more: its locks, an election's lease among them, are neither
+/// renewed nor released, and expire by their TTL), or it is paused (a
+/// stop, a long GC: every thread of it, the renewal thread's rounds
+/// included, starts and ends no round until the pause is over).
+#[derive(Default)]
+pub(crate) struct Fate {
+    dead: AtomicBool,
+    /// Paused until then (virtual ns).
+    paused_until: AtomicU64,
+    /// The lineages of every lock its rounds wrote (its keys left behind
+    /// when it dies are no leak: see `Checker::abandon`).
+    lineages: Mutex<BTreeSet<String>>,
+}
+
+impl Fate {
+    pub(crate) fn is_dead(&self) -> bool {
+        self.dead.load(Ordering::Acquire)
+    }
+
+    /// The process dies: the lineages it had written.
+    pub(crate) fn kill(&self) -> Vec<String> {
+        self.dead.store(true, Ordering::Release);
+        self.lineages.lock().iter().cloned().collect()
+    }
+
+    /// The process is paused until `until` (virtual ns).
+    pub(crate) fn pause_until(&self, until: u64) {
+        self.paused_until.fetch_max(until, Ordering::AcqRel);
+    }
+
+    /// Waits out a pause (a thread of a paused process does nothing).
+    fn hold(&self, sched: &Arc<Sched>) {
+        loop {
+            let (now, until) = (sched.nanos(), self.paused_until.load(Ordering::Acquire));
+            if now >= until {
+                return;
+            }
+            crate::clock::Clock::sleep(&SimClock(sched.clone()), Duration::from_nanos(until - now));
+        }
+    }
+}
 
 /// A simulated client's [`Transport`]: the production round over
 /// [`SimLinks`].
@@ -33,9 +81,10 @@ impl SimEngine {
         preempt: bool,
         rules: VoteRules,
         defects: Defects,
+        fate: Arc<Fate>,
     ) -> Self {
         SimEngine {
-            links: SimLinks::new(sched, clock, timeout, rules, defects),
+            links: SimLinks::new(sched, clock, timeout, rules, defects, fate),
             sched: sched.clone(),
             preempt,
             watches: Default::default(),
@@ -69,12 +118,25 @@ impl Transport for SimEngine {
         crate::testing::unsupported_probes(&self.links.names)
     }
 
+    /// As the driver's: see [`inspect`](crate::testing::sim::inspect).
     fn inspect(
         &self,
-        _resource: &str,
-        _timeout: Duration,
+        resource: &str,
+        timeout: Duration,
     ) -> Vec<Result<Option<crate::lock::transport::Stored>, crate::NodeError>> {
-        crate::testing::unsupported_inspect(&self.links.names)
+        let fate = &self.links.fate;
+        fate.hold(&self.sched);
+        if fate.is_dead() {
+            return crate::testing::unsupported_inspect(&self.links.names);
+        }
+        let entries = self.sched.lock().world.entries.clone();
+        crate::testing::sim::inspect::inspect(
+            &self.sched,
+            &self.links.names,
+            &entries,
+            resource,
+            timeout,
+        )
     }
 
     fn watch(&self, resource: &str, _confirm_by: Instant) -> Option<Box<dyn Watch>> {
@@ -109,14 +171,29 @@ impl Transport for SimEngine {
         decided: Option<Decided<'_>>,
         undo: Option<Undo<'_>>,
     ) -> Vec<NodeResult> {
+        let fate = &self.links.fate;
+        fate.hold(&self.sched);
         if self.preempt {
             // Another thread may run between the decision to send and the send.
             self.sched.yield_now();
         }
-        if let Op::Release { .. } = op {
-            let now = self.sched.nanos();
-            self.sched.lock().world.let_go(keys, now);
+        if !fate.is_dead() {
+            match op {
+                Op::Release { .. } => {
+                    let now = self.sched.nanos();
+                    self.sched.lock().world.let_go(keys, now);
+                }
+                _ => {
+                    let mut mine = fate.lineages.lock();
+                    for k in keys {
+                        mine.insert(lineage(k.token).to_owned());
+                    }
+                }
+            }
         }
-        RoundRunner::run_round(&*self.links, op, keys, deadline, decided, undo)
+        let results = RoundRunner::run_round(&*self.links, op, keys, deadline, decided, undo);
+        // A paused process reads the replies when it resumes.
+        fate.hold(&self.sched);
+        results
     }
 }

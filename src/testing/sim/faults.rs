@@ -101,6 +101,14 @@ impl World {
         };
         for i in node.map_or(0..self.nodes.len(), |i| i..i + 1) {
             self.reachable(i, now);
+            // Any fault on it, whatever it leaves, starts its soundness over.
+            let n = &mut self.nodes[i];
+            let sound = n.state == ServerStatus::Up
+                && !n.isolated
+                && !n.muted
+                && !n.evicting
+                && !n.clock.jumped_back;
+            n.sound_since = sound.then_some(now);
         }
     }
 }

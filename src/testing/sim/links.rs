@@ -31,6 +31,7 @@ use crate::driver::node::state::{Defects, NodeState};
 use crate::error::{NodeError, NodeErrorKind};
 use crate::events::Events;
 use crate::testing::sim::check::{RETRY_BATCH, RETRY_EVERY};
+use crate::testing::sim::engine::Fate;
 use crate::testing::sim::redis::Inbox;
 use crate::testing::sim::redis::{command, commands, Command, OwnedKey};
 use crate::testing::sim::sched::Sched;
@@ -53,6 +54,8 @@ pub(crate) struct SimConn {
     /// The node's count of idle connections owing replies.
     owing: Arc<std::sync::atomic::AtomicUsize>,
     sched: Arc<Sched>,
+    /// Its client's process: a dead one writes nothing.
+    fate: Arc<Fate>,
 }
 
 impl SimConn {
@@ -100,7 +103,13 @@ impl Link for SimConn {
 
     fn flush(&mut self) -> std::io::Result<()> {
         let sched = self.sched.clone();
+        let dead = self.fate.is_dead();
         let l = self.link_mut();
+        if dead {
+            // Its process is gone: nothing it would write leaves.
+            l.wire.broken = true;
+            return Err(reset());
+        }
         if l.inbox.is_closed() && !l.inbox.ready_replies() {
             // The close was read (a write after it fails, as TCP's does
             // once the reset is back).
@@ -227,6 +236,8 @@ pub(crate) struct SimLinks {
     /// The simulation's clock (threads and sleeps go through it).
     clock: Arc<dyn Clock>,
     me: Weak<SimLinks>,
+    /// The client's process (see [`Fate`]).
+    pub(crate) fate: Arc<Fate>,
 }
 
 impl SimLinks {
@@ -242,6 +253,7 @@ impl SimLinks {
         timeout: Duration,
         rules: VoteRules,
         defects: Defects,
+        fate: Arc<Fate>,
     ) -> Arc<SimLinks> {
         let (names, entries) = {
             let core = sched.lock();
@@ -284,12 +296,17 @@ impl SimLinks {
             role: Arc::default(),
             clock,
             me: me.clone(),
+            fate,
         })
     }
 
     /// A new connection to entry `i`'s node, its connect commands sent; or
     /// the node's refusal (or silence), observed.
     fn connect(&self, i: usize, now: Instant) -> Option<SimConn> {
+        if self.fate.is_dead() {
+            // Its process is gone: nothing would leave it.
+            return None;
+        }
         let inbox = Inbox::new(self.signal.clone());
         let node = self.entries[i];
         let opened = {
@@ -324,6 +341,7 @@ impl SimLinks {
             pool: self.pools[i].clone(),
             owing: self.nodes[i].owing.clone(),
             sched: self.sched.clone(),
+            fate: self.fate.clone(),
         };
         c.flush().ok()?;
         Some(c)
@@ -372,6 +390,7 @@ impl SimLinks {
             pool: self.pools[i].clone(),
             owing: self.nodes[i].owing.clone(),
             sched: self.sched.clone(),
+            fate: self.fate.clone(),
         })
     }
 

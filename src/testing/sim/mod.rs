@@ -15,6 +15,12 @@
 //!   and release retries over simulated connections that carry the
 //!   driver's bytes, which [`redis`] reads and [`serve`] answers).
 //! - [`check`]: safety, liveness and accounting checkers.
+//! - [`elections`]: candidates of an election run the production
+//!   [`Election`](crate::Election), each in a process of its own that may
+//!   die or be paused ([`engine::Fate`]); [`leaders`] checks them (one
+//!   valid lease at a time, each term once and rising, a leader within a
+//!   bound after a resignation or a death, `leader()` naming the leader),
+//!   and `leader()` reads the nodes through [`inspect`].
 //!
 //! What it does not run: the sockets and `poll`, the r2d2 pools' limits
 //! (the busy-pool wait, and the write a granted lock sends a node no free
@@ -27,8 +33,11 @@ use crate::testing::sim::plan::Report;
 
 pub(crate) mod chan;
 pub(crate) mod check;
+pub(crate) mod elections;
 pub(crate) mod engine;
 pub(crate) mod faults;
+pub(crate) mod inspect;
+pub(crate) mod leaders;
 pub(crate) mod links;
 pub(crate) mod observe;
 pub(crate) mod plan;
@@ -90,6 +99,11 @@ pub(crate) fn run_wakeups(seed: u64, mix: Mix) -> Report {
     run_as(seed, mix, |p| p.wakeups = true)
 }
 
+/// [`run`] with elections beside the locks (see [`elections`]).
+pub(crate) fn run_elections(seed: u64, mix: Mix) -> Report {
+    run_as(seed, mix, |p| p.elections = true)
+}
+
 /// [`run`] with some sections locks of several resources (and, `wakeups`,
 /// releases waking waiters).
 pub(crate) fn run_sets(seed: u64, mix: Mix, wakeups: bool) -> Report {
@@ -115,6 +129,8 @@ pub(crate) struct Ctx {
     /// Workers still running, and the signal each notifies when it ends.
     running: AtomicUsize,
     done: Arc<Signal>,
+    /// The elections' candidates, stopped when the workload ends.
+    elections: parking_lot::Mutex<Vec<crate::election::Election>>,
 }
 
 impl Ctx {
@@ -265,6 +281,9 @@ pub(crate) fn simulate(plan: Plan, main: Script) -> Report {
     );
     for (node, &evicting) in world.nodes.iter_mut().zip(&plan.evicting) {
         node.evicting = evicting;
+        if evicting {
+            node.sound_since = None;
+        }
         node.store.broken = plan.broken;
     }
     world.subs = plan.wakeups.then(Default::default);
@@ -286,6 +305,7 @@ pub(crate) fn simulate(plan: Plan, main: Script) -> Report {
         plan: plan.clone(),
         running: AtomicUsize::new(plan.clients * plan.threads),
         done: Arc::default(),
+        elections: Default::default(),
     });
     let main_rng = rng.fork();
     let main = {
@@ -309,8 +329,10 @@ pub(crate) fn simulate(plan: Plan, main: Script) -> Report {
         let world = &mut core.world;
         world.check.finish_with(at, &world.nodes);
     }
+    core.world.check.leaders.finish();
     Report {
         plan,
+        leaders: core.world.check.leaders.stats.clone(),
         violations: core.world.check.violations.clone(),
         stats: core.world.check.stats,
         grants_at: std::mem::take(&mut core.world.check.grants_at),
@@ -322,6 +344,11 @@ pub(crate) fn simulate(plan: Plan, main: Script) -> Report {
 }
 
 fn client(ctx: &Ctx, settings: Settings, seed: u64) -> Redlock {
+    client_in(ctx, settings, seed, Arc::default())
+}
+
+/// A client whose process has `fate` (see [`engine::Fate`]).
+fn client_in(ctx: &Ctx, settings: Settings, seed: u64, fate: Arc<engine::Fate>) -> Redlock {
     let clock: Arc<dyn Clock> = Arc::new(SimClock(ctx.sched.clone()));
     let transport = Box::new(engine::SimEngine::new(
         &ctx.sched,
@@ -330,6 +357,7 @@ fn client(ctx: &Ctx, settings: Settings, seed: u64) -> Redlock {
         ctx.plan.preempt,
         settings.rules(),
         ctx.plan.defects,
+        fate,
     ));
     crate::redlock::Redlock {
         engine: crate::lock::engine::Engine::new(settings, transport, clock, Rng::new(seed)),
@@ -358,6 +386,11 @@ fn main_thread(ctx: &Arc<Ctx>, mut rng: SimRng) {
                 ctx.fail(Kind::Crash, "cannot start a worker".into());
             }
         }
+    }
+    if plan.elections {
+        // Drawn apart, so that the locks' workload stays as it was.
+        let mut erng = SimRng::new(plan.seed ^ 0x656c_6563);
+        elections::start(ctx, &mut erng);
     }
     // The workload runs, faults heal at `run_for`; once every worker is
     // done and a TTL has passed, a lone client must get every lock at once.

@@ -32,6 +32,9 @@ pub(crate) trait Observed {
     /// The longest stretch of `from..to` throughout which connections to
     /// it could be made (ns).
     fn longest_reachable(&self, from: u64, to: u64) -> u64;
+    /// Since when (virtual ns) it has been up, reachable, answering, with
+    /// its clock never set back and no fault on it (`None`: not now).
+    fn sound_since(&self) -> Option<u64>;
 }
 
 /// A command for the trace: its kind, and each key's resource and the

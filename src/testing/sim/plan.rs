@@ -192,6 +192,9 @@ pub(crate) struct Plan {
     /// An application's key under a resource's name: (node, resource).
     /// No lock may take a resource that is one on a majority of nodes.
     pub(crate) foreign: Vec<(usize, usize)>,
+    /// Candidates of an election campaign and lead beside the locks (see
+    /// [`elections`](crate::testing::sim::elections)).
+    pub(crate) elections: bool,
 }
 
 impl Plan {
@@ -337,6 +340,7 @@ impl Plan {
             readers: false,
             broken: Default::default(),
             foreign: Vec::new(),
+            elections: false,
         };
         match mix {
             Mix::Releases => {
@@ -430,6 +434,7 @@ impl Plan {
             readers: false,
             broken: Default::default(),
             foreign: Vec::new(),
+            elections: false,
         }
     }
 }
@@ -438,6 +443,8 @@ impl Plan {
 #[derive(Debug)]
 pub(crate) struct Report {
     pub(crate) plan: Plan,
+    /// The elections' figures.
+    pub(crate) leaders: crate::testing::sim::leaders::LeaderStats,
     pub(crate) violations: Vec<Violation>,
     pub(crate) stats: Stats,
     /// When each section began (virtual ns), in order.
@@ -462,6 +469,7 @@ impl Report {
             (p.wakeups, " QUORUMLOCK_SIM_WAKEUPS=1"),
             (p.sets, " QUORUMLOCK_SIM_SETS=1"),
             (p.readers, " QUORUMLOCK_SIM_READERS=1"),
+            (p.elections, " QUORUMLOCK_SIM_ELECTIONS=1"),
         ]
         .iter()
         .filter(|(on, _)| *on)

@@ -120,6 +120,11 @@ pub(crate) enum Command {
     Pttl(String),
     /// `HGET` of the lock history's epoch.
     Epoch,
+    /// `GET key` (a status query's: see `SimEngine::inspect`).
+    Get(String),
+    /// `HGET` of an election's term in the lock history (a status
+    /// query's).
+    TermOf(String),
     /// Anything else: the node answers with an error.
     Unknown(String),
 }
@@ -214,6 +219,14 @@ pub(crate) fn command(v: &Value) -> Command {
             }
         }
         "PTTL" if words.len() == 2 => return Command::Pttl(words[1].clone()),
+        "GET" if words.len() == 2 => return Command::Get(words[1].clone()),
+        "HGET"
+            if words.get(1).map(String::as_str) == Some(scripts::META_KEY)
+                && words.len() == 3
+                && words[2].starts_with("term:") =>
+        {
+            return Command::TermOf(words[2]["term:".len()..].to_owned())
+        }
         "HGET"
             if words.get(1).map(String::as_str) == Some(scripts::META_KEY)
                 && words.get(2).map(String::as_str) == Some("epoch") =>

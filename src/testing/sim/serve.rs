@@ -192,6 +192,27 @@ impl World {
                 let node_now = self.instant(local);
                 redis::Value::Int(self.nodes[i].store.pttl(&resource, node_now))
             }
+            Command::Get(resource) => {
+                let local = self.nodes[i].clock.at(now);
+                let node_now = self.instant(local);
+                let store = &mut self.nodes[i].store;
+                store.prune(node_now);
+                if let Some((value, _)) = store.keys.get(&resource) {
+                    redis::Value::BulkString(value.clone().into_bytes())
+                } else if store.readers.contains_key(&resource) {
+                    wire::error("WRONGTYPE Operation against a key holding the wrong kind of value")
+                } else if store.foreign.contains(&resource) {
+                    redis::Value::BulkString(b"an application's value".to_vec())
+                } else {
+                    redis::Value::Nil
+                }
+            }
+            Command::TermOf(resource) => match self.nodes[i].store.terms.get(&resource) {
+                Some((term, token)) => {
+                    redis::Value::BulkString(format!("{term} {token}").into_bytes())
+                }
+                None => redis::Value::Nil,
+            },
             Command::Epoch => match self.nodes[i].store.epoch(self.base) {
                 Some(e) => redis::Value::BulkString(e.to_string().into_bytes()),
                 None => redis::Value::Nil,
@@ -275,6 +296,10 @@ impl Observed for SimNode {
             .iter()
             .find(|&&r| r >= from)
             .map_or(u64::MAX, |&r| r.saturating_add(until & !BACKLOG))
+    }
+
+    fn sound_since(&self) -> Option<u64> {
+        self.sound_since
     }
 
     fn longest_reachable(&self, from: u64, to: u64) -> u64 {

@@ -7,6 +7,7 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use super::check::Kind;
+use super::leaders::LeaderStats;
 use super::plan::{Mix, Report};
 use super::run;
 
@@ -26,10 +27,11 @@ fn sweep_with(
     count: u64,
     mix_of: impl Fn(u64) -> Mix + Sync,
     run: fn(u64, Mix) -> Report,
-) -> (Vec<Report>, f64, u64) {
+) -> (Vec<Report>, f64, u64, LeaderStats) {
     let next = AtomicU64::new(first);
     let failed = Mutex::new(Vec::new());
     let steps = AtomicU64::new(0);
+    let leaders = Mutex::new(LeaderStats::default());
     let t = Instant::now();
     let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
     std::thread::scope(|s| {
@@ -41,6 +43,10 @@ fn sweep_with(
                 }
                 let report = run(seed, mix_of(seed));
                 steps.fetch_add(report.steps, Ordering::Relaxed);
+                leaders
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .add(&report.leaders);
                 if !report.violations.is_empty() {
                     failed
                         .lock()
@@ -52,7 +58,13 @@ fn sweep_with(
     });
     let mut failed = failed.into_inner().unwrap_or_else(|e| e.into_inner());
     failed.sort_by_key(|r| r.plan.seed);
-    (failed, t.elapsed().as_secs_f64(), steps.into_inner())
+    let leaders = leaders.into_inner().unwrap_or_else(|e| e.into_inner());
+    (
+        failed,
+        t.elapsed().as_secs_f64(),
+        steps.into_inner(),
+        leaders,
+    )
 }
 
 pub(crate) fn describe(r: &Report) -> String {
@@ -78,7 +90,30 @@ pub(crate) fn describe(r: &Report) -> String {
 #[test]
 fn seeded_schedules_within_the_assumptions_break_nothing() {
     let count = env_u64("QUORUMLOCK_SIM_SEEDS").unwrap_or(SEEDS);
-    sweep_clean("schedules", count, sweep_mix, run);
+    let leaders = sweep_clean("schedules", count, sweep_mix, swept);
+    // One schedule in four elects: among 300, leaders resign, die, are
+    // paused past their lease, and their failovers are judged.
+    if count >= 300 {
+        let s = leaders;
+        assert!(s.elected > 0 && s.resigned > 0 && s.died > 0, "{s:?}");
+        assert!(s.stale_checks > 0 && s.judged > 0 && s.reads > 0, "{s:?}");
+    }
+}
+
+/// Whether the sweep's schedule of `seed` runs elections.
+pub(super) fn elects(seed: u64) -> bool {
+    super::rng::SimRng::new(seed ^ 0x656c_6563_7473).chance(0.25)
+}
+
+/// A schedule of the sweep: [`run`], with elections (see
+/// [`elections`](super::elections)) beside the locks in one of four (but
+/// in the kill storms, whose workers each keep to keys of their own).
+fn swept(seed: u64, mix: Mix) -> Report {
+    if mix != Mix::KillStorm && elects(seed) {
+        super::run_elections(seed, mix)
+    } else {
+        run(seed, mix)
+    }
 }
 
 /// Schedules [`seeded_schedules_within_the_assumptions_break_nothing`]
@@ -111,13 +146,21 @@ fn sweep_mix(seed: u64) -> Mix {
 /// Runs `count` schedules (from `QUORUMLOCK_SIM_FIRST`) of the mixes `mix`
 /// gives with `run`, prints the rate, and fails with every failing
 /// schedule's replay multiplexed connection.
-fn sweep_clean(what: &str, count: u64, mix: fn(u64) -> Mix, run: fn(u64, Mix) -> Report) {
+fn sweep_clean(
+    what: &str,
+    count: u64,
+    mix: fn(u64) -> Mix,
+    run: fn(u64, Mix) -> Report,
+) -> LeaderStats {
     let first = env_u64("QUORUMLOCK_SIM_FIRST").unwrap_or(0);
-    let (failed, secs, steps) = sweep_with(first, count, mix, run);
+    let (failed, secs, steps, leaders) = sweep_with(first, count, mix, run);
     println!(
         "{count} {what} in {secs:.1} s ({:.0}/s, {steps} scheduling steps)",
         count as f64 / secs
     );
+    if leaders.elected > 0 {
+        println!("elections: {}", leaders.figures());
+    }
     let lines: Vec<String> = failed.iter().take(40).map(describe).collect();
     assert!(
         failed.is_empty(),
@@ -125,6 +168,7 @@ fn sweep_clean(what: &str, count: u64, mix: fn(u64) -> Mix, run: fn(u64, Mix) ->
         failed.len(),
         lines.join("\n")
     );
+    leaders
 }
 
 /// The schedules exercise shared connections: rounds of several threads of
@@ -151,7 +195,7 @@ fn schedules_share_connections_between_rounds() {
 
 /// Replays one schedule, with everything it found:
 /// `QUORUMLOCK_SIM_SEED=… QUORUMLOCK_SIM_MIX=… cargo test --lib sim::tests::replay -- --nocapture`
-/// (and `QUORUMLOCK_SIM_WAKEUPS`, `_SETS`, `_READERS` set to anything for
+/// (and `QUORUMLOCK_SIM_WAKEUPS`, `_SETS`, `_READERS`, `_ELECTIONS` set to anything for
 /// the plan's flags).
 /// Without them it replays seed 1 twice and checks that both runs made the
 /// same decisions.
@@ -169,6 +213,7 @@ fn replay() {
             p.wakeups = flag("QUORUMLOCK_SIM_WAKEUPS");
             p.sets = flag("QUORUMLOCK_SIM_SETS");
             p.readers = flag("QUORUMLOCK_SIM_READERS");
+            p.elections = flag("QUORUMLOCK_SIM_ELECTIONS");
         })
     };
     let t = Instant::now();

@@ -220,7 +220,7 @@ pub(crate) fn steady_worker(ctx: &Ctx, locks: &Redlock, mut rng: SimRng, who: &s
     }
 }
 
-fn check_wait(ctx: &Ctx, call: &str, waited: Duration, budget: Duration) {
+pub(crate) fn check_wait(ctx: &Ctx, call: &str, waited: Duration, budget: Duration) {
     let bound = ctx.bound(budget);
     if waited > bound {
         ctx.fail(

@@ -96,6 +96,8 @@ pub(crate) struct SimNode {
     pub(crate) dark_since: Option<u64>,
     /// When it resumed from pauses (virtual ns).
     pub(crate) resumed: Vec<u64>,
+    /// Since when it has been sound (see `Observed::sound_since`).
+    pub(crate) sound_since: Option<u64>,
 }
 
 /// A command on a simulated connection (the driver's own bytes), answered
@@ -182,6 +184,7 @@ impl World {
                 dark: Vec::new(),
                 dark_since: None,
                 resumed: Vec::new(),
+                sound_since: Some(0),
             })
             .collect();
         World {
