@@ -105,6 +105,18 @@ impl Ctx {
         id
     }
 
+    /// `who` leads `election` in `term` (a leadership the checkers cannot
+    /// read, as `Election::run` lends it): the terms' checks only.
+    pub(crate) fn term_granted(&self, election: &str, who: &str, term: u64) {
+        let now = self.now();
+        self.with(|c| {
+            if let Some((kind, what)) = c.leaders.term(election, who, term, now) {
+                c.fail(now, kind, what);
+            }
+            c.leaders.stats.elected += 1;
+        });
+    }
+
     /// The leader of reign `id` died now.
     pub(crate) fn leader_died(&self, id: usize) {
         let now = self.now();

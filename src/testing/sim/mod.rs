@@ -51,6 +51,8 @@ pub(crate) mod workload;
 pub(crate) mod world;
 
 #[cfg(test)]
+mod election_tests;
+#[cfg(test)]
 mod history_regressions;
 #[cfg(test)]
 mod outage_tests;
