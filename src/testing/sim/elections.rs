@@ -56,7 +56,9 @@ impl Ctx {
 
     /// The failover pace of an election with `ttl` under this run's
     /// settings: the TTL, the retry pause and `slack`; a node counts once
-    /// sound for the longest TTL in use (the restart rule) and an attempt.
+    /// sound for a trial of a failing node and an attempt, and, having lost
+    /// its data, the longest TTL in use (the restart rule) and an attempt;
+    /// a lossy network's failovers count once it heals (at `run_for`).
     pub(crate) fn pace_of(&self, ttl: Duration, slack: Duration) -> Pace {
         let s = &self.plan.settings;
         let longest = self
@@ -69,10 +71,13 @@ impl Ctx {
             .unwrap_or_default()
             .max(ttl);
         let n = self.plan.entries.len();
+        let net = &self.plan.net;
+        let lossy = net.loss > 0.0 || net.spike > 0.0;
         Pace {
+            delivers: if lossy { self.plan.run_for } else { 0 },
             bound: nanos(ttl + s.retry_delay + s.retry_jitter + slack),
-            base: nanos(ttl + s.retry_delay + s.retry_jitter),
-            settle: nanos(longest + self.per_attempt()),
+            settle: nanos(crate::algorithm::health::TRIAL_EVERY + self.per_attempt()),
+            restart: nanos(longest + self.per_attempt()),
             need: crate::algorithm::quorum::quorum(n).min(self.plan.nodes),
         }
     }

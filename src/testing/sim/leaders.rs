@@ -14,8 +14,9 @@
 //! - [`Kind::Failover`]: after a leader resigns or dies, some candidate
 //!   leads within the election's bound (TTL, retry pause, slack: see
 //!   [`Pace`]), counted from the latest of the vacancy, the start of a
-//!   campaign still running, and a majority of nodes being sound for
-//!   [`Pace::settle`].
+//!   campaign still running, a majority of nodes being sound for
+//!   [`Pace::settle`] (and, those that lost their data, for
+//!   [`Pace::restart`]), and the network delivering ([`Pace::delivers`]).
 //! - [`Kind::LeaderMisread`]: `Election::leader` names the leader whose
 //!   lease was valid throughout the call (and its term or a later one).
 //!
@@ -48,14 +49,20 @@ pub(crate) struct Pace {
     /// The longest from a vacancy to the next leader: the TTL, the retry
     /// pause and the slack.
     pub(crate) bound: u64,
-    /// Of the bound, the TTL and the retry pause (the rest is slack).
-    pub(crate) base: u64,
     /// How long a node must have been sound (see
-    /// [`Observed::sound_since`]) to count towards the majority: its votes
-    /// may be held back that long (the restart rule).
+    /// [`Observed::sound_since`]) to count towards the majority: a client
+    /// that found it failing tries it again within that.
     pub(crate) settle: u64,
+    /// How long after losing its data a node's votes may be held back (the
+    /// restart rule).
+    pub(crate) restart: u64,
     /// How many sound nodes make the majority.
     pub(crate) need: usize,
+    /// From when the network delivers every message in time (a lossy one,
+    /// or one whose delays spike, heals at the end of the workload): before
+    /// that a failed attempt may leave its key on a node for a TTL, and
+    /// another after it, so no bound holds.
+    pub(crate) delivers: u64,
 }
 
 /// One leader's reign.
@@ -106,9 +113,6 @@ pub(crate) struct LeaderStats {
     /// one of them took.
     pub(crate) judged: u64,
     pub(crate) closest: f64,
-    /// The most a judged failover took past the TTL and the retry pause
-    /// (ns), and its failover time (ns).
-    pub(crate) past_base: (u64, u64),
     /// Leaders that resumed from a pause past their lease and checked
     /// `is_leader()` (see [`Kind::StaleLeader`]).
     pub(crate) stale_checks: u64,
@@ -239,14 +243,12 @@ impl Leaders {
         found.extend(self.term(&election, who, term, now));
         if let Some(v) = self.vacant.remove(&election) {
             self.stats.failovers.push((v.how, now - v.since));
-            if let (Some(from), Some(pace)) = (v.judged_from, self.paces.get(&election)) {
+            // Judged: the bound's clock had started (see `observe`).
+            let from = v.judged_from.filter(|&f| f <= now);
+            if let (Some(from), Some(pace)) = (from, self.paces.get(&election)) {
                 self.stats.judged += 1;
                 let share = now.saturating_sub(from) as f64 / pace.bound as f64;
                 self.stats.closest = self.stats.closest.max(share);
-                let past = now.saturating_sub(from).saturating_sub(pace.base);
-                if past > self.stats.past_base.0 {
-                    self.stats.past_base = (past, now - from);
-                }
             }
         }
         self.stats.elected += 1;
@@ -411,8 +413,19 @@ impl Leaders {
         if self.vacant.is_empty() {
             return found;
         }
-        let mut sound: Vec<u64> = nodes.iter().filter_map(Observed::sound_since).collect();
-        sound.sort_unstable();
+        // When each node counts: sound for `settle`, and if it lost its
+        // data, the restart rule's time after.
+        let ready = |pace: &Pace| {
+            let mut ready: Vec<u64> = nodes
+                .iter()
+                .filter_map(|n| {
+                    let sound = n.sound_since()? + pace.settle;
+                    Some(sound.max(n.wiped_at().map_or(0, |w| w + pace.restart)))
+                })
+                .collect();
+            ready.sort_unstable();
+            ready.get(pace.need.saturating_sub(1)).copied()
+        };
         for (election, v) in &mut self.vacant {
             let Some(pace) = self.paces.get(election) else {
                 continue;
@@ -422,19 +435,17 @@ impl Leaders {
                 .get(election)
                 .and_then(|c| c.values().min().copied());
             v.judged_from = None;
-            let (Some(campaign), Some(&majority)) =
-                (campaign, sound.get(pace.need.saturating_sub(1)))
-            else {
+            let (Some(campaign), Some(majority)) = (campaign, ready(pace)) else {
                 continue;
             };
-            let from = v.since.max(campaign).max(majority + pace.settle);
+            let from = v.since.max(campaign).max(majority).max(pace.delivers);
             v.judged_from = Some(from);
             if !v.reported && now > from + pace.bound {
                 v.reported = true;
                 found.push((
                     Kind::Failover,
                     format!(
-                        "no leader of {election:?} {:.3} ms after {} {} at {:.3} ms (campaigning since {:.3} ms, a majority sound since {:.3} ms; bound {:.3} ms)",
+                        "no leader of {election:?} {:.3} ms after {} {} at {:.3} ms (campaigning since {:.3} ms, a majority sound and voting since {:.3} ms; bound {:.3} ms)",
                         ms(now - from),
                         v.after,
                         if v.how == End::Died { "died" } else { "resigned" },

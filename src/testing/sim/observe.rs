@@ -35,6 +35,8 @@ pub(crate) trait Observed {
     /// Since when (virtual ns) it has been up, reachable, answering, with
     /// its clock never set back and no fault on it (`None`: not now).
     fn sound_since(&self) -> Option<u64>;
+    /// When it last lost its data and lock history (virtual ns).
+    fn wiped_at(&self) -> Option<u64>;
 }
 
 /// A command for the trace: its kind, and each key's resource and the

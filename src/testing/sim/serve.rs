@@ -302,6 +302,10 @@ impl Observed for SimNode {
         self.sound_since
     }
 
+    fn wiped_at(&self) -> Option<u64> {
+        self.wiped_at
+    }
+
     fn longest_reachable(&self, from: u64, to: u64) -> u64 {
         let dark = self
             .dark
