@@ -252,8 +252,9 @@ fn observed(seed: u64) -> (Report, Vec<(u64, String, u64)>) {
     (r, seen)
 }
 
-/// The observer names the candidates that lead, one change after another,
-/// and ends when the election is stopped.
+/// The observer names the leaders, one change after another, each with
+/// the term it was granted (`leader()` reports a leader once its term is
+/// recorded), and ends when the election is stopped.
 #[test]
 fn an_observer_follows_the_leaders() {
     let mut changes = 0;
@@ -261,8 +262,16 @@ fn an_observer_follows_the_leaders() {
         let (r, seen) = observed(seed);
         assert!(r.violations.is_empty(), "{}", describe(&r));
         assert!(seen.len() >= 3, "seed {seed}: {seen:?}");
-        for (at, id, _) in &seen {
-            assert!(id.starts_with("ec"), "seed {seed}: {id:?} at {at}");
+        for (at, id, term) in &seen {
+            let granted = r
+                .leaders
+                .grants
+                .iter()
+                .any(|(who, t)| who == id && t == term);
+            assert!(
+                granted,
+                "seed {seed}: {id:?} in term {term} at {at}: never granted"
+            );
         }
         changes += seen.len();
     }
@@ -272,18 +281,15 @@ fn an_observer_follows_the_leaders() {
     );
 }
 
-/// The terms an observer reads never fall: `leader()` documents that a
-/// leader still being elected may read a term lower than the one it gets,
-/// never as low as the leader's before it. But it reads the highest
-/// counter among the nodes holding the candidate's key, and a node the
-/// campaign's round did not wait for may hold a higher counter (its own)
-/// until the write-back sets it to the granted term: the observer yields
-/// the leader with that higher term, then the same leader with its lower
-/// one (seed 0: `ec0.0` read in term ...918641 at 900.407 ms, elected in
-/// term ...903850 at 900.350 ms, read so at 902.115 ms), and a next leader
-/// elected soon after may get a term below the first read.
+/// The terms an observer reads never fall. (On the library before the
+/// terms' own record, `leader()` read the highest fencing counter among
+/// the nodes holding the candidate's key, and a node the campaign's round
+/// did not wait for kept its own, higher counter until the write-back set
+/// it to the granted term: the observer yielded the leader with that
+/// higher term, then the same leader with its own (seed 0: `ec0.0` read in
+/// term ...918641 at 900.407 ms, elected in term ...903850 at 900.350 ms,
+/// read so at 902.115 ms).)
 #[test]
-#[ignore = "defect: leader()/observe() read a candidate's term higher than the term it is granted (an unwaited node's own counter, before the write-back), so the terms observed fall"]
 fn the_terms_an_observer_reads_never_fall() {
     for seed in seeds() {
         let (r, seen) = observed(seed);
@@ -295,7 +301,7 @@ fn the_terms_an_observer_reads_never_fall() {
 }
 
 /// `stop()`: a campaign blocked behind another leader returns
-/// [`Error::Stopped`] within about 250 ms and a round, and a leader of a
+/// [`Error::Stopped`] within a second and a round, and a leader of a
 /// stopped election is no longer `is_leader()`.
 #[test]
 fn a_stopped_election_stops_campaigning_and_leading() {
@@ -322,7 +328,7 @@ fn a_stopped_election_stops_campaigning_and_leading() {
                 });
                 let got = eb.campaign();
                 let late = Duration::from_nanos(ctx.now() - stopped_at.load(Ordering::Acquire));
-                let bound = T(250) + ctx.bound(ctx.per_attempt());
+                let bound = T(1_000) + ctx.bound(ctx.per_attempt());
                 if !matches!(got, Err(Error::Stopped)) || late > bound {
                     let what = format!("b's campaign: {:?}, {late:?} after stop", got.err());
                     ctx.fail(Kind::WaitBound, what);

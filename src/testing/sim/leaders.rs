@@ -18,7 +18,7 @@
 //!   [`Pace::settle`] (and, those that lost their data, for
 //!   [`Pace::restart`]), and the network delivering ([`Pace::delivers`]).
 //! - [`Kind::LeaderMisread`]: `Election::leader` names the leader whose
-//!   lease was valid throughout the call (and its term or a later one).
+//!   lease was valid throughout the call, with its term.
 //!
 //! [`Kind::StaleLeader`] is checked by the candidates themselves (see
 //! [`elections`](crate::testing::sim::elections)): only they know when
@@ -121,6 +121,8 @@ pub(crate) struct LeaderStats {
     pub(crate) reads: u64,
     pub(crate) reads_none: u64,
     pub(crate) reads_failed: u64,
+    /// Every term granted, with whom to (one run's, not added up).
+    pub(crate) grants: Vec<(String, u64)>,
 }
 
 impl LeaderStats {
@@ -362,7 +364,7 @@ impl Leaders {
         })?;
         self.stats.reads += 1;
         match seen {
-            Ok(Some((id, term))) if id == r.id && term >= r.term => None,
+            Ok(Some((id, term))) if id == r.id && term == r.term => None,
             Ok(Some((id, term))) => Some((
                 Kind::LeaderMisread,
                 format!(
@@ -460,8 +462,15 @@ impl Leaders {
         found
     }
 
-    /// At the end of a run: the highest term of each election.
+    /// At the end of a run: every term granted, and the highest of each
+    /// election.
     pub(crate) fn finish(&mut self) {
+        self.stats.grants = self
+            .granted
+            .values()
+            .flatten()
+            .map(|(t, who, _)| (who.clone(), *t))
+            .collect();
         self.stats.top_terms = self
             .granted
             .values()
