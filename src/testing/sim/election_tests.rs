@@ -529,3 +529,32 @@ fn without_the_restart_rule_two_leaders_are_found() {
         assert!(r.has(Kind::TwoLeaders), "seed {seed}: {}", describe(&r));
     }
 }
+
+/// Defects of the library found by the sweep's schedules with elections,
+/// kept failing (ignored) until fixed; the sweep runs their seeds without
+/// elections meanwhile (`tests::KNOWN_DEFECTS`).
+mod engine_defects {
+    use super::{describe, Mix};
+
+    /// Seed 0x3f (clock jumps, elections): `c0t1`'s lock of `r0` (a plain
+    /// lock, not the election's) is released with `Ok` at 665.990 ms while
+    /// its key is on 2 of 3 nodes. Its acquire's SET to node 1, sent at
+    /// 635.399 ms on one connection, was delayed 30 ms (a spike, the node
+    /// timeout is 30 ms) and the round settled without it; a renewal
+    /// restored the copy on node 1 at 662.803 ms on another connection, the
+    /// release deleted it there at 664.364 ms (answered `Ok`), and the
+    /// delayed SET landed at 665.743 ms, after the delete, with node 0's
+    /// delete still on its way (it lands at 709.973 ms). No delete is sent
+    /// to node 1 after it: its copy stays until its TTL (the release's
+    /// retries, which the driver keeps up while a SET of the token may
+    /// still land, were not made), and the release returned `Ok` with the
+    /// key on a majority. Replay: `QUORUMLOCK_SIM_SEED=0x3f
+    /// QUORUMLOCK_SIM_MIX=clock-jumps QUORUMLOCK_SIM_ELECTIONS=1
+    /// QUORUMLOCK_SIM_TRACE=1 cargo test --lib sim::tests::replay -- --nocapture`.
+    #[test]
+    #[ignore = "defect: a SET delayed past a release lands after it and stays (no retried delete); release() returned Ok with the key on 2 of 3 nodes"]
+    fn a_late_set_after_a_release_is_deleted() {
+        let r = crate::testing::sim::run_elections(0x3f, Mix::ClockJumps);
+        assert!(r.violations.is_empty(), "{}", describe(&r));
+    }
+}
