@@ -442,12 +442,15 @@ fn election_child() {
 /// paused (SIGSTOP) past its lease and resumed. A successor leads within
 /// the TTL and a second each time, terms rise, and no step of an older
 /// term comes after a newer term's election.
+/// The children's lines: (child, event, term, wall µs).
+type Lines = Arc<Mutex<Vec<(usize, String, u64, u128)>>>;
+
 #[test]
 fn three_processes_kill_and_pause_their_leaders() {
     use std::io::BufRead;
     let cluster = shared();
     let name = unique_key("election-procs");
-    let lines: Arc<Mutex<Vec<(usize, String, u64, u128)>>> = Arc::default();
+    let lines: Lines = Arc::default();
     let mut children: Vec<std::process::Child> = (0..3)
         .map(|i| {
             let mut child = std::process::Command::new(std::env::current_exe().expect("exe"))
@@ -484,7 +487,7 @@ fn three_processes_kill_and_pause_their_leaders() {
             child
         })
         .collect();
-    let leader_now = |lines: &Arc<Mutex<Vec<(usize, String, u64, u128)>>>| {
+    let leader_now = |lines: &Lines| {
         lines
             .lock()
             .iter()

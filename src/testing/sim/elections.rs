@@ -24,8 +24,8 @@ use crate::error::Error;
 use crate::lock::settings::Settings;
 use crate::redlock::Redlock;
 use crate::testing::sim::check::Kind;
-use crate::testing::sim::engine::Fate;
 use crate::testing::sim::leaders::{End, Pace};
+use crate::testing::sim::links::Fate;
 use crate::testing::sim::rng::SimRng;
 use crate::testing::sim::{Ctx, MS};
 

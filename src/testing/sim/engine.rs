@@ -1,12 +1,8 @@
 //! A simulated client's [`Transport`]: the production round over the
 //! simulated connections ([`SimLinks`]).
 
-use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-use parking_lot::Mutex;
 
 use crate::algorithm::quorum::VoteRules;
 use crate::algorithm::round::{Key, NodeResult, Op};
@@ -15,52 +11,9 @@ use crate::driver::node::round::RoundRunner;
 use crate::driver::node::state::Defects;
 use crate::lock::transport::{Decided, Transport, Undo, Watch};
 use crate::testing::sim::check::lineage;
-use crate::testing::sim::links::SimLinks;
-use crate::testing::sim::sched::{Sched, SimClock};
+use crate::testing::sim::links::{Fate, SimLinks};
+use crate::testing::sim::sched::Sched;
 use crate::testing::sim::wakeups::Watches;
-
-/// What becomes of a simulated client's process: it dies (it writes
-/// nothing more: its locks, an election's lease among them, are neither
-/// renewed nor released, and expire by their TTL), or it is paused (a
-/// stop, a long GC: every thread of it, the renewal thread's rounds
-/// included, starts and ends no round until the pause is over).
-#[derive(Default)]
-pub(crate) struct Fate {
-    dead: AtomicBool,
-    /// Paused until then (virtual ns).
-    paused_until: AtomicU64,
-    /// The lineages of every lock its rounds wrote (its keys left behind
-    /// when it dies are no leak: see `Checker::abandon`).
-    lineages: Mutex<BTreeSet<String>>,
-}
-
-impl Fate {
-    pub(crate) fn is_dead(&self) -> bool {
-        self.dead.load(Ordering::Acquire)
-    }
-
-    /// The process dies: the lineages it had written.
-    pub(crate) fn kill(&self) -> Vec<String> {
-        self.dead.store(true, Ordering::Release);
-        self.lineages.lock().iter().cloned().collect()
-    }
-
-    /// The process is paused until `until` (virtual ns).
-    pub(crate) fn pause_until(&self, until: u64) {
-        self.paused_until.fetch_max(until, Ordering::AcqRel);
-    }
-
-    /// Waits out a pause (a thread of a paused process does nothing).
-    fn hold(&self, sched: &Arc<Sched>) {
-        loop {
-            let (now, until) = (sched.nanos(), self.paused_until.load(Ordering::Acquire));
-            if now >= until {
-                return;
-            }
-            crate::clock::Clock::sleep(&SimClock(sched.clone()), Duration::from_nanos(until - now));
-        }
-    }
-}
 
 /// A simulated client's [`Transport`]: the production round over
 /// [`SimLinks`].

@@ -30,7 +30,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use crate::election::Leadership;
-use crate::testing::sim::check::{Kind, Observed};
+use crate::testing::sim::observe::{Kind, Observed};
 
 /// How a leader's reign ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -5,7 +5,8 @@
 //! release retries are the driver's own code, and the bytes they write are
 //! the driver's own encoding, which the simulated nodes read back.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -31,10 +32,9 @@ use crate::driver::node::state::{Defects, NodeState};
 use crate::error::{NodeError, NodeErrorKind};
 use crate::events::Events;
 use crate::testing::sim::check::{RETRY_BATCH, RETRY_EVERY};
-use crate::testing::sim::engine::Fate;
 use crate::testing::sim::redis::Inbox;
 use crate::testing::sim::redis::{command, commands, Command, OwnedKey};
-use crate::testing::sim::sched::Sched;
+use crate::testing::sim::sched::{Sched, SimClock};
 use crate::testing::sim::world::{Msg, ServerStatus};
 
 /// One simulated connection: what it owes, the connection (lane) it is in
@@ -589,5 +589,48 @@ impl Links for SimLinks {
         // Only a healthy node that no free connection reached is written to
         // after its round; the simulated pools always connect on demand,
         // so a healthy node is never left unreached.
+    }
+}
+
+/// What becomes of a simulated client's process: it dies (it writes
+/// nothing more: its locks, an election's lease among them, are neither
+/// renewed nor released, and expire by their TTL), or it is paused (a
+/// stop, a long GC: every thread of it, the renewal thread's rounds
+/// included, starts and ends no round until the pause is over).
+#[derive(Default)]
+pub(crate) struct Fate {
+    dead: AtomicBool,
+    /// Paused until then (virtual ns).
+    paused_until: AtomicU64,
+    /// The lineages of every lock its rounds wrote (its keys left behind
+    /// when it dies are no leak: see `Checker::abandon`).
+    pub(crate) lineages: Mutex<BTreeSet<String>>,
+}
+
+impl Fate {
+    pub(crate) fn is_dead(&self) -> bool {
+        self.dead.load(Ordering::Acquire)
+    }
+
+    /// The process dies: the lineages it had written.
+    pub(crate) fn kill(&self) -> Vec<String> {
+        self.dead.store(true, Ordering::Release);
+        self.lineages.lock().iter().cloned().collect()
+    }
+
+    /// The process is paused until `until` (virtual ns).
+    pub(crate) fn pause_until(&self, until: u64) {
+        self.paused_until.fetch_max(until, Ordering::AcqRel);
+    }
+
+    /// Waits out a pause (a thread of a paused process does nothing).
+    pub(crate) fn hold(&self, sched: &Arc<Sched>) {
+        loop {
+            let (now, until) = (sched.nanos(), self.paused_until.load(Ordering::Acquire));
+            if now >= until {
+                return;
+            }
+            crate::clock::Clock::sleep(&SimClock(sched.clone()), Duration::from_nanos(until - now));
+        }
     }
 }

@@ -17,7 +17,7 @@
 //! - [`check`]: safety, liveness and accounting checkers.
 //! - [`elections`]: candidates of an election run the production
 //!   [`Election`](crate::Election), each in a process of its own that may
-//!   die or be paused ([`engine::Fate`]); [`leaders`] checks them (one
+//!   die or be paused ([`links::Fate`]); [`leaders`] checks them (one
 //!   valid lease at a time, each term once and rising, a leader within a
 //!   bound after a resignation or a death, `leader()` naming the leader),
 //!   and `leader()` reads the nodes through [`inspect`].
@@ -349,8 +349,8 @@ fn client(ctx: &Ctx, settings: Settings, seed: u64) -> Redlock {
     client_in(ctx, settings, seed, Arc::default())
 }
 
-/// A client whose process has `fate` (see [`engine::Fate`]).
-fn client_in(ctx: &Ctx, settings: Settings, seed: u64, fate: Arc<engine::Fate>) -> Redlock {
+/// A client whose process has `fate` (see [`links::Fate`]).
+fn client_in(ctx: &Ctx, settings: Settings, seed: u64, fate: Arc<links::Fate>) -> Redlock {
     let clock: Arc<dyn Clock> = Arc::new(SimClock(ctx.sched.clone()));
     let transport = Box::new(engine::SimEngine::new(
         &ctx.sched,

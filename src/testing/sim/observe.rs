@@ -7,6 +7,62 @@ use std::time::Instant;
 use crate::algorithm::round::{Key, Op};
 use crate::testing::store::Store;
 
+/// What a violation is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Kind {
+    /// Two critical sections of one resource both within validity at once
+    /// (but two readers: see [`conflicts`]).
+    TwoHolders,
+    /// A section's write was based on a read another section's write had
+    /// already made stale (two holders in effect).
+    LostUpdate,
+    /// A fencing token not above every earlier grant's.
+    FenceOrder,
+    /// An extension completed after the lock's deadline and succeeded.
+    LateExtend,
+    /// A lock reported valid past what its last round allows.
+    DeadlineBeyondTtl,
+    /// A lock reported valid while its key is on fewer than a majority of
+    /// nodes (nodes that lost their data since it was acquired count).
+    DeadlineBeyondKeys,
+    /// A section that lost its lock (or ran out) was told it had not.
+    Unsignalled,
+    /// A key of ours left on a node with no delete sent after it landed, or
+    /// `release()` returned Ok with the key still on a majority.
+    Leaked,
+    /// A key outlived its section by more than one TTL.
+    KeyOutlived,
+    /// A call waited longer than its documented bound.
+    WaitBound,
+    /// With every node healthy and no contention, a lock was not granted.
+    Liveness,
+    /// A writer waiting behind a stream of readers (calm network, healthy
+    /// nodes) did not get in within one reader TTL and a retry pause and a
+    /// few rounds of its call: new readers did not keep out of its way.
+    WriterStarved,
+    /// A lock granted on a resource that is an application's key on so
+    /// many nodes that the others are short of a majority (the scripts took
+    /// another owner's key).
+    ForeignTaken,
+    /// Two leaders of one election whose leases were both valid at once
+    /// (see [`leaders`](crate::testing::sim::leaders)).
+    TwoLeaders,
+    /// A term granted twice, or below one granted before it.
+    TermOrder,
+    /// A leader paused past its lease read `is_leader() == true` when it
+    /// resumed (or `wait_end` said its leadership had not ended).
+    StaleLeader,
+    /// After a leader resigned or died, with a majority of nodes up and a
+    /// candidate campaigning, no candidate led within the TTL, a retry pause
+    /// and some slack.
+    Failover,
+    /// `Election::leader` named another leader (or term) than the one
+    /// whose lease was valid throughout the call.
+    LeaderMisread,
+    /// A logical thread panicked, or the run deadlocked or hung.
+    Crash,
+}
+
 /// What the checker reads of one simulated node.
 pub(crate) trait Observed {
     /// Whether it lost its data at or after virtual time `t` (ns).
