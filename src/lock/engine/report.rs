@@ -37,14 +37,17 @@ impl Engine {
             });
         }
         // A leader's end: lost where its lease had run out or was gone
-        // (unless its loss was told already), else resigned.
-        let ran_out = self.clock.now() >= state.deadline();
+        // (unless its loss was told already), else resigned. (Nothing to
+        // do, nor the clock read, for a lock's release or without a handler.)
+        if self.settings.events.get().is_none() || !state.token.contains('@') {
+            return;
+        }
         match outcome {
             _ if state.is_lost() => {}
             Err(e @ (Error::Expired | Error::NotOwner { .. })) => {
                 self.leadership_event(state, LeadershipChange::Lost, Some(e));
             }
-            _ if ran_out => {
+            _ if self.clock.now() >= state.deadline() => {
                 self.leadership_event(state, LeadershipChange::Lost, Some(&Error::Expired))
             }
             _ => self.leadership_event(state, LeadershipChange::Resigned, None),
