@@ -214,7 +214,9 @@ impl Election {
     /// ```
     ///
     /// # Errors
-    /// [`Error::NoQuorum`] when fewer than a majority of the nodes answered;
+    /// [`Error::NoQuorum`] when fewer than a majority of the nodes answered,
+    /// or when a candidate's lease is on fewer than a majority of those that
+    /// did but could be on a majority with those that did not;
     /// [`Error::InvalidInput`] for a bad name.
     pub fn leader(&self) -> Result<Option<Leader>> {
         let engine = &self.locks.engine;
@@ -559,6 +561,16 @@ pub(crate) fn leader_of(
             .iter()
             .filter(|o| lineage(&o.value) == lineage(&s.value))
             .collect();
+        // Held on fewer than a majority of the nodes that answered, but
+        // perhaps on the ones that did not: no one can tell.
+        let unanswered = found.len() - answered;
+        if mine.len() < quorum && mine.len() + unanswered >= quorum {
+            return Err(Error::NoQuorum {
+                agreed: mine.len(),
+                quorum,
+                failures: found.iter().filter_map(|r| r.clone().err()).collect(),
+            });
+        }
         // The term, where recorded with the token held: a majority holding
         // it and the majority its write-back reached share a node.
         let term = mine
@@ -808,6 +820,10 @@ mod tests {
             matches!(r, Err(Error::NoQuorum { agreed: 1, quorum: 2, ref failures }) if failures.len() == 2),
             "{r:?}"
         );
+        // A lease on 1 of the 2 that answered, the third silent: it may
+        // lead there; no one can tell.
+        let r = leader_of(&[held(&a, 900, 7), Ok(None), failed()], 2);
+        assert!(matches!(r, Err(Error::NoQuorum { agreed: 1, .. })), "{r:?}");
         // Two answers of a lease: enough.
         assert!(
             leader_of(&[held(&a, 900, 7), held(&a, 900, 7), failed()], 2)

@@ -412,7 +412,6 @@ fn run_leads_in_turns_until_stopped() {
 /// "no leader" (`Ok(None)`), though it documents `None` as "no candidate's
 /// lease is on a majority" and `NoQuorum` for a majority it cannot read.
 #[test]
-#[ignore = "defect: Election::leader answers Ok(None) while a valid leader's lease is on a majority, one of whose nodes did not answer"]
 fn leader_does_not_answer_none_while_a_leader_leads_unseen() {
     let told = Arc::new(AtomicBool::new(false));
     let told2 = told.clone();
