@@ -291,7 +291,7 @@ fn an_observer_follows_the_leaders() {
     }
     println!(
         "{} schedules: the observer saw {changes} leaders",
-        seeds().count()
+        seeds().take(3).count()
     );
 }
 
