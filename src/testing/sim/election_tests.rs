@@ -225,7 +225,7 @@ fn elections_through_node_faults() {
 /// resigning and dying leaders: every change it yields until the election
 /// is stopped, (when, id, term).
 fn observed(seed: u64) -> (Report, Vec<(u64, String, u64)>) {
-    let mut p = plan(seed, 3, 1_500, &[], true);
+    let mut p = plan(seed, 3, 1_000, &[], true);
     p.wakeups = true;
     p.ttls = vec![120];
     let seen = Arc::new(parking_lot::Mutex::new(Vec::new()));
@@ -254,11 +254,22 @@ fn observed(seed: u64) -> (Report, Vec<(u64, String, u64)>) {
 
 /// The observer names the leaders, one change after another, each with
 /// the term it was granted (`leader()` reports a leader once its term is
-/// recorded), and ends when the election is stopped.
+/// recorded), the terms it reads never fall, and it ends when the election
+/// is stopped. (On the library before the terms' own record, `leader()`
+/// read the highest fencing counter among the nodes holding the
+/// candidate's key, and a node the campaign's round did not wait for kept
+/// its own, higher counter until the write-back set it to the granted
+/// term: the observer yielded the leader with that higher term, then the
+/// same leader with its own; seed 0: `ec0.0` read in term ...918641 at
+/// 900.407 ms, elected in term ...903850 at 900.350 ms, read so at
+/// 902.115 ms.)
+///
+/// Three seeds: an observer woken for nothing sleeps on the election's stop
+/// channel, in real time (about 0.9 s of it per schedule here).
 #[test]
 fn an_observer_follows_the_leaders() {
     let mut changes = 0;
-    for seed in seeds() {
+    for seed in seeds().take(3) {
         let (r, seen) = observed(seed);
         assert!(r.violations.is_empty(), "{}", describe(&r));
         assert!(seen.len() >= 3, "seed {seed}: {seen:?}");
@@ -273,31 +284,15 @@ fn an_observer_follows_the_leaders() {
                 "seed {seed}: {id:?} in term {term} at {at}: never granted"
             );
         }
+        for w in seen.windows(2) {
+            assert!(w[0].2 <= w[1].2, "seed {seed}: terms read fell: {w:?}");
+        }
         changes += seen.len();
     }
     println!(
         "{} schedules: the observer saw {changes} leaders",
-        seeds().count()
+        seeds().take(3).count()
     );
-}
-
-/// The terms an observer reads never fall. (On the library before the
-/// terms' own record, `leader()` read the highest fencing counter among
-/// the nodes holding the candidate's key, and a node the campaign's round
-/// did not wait for kept its own, higher counter until the write-back set
-/// it to the granted term: the observer yielded the leader with that
-/// higher term, then the same leader with its own (seed 0: `ec0.0` read in
-/// term ...918641 at 900.407 ms, elected in term ...903850 at 900.350 ms,
-/// read so at 902.115 ms).)
-#[test]
-fn the_terms_an_observer_reads_never_fall() {
-    for seed in seeds() {
-        let (r, seen) = observed(seed);
-        assert!(r.violations.is_empty(), "{}", describe(&r));
-        for w in seen.windows(2) {
-            assert!(w[0].2 <= w[1].2, "seed {seed}: terms read fell: {w:?}");
-        }
-    }
 }
 
 /// `stop()`: a campaign blocked behind another leader returns
