@@ -311,7 +311,7 @@ impl Election {
             };
             // Jittered: half to all of it.
             let pause = quorum::retry_delay(backoff * 3 / 4, backoff / 4, engine.rng.next_u64());
-            if self.stop.sleep(pause) {
+            if self.stop.sleep(&*engine.clock, pause) {
                 return Ok(());
             }
         }
@@ -356,7 +356,10 @@ fn default_id() -> String {
 /// An election's stop: set once, seen by every clone and wait.
 struct Stop {
     stopped: AtomicBool,
-    /// Dropped on stop: every wait on `ended` returns.
+    /// Notified on stop: the loop's and the observer's sleeps, on the
+    /// client's clock (the simulation's virtual one there).
+    signal: Arc<crate::clock::Signal>,
+    /// Dropped on stop: a leader's `wait_end` returns.
     tx: Mutex<Option<Sender<()>>>,
     ended: Receiver<()>,
 }
@@ -366,6 +369,7 @@ impl Stop {
         let (tx, ended) = crossbeam_channel::bounded(0);
         Stop {
             stopped: AtomicBool::new(false),
+            signal: Arc::default(),
             tx: Mutex::new(Some(tx)),
             ended,
         }
@@ -374,18 +378,26 @@ impl Stop {
     fn stop(&self) {
         self.stopped.store(true, Ordering::Release);
         self.tx.lock().take();
+        self.signal.notify();
     }
 
     fn is_stopped(&self) -> bool {
         self.stopped.load(Ordering::Acquire)
     }
 
-    /// Sleeps `d`, or less if stopped meanwhile: whether stopped.
-    fn sleep(&self, d: Duration) -> bool {
-        if !self.is_stopped() {
-            let _ = self.ended.recv_timeout(d);
+    /// Sleeps `d` on `clock`, or less if stopped meanwhile: whether stopped.
+    fn sleep(&self, clock: &dyn crate::clock::Clock, d: Duration) -> bool {
+        let until = after(clock.now(), d);
+        loop {
+            let seen = self.signal.seen();
+            if self.is_stopped() {
+                return true;
+            }
+            if clock.now() >= until {
+                return false;
+            }
+            clock.wait(&self.signal, seen, Some(until));
         }
-        self.is_stopped()
     }
 }
 
@@ -670,7 +682,7 @@ impl Observer {
                 _ => self
                     .election
                     .stop
-                    .sleep(pause_until.saturating_duration_since(at)),
+                    .sleep(&*engine.clock, pause_until.saturating_duration_since(at)),
             };
             if woken && !self.election.is_stopped() {
                 // A resignation: the next leader takes a round or so.

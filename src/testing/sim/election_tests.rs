@@ -264,8 +264,7 @@ fn observed(seed: u64) -> (Report, Vec<(u64, String, u64)>) {
 /// 900.407 ms, elected in term ...903850 at 900.350 ms, read so at
 /// 902.115 ms.)
 ///
-/// Three seeds: an observer woken for nothing sleeps on the election's stop
-/// channel, in real time (about 0.9 s of it per schedule here).
+/// Three seeds (each a few hundred ms of real time).
 #[test]
 fn an_observer_follows_the_leaders() {
     let mut changes = 0;
@@ -347,9 +346,8 @@ fn a_stopped_election_stops_campaigning_and_leading() {
 
 /// `run()`: two candidates lead in turns (each term's work checks
 /// `is_leader()`, writes fenced by its term, then returns) until stopped;
-/// `run` returns `Ok` once stopped. (Its pause between terms waits in real
-/// time, not on the crate's clock: no virtual time passes in it here, so
-/// the settings' retry pause is made 1 ms of real time.)
+/// `run` returns `Ok` once stopped. (The settings' retry pause is 1 ms: the
+/// pause between terms is short.)
 #[test]
 fn run_leads_in_turns_until_stopped() {
     let mut terms = 0;

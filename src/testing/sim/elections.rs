@@ -5,16 +5,13 @@
 //! renewed nor released) or be paused (its renewal thread too) past its
 //! lease; [`leaders`](crate::testing::sim::leaders) checks them.
 //!
-//! What the simulation cannot run of the election API: [`Election::run`]'s
-//! pause between terms, [`Leadership::wait_end`]'s wait and an observer's
-//! pause without wake-ups (or while it is deaf to them, after a wake-up
-//! for nothing) wait on channels in real time (the crate's `Clock` does
-//! not carry them), so no virtual time passes in them (and a loop on
-//! `wait_end` would never see its lease run out): `run` is run only with a
-//! 1 ms retry pause (of real time), `wait_end` only where the leadership
-//! has ended (it returns at once), and [`Election::observe`] only with
-//! wake-ups, where it waits on the simulated subscription but for its deaf
-//! pauses (real ones, a quarter of the TTL each).
+//! What the simulation cannot run of the election API:
+//! [`Leadership::wait_end`] waits on channels in real time (the crate's
+//! `Clock` does not carry them), so no virtual time passes in it (and a
+//! loop on `wait_end` would never see its lease run out): it runs only
+//! where the leadership has ended (it returns at once). [`Election::run`]'s
+//! pause between terms and an observer's pauses sleep on the client's
+//! clock, virtual here.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
