@@ -18,7 +18,8 @@
 //!   [`Pace::settle`] (and, those that lost their data, for
 //!   [`Pace::restart`]), and the network delivering ([`Pace::delivers`]).
 //! - [`Kind::LeaderMisread`]: `Election::leader` names the leader whose
-//!   lease was valid throughout the call, with its term.
+//!   lease was valid throughout the call, with its term (not another, not
+//!   none), where no node lost its keys since that leader's campaign began.
 //!
 //! [`Kind::StaleLeader`] is checked by the candidates themselves (see
 //! [`elections`](crate::testing::sim::elections)): only they know when
@@ -73,6 +74,8 @@ struct Reign {
     election: String,
     term: u64,
     granted: u64,
+    /// When the campaign that won it began (its keys were set since).
+    began: u64,
     /// Its lease, read at every step until the reign ends.
     lease: Arc<Leadership>,
 }
@@ -190,6 +193,8 @@ pub(crate) struct Leaders {
     vacant: BTreeMap<String, Vacancy>,
     /// Per election, the candidates campaigning now, and since when.
     campaigning: BTreeMap<String, BTreeMap<String, u64>>,
+    /// Per election and candidate, when its last campaign began.
+    began: BTreeMap<(String, String), u64>,
     paces: BTreeMap<String, Pace>,
     pub(crate) stats: LeaderStats,
 }
@@ -214,6 +219,9 @@ impl Leaders {
             Some(t) => c.insert(who.to_owned(), t),
             None => c.remove(who),
         };
+        if let Some(t) = since {
+            self.began.insert((election.to_owned(), who.to_owned()), t);
+        }
     }
 
     /// `who`'s campaign returned `lease` at `now`: its reign's handle, and
@@ -255,6 +263,11 @@ impl Leaders {
         }
         self.stats.elected += 1;
         self.next += 1;
+        let began = self
+            .began
+            .get(&(election.clone(), who.to_owned()))
+            .copied()
+            .unwrap_or(now);
         self.reigns.insert(
             self.next,
             Reign {
@@ -263,6 +276,7 @@ impl Leaders {
                 election,
                 term,
                 granted: now,
+                began,
                 lease,
             },
         );
@@ -346,9 +360,10 @@ impl Leaders {
 
     /// `Election::leader` of `election`, called at `start`, answered
     /// `seen` at `now` (`Err`: it could not tell). Judged where a reign was
-    /// valid throughout and no node lost its keys since it began (then the
-    /// nodes may store a key of a campaign that the restart rule kept from
-    /// winning, and `leader` reports what they store).
+    /// valid throughout and no node lost its keys since its campaign began
+    /// (then the nodes may store a key of a campaign that the restart rule
+    /// kept from winning, or hold the lease on too few of them, and
+    /// `leader` reports what they store).
     pub(crate) fn read(
         &mut self,
         election: &str,
@@ -360,7 +375,7 @@ impl Leaders {
             r.election == election
                 && r.granted <= start
                 && r.valid()
-                && !nodes.iter().any(|n| n.lost_keys_since(r.granted))
+                && !nodes.iter().any(|n| n.lost_keys_since(r.began))
         })?;
         self.stats.reads += 1;
         match seen {
@@ -378,7 +393,17 @@ impl Leaders {
             )),
             Ok(None) => {
                 self.stats.reads_none += 1;
-                None
+                Some((
+                    Kind::LeaderMisread,
+                    format!(
+                        "leader() of {election:?} from {:.3} to {:.3} ms read no leader, while {} ({:?}, term {}) led throughout",
+                        ms(start),
+                        ms(now),
+                        r.who,
+                        r.id,
+                        r.term
+                    ),
+                ))
             }
             Err(()) => {
                 self.stats.reads_failed += 1;

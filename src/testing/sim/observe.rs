@@ -57,7 +57,7 @@ pub(crate) enum Kind {
     /// and some slack.
     Failover,
     /// `Election::leader` named another leader (or term) than the one
-    /// whose lease was valid throughout the call.
+    /// whose lease was valid throughout the call, or none.
     LeaderMisread,
     /// A logical thread panicked, or the run deadlocked or hung.
     Crash,
