@@ -551,13 +551,15 @@ pub(crate) fn leader_of(
     found: &[std::result::Result<Option<Stored>, NodeError>],
     quorum: usize,
 ) -> Result<Option<Leader>> {
+    // Who leads cannot be told: `agreed` nodes said so, and these failed.
+    let cannot_tell = |agreed| Error::NoQuorum {
+        agreed,
+        quorum,
+        failures: found.iter().filter_map(|r| r.clone().err()).collect(),
+    };
     let answered = found.iter().filter(|r| r.is_ok()).count();
     if answered < quorum {
-        return Err(Error::NoQuorum {
-            agreed: answered,
-            quorum,
-            failures: found.iter().filter_map(|r| r.clone().err()).collect(),
-        });
+        return Err(cannot_tell(answered));
     }
     let lineage = |v: &str| v.split('.').next().unwrap_or(v).to_owned();
     let held: Vec<&Stored> = found
@@ -577,11 +579,7 @@ pub(crate) fn leader_of(
         // perhaps on the ones that did not: no one can tell.
         let unanswered = found.len() - answered;
         if mine.len() < quorum && mine.len() + unanswered >= quorum {
-            return Err(Error::NoQuorum {
-                agreed: mine.len(),
-                quorum,
-                failures: found.iter().filter_map(|r| r.clone().err()).collect(),
-            });
+            return Err(cannot_tell(mine.len()));
         }
         // The term, where recorded with the token held: a majority holding
         // it and the majority its write-back reached share a node.

@@ -11,22 +11,9 @@ use quorumlock::{
 };
 
 use crate::common::{shared, unique_key, wait_until};
+use crate::wakeups::client;
 
 const TTL: Duration = Duration::from_secs(2);
-
-/// A candidate's client (as if of its own process), retry pause `pause`, no jitter.
-fn client(urls: Vec<String>, pause: Duration) -> Redlock {
-    let locks = Redlock::builder()
-        .fresh_cluster(true)
-        .nodes(urls)
-        .node_timeout(Duration::from_millis(250))
-        .retry_delay(pause)
-        .retry_jitter(Duration::ZERO)
-        .build()
-        .expect("valid config");
-    assert_eq!(locks.wait_connected(Duration::from_secs(5)).ok(), Some(3));
-    locks
-}
 
 #[derive(Default)]
 struct Changes(Mutex<Vec<(LeadershipChange, String, u64)>>);
@@ -262,8 +249,9 @@ fn a_bad_candidate_id_is_refused_by_name() {
     }
 }
 
+/// Counts a client's attempts (also the review tests').
 #[derive(Default)]
-struct Attempts(std::sync::atomic::AtomicUsize);
+pub(crate) struct Attempts(pub(crate) std::sync::atomic::AtomicUsize);
 
 impl EventHandler for Attempts {
     fn on_attempt(&self, _: &quorumlock::AttemptEvent<'_>) {

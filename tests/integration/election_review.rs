@@ -10,6 +10,7 @@ use quorumlock::{EventHandler, LeadershipChange, LeadershipEvent, Redlock};
 
 use crate::common::faults::Blackhole;
 use crate::common::{shared, unique_key, wait_until, Cluster};
+use crate::election::Attempts;
 
 #[derive(Default)]
 struct Changes(Mutex<Vec<(LeadershipChange, u64)>>);
@@ -148,15 +149,6 @@ fn a_forged_publish_storm_drives_an_observer_to_read_the_nodes_back_to_back() {
         stormy <= quiet + 6,
         "{sent} forged messages in 1 s: the observer read node 0 {stormy} times (quiet: {quiet})"
     );
-}
-
-#[derive(Default)]
-struct Attempts(AtomicUsize);
-
-impl EventHandler for Attempts {
-    fn on_attempt(&self, _: &quorumlock::AttemptEvent<'_>) {
-        self.0.fetch_add(1, Ordering::SeqCst);
-    }
 }
 
 /// A waiting candidate keeps trusting the lease's expiry as its last try

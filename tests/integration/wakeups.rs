@@ -13,8 +13,9 @@ use crate::common::{shared, unique_key, wait_until, Cluster};
 
 const TTL: Duration = Duration::from_secs(10);
 
-/// A client whose retry pause is `pause` (no jitter).
-fn client(urls: Vec<String>, pause: Duration) -> Redlock {
+/// A client whose retry pause is `pause` (no jitter); also the election
+/// tests' candidate client.
+pub(crate) fn client(urls: Vec<String>, pause: Duration) -> Redlock {
     let locks = Redlock::builder()
         .fresh_cluster(true)
         .nodes(urls)
