@@ -330,3 +330,47 @@ fn an_observer_sees_each_leader_in_turn_with_rising_terms() {
     assert!(term_b > term_a, "{term_b} after {term_a}");
     drop(lb);
 }
+
+#[test]
+fn extreme_inputs_get_typed_errors_not_panics_or_hangs() {
+    let cluster = shared();
+    let locks = client(cluster.urls(), Duration::from_millis(20));
+    let huge = "n".repeat(quorumlock::MAX_RESOURCE_LEN + 1);
+    let r = locks.election(&huge, TTL).campaign();
+    assert!(
+        matches!(
+            r,
+            Err(Error::InvalidInput(InvalidInput::ResourceTooLong { .. }))
+        ),
+        "{r:?}"
+    );
+    let r = locks.election(&huge, TTL).leader();
+    assert!(
+        matches!(
+            r,
+            Err(Error::InvalidInput(InvalidInput::ResourceTooLong { .. }))
+        ),
+        "{r:?}"
+    );
+    let name = unique_key("election-extreme");
+    let r = locks.election(&name, Duration::MAX).campaign();
+    assert!(
+        matches!(r, Err(Error::InvalidInput(InvalidInput::TtlTooLong(_)))),
+        "{r:?}"
+    );
+    let r = locks.election(&name, Duration::ZERO).campaign();
+    assert!(
+        matches!(r, Err(Error::InvalidInput(InvalidInput::ZeroTtl))),
+        "{r:?}"
+    );
+    // The longest waits saturate: elected at once, and resigned.
+    let l = locks
+        .election(&name, TTL)
+        .campaign_for(Duration::MAX)
+        .expect("leads");
+    assert!(l.wait_end(Duration::ZERO) == !l.is_leader());
+    l.resign().expect("resigned");
+    // An observer of a TTL too long reads as any (at most once a second).
+    let mut seen = locks.election(&name, Duration::MAX).observe();
+    assert!(seen.next_within(Duration::from_secs(5)).is_some());
+}
