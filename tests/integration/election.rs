@@ -368,7 +368,7 @@ fn extreme_inputs_get_typed_errors_not_panics_or_hangs() {
         .election(&name, TTL)
         .campaign_for(Duration::MAX)
         .expect("leads");
-    assert!(l.wait_end(Duration::ZERO) == !l.is_leader());
+    assert_eq!(l.wait_end(Duration::ZERO), !l.is_leader());
     l.resign().expect("resigned");
     // An observer of a TTL too long reads as any (at most once a second).
     let mut seen = locks.election(&name, Duration::MAX).observe();
