@@ -428,7 +428,14 @@ fn after_a_restart_under_a_leader_observers_read_the_leaders_own_term() {
         .expect("leads");
     let candidate = other.election(&name, ttl).id("other");
     assert!(candidate.campaign_for(Duration::ZERO).is_err(), "one leads");
-    let held = nodes.get(0, &name).expect("the lease");
+    // The campaign returns on a majority's answers; node 0's may still be
+    // on its way (CI, under load, read it before it landed).
+    let mut held = None;
+    wait_until(LONG, || {
+        held = nodes.get(0, &name);
+        held.is_some()
+    });
+    let held = held.expect("node 0's copy of the lease");
     nodes.restart(1);
     // A candidate's attempt before the leader's renewal restores its copy
     // there: node 1's vote is held back, and its key undone.
