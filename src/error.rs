@@ -53,6 +53,25 @@ pub enum Error {
     /// The election was stopped ([`Election::stop`](crate::Election::stop))
     /// before this candidate was elected.
     Stopped,
+    /// Too many nodes refuse the lock's Lua scripts for a majority ever to
+    /// agree: their ACL lacks `EVAL`/`EVALSHA` (or a command the scripts
+    /// run), or the server has no Lua (Valkey can be built so). Each
+    /// refusing node is a failure of kind
+    /// [`NodeErrorKind::ScriptsRefused`] with the server's words.
+    ///
+    /// Not retryable: the nodes' configuration must change. Allow the
+    /// client's user `+eval +evalsha +script|load` and the commands of the
+    /// minimal ACL in the crate docs' "TLS and ACL users" (read locks need
+    /// the sorted-set ones), on servers with Lua.
+    ScriptsRefused {
+        /// Nodes in the cluster.
+        nodes: usize,
+        /// Nodes needed for a majority.
+        quorum: usize,
+        /// Each failed node with the reason (the refusing ones and any
+        /// others).
+        failures: Vec<NodeError>,
+    },
 }
 
 impl Error {
@@ -100,6 +119,25 @@ impl fmt::Display for Error {
             ),
             Error::InvalidInput(e) => write!(f, "invalid input: {e}"),
             Error::Stopped => f.write_str("stopped: the election was stopped"),
+            Error::ScriptsRefused {
+                nodes,
+                quorum,
+                failures,
+            } => {
+                let refused: Vec<String> = failures
+                    .iter()
+                    .filter(|e| e.kind == NodeErrorKind::ScriptsRefused)
+                    .map(ToString::to_string)
+                    .collect();
+                write!(
+                    f,
+                    "scripts refused: {} of {nodes} nodes refused the lock's Lua scripts or a command they run, and a lock needs {quorum} ({}); \
+                     allow the client's user +eval +evalsha +script|load and the commands of the crate docs' minimal ACL \
+                     (read locks: the sorted-set ones), on servers with Lua",
+                    refused.len(),
+                    refused.join("; ")
+                )
+            }
         }
     }
 }
@@ -331,6 +369,11 @@ pub enum NodeErrorKind {
     /// set) a node whose memory policy can evict lock keys. The detail says
     /// which, and what to set.
     Unsuitable,
+    /// The node refuses the lock's Lua scripts for good: its ACL lacks
+    /// `EVAL`/`EVALSHA` or a command they run (`NOPERM`), the commands are
+    /// renamed away, or the server has no Lua. The detail is the server's
+    /// words; see [`Error::ScriptsRefused`] for the fix.
+    ScriptsRefused,
 }
 
 impl fmt::Display for NodeErrorKind {
@@ -348,6 +391,7 @@ impl fmt::Display for NodeErrorKind {
             NodeErrorKind::NotAwaited => "not awaited",
             NodeErrorKind::SameServer => "same server as another entry",
             NodeErrorKind::Unsuitable => "cannot keep locks",
+            NodeErrorKind::ScriptsRefused => "refuses the lock's scripts",
         })
     }
 }

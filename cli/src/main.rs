@@ -580,7 +580,8 @@ fn client(args: &NodeArgs, more: impl FnOnce(Builder) -> Builder) -> Result<Redl
 /// The exit code for a failure to take (or inspect) a lock.
 fn exit_code(e: &Error) -> u8 {
     match e {
-        Error::InvalidInput(_) => EX_CONFIG,
+        // The nodes' configuration refuses the scripts: nothing to wait for.
+        Error::InvalidInput(_) | Error::ScriptsRefused { .. } => EX_CONFIG,
         Error::NoQuorum { .. } | Error::ValidityExhausted { .. } => EX_UNAVAILABLE,
         // Taken, and what a single-threaded caller cannot really meet
         // (Expired, NotOwner): the resource is someone else's.

@@ -388,8 +388,23 @@ pub(crate) fn free_in(results: &[NodeResult]) -> Option<Duration> {
 impl Tally {
     /// The error to report when fewer than a majority said OK. Failures take
     /// precedence only when they could have changed the outcome.
+    /// Nodes that refuse the scripts for good, when so many that the rest
+    /// can never make a majority, outrank everything: no retry can help;
+    /// fewer never change an outcome (a lock held elsewhere is `Taken`).
     fn shortfall(self, q: usize, owner_lost: impl FnOnce(usize) -> Error, gone: Error) -> Error {
-        if self.ok + self.failures.len() >= q {
+        let nodes = self.nodes();
+        let refused = self
+            .failures
+            .iter()
+            .filter(|f| f.kind() == NodeErrorKind::ScriptsRefused)
+            .count();
+        if nodes - refused < q {
+            Error::ScriptsRefused {
+                nodes,
+                quorum: q,
+                failures: self.failures,
+            }
+        } else if self.ok + self.failures.len() - refused >= q {
             Error::NoQuorum {
                 agreed: self.ok,
                 quorum: q,

@@ -15,7 +15,11 @@ use crate::algorithm::round::ServerKind;
 pub(crate) struct ServerInfo {
     /// `run_id`: random per server process (all its databases share it).
     pub run_id: Option<String>,
+    /// `redis_version` (Valkey reports the Redis version it is compatible
+    /// with, 7.2.4, whatever its own).
     pub version: Option<String>,
+    /// `server_name` (`valkey`; Redis has none) and `valkey_version`.
+    pub server: Option<(String, Option<String>)>,
     /// `role`: `master` or `slave`.
     pub role: Option<String>,
     /// `cluster_enabled:1`.
@@ -55,6 +59,17 @@ impl ServerInfo {
             match k {
                 b"run_id" if !v.is_empty() => s.run_id = string(v),
                 b"redis_version" => s.version = string(v),
+                b"server_name" => {
+                    let version = s.server.take().and_then(|(_, v)| v);
+                    s.server = string(v).map(|n| (n, version));
+                }
+                b"valkey_version" => {
+                    let name = s
+                        .server
+                        .take()
+                        .map_or_else(|| "valkey".to_owned(), |(n, _)| n);
+                    s.server = Some((name, string(v)));
+                }
                 b"role" => s.role = string(v),
                 b"cluster_enabled" => s.cluster = flag(),
                 b"maxmemory" => s.maxmemory = number(v),
@@ -65,6 +80,24 @@ impl ServerInfo {
             }
         }
         s
+    }
+
+    /// The server and its version as its users name them: `Valkey 9.1.2`
+    /// (by `server_name`/`valkey_version`, not the Redis version Valkey
+    /// reports), `Redis 7.0.15`, or another server's own name.
+    pub(crate) fn product(&self) -> String {
+        let redis = self.version.as_deref().unwrap_or("?");
+        match &self.server {
+            None => format!("Redis {redis}"),
+            Some((name, version)) => {
+                let name = match name.as_str() {
+                    "valkey" => "Valkey".to_owned(),
+                    other => other.to_owned(),
+                };
+                let version = version.as_deref().unwrap_or(redis);
+                format!("{name} {version}")
+            }
+        }
     }
 
     /// What kind of Redlock node this is: a replica or a cluster node can
@@ -135,6 +168,22 @@ mod tests {
         assert_eq!(s.uptime, Some(42));
         assert_eq!(s.aof, Some(false));
         assert_eq!(s.kind(), ServerKind::Fit);
+    }
+
+    /// Valkey reports `redis_version:7.2.4` whatever its own version; it is
+    /// named by `server_name` and `valkey_version`.
+    #[test]
+    fn the_server_is_named_as_it_names_itself() {
+        assert_eq!(ServerInfo::parse(PRIMARY).product(), "Redis 7.0.15");
+        let valkey = PRIMARY.replace(
+            "redis_version:7.0.15\r\n",
+            "redis_version:7.2.4\r\nserver_name:valkey\r\nvalkey_version:9.1.2\r\nvalkey_release_stage:ga\r\n",
+        );
+        assert_eq!(ServerInfo::parse(&valkey).product(), "Valkey 9.1.2");
+        let unnamed = PRIMARY.replace("redis_version", "server_name:valkey\r\nredis_version");
+        assert_eq!(ServerInfo::parse(&unnamed).product(), "Valkey 7.0.15");
+        let other = PRIMARY.replace("redis_version", "server_name:keydb\r\nredis_version");
+        assert_eq!(ServerInfo::parse(&other).product(), "keydb 7.0.15");
     }
 
     #[test]

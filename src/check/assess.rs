@@ -164,14 +164,14 @@ fn server(p: &Probe) -> Vec<Finding> {
                 p.history.as_deref().unwrap_or("none (not allowed?)")
             );
             f.push(Finding::new(Verdict::Ok, "identity", ids));
-            let version = info.version.as_deref().unwrap_or("?");
+            let product = info.product();
             f.push(match info.kind() {
                 ServerKind::Replica => Finding::new(
                     Verdict::Unsafe,
                     "role",
                     format!("a replica (role:{}): it cannot keep locks of its own", info.role.as_deref().unwrap_or("?")),
                 ),
-                _ => Finding::new(Verdict::Ok, "role", format!("primary, Redis {version}")),
+                _ => Finding::new(Verdict::Ok, "role", format!("primary, {product}")),
             });
             if info.cluster == Some(true) {
                 f.push(Finding::new(

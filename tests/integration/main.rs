@@ -23,6 +23,7 @@ mod node_layer;
 mod nodes;
 mod rw;
 mod rw_inspect;
+mod scripting;
 mod several;
 mod sharing;
 mod storms;

@@ -1722,3 +1722,38 @@ fn a_lost_read_lock_terminates_the_command_and_exits_70() {
     assert_eq!(dir.read("term").as_deref(), Some("term"), "no SIGTERM seen");
     assert!(took < Duration::from_secs(10), "took {took:?}");
 }
+
+/// Nodes whose ACL refuses `EVAL` (a hardened setup): `run` says so and how
+/// to fix it, exits 78 at once (no waiting for a lock that can never be
+/// had), and runs nothing.
+#[test]
+fn nodes_that_refuse_the_scripts_exit_78_at_once() {
+    let c = Cluster::start(3);
+    for i in 0..3 {
+        let () = redis::cmd("ACL")
+            .arg("SETUSER")
+            .arg("default")
+            .arg("-@scripting")
+            .query(&mut c.conn(i))
+            .expect("ACL SETUSER");
+    }
+    let dir = Scratch::new("cli-no-eval");
+    let key = unique_key("cli-no-eval");
+    let t = Instant::now();
+    let (code, err) = finish(
+        run_cmd(&c, &dir, "a", &key, &[], r#"touch "$D/ran""#),
+        &dir,
+        "a",
+    );
+    assert_eq!(code, EX_CONFIG, "stderr:\n{err}");
+    assert!(
+        err.contains("scripts refused") && err.contains("+eval +evalsha"),
+        "{err}"
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t.elapsed()
+    );
+    assert!(!dir.path("ran").exists(), "the command ran");
+}

@@ -201,6 +201,11 @@ impl Encoded {
     pub(crate) fn decode(&self, v: Value) -> Result<Reply, (NodeErrorKind, String)> {
         let items = match v {
             Value::Array(items) => items,
+            // The script itself refused (every command here is one but
+            // the lean acquire, whose frames come as an array).
+            Value::ServerError(e) if refused_for_good(&server_text(&e)) => {
+                return Err((NodeErrorKind::ScriptsRefused, server_text(&e)))
+            }
             v => return Err(unexpected(v)),
         };
         if self.frames > 1 && lean_shaped(&items) {
@@ -463,9 +468,36 @@ pub(crate) fn acquired_any(v: &Value) -> bool {
         .any(|x| matches!(x, Value::Int(c) if *c > 0))
 }
 
+/// Whether a server's error reply (`text`, in the server's or the driver's
+/// words) refuses a script, or a command a script runs, for good rather
+/// than for now: the ACL lacks the command (`NOPERM`; "ACL failure in
+/// script" or "can't run this command" from inside a script), it is
+/// renamed away ("unknown command"), or the server has no Lua ("Could not
+/// find scripting engine"). Not a key or channel outside the user's ACL
+/// (that lock's name is refused, not the scripts), and not OOM, READONLY,
+/// BUSY or a script's runtime error: those may pass.
+pub(crate) fn refused_for_good(text: &str) -> bool {
+    let t = text.to_ascii_lowercase();
+    let acl = t.starts_with("noperm")
+        || t.contains("acl failure in script")
+        || t.contains("can't run this command");
+    let a_name = t.contains("access") && (t.contains("key") || t.contains("channel"));
+    (acl && !a_name)
+        || t.contains("unknown command")
+        || t.contains("could not find scripting engine")
+}
+
+/// A server's error as it wrote it: `ERR max number of clients reached`.
+pub(crate) fn server_text(e: &redis::ServerError) -> String {
+    match e.details() {
+        Some(d) => format!("{} {d}", e.code()),
+        None => e.code().to_owned(),
+    }
+}
+
 pub(crate) fn unexpected(v: Value) -> (NodeErrorKind, String) {
     match v {
-        Value::ServerError(e) => (NodeErrorKind::Server, e.to_string()),
+        Value::ServerError(e) => (NodeErrorKind::Server, server_text(&e)),
         v => (NodeErrorKind::Protocol, format!("{v:?}")),
     }
 }

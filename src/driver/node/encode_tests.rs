@@ -180,3 +180,45 @@ fn millis_round_up_and_never_zero() {
     assert_eq!(millis_ceil(Duration::ZERO), 1);
     assert!(millis_ceil(Duration::MAX) > 0);
 }
+
+/// A script refused for good (an ACL, a renamed command, a server without
+/// Lua, a command the script runs refused, in Redis 7.0's words and 7.2's)
+/// is `ScriptsRefused`; an error that may pass (memory, a busy or read-only
+/// server, the script's own error) stays a server error.
+#[test]
+fn a_script_refused_for_good_is_told_from_one_refused_for_now() {
+    let e = Encoded::new(
+        Op::Release {
+            keep_until: Instant::now(),
+            notice: 0,
+        },
+        &[Key::new("lock:a", "t1")],
+    );
+    let kind = |text: &str| match e.decode(crate::testing::sim::redis::error(text)) {
+        Err((kind, detail)) => {
+            assert_eq!(detail, text, "the server's words");
+            kind
+        }
+        Ok(r) => panic!("{text}: decoded as {r:?}"),
+    };
+    for text in [
+        "NOPERM this user has no permissions to run the 'evalsha' command",
+        "ERR unknown command 'EVALSHA', with args beginning with: 'abc' ",
+        "ERR Could not find scripting engine 'lua'",
+        "ERR ACL failure in script: NOPERM this user has no permissions to run the 'zadd' command script: abc, on @user_script:12.",
+        "ERR Error running script (call to f_abc): @user_script:12: The user executing the script can't run this command or subcommand",
+    ] {
+        assert_eq!(kind(text), NodeErrorKind::ScriptsRefused, "{text}");
+    }
+    for text in [
+        "OOM command not allowed when used memory > 'maxmemory'.",
+        "READONLY You can't write against a read only replica.",
+        "BUSY Redis is busy running a script.",
+        "NOPERM No permissions to access a key",
+        "NOPERM this user has no permissions to access one of the keys used as arguments",
+        "ERR ACL failure in script: No permissions to access a key script: abc, on @user_script:3.",
+        "ERR Error running script (call to f_abc): @user_script:3: WRONGTYPE Operation against a key holding the wrong kind of value",
+    ] {
+        assert_eq!(kind(text), NodeErrorKind::Server, "{text}");
+    }
+}

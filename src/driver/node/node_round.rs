@@ -75,7 +75,7 @@ pub(crate) fn take_reply(
     if let (Err((NodeErrorKind::Server, why)), Some(_)) = (&r, lean) {
         // Refused for good (an ACL, a renamed command), not for now (OOM,
         // READONLY, BUSY: a failed vote, as a script's error).
-        let refused = why.starts_with("NOPERM") || why.contains("unknown command");
+        let refused = super::encode::refused_for_good(why);
         if refused && !shared.lean_refused.swap(true, Ordering::AcqRel) {
             info!(
                 "node {}: the plain acquire was refused ({why}); this client's acquires send it the script",

@@ -1,8 +1,9 @@
 //! Commands on a connection of their own, outside rounds and pools: the
 //! `check` probe, the status query, the owed releases at drop.
 
+use crate::driver::node::encode::server_text;
 use crate::driver::node::encode::Encoded;
-use crate::driver::node::replies::{info_of, refuses_connection, server_text};
+use crate::driver::node::replies::{info_of, refuses_connection};
 
 use std::time::{Duration, Instant};
 

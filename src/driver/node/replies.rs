@@ -1,7 +1,7 @@
 //! Replies no round waits for: late replies read off a connection at its
 //! next use, and the replies to the commands sent at connect.
 
-use crate::driver::node::encode::acquired_any;
+use crate::driver::node::encode::{acquired_any, server_text};
 use crate::driver::node::state::NodeState;
 
 use std::sync::atomic::Ordering;
@@ -318,14 +318,6 @@ pub(crate) fn refuses_connection(e: &redis::ServerError) -> bool {
     e.kind() == Some(redis::ServerErrorKind::BusyLoading)
         || e.details()
             .is_some_and(|d| d.contains("max number of clients reached"))
-}
-
-/// A server's error as it wrote it: `ERR max number of clients reached`.
-pub(crate) fn server_text(e: &redis::ServerError) -> String {
-    match e.details() {
-        Some(d) => format!("{} {d}", e.code()),
-        None => e.code().to_owned(),
-    }
 }
 
 #[cfg(test)]

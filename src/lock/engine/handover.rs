@@ -62,7 +62,7 @@ impl Engine {
                 // As an acquire would say it: too many nodes failed, another
                 // owner has the key, or the lock ran out of time.
                 Err(match e {
-                    e @ Error::NoQuorum { .. } => e,
+                    e @ (Error::NoQuorum { .. } | Error::ScriptsRefused { .. }) => e,
                     Error::NotOwner { .. } => Error::Taken { held: taken, nodes },
                     _ => Error::ValidityExhausted {
                         elapsed: self.clock.now().saturating_duration_since(timing.since),
