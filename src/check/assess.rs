@@ -255,7 +255,14 @@ fn scripts(tried: Option<&Result<bool, String>>, key: &str) -> Option<Finding> {
         ),
         Err(why) => (
             Verdict::Fail,
-            format!("the lock's scripts fail on {key:?}: {why} (see the minimal ACL in the crate's docs, \"TLS and ACL\")"),
+            format!(
+                "the lock's scripts fail on {key:?}: {why} ({})",
+                if why.contains("scripting engine") {
+                    "the server has no Lua: use a build with it"
+                } else {
+                    "see the minimal ACL in the crate's docs, \"TLS and ACL users\""
+                }
+            ),
         ),
     };
     Some(Finding::new(verdict, "scripts", text))
@@ -483,6 +490,25 @@ mod tests {
         );
         assert!(c.is_safe(), "one node down of three: {c}");
         assert_eq!(c.reachable(), 2);
+    }
+
+    /// A server without Lua is told apart from an ACL: the fix differs.
+    #[test]
+    fn a_server_without_lua_is_told_to_get_lua_not_an_acl() {
+        let text = |why: &str| {
+            let node = Probe {
+                scripts: Some(Err(why.into())),
+                ..probe("a", "")
+            };
+            assess(&names(1), vec![node], T, 1, "k").to_string()
+        };
+        let no_lua = text("ERR Could not find scripting engine 'lua'");
+        assert!(
+            no_lua.contains("has no Lua") && !no_lua.contains("ACL"),
+            "{no_lua}"
+        );
+        let acl = text("NOPERM this user has no permissions to run the 'eval' command");
+        assert!(acl.contains("minimal ACL"), "{acl}");
     }
 
     /// Read locks are optional: an ACL without their commands is warned of, never unsafe.
