@@ -3,9 +3,11 @@
 //! so). The lock needs them; the caller gets one error that says so and what
 //! to change, not a `NoQuorum` of script errors after waiting.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use quorumlock::{Error, NodeErrorKind, Redlock};
+use quorumlock::{AttemptEvent, Error, EventHandler, NodeErrorKind, Redlock};
 
 use crate::common::{unique_key, Cluster};
 
@@ -17,6 +19,16 @@ fn acl(c: &Cluster, i: usize, rules: &[&str]) {
         cmd.arg(*r);
     }
     let () = cmd.query(&mut c.conn(i)).expect("ACL SETUSER");
+}
+
+/// Counts acquire attempts.
+#[derive(Default)]
+struct Attempts(AtomicUsize);
+
+impl EventHandler for Attempts {
+    fn on_attempt(&self, _: &AttemptEvent<'_>) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
 }
 
 fn client(c: &Cluster) -> Redlock {
@@ -33,14 +45,22 @@ fn nodes_that_refuse_eval_give_one_clear_error_at_the_first_lock() {
     for i in 0..3 {
         acl(&c, i, &["-@scripting"]);
     }
-    let locks = client(&c);
+    let attempts = Arc::new(Attempts::default());
+    let locks = Redlock::builder()
+        .fresh_cluster(true)
+        .nodes(c.urls())
+        .events(attempts.clone())
+        .build()
+        .expect("valid config");
     let key = unique_key("no-eval");
     let t0 = Instant::now();
     let e = locks
-        .lock(&key, Duration::from_secs(5))
+        .request(&key, Duration::from_secs(5))
+        .acquire_for(Duration::from_secs(10))
         .expect_err("no node runs the scripts");
     // Not waited out: no retry can succeed.
-    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    assert_eq!(attempts.0.load(Ordering::SeqCst), 1, "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
     assert!(!e.is_retryable(), "{e:?}");
     match &e {
         Error::ScriptsRefused { failures, .. } => {
