@@ -59,19 +59,7 @@ pub(crate) fn assess(
     }
     let n = names.len();
     let usable = nodes.iter().filter(|c| c.usable()).count();
-    findings.push(if usable >= quorum {
-        Finding::new(
-            Verdict::Ok,
-            "nodes",
-            format!("{usable} of {n} nodes usable; {quorum} needed for a lock"),
-        )
-    } else {
-        Finding::new(
-            Verdict::Unsafe,
-            "nodes",
-            format!("only {usable} of {n} nodes usable; {quorum} needed: no lock can be taken"),
-        )
-    });
+    findings.push(usable_nodes(usable, n, quorum));
     if n == 1 {
         findings.push(Finding::new(
             Verdict::Warn,
@@ -112,6 +100,30 @@ pub(crate) fn assess(
     }
 }
 
+/// How many of the `n` nodes are usable against the `quorum` needed: ok
+/// when all are, a warning when some are not (degraded: fewer failures
+/// left to absorb), unsafe when too few are for any lock.
+fn usable_nodes(usable: usize, n: usize, quorum: usize) -> Finding {
+    if usable >= quorum {
+        Finding::new(
+            // Degraded: fewer failures left to absorb than configured.
+            if usable < n {
+                Verdict::Warn
+            } else {
+                Verdict::Ok
+            },
+            "nodes",
+            format!("{usable} of {n} nodes usable; {quorum} needed for a lock"),
+        )
+    } else {
+        Finding::new(
+            Verdict::Unsafe,
+            "nodes",
+            format!("only {usable} of {n} nodes usable; {quorum} needed: no lock can be taken"),
+        )
+    }
+}
+
 /// The findings for one node, `name`, from its probe `p`, against the
 /// client's node `timeout`, with the scripts tried on `key`.
 pub(super) fn assess_node(name: &str, p: &Probe, timeout: Duration, key: &str) -> NodeCheck {
@@ -122,12 +134,18 @@ pub(super) fn assess_node(name: &str, p: &Probe, timeout: Duration, key: &str) -
         clock_offset_us: None,
     };
     let f = &mut out.findings;
-    if let Some(why) = &p.connect {
+    if let Some(why) = &p.auth {
         f.push(Finding::new(
             Verdict::Fail,
-            "connect",
-            format!("unreachable: {why}"),
+            "credentials",
+            format!(
+                "the node refused the credentials ({why}): fix the user name or password in the node URL"
+            ),
         ));
+        return out;
+    }
+    if let Some(why) = &p.connect {
+        f.push(Finding::new(Verdict::Fail, "connect", why.clone()));
         return out;
     }
     f.extend(server(p));
@@ -459,7 +477,7 @@ mod tests {
     #[test]
     fn unreachable_and_refused_nodes_count_against_the_quorum() {
         let down = Probe {
-            connect: Some("connection refused".into()),
+            connect: Some("unreachable: connection refused".into()),
             ..Probe::default()
         };
         let acl = Probe {
@@ -483,6 +501,74 @@ mod tests {
         );
         assert!(c.is_safe(), "one node down of three: {c}");
         assert_eq!(c.reachable(), 2);
+    }
+
+    /// One node down of three: still safe, but degraded, and called so: one
+    /// more failure and no lock can be taken.
+    #[test]
+    fn a_node_down_leaves_the_set_degraded() {
+        let down = Probe {
+            connect: Some("unreachable: connection refused".into()),
+            ..Probe::default()
+        };
+        let c = assess(
+            &names(3),
+            vec![down, probe("b", ""), probe("c", "")],
+            T,
+            2,
+            "k",
+        );
+        assert!(c.is_safe() && c.is_degraded(), "{c}");
+        let shown = c.to_string();
+        let verdict = shown.lines().last().unwrap_or_default();
+        assert!(
+            verdict.starts_with("verdict: degraded: 2 of 3 nodes usable"),
+            "{shown}"
+        );
+        assert!(c
+            .findings()
+            .iter()
+            .any(|f| f.topic() == "nodes" && f.verdict() == Verdict::Warn));
+        let healthy = assess(
+            &names(3),
+            vec![probe("a", ""), probe("b", ""), probe("c", "")],
+            T,
+            2,
+            "k",
+        );
+        assert!(!healthy.is_degraded(), "{healthy}");
+        assert!(
+            healthy.to_string().ends_with("verdict: safe for Redlock"),
+            "{healthy}"
+        );
+    }
+
+    /// A node that refuses the credentials was reached: it is named as a
+    /// configuration error, in the server's words, not as unreachable.
+    #[test]
+    fn refused_credentials_are_named_as_such() {
+        let refused = Probe {
+            auth: Some("WRONGPASS invalid username-password pair".into()),
+            ..Probe::default()
+        };
+        let c = assess(
+            &names(3),
+            vec![refused, probe("b", ""), probe("c", "")],
+            T,
+            2,
+            "k",
+        );
+        let f = &c.nodes()[0].findings()[0];
+        assert_eq!(
+            (f.verdict(), f.topic()),
+            (Verdict::Fail, "credentials"),
+            "{c}"
+        );
+        assert!(
+            f.text().contains("WRONGPASS") && !f.text().contains("unreachable"),
+            "{f}"
+        );
+        assert!(c.is_degraded(), "{c}");
     }
 
     /// Read locks are optional: an ACL without their commands is warned of, never unsafe.

@@ -465,6 +465,9 @@ pub(crate) fn acquired_any(v: &Value) -> bool {
 
 pub(crate) fn unexpected(v: Value) -> (NodeErrorKind, String) {
     match v {
+        Value::ServerError(e) if crate::driver::conn::is_auth_error(&e) => {
+            (NodeErrorKind::Auth, crate::driver::conn::server_text(&e))
+        }
         Value::ServerError(e) => (NodeErrorKind::Server, e.to_string()),
         v => (NodeErrorKind::Protocol, format!("{v:?}")),
     }
