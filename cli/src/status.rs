@@ -7,7 +7,10 @@ use std::time::Duration;
 
 use quorumlock::{KeyInfo, NodeKey};
 
-use super::{client, error_detail, exit_code, seconds, StatusArgs, EX_OSERR, EX_UNAVAILABLE};
+use super::{
+    client, error_detail, exit_code, refused_credentials, seconds, StatusArgs, EX_CONFIG, EX_OSERR,
+    EX_UNAVAILABLE,
+};
 
 pub(crate) fn status(args: StatusArgs) -> u8 {
     let locks = match client(&args.nodes, |b| b) {
@@ -63,13 +66,20 @@ pub(crate) fn status(args: StatusArgs) -> u8 {
         return EX_OSERR;
     }
     if answered >= locks.quorum() {
-        0
+        return 0;
+    }
+    say!(
+        "only {answered} of {} nodes answered; {} needed",
+        nodes.len(),
+        locks.quorum()
+    );
+    // Nodes that refuse the credentials: the node list to fix.
+    let refused = nodes
+        .iter()
+        .any(|n| n.key().is_err_and(refused_credentials));
+    if refused {
+        EX_CONFIG
     } else {
-        say!(
-            "only {answered} of {} nodes answered; {} needed",
-            nodes.len(),
-            locks.quorum()
-        );
         EX_UNAVAILABLE
     }
 }
