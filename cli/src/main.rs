@@ -218,7 +218,8 @@ a writer waits for the readers to leave (no new reader gets in) adds
 `  writer waiting`. Then the verdict: `KEY: held on N of M nodes` (N: the
 nodes holding the most common token), `KEY: held for reading by K readers
 on N of M nodes` (K readers each on a majority; N: the fewest nodes any of
-them is on) or `KEY: free on every node that answered`, followed by
+them is on), `KEY: free on every node that answered` or `KEY: no node
+answered`, followed by
 `; writer waiting on W of M nodes` where a writer waits, and `; led by ID
 in term T` where KEY is the name of an election (`quorumlock lead`) and a
 candidate's lease is on a majority: its id and term. A lock on a bare

@@ -123,3 +123,15 @@ fn status_says_once_that_a_hung_node_timed_out() {
     assert!(line.matches("timed out").count() == 1, "{line}");
     assert!(line.contains(NODE_TIMEOUT), "{line}");
 }
+
+/// With no node answering, `status` does not call the key free (it said
+/// "free on every node that answered" of none).
+#[test]
+fn status_with_no_node_answering_does_not_call_the_key_free() {
+    let dir = Scratch::new("msg-none");
+    let key = unique_key("msg-none");
+    let (code, out, err) = command(&dir, "status", "status", &dead_nodes(), &[&key]);
+    assert_eq!(code, 69, "stdout:\n{out}\nstderr:\n{err}");
+    let verdict = out.lines().last().unwrap_or_default();
+    assert_eq!(verdict, format!("{key}: no node answered"), "{out}");
+}
