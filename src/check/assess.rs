@@ -71,9 +71,14 @@ pub(crate) fn assess(
             Verdict::Warn,
             "nodes",
             format!(
-                "{n} nodes tolerate {} failure(s), as {} do: use an odd number",
-                (n - 1) / 2,
-                n - 1
+                "{n} nodes tolerate {}, as {} {}: use an odd number",
+                match (n - 1) / 2 {
+                    0 => "no failure".to_owned(),
+                    1 => "one failure".to_owned(),
+                    f => format!("{f} failures"),
+                },
+                n - 1,
+                if n == 2 { "does" } else { "do" }
             ),
         ));
     }
@@ -179,7 +184,7 @@ fn server(p: &Probe) -> Vec<Finding> {
             let ids = format!(
                 "run_id {}, lock history id {}",
                 info.run_id.as_deref().unwrap_or("?"),
-                p.history.as_deref().unwrap_or("none (not allowed?)")
+                history(p)
             );
             f.push(Finding::new(Verdict::Ok, "identity", ids));
             let version = info.version.as_deref().unwrap_or("?");
@@ -206,12 +211,22 @@ fn server(p: &Probe) -> Vec<Finding> {
             "identity",
             format!(
                 "INFO refused ({why}): role, cluster mode, memory policy and run_id unknown; grant +info (lock history id {})",
-                p.history.as_deref().unwrap_or("unknown")
+                history(p)
             ),
         )),
         None => f.push(Finding::new(Verdict::Warn, "identity", "INFO not answered")),
     }
     f
+}
+
+/// The node's lock history id; or that it has none yet (the first lock
+/// client to connect writes it), or the server's refusal to tell.
+fn history(p: &Probe) -> String {
+    match (&p.history, &p.history_refused) {
+        (Some(id), _) => id.clone(),
+        (None, Some(why)) => format!("unreadable ({why})"),
+        (None, None) => "none yet (the first lock client to connect writes one)".to_owned(),
+    }
 }
 
 /// The median of the `PING` round trips `rtts` and its finding: a warning
@@ -569,6 +584,54 @@ mod tests {
             "{f}"
         );
         assert!(c.is_degraded(), "{c}");
+    }
+
+    /// A node no lock client has connected to has no lock history yet: the
+    /// identity says so (it said "none (not allowed?)"), and says what the
+    /// server answered where it refused to tell.
+    #[test]
+    fn a_missing_lock_history_says_why() {
+        let new = Probe {
+            history: None,
+            ..probe("a", "")
+        };
+        let refused = Probe {
+            history: None,
+            history_refused: Some("NOPERM no permissions".into()),
+            ..probe("b", "")
+        };
+        let c = assess(&names(2), vec![new, refused], T, 2, "k");
+        let identity = |i: usize| {
+            c.nodes()[i]
+                .findings()
+                .iter()
+                .find(|f| f.topic() == "identity")
+                .map(|f| f.text().to_owned())
+                .unwrap_or_default()
+        };
+        assert!(identity(0).contains("lock history id none yet"), "{c}");
+        assert!(
+            identity(1).contains("unreadable (NOPERM no permissions)"),
+            "{c}"
+        );
+    }
+
+    /// An even number of nodes is warned of in plain words (it said "2
+    /// nodes tolerate 0 failure(s), as 1 do").
+    #[test]
+    fn an_even_node_count_is_warned_of_in_plain_words() {
+        for (n, words) in [
+            (2, "2 nodes tolerate no failure, as 1 does"),
+            (4, "4 nodes tolerate one failure, as 3 do"),
+            (6, "6 nodes tolerate 2 failures, as 5 do"),
+        ] {
+            let probes = (0..n).map(|i| probe(&format!("r{i}"), "")).collect();
+            let c = assess(&names(n), probes, T, n / 2 + 1, "k");
+            assert!(
+                c.findings().iter().any(|f| f.text().starts_with(words)),
+                "{words}: {c}"
+            );
+        }
     }
 
     /// Read locks are optional: an ACL without their commands is warned of, never unsafe.

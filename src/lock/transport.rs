@@ -171,6 +171,8 @@ pub(crate) struct Probe {
     pub info: Option<Result<ServerInfo, String>>,
     /// The metadata's id (written at connect when missing).
     pub history: Option<String>,
+    /// The server's refusal to read the metadata's id (an ACL without it).
+    pub history_refused: Option<String>,
     /// `SCRIPT LOAD` refused, with the server's words.
     pub load: Option<String>,
     /// `PING` round trips.

@@ -107,6 +107,7 @@ fn read_setup(c: &mut Conn, p: &mut Probe, timeout: Duration) -> Result<(), Stri
             (Setup::Load, Value::ServerError(e)) => p.load = Some(server_text(e)),
             (Setup::Info, Value::ServerError(e)) => p.info = Some(Err(server_text(e))),
             (Setup::Info, v) => p.info = Some(Ok(info_of(v))),
+            (Setup::History, Value::ServerError(e)) => p.history_refused = Some(server_text(e)),
             (Setup::History, v) => p.history = text(v),
             _ => {}
         }
