@@ -14,7 +14,10 @@ pub enum Error {
     ///
     /// Retrying later may succeed.
     Taken {
-        /// Nodes on which the key is held by someone else.
+        /// Nodes seen holding the key for someone else: at least this many
+        /// hold it. A round ends as soon as its outcome is decided, and the
+        /// nodes that had not answered by then are not counted
+        /// (`quorumlock status` may show it held on more).
         held: usize,
         /// Nodes in the cluster.
         nodes: usize,
@@ -45,7 +48,8 @@ pub enum Error {
     /// Release or extend found the key held by another owner on `nodes`
     /// nodes: our lock expired and someone else took it.
     NotOwner {
-        /// Nodes on which another token holds the key.
+        /// Nodes seen holding the key for another owner (at least this
+        /// many: nodes not awaited are not counted).
         nodes: usize,
     },
     /// The configuration or an argument was rejected before any I/O.
@@ -88,23 +92,38 @@ impl Error {
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Error::Taken { held, nodes } => {
-                write!(
-                    f,
-                    "taken: another owner holds the lock on {held} of {nodes} nodes"
-                )
-            }
+            // (No node's answer named the owner: no count to give.)
+            Error::Taken { held: 0, .. } => f.write_str("taken: another owner holds the lock"),
+            // Every node seen holding it: exact. Else a lower bound: the
+            // round ended without awaiting the rest.
+            Error::Taken { held, nodes } if held >= nodes => write!(
+                f,
+                "taken: another owner holds the lock on {held} of {nodes} nodes"
+            ),
+            Error::Taken { held, nodes } => write!(
+                f,
+                "taken: another owner holds the lock on at least {held} of {nodes} nodes"
+            ),
             Error::NoQuorum {
                 agreed,
                 quorum,
                 failures,
             } => {
-                let failed: Vec<String> = failures.iter().map(ToString::to_string).collect();
                 write!(
                     f,
-                    "no quorum: {agreed} nodes agreed, {quorum} needed; failed nodes: {}",
-                    failed.join("; ")
-                )
+                    "no quorum: {agreed} {} agreed, {quorum} needed",
+                    plural(*agreed)
+                )?;
+                // Failures, then nodes that answered but whose votes do not
+                // count, then nodes the round ended without (not failures).
+                let failed = failures.iter().filter(|e| e.kind.is_failure());
+                let uncounted = failures.iter().filter(|e| e.kind.is_uncounted());
+                let unawaited = failures
+                    .iter()
+                    .filter(|e| e.kind == NodeErrorKind::NotAwaited);
+                list(f, "failed", failed, ToString::to_string)?;
+                list(f, "not counted", uncounted, ToString::to_string)?;
+                list(f, "not awaited", unawaited, |e| e.node.clone())
             }
             Error::ValidityExhausted { elapsed, ttl } => write!(
                 f,
@@ -115,7 +134,8 @@ impl fmt::Display for Error {
             }
             Error::NotOwner { nodes } => write!(
                 f,
-                "no longer ours: the lock expired and another owner took it on {nodes} nodes"
+                "no longer ours: the lock expired and another owner took it on {nodes} {}",
+                plural(*nodes)
             ),
             Error::InvalidInput(e) => write!(f, "invalid input: {e}"),
             Error::Stopped => f.write_str("stopped: the election was stopped"),
@@ -142,6 +162,29 @@ impl fmt::Display for Error {
     }
 }
 
+/// `node` or `nodes`, for a count of `n`.
+fn plural(n: usize) -> &'static str {
+    if n == 1 {
+        "node"
+    } else {
+        "nodes"
+    }
+}
+
+/// `; TITLE: A; B` of `items` shown by `show`, nothing when there is none.
+fn list<'a>(
+    f: &mut fmt::Formatter<'_>,
+    title: &str,
+    items: impl Iterator<Item = &'a NodeError>,
+    show: impl Fn(&NodeError) -> String,
+) -> fmt::Result {
+    let shown: Vec<String> = items.map(show).collect();
+    if shown.is_empty() {
+        return Ok(());
+    }
+    write!(f, "; {title}: {}", shown.join("; "))
+}
+
 impl std::error::Error for Error {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
@@ -166,7 +209,9 @@ pub enum InvalidInput {
     NoNodes,
     /// A node URL could not be parsed.
     BadNodeUrl {
-        /// The URL as given (credentials removed).
+        /// The URL as given, with its password masked as `***` (in a URL
+        /// that does not parse, whatever may hold one: a port or a path
+        /// that is no number, a query, a fragment).
         url: String,
         /// Why it was rejected.
         reason: String,
@@ -363,6 +408,11 @@ pub enum NodeErrorKind {
     /// already answered. Redlock needs independent servers: one server
     /// listed twice (two names, two databases) must not get two votes.
     SameServer,
+    /// The node refused this client's credentials: a wrong password or user
+    /// name (`WRONGPASS`), or none given where it requires one (`NOAUTH`).
+    /// A configuration error: trying again does not help until the node
+    /// URL (or the node's ACL) is fixed.
+    Auth,
     /// Not counted: the node cannot keep locks as an independent Redlock
     /// node: a replica, a Redis Cluster node, or (unless
     /// [`allow_evicting_nodes`](crate::Builder::allow_evicting_nodes) is
@@ -374,6 +424,23 @@ pub enum NodeErrorKind {
     /// renamed away, or the server has no Lua. The detail is the server's
     /// words; see [`Error::ScriptsRefused`] for the fix.
     ScriptsRefused,
+}
+
+impl NodeErrorKind {
+    /// The node answered, but its vote does not count (not a failure of
+    /// the node's: what it is, or its lock history's age).
+    fn is_uncounted(self) -> bool {
+        matches!(
+            self,
+            NodeErrorKind::Restarted | NodeErrorKind::SameServer | NodeErrorKind::Unsuitable
+        )
+    }
+
+    /// The node failed: neither a vote that does not count nor a reply
+    /// the round did not wait for.
+    fn is_failure(self) -> bool {
+        !self.is_uncounted() && self != NodeErrorKind::NotAwaited
+    }
 }
 
 impl fmt::Display for NodeErrorKind {
@@ -392,6 +459,7 @@ impl fmt::Display for NodeErrorKind {
             NodeErrorKind::SameServer => "same server as another entry",
             NodeErrorKind::Unsuitable => "cannot keep locks",
             NodeErrorKind::ScriptsRefused => "refuses the lock's scripts",
+            NodeErrorKind::Auth => "refused the credentials",
         })
     }
 }
@@ -481,7 +549,9 @@ impl std::panic::RefUnwindSafe for NodeError {}
 impl fmt::Display for NodeError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{} {}", self.node, self.kind)?;
-        if !self.detail.is_empty() {
+        // (A detail that only repeats the kind, as an I/O error's "timed
+        // out", says nothing more.)
+        if !self.detail.is_empty() && self.detail != self.kind.to_string() {
             write!(f, " ({})", self.detail)?;
         }
         Ok(())
@@ -523,6 +593,66 @@ mod tests {
         let s = e.to_string();
         assert!(s.contains("10.0.0.2:6379 timed out"), "{s}");
         assert!(s.contains("10.0.0.3:6379 unavailable (refused)"), "{s}");
+    }
+
+    /// One node is "1 node", not "1 nodes".
+    #[test]
+    fn counts_of_one_are_singular() {
+        let e = Error::NoQuorum {
+            agreed: 1,
+            quorum: 2,
+            failures: vec![NodeError::new("n2", NodeErrorKind::Timeout, "")],
+        };
+        let s = e.to_string();
+        assert!(s.contains("1 node agreed"), "{s}");
+        let s = Error::NotOwner { nodes: 1 }.to_string();
+        assert!(s.ends_with("on 1 node"), "{s}");
+        let s = Error::NotOwner { nodes: 2 }.to_string();
+        assert!(s.ends_with("on 2 nodes"), "{s}");
+    }
+
+    /// A round ends once its outcome is decided: a count of nodes seen
+    /// holding the key is a lower bound, and says so unless every node
+    /// was seen.
+    #[test]
+    fn taken_counts_what_it_saw_as_a_lower_bound() {
+        let s = Error::Taken { held: 2, nodes: 3 }.to_string();
+        assert!(s.contains("on at least 2 of 3 nodes"), "{s}");
+        let s = Error::Taken { held: 3, nodes: 3 }.to_string();
+        assert!(s.contains("on 3 of 3 nodes"), "{s}");
+        let s = Error::Taken { held: 0, nodes: 3 }.to_string();
+        assert!(!s.contains(" 0 "), "{s}");
+    }
+
+    /// Nodes whose replies were not awaited, and nodes whose votes do not
+    /// count, are not listed as failed.
+    #[test]
+    fn no_quorum_lists_only_failures_as_failed() {
+        let e = Error::NoQuorum {
+            agreed: 0,
+            quorum: 2,
+            failures: vec![
+                NodeError::new("n1", NodeErrorKind::Unavailable, "refused"),
+                NodeError::new("n2", NodeErrorKind::Restarted, "history 2s old"),
+                NodeError::new("n3", NodeErrorKind::NotAwaited, "settled"),
+            ],
+        };
+        let s = e.to_string();
+        let failed = s.split("failed: ").nth(1).unwrap_or_default();
+        let failed = failed.split("; ").next().unwrap_or_default();
+        assert_eq!(failed, "n1 unavailable (refused)", "{s}");
+        assert!(
+            s.contains("not counted: n2 lock history too young to vote"),
+            "{s}"
+        );
+        assert!(s.contains("not awaited: n3"), "{s}");
+    }
+
+    /// A detail that only repeats the kind is not shown twice.
+    #[test]
+    fn node_error_does_not_repeat_its_kind() {
+        let e = NodeError::new("n1", NodeErrorKind::Timeout, "timed out");
+        assert_eq!(e.to_string(), "n1 timed out");
     }
 
     /// A resource taken before we got it and a lock of ours taken after it

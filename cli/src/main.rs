@@ -41,7 +41,8 @@ const EX_SOFTWARE: u8 = 70;
 const EX_OSERR: u8 = 71;
 /// Busy: another owner holds the lock (after `--wait`, if given).
 const EX_TEMPFAIL: u8 = 75;
-/// Bad configuration: no nodes, a bad node URL, input the library refuses.
+/// Bad configuration: no nodes, a bad node URL, input the library refuses,
+/// credentials the nodes refuse.
 const EX_CONFIG: u8 = 78;
 /// The command was found but cannot be executed (as shells and `timeout(1)`).
 const EX_CANNOT_EXECUTE: u8 = 126;
@@ -71,7 +72,8 @@ Exit codes of `quorumlock run`:
   75       busy: the lock is held by someone else, with --no-wait (the
            default) or once --wait ran out (EX_TEMPFAIL)
   78       configuration: no nodes, a bad node URL, a key or TTL the
-           library refuses (EX_CONFIG)
+           library refuses, no majority because nodes refused the
+           credentials (EX_CONFIG)
   126      the command cannot be executed (permission denied, not a program)
   127      the command was not found
 Exit codes of `quorumlock lead` (it runs until its command exits by itself
@@ -86,9 +88,11 @@ or it gets a signal):
            refuses); never 69, 70 or 75: lead campaigns on through node
            failures, lost leaderships and other leaders
 Exit codes of `quorumlock status`: 0 when a majority of nodes answered,
-69 otherwise; 64 and 78 as above.
-Exit codes of `quorumlock check`: 0 when the set is safe for Redlock, 2 when
-it is not, 69 when fewer than a majority of the nodes could be reached.";
+69 otherwise (78 when nodes refused the credentials); 64 and 78 as above.
+Exit codes of `quorumlock check`: 0 when the set is safe for Redlock, 1 when
+it is safe but degraded (some node not usable), 2 when it is not safe, 69
+when fewer than a majority of the nodes could be reached, 78 when a node
+refused the credentials; 64 and 78 as above.";
 
 const RUN_ABOUT: &str = "\
 Run a command while holding a lock on a majority of Redis nodes.
@@ -197,9 +201,11 @@ and print a verdict per node and for the set:
   scripts      whether the lock's scripts run on --key under the ACL (FAIL
                if not), tried once per node with a random token
 Each node is asked on a connection of its own. The verdict line says
-whether the set is safe: no UNSAFE finding, and a majority of usable nodes.
-Exit status: 0 safe (warnings aside), 2 not safe, 69 fewer than a majority of
-the nodes reachable, 64 and 78 as for run.";
+whether the set is safe (no UNSAFE finding, and a majority of usable
+nodes), and degraded where some node is not usable.
+Exit status: 0 safe (warnings aside), 1 degraded (safe, some node not
+usable), 2 not safe, 69 fewer than a majority of the nodes reachable, 78 a
+node refused the credentials, 64 and 78 as for run.";
 
 const STATUS_ABOUT: &str = "\
 Show, for each node, whether KEY exists and its remaining TTL, or its
@@ -212,7 +218,8 @@ a writer waits for the readers to leave (no new reader gets in) adds
 `  writer waiting`. Then the verdict: `KEY: held on N of M nodes` (N: the
 nodes holding the most common token), `KEY: held for reading by K readers
 on N of M nodes` (K readers each on a majority; N: the fewest nodes any of
-them is on) or `KEY: free on every node that answered`, followed by
+them is on), `KEY: free on every node that answered` or `KEY: no node
+answered`, followed by
 `; writer waiting on W of M nodes` where a writer waits, and `; led by ID
 in term T` where KEY is the name of an election (`quorumlock lead`) and a
 candidate's lease is on a majority: its id and term. A lock on a bare
@@ -582,6 +589,9 @@ fn exit_code(e: &Error) -> u8 {
     match e {
         // The nodes' configuration refuses the scripts: nothing to wait for.
         Error::InvalidInput(_) | Error::ScriptsRefused { .. } => EX_CONFIG,
+        // Nodes that refuse the credentials: the node list to fix, not
+        // nodes to wait for.
+        Error::NoQuorum { failures, .. } if failures.iter().any(refused_credentials) => EX_CONFIG,
         Error::NoQuorum { .. } | Error::ValidityExhausted { .. } => EX_UNAVAILABLE,
         // Taken, and what a single-threaded caller cannot really meet
         // (Expired, NotOwner): the resource is someone else's.
@@ -826,6 +836,9 @@ fn release(guard: LockGuard) {
 // check (status is in status.rs)
 // ---------------------------------------------------------------------------
 
+/// Exit status of `check` when the set is safe but some node is not
+/// usable: one failure closer to no lock at all.
+const EX_DEGRADED: u8 = 1;
 /// Exit status of `check` when the set is not safe for Redlock.
 const EX_NOT_SAFE: u8 = 2;
 
@@ -844,22 +857,37 @@ fn check(args: CheckArgs) -> u8 {
     if writeln!(io::stdout().lock(), "{report}").is_err() {
         return EX_OSERR;
     }
-    if report.reachable() < locks.quorum() {
+    let credentials = report
+        .nodes()
+        .iter()
+        .any(|n| n.findings().iter().any(|f| f.topic() == "credentials"));
+    if credentials {
+        EX_CONFIG
+    } else if report.reachable() < locks.quorum() {
         EX_UNAVAILABLE
-    } else if report.is_safe() {
-        0
-    } else {
+    } else if !report.is_safe() {
         EX_NOT_SAFE
+    } else if report.is_degraded() {
+        EX_DEGRADED
+    } else {
+        0
     }
 }
 
-/// A node error without the node's name (the line starts with it).
+/// A node error as the library words it, without the node's name (the
+/// line starts with it).
 fn error_detail(e: &quorumlock::NodeError) -> String {
-    if e.detail().is_empty() {
-        e.kind().to_string()
-    } else {
-        format!("{} ({})", e.kind(), e.detail())
-    }
+    let shown = e.to_string();
+    shown
+        .strip_prefix(e.node())
+        .map_or(shown.as_str(), str::trim_start)
+        .to_owned()
+}
+
+/// Whether the node refused the credentials of its URL (a configuration
+/// error: exit 78).
+fn refused_credentials(e: &quorumlock::NodeError) -> bool {
+    e.kind() == quorumlock::NodeErrorKind::Auth
 }
 
 #[cfg(test)]

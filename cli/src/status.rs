@@ -7,7 +7,10 @@ use std::time::Duration;
 
 use quorumlock::{KeyInfo, NodeKey};
 
-use super::{client, error_detail, exit_code, seconds, StatusArgs, EX_OSERR, EX_UNAVAILABLE};
+use super::{
+    client, error_detail, exit_code, refused_credentials, seconds, StatusArgs, EX_CONFIG, EX_OSERR,
+    EX_UNAVAILABLE,
+};
 
 pub(crate) fn status(args: StatusArgs) -> u8 {
     let locks = match client(&args.nodes, |b| b) {
@@ -63,13 +66,20 @@ pub(crate) fn status(args: StatusArgs) -> u8 {
         return EX_OSERR;
     }
     if answered >= locks.quorum() {
-        0
+        return 0;
+    }
+    say!(
+        "only {answered} of {} nodes answered; {} needed",
+        nodes.len(),
+        locks.quorum()
+    );
+    // Nodes that refuse the credentials: the node list to fix.
+    let refused = nodes
+        .iter()
+        .any(|n| n.key().is_err_and(refused_credentials));
+    if refused {
+        EX_CONFIG
     } else {
-        say!(
-            "only {answered} of {} nodes answered; {} needed",
-            nodes.len(),
-            locks.quorum()
-        );
         EX_UNAVAILABLE
     }
 }
@@ -127,8 +137,8 @@ fn key_line(k: &KeyInfo, show_token: bool) -> String {
 /// every node that holds it: `KEY: held on N of M nodes` (a writer),
 /// `KEY: held for reading by K readers on N of M nodes` (K readers each on
 /// a majority, N the fewest nodes any of them is on; where none is on a
-/// majority, those on the most nodes, N), or `KEY: free on every node that
-/// answered`; then `; writer waiting on W of M nodes` where a writer's
+/// majority, those on the most nodes, N), `KEY: free on every node that
+/// answered`, or `KEY: no node answered`; then `; writer waiting on W of M nodes` where a writer's
 /// intent lives, and `; claimed by a waiting lock of several on C of M
 /// nodes` where a set's claim does. A lock on a bare majority is one node
 /// failure from loss.
@@ -175,8 +185,10 @@ fn summary(key: &str, nodes: &[NodeKey], quorum: usize) -> String {
         format!("{key}: held for reading by {by} reader{plural} on {on} of {m} nodes")
     } else if foreign > 0 {
         format!("{key}: not a lock key on {foreign} of {m} nodes (another owner's value)")
-    } else {
+    } else if nodes.iter().any(|n| n.key().is_ok()) {
         format!("{key}: free on every node that answered")
+    } else {
+        format!("{key}: no node answered")
     };
     if waiting > 0 {
         line.push_str(&format!("; writer waiting on {waiting} of {m} nodes"));

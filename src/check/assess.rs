@@ -59,19 +59,7 @@ pub(crate) fn assess(
     }
     let n = names.len();
     let usable = nodes.iter().filter(|c| c.usable()).count();
-    findings.push(if usable >= quorum {
-        Finding::new(
-            Verdict::Ok,
-            "nodes",
-            format!("{usable} of {n} nodes usable; {quorum} needed for a lock"),
-        )
-    } else {
-        Finding::new(
-            Verdict::Unsafe,
-            "nodes",
-            format!("only {usable} of {n} nodes usable; {quorum} needed: no lock can be taken"),
-        )
-    });
+    findings.push(usable_nodes(usable, n, quorum));
     if n == 1 {
         findings.push(Finding::new(
             Verdict::Warn,
@@ -83,9 +71,14 @@ pub(crate) fn assess(
             Verdict::Warn,
             "nodes",
             format!(
-                "{n} nodes tolerate {} failure(s), as {} do: use an odd number",
-                (n - 1) / 2,
-                n - 1
+                "{n} nodes tolerate {}, as {} {}: use an odd number",
+                match (n - 1) / 2 {
+                    0 => "no failure".to_owned(),
+                    1 => "one failure".to_owned(),
+                    f => format!("{f} failures"),
+                },
+                n - 1,
+                if n == 2 { "does" } else { "do" }
             ),
         ));
     }
@@ -112,6 +105,30 @@ pub(crate) fn assess(
     }
 }
 
+/// How many of the `n` nodes are usable against the `quorum` needed: ok
+/// when all are, a warning when some are not (degraded: fewer failures
+/// left to absorb), unsafe when too few are for any lock.
+fn usable_nodes(usable: usize, n: usize, quorum: usize) -> Finding {
+    if usable >= quorum {
+        Finding::new(
+            // Degraded: fewer failures left to absorb than configured.
+            if usable < n {
+                Verdict::Warn
+            } else {
+                Verdict::Ok
+            },
+            "nodes",
+            format!("{usable} of {n} nodes usable; {quorum} needed for a lock"),
+        )
+    } else {
+        Finding::new(
+            Verdict::Unsafe,
+            "nodes",
+            format!("only {usable} of {n} nodes usable; {quorum} needed: no lock can be taken"),
+        )
+    }
+}
+
 /// The findings for one node, `name`, from its probe `p`, against the
 /// client's node `timeout`, with the scripts tried on `key`.
 pub(super) fn assess_node(name: &str, p: &Probe, timeout: Duration, key: &str) -> NodeCheck {
@@ -122,12 +139,18 @@ pub(super) fn assess_node(name: &str, p: &Probe, timeout: Duration, key: &str) -
         clock_offset_us: None,
     };
     let f = &mut out.findings;
-    if let Some(why) = &p.connect {
+    if let Some(why) = &p.auth {
         f.push(Finding::new(
             Verdict::Fail,
-            "connect",
-            format!("unreachable: {why}"),
+            "credentials",
+            format!(
+                "the node refused the credentials ({why}): fix the user name or password in the node URL"
+            ),
         ));
+        return out;
+    }
+    if let Some(why) = &p.connect {
+        f.push(Finding::new(Verdict::Fail, "connect", why.clone()));
         return out;
     }
     f.extend(server(p));
@@ -161,7 +184,7 @@ fn server(p: &Probe) -> Vec<Finding> {
             let ids = format!(
                 "run_id {}, lock history id {}",
                 info.run_id.as_deref().unwrap_or("?"),
-                p.history.as_deref().unwrap_or("none (not allowed?)")
+                history(p)
             );
             f.push(Finding::new(Verdict::Ok, "identity", ids));
             let product = info.product();
@@ -188,12 +211,22 @@ fn server(p: &Probe) -> Vec<Finding> {
             "identity",
             format!(
                 "INFO refused ({why}): role, cluster mode, memory policy and run_id unknown; grant +info (lock history id {})",
-                p.history.as_deref().unwrap_or("unknown")
+                history(p)
             ),
         )),
         None => f.push(Finding::new(Verdict::Warn, "identity", "INFO not answered")),
     }
     f
+}
+
+/// The node's lock history id; or that it has none yet (the first lock
+/// client to connect writes it), or the server's refusal to tell.
+fn history(p: &Probe) -> String {
+    match (&p.history, &p.history_refused) {
+        (Some(id), _) => id.clone(),
+        (None, Some(why)) => format!("unreadable ({why})"),
+        (None, None) => "none yet (the first lock client to connect writes one)".to_owned(),
+    }
 }
 
 /// The median of the `PING` round trips `rtts` and its finding: a warning
@@ -466,7 +499,7 @@ mod tests {
     #[test]
     fn unreachable_and_refused_nodes_count_against_the_quorum() {
         let down = Probe {
-            connect: Some("connection refused".into()),
+            connect: Some("unreachable: connection refused".into()),
             ..Probe::default()
         };
         let acl = Probe {
@@ -509,6 +542,122 @@ mod tests {
         );
         let acl = text("NOPERM this user has no permissions to run the 'eval' command");
         assert!(acl.contains("minimal ACL"), "{acl}");
+    }
+
+    /// One node down of three: still safe, but degraded, and called so: one
+    /// more failure and no lock can be taken.
+    #[test]
+    fn a_node_down_leaves_the_set_degraded() {
+        let down = Probe {
+            connect: Some("unreachable: connection refused".into()),
+            ..Probe::default()
+        };
+        let c = assess(
+            &names(3),
+            vec![down, probe("b", ""), probe("c", "")],
+            T,
+            2,
+            "k",
+        );
+        assert!(c.is_safe() && c.is_degraded(), "{c}");
+        let shown = c.to_string();
+        let verdict = shown.lines().last().unwrap_or_default();
+        assert!(
+            verdict.starts_with("verdict: degraded: 2 of 3 nodes usable"),
+            "{shown}"
+        );
+        assert!(c
+            .findings()
+            .iter()
+            .any(|f| f.topic() == "nodes" && f.verdict() == Verdict::Warn));
+        let healthy = assess(
+            &names(3),
+            vec![probe("a", ""), probe("b", ""), probe("c", "")],
+            T,
+            2,
+            "k",
+        );
+        assert!(!healthy.is_degraded(), "{healthy}");
+        assert!(
+            healthy.to_string().ends_with("verdict: safe for Redlock"),
+            "{healthy}"
+        );
+    }
+
+    /// A node that refuses the credentials was reached: it is named as a
+    /// configuration error, in the server's words, not as unreachable.
+    #[test]
+    fn refused_credentials_are_named_as_such() {
+        let refused = Probe {
+            auth: Some("WRONGPASS invalid username-password pair".into()),
+            ..Probe::default()
+        };
+        let c = assess(
+            &names(3),
+            vec![refused, probe("b", ""), probe("c", "")],
+            T,
+            2,
+            "k",
+        );
+        let f = &c.nodes()[0].findings()[0];
+        assert_eq!(
+            (f.verdict(), f.topic()),
+            (Verdict::Fail, "credentials"),
+            "{c}"
+        );
+        assert!(
+            f.text().contains("WRONGPASS") && !f.text().contains("unreachable"),
+            "{f}"
+        );
+        assert!(c.is_degraded(), "{c}");
+    }
+
+    /// A node no lock client has connected to has no lock history yet: the
+    /// identity says so (it said "none (not allowed?)"), and says what the
+    /// server answered where it refused to tell.
+    #[test]
+    fn a_missing_lock_history_says_why() {
+        let new = Probe {
+            history: None,
+            ..probe("a", "")
+        };
+        let refused = Probe {
+            history: None,
+            history_refused: Some("NOPERM no permissions".into()),
+            ..probe("b", "")
+        };
+        let c = assess(&names(2), vec![new, refused], T, 2, "k");
+        let identity = |i: usize| {
+            c.nodes()[i]
+                .findings()
+                .iter()
+                .find(|f| f.topic() == "identity")
+                .map(|f| f.text().to_owned())
+                .unwrap_or_default()
+        };
+        assert!(identity(0).contains("lock history id none yet"), "{c}");
+        assert!(
+            identity(1).contains("unreadable (NOPERM no permissions)"),
+            "{c}"
+        );
+    }
+
+    /// An even number of nodes is warned of in plain words (it said "2
+    /// nodes tolerate 0 failure(s), as 1 do").
+    #[test]
+    fn an_even_node_count_is_warned_of_in_plain_words() {
+        for (n, words) in [
+            (2, "2 nodes tolerate no failure, as 1 does"),
+            (4, "4 nodes tolerate one failure, as 3 do"),
+            (6, "6 nodes tolerate 2 failures, as 5 do"),
+        ] {
+            let probes = (0..n).map(|i| probe(&format!("r{i}"), "")).collect();
+            let c = assess(&names(n), probes, T, n / 2 + 1, "k");
+            assert!(
+                c.findings().iter().any(|f| f.text().starts_with(words)),
+                "{words}: {c}"
+            );
+        }
     }
 
     /// Read locks are optional: an ACL without their commands is warned of, never unsafe.

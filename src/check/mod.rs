@@ -66,7 +66,7 @@ impl Finding {
         self.verdict
     }
 
-    /// What it is about: `connect`, `identity`, `role`, `cluster`,
+    /// What it is about: `connect`, `credentials`, `identity`, `role`, `cluster`,
     /// `memory`, `persistence`, `clock`, `latency`, `scripts`, `nodes`.
     pub fn topic(&self) -> &'static str {
         self.topic
@@ -157,10 +157,23 @@ impl Check {
     /// Whether the set is safe for Redlock: no finding anywhere can give two
     /// holders, and at least a majority of the nodes is usable.
     pub fn is_safe(&self) -> bool {
-        let usable = self.nodes.iter().filter(|n| n.usable()).count();
-        usable >= self.quorum
+        self.usable() >= self.quorum
             && worst(&self.findings) < Verdict::Unsafe
             && self.nodes.iter().all(|n| n.verdict() < Verdict::Unsafe)
+    }
+
+    /// Whether some node is not usable (unreachable, refusing the
+    /// credentials or the scripts, or unsafe): a set that is still safe
+    /// absorbs fewer node failures than it was built for. `quorumlock
+    /// check` exits 1 for a safe set that is degraded.
+    pub fn is_degraded(&self) -> bool {
+        self.usable() < self.nodes.len()
+    }
+
+    /// How many nodes can take part in a lock (no finding worse than a
+    /// warning).
+    pub fn usable(&self) -> usize {
+        self.nodes.iter().filter(|n| n.usable()).count()
     }
 
     /// How many nodes could be reached at all.
@@ -184,15 +197,25 @@ impl fmt::Display for Check {
         for x in &self.findings {
             writeln!(f, "  {x}")?;
         }
-        write!(
-            f,
-            "verdict: {}",
-            if self.is_safe() {
-                "safe for Redlock"
-            } else {
-                "NOT safe for Redlock"
+        let (usable, n) = (self.usable(), self.nodes.len());
+        if !self.is_safe() {
+            f.write_str("verdict: NOT safe for Redlock")
+        } else if usable < n {
+            // Safe now; say how many more failures it takes to stop locks.
+            let spare = usable - self.quorum;
+            write!(
+                f,
+                "verdict: degraded: {usable} of {n} nodes usable, {} needed: ",
+                self.quorum
+            )?;
+            match spare {
+                0 => f.write_str("one more node failure and no lock can be taken"),
+                1 => f.write_str("locks survive one more node failure"),
+                s => write!(f, "locks survive {s} more node failures"),
             }
-        )
+        } else {
+            f.write_str("verdict: safe for Redlock")
+        }
     }
 }
 

@@ -140,8 +140,11 @@ pub(crate) enum For {
 pub(crate) enum ConnectError {
     /// Refused, reset, unreachable, or no answer within the timeout.
     Io(io::Error),
-    /// AUTH or SELECT was answered with an error.
+    /// SELECT (or the first PING) was answered with an error.
     Handshake(String),
+    /// AUTH was refused (`WRONGPASS`), or the node wants a password none
+    /// was given for (`NOAUTH`): the server's words.
+    Auth(String),
     /// The TLS handshake failed: the node's certificate was refused, or
     /// the node refused ours (or our lack of one).
     #[cfg_attr(not(feature = "tls-rustls"), allow(dead_code))]
@@ -156,6 +159,7 @@ impl ConnectError {
             ConnectError::Io(e) if e.kind() == io::ErrorKind::TimedOut => NodeErrorKind::Timeout,
             ConnectError::Io(_) => NodeErrorKind::Unavailable,
             ConnectError::Handshake(_) => NodeErrorKind::Server,
+            ConnectError::Auth(_) => NodeErrorKind::Auth,
             ConnectError::Tls(_) => NodeErrorKind::Tls,
         }
     }
@@ -174,7 +178,7 @@ impl ConnectError {
     /// The message, without what [`kind`](Self::kind) already says.
     pub(crate) fn detail(&self) -> String {
         match self {
-            ConnectError::Tls(e) => e.clone(),
+            ConnectError::Tls(e) | ConnectError::Auth(e) => e.clone(),
             e => e.to_string(),
         }
     }
@@ -185,6 +189,7 @@ impl std::fmt::Display for ConnectError {
         match self {
             ConnectError::Io(e) => write!(f, "{e}"),
             ConnectError::Handshake(e) => write!(f, "handshake refused: {e}"),
+            ConnectError::Auth(e) => write!(f, "credentials refused: {e}"),
             ConnectError::Tls(e) => write!(f, "TLS handshake failed: {e}"),
         }
     }
@@ -341,7 +346,8 @@ impl Conn {
         match self.wait_reply(after(now, timeout))? {
             Value::Okay => Ok(()),
             Value::SimpleString(s) if s == "PONG" => Ok(()),
-            Value::ServerError(e) => Err(ConnectError::Handshake(e.to_string())),
+            Value::ServerError(e) if is_auth_error(&e) => Err(ConnectError::Auth(server_text(&e))),
+            Value::ServerError(e) => Err(ConnectError::Handshake(server_text(&e))),
             v => Err(ConnectError::Handshake(format!("{v:?}"))),
         }
     }
@@ -514,6 +520,20 @@ impl Conn {
     }
 }
 
+/// A server's error as it wrote it: `ERR max number of clients reached`.
+pub(crate) fn server_text(e: &redis::ServerError) -> String {
+    match e.details() {
+        Some(d) => format!("{} {d}", e.code()),
+        None => e.code().to_owned(),
+    }
+}
+
+/// Whether the server refused this client's credentials: a wrong password
+/// or user (`WRONGPASS`), or none where it wants one (`NOAUTH`).
+pub(crate) fn is_auth_error(e: &redis::ServerError) -> bool {
+    matches!(e.code(), "WRONGPASS" | "NOAUTH")
+}
+
 /// Queues what a new connection for `purpose` sends before its first
 /// command (see [`For`]).
 pub(crate) fn queue_connect_commands(wire: &mut ConnState, purpose: For, now: Instant) {
@@ -567,6 +587,30 @@ mod tests {
             std::thread::sleep(Duration::from_millis(1));
         }
         c
+    }
+
+    /// A node that refuses the password (`WRONGPASS`) is a configuration
+    /// error, named as one, with the server's words, not a server error.
+    #[test]
+    fn refused_credentials_are_their_own_kind() {
+        use std::io::Read as _;
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let mut target = Target::local(listener.local_addr().expect("addr").port());
+        target.password = Some("wrong".into());
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().expect("accept");
+            let mut buf = [0u8; 256];
+            let _ = s.read(&mut buf);
+            let _ =
+                s.write_all(b"-WRONGPASS invalid username-password pair or user is disabled.\r\n");
+        });
+        let e = Conn::connect(&target, Duration::from_secs(2), For::Query).expect_err("refused");
+        let _ = server.join();
+        assert_eq!(e.kind(), crate::error::NodeErrorKind::Auth, "{e}");
+        assert_eq!(
+            e.detail(),
+            "WRONGPASS invalid username-password pair or user is disabled."
+        );
     }
 
     /// A garbled reply still answers the command it follows: that command ran,

@@ -39,7 +39,12 @@ pub(crate) fn parse_nodes_with(
             url: redact(url),
             reason: reason.to_owned(),
         };
-        let parsed = url::Url::parse(url).map_err(|e| bad(&e.to_string()))?;
+        let parsed = url::Url::parse(url).map_err(|e| match e {
+            url::ParseError::RelativeUrlWithoutBase => {
+                bad("not a URL: a node is redis://host:port (rediss:// for TLS)")
+            }
+            e => bad(&e.to_string()),
+        })?;
         let secure = is_tls(&parsed).map_err(bad)?;
         let host = host_of(&parsed).map_err(bad)?;
         let port = parsed.port().unwrap_or(6379);
@@ -170,14 +175,20 @@ fn db_path(path: &str) -> bool {
 }
 
 /// The URL with its password and query masked, for messages. A URL that
-/// does not parse shows only its scheme: its secrets cannot be told apart.
+/// does not parse cleanly is shown as written, with whatever may hold a
+/// password masked (see [`redact_text`]), so that one can tell which entry
+/// is wrong.
 pub(crate) fn redact(url: &str) -> String {
     match url::Url::parse(url) {
-        Ok(u) if u.cannot_be_a_base() || u.host().is_none() => format!("{}:…", u.scheme()),
         // A fragment, or a path that is no database number, may be the rest
         // of a password the parser took for a port (`:2024#Summer@…`).
-        Ok(u) if u.fragment().is_some() || !db_path(u.path()) => format!("{}://…", u.scheme()),
-        Ok(mut u) => {
+        Ok(u)
+            if !u.cannot_be_a_base()
+                && u.host().is_some()
+                && u.fragment().is_none()
+                && db_path(u.path()) =>
+        {
+            let mut u = u;
             if u.password().is_some() {
                 let _ = u.set_password(Some("***"));
             }
@@ -186,17 +197,67 @@ pub(crate) fn redact(url: &str) -> String {
             }
             u.to_string()
         }
-        Err(_) => match url.split_once("://") {
-            Some((scheme, _))
-                if scheme
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c)) =>
-            {
-                format!("{scheme}://…")
-            }
-            _ => "…".to_owned(),
-        },
+        _ => redact_text(url),
     }
+}
+
+/// A node URL as written, with `***` for each part that may hold a password:
+/// the user-info up to its last `@` (but the user name before a `:`), a
+/// port that is no number, a path that is no database number, a query or
+/// a fragment. (A password with a `#`, `/` or `?` that is not
+/// percent-encoded makes the parser see a port, a path or a fragment; one
+/// with a `,` splits the entry in two.) The scheme, the host, a numeric
+/// port and a database number are shown.
+fn redact_text(url: &str) -> String {
+    let (scheme, rest) = match url.split_once("://") {
+        Some((scheme, rest))
+            if scheme
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c)) =>
+        {
+            (Some(scheme), rest)
+        }
+        _ => (None, url),
+    };
+    let mut out = scheme.map_or_else(String::new, |s| format!("{s}://"));
+    let server = match rest.rfind('@') {
+        Some(at) => {
+            match rest[..at].split_once(':') {
+                Some((user, _)) if !user.contains(['/', '?', '#']) => {
+                    out.push_str(user);
+                    out.push_str(":***@");
+                }
+                _ => out.push_str("***@"),
+            }
+            &rest[at + 1..]
+        }
+        None => rest,
+    };
+    let end = server.find(['/', '?', '#']).unwrap_or(server.len());
+    let (authority, tail) = server.split_at(end);
+    // The port follows the last `:`, outside an IPv6 address's brackets.
+    let host_end = authority.rfind(']').map_or(0, |b| b + 1);
+    match authority[host_end..].rfind(':').map(|i| i + host_end) {
+        Some(colon) => {
+            let port = &authority[colon + 1..];
+            out.push_str(&authority[..=colon]);
+            if port.bytes().all(|b| b.is_ascii_digit()) {
+                out.push_str(port);
+            } else {
+                out.push_str("***");
+            }
+        }
+        None => out.push_str(authority),
+    }
+    if !tail.is_empty() {
+        if tail.starts_with('/') && tail.len() > 1 && db_path(tail) {
+            out.push_str(tail);
+        } else if let Some(first) = tail.chars().next() {
+            out.push(first);
+            out.push_str("***");
+        }
+    }
+    out
 }
 
 impl crate::driver::conn::Target {
@@ -271,8 +332,10 @@ mod tests {
             ("redis://u:s3cr@t@h:1", "s3cr@t"),
             ("redis://u:s3cret@h:99999", "s3cret"),
             ("redis://u:s3cret@[::1:1", "s3cret"),
-            ("s3cret", "s3cret"),
             ("redis:s3cret", "s3cret"),
+            // A password with a comma, split into two entries.
+            ("redis://u:s3c", "s3c"),
+            ("ret@h:1", "ret"),
             // A password of digits then `#` or `/` parses as a port and a
             // fragment or a path: the secret is there, not in user-info.
             ("redis://locker:2024#Summer!@redis-1:6379", "Summer"),
@@ -292,6 +355,41 @@ mod tests {
         let b =
             crate::Builder::new().nodes(["redis+unix:///s?pass=s3cret", "redis://u:s3cret@h:1"]);
         assert!(!format!("{b:?}").contains("s3cret"), "{b:?}");
+    }
+
+    /// A URL that does not parse is shown as written, so that one can
+    /// tell which entry is wrong: only what may be a password is masked
+    /// (it was shown as `redis://…` or `…`).
+    #[test]
+    fn a_malformed_url_is_shown_but_its_password() {
+        for (url, shown) in [
+            ("127.0.0.1:7401", "127.0.0.1:7401"),
+            ("redis://127.0.0.1:port", "redis://127.0.0.1:***"),
+            ("redis://h:1/x", "redis://h:1/***"),
+            ("redis://u:s3cret@h:99999", "redis://u:***@h:99999"),
+            (
+                "redis://locker:2024#Summer!@redis-1:6379",
+                "redis://locker:***@redis-1:6379",
+            ),
+            (
+                "redis://locker:1234/Xy9@redis-1:6379",
+                "redis://locker:***@redis-1:6379",
+            ),
+            (
+                "redis+unix:///tmp/redis.sock?pass=s3cret",
+                "redis+unix:///***",
+            ),
+            ("redis:///0", "redis:///0"),
+        ] {
+            assert_eq!(redact(url), shown, "{url}");
+        }
+        match parse_nodes(&urls(&["127.0.0.1:7401"])).unwrap_err() {
+            InvalidInput::BadNodeUrl { url, reason } => {
+                assert_eq!(url, "127.0.0.1:7401");
+                assert!(reason.contains("redis://"), "{reason}");
+            }
+            e => panic!("{e:?}"),
+        }
     }
 
     #[test]

@@ -161,12 +161,18 @@ pub(crate) struct Readers {
 /// What the driver read from one node, on a connection of its own.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Probe {
-    /// Why no connection could be made.
+    /// Why no connection could be made, or is of no use (unreachable, not
+    /// answering).
     pub connect: Option<String>,
+    /// The node refused the credentials, in its words (`WRONGPASS …`,
+    /// `NOAUTH …`): reached, but of no use until the node URL is fixed.
+    pub auth: Option<String>,
     /// `INFO`, or the server's refusal.
     pub info: Option<Result<ServerInfo, String>>,
     /// The metadata's id (written at connect when missing).
     pub history: Option<String>,
+    /// The server's refusal to read the metadata's id (an ACL without it).
+    pub history_refused: Option<String>,
     /// `SCRIPT LOAD` refused, with the server's words.
     pub load: Option<String>,
     /// `PING` round trips.

@@ -447,7 +447,8 @@ fn an_acl_user_with_only_the_lock_commands_works_and_its_password_stays_hidden()
     let (kind, msg) = refused(&locks, &unique_key("other:acl"));
     assert_eq!(kind, NodeErrorKind::Server, "{msg}");
     assert!(msg.contains("(NOPERM "), "the server's words: {msg}");
-    // A wrong password: the server's refusal, without the password.
+    // A wrong password: a refusal of the credentials, in the server's words,
+    // without the password.
     let wrong = client(
         nodes
             .iter()
@@ -456,7 +457,7 @@ fn an_acl_user_with_only_the_lock_commands_works_and_its_password_stays_hidden()
         ca(&certs, "ca"),
     );
     let (kind, msg) = refused(&wrong, &key);
-    assert_eq!(kind, NodeErrorKind::Server, "{msg}");
+    assert_eq!(kind, NodeErrorKind::Auth, "{msg}");
     assert!(msg.contains("WRONGPASS"), "{msg}");
     assert!(!msg.contains("not-the-pass"), "{msg}");
 }

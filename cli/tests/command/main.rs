@@ -7,4 +7,5 @@ mod common;
 
 mod cli;
 mod lead;
+mod messages;
 mod processes;

@@ -7,6 +7,7 @@ use redis::Value;
 
 use crate::algorithm::round::Key;
 use crate::algorithm::round::{After, Answer, NodeFacts, Op, Reply};
+use crate::driver::conn::{is_auth_error, server_text};
 use crate::driver::scripts;
 use crate::error::NodeErrorKind;
 
@@ -487,16 +488,9 @@ pub(crate) fn refused_for_good(text: &str) -> bool {
         || t.contains("could not find scripting engine")
 }
 
-/// A server's error as it wrote it: `ERR max number of clients reached`.
-pub(crate) fn server_text(e: &redis::ServerError) -> String {
-    match e.details() {
-        Some(d) => format!("{} {d}", e.code()),
-        None => e.code().to_owned(),
-    }
-}
-
 pub(crate) fn unexpected(v: Value) -> (NodeErrorKind, String) {
     match v {
+        Value::ServerError(e) if is_auth_error(&e) => (NodeErrorKind::Auth, server_text(&e)),
         Value::ServerError(e) => (NodeErrorKind::Server, server_text(&e)),
         v => (NodeErrorKind::Protocol, format!("{v:?}")),
     }

@@ -313,7 +313,7 @@ impl Transport for RedisTransport {
                 .map(|job| {
                     job.join()
                         .unwrap_or_else(|_| crate::lock::transport::Probe {
-                            connect: Some("the check panicked".into()),
+                            connect: Some("not checked: the check panicked".into()),
                             ..Default::default()
                         })
                 })

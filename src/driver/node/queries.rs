@@ -1,7 +1,7 @@
 //! Commands on a connection of their own, outside rounds and pools: the
 //! `check` probe, the status query, the owed releases at drop.
 
-use crate::driver::node::encode::server_text;
+use crate::driver::conn::{is_auth_error, server_text};
 use crate::driver::node::encode::Encoded;
 use crate::driver::node::replies::{info_of, refuses_connection};
 
@@ -45,13 +45,19 @@ pub(crate) fn probe_one(target: &Target, key: &str, timeout: Duration) -> Probe 
     let mut p = Probe::default();
     let mut c = match Conn::connect(target, timeout, conn::For::Check) {
         Ok(c) => c,
+        Err(conn::ConnectError::Auth(why)) => {
+            p.auth = Some(why);
+            return p;
+        }
         Err(e) => {
-            p.connect = Some(e.to_string());
+            p.connect = Some(format!("unreachable: {e}"));
             return p;
         }
     };
     if let Err(why) = read_setup(&mut c, &mut p, timeout) {
-        p.connect = Some(why);
+        if p.auth.is_none() {
+            p.connect = Some(why);
+        }
         return p;
     }
     for _ in 0..5 {
@@ -79,15 +85,29 @@ fn read_setup(c: &mut Conn, p: &mut Probe, timeout: Duration) -> Result<(), Stri
     while let Some(setup) = c.wire.pending().front().map(|q| q.setup) {
         let v = match c.wait_reply(deadline) {
             Ok(v) => v,
-            Err(e) => return Err(format!("no answer to the connect's commands: {e}")),
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+                return Err(format!(
+                    "not answering: connected, but no reply to the connect's commands within {timeout:?}"
+                ))
+            }
+            Err(e) => return Err(format!("connected, then: {e}")),
         };
         match (setup, &v) {
+            // (No password given where the node wants one.)
+            (_, Value::ServerError(e)) if is_auth_error(e) => {
+                p.auth = Some(server_text(e));
+                return Err(server_text(e));
+            }
             (_, Value::ServerError(e)) if refuses_connection(e) => {
-                return Err(format!("it turned the connection away: {}", server_text(e)));
+                return Err(format!(
+                    "unreachable: it turned the connection away: {}",
+                    server_text(e)
+                ));
             }
             (Setup::Load, Value::ServerError(e)) => p.load = Some(server_text(e)),
             (Setup::Info, Value::ServerError(e)) => p.info = Some(Err(server_text(e))),
             (Setup::Info, v) => p.info = Some(Ok(info_of(v))),
+            (Setup::History, Value::ServerError(e)) => p.history_refused = Some(server_text(e)),
             (Setup::History, v) => p.history = text(v),
             _ => {}
         }
@@ -248,12 +268,15 @@ pub(crate) fn inspect_one(
         c.wire.queue(cmd, now, true);
     }
     let io = |e: std::io::Error| {
-        let kind = if e.kind() == std::io::ErrorKind::TimedOut {
-            NodeErrorKind::Timeout
+        if e.kind() == std::io::ErrorKind::TimedOut {
+            // (The I/O error's own words, "timed out", repeat the kind.)
+            (
+                NodeErrorKind::Timeout,
+                format!("connected, but no reply within {timeout:?}"),
+            )
         } else {
-            NodeErrorKind::Io
-        };
-        (kind, e.to_string())
+            (NodeErrorKind::Io, e.to_string())
+        }
     };
     c.flush().map_err(io)?;
     let deadline = after(now, timeout);
@@ -280,7 +303,14 @@ fn stored_of(
     range: Value,
     time: Value,
 ) -> Result<Option<Stored>, (NodeErrorKind, String)> {
-    let server = |e: &redis::ServerError| (NodeErrorKind::Server, server_text(e));
+    let server = |e: &redis::ServerError| {
+        let kind = if is_auth_error(e) {
+            NodeErrorKind::Auth
+        } else {
+            NodeErrorKind::Server
+        };
+        (kind, server_text(e))
+    };
     let mut claim = false;
     let (value, readers) = match get {
         Value::Nil => return Ok(None),

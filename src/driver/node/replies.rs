@@ -1,7 +1,7 @@
 //! Replies no round waits for: late replies read off a connection at its
 //! next use, and the replies to the commands sent at connect.
 
-use crate::driver::node::encode::{acquired_any, server_text};
+use crate::driver::node::encode::acquired_any;
 use crate::driver::node::state::NodeState;
 
 use std::sync::atomic::Ordering;
@@ -15,7 +15,7 @@ use crate::algorithm::health::Outcome;
 use crate::algorithm::round::allowance;
 use crate::algorithm::round::history_key;
 use crate::algorithm::server::{id_hash, ServerInfo};
-use crate::driver::conn::MAX_PENDING;
+use crate::driver::conn::{is_auth_error, server_text, MAX_PENDING};
 use crate::driver::conn_state::{ConnState, InFlight, Setup};
 use crate::driver::node::link::Link;
 use crate::driver::scripts;
@@ -231,15 +231,24 @@ pub(crate) fn setup_reply(
 ) -> std::io::Result<()> {
     if let Value::ServerError(e) = v {
         let text = server_text(e);
-        if refuses_connection(e) {
+        // A node that wants a password none was given for (`NOAUTH`)
+        // refuses every command: a connection of no use, and the
+        // client's configuration to fix.
+        let auth = is_auth_error(e);
+        if auth || refuses_connection(e) {
             c.broken = true;
-            let detail = format!("it turned the connection away: {text}");
+            let detail = if auth {
+                text.clone()
+            } else {
+                format!("it turned the connection away: {text}")
+            };
             let refused = || std::io::Error::new(std::io::ErrorKind::ConnectionRefused, &*detail);
-            *node.connect_error.lock() = Some(NodeError::from_io(
-                &node.name,
-                NodeErrorKind::Unavailable,
-                refused(),
-            ));
+            let kind = if auth {
+                NodeErrorKind::Auth
+            } else {
+                NodeErrorKind::Unavailable
+            };
+            *node.connect_error.lock() = Some(NodeError::from_io(&node.name, kind, refused()));
             node.observe(Outcome::Refused);
             return Err(refused());
         }

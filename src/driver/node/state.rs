@@ -242,7 +242,8 @@ impl NodeState {
         let detail = match (h, &connect_error) {
             (NodeHealth::Failing { since, .. }, Some(e)) => format!(
                 "{}, for {:?}; {tried}",
-                e.detail(),
+                // (A server's sentence ends with a full stop; this goes on.)
+                e.detail().trim_end_matches('.'),
                 now.saturating_duration_since(since),
             ),
             (NodeHealth::Failing { since, last, .. }, None) => format!(
@@ -257,7 +258,10 @@ impl NodeState {
         };
         let source = connect_error.as_ref().and_then(|e| e.source.clone());
         let kind = match (h, connect_error.map(|e| e.kind())) {
-            (_, Some(kind @ (NodeErrorKind::Tls | NodeErrorKind::Server))) => kind,
+            (
+                _,
+                Some(kind @ (NodeErrorKind::Tls | NodeErrorKind::Server | NodeErrorKind::Auth)),
+            ) => kind,
             (
                 NodeHealth::Failing {
                     last: Outcome::Refused,
