@@ -87,13 +87,18 @@ fn an_acquire_sent_again_after_a_close_counts_its_own_set() {
     let p0 = CutProxy::start(&c.url(0), Cut::after_running(ACQUIRE_1, 1));
     let p1 = CutProxy::start(&c.url(1), Cut::after_running(ACQUIRE_1, 1));
     let changes = Arc::new(Changes::default());
-    let locks = client(vec![p0.url(), p1.url(), c.url(2)], &changes);
+    // A generous timeout: the new connection through the proxy may take long
+    // on a loaded machine, and a connect that times out is the node's failure
+    // (seen once: "Skipped { refused: true }, Rejoined").
+    let locks = connected(vec![p0.url(), p1.url(), c.url(2)], &changes, |b| {
+        b.pool_size(32).node_timeout(Duration::from_secs(1))
+    });
     let key = unique_key("resent-acquire");
     let g = locks
         .try_lock(&key, Duration::from_secs(20))
         .unwrap_or_else(|e| panic!("a free resource: {}", summary(&e)));
     assert_eq!((p0.cuts(), p1.cuts()), (1, 1), "the proxies cut the SETs");
-    assert_eq!(c.holders(&key, g.token()), 3);
+    landed_everywhere(&c, &key, g.token());
     g.release().expect("release");
     assert!(c.gone_everywhere(&key, Duration::from_secs(2)));
     let changes = changes.0.lock().clone();
@@ -109,7 +114,12 @@ fn a_lean_acquire_sent_again_after_a_close_counts_its_own_set() {
     let p0 = CutProxy::start(&c.url(0), Cut::after_running(ACQUIRE_LEAN, 1));
     let p1 = CutProxy::start(&c.url(1), Cut::after_running(ACQUIRE_LEAN, 1));
     let changes = Arc::new(Changes::default());
-    let locks = client(vec![p0.url(), p1.url(), c.url(2)], &changes);
+    // A generous timeout: the new connection through the proxy may take long
+    // on a loaded machine, and a connect that times out is the node's failure
+    // (seen once: "Skipped { refused: true }, Rejoined").
+    let locks = connected(vec![p0.url(), p1.url(), c.url(2)], &changes, |b| {
+        b.pool_size(32).node_timeout(Duration::from_secs(1))
+    });
     // Script acquires until every node's history is read, then the first lean one is cut.
     for _ in 0..50 {
         let key = unique_key("resent-lean");
@@ -118,7 +128,7 @@ fn a_lean_acquire_sent_again_after_a_close_counts_its_own_set() {
             .unwrap_or_else(|e| panic!("a free resource: {}", summary(&e)));
         if p0.cuts() + p1.cuts() > 0 {
             assert_eq!((p0.cuts(), p1.cuts()), (1, 1), "one attempt's SETs cut");
-            assert_eq!(c.holders(&key, g.token()), 3);
+            landed_everywhere(&c, &key, g.token());
             g.release().expect("release");
             assert!(c.gone_everywhere(&key, Duration::from_secs(2)));
             return;
