@@ -11,7 +11,8 @@ use quorumlock::{Election, EventHandler, Leadership, NodeChange, NodeEvent};
 
 use super::supervisor::{Launch, Outcome};
 use super::{
-    client, exit_code, seconds, signal_exit, LeadArgs, Signals, CONNECT_WAIT, EX_OSERR, EX_SOFTWARE,
+    client, exit_code, seconds, signal_exit, LeadArgs, Signals, CONNECT_WAIT, EX_CONFIG, EX_OSERR,
+    EX_SOFTWARE,
 };
 
 /// How often a campaign (or the pause after a term) looks for a signal
@@ -40,6 +41,15 @@ pub(crate) fn lead(args: LeadArgs) -> u8 {
     let mut election = locks.election(args.name.as_str(), args.lease.ttl);
     if let Some(id) = &args.id {
         election = election.id(id.as_str());
+    }
+    // What no campaign can get past (credentials or scripts the nodes
+    // refuse) ends `lead` at once, as `run`; anything else it campaigns
+    // through. One read of who leads, from a majority, tells.
+    if let Err(e) = election.leader() {
+        if exit_code(&e) == EX_CONFIG {
+            say!("cannot campaign for {}: {e}", args.name);
+            return EX_CONFIG;
+        }
     }
     let launch = Launch {
         command: &args.command.argv,

@@ -42,7 +42,7 @@ fn check_calls_a_set_with_a_node_down_degraded_and_exits_1() {
 }
 
 /// A password the nodes refuse is the configuration's fault: `run`,
-/// `status` and `check` exit 78 (not 69), name the refusal in the
+/// `lead` (which campaigned on for ever), `status` and `check` exit 78 (not 69), name the refusal in the
 /// server's words, and never show the password.
 #[test]
 fn a_refused_password_exits_78_and_says_so() {
@@ -55,8 +55,9 @@ fn a_refused_password_exits_78_and_says_so() {
         .map(|u| u.replace("redis://", "redis://nobody:pw-s3cret@"))
         .collect();
     let nodes = nodes.join(",");
-    let cases: [(&str, &[&str]); 3] = [
+    let cases: [(&str, &[&str]); 4] = [
         ("run", &["--fresh-cluster", &key, "--", "true"]),
+        ("lead", &["--fresh-cluster", &key, "--", "true"]),
         ("status", &[&key]),
         ("check", &[]),
     ];
