@@ -613,8 +613,12 @@ pub fn example_nodes(n: usize) -> Result<(Vec<String>, Option<Cluster>), String>
     println!("REDLOCK_NODES not set: starting {n} throwaway Redis nodes...");
     let t = Instant::now();
     let cluster = Cluster::try_start(n)?;
+    let server = match selected() {
+        Ok(Selected::Process(env)) => format!(", {}", env.describe()),
+        _ => String::new(),
+    };
     println!(
-        "  started with the {:?} backend in {:?}: {:?}",
+        "  started with the {:?} backend{server} in {:?}: {:?}",
         cluster.backend(),
         t.elapsed(),
         cluster.urls()
@@ -749,7 +753,8 @@ fn select() -> Result<Selected, String> {
             Err(docker_err) => match process::probe().or_else(auto_install) {
                 Ok(env) => {
                     eprintln!(
-                        "quorumlock test harness: using redis-server processes on 127.0.0.1, not Docker: {docker_err}"
+                        "quorumlock test harness: using {} processes on 127.0.0.1, not Docker: {docker_err}",
+                        env.describe()
                     );
                     Ok(Selected::Process(env))
                 }

@@ -16,6 +16,8 @@ const START_LIMIT: Duration = Duration::from_secs(15);
 pub(crate) struct ProcessEnv {
     bin: PathBuf,
     dir: PathBuf,
+    /// "Valkey 9.1.2", from `--version`.
+    server: String,
 }
 
 pub(crate) fn probe() -> Result<ProcessEnv, String> {
@@ -23,11 +25,14 @@ pub(crate) fn probe() -> Result<ProcessEnv, String> {
     for bin in candidates() {
         match run_cmd(Command::new(&bin).arg("--version"), Duration::from_secs(10)) {
             Ok(v) if server_version(&v).is_some() => {
+                let server = server_version(&v)
+                    .map(|(name, version)| format!("{name} {version}"))
+                    .unwrap_or_default();
                 let dir = std::env::temp_dir().join("quorumlock-harness");
                 fs::create_dir_all(&dir)
                     .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
                 sweep_orphans(&dir, &bin);
-                return Ok(ProcessEnv { bin, dir });
+                return Ok(ProcessEnv { bin, dir, server });
             }
             Ok(v) => errors.push(format!(
                 "{}: unexpected --version output {v:?} (neither Redis nor Valkey)",
@@ -83,6 +88,11 @@ impl ProcessEnv {
     /// The server binary this backend runs.
     pub(crate) fn bin(&self) -> &Path {
         &self.bin
+    }
+
+    /// "Valkey 9.1.2 (/path/valkey-server)".
+    pub(crate) fn describe(&self) -> String {
+        format!("{} ({})", self.server, self.bin.display())
     }
 }
 
