@@ -537,15 +537,37 @@ fn a_late_write_back_lowers_a_counter_and_a_later_fenced_lock_gets_no_larger_tok
     clock.step(&cluster, 1, 3600);
     let p = fenced_client(cluster.urls());
     assert_eq!(p.wait_connected(Duration::from_secs(5)).ok(), Some(3));
-    let g = p.lock(&r, Duration::from_secs(2)).expect("p locks");
-    let t_p = g.fencing_token().expect("fenced");
-    g.release().expect("released");
-    clock.step(&cluster, 1, 0);
-    let fences: Vec<Option<u64>> = (0..3).map(|i| cluster.fence(i, &r)).collect();
+    // p's token must come from n1's clock, an hour ahead. On a loaded machine n1 can
+    // answer after the round settled on n0 and n2 (a token from their clocks), and even
+    // run p's SET after its clock is stepped back: until n1 is in p's round, and every
+    // counter holds p's token, before the step back.
+    let now_us = || {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as u64)
+    };
+    let mut t_p = 0;
+    for _ in 0..5 {
+        let g = p.lock(&r, Duration::from_secs(2)).expect("p locks");
+        t_p = g.fencing_token().expect("fenced");
+        g.release().expect("released");
+        if t_p > now_us() + 1_800_000_000 {
+            break;
+        }
+    }
     assert!(
-        fences.iter().all(|f| *f == Some(t_p)),
+        t_p > now_us() + 1_800_000_000,
+        "n1 never in p's round: {t_p}"
+    );
+    let mut fences = Vec::new();
+    assert!(
+        wait_until(Duration::from_secs(5), || {
+            fences = (0..3).map(|i| cluster.fence(i, &r)).collect::<Vec<_>>();
+            fences.iter().all(|f| *f == Some(t_p))
+        }),
         "written back everywhere: {fences:?}, t_p {t_p}"
     );
+    clock.step(&cluster, 1, 0);
 
     // H: its commands on `r` to n2 are held 1.5 s in the network.
     let hold = HoldProxy::start(
