@@ -1,5 +1,5 @@
 //! Test harness: N throwaway Redis nodes, as Docker containers (testcontainers) or as
-//! `redis-server` processes on 127.0.0.1.
+//! `redis-server` (or `valkey-server`) processes on 127.0.0.1.
 //!
 //! Environment:
 //! - `QUORUMLOCK_TEST_BACKEND` = `auto` (default) | `docker` | `process`. `auto` uses Docker
@@ -13,8 +13,9 @@
 //!   image (default 60).
 //! - `QUORUMLOCK_AUTO_INSTALL` = `0` stops `auto` from installing redis-server with apt-get
 //!   when nothing else works (it does so only as root on a machine with apt-get).
-//! - `QUORUMLOCK_REDIS_SERVER` = path of the `redis-server` binary for the process backend
-//!   (default: `redis-server` on PATH).
+//! - `QUORUMLOCK_REDIS_SERVER` = path of the server binary for the process backend and the
+//!   TLS nodes: a Redis or a Valkey server (`--version` says which). Default: the first
+//!   `redis-server` or `valkey-server` on PATH, then the usual install locations.
 //! - `QUORUMLOCK_HARNESS_VERBOSE` (any value) = print each cluster's backend, start time
 //!   and URLs on stderr.
 //!
@@ -32,6 +33,7 @@ pub mod candidates;
 mod docker;
 pub mod faults;
 mod process;
+pub(crate) use process::{is_server_cmdline, server_version};
 mod proxy;
 
 use std::collections::HashSet;
@@ -173,11 +175,7 @@ impl Cluster {
         n: usize,
         env_for: impl Fn(usize) -> Vec<(String, String)>,
     ) -> Result<Cluster, String> {
-        static PROCESS: OnceLock<Result<Selected, String>> = OnceLock::new();
-        let backend = PROCESS
-            .get_or_init(|| process::probe().map(Selected::Process))
-            .as_ref()
-            .map_err(|e| format!("quorumlock test harness: redis-server is not usable: {e}"))?;
+        let backend = process_backend()?;
         let mut cluster = Cluster {
             backend: Backend::Process,
             nodes: Vec::with_capacity(n),
@@ -448,6 +446,24 @@ impl Drop for Cluster {
     }
 }
 
+/// The process backend, whatever the selected backend (probed once).
+fn process_backend() -> Result<&'static Selected, String> {
+    static PROCESS: OnceLock<Result<Selected, String>> = OnceLock::new();
+    PROCESS
+        .get_or_init(|| process::probe().map(Selected::Process))
+        .as_ref()
+        .map_err(|e| format!("quorumlock test harness: no server binary is usable: {e}"))
+}
+
+/// The server binary process nodes run (`redis-server` or `valkey-server`, see
+/// `QUORUMLOCK_REDIS_SERVER`), for tests that start servers of their own (TLS nodes).
+pub fn server_binary() -> Result<std::path::PathBuf, String> {
+    match process_backend()? {
+        Selected::Process(env) => Ok(env.bin().to_path_buf()),
+        Selected::Docker(_) => Err("unreachable: the process probe gave a Docker backend".into()),
+    }
+}
+
 fn start_node(backend: &'static Selected) -> Result<Node, String> {
     start_node_with(backend, Vec::new())
 }
@@ -559,8 +575,9 @@ impl ClockOffset {
         ]
     }
 
-    /// Steps the node's wall clock to `micros` from real time (in place: the file is mapped).
-    pub fn set_micros(&self, micros: i64) {
+    /// Steps the node's wall clock to `micros` from real time (in place: the file is
+    /// mapped). Tests use [`ClockOffset::step_micros`], which waits until the node reads it.
+    fn set_micros(&self, micros: i64) {
         use std::os::unix::fs::FileExt;
         let f = std::fs::OpenOptions::new()
             .write(true)
@@ -570,9 +587,40 @@ impl ClockOffset {
             .expect("write offset");
     }
 
-    /// Steps the node's wall clock to `secs` from real time.
-    pub fn set(&self, secs: i64) {
-        self.set_micros(secs.saturating_mul(1_000_000));
+    /// [`ClockOffset::step_micros`] in seconds.
+    pub fn step(&self, c: &Cluster, i: usize, secs: i64) {
+        self.step_micros(c, i, secs.saturating_mul(1_000_000));
+    }
+
+    /// Steps the wall clock of `c`'s node `i` (started with [`ClockOffset::env`]) to
+    /// `micros` from real time, and waits until the node reads it (its `TIME`, and `TIME`
+    /// in a script, within 0.5 s, three times in a row on new connections). Redis 7.0
+    /// reads the step at its next command; Valkey 9 can answer from its old clock for a
+    /// moment longer (measured: a new connection's first commands, for about 1 ms).
+    pub fn step_micros(&self, c: &Cluster, i: usize, micros: i64) {
+        self.set_micros(micros);
+        let mut off = 0;
+        let mut in_a_row = 0;
+        let mut reads = |cmd: &redis::Cmd| {
+            let time: Vec<i64> = cmd
+                .query(&mut c.conn(i))
+                .unwrap_or_else(|e| panic!("TIME on node {i}: {e}"));
+            let node = time.first().copied().unwrap_or(0).saturating_mul(1_000_000)
+                + time.get(1).copied().unwrap_or(0);
+            let real = i64::try_from(nanos() / 1000).unwrap_or(i64::MAX);
+            off = node.saturating_sub(real);
+            off.saturating_sub(micros).abs() < 500_000
+        };
+        let seen = wait_until(Duration::from_secs(5), || {
+            let both = reads(&redis::cmd("TIME"))
+                && reads(redis::cmd("EVAL").arg("return redis.call('TIME')").arg(0));
+            in_a_row = if both { in_a_row + 1 } else { 0 };
+            in_a_row >= 3
+        });
+        assert!(
+            seen,
+            "node {i} does not read its clock step of {micros} µs (it is {off} µs off)"
+        );
     }
 }
 
@@ -597,8 +645,12 @@ pub fn example_nodes(n: usize) -> Result<(Vec<String>, Option<Cluster>), String>
     println!("REDLOCK_NODES not set: starting {n} throwaway Redis nodes...");
     let t = Instant::now();
     let cluster = Cluster::try_start(n)?;
+    let server = match selected() {
+        Ok(Selected::Process(env)) => format!(", {}", env.describe()),
+        _ => String::new(),
+    };
     println!(
-        "  started with the {:?} backend in {:?}: {:?}",
+        "  started with the {:?} backend{server} in {:?}: {:?}",
         cluster.backend(),
         t.elapsed(),
         cluster.urls()
@@ -733,7 +785,8 @@ fn select() -> Result<Selected, String> {
             Err(docker_err) => match process::probe().or_else(auto_install) {
                 Ok(env) => {
                     eprintln!(
-                        "quorumlock test harness: using redis-server processes on 127.0.0.1, not Docker: {docker_err}"
+                        "quorumlock test harness: using {} processes on 127.0.0.1, not Docker: {docker_err}",
+                        env.describe()
                     );
                     Ok(Selected::Process(env))
                 }
@@ -889,6 +942,44 @@ pub(crate) fn wait_for_ping(
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// The last meaningful lines of a server's log at `path`, for the error of a node that did
+/// not start: its warnings (`#` lines, which is where Redis and Valkey say why they stop)
+/// and lines outside the log format (a "FATAL CONFIG FILE ERROR" block), else its last
+/// lines.
+pub(crate) fn log_excerpt(path: &std::path::Path) -> String {
+    match std::fs::read_to_string(path) {
+        Ok(text) => log_excerpt_of(&text),
+        Err(e) => format!("(its log {} cannot be read: {e})", path.display()),
+    }
+}
+
+/// [`log_excerpt`] of a log's text.
+pub(crate) fn log_excerpt_of(text: &str) -> String {
+    const LINES: usize = 6;
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    if lines.is_empty() {
+        return "(the server's log is empty)".into();
+    }
+    // "pid:R dd Mon yyyy hh:mm:ss.mmm # message": the level mark follows the time.
+    fn level(l: &str) -> Option<&str> {
+        let mut words = l.split_whitespace();
+        words.next().filter(|first| first.contains(':'))?;
+        words.nth(4)
+    }
+    let meaningful: Vec<&str> = lines
+        .iter()
+        .copied()
+        .filter(|l| matches!(level(l), None | Some("#")))
+        .collect();
+    let pick = if meaningful.is_empty() {
+        &lines
+    } else {
+        &meaningful
+    };
+    let shown = &pick[pick.len().saturating_sub(LINES)..];
+    format!("the server's log ends:\n  {}", shown.join("\n  "))
 }
 
 /// Runs a command with a time limit; Ok(stdout) on exit status 0, else Err with stderr.

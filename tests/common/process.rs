@@ -1,4 +1,4 @@
-//! Process backend: `redis-server` children on 127.0.0.1.
+//! Process backend: `redis-server` (or `valkey-server`) children on 127.0.0.1.
 //!
 //! Each node writes its log to `$TMPDIR/quorumlock-harness/<pid>-<port>.log` and its pid
 //! (with the owner's `owner_tag`) to `...-<port>.pid`; a later test process kills the
@@ -16,41 +16,102 @@ const START_LIMIT: Duration = Duration::from_secs(15);
 pub(crate) struct ProcessEnv {
     bin: PathBuf,
     dir: PathBuf,
+    /// "Valkey 9.1.2", from `--version`.
+    server: String,
 }
 
 pub(crate) fn probe() -> Result<ProcessEnv, String> {
-    let candidates: Vec<PathBuf> = match std::env::var_os("QUORUMLOCK_REDIS_SERVER") {
-        Some(p) if !p.is_empty() => vec![PathBuf::from(p)],
-        _ => vec![
-            PathBuf::from("redis-server"),
-            PathBuf::from("/usr/bin/redis-server"),
-            PathBuf::from("/usr/local/bin/redis-server"),
-            PathBuf::from("/opt/homebrew/bin/redis-server"),
-        ],
-    };
     let mut errors = Vec::new();
-    for bin in candidates {
+    for bin in candidates() {
         match run_cmd(Command::new(&bin).arg("--version"), Duration::from_secs(10)) {
-            Ok(v) if v.contains("Redis server") => {
+            Ok(v) if server_version(&v).is_some() => {
+                let server = server_version(&v)
+                    .map(|(name, version)| format!("{name} {version}"))
+                    .unwrap_or_default();
                 let dir = std::env::temp_dir().join("quorumlock-harness");
                 fs::create_dir_all(&dir)
                     .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-                sweep_orphans(&dir);
-                return Ok(ProcessEnv { bin, dir });
+                sweep_orphans(&dir, &bin);
+                return Ok(ProcessEnv { bin, dir, server });
             }
             Ok(v) => errors.push(format!(
-                "{}: unexpected --version output {v:?}",
+                "{}: unexpected --version output {v:?} (neither Redis nor Valkey)",
                 bin.display()
             )),
             Err(e) => errors.push(e),
         }
     }
-    Err(format!("no working redis-server: {}", errors.join("; ")))
+    Err(format!(
+        "no working redis-server or valkey-server: {}",
+        errors.join("; ")
+    ))
 }
 
-/// Kills redis-servers whose owning test process (same host) is gone. A pid file holds
+/// The server binaries to try, in order: `QUORUMLOCK_REDIS_SERVER` alone when set;
+/// otherwise `redis-server` or `valkey-server` in PATH's order (within one directory
+/// `redis-server` first), then the usual install locations.
+fn candidates() -> Vec<PathBuf> {
+    if let Some(p) = std::env::var_os("QUORUMLOCK_REDIS_SERVER").filter(|p| !p.is_empty()) {
+        return vec![PathBuf::from(p)];
+    }
+    let names = ["redis-server", "valkey-server"];
+    let mut found: Vec<PathBuf> = std::env::var_os("PATH")
+        .map(|path| {
+            std::env::split_paths(&path)
+                .flat_map(|dir| names.map(|n| dir.join(n)))
+                .filter(|p| p.is_file())
+                .collect()
+        })
+        .unwrap_or_default();
+    for dir in ["/usr/bin", "/usr/local/bin", "/opt/homebrew/bin"] {
+        found.extend(names.map(|n| Path::new(dir).join(n)));
+    }
+    let mut seen = std::collections::HashSet::new();
+    found.retain(|p| seen.insert(p.clone()));
+    found
+}
+
+/// `("Redis" | "Valkey", version)` from a server's `--version` line, e.g.
+/// "Valkey server v=9.1.2 sha=…" (a Valkey binary keeps saying "Valkey" when installed
+/// under the name `redis-server`).
+pub(crate) fn server_version(version_output: &str) -> Option<(&'static str, &str)> {
+    ["Redis", "Valkey"].into_iter().find_map(|name| {
+        let rest = version_output
+            .trim()
+            .strip_prefix(name)?
+            .strip_prefix(" server v=")?;
+        Some((name, rest.split_whitespace().next().unwrap_or("")))
+    })
+}
+
+impl ProcessEnv {
+    /// The server binary this backend runs.
+    pub(crate) fn bin(&self) -> &Path {
+        &self.bin
+    }
+
+    /// "Valkey 9.1.2 (/path/valkey-server)".
+    pub(crate) fn describe(&self) -> String {
+        format!("{} ({})", self.server, self.bin.display())
+    }
+}
+
+/// Whether a process's command line (from /proc, NULs as spaces) is a Redis or Valkey
+/// server's: what the orphan sweep may kill.
+/// `bin` is this run's binary, which may have another name.
+pub(crate) fn is_server_cmdline(cmdline: &str, bin: &Path) -> bool {
+    let own = bin
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or("redis-server");
+    ["redis-server", "valkey-server", own]
+        .iter()
+        .any(|n| cmdline.contains(n))
+}
+
+/// Kills servers (redis-server, valkey-server) whose owning test process (same host) is gone. A pid file holds
 /// `"<redis pid> <owner tag>"`.
-fn sweep_orphans(dir: &Path) {
+fn sweep_orphans(dir: &Path, bin: &Path) {
     let Ok(entries) = fs::read_dir(dir) else {
         return;
     };
@@ -72,7 +133,7 @@ fn sweep_orphans(dir: &Path) {
         let port = stem.rsplit('-').next().unwrap_or("");
         let cmdline = fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
         let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
-        if cmdline.contains("redis-server") && !port.is_empty() && cmdline.contains(port) {
+        if is_server_cmdline(&cmdline, bin) && !port.is_empty() && cmdline.contains(port) {
             let _ = signal(pid, "KILL");
         }
         let _ = fs::remove_file(e.path());
@@ -149,14 +210,10 @@ impl ProcessNode {
         let _ = fs::write(&self.pidfile, format!("{} {}", child.id(), owner_tag()));
         self.child = Some(child);
         self.paused = false;
-        let log = self.log.clone();
         let child = self.child.as_mut().expect("just spawned");
         let r = wait_for_ping("127.0.0.1", self.port, START_LIMIT, || {
             match child.try_wait() {
-                Ok(Some(status)) => Err(format!(
-                    "redis-server on port {port} exited ({status}); log:\n{}",
-                    tail(&log)
-                )),
+                Ok(Some(status)) => Err(format!("exited ({status})")),
                 _ => Ok(()),
             }
         });
@@ -164,10 +221,11 @@ impl ProcessNode {
             Ok(_) => Ok(()),
             Err(e) => {
                 self.kill();
+                // The server's own words (why it stopped), not only its exit status.
                 Err(format!(
-                    "{e}\nlog {}:\n{}",
-                    self.log.display(),
-                    tail(&self.log)
+                    "{} on port {port} did not start: {e}\n{}",
+                    self.bin.display(),
+                    super::log_excerpt(&self.log)
                 ))
             }
         }
@@ -250,10 +308,4 @@ fn signal(pid: &str, sig: &str) -> Result<(), String> {
         Duration::from_secs(5),
     )
     .map(|_| ())
-}
-
-fn tail(path: &Path) -> String {
-    let s = fs::read_to_string(path).unwrap_or_default();
-    let lines: Vec<&str> = s.lines().collect();
-    lines[lines.len().saturating_sub(15)..].join("\n")
 }

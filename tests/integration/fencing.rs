@@ -448,7 +448,7 @@ fn a_clock_jump_on_one_node_is_survived_by_a_full_lock_and_fenced_on_a_bare_majo
     let key = unique_key("jump-full");
     let ga = a.lock(&key, TTL).expect("A locks");
     assert!(on_all(&key, ga.token()), "A's key on every node");
-    offset.set(60);
+    offset.step(&c, 0, 60);
     assert_eq!(c.get(0, &key), None, "node 0 expired A's key early");
     match b.try_lock(&key, TTL) {
         Err(e) => assert!(e.is_retryable(), "{e}"),
@@ -464,7 +464,7 @@ fn a_clock_jump_on_one_node_is_survived_by_a_full_lock_and_fenced_on_a_bare_majo
         assert!(on_all(&key, ga.token()));
         c.del(2, &key);
         let read_a = store.read(ga.fencing_token().expect("fenced"));
-        offset.set(jump);
+        offset.step(&c, 0, jump);
         let gb = b.try_lock(&key, TTL).expect("nodes 0 and 2 grant B");
         assert!(
             ga.is_held() && gb.is_held(),
@@ -499,7 +499,7 @@ fn a_clock_jump_on_one_node_is_survived_by_a_full_lock_and_fenced_on_a_bare_majo
     let before = g.fencing_token().unwrap();
     assert!(on_all(&key, g.token()));
     drop(g);
-    offset.set(-600);
+    offset.step(&c, 0, -600);
     let g = b
         .request(&key, TTL)
         .acquire_for(Duration::from_secs(2))

@@ -108,7 +108,7 @@ fn a_node_clock_past_2255_is_refused_and_tokens_keep_growing() {
         .unwrap()
         .as_micros() as i64;
     // Node 0's clock: 2^53 µs + ~12 days (mid-2255).
-    offset.set_micros((TWO_53 as i64) + (1 << 40) - now_us);
+    offset.step_micros(&c, 0, (TWO_53 as i64) + (1 << 40) - now_us);
     let (a, b) = (fenced(&c.urls()), fenced(&c.urls()));
     let key = unique_key("fence-2255");
     let g = a.lock(&key, TTL).expect("nodes 1 and 2 grant it");
@@ -117,7 +117,7 @@ fn a_node_clock_past_2255_is_refused_and_tokens_keep_growing() {
     assert_eq!(c.get(0, &key), None, "node 0 refused before its SET");
     g.release().unwrap();
     // NTP fixes node 0's clock.
-    offset.set(0);
+    offset.step(&c, 0, 0);
     let mut tokens = vec![("A (node 0's clock ahead)", t0)];
     tokens.extend(schedule(&a, &b, &key));
     let bad = not_increasing(&tokens);
@@ -534,20 +534,40 @@ fn a_late_write_back_lowers_a_counter_and_a_later_fenced_lock_gets_no_larger_tok
     let r = unique_key("fence-lowered");
     // n1's clock was an hour ahead, and is stepped back (it keeps its data):
     // every counter of `r` is now an hour ahead of the nodes' clocks.
-    clock.set(3600);
+    clock.step(&cluster, 1, 3600);
     let p = fenced_client(cluster.urls());
     assert_eq!(p.wait_connected(Duration::from_secs(5)).ok(), Some(3));
-    let g = p.lock(&r, Duration::from_secs(2)).expect("p locks");
-    let t_p = g.fencing_token().expect("fenced");
-    g.release().expect("released");
-    clock.set(0);
-    // The write-back returns on a majority's answers; the third may still
-    // be on its way on a loaded machine.
+    // p's token must come from n1's clock, an hour ahead. On a loaded machine n1 can
+    // answer after the round settled on n0 and n2 (a token from their clocks), and even
+    // run p's SET after its clock is stepped back: until n1 is in p's round, and every
+    // counter holds p's token, before the step back.
+    let now_us = || {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as u64)
+    };
+    let mut t_p = 0;
+    for _ in 0..5 {
+        let g = p.lock(&r, Duration::from_secs(2)).expect("p locks");
+        t_p = g.fencing_token().expect("fenced");
+        g.release().expect("released");
+        if t_p > now_us() + 1_800_000_000 {
+            break;
+        }
+    }
     assert!(
-        wait_until(Duration::from_secs(5), || (0..3)
-            .all(|i| cluster.fence(i, &r) == Some(t_p))),
-        "written back everywhere"
+        t_p > now_us() + 1_800_000_000,
+        "n1 never in p's round: {t_p}"
     );
+    let mut fences = Vec::new();
+    assert!(
+        wait_until(Duration::from_secs(5), || {
+            fences = (0..3).map(|i| cluster.fence(i, &r)).collect::<Vec<_>>();
+            fences.iter().all(|f| *f == Some(t_p))
+        }),
+        "written back everywhere: {fences:?}, t_p {t_p}"
+    );
+    clock.step(&cluster, 1, 0);
 
     // H: its commands on `r` to n2 are held 1.5 s in the network.
     let hold = HoldProxy::start(

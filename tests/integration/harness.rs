@@ -130,7 +130,7 @@ fn stop_refuses_fast_and_restart_comes_back_empty_on_same_url() {
     assert_eq!(c.get(1, &key), None, "data survived the restart");
 }
 
-/// No `redis-server` child of this process is left as a zombie.
+/// No `redis-server` (or `valkey-server`) child of this process is left as a zombie.
 fn assert_no_zombie_redis() {
     let me = std::process::id().to_string();
     let mut zombies = Vec::new();
@@ -145,7 +145,7 @@ fn assert_no_zombie_redis() {
             };
             let comm = &stat[stat.find('(').unwrap_or(0)..=close];
             let rest: Vec<&str> = stat[close + 1..].split_whitespace().collect();
-            if comm.contains("redis")
+            if (comm.contains("redis") || comm.contains("valkey"))
                 && rest.first() == Some(&"Z")
                 && rest.get(1) == Some(&me.as_str())
             {
@@ -157,7 +157,7 @@ fn assert_no_zombie_redis() {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    panic!("zombie redis-server children: {zombies:?}");
+    panic!("zombie server children: {zombies:?}");
 }
 
 #[test]
@@ -217,4 +217,65 @@ fn key_helpers_and_unique_keys() {
     assert!((1..=10_000).contains(&pttl), "PTTL {pttl}");
     c.del(0, &k1);
     assert_eq!(c.get(0, &k1), None);
+}
+
+/// Valkey is a server the process backend runs: its `--version` (under either name) and
+/// its processes (for the orphan sweep) are recognised, as Redis's are.
+#[test]
+fn valkey_is_recognised_as_a_server() {
+    assert_eq!(
+        common::server_version(
+            "Valkey server v=9.1.2 sha=00000000:1 malloc=libc bits=64 build=1536df31c0395150\n"
+        ),
+        Some(("Valkey", "9.1.2"))
+    );
+    assert_eq!(
+        common::server_version("Redis server v=7.0.15 sha=00000000:0 malloc=jemalloc-5.3.0"),
+        Some(("Redis", "7.0.15"))
+    );
+    assert_eq!(common::server_version("KeyDB server v=6.3.4"), None);
+    assert_eq!(common::server_version("redis-cli 7.0.15"), None);
+    let bin = std::path::Path::new("/opt/servers/valkey-server");
+    let redis = std::path::Path::new("/usr/bin/redis-server");
+    // The process title a server sets: its argv[0] and address.
+    for cmdline in [
+        "/tmp/vk/valkey-server 127.0.0.1:16996",
+        "valkey-server 127.0.0.1:16996",
+        "/usr/bin/redis-server 127.0.0.1:16996",
+    ] {
+        assert!(common::is_server_cmdline(cmdline, redis), "{cmdline}");
+    }
+    assert!(common::is_server_cmdline(
+        "/opt/x/my-kv 127.0.0.1:1",
+        std::path::Path::new("/opt/x/my-kv")
+    ));
+    assert!(!common::is_server_cmdline("/usr/bin/sleep 16996", bin));
+}
+
+/// A node that does not start says why in the server's own words (Redis's warnings, a
+/// Valkey config error block), not only its exit status; the start-up chatter is left out.
+#[test]
+fn a_failed_start_shows_the_servers_last_words() {
+    let redis = "\
+15079:C 07 Dec 2026 08:07:00.741 # oO0OoO0OoO0Oo Redis is starting oO0OoO0OoO0Oo
+15079:C 07 Dec 2026 08:07:00.741 * Redis version=7.0.15, just started
+15079:M 07 Dec 2026 08:07:00.741 * monotonic clock: POSIX clock_gettime
+15079:M 07 Dec 2026 08:07:00.741 # Failed to configure TLS. Check logs for more info.
+";
+    let shown = common::log_excerpt_of(redis);
+    assert!(shown.contains("Failed to configure TLS"), "{shown}");
+    assert!(!shown.contains("monotonic clock"), "{shown}");
+    let valkey = "
+*** FATAL CONFIG FILE ERROR (Version 9.1.2) ***
+Reading the configuration file, at line 4
+>>> 'bogus-opt \"1\"'
+Bad directive or wrong number of arguments
+";
+    let shown = common::log_excerpt_of(valkey);
+    assert!(shown.contains("'bogus-opt \"1\"'"), "{shown}");
+    assert!(shown.contains("Bad directive"), "{shown}");
+    // Nothing but chatter: its last lines.
+    let shown = common::log_excerpt_of("1:M 07 Dec 2026 08:07:00.741 * Ready\n");
+    assert!(shown.contains("Ready"), "{shown}");
+    assert!(common::log_excerpt_of("\n\n").contains("empty"));
 }

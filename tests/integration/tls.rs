@@ -159,39 +159,63 @@ impl Drop for Certs {
     }
 }
 
-/// A `redis-server` serving TLS only, killed on drop.
+/// A server (`redis-server` or `valkey-server`, as the process backend picks) serving TLS
+/// only (or, for the ACL tests on a server without TLS, plain TCP only), with the
+/// tests' ACL users, killed on drop.
 struct TlsNode {
     port: u16,
     child: Child,
+    tls: bool,
+}
+
+/// Why a TLS node did not start.
+#[derive(Debug)]
+enum TlsStartError {
+    /// The server was built without TLS (Valkey's PyPI build, a `BUILD_TLS=no` Redis):
+    /// its own words.
+    NoTls(String),
+    /// Anything else: the server's own words.
+    Failed(String),
 }
 
 impl TlsNode {
-    fn start(certs: &Certs, client_certs: bool) -> TlsNode {
-        let bin =
-            std::env::var("QUORUMLOCK_REDIS_SERVER").unwrap_or_else(|_| "redis-server".into());
+    /// `cert`: the server certificate's name in `certs` (its key is `server.key`).
+    fn try_start(certs: &Certs, client_certs: bool, cert: &str) -> Result<TlsNode, TlsStartError> {
+        TlsNode::start_as(certs, Some((client_certs, cert)))
+    }
+
+    /// A node serving TLS (`Some((client_certs, cert))`) or plain TCP (`None`).
+    fn start_as(certs: &Certs, tls: Option<(bool, &str)>) -> Result<TlsNode, TlsStartError> {
+        let bin = crate::common::server_binary().map_err(TlsStartError::Failed)?;
         let mut last = String::new();
-        for _ in 0..5 {
-            let port = pick_port().expect("a free port");
-            let mut child = Command::new(&bin)
-                .args([
-                    "--port",
-                    "0",
-                    "--bind",
-                    "127.0.0.1",
-                    "--tls-port",
-                    &port.to_string(),
-                ])
-                .args(THROWAWAY)
-                .arg("--tls-cert-file")
-                .arg(certs.path("server.crt"))
-                .arg("--tls-key-file")
-                .arg(certs.path("server.key"))
-                .arg("--tls-ca-cert-file")
-                .arg(certs.path("ca.crt"))
-                .args([
-                    "--tls-auth-clients",
-                    if client_certs { "yes" } else { "no" },
-                ])
+        // A port free when picked can be taken before the server binds it: another port.
+        for attempt in 0..5 {
+            let port = pick_port().map_err(TlsStartError::Failed)?;
+            let log_path = certs.path(&format!("node-{port}-{attempt}.log"));
+            let log = std::fs::File::create(&log_path).map_err(|e| {
+                TlsStartError::Failed(format!("cannot create {}: {e}", log_path.display()))
+            })?;
+            let log2 = log
+                .try_clone()
+                .map_err(|e| TlsStartError::Failed(format!("cannot dup the log file: {e}")))?;
+            let mut cmd = Command::new(&bin);
+            cmd.args(["--bind", "127.0.0.1"]).args(THROWAWAY);
+            match tls {
+                Some((client_certs, cert)) => cmd
+                    .args(["--port", "0", "--tls-port", &port.to_string()])
+                    .arg("--tls-cert-file")
+                    .arg(certs.path(cert))
+                    .arg("--tls-key-file")
+                    .arg(certs.path("server.key"))
+                    .arg("--tls-ca-cert-file")
+                    .arg(certs.path("ca.crt"))
+                    .args([
+                        "--tls-auth-clients",
+                        if client_certs { "yes" } else { "no" },
+                    ]),
+                None => cmd.args(["--port", &port.to_string()]),
+            };
+            let mut child = cmd
                 .arg("--user")
                 .args(MINIMAL_ACL)
                 .arg("--user")
@@ -199,39 +223,130 @@ impl TlsNode {
                 .args(&MINIMAL_ACL[3..])
                 .args(READ_COMMANDS)
                 .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
+                .stdout(log)
+                .stderr(log2)
                 .spawn()
-                .expect("redis-server runs");
+                .map_err(|e| TlsStartError::Failed(format!("cannot run {}: {e}", bin.display())))?;
             let start = Instant::now();
+            let mut status = None;
             while start.elapsed() < Duration::from_secs(15) {
-                if let Ok(Some(status)) = child.try_wait() {
-                    last = format!("redis-server exited: {status}");
+                if let Ok(Some(s)) = child.try_wait() {
+                    status = Some(s);
                     break;
                 }
                 if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-                    return TlsNode { port, child };
+                    return Ok(TlsNode {
+                        port,
+                        child,
+                        tls: tls.is_some(),
+                    });
                 }
                 std::thread::sleep(Duration::from_millis(20));
             }
             let _ = child.kill();
             let _ = child.wait();
+            let text = std::fs::read_to_string(&log_path).unwrap_or_default();
+            last = format!(
+                "{} on port {port} (TLS: {}) {}; {}",
+                bin.display(),
+                tls.is_some(),
+                status.map_or("did not listen within 15 s".to_string(), |s| format!(
+                    "exited ({s})"
+                )),
+                crate::common::log_excerpt_of(&text)
+            );
+            if lacks_tls(&text) {
+                return Err(TlsStartError::NoTls(last));
+            }
+            if !text.to_ascii_lowercase().contains("address already in use") {
+                break;
+            }
         }
-        panic!("no TLS redis-server came up: {last}");
+        Err(TlsStartError::Failed(format!(
+            "no TLS node came up: {last}"
+        )))
     }
 
     fn url(&self, userinfo: &str) -> String {
-        format!("rediss://{userinfo}127.0.0.1:{}", self.port)
+        let scheme = if self.tls { "rediss" } else { "redis" };
+        format!("{scheme}://{userinfo}127.0.0.1:{}", self.port)
     }
 }
 
-/// Subscribers to `channel` on a TLS node (its default user, through `redis-cli --tls`;
-/// 0 where that cannot be asked).
+/// `n` TLS nodes; None where the server has no TLS and `QUORUMLOCK_ALLOW_NO_TLS=1` lets
+/// the test skip what needs them (said on the terminal, past the test harness's output
+/// capture). Without that variable such a server fails the test, saying why: a TLS test
+/// never passes silently without TLS.
+fn tls_nodes(certs: &Certs, n: usize, client_certs: bool) -> Option<Vec<TlsNode>> {
+    nodes_or_skip(certs, n, client_certs, false)
+}
+
+/// `n` nodes with the tests' ACL users for the ACL tests, which need no TLS: TLS nodes, or
+/// on a server without TLS (with `QUORUMLOCK_ALLOW_NO_TLS=1`, said on the terminal)
+/// plain ones.
+fn acl_nodes(certs: &Certs, n: usize) -> Vec<TlsNode> {
+    nodes_or_skip(certs, n, false, true).unwrap_or_default()
+}
+
+fn nodes_or_skip(
+    certs: &Certs,
+    n: usize,
+    client_certs: bool,
+    plain_instead: bool,
+) -> Option<Vec<TlsNode>> {
+    let mut nodes = Vec::with_capacity(n);
+    for _ in 0..n {
+        match TlsNode::try_start(certs, client_certs, "server.crt") {
+            Ok(node) => nodes.push(node),
+            Err(TlsStartError::NoTls(why)) if allow_no_tls() => {
+                use std::io::Write;
+                // libtest names a test's thread after the test.
+                let test = std::thread::current()
+                    .name()
+                    .unwrap_or("a TLS test")
+                    .to_string();
+                let what = if plain_instead {
+                    "runs over plain TCP"
+                } else {
+                    "SKIPPED the part that needs TLS"
+                };
+                // Straight to the process's stderr: libtest captures `eprintln!`.
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "\n!!! {test} {what}: this server has no TLS support \
+                     (QUORUMLOCK_ALLOW_NO_TLS=1).\n!!! {why}"
+                );
+                if !plain_instead {
+                    return None;
+                }
+                drop(nodes);
+                let plain = (0..n)
+                    .map(|_| TlsNode::start_as(certs, None).unwrap_or_else(|e| panic!("{e:?}")));
+                return Some(plain.collect());
+            }
+            Err(TlsStartError::NoTls(why)) => panic!(
+                "this server has no TLS support, so the TLS tests cannot run: {why}\n\
+                 Point QUORUMLOCK_REDIS_SERVER at a server built with TLS, or set \
+                 QUORUMLOCK_ALLOW_NO_TLS=1 to skip what needs a TLS node (each skip is printed)."
+            ),
+            Err(TlsStartError::Failed(why)) => panic!("{why}"),
+        }
+    }
+    Some(nodes)
+}
+
+fn allow_no_tls() -> bool {
+    std::env::var("QUORUMLOCK_ALLOW_NO_TLS").is_ok_and(|v| v.trim() == "1")
+}
+
+/// Subscribers to `channel` on a node (its default user, through `redis-cli`, with
+/// `--tls` on a TLS node; 0 where that cannot be asked).
 fn subscribers(certs: &Certs, node: &TlsNode, channel: &str) -> i64 {
-    Command::new("redis-cli")
-        .args(["--tls", "--cacert"])
-        .arg(certs.path("ca.crt"))
-        .args(["-h", "127.0.0.1", "-p", &node.port.to_string()])
+    let mut cli = Command::new("redis-cli");
+    if node.tls {
+        cli.args(["--tls", "--cacert"]).arg(certs.path("ca.crt"));
+    }
+    cli.args(["-h", "127.0.0.1", "-p", &node.port.to_string()])
         .args(["PUBSUB", "NUMSUB", channel])
         .stdin(Stdio::null())
         .stderr(Stdio::null())
@@ -313,7 +428,9 @@ fn ca(certs: &Certs, name: &str) -> Tls {
 #[test]
 fn a_trusted_certificate_works_end_to_end() {
     let certs = Certs::new();
-    let nodes: Vec<TlsNode> = (0..3).map(|_| TlsNode::start(&certs, false)).collect();
+    let Some(nodes) = tls_nodes(&certs, 3, false) else {
+        return;
+    };
     let locks = client(nodes.iter().map(|n| n.url("")).collect(), ca(&certs, "ca"));
     let key = unique_key("lock:tls");
     let guard = lock_soon(&locks, &key, Duration::from_secs(10)).expect("locks over TLS");
@@ -336,7 +453,9 @@ fn a_trusted_certificate_works_end_to_end() {
 #[test]
 fn a_certificate_from_another_ca_is_refused_with_a_clear_error() {
     let certs = Certs::new();
-    let node = TlsNode::start(&certs, false);
+    let Some(node) = tls_nodes(&certs, 1, false).and_then(|mut n| n.pop()) else {
+        return;
+    };
     for tls in [ca(&certs, "other-ca"), Tls::new()] {
         let locks = client(vec![node.url("")], tls);
         let (kind, msg) = refused(&locks, &unique_key("lock:wrong-ca"));
@@ -348,7 +467,9 @@ fn a_certificate_from_another_ca_is_refused_with_a_clear_error() {
 #[test]
 fn a_node_requiring_client_certificates_takes_ours_and_refuses_none() {
     let certs = Certs::new();
-    let node = TlsNode::start(&certs, true);
+    let Some(node) = tls_nodes(&certs, 1, true).and_then(|mut n| n.pop()) else {
+        return;
+    };
     let key = unique_key("lock:mtls");
 
     let without = client(vec![node.url("")], ca(&certs, "ca"));
@@ -367,7 +488,7 @@ fn a_node_requiring_client_certificates_takes_ours_and_refuses_none() {
 #[test]
 fn an_acl_user_with_only_the_lock_commands_works_and_its_password_stays_hidden() {
     let certs = Certs::new();
-    let nodes: Vec<TlsNode> = (0..3).map(|_| TlsNode::start(&certs, false)).collect();
+    let nodes = acl_nodes(&certs, 3);
     let key = unique_key("lock:acl");
     for fencing in [false, true] {
         let locks = Redlock::builder()
@@ -469,7 +590,7 @@ fn an_acl_user_with_only_the_lock_commands_works_and_its_password_stays_hidden()
 #[test]
 fn read_locks_need_the_sorted_set_commands_and_say_so_without_them() {
     let certs = Certs::new();
-    let nodes: Vec<TlsNode> = (0..3).map(|_| TlsNode::start(&certs, false)).collect();
+    let nodes = acl_nodes(&certs, 3);
     let key = unique_key("lock:acl-read");
     let user = |who: &str| client(nodes.iter().map(|n| n.url(who)).collect(), ca(&certs, "ca"));
     let (r1, r2, w) = (
@@ -494,15 +615,13 @@ fn read_locks_need_the_sorted_set_commands_and_say_so_without_them() {
         ),
     ] {
         match r {
-            // Refused for good by the ACL, in the server's words: Redis 7.0
-            // says the script "can't run this command", later servers
-            // "no permissions to run the '…' command".
+            // Refused for good by the ACL, in the server's words (either
+            // wording: see `acl_refused_in_script`).
             Err(Error::ScriptsRefused { failures, .. }) => assert!(
                 failures
                     .iter()
                     .any(|f| f.kind() == NodeErrorKind::ScriptsRefused
-                        && (f.detail().contains("can't run this command")
-                            || f.detail().contains("no permissions to run"))),
+                        && acl_refused_in_script(f.detail())),
                 "{what}: {failures:?}"
             ),
             other => panic!("{what} under the minimal ACL: {other:?}"),
@@ -606,7 +725,9 @@ fn a_tls_url_to_a_plain_node_and_a_plain_url_to_a_tls_node_fail_clearly() {
     assert_eq!(kind, NodeErrorKind::Skipped, "{msg}");
     assert!(msg.contains("no reply to the TLS handshake"), "{msg}");
     // redis:// to a TLS node: it drops the connection at our first command.
-    let node = TlsNode::start(&certs, false);
+    let Some(node) = tls_nodes(&certs, 1, false).and_then(|mut n| n.pop()) else {
+        return;
+    };
     let locks = Redlock::builder()
         .fresh_cluster(true)
         .nodes([node.url("").replacen("rediss://", "redis://", 1)])
@@ -637,4 +758,56 @@ impl quorumlock::EventHandler for WokenWin {
             self.0.store(true, std::sync::atomic::Ordering::SeqCst);
         }
     }
+}
+
+/// A TLS node that cannot start (its certificate file is missing) says why in the
+/// server's own words, not only "exited: exit status: 1".
+#[test]
+fn a_tls_node_that_cannot_start_says_why() {
+    let certs = Certs::new();
+    let msg = match TlsNode::try_start(&certs, false, "missing.crt") {
+        Ok(node) => panic!(
+            "a TLS node started without its certificate on port {}",
+            node.port
+        ),
+        Err(TlsStartError::Failed(msg) | TlsStartError::NoTls(msg)) => msg,
+    };
+    eprintln!("as expected: {msg}");
+    // Redis: "Failed to configure TLS…"; a server without TLS: "Failed finding TLS support."
+    assert!(
+        msg.contains("Failed to configure TLS") || msg.contains("Failed finding TLS support"),
+        "{msg}"
+    );
+}
+
+/// Whether a server's log says it was built without TLS: Redis ≥ 7.2 and Valkey
+/// ("Failed finding TLS support."), older Redis (`tls-port` is an unknown directive).
+fn lacks_tls(log: &str) -> bool {
+    log.contains("Failed finding TLS support")
+        || log.lines().any(|l| l.contains("'tls-port")) && log.contains("Bad directive")
+}
+
+/// Whether a node's error says its ACL refused a command a script called. The servers
+/// word it differently: Redis 7.0 "ERR The user executing the script can't run this
+/// command or subcommand script: …", Redis ≥ 7.2 and Valkey "ERR ACL failure in script:
+/// User reader has no permissions to run the 'zadd' command script: …".
+fn acl_refused_in_script(msg: &str) -> bool {
+    msg.contains("script")
+        && (msg.contains("can't run this command") || msg.contains("no permissions to run"))
+}
+
+#[test]
+fn both_wordings_of_an_acl_refusal_in_a_script_are_recognised() {
+    for msg in [
+        "ERR The user executing the script can't run this command or subcommand script: \
+         956ac7400b4485995027f6ca245f2a19788a2042, on @user_script:1.",
+        "ERR ACL failure in script: User u has no permissions to run the 'zadd' command \
+         script: on @user_script:1.",
+    ] {
+        assert!(acl_refused_in_script(msg), "{msg}");
+    }
+    // A refusal outside a script (the key is not the user's) is another failure.
+    assert!(!acl_refused_in_script(
+        "NOPERM No permissions to access a key"
+    ));
 }
