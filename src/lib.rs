@@ -15,6 +15,9 @@ mod events;
 mod guard;
 mod inspect;
 mod lock;
+#[cfg(feature = "metrics")]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
+pub mod metrics;
 mod redlock;
 mod request;
 

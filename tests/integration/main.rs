@@ -18,6 +18,8 @@ mod foreign;
 mod harness;
 mod hostile;
 mod lock;
+#[cfg(feature = "metrics")]
+mod metrics_feature;
 mod missed;
 mod node_layer;
 mod nodes;
