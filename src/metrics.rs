@@ -1,4 +1,4 @@
-//! Metrics through the [`metrics`](::metrics) facade (feature `metrics`):
+//! Metrics through the [`metrics`] facade (feature `metrics`):
 //! [`Metrics`], an [`EventHandler`] that records what callers wait, how
 //! long they hold, how often they contend and lose, and what each node
 //! fails with.
@@ -72,7 +72,7 @@ const OTHER: &str = "other";
 /// Maps a resource name to its `resource` label.
 type Pattern = dyn Fn(&str) -> SharedString + Send + Sync;
 
-/// An [`EventHandler`] that records through the [`metrics`](::metrics)
+/// An [`EventHandler`] that records through the [`metrics`]
 /// facade (see [the module](self) for the names, units and labels).
 ///
 /// ```no_run

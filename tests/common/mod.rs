@@ -33,8 +33,6 @@ mod docker;
 pub mod faults;
 mod process;
 mod proxy;
-#[cfg(feature = "metrics")]
-pub mod recorder;
 
 use std::collections::HashSet;
 use std::io::{Read, Write};

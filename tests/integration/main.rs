@@ -3,6 +3,10 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+// (Apart from `common`, which crates without the feature include too.)
+#[cfg(feature = "metrics")]
+#[path = "../common/recorder.rs"]
+mod recorder;
 
 mod closes;
 mod degraded;

@@ -9,7 +9,7 @@ use std::time::Duration;
 use quorumlock::metrics::{self as m, Metrics};
 use quorumlock::{AcquireEvent, EventHandler, Redlock};
 
-use crate::common::recorder::{installed, Recorded};
+use crate::recorder::{installed, Recorded};
 use crate::common::{shared, unique_key, wait_until};
 
 /// The recorder, cleared, for one test at a time.
