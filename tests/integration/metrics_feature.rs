@@ -9,8 +9,8 @@ use std::time::Duration;
 use quorumlock::metrics::{self as m, Metrics};
 use quorumlock::{AcquireEvent, EventHandler, Redlock};
 
-use crate::recorder::{installed, Recorded};
 use crate::common::{shared, unique_key, wait_until};
+use crate::recorder::{installed, Recorded};
 
 /// The recorder, cleared, for one test at a time.
 fn recorder() -> (MutexGuard<'static, ()>, &'static Recorded) {
