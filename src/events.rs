@@ -55,6 +55,13 @@ pub trait EventHandler: Send + Sync + 'static {
         let _ = event;
     }
 
+    /// A call to take a lock returned: with the lock, or with the error its
+    /// caller got. One per call whose input was accepted, after the
+    /// `on_attempt` of its last attempt (where it made one).
+    fn on_acquire(&self, event: &AcquireEvent<'_>) {
+        let _ = event;
+    }
+
     /// An extension ended: a renewal by the renewal thread, or a call to
     /// [`LockGuard::extend`](crate::LockGuard::extend).
     fn on_renewal(&self, event: &RenewalEvent<'_>) {
@@ -117,6 +124,10 @@ impl PanicSafe<'_> {
 
     pub(crate) fn on_attempt(&self, e: &AttemptEvent<'_>) {
         self.call("on_attempt", || self.0.on_attempt(e));
+    }
+
+    pub(crate) fn on_acquire(&self, e: &AcquireEvent<'_>) {
+        self.call("on_acquire", || self.0.on_acquire(e));
     }
 
     pub(crate) fn on_renewal(&self, e: &RenewalEvent<'_>) {
@@ -296,12 +307,56 @@ impl<'a> AttemptEvent<'a> {
     }
 }
 
+/// A call to take a lock returned ([`EventHandler::on_acquire`]): what its
+/// caller saw, where [`AttemptEvent`]s tell of each of its attempts.
+#[derive(Debug)]
+pub struct AcquireEvent<'a> {
+    pub(crate) resource: &'a str,
+    pub(crate) waited: Duration,
+    pub(crate) attempts: u32,
+    pub(crate) outcome: Result<(), &'a Error>,
+}
+
+impl<'a> AcquireEvent<'a> {
+    /// The resource asked for (the first of a lock of several).
+    pub fn resource(&self) -> &'a str {
+        self.resource
+    }
+
+    /// From the call to its return: its attempts, the waits between them,
+    /// and its wait for a turn behind threads of this process that held or
+    /// wanted the lock.
+    pub fn waited(&self) -> Duration {
+        self.waited
+    }
+
+    /// The attempts at the nodes it made (each told by an
+    /// [`AttemptEvent`]): zero for a lock taken over from a thread of this
+    /// process, or a wait that ended behind one.
+    pub fn attempts(&self) -> u32 {
+        self.attempts
+    }
+
+    /// Whether the call returned the lock.
+    pub fn acquired(&self) -> bool {
+        self.outcome.is_ok()
+    }
+
+    /// Why it did not: its caller's error (of its last attempt, or
+    /// [`Error::Taken`] where a thread of this process held the lock
+    /// through the whole wait).
+    pub fn error(&self) -> Option<&'a Error> {
+        self.outcome.err()
+    }
+}
+
 /// An extension ended.
 #[derive(Debug)]
 pub struct RenewalEvent<'a> {
     pub(crate) resource: &'a str,
     pub(crate) section: u64,
     pub(crate) automatic: bool,
+    pub(crate) left: Duration,
     pub(crate) elapsed: Duration,
     pub(crate) outcome: Result<Duration, &'a Error>,
     pub(crate) nodes: Nodes<'a>,
@@ -322,6 +377,14 @@ impl<'a> RenewalEvent<'a> {
     /// [`LockGuard::extend`](crate::LockGuard::extend).
     pub fn is_automatic(&self) -> bool {
         self.automatic
+    }
+
+    /// The validity the lock had left when the extension began (zero where
+    /// it had run out): how close to its expiry the renewal came. A renewal
+    /// thread that falls behind (slow nodes, a slow handler, a long batch)
+    /// shows as this shrinking.
+    pub fn left(&self) -> Duration {
+        self.left
     }
 
     /// The round's duration (shared by the locks renewed together).

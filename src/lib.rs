@@ -15,6 +15,9 @@ mod events;
 mod guard;
 mod inspect;
 mod lock;
+#[cfg(feature = "metrics")]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
+pub mod metrics;
 mod redlock;
 mod request;
 
@@ -28,8 +31,8 @@ pub use driver::tls::Tls;
 pub use election::{Election, Leader, Leadership, Observer};
 pub use error::{Error, InvalidInput, NodeError, NodeErrorKind};
 pub use events::{
-    AttemptEvent, EventHandler, LeadershipChange, LeadershipEvent, LostEvent, NodeChange,
-    NodeEvent, NodeOutcome, Nodes, ReleaseEvent, RenewalEvent,
+    AcquireEvent, AttemptEvent, EventHandler, LeadershipChange, LeadershipEvent, LostEvent,
+    NodeChange, NodeEvent, NodeOutcome, Nodes, ReleaseEvent, RenewalEvent,
 };
 pub use guard::{LockGuard, LostSignal};
 pub use inspect::{KeyInfo, NodeKey, ReaderInfo};

@@ -3,6 +3,10 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+// (Apart from `common`, which crates without the feature include too.)
+#[cfg(feature = "metrics")]
+#[path = "../common/recorder.rs"]
+mod recorder;
 
 mod closes;
 mod degraded;
@@ -18,6 +22,8 @@ mod foreign;
 mod harness;
 mod hostile;
 mod lock;
+#[cfg(feature = "metrics")]
+mod metrics_feature;
 mod missed;
 mod node_layer;
 mod nodes;

@@ -39,9 +39,25 @@ impl Engine {
         want: Want<'_>,
         budget: Budget,
     ) -> Result<(Arc<LockState>, Option<Turn>)> {
-        let (resource, ttl) = (want.resource, want.ttl);
         let called = self.clock.now();
-        let drift = self.validate(resource, ttl)?;
+        let drift = self.validate(want.resource, want.ttl)?;
+        let mut attempts = 0;
+        let result = self.acquire_valid(want, budget, (called, drift), &mut attempts);
+        let outcome = result.as_ref().map(|_| ());
+        self.acquire_event(want.resource, called, attempts, outcome);
+        result
+    }
+
+    /// [`acquire`](Self::acquire) of valid input, called at `called` (with
+    /// the drift allowance of its TTL); counts its `attempts` at the nodes.
+    fn acquire_valid(
+        &self,
+        want: Want<'_>,
+        budget: Budget,
+        (called, drift): (Instant, Duration),
+        attempts: &mut u32,
+    ) -> Result<(Arc<LockState>, Option<Turn>)> {
+        let (resource, ttl) = (want.resource, want.ttl);
         // One deadline for the whole call, local wait and attempts alike.
         let until = self.wait_deadline(budget, want.size());
         // This thread's turn among the threads of this process that want
@@ -89,6 +105,7 @@ impl Engine {
         loop {
             let next = waiter.next_try();
             let mut failed = Failed::default();
+            *attempts = attempts.saturating_add(1);
             match self.attempt(want, drift, &next, until, &mut failed) {
                 Ok(state) => return Ok((Arc::new(state), turn.take())),
                 Err(e) if e.is_retryable() => waiter.after_failure(e, failed)?,

@@ -109,7 +109,8 @@ impl Engine {
                     Some(m) => (&m[..], 0),
                     None => (&results[..], i),
                 };
-                self.report_extension(&round, state, (view, index), outcome, lost_now)
+                let told = (outcome, lost_now, time_left[i]);
+                self.report_extension(&round, state, (view, index), told)
             })
             .collect()
     }
@@ -208,14 +209,14 @@ impl Engine {
 
     /// Tells of one lock's extension: where it is held now (the `index`th
     /// lock of `view`, the round's answers with any copies restored), the
-    /// events, and its loss (`lost_now`); returns the validity left.
+    /// events, and its loss (`lost_now`; it had `time_left` when the round
+    /// began); returns the validity left.
     fn report_extension(
         &self,
         round: &Extension,
         state: &LockState,
         (view, index): (&[NodeResult], usize),
-        outcome: Result<Duration>,
-        lost_now: bool,
+        (outcome, lost_now, time_left): (Result<Duration>, bool, Duration),
     ) -> Result<Duration> {
         let (end, elapsed) = (round.end, round.end.saturating_duration_since(round.start));
         // Only a round that confirmed the lock says where it is: one that
@@ -228,6 +229,7 @@ impl Engine {
                 resource: &state.resource,
                 section: state.section,
                 automatic: round.loud,
+                left: time_left,
                 elapsed,
                 outcome: outcome
                     .as_ref()

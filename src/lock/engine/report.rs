@@ -11,8 +11,8 @@ use crate::algorithm::round::{candidate_of, NodeResult};
 use crate::clock::WARN_EVERY;
 use crate::error::Error;
 use crate::events::{
-    AttemptEvent, Begun, LeadershipChange, LeadershipEvent, LostEvent, NodeChange, NodeEvent,
-    Nodes, ReleaseEvent,
+    AcquireEvent, AttemptEvent, Begun, LeadershipChange, LeadershipEvent, LostEvent, NodeChange,
+    NodeEvent, Nodes, ReleaseEvent,
 };
 use crate::lock::state::LockState;
 use crate::Result;
@@ -110,6 +110,25 @@ impl Engine {
                 outcome: outcome.map(|d| d.saturating_duration_since(now)),
                 nodes: Nodes::new(self.transport.node_names(), nodes, 0),
                 begun,
+            });
+        }
+    }
+
+    /// Tells the event handler a call for `resource`, made at `called`,
+    /// returned after `attempts` attempts at the nodes.
+    pub(super) fn acquire_event(
+        &self,
+        resource: &str,
+        called: Instant,
+        attempts: u32,
+        outcome: Result<(), &Error>,
+    ) {
+        if let Some(h) = self.settings.events.get() {
+            h.on_acquire(&AcquireEvent {
+                resource,
+                waited: self.clock.now().saturating_duration_since(called),
+                attempts,
+                outcome,
             });
         }
     }

@@ -239,3 +239,76 @@ fn a_lock_refused_at_its_write_back_is_neither_acquired_nor_released() {
     assert_eq!(seen.len(), 1, "{seen:?}");
     assert!(seen[0].starts_with("attempt s Some("), "{seen:?}");
 }
+
+/// Writes down each call's end (`on_acquire`) and each renewal's margin.
+#[derive(Default)]
+struct Calls(Mutex<Vec<String>>);
+
+impl EventHandler for Calls {
+    fn on_attempt(&self, _: &AttemptEvent<'_>) {
+        self.0.lock().push("attempt".to_owned());
+    }
+    fn on_acquire(&self, e: &AcquireEvent<'_>) {
+        self.0.lock().push(format!(
+            "acquire {} acquired={} attempts={} waited~{}ms error={:?}",
+            e.resource(),
+            e.acquired(),
+            e.attempts(),
+            // (Rounds on the fake nodes take a few virtual ms.)
+            e.waited().as_millis() / 100 * 100,
+            e.error().map(|e| e.to_string()),
+        ));
+    }
+    fn on_renewal(&self, e: &RenewalEvent<'_>) {
+        self.0.lock().push(format!("renewal left={:?}", e.left()));
+    }
+}
+
+#[test]
+fn a_call_reports_its_whole_wait_and_its_attempts_once_after_them() {
+    let calls = Arc::new(Calls::default());
+    let (locks, nodes, clock) = client_with(
+        3,
+        Settings {
+            events: Events(Some(calls.clone())),
+            retry_count: 3,
+            retry_delay: Duration::from_millis(200),
+            retry_jitter: Duration::ZERO,
+            wake_ups: false,
+            ..crate::testing::fake::settings()
+        },
+    );
+    let other = client_over(&nodes, crate::testing::fake::settings());
+    let held = other.try_lock("r", TTL).unwrap();
+    // Three attempts, two pauses between them (the fake clock's sleeps).
+    assert!(locks.lock("r", TTL).is_err());
+    let taken = "Some(\"taken: another owner holds the lock on 3 of 3 nodes\")";
+    assert_eq!(
+        std::mem::take(&mut *calls.0.lock()),
+        [
+            "attempt".to_owned(),
+            "attempt".to_owned(),
+            "attempt".to_owned(),
+            format!("acquire r acquired=false attempts=3 waited~400ms error={taken}"),
+        ]
+    );
+    held.release().unwrap();
+    let g = locks.try_lock("r", TTL).unwrap();
+    clock.advance(Duration::from_secs(4));
+    // What it had left when the extension began (the fake clock stands
+    // still until its round).
+    let left = g.validity();
+    assert!(left < TTL - Duration::from_secs(4), "{left:?}");
+    g.extend(TTL).unwrap();
+    assert_eq!(
+        std::mem::take(&mut *calls.0.lock()),
+        [
+            "attempt".to_owned(),
+            "acquire r acquired=true attempts=1 waited~0ms error=None".to_owned(),
+            format!("renewal left={left:?}"),
+        ]
+    );
+    // Input rejected: no call to report.
+    assert!(locks.try_lock("", TTL).is_err());
+    assert!(calls.0.lock().is_empty());
+}
