@@ -21,7 +21,7 @@
 //! Labels:
 //! - `outcome`: `acquired` (or `released`, `renewed`), else the error's
 //!   kind: `taken`, `no_quorum`, `validity_exhausted`, `expired`,
-//!   `not_owner`, `invalid_input`, `stopped`.
+//!   `not_owner`, `invalid_input`, `stopped`, `scripts_refused`.
 //! - `resource`¹: only where a pattern is set
 //!   ([`Metrics::resource_prefixes`], [`Metrics::resource_label`]); absent
 //!   by default. Never the resource itself: each distinct value is a series
@@ -30,7 +30,8 @@
 //!   credentials (as in [`Nodes::iter`](crate::Nodes::iter)).
 //! - `kind`: `timeout`, `unavailable`, `io`, `server`, `protocol`,
 //!   `skipped`, `restarted`, `no_connection`, `tls`, `same_server`,
-//!   `unsuitable` (see [`NodeErrorKind`]; replies not awaited are no
+//!   `unsuitable`, `auth`, `scripts_refused` (see [`NodeErrorKind`];
+//!   replies not awaited are no
 //!   errors and are not counted).
 //!
 //! A client has one handler ([`Builder::events`](crate::Builder::events)):
@@ -270,6 +271,7 @@ fn outcome_label(e: &Error) -> &'static str {
         Error::NotOwner { .. } => "not_owner",
         Error::InvalidInput(_) => "invalid_input",
         Error::Stopped => "stopped",
+        Error::ScriptsRefused { .. } => "scripts_refused",
     }
 }
 
@@ -287,6 +289,8 @@ fn kind_label(kind: NodeErrorKind) -> Option<&'static str> {
         NodeErrorKind::Tls => "tls",
         NodeErrorKind::SameServer => "same_server",
         NodeErrorKind::Unsuitable => "unsuitable",
+        NodeErrorKind::Auth => "auth",
+        NodeErrorKind::ScriptsRefused => "scripts_refused",
         NodeErrorKind::NotAwaited => return None,
     })
 }
