@@ -25,6 +25,8 @@ mod rw;
 mod rw_inspect;
 mod several;
 mod sharing;
+#[cfg(feature = "tracing")]
+mod spans;
 mod storms;
 #[cfg(feature = "tls-rustls")]
 mod tls;
