@@ -79,6 +79,10 @@ impl Subscriber for Collector {
             None => None,
         };
         let meta = attrs.metadata();
+        if parent.is_none() && meta.name() != ROOT {
+            // (Another module's lock call: not kept, and no lock taken.)
+            return Id::from_u64(id);
+        }
         let mut spans = self.spans.lock().unwrap_or_else(|e| e.into_inner());
         let kept = meta.name() == ROOT || parent.is_some_and(|p| spans.contains_key(&p));
         if kept {
@@ -302,12 +306,19 @@ fn a_retried_call_and_a_campaign_record_attempts_wait_and_kind() {
         .nodes(c.urls())
         .retry_count(3)
         .retry_delay(Duration::from_millis(50))
+        .retry_jitter(Duration::ZERO)
         .build()
         .expect("valid config");
     let key = unique_key("spans-retried");
     let name = unique_key("spans-election");
     let (root, root_id) = caller("retried");
     let held = holder.lock(&key, Duration::from_secs(5)).expect("free");
+    // (A new client's first lock may reach a node still connecting after its round: a
+    // rival that then sets that node retries at once, as after a split vote.)
+    assert!(
+        wait_until(Duration::from_secs(2), || c.holders(&key, held.token()) == 3),
+        "the lock never reached every node"
+    );
     root.in_scope(|| {
         let refused = rival.lock(&key, Duration::from_secs(5));
         assert!(matches!(refused, Err(Error::Taken { .. })), "{refused:?}");
@@ -333,7 +344,7 @@ fn a_retried_call_and_a_campaign_record_attempts_wait_and_kind() {
         .filter(|s| s.name == "quorumlock.round" && s.parent == Some(retried.id))
         .count();
     assert_eq!(rounds as u32, attempts, "{spans:#?}");
-    // At least the two retry pauses (50 ms each, and jitter) before its last attempt.
+    // At least the two retry pauses (50 ms each) before its last attempt.
     let waited = field(retried, "waited");
     let ms = match waited.strip_suffix("ms") {
         Some(ms) => ms.parse::<f64>().expect("a number"),
@@ -384,4 +395,52 @@ fn a_renewal_on_the_renewal_thread_is_under_the_callers_span() {
         }
     }
     guard.release().expect("released");
+}
+
+/// A lock found gone at a renewal is lost, and the renewal thread deletes what is left of
+/// it under a `quorumlock.release_lost` span, whose parent is the caller's span too.
+#[test]
+fn the_release_of_a_lost_lock_is_under_the_callers_span() {
+    let c = shared();
+    let locks = client(c.urls(), true);
+    let key = unique_key("spans-lost");
+    let (root, root_id) = caller("lost");
+    let ttl = Duration::from_millis(900);
+    let guard = root.in_scope(|| locks.lock(&key, ttl).expect("free"));
+    assert!(
+        wait_until(Duration::from_secs(2), || c.holders(&key, guard.token())
+            == 3),
+        "the lock never reached every node"
+    );
+    c.del(0, &key);
+    c.del(1, &key);
+    let why = guard
+        .lost()
+        .wait_timeout(ttl * 2)
+        .expect("lost at the next renewal");
+    assert!(matches!(why, Error::Expired), "{why:?}");
+    let released = || {
+        collector()
+            .under(root_id)
+            .into_iter()
+            .filter(|s| s.name == "quorumlock.release_lost")
+            .collect::<Vec<_>>()
+    };
+    assert!(
+        wait_until(Duration::from_secs(5), || !released().is_empty()),
+        "{:#?}",
+        collector().under(root_id)
+    );
+    let release = &released()[0];
+    assert_eq!(release.parent, Some(root_id), "{release:?}");
+    assert_eq!(release.thread, "qlock-watchdog", "{release:?}");
+    assert_eq!(field(release, "resource"), key);
+    // The renewal that found it gone says so.
+    let failed = collector()
+        .under(root_id)
+        .into_iter()
+        .filter(|s| s.name == "quorumlock.renewal")
+        .any(|s| field(&s, "outcome") == "expired");
+    assert!(failed, "{:#?}", collector().under(root_id));
+    drop(guard);
 }
