@@ -316,7 +316,8 @@ fn a_retried_call_and_a_campaign_record_attempts_wait_and_kind() {
     // (A new client's first lock may reach a node still connecting after its round: a
     // rival that then sets that node retries at once, as after a split vote.)
     assert!(
-        wait_until(Duration::from_secs(2), || c.holders(&key, held.token()) == 3),
+        wait_until(Duration::from_secs(2), || c.holders(&key, held.token())
+            == 3),
         "the lock never reached every node"
     );
     root.in_scope(|| {

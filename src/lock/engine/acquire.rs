@@ -36,18 +36,21 @@ impl Engine {
     /// A writer that waits (not `try_lock`) keeps new readers out while it
     /// does (see [`Op::Acquire`]).
     ///
-    /// Every lock call comes here: its span (see [`crate::lock::spans`]) opens and ends
-    /// here, and the lock carries its caller's span.
+    /// Every lock call comes here: its span (see [`crate::lock::spans`])
+    /// opens and ends here, and the lock carries its caller's span.
     pub(crate) fn acquire(
         &self,
         want: Want<'_>,
         budget: Budget,
     ) -> Result<(Arc<LockState>, Option<Turn>)> {
-        let kind = match want {
-            _ if !want.tag.is_empty() => Kind::Election,
-            _ if want.read => Kind::Read,
-            _ if !want.also.is_empty() => Kind::Several,
-            _ => Kind::Write,
+        let kind = if !want.tag.is_empty() {
+            Kind::Election
+        } else if want.read {
+            Kind::Read
+        } else if !want.also.is_empty() {
+            Kind::Several
+        } else {
+            Kind::Write
         };
         let mut call = LockCall::start(want.resource, kind);
         let result = call.in_scope(|call| self.call(want, budget, call));
