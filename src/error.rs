@@ -89,6 +89,25 @@ impl Error {
     }
 }
 
+impl Error {
+    /// The variant's name in `snake_case` (`taken`, `no_quorum`, …): the
+    /// `outcome` of the `tracing` feature's spans and of the `metrics`
+    /// feature's labels.
+    #[cfg(any(feature = "tracing", feature = "metrics"))]
+    pub(crate) fn label(&self) -> &'static str {
+        match self {
+            Error::Taken { .. } => "taken",
+            Error::NoQuorum { .. } => "no_quorum",
+            Error::ValidityExhausted { .. } => "validity_exhausted",
+            Error::Expired => "expired",
+            Error::NotOwner { .. } => "not_owner",
+            Error::InvalidInput(_) => "invalid_input",
+            Error::Stopped => "stopped",
+            Error::ScriptsRefused { .. } => "scripts_refused",
+        }
+    }
+}
+
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

@@ -261,20 +261,6 @@ impl Metrics {
     }
 }
 
-/// An error's `outcome` label.
-fn outcome_label(e: &Error) -> &'static str {
-    match e {
-        Error::Taken { .. } => "taken",
-        Error::NoQuorum { .. } => "no_quorum",
-        Error::ValidityExhausted { .. } => "validity_exhausted",
-        Error::Expired => "expired",
-        Error::NotOwner { .. } => "not_owner",
-        Error::InvalidInput(_) => "invalid_input",
-        Error::Stopped => "stopped",
-        Error::ScriptsRefused { .. } => "scripts_refused",
-    }
-}
-
 /// A node failure's `kind` label; none for a reply not awaited (no failure).
 fn kind_label(kind: NodeErrorKind) -> Option<&'static str> {
     Some(match kind {
@@ -297,7 +283,7 @@ fn kind_label(kind: NodeErrorKind) -> Option<&'static str> {
 
 impl EventHandler for Metrics {
     fn on_attempt(&self, e: &AttemptEvent<'_>) {
-        let outcome = e.error().map_or("acquired", outcome_label);
+        let outcome = e.error().map_or("acquired", Error::label);
         counter!(ATTEMPTS, self.labels(Some(outcome), e.resource())).increment(1);
         self.node_errors(e.nodes());
         if let Some(h) = &self.inner {
@@ -306,7 +292,7 @@ impl EventHandler for Metrics {
     }
 
     fn on_acquire(&self, e: &AcquireEvent<'_>) {
-        let outcome = e.error().map_or("acquired", outcome_label);
+        let outcome = e.error().map_or("acquired", Error::label);
         let labels = self.labels(Some(outcome), e.resource());
         histogram!(ACQUIRE_WAIT, labels.iter()).record(e.waited());
         histogram!(ACQUIRE_ATTEMPTS, labels).record(f64::from(e.attempts()));
@@ -316,7 +302,7 @@ impl EventHandler for Metrics {
     }
 
     fn on_renewal(&self, e: &RenewalEvent<'_>) {
-        let outcome = e.error().map_or("renewed", outcome_label);
+        let outcome = e.error().map_or("renewed", Error::label);
         counter!(RENEWALS, self.labels(Some(outcome), e.resource())).increment(1);
         if e.is_automatic() {
             histogram!(RENEWAL_MARGIN, self.labels(None, e.resource())).record(e.left());
@@ -328,7 +314,7 @@ impl EventHandler for Metrics {
     }
 
     fn on_lost(&self, e: &LostEvent<'_>) {
-        let outcome = outcome_label(e.error());
+        let outcome = Error::label(e.error());
         counter!(LOSSES, self.labels(Some(outcome), e.resource())).increment(1);
         if let Some(h) = &self.inner {
             h.on_lost(e);
@@ -336,7 +322,7 @@ impl EventHandler for Metrics {
     }
 
     fn on_release(&self, e: &ReleaseEvent<'_>) {
-        let outcome = e.error().map_or("released", outcome_label);
+        let outcome = e.error().map_or("released", Error::label);
         histogram!(HOLD, self.labels(Some(outcome), e.resource())).record(e.held());
         self.node_errors(e.nodes());
         if let Some(h) = &self.inner {

@@ -6,9 +6,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::clock::after;
-use crate::error::InvalidInput;
 use crate::guard::LockGuard;
-use crate::lock::engine::{validate_resources, Budget, Engine, Want};
+use crate::lock::engine::{Budget, Engine, Want};
 use crate::Result;
 
 /// A lock to take: its resources, its kind and its TTL, made by
@@ -110,7 +109,7 @@ impl<'a> LockRequest<'a> {
     /// release.
     ///
     /// A read lock is of one resource: the acquire calls refuse a read lock
-    /// of several with [`InvalidInput::ReadOfSeveral`].
+    /// of several with [`InvalidInput::ReadOfSeveral`](crate::InvalidInput::ReadOfSeveral).
     pub fn read(mut self) -> Self {
         self.read = true;
         self
@@ -185,12 +184,6 @@ impl<'a> LockRequest<'a> {
             fenced: !self.read && (engine.settings.fencing || !self.tag.is_empty()),
             tag: self.tag,
         };
-        if !self.also.is_empty() {
-            validate_resources(&want.resources().collect::<Vec<_>>())?;
-            if self.read {
-                return Err(InvalidInput::ReadOfSeveral.into());
-            }
-        }
         let (state, turn) = engine.acquire(want, budget)?;
         if let Some(turn) = &turn {
             // Local waiters wait for this lock, not for its guard.

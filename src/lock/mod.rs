@@ -5,6 +5,7 @@
 pub(crate) mod engine;
 pub(crate) mod queue;
 pub(crate) mod settings;
+pub(crate) mod spans;
 pub(crate) mod state;
 pub(crate) mod transport;
 pub(crate) mod watchdog;

@@ -12,6 +12,7 @@ use parking_lot::Mutex;
 
 use crate::algorithm::round::Key;
 use crate::error::Error;
+use crate::lock::spans::Caller;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -30,6 +31,9 @@ pub(crate) struct LockState {
     pub(crate) section: u64,
     /// Start of the round that acquired it (events report time held).
     pub(crate) acquired: Instant,
+    /// The span current where the lock was taken: the parent of the spans
+    /// of the renewal thread's work for it (empty without `tracing`).
+    pub(crate) caller: Caller,
     timing: Mutex<Timing>,
     /// The latest an extension sent for this lock may keep its key on a
     /// node (`start + ttl` of the longest sent), whether or not it
@@ -83,6 +87,7 @@ impl LockState {
             fence,
             section: 1,
             acquired: timing.since,
+            caller: Caller::none(),
             timing: Mutex::new(timing),
             reach: Mutex::new(None),
             holding: std::sync::atomic::AtomicUsize::new(0),

@@ -17,6 +17,7 @@ use log::{debug, error};
 use parking_lot::Mutex;
 
 use crate::clock::{after, Clock, Signal};
+use crate::lock::spans::{Caller, Renewals};
 use crate::lock::state::LockState;
 use crate::Result;
 
@@ -199,6 +200,14 @@ pub(crate) fn retry_at(
     after(now, (interval / 4).max(timeout)).min(deadline)
 }
 
+/// What the renewal thread's spans say of each of `states`: its resource,
+/// section and the span of the caller that took it (see [`Renewals`]).
+fn spanned<'a>(states: &'a [&'a LockState]) -> impl Iterator<Item = (&'a str, u64, &'a Caller)> {
+    states
+        .iter()
+        .map(|s| (s.resource.as_str(), s.section, &s.caller))
+}
+
 /// Renews every due lock; declares lost the ones that are gone or ran out.
 fn tick(engine: &dyn Renew, clock: &dyn Clock, entries: &mut Vec<Entry>) {
     let now = clock.now();
@@ -264,7 +273,9 @@ fn tick(engine: &dyn Renew, clock: &dyn Clock, entries: &mut Vec<Entry>) {
             }
             let states: Vec<&LockState> =
                 batch.iter().map(|&(_, _, i)| &*entries[i].state).collect();
+            let spans = Renewals::renewal(spanned(&states), ttl);
             let outcomes = engine.renew(&states, ttl);
+            spans.end(&outcomes);
             for s in &states {
                 s.end_renewal();
             }
@@ -293,7 +304,7 @@ fn tick(engine: &dyn Renew, clock: &dyn Clock, entries: &mut Vec<Entry>) {
     if !lost.is_empty() {
         entries.retain(|e| !e.state.is_lost());
         let states: Vec<&LockState> = lost.iter().map(|s| &**s).collect();
-        engine.release_lost(&states);
+        Renewals::release_lost(spanned(&states), || engine.release_lost(&states));
     }
 }
 

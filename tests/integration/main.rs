@@ -32,6 +32,8 @@ mod rw_inspect;
 mod scripting;
 mod several;
 mod sharing;
+#[cfg(feature = "tracing")]
+mod spans;
 mod storms;
 #[cfg(feature = "tls-rustls")]
 mod tls;

@@ -12,8 +12,9 @@ use crate::algorithm::quorum::{self, Tally};
 use crate::algorithm::restart::{self, RestartRule, TtlHistory};
 use crate::algorithm::round::{Key, NodeFacts, NodeResult, Op, Place};
 use crate::clock::{after, new_reader_token, new_token};
-use crate::error::Error;
+use crate::error::{Error, InvalidInput};
 use crate::lock::queue::Turn;
+use crate::lock::spans::{Kind, LockCall};
 use crate::lock::state::{LockState, Timing};
 use crate::lock::transport::AfterRound;
 use crate::Result;
@@ -34,29 +35,65 @@ impl Engine {
     /// of any of their resources.
     /// A writer that waits (not `try_lock`) keeps new readers out while it
     /// does (see [`Op::Acquire`]).
+    ///
+    /// Every lock call comes here: its span (see [`crate::lock::spans`])
+    /// opens and ends here, and the lock carries its caller's span.
     pub(crate) fn acquire(
         &self,
         want: Want<'_>,
         budget: Budget,
     ) -> Result<(Arc<LockState>, Option<Turn>)> {
+        let kind = if !want.tag.is_empty() {
+            Kind::Election
+        } else if want.read {
+            Kind::Read
+        } else if !want.also.is_empty() {
+            Kind::Several
+        } else {
+            Kind::Write
+        };
+        let mut call = LockCall::start(want.resource, kind);
+        let result = call.in_scope(|call| self.call(want, budget, call));
+        let caller = call.end(result.as_ref().map(|_| ()));
+        result.map(|(mut state, turn)| {
+            state.caller = caller;
+            (Arc::new(state), turn)
+        })
+    }
+
+    /// [`acquire`](Self::acquire) inside the call's span: input checked,
+    /// then the call, then its [`on_acquire`](crate::EventHandler::on_acquire)
+    /// (for input accepted).
+    fn call(
+        &self,
+        want: Want<'_>,
+        budget: Budget,
+        call: &mut LockCall,
+    ) -> Result<(LockState, Option<Turn>)> {
+        if !want.also.is_empty() {
+            super::several::validate_resources(&want.resources().collect::<Vec<_>>())?;
+            if want.read {
+                return Err(InvalidInput::ReadOfSeveral.into());
+            }
+        }
         let called = self.clock.now();
         let drift = self.validate(want.resource, want.ttl)?;
-        let mut attempts = 0;
-        let result = self.acquire_valid(want, budget, (called, drift), &mut attempts);
+        let result = self.acquire_valid(want, budget, (called, drift), call);
         let outcome = result.as_ref().map(|_| ());
-        self.acquire_event(want.resource, called, attempts, outcome);
+        self.acquire_event(want.resource, called, call.attempts(), outcome);
         result
     }
 
     /// [`acquire`](Self::acquire) of valid input, called at `called` (with
-    /// the drift allowance of its TTL); counts its `attempts` at the nodes.
+    /// the drift allowance of its TTL); `call` counts its attempts at the
+    /// nodes.
     fn acquire_valid(
         &self,
         want: Want<'_>,
         budget: Budget,
         (called, drift): (Instant, Duration),
-        attempts: &mut u32,
-    ) -> Result<(Arc<LockState>, Option<Turn>)> {
+        call: &mut LockCall,
+    ) -> Result<(LockState, Option<Turn>)> {
         let (resource, ttl) = (want.resource, want.ttl);
         // One deadline for the whole call, local wait and attempts alike.
         let until = self.wait_deadline(budget, want.size());
@@ -84,7 +121,10 @@ impl Engine {
             match self.accept_hand_over(&handed, ttl) {
                 Ok(state) => {
                     debug!("lock {resource:?}: taken over from a local holder");
-                    return Ok((Arc::new(state), turn));
+                    if call.is_wanted() {
+                        call.waited(self.clock.now().saturating_duration_since(called));
+                    }
+                    return Ok((state, turn));
                 }
                 // No time left for an attempt. Where the swap's round says
                 // why (nodes failed, another owner), that is the answer;
@@ -105,9 +145,12 @@ impl Engine {
         loop {
             let next = waiter.next_try();
             let mut failed = Failed::default();
-            *attempts = attempts.saturating_add(1);
-            match self.attempt(want, drift, &next, until, &mut failed) {
-                Ok(state) => return Ok((Arc::new(state), turn.take())),
+            let begun = (next.begun.waited, next.begun.woken);
+            let attempt = call.round(begun, || {
+                self.attempt(want, drift, &next, until, &mut failed)
+            });
+            match attempt {
+                Ok(state) => return Ok((state, turn.take())),
                 Err(e) if e.is_retryable() => waiter.after_failure(e, failed)?,
                 Err(e) => return Err(e),
             }

@@ -39,13 +39,12 @@ mod history_tests;
 mod node_rules_tests;
 mod remote;
 mod report;
-mod several;
-mod wait;
-pub(crate) use several::validate_resources;
 #[cfg(test)]
 mod report_tests;
+mod several;
 #[cfg(test)]
 mod tests;
+mod wait;
 
 /// How long `acquire` may keep trying.
 #[derive(Debug, Clone, Copy)]
