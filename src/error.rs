@@ -428,7 +428,8 @@ pub enum NodeErrorKind {
     /// listed twice (two names, two databases) must not get two votes.
     SameServer,
     /// The node refused this client's credentials: a wrong password or user
-    /// name (`WRONGPASS`), or none given where it requires one (`NOAUTH`).
+    /// name (`WRONGPASS`), none given where it requires one (`NOAUTH`), or
+    /// one given where it has none.
     /// A configuration error: trying again does not help until the node
     /// URL (or the node's ACL) is fixed.
     Auth,

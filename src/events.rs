@@ -330,9 +330,11 @@ impl<'a> AcquireEvent<'a> {
         self.waited
     }
 
-    /// The attempts at the nodes it made (each told by an
-    /// [`AttemptEvent`]): zero for a lock taken over from a thread of this
-    /// process, or a wait that ended behind one.
+    /// The rounds at the nodes it made: zero for a lock taken over from a
+    /// thread of this process (which [`on_attempt`](EventHandler::on_attempt)
+    /// still tells of, as a hand-over, with no node asked), or a wait that
+    /// ended behind one. So the sum over calls can be far below the number
+    /// of [`AttemptEvent`]s where threads of one process hand a lock on.
     pub fn attempts(&self) -> u32 {
         self.attempts
     }

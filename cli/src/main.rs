@@ -73,7 +73,8 @@ Exit codes of `quorumlock run`:
            default) or once --wait ran out (EX_TEMPFAIL)
   78       configuration: no nodes, a bad node URL, a key or TTL the
            library refuses, no majority because nodes refused the
-           credentials (EX_CONFIG)
+           credentials or the lock's scripts (an ACL without EVAL, a
+           server without Lua) (EX_CONFIG)
   126      the command cannot be executed (permission denied, not a program)
   127      the command was not found
 Exit codes of `quorumlock lead` (it runs until its command exits by itself

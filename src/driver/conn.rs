@@ -529,9 +529,14 @@ pub(crate) fn server_text(e: &redis::ServerError) -> String {
 }
 
 /// Whether the server refused this client's credentials: a wrong password
-/// or user (`WRONGPASS`), or none where it wants one (`NOAUTH`).
+/// or user (`WRONGPASS`), none where it wants one (`NOAUTH`), or one where
+/// it has none (`ERR AUTH <password> called without any password
+/// configured`).
 pub(crate) fn is_auth_error(e: &redis::ServerError) -> bool {
     matches!(e.code(), "WRONGPASS" | "NOAUTH")
+        || (e.code() == "ERR"
+            && e.details()
+                .is_some_and(|d| d.contains("called without any password configured")))
 }
 
 /// Queues what a new connection for `purpose` sends before its first
@@ -571,6 +576,35 @@ mod tests {
     use std::net::TcpListener;
 
     use super::*;
+
+    /// A password given to a node that has none configured is refused as
+    /// credentials too (Redis and Valkey answer `ERR AUTH <password> called
+    /// without any password configured`): the node URL to fix, not a node
+    /// that answered (`quorumlock status` counted it as an answer).
+    #[test]
+    fn a_password_the_node_does_not_want_is_refused_credentials() {
+        let error = |text: &[u8]| match redis::parse_redis_value(text) {
+            Ok(redis::Value::ServerError(e)) => e,
+            v => panic!("{v:?}"),
+        };
+        for text in [
+            &b"-WRONGPASS invalid username-password pair or user is disabled.\r\n"[..],
+            b"-NOAUTH Authentication required.\r\n",
+            b"-ERR AUTH <password> called without any password configured for the default user. Are you sure your configuration is correct?\r\n",
+        ] {
+            assert!(is_auth_error(&error(text)), "{}", String::from_utf8_lossy(text));
+        }
+        for text in [
+            &b"-ERR unknown command 'AUTH'\r\n"[..],
+            b"-LOADING loading\r\n",
+        ] {
+            assert!(
+                !is_auth_error(&error(text)),
+                "{}",
+                String::from_utf8_lossy(text)
+            );
+        }
+    }
 
     /// A connection to a local listener that answers with `reply`.
     fn answered_with(reply: &[u8]) -> Conn {

@@ -207,7 +207,8 @@ pub(crate) fn redact(url: &str) -> String {
 /// a fragment. (A password with a `#`, `/` or `?` that is not
 /// percent-encoded makes the parser see a port, a path or a fragment; one
 /// with a `,` splits the entry in two.) The scheme, the host, a numeric
-/// port and a database number are shown.
+/// port and a database number are shown; an entry with no scheme only if
+/// it is `host:port`.
 fn redact_text(url: &str) -> String {
     let (scheme, rest) = match url.split_once("://") {
         Some((scheme, rest))
@@ -217,7 +218,24 @@ fn redact_text(url: &str) -> String {
         {
             (Some(scheme), rest)
         }
-        _ => (None, url),
+        // No scheme: a `host:port` that forgot its `redis://`, shown; or a
+        // piece of a password with commas (`redis://u:123,s3cret,x@h:1`
+        // splits into three entries), masked whole up to its last `@`.
+        _ => match url.rsplit_once(':') {
+            _ if url.contains('@') => {
+                let at = url.rfind('@').map_or(0, |a| a + 1);
+                return format!("***@{}", redact_text(&url[at..]));
+            }
+            Some((host, port))
+                if !host.is_empty()
+                    && !port.is_empty()
+                    && port.bytes().all(|b| b.is_ascii_digit())
+                    && !host.contains(['@', '/', '?', '#', ':']) =>
+            {
+                return url.to_owned()
+            }
+            _ => return "***".to_owned(),
+        },
     };
     let mut out = scheme.map_or_else(String::new, |s| format!("{s}://"));
     let server = match rest.rfind('@') {
@@ -336,6 +354,11 @@ mod tests {
             // A password with a comma, split into two entries.
             ("redis://u:s3c", "s3c"),
             ("ret@h:1", "ret"),
+            // The middle of one with two commas (`redis://u:123,s3cret,x@h:1`
+            // splits into a valid URL, `s3cret` and `x@h:1`).
+            ("s3cret", "s3cret"),
+            ("s3c:ret", "s3c"),
+            ("s3c/ret", "s3c"),
             // A password of digits then `#` or `/` parses as a port and a
             // fragment or a path: the secret is there, not in user-info.
             ("redis://locker:2024#Summer!@redis-1:6379", "Summer"),
@@ -380,6 +403,8 @@ mod tests {
                 "redis+unix:///***",
             ),
             ("redis:///0", "redis:///0"),
+            ("s3cret", "***"),
+            ("s3c:ret@h:1", "***@h:1"),
         ] {
             assert_eq!(redact(url), shown, "{url}");
         }

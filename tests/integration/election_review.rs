@@ -166,7 +166,9 @@ fn a_forged_publish_storm_drives_an_observer_to_read_the_nodes_back_to_back() {
 fn a_waiting_candidate_under_a_short_ttl_tries_at_every_renewed_expiry() {
     let cluster = shared();
     let name = unique_key("election-short");
-    let ttl = Duration::from_millis(150);
+    // Short, but not so short that a loaded machine's renewal misses it
+    // (150 ms did once in CI: the waiting candidate was elected).
+    let ttl = Duration::from_millis(400);
     let leader = Redlock::builder()
         .fresh_cluster(true)
         .nodes(cluster.urls())
@@ -556,9 +558,13 @@ fn a_node_restarted_empty_mid_lease_and_a_fresh_candidate() {
     let cluster = Cluster::start(3);
     let name = unique_key("election-restart");
     let ttl = Duration::from_secs(2);
+    // Generous node timeouts: what this test asks of the nodes does not
+    // hinge on time, and a loaded machine once let all three go unanswered
+    // for 50 ms (the resignation failed with NoQuorum).
     let a = Redlock::builder()
         .fresh_cluster(true)
         .nodes(cluster.urls())
+        .node_timeout(Duration::from_millis(800))
         .build()
         .expect("valid config");
     // A second client leads first, so that every node has seen this TTL.
@@ -569,6 +575,7 @@ fn a_node_restarted_empty_mid_lease_and_a_fresh_candidate() {
     // trusts the nodes' (the restarted one has none: held back).
     let c = Redlock::builder()
         .nodes(cluster.urls())
+        .node_timeout(Duration::from_millis(800))
         .build()
         .expect("valid config");
     let ec = c.election(&name, ttl).id("c");

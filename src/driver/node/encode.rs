@@ -482,7 +482,9 @@ pub(crate) fn refused_for_good(text: &str) -> bool {
     let acl = t.starts_with("noperm")
         || t.contains("acl failure in script")
         || t.contains("can't run this command");
-    let a_name = t.contains("access") && (t.contains("key") || t.contains("channel"));
+    // (In the server's phrases: Valkey names the user, whose name may hold
+    // any word.)
+    let a_name = t.contains("permissions to access") || t.contains("can't access");
     (acl && !a_name)
         || t.contains("unknown command")
         || t.contains("could not find scripting engine")

@@ -207,6 +207,9 @@ fn a_script_refused_for_good_is_told_from_one_refused_for_now() {
         "ERR Could not find scripting engine 'lua'",
         "ERR ACL failure in script: NOPERM this user has no permissions to run the 'zadd' command script: abc, on @user_script:12.",
         "ERR Error running script (call to f_abc): @user_script:12: The user executing the script can't run this command or subcommand",
+        // Valkey names the user: a name is not what the server refused.
+        "NOPERM User keyaccess has no permissions to run the 'evalsha' command",
+        "ERR ACL failure in script: User api-key-access has no permissions to run the 'zadd' command script: on @user_script:146.",
     ] {
         assert_eq!(kind(text), NodeErrorKind::ScriptsRefused, "{text}");
     }
@@ -217,6 +220,9 @@ fn a_script_refused_for_good_is_told_from_one_refused_for_now() {
         "NOPERM No permissions to access a key",
         "NOPERM this user has no permissions to access one of the keys used as arguments",
         "ERR ACL failure in script: No permissions to access a key script: abc, on @user_script:3.",
+        "ERR The user executing the script can't access at least one of the keys mentioned in the command arguments script: abc, on @user_script:1.",
+        "ERR ACL failure in script: No permissions to access a channel script: on @user_script:1.",
+        "ERR The user executing the script can't publish to the channel mentioned in the command script: abc, on @user_script:1.",
         "ERR Error running script (call to f_abc): @user_script:3: WRONGTYPE Operation against a key holding the wrong kind of value",
     ] {
         assert_eq!(kind(text), NodeErrorKind::Server, "{text}");

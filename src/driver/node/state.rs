@@ -234,30 +234,8 @@ impl NodeState {
             NodeHealth::Failing { .. } => self.connect_error.lock().clone(),
             NodeHealth::Healthy => None,
         };
-        let tried = if admit == Admit::Trial {
-            "tried, not waited for"
-        } else {
-            "not waited for"
-        };
-        let detail = match (h, &connect_error) {
-            (NodeHealth::Failing { since, .. }, Some(e)) => format!(
-                "{}, for {:?}; {tried}",
-                // (A server's sentence ends with a full stop; this goes on.)
-                e.detail().trim_end_matches('.'),
-                now.saturating_duration_since(since),
-            ),
-            (NodeHealth::Failing { since, last, .. }, None) => format!(
-                "{} for {:?}; {tried}",
-                match last {
-                    Outcome::Refused => "refusing connections",
-                    _ => "not answering",
-                },
-                now.saturating_duration_since(since),
-            ),
-            (NodeHealth::Healthy, _) => "not waited for".to_owned(),
-        };
         let source = connect_error.as_ref().and_then(|e| e.source.clone());
-        let kind = match (h, connect_error.map(|e| e.kind())) {
+        let kind = match (h, connect_error.as_ref().map(NodeError::kind)) {
             (
                 _,
                 Some(kind @ (NodeErrorKind::Tls | NodeErrorKind::Server | NodeErrorKind::Auth)),
@@ -270,6 +248,32 @@ impl NodeState {
                 _,
             ) => NodeErrorKind::Unavailable,
             _ => NodeErrorKind::Skipped,
+        };
+        // (`Skipped` reads "not answering, not waited for" already.)
+        let skipped = kind == NodeErrorKind::Skipped;
+        let tried = match (admit == Admit::Trial, skipped) {
+            (true, true) => "; tried",
+            (false, true) => "",
+            (true, false) => "; tried, not waited for",
+            (false, false) => "; not waited for",
+        };
+        let detail = match (h, &connect_error) {
+            (NodeHealth::Failing { since, .. }, Some(e)) => format!(
+                "{}, for {:?}{tried}",
+                // (A server's sentence ends with a full stop; this goes on.)
+                e.detail().trim_end_matches('.'),
+                now.saturating_duration_since(since),
+            ),
+            (NodeHealth::Failing { since, last, .. }, None) => format!(
+                "{}for {:?}{tried}",
+                match last {
+                    Outcome::Refused => "refusing connections ",
+                    _ if skipped => "",
+                    _ => "not answering ",
+                },
+                now.saturating_duration_since(since),
+            ),
+            (NodeHealth::Healthy, _) => String::new(),
         };
         NodeError::new(&self.name, kind, detail).caused_by(source)
     }
@@ -430,5 +434,28 @@ mod held_tests {
         assert_eq!(count.0.load(Ordering::SeqCst), 1);
         node.observe(Outcome::Answered);
         assert_eq!(count.0.load(Ordering::SeqCst), 2, "none held: at once");
+    }
+
+    /// A node the round did not wait for is told once, not as "n0 not
+    /// answering, not waited for (not answering for 1ms; not waited for)".
+    #[test]
+    fn a_node_not_waited_for_says_so_once() {
+        let node = NodeState::for_tests();
+        node.observe(Outcome::TimedOut);
+        for admit in [Admit::Skip, Admit::Trial] {
+            let shown = node.not_waited(admit, Instant::now()).to_string();
+            for words in ["not answering", "not waited for"] {
+                assert_eq!(shown.matches(words).count(), 1, "{words:?} in {shown}");
+            }
+            assert!(shown.contains(" for "), "how long: {shown}");
+        }
+        *node.connect_error.lock() = Some(NodeError::new(
+            "n0",
+            NodeErrorKind::Timeout,
+            "connect timed out",
+        ));
+        let shown = node.not_waited(Admit::Skip, Instant::now()).to_string();
+        assert_eq!(shown.matches("not waited for").count(), 1, "{shown}");
+        assert!(shown.contains("connect timed out"), "{shown}");
     }
 }
