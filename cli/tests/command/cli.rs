@@ -1414,10 +1414,27 @@ fn a_short_ttl_run_keeps_its_command() {
     let c = shared();
     let dir = Scratch::new("cli-short-ttl");
     for ttl in ["100ms", "200ms"] {
-        let key = unique_key("cli-short-ttl");
-        let cmd = run_cmd(&c, &dir, ttl, &key, &["--ttl", ttl], "sleep 1; exit 5");
-        let (code, stderr) = finish(cmd, &dir, ttl);
-        assert_eq!(code, 5, "--ttl {ttl}: stderr:\n{stderr}");
+        // A lease this short can really lapse on a loaded machine (a renewal
+        // round slower than the TTL: "lost: expired", exit 70; seen in CI at
+        // load 14). That is not the defect: a command killed by the watcher
+        // is. So: up to three runs, each kept or really lost, one kept.
+        let mut kept = false;
+        for run in 0..3 {
+            let name = format!("{ttl}-{run}");
+            let key = unique_key("cli-short-ttl");
+            let cmd = run_cmd(&c, &dir, &name, &key, &["--ttl", ttl], "sleep 1; exit 5");
+            let (code, stderr) = finish(cmd, &dir, &name);
+            let lost = code == EX_SOFTWARE && stderr.contains("lost: expired");
+            assert!(
+                code == 5 || lost,
+                "--ttl {ttl}: exit {code}, stderr:\n{stderr}"
+            );
+            if code == 5 {
+                kept = true;
+                break;
+            }
+        }
+        assert!(kept, "--ttl {ttl}: lost in each of three runs");
     }
 }
 
