@@ -49,6 +49,12 @@ pub(crate) trait Watch: Send {
     /// try found free cannot be what it waits for. A wait for one key
     /// always listens.
     fn listen_to(&mut self, keys: &[bool]);
+    /// After [`wait`](Self::wait) said a wake-up came: whether every
+    /// wake-up since the mark was a release's copy that made its majority
+    /// after a try began (the try before it read the owners before that
+    /// release freed the key on a majority: meeting the same owners said
+    /// nothing of its message).
+    fn again(&self) -> bool;
 }
 
 /// Access to the N nodes.

@@ -350,7 +350,8 @@ fn read_frames(sh: &Shared, i: usize, l: &mut Subscriber, ready: PollFlags) -> i
 }
 
 /// A message on a key's channel from node `node`: a notice not heard
-/// lately wakes its waiters (see [`super::Notices::heard`]).
+/// lately wakes its waiters, and so does the copy that completes its
+/// majority after a waiter began a try (see [`super::Notices::heard`]).
 fn message(sh: &Shared, node: usize, items: &[Value]) {
     let Some(key) = word(items, 1)
         .strip_prefix(FREED_PREFIX.as_bytes())
@@ -365,11 +366,10 @@ fn message(sh: &Shared, node: usize, items: &[Value]) {
     // A forged message's notice is kept short.
     let notice = word(items, 2);
     let notice = &notice[..notice.len().min(64)];
-    if c.recent
-        .heard(notice.to_vec(), node, Instant::now(), sh.nodes)
-    {
-        log::trace!("lock {key:?}: release message read; waking its waiters");
-        c.wake();
+    let heard = c.recent.heard(notice.to_vec(), node, sh.nodes);
+    if heard != super::Heard::Nothing {
+        log::trace!("lock {key:?}: release message read ({heard:?}); waking its waiters");
+        c.wake(heard);
         st.any.notify_all();
     }
 }

@@ -130,3 +130,88 @@ fn an_answer_owed_to_nothing_makes_the_connection_anew() {
     let (sh, mut l, mut server) = linked();
     assert!(!feed(&sh, &mut l, &mut server, b"+PONG\r\n"));
 }
+
+/// A release whose first copy (node 0's) woke a waiter that then began a try before
+/// the release reached a majority: the try met the key held on nodes 1 and 2, so the
+/// copy that completes the majority wakes it again, however soon it comes. (Seen under
+/// load: the releaser's round reached nodes 1 and 2 a few milliseconds after node 0,
+/// the woken try read them in between, and the waiter slept its whole fallback, 1 s.)
+/// A copy that completes the majority before any try began wakes nobody again. The
+/// waits tell a wake-up by such a majority from a first copy's (`Watch::again`).
+#[test]
+fn a_copy_that_completes_the_majority_after_a_try_began_wakes_again() {
+    use std::sync::Arc;
+
+    use crate::lock::transport::Watch;
+
+    let mut st = St {
+        up: vec![true; 3],
+        tried: vec![true; 3],
+        ..St::default()
+    };
+    st.chans.insert("k".into(), Chan::new(3, 1));
+    let (_, tx) = UnixStream::pair().expect("pair");
+    let sh = Arc::new(Shared {
+        st: Mutex::new(st),
+        wake: tx,
+        stop: AtomicBool::new(false),
+        nodes: 3,
+    });
+    let msg = |n: &str| {
+        [b"message".as_slice(), b"quorumlock:free:k", n.as_bytes()]
+            .map(|w| redis::Value::BulkString(w.to_vec()))
+    };
+    let now = Instant::now;
+    let single = |sh: &Arc<Shared>| super::super::Waiting {
+        shared: sh.clone(),
+        cv: sh.st.lock().chans["k"].cv.clone(),
+        resource: "k".into(),
+        seen: 0,
+        again: 0,
+    };
+    let (mut w, mut set) = (
+        single(&sh),
+        super::super::WaitingAll {
+            parts: vec![single(&sh)],
+            any: sh.st.lock().any.clone(),
+            listen: vec![true],
+        },
+    );
+    w.mark();
+    set.mark();
+    // Release 7 reaches node 0: the waiters are woken, and try.
+    super::message(&sh, 0, &msg("7"));
+    assert!(w.wait(now()) && set.wait(now()), "the first copy");
+    assert!(
+        !w.again() && !set.again(),
+        "a first copy is no majority after a try"
+    );
+    w.mark();
+    set.mark();
+    // Node 1 runs it a millisecond later: the key is free on a majority only now.
+    super::message(&sh, 1, &msg("7"));
+    assert!(
+        w.wait(now()),
+        "the copy that completes the majority, after the try"
+    );
+    assert!(set.wait(now()), "the same, for a lock of several");
+    assert!(
+        w.again() && set.again(),
+        "woken by the majority after the try"
+    );
+    w.mark();
+    set.mark();
+    super::message(&sh, 2, &msg("7"));
+    assert!(!w.wait(now()) && !set.wait(now()), "past the majority");
+    // Release 9: every copy comes before the woken try begins.
+    for node in 0..3 {
+        super::message(&sh, node, &msg("9"));
+    }
+    assert!(w.wait(now()) && !w.again());
+    w.mark();
+    set.mark();
+    assert!(
+        !w.wait(now()) && !set.wait(now()),
+        "one wake-up for release 9"
+    );
+}

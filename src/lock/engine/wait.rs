@@ -29,7 +29,8 @@ const QUICK_RETRIES: u32 = 2;
 /// at once by an owner with as much time left, within a round's time (under
 /// hot contention two in a row were seen, and the waiter missed the next
 /// release by a retry pause); a stream of forged messages costs a waiter at
-/// most three rounds per fallback pause.
+/// most three rounds per fallback pause (five where each notice's copies
+/// make a majority after the retry it woke: see [`Watch::again`]).
 const SAME_OWNERS: u32 = 3;
 
 /// Wake-ups lost after which a woken waiter tries at once (see
@@ -507,6 +508,13 @@ impl<'a> Waiter<'a> {
         } else {
             w.wait(after(clock.now(), pause))
         };
+        if self.woken && w.again() {
+            // Woken by a release's copy that made its majority after the
+            // last try began: that try read the owners before the release
+            // freed the key (a loaded machine, or nodes back from an
+            // outage), and met them again for no fault of the message.
+            self.same = self.same.saturating_sub(1);
+        }
         self.quiet &= !self.woken;
         // Woken, or at the owners' expiry: every waiter would try at once.
         let together = self.together();

@@ -2,10 +2,12 @@
 //! one key (see [`crate::testing::sim::wakeups`]), and their counts.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 
 use parking_lot::Mutex;
+
+use crate::driver::notify::Heard;
 
 use crate::clock::Signal;
 
@@ -18,13 +20,20 @@ pub(crate) struct SimChan {
     pub(crate) also: Mutex<Vec<std::sync::Weak<Signal>>>,
     /// The last notices delivered (a release's copies wake once).
     recent: Mutex<crate::driver::notify::Notices<u64>>,
+    /// Wake-ups by a notice's majority after a try began (see
+    /// [`Heard::Majority`]).
+    pub(crate) again: AtomicU64,
 }
 
 impl SimChan {
-    /// A message from node `node` of `nodes` arrives at `at`: whether it
-    /// woke the waiters (see [`Notices::heard`](crate::driver::notify::Notices::heard)).
-    pub(crate) fn deliver(&self, notice: u64, (node, nodes): (usize, usize), at: Instant) -> bool {
-        let new = self.recent.lock().heard(notice, node, at, nodes);
+    /// A message from node `node` of `nodes` arrives: whether it woke the
+    /// waiters (see [`Notices::heard`](crate::driver::notify::Notices::heard)).
+    pub(crate) fn deliver(&self, notice: u64, (node, nodes): (usize, usize)) -> bool {
+        let heard = self.recent.lock().heard(notice, node, nodes);
+        let new = heard != Heard::Nothing;
+        if heard == Heard::Majority {
+            self.again.fetch_add(1, Ordering::SeqCst);
+        }
         if new {
             self.signal.notify();
             self.wake_sets();
@@ -41,6 +50,12 @@ impl SimChan {
             }
             None => false,
         });
+    }
+
+    /// A waiter of the key begins a try (see
+    /// [`Notices::tried`](crate::driver::notify::Notices::tried)).
+    pub(crate) fn tried(&self) {
+        self.recent.lock().tried();
     }
 
     /// This client's own release's `notice`: none of its messages wakes.

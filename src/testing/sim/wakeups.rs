@@ -7,6 +7,7 @@
 //! wait (`check_wait`) bound the waits.
 
 use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -122,6 +123,7 @@ impl Watches {
             chan,
             sched: sched.clone(),
             seen: 0,
+            again: 0,
         }))
     }
 
@@ -134,21 +136,25 @@ impl Watches {
     ) -> Option<Box<dyn Watch>> {
         let signal = Arc::new(crate::clock::Signal::default());
         let mut parts = Vec::with_capacity(resources.len());
+        let mut chans = Vec::with_capacity(resources.len());
         for r in resources {
             // (Subscribed as a lone waiter would be; its watch is dropped.)
             let _ = self.watch(sched, r, false)?;
             let part = Arc::new(crate::clock::Signal::default());
-            if let Some(c) = self.chans.lock().get(*r) {
+            let c = self.chans.lock().get(*r).cloned()?;
+            {
                 let mut also = c.also.lock();
                 also.retain(|s| s.strong_count() > 0);
                 also.push(Arc::downgrade(&signal));
                 also.push(Arc::downgrade(&part));
             }
+            chans.push((c, 0));
             parts.push((part, 0, true));
         }
         Some(Box::new(SimWatchAll {
             signal,
             parts,
+            chans,
             sched: sched.clone(),
         }))
     }
@@ -187,11 +193,15 @@ struct SimWatch {
     chan: Arc<SimChan>,
     sched: Arc<Sched>,
     seen: u64,
+    /// The channel's wake-ups by a majority after a try, at the mark.
+    again: u64,
 }
 
 impl Watch for SimWatch {
     fn mark(&mut self) {
+        self.chan.tried();
         self.seen = self.chan.signal.seen();
+        self.again = self.chan.again.load(Ordering::SeqCst);
     }
 
     fn wait(&self, until: Instant) -> bool {
@@ -201,6 +211,17 @@ impl Watch for SimWatch {
     }
 
     fn listen_to(&mut self, _keys: &[bool]) {}
+
+    fn again(&self) -> bool {
+        let now = self.chan.signal.seen();
+        now != self.seen
+            && now.wrapping_sub(self.seen)
+                == self
+                    .chan
+                    .again
+                    .load(Ordering::SeqCst)
+                    .wrapping_sub(self.again)
+    }
 }
 
 /// A wait for any of several keys: its own signal, which each key's
@@ -209,6 +230,9 @@ impl Watch for SimWatch {
 struct SimWatchAll {
     signal: Arc<crate::clock::Signal>,
     parts: Vec<(Arc<crate::clock::Signal>, u64, bool)>,
+    /// The keys' channels (a try begun is told to each), in the order of
+    /// `parts`, with their wake-ups by a majority after a try at the mark.
+    chans: Vec<(Arc<SimChan>, u64)>,
     sched: Arc<Sched>,
 }
 
@@ -222,6 +246,10 @@ impl SimWatchAll {
 
 impl Watch for SimWatchAll {
     fn mark(&mut self) {
+        for (c, again) in &mut self.chans {
+            c.tried();
+            *again = c.again.load(Ordering::SeqCst);
+        }
         for (s, seen, _) in &mut self.parts {
             *seen = s.seen();
         }
@@ -247,5 +275,18 @@ impl Watch for SimWatchAll {
                 *l = *k;
             }
         }
+    }
+
+    fn again(&self) -> bool {
+        let mut woken = self
+            .parts
+            .iter()
+            .zip(&self.chans)
+            .filter(|((s, seen, l), _)| *l && s.seen() != *seen)
+            .peekable();
+        woken.peek().is_some()
+            && woken.all(|((s, seen, _), (c, again))| {
+                s.seen().wrapping_sub(*seen) == c.again.load(Ordering::SeqCst).wrapping_sub(*again)
+            })
     }
 }

@@ -255,8 +255,7 @@ impl World {
                 Event::ConnState(inbox, v) => inbox.push(v),
                 Event::Reset(inbox) => inbox.close(),
                 Event::Notify(chan, notice, node) => {
-                    let (nodes, at) = (self.nodes.len(), self.instant(at));
-                    if chan.deliver(notice, (node, nodes), at) {
+                    if chan.deliver(notice, (node, self.nodes.len())) {
                         self.wakes.woken += 1;
                     }
                 }
