@@ -133,16 +133,7 @@ impl fmt::Display for Error {
                     "no quorum: {agreed} {} agreed, {quorum} needed",
                     plural(*agreed)
                 )?;
-                // Failures, then nodes that answered but whose votes do not
-                // count, then nodes the round ended without (not failures).
-                let failed = failures.iter().filter(|e| e.kind.is_failure());
-                let uncounted = failures.iter().filter(|e| e.kind.is_uncounted());
-                let unawaited = failures
-                    .iter()
-                    .filter(|e| e.kind == NodeErrorKind::NotAwaited);
-                list(f, "failed", failed, ToString::to_string)?;
-                list(f, "not counted", uncounted, ToString::to_string)?;
-                list(f, "not awaited", unawaited, |e| e.node.clone())
+                groups(f, failures.iter())
             }
             Error::ValidityExhausted { elapsed, ttl } => write!(
                 f,
@@ -163,22 +154,40 @@ impl fmt::Display for Error {
                 quorum,
                 failures,
             } => {
-                let refused: Vec<String> = failures
-                    .iter()
-                    .filter(|e| e.kind == NodeErrorKind::ScriptsRefused)
-                    .map(ToString::to_string)
-                    .collect();
+                let refused = |e: &&NodeError| e.kind == NodeErrorKind::ScriptsRefused;
+                let n = failures.iter().filter(refused).count();
                 write!(
                     f,
-                    "scripts refused: {} of {nodes} nodes refused the lock's Lua scripts or a command they run, and a lock needs {quorum} ({}); \
+                    "scripts refused: {n} of {nodes} {} refused the lock's Lua scripts or a command they run, and a lock needs {quorum}; \
                      allow the client's user +eval +evalsha +script|load and the commands of the crate docs' minimal ACL \
                      (read locks: the sorted-set ones), on servers with Lua",
-                    refused.len(),
-                    refused.join("; ")
-                )
+                    plural(*nodes)
+                )?;
+                // The refusals, then the rest as `NoQuorum` lists them.
+                list(
+                    f,
+                    "refused",
+                    failures.iter().filter(refused),
+                    ToString::to_string,
+                )?;
+                groups(f, failures.iter().filter(|e| !refused(e)))
             }
         }
     }
+}
+
+/// `failures` in groups: failures, then nodes that answered but whose votes
+/// do not count, then nodes the round ended without (not failures).
+fn groups<'a>(
+    f: &mut fmt::Formatter<'_>,
+    failures: impl Iterator<Item = &'a NodeError> + Clone,
+) -> fmt::Result {
+    let failed = failures.clone().filter(|e| e.kind.is_failure());
+    let uncounted = failures.clone().filter(|e| e.kind.is_uncounted());
+    let unawaited = failures.filter(|e| e.kind == NodeErrorKind::NotAwaited);
+    list(f, "failed", failed, ToString::to_string)?;
+    list(f, "not counted", uncounted, ToString::to_string)?;
+    list(f, "not awaited", unawaited, |e| e.node.clone())
 }
 
 /// `node` or `nodes`, for a count of `n`.
