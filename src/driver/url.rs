@@ -216,7 +216,7 @@ fn redact_text(url: &str) -> String {
                 .chars()
                 .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c)) =>
         {
-            (Some(scheme), rest)
+            (scheme, rest)
         }
         // No scheme: a `host:port` that forgot its `redis://`, shown; or a
         // piece of a password with commas (`redis://u:123,s3cret,x@h:1`
@@ -237,7 +237,7 @@ fn redact_text(url: &str) -> String {
             _ => return "***".to_owned(),
         },
     };
-    let mut out = scheme.map_or_else(String::new, |s| format!("{s}://"));
+    let mut out = format!("{scheme}://");
     let server = match rest.rfind('@') {
         Some(at) => {
             match rest[..at].split_once(':') {
